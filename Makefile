@@ -1,0 +1,35 @@
+# Two entry points (see README): `make serve` and `make test`. Each sets up what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+PORT ?= 30000
+
+.PHONY: serve test bench setup clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build,
+# while this version is the CPU wheel the machines have locally.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenpipe serve --port $(PORT) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/output_path.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,71 @@
+"""The detokenizer process: turns each ``BatchTokenIDOutput`` into a ``BatchStrOutput``
+(columns and ``request_stats`` passed through untouched) and forwards embedding frames
+as they came."""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from pipeline.config import ServerConfig
+from pipeline.io_struct import (
+    REQ_ID_DTYPE,
+    BatchEmbeddingOutput,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    DetokenizerInput,
+    from_column,
+    split_token_rows,
+)
+from pipeline.process_util import ShutdownFlag, report_ready
+from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
+from pipeline.tokenizer_loader import load_tokenizer
+from detokenizer_proc.incremental import IncrementalDetokenizer
+
+logger = logging.getLogger("tokenpipe.detokenizer")
+
+
+def detokenize_frame(detok: IncrementalDetokenizer, frame: BatchTokenIDOutput) -> BatchStrOutput:
+    req_ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
+    rows = split_token_rows(frame.output_ids, frame.output_counts)
+    if len(rows) != len(req_ids):
+        raise ValueError(f"frame has {len(req_ids)} req_ids but {len(rows)} token rows")
+    deltas = detok.process(req_ids, rows, frame.finished_reasons, frame.decode_options)
+    return BatchStrOutput(
+        req_ids=frame.req_ids,
+        text_deltas=deltas,
+        output_ids=frame.output_ids,
+        output_counts=frame.output_counts,
+        completion_tokens=frame.completion_tokens,
+        finished_reasons=frame.finished_reasons,
+        request_stats=frame.request_stats,
+    )
+
+
+def run_detokenizer(config: ServerConfig) -> None:
+    shutdown = ShutdownFlag.install()
+    tokenizer = load_tokenizer(config.model_path)
+    detok = IncrementalDetokenizer(tokenizer.tokenizer)
+    ctx = zmq.Context()
+    inbox = bind_pull(ctx, config.detokenizer_input)
+    outbox = connect_push(ctx, config.tokenizer_input)
+    decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(DetokenizerInput, logger, "detokenizer input")
+    encoder = make_encoder()
+    report_ready(ctx, config, "detokenizer")
+
+    while not shutdown.is_set():
+        if not inbox.poll(200):
+            continue
+        frame = inbox.recv(copy=False)
+        msg = decoder.decode(frame.buffer)
+        if isinstance(msg, BatchEmbeddingOutput):
+            outbox.send(frame, copy=False)
+        elif isinstance(msg, BatchTokenIDOutput):
+            try:
+                out = detokenize_frame(detok, msg)
+            except ValueError as exc:
+                logger.warning("dropped an inconsistent token frame: %s", exc)
+                continue
+            outbox.send(encoder.encode(out), copy=False)
+    ctx.destroy(linger=0)

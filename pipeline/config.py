@@ -1,0 +1,150 @@
+"""The one typed configuration object every process receives.
+
+Command-line flags and the ``OTEL_*`` variables are read here, once, into a
+``ServerConfig``; nothing deeper in the code reads ``os.environ`` or ``argv``. The
+supervisor hands each child the same object as JSON (``--config-json``), so the three
+processes can never disagree about a setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Literal
+
+import msgspec
+
+Mode = Literal["generate", "embedding", "dllm"]
+
+
+class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # Model
+    model_path: str | None = None
+    served_model_name: str | None = None
+    model_seed: int = 0
+    device: str = "auto"
+    torch_threads: int | None = None  # None: all cores but two (the other processes need them)
+    mode: Mode = "generate"
+    context_length: int | None = None  # None: the model's max_position_embeddings
+
+    # Scheduler
+    max_total_tokens: int = 32768
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 512
+    stream_interval: int = 1
+    max_new_tokens_limit: int = 4096
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    graceful_timeout: float = 30.0
+    health_generate_timeout: float = 20.0
+
+    # Observability
+    enable_metrics: bool = True
+    otlp_traces_endpoint: str | None = None
+    otlp_traces_protocol: str = "http/protobuf"
+    log_level: str = "info"
+
+    # Sockets (the PULL side of each binds)
+    scheduler_input: str = ""
+    detokenizer_input: str = ""
+    tokenizer_input: str = ""
+    ready_endpoint: str | None = None
+
+    def encode(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def decode(cls, text: str) -> "ServerConfig":
+        return msgspec.json.decode(text, type=cls)
+
+    def validate(self) -> None:
+        problems = []
+        if self.max_total_tokens < 16:
+            problems.append("--max-total-tokens must be at least 16")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            problems.append("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if self.stream_interval < 1:
+            problems.append("--stream-interval must be at least 1")
+        if self.max_running_requests < 1:
+            problems.append("--max-running-requests must be at least 1")
+        if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
+            problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool) -> None:
+    d = ServerConfig()
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-path", default=d.model_path, help="local Hugging Face-style model directory")
+    g.add_argument("--served-model-name", default=d.served_model_name)
+    g.add_argument("--model-seed", type=int, default=d.model_seed, help="seed of the built-in model's weights")
+    g.add_argument("--device", default=d.device, help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+    g.add_argument("--torch-threads", type=int, default=d.torch_threads, help="CPU threads for the model (default: cores - 2, at least 1)")
+    g.add_argument("--mode", choices=["generate", "embedding", "dllm"], default=d.mode)
+    g.add_argument("--context-length", type=int, default=d.context_length)
+
+    g = parser.add_argument_group("scheduler")
+    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool capacity in tokens")
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunking")
+    g.add_argument("--stream-interval", type=int, default=d.stream_interval)
+    g.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+
+    g = parser.add_argument_group("http")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=d.api_key)
+    g.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout)
+    g.add_argument("--health-generate-timeout", type=float, default=d.health_generate_timeout)
+
+    g = parser.add_argument_group("observability")
+    g.add_argument("--disable-metrics", action="store_true")
+    g.add_argument("--otlp-traces-endpoint", default=None)
+    g.add_argument("--log-level", default=d.log_level)
+
+    g = parser.add_argument_group("sockets")
+    g.add_argument("--scheduler-input", required=endpoints_required, default=None, help="ipc:// or tcp:// endpoint")
+    g.add_argument("--detokenizer-input", required=endpoints_required, default=None)
+    g.add_argument("--tokenizer-input", required=endpoints_required, default=None)
+    g.add_argument("--ready-endpoint", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str] = os.environ) -> ServerConfig:
+    if args.config_json:
+        config = ServerConfig.decode(args.config_json)
+        config.validate()
+        return config
+    config = ServerConfig(
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        model_seed=args.model_seed,
+        device=args.device,
+        torch_threads=args.torch_threads,
+        mode=args.mode,
+        context_length=args.context_length,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        stream_interval=args.stream_interval,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        graceful_timeout=args.graceful_timeout,
+        health_generate_timeout=args.health_generate_timeout,
+        enable_metrics=not args.disable_metrics,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        otlp_traces_protocol=environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+        log_level=args.log_level,
+        scheduler_input=args.scheduler_input or "",
+        detokenizer_input=args.detokenizer_input or "",
+        tokenizer_input=args.tokenizer_input or "",
+        ready_endpoint=args.ready_endpoint,
+    )
+    config.validate()
+    return config

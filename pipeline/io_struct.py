@@ -1,0 +1,245 @@
+"""Every type that crosses a ZeroMQ socket, in one module.
+
+Field order is the wire contract: the structs are ``array_like`` (a frame is a msgpack
+array, not a map), so new fields are appended last with a default. Output frames are
+columnar: per-row numbers travel as little-endian ``bytes`` columns (see ``ColumnDtype``),
+so one decode step of 512 rows costs a handful of buffers, not 512 small objects.
+
+Per-request values that change only at a few points of a request's life travel together
+in one ``RequestOutputStats``, on the rows that need it (SPEC section 3); there are no
+per-row lists of them anywhere in this module.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+import numpy as np
+
+# --- columns ---------------------------------------------------------------------------
+
+REQ_ID_DTYPE = np.dtype("<i8")
+TOKEN_DTYPE = np.dtype("<i4")
+COUNT_DTYPE = np.dtype("<i4")
+EMBEDDING_DTYPE = np.dtype("<f4")
+
+
+def to_column(values: np.ndarray | list[int], dtype: np.dtype) -> bytes:
+    """Pack a 1-D sequence into a wire column."""
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def from_column(column: bytes, dtype: np.dtype) -> np.ndarray:
+    """View a wire column as an array (zero copy; read-only)."""
+    return np.frombuffer(column, dtype=dtype)
+
+
+def split_token_rows(output_ids: bytes, output_counts: bytes) -> list[list[int]]:
+    """The flat token column cut into one list per row; ValueError when the columns
+    disagree (a frame from a buggy or hostile peer must not index out of range)."""
+    tokens = from_column(output_ids, TOKEN_DTYPE)
+    counts = from_column(output_counts, COUNT_DTYPE)
+    if len(counts) and (counts.min() < 0 or int(counts.sum()) != len(tokens)):
+        raise ValueError(f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens")
+    if len(counts) == len(tokens):  # the steady decode step: one token per row
+        return [[t] for t in tokens.tolist()]
+    return [part.tolist() for part in np.split(tokens, np.cumsum(counts)[:-1])]
+
+
+# --- request side ----------------------------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k cut
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stream_interval: int | None = None  # None: the server's --stream-interval
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+MediaKind = Literal["image", "audio", "video"]
+
+
+class MediaItem(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    kind: MediaKind
+    num_tokens: int
+
+
+class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """W3C trace context of the incoming HTTP request."""
+
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
+class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True, gc=False):
+    rid: str
+    req_id: int
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool
+    arrival_time: float
+    media: tuple[MediaItem, ...] = ()
+    trace: TraceContext | None = None
+    # PD decode: where to fetch the prefill side's KV from.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+class TokenizedEmbeddingReqInput(msgspec.Struct, tag="emb", array_like=True, omit_defaults=True, gc=False):
+    rid: str
+    req_id: int
+    input_ids: list[int]
+    arrival_time: float
+    media: tuple[MediaItem, ...] = ()
+    trace: TraceContext | None = None
+
+
+class AbortReq(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):
+    req_id: int | None = None
+    abort_all: bool = False
+    reason: str = "aborted by client"
+
+
+SchedulerInput = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq]
+
+
+# --- finish reasons --------------------------------------------------------------------
+
+
+class FinishStop(msgspec.Struct, tag="stop", array_like=True, gc=False, frozen=True):
+    matched: int | str
+
+
+class FinishLength(msgspec.Struct, tag="length", array_like=True, gc=False, frozen=True):
+    length: int
+
+
+class FinishAbort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen=True):
+    message: str
+    status_code: int = 400
+
+
+FinishReason = Union[FinishStop, FinishLength, FinishAbort]
+
+
+def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
+    """The SPEC's edge form: ``{"type": "stop", "matched": ...}`` and so on."""
+    out: dict[str, object] = {"type": type(reason).__struct_config__.tag}
+    for field in reason.__struct_fields__:
+        out[field] = getattr(reason, field)
+    return out
+
+
+# --- per-request stats -----------------------------------------------------------------
+
+
+class SchedulerTimeStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Wall-clock seconds (``time.time()``) and durations recorded by the scheduler."""
+
+    wait_queue_entry_time: float | None = None
+    forward_entry_time: float | None = None
+    prefill_finished_time: float | None = None
+    completion_time: float | None = None
+    queue_time: float = 0.0  # summed over every stay in the waiting queue
+    storage_prefetch_wait: float = 0.0
+    bootstrap_done_time: float | None = None
+    decode_prebuilt_finish_time: float | None = None
+
+
+class CachedTokensDetails(msgspec.Struct, omit_defaults=True, gc=False, frozen=True):
+    """A map on the wire on purpose: it is shown to users as-is, and the storage keys
+    appear only while HiCache storage is attached."""
+
+    device: int = 0
+    host: int = 0
+    storage: int | None = None
+    storage_backend: str | None = None
+
+
+class RequestOutputStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Frozen: a ``Req`` replaces its stats through one setter, so a sent object never
+    changes under a consumer that still holds it."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_details: CachedTokensDetails | None = None
+    num_retractions: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
+    video_tokens: int = 0
+    time_stats: SchedulerTimeStats | None = None
+
+
+# --- output side -----------------------------------------------------------------------
+
+
+class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
+    """Scheduler -> detokenizer. Columns: req_ids (REQ_ID_DTYPE), output_ids (flat
+    TOKEN_DTYPE), output_counts (COUNT_DTYPE, tokens per row), completion_tokens
+    (COUNT_DTYPE, cumulative through the stop)."""
+
+    req_ids: bytes
+    output_ids: bytes
+    output_counts: bytes
+    completion_tokens: bytes
+    finished_reasons: list[FinishReason | None] | None = None
+    request_stats: list[RequestOutputStats | None] | None = None
+    # Per-row flags the detokenizer needs on a request's first row only.
+    decode_options: list[DecodeOptions | None] | None = None
+
+
+class DecodeOptions(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """What the detokenizer needs to know about a request; sent on its first row."""
+
+    skip_special_tokens: bool = True
+    stop: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    stream: bool = True
+
+
+class BatchStrOutput(msgspec.Struct, tag="str", array_like=True, gc=False):
+    """Detokenizer -> tokenizer manager. Same columns as ``BatchTokenIDOutput`` plus
+    the text delta of each row; ``request_stats`` passes through unchanged."""
+
+    req_ids: bytes
+    text_deltas: list[str]
+    output_ids: bytes
+    output_counts: bytes
+    completion_tokens: bytes
+    finished_reasons: list[FinishReason | None] | None = None
+    request_stats: list[RequestOutputStats | None] | None = None
+
+
+class BatchEmbeddingOutput(msgspec.Struct, tag="emb_out", array_like=True, gc=False):
+    """Scheduler -> tokenizer manager (through the detokenizer). Every row is finished,
+    so every row carries stats."""
+
+    req_ids: bytes
+    embeddings: bytes  # float32 matrix, row-major
+    shape: tuple[int, int]
+    request_stats: list[RequestOutputStats]
+    finished_reasons: list[FinishReason | None] | None = None
+
+
+DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput]
+TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput]
+
+
+# --- control ---------------------------------------------------------------------------
+
+
+class ProcessReady(msgspec.Struct, tag="ready", array_like=True, gc=False):
+    """A child tells the supervisor it is serving."""
+
+    name: str
+    pid: int

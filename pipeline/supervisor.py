@@ -1,0 +1,161 @@
+"""``tokenpipe serve``: starts the three processes, waits until each reports ready, and keeps
+the service whole.
+
+- Any child exiting stops the others and the supervisor exits non-zero, with a log line
+  naming the child and its exit code: the service is never left half alive.
+- SIGTERM/SIGINT: the API process is asked to stop first (uvicorn stops accepting and lets
+  in-flight requests finish, bounded by --graceful-timeout), then the scheduler and the
+  detokenizer; the supervisor exits 0.
+- Children run in their own process group (a terminal's Ctrl-C reaches only the
+  supervisor, which then shuts down in order) and die with it if it is killed (PDEATHSIG).
+  The private ipc directory is removed on every exit path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import zmq
+
+from pipeline.config import ServerConfig
+from pipeline.io_struct import ProcessReady
+from pipeline.process_util import die_with_parent
+from pipeline.sockets import FrameDecoder, PrivateIpcDir, bind_pull
+
+logger = logging.getLogger("tokenpipe.supervisor")
+
+CHILDREN = ("scheduler", "detokenizer", "api")
+_STARTUP_TIMEOUT = 600.0
+_STOP_TIMEOUT = 3.0
+
+
+class Supervisor:
+    def __init__(self, config: ServerConfig) -> None:
+        self.ipc = PrivateIpcDir()
+        self.config = msgspec.structs.replace(
+            config,
+            scheduler_input=config.scheduler_input or self.ipc.endpoint("scheduler"),
+            detokenizer_input=config.detokenizer_input or self.ipc.endpoint("detokenizer"),
+            tokenizer_input=config.tokenizer_input or self.ipc.endpoint("tokenizer"),
+            ready_endpoint=self.ipc.endpoint("ready"),
+        )
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        # A plain flag: setting a threading.Event from a signal handler can deadlock.
+        self._stopping = False
+
+    def run(self) -> int:
+        started = time.monotonic()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        ctx = zmq.Context()
+        try:
+            ready = bind_pull(ctx, self.config.ready_endpoint or "")
+            self._spawn_all()
+            failed = self._wait_ready(ready)
+            if failed is not None:
+                return failed
+            self._announce(time.monotonic() - started)
+            while not self._stopping:
+                dead = self._first_exited()
+                if dead is not None:
+                    return self._fail(*dead)
+                time.sleep(0.1)
+            logger.info("shutting down: letting in-flight requests finish (up to %.0f s)", self.config.graceful_timeout)
+            self._stop_child("api", self.config.graceful_timeout + _STOP_TIMEOUT)
+            for name in ("scheduler", "detokenizer"):
+                self._stop_child(name, _STOP_TIMEOUT)
+            logger.info("stopped")
+            return 0
+        finally:
+            self._kill_all()
+            ctx.destroy(linger=0)
+            self.ipc.close()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._stopping = True
+
+    def _spawn_all(self) -> None:
+        config_json = self.config.encode()
+        for name in CHILDREN:
+            self.children[name] = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", name, "--config-json", config_json],
+                process_group=0,
+                preexec_fn=die_with_parent,
+            )
+
+    def _wait_ready(self, sock: zmq.Socket) -> int | None:  # type: ignore[type-arg]
+        decoder: FrameDecoder[ProcessReady] = FrameDecoder(ProcessReady, logger, "ready")
+        pending = set(CHILDREN)
+        deadline = time.monotonic() + _STARTUP_TIMEOUT
+        while pending:
+            if self._stopping:
+                logger.info("interrupted during start-up")
+                return 0
+            dead = self._first_exited()
+            if dead is not None:
+                return self._fail(*dead)
+            if time.monotonic() > deadline:
+                logger.error("children %s did not report ready within %.0f s", sorted(pending), _STARTUP_TIMEOUT)
+                return 1
+            if sock.poll(100):
+                msg = decoder.decode(sock.recv())
+                if msg is not None:
+                    pending.discard(msg.name)
+        return None
+
+    def _announce(self, elapsed: float) -> None:
+        c = self.config
+        auth = f" -H 'Authorization: Bearer {c.api_key}'" if c.api_key else ""
+        print(
+            f"tokenpipe ready on http://{c.host}:{c.port} in {elapsed:.1f} s. Try:\n"
+            f"  curl -s http://{c.host}:{c.port}/generate{auth} -H 'Content-Type: application/json' "
+            "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 16, \"temperature\": 0}}'",
+            flush=True,
+        )
+
+    def _first_exited(self) -> tuple[str, int] | None:
+        for name, proc in self.children.items():
+            code = proc.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def _fail(self, name: str, code: int) -> int:
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        logger.error("child process %s (pid %d) %s; stopping the service", name, self.children[name].pid, how)
+        return 1
+
+    def _stop_child(self, name: str, timeout: float) -> None:
+        proc = self.children[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0f s; killing it", name, timeout)
+            proc.kill()
+            proc.wait()
+
+    def _kill_all(self) -> None:
+        """Every exit path: SIGTERM what is still alive, then SIGKILL after a short wait."""
+        alive = [p for p in self.children.values() if p.poll() is None]
+        for proc in alive:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_TIMEOUT
+        for proc in alive:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def serve(config: ServerConfig) -> int:
+    logger.info("starting tokenpipe (pid %d)", os.getpid())
+    return Supervisor(config).run()

@@ -1,0 +1,197 @@
+"""Load a tokenizer and the token ids the pipeline depends on.
+
+Every process (tokenizer manager, scheduler, detokenizer) must agree on which ids end a sequence
+and which are special, so they all go through :func:`load_tokenizer` rather than reading the
+files themselves. Only local directories are read: the servers never reach the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_TOKENIZER_DIR",
+    "MEDIA_TOKENS",
+    "LoadedTokenizer",
+    "TokenizerLoadError",
+    "load_tokenizer",
+]
+
+DEFAULT_TOKENIZER_DIR: Path = Path(__file__).resolve().parent / "assets"
+"""Where the shipped tokenizer lives (built by ``scripts/train_tokenizer.py``)."""
+
+DEFAULT_MODEL_NAME = "tokenpipe-tiny"
+
+MEDIA_TOKENS: dict[str, str] = {"image": "<|image|>", "audio": "<|audio|>", "video": "<|video|>"}
+"""Placeholder token per media kind; a tokenizer without one simply cannot take that kind."""
+
+
+class TokenizerLoadError(ValueError):
+    """A model directory cannot give a usable tokenizer.
+
+    A ``ValueError`` so that command-line parsing and config validation can report it like any
+    other bad option value.
+    """
+
+
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    """A tokenizer together with the facts about it that the pipeline keeps asking for.
+
+    Frozen because it is shared by every request of a process; nothing may change EOS ids under
+    a running request.
+    """
+
+    tokenizer: tokenizers.Tokenizer
+    eos_token_ids: frozenset[int]
+    special_token_ids: frozenset[int]
+    vocab_size: int
+    chat_template: str | None
+    media_token_ids: dict[str, int]
+    name: str
+
+    def encode(self, text: str) -> list[int]:
+        """Encode without a post-processor's BOS/EOS: prompts arrive already templated.
+
+        Special-token strings in ``text`` (such as ``<|im_start|>``) still become their ids, so
+        a rendered chat template encodes to real control tokens.
+        """
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(model_path: str | os.PathLike[str] | None) -> LoadedTokenizer:
+    """None -> the shipped default. Otherwise a local Hugging Face-style directory with
+    tokenizer.json (+ optional tokenizer_config.json, generation_config.json, config.json).
+
+    EOS ids are the union of ``tokenizer_config.json``'s ``eos_token`` and the generation
+    config's ``eos_token_id``: chat models often stop on a turn-end token that only the
+    generation config names. As in ``transformers``, ``config.json`` stands in for a missing
+    ``generation_config.json``.
+
+    Raises TokenizerLoadError (a ValueError subclass) naming the missing or bad file/field.
+    """
+    is_default = model_path is None
+    directory = DEFAULT_TOKENIZER_DIR if model_path is None else Path(model_path).expanduser()
+    if not directory.is_dir():
+        raise TokenizerLoadError(f"model path {str(directory)!r} is not a directory")
+    directory = directory.resolve()
+    is_default = is_default or directory == DEFAULT_TOKENIZER_DIR
+
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise TokenizerLoadError(f"tokenizer.json not found in {directory}")
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:  # the Rust side raises a bare Exception
+        raise TokenizerLoadError(f"{tokenizer_file}: cannot parse tokenizer.json: {exc}") from exc
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    tokenizer_config = _read_json(directory / "tokenizer_config.json")
+    generation_config = _read_json(directory / "generation_config.json")
+    if generation_config is None:
+        generation_config = _read_json(directory / "config.json")
+        generation_config_name = "config.json"
+    else:
+        generation_config_name = "generation_config.json"
+
+    eos_ids: set[int] = set()
+    if tokenizer_config is not None and tokenizer_config.get("eos_token") is not None:
+        eos_ids.add(_token_id(tokenizer, tokenizer_config, "eos_token"))
+    if generation_config is not None:
+        eos_ids.update(_id_list(generation_config, "eos_token_id", generation_config_name, vocab_size))
+    if not eos_ids:
+        raise TokenizerLoadError(
+            f"{directory}: no EOS token: set 'eos_token' in tokenizer_config.json or "
+            "'eos_token_id' in generation_config.json"
+        )
+
+    special_ids = frozenset(
+        token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special
+    )
+    media_ids = {
+        kind: token_id
+        for kind, token in MEDIA_TOKENS.items()
+        if (token_id := tokenizer.token_to_id(token)) is not None
+    }
+
+    return LoadedTokenizer(
+        tokenizer=tokenizer,
+        eos_token_ids=frozenset(eos_ids),
+        special_token_ids=special_ids,
+        vocab_size=vocab_size,
+        chat_template=_chat_template(directory, tokenizer_config),
+        media_token_ids=media_ids,
+        name=DEFAULT_MODEL_NAME if is_default else directory.name,
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """The optional files may be absent, but a present, broken one is an error, not a default."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerLoadError(f"{path}: cannot read {path.name}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path}: {path.name} must hold a JSON object")
+    return data
+
+
+def _token_id(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], field: str) -> int:
+    """Resolve a token named in tokenizer_config.json; HF writes either a string or an
+    AddedToken-style dict ``{"content": ...}``."""
+    value = config[field]
+    content = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(content, str):
+        raise TokenizerLoadError(f"tokenizer_config.json: '{field}' must be a string or {{\"content\": str}}")
+    token_id = tokenizer.token_to_id(content)
+    if token_id is None:
+        raise TokenizerLoadError(f"tokenizer_config.json: '{field}' {content!r} is not in the vocabulary")
+    return token_id
+
+
+def _id_list(config: dict[str, Any], field: str, file_name: str, vocab_size: int) -> list[int]:
+    """HF configs hold one id or a list of ids; an out-of-range id would never match, so it is
+    rejected here instead of silently never stopping."""
+    value = config.get(field)
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    for item in values:
+        # bool is an int subclass, and `true` is never a meaningful token id.
+        if not isinstance(item, int) or isinstance(item, bool) or not 0 <= item < vocab_size:
+            raise TokenizerLoadError(
+                f"{file_name}: '{field}' must be a token id or a list of token ids "
+                f"in [0, {vocab_size}), got {value!r}"
+            )
+    return values
+
+
+def _chat_template(directory: Path, tokenizer_config: dict[str, Any] | None) -> str | None:
+    """Newer HF repos put the template in chat_template.jinja, older ones in the config, some as
+    a list of named templates of which "default" is the one to use."""
+    template = tokenizer_config.get("chat_template") if tokenizer_config is not None else None
+    if isinstance(template, list):
+        named = {
+            entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)
+        }
+        template = named.get("default", next(iter(named.values()), None))
+    if template is None:
+        jinja_file = directory / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerLoadError("tokenizer_config.json: 'chat_template' must be a string")
+    return template

@@ -1,0 +1,154 @@
+"""The tensors of one batched model pass, in the layout LlamaForCausalLM.forward reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One batched 'extend' pass: each sequence b already has prefix_lens[b] tokens in the
+    KV pool and appends new_lens[b] tokens. Decode is new_lens == 1.
+
+    Invariant: kv_slot_table[b, j] is the pool slot of the token at position j of sequence
+    b, so a key's column index is its position.
+    """
+
+    input_ids: torch.Tensor  # [T] int64, the new tokens of all sequences, concatenated
+    positions: torch.Tensor  # [T] int64, absolute positions (prefix_len + i)
+    new_lens: torch.Tensor  # [B] int64
+    out_slots: torch.Tensor  # [T] int64, pool slots where the new tokens' K/V are written
+    kv_slot_table: torch.Tensor  # [B, Lmax] int64, padded with 0 (masked out)
+    kv_lens: torch.Tensor  # [B] int64, prefix_lens + new_lens
+
+    @property
+    def batch_size(self) -> int:
+        return self.new_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        new_token_ids: list[list[int]],
+        prefix_slots: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Assemble on the host, then copy each tensor to `device` once."""
+        if not (len(new_token_ids) == len(prefix_slots) == len(new_slots)):
+            raise ValueError(
+                f"ForwardBatch.build: got {len(new_token_ids)} token lists, "
+                f"{len(prefix_slots)} prefix slot tensors and {len(new_slots)} new slot tensors"
+            )
+        if not new_token_ids:
+            raise ValueError("ForwardBatch.build: empty batch")
+        new_lens = torch.tensor([len(ids) for ids in new_token_ids], dtype=torch.long)
+        prefix_lens = torch.tensor([s.numel() for s in prefix_slots], dtype=torch.long)
+        if bool((new_lens == 0).any()):
+            raise ValueError("ForwardBatch.build: every sequence needs at least one new token")
+        new_slot_lens = torch.tensor([s.numel() for s in new_slots], dtype=torch.long)
+        if not torch.equal(new_slot_lens, new_lens):
+            raise ValueError(
+                f"ForwardBatch.build: new_slots lengths {new_slot_lens.tolist()} do not match "
+                f"new token counts {new_lens.tolist()}"
+            )
+        kv_lens = prefix_lens + new_lens
+        batch_size, max_kv_len = len(new_token_ids), int(kv_lens.max())
+
+        input_ids = torch.tensor([t for ids in new_token_ids for t in ids], dtype=torch.long)
+        out_slots = _cat_cpu(new_slots)
+        # Position of new token i of sequence b is prefix_lens[b] + i, computed as a column op.
+        starts = torch.cumsum(new_lens, 0) - new_lens
+        offset = torch.repeat_interleave(prefix_lens - starts, new_lens)
+        positions = torch.arange(input_ids.numel(), dtype=torch.long) + offset
+
+        # Each row is prefix slots then new slots, left-aligned: fill through a mask so
+        # the whole table is one scatter.
+        per_seq = [t for pair in zip(prefix_slots, new_slots) for t in pair]
+        kv_slot_table = torch.zeros((batch_size, max_kv_len), dtype=torch.long)
+        valid = torch.arange(max_kv_len) < kv_lens[:, None]
+        kv_slot_table[valid] = _cat_cpu(per_seq)
+
+        return cls(
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            new_lens=new_lens.to(device),
+            out_slots=out_slots.to(device),
+            kv_slot_table=kv_slot_table.to(device),
+            kv_lens=kv_lens.to(device),
+        )
+
+
+def _cat_cpu(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).to(device="cpu", dtype=torch.long) for t in tensors])
+
+
+@dataclass
+class AttentionLayout:
+    """Per-pass view of a ForwardBatch for attention, computed once and shared by every layer.
+
+    Queries are padded to [B, Qmax] so a single SDPA call covers the batch. A padded query
+    gets position 0, so its mask row still allows key 0: an all-masked row would make SDPA
+    return NaN. Its output is dropped by unpad().
+    """
+
+    cos: torch.Tensor  # [T, 1, D] rotary rows of the new tokens, model dtype
+    sin: torch.Tensor  # [T, 1, D]
+    out_slots: torch.Tensor  # [T]
+    kv_slot_table: torch.Tensor  # [B, Lmax]
+    mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool, True = may attend
+    batch_size: int
+    max_new_len: int
+    pad_index: torch.Tensor | None  # [T] row in the flattened [B * Qmax]; None = no padding
+
+    @classmethod
+    def from_batch(
+        cls, batch: ForwardBatch, cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype
+    ) -> AttentionLayout:
+        b, t = batch.batch_size, batch.num_tokens
+        device = batch.input_ids.device
+        max_new = int(batch.new_lens.max())  # the pass's one host sync
+        if t == b * max_new:
+            # Every sequence has max_new new tokens (decode, or equal chunks): the
+            # concatenation already is the padded block.
+            pad_index = None
+            q_pos = batch.positions.view(b, max_new)
+        else:
+            seq = torch.repeat_interleave(torch.arange(b, device=device), batch.new_lens, output_size=t)
+            starts = torch.cumsum(batch.new_lens, 0) - batch.new_lens
+            pad_index = seq * max_new + (torch.arange(t, device=device) - starts[seq])
+            q_pos = torch.zeros(b * max_new, dtype=torch.long, device=device)
+            q_pos[pad_index] = batch.positions
+            q_pos = q_pos.view(b, max_new)
+        # Column j of kv_slot_table holds position j, so causality is a position compare;
+        # columns past kv_lens[b] are beyond every real query's position and drop out too.
+        key_pos = torch.arange(batch.kv_slot_table.shape[1], device=device)
+        mask = (key_pos.view(1, 1, 1, -1) <= q_pos.view(b, 1, max_new, 1))
+        return cls(
+            cos=cos_cache[batch.positions].to(dtype).unsqueeze(1),
+            sin=sin_cache[batch.positions].to(dtype).unsqueeze(1),
+            out_slots=batch.out_slots,
+            kv_slot_table=batch.kv_slot_table,
+            mask=mask,
+            batch_size=b,
+            max_new_len=max_new,
+            pad_index=pad_index,
+        )
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, Qmax, ...]"""
+        if self.pad_index is None:
+            return x.view(self.batch_size, self.max_new_len, *x.shape[1:])
+        out = x.new_zeros((self.batch_size * self.max_new_len, *x.shape[1:]))
+        out[self.pad_index] = x
+        return out.view(self.batch_size, self.max_new_len, *x.shape[1:])
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Qmax, ...] -> [T, ...]"""
+        flat = x.reshape(self.batch_size * self.max_new_len, *x.shape[2:])
+        return flat if self.pad_index is None else flat[self.pad_index]

@@ -1,0 +1,74 @@
+"""The scheduler process: receives requests and aborts, runs ``Scheduler.step()`` while
+there is work, and pushes each step's frames to the detokenizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from pipeline.config import ServerConfig
+from pipeline.io_struct import AbortReq, SchedulerInput, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput
+from pipeline.process_util import ShutdownFlag, report_ready
+from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
+from pipeline.tokenizer_loader import load_tokenizer
+from scheduler_proc.model_limits import context_length_of
+from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.stop_checker import StopChecker
+
+logger = logging.getLogger("tokenpipe.scheduler")
+
+
+def build_scheduler(config: ServerConfig) -> Scheduler:
+    tokenizer = load_tokenizer(config.model_path)
+    runner = ModelRunner(config, tokenizer.vocab_size)
+    context_length = context_length_of(config, tokenizer.vocab_size)
+    stop_checker = StopChecker(tokenizer.eos_token_ids, tokenizer.decode, context_length)
+    return Scheduler(
+        runner,
+        stop_checker,
+        context_length=context_length,
+        vocab_size=runner.model_config.vocab_size,
+        chunked_prefill_size=config.chunked_prefill_size,
+        max_running_requests=config.max_running_requests,
+        stream_interval=config.stream_interval,
+        collect_time_stats=config.enable_metrics,
+    )
+
+
+def run_scheduler(config: ServerConfig) -> None:
+    shutdown = ShutdownFlag.install()
+    scheduler = build_scheduler(config)
+    logger.info("model on %s, KV pool of %d tokens", scheduler.runner.device, scheduler.kv.capacity)
+
+    ctx = zmq.Context()
+    inbox = bind_pull(ctx, config.scheduler_input)
+    outbox = connect_push(ctx, config.detokenizer_input)
+    decoder: FrameDecoder[SchedulerInput] = FrameDecoder(SchedulerInput, logger, "scheduler input")
+    encoder = make_encoder()
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    report_ready(ctx, config, "scheduler")
+
+    while not shutdown.is_set():
+        # Block only when idle; with work in flight, take what has arrived and step.
+        if not scheduler.has_work():
+            poller.poll(200)
+        while True:
+            try:
+                frame = inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            msg = decoder.decode(frame.buffer)
+            if isinstance(msg, TokenizedGenerateReqInput):
+                scheduler.add_request(msg)
+            elif isinstance(msg, AbortReq):
+                scheduler.abort(msg)
+            elif isinstance(msg, TokenizedEmbeddingReqInput):
+                logger.warning("dropped embedding request %s: this server runs --mode %s", msg.rid, config.mode)
+        for out in scheduler.step():
+            outbox.send(encoder.encode(out), copy=False)
+    logger.info("scheduler exiting (pid %d)", os.getpid())
+    ctx.destroy(linger=0)

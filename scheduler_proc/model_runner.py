@@ -1,0 +1,59 @@
+"""Owns the model, its KV pool and the device; turns a list of (request, new tokens) into
+one batched forward pass. Nothing above this module touches torch devices."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pipeline.config import ServerConfig
+from scheduler_proc.forward_batch import ForwardBatch
+from scheduler_proc.kv_pool import KVPool
+from scheduler_proc.model import LlamaForCausalLM
+from scheduler_proc.model_limits import load_model_config
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_threads(config: ServerConfig) -> int:
+    """Intra-op threads for the model. The scheduler shares the machine with the API and
+    detokenizer processes, and OpenMP threads that spin against them make every matmul
+    dozens of times slower, so by default two cores are left to the others."""
+    if config.torch_threads is not None:
+        return max(1, config.torch_threads)
+    return max(1, (os.cpu_count() or 1) - 2)
+
+
+class ModelRunner:
+    def __init__(self, config: ServerConfig, vocab_size: int) -> None:
+        torch.set_num_threads(cpu_threads(config))
+        self.device = resolve_device(config.device)
+        self.model_config = load_model_config(config, vocab_size)
+        if config.model_path is None:
+            self.model = LlamaForCausalLM.random(self.model_config, seed=config.model_seed, device=self.device)
+        else:
+            self.model = LlamaForCausalLM.from_pretrained(config.model_path, device=self.device)
+        self.model.eval()
+        mc = self.model_config
+        dtype = next(self.model.parameters()).dtype
+        self.kv = KVPool(mc.num_hidden_layers, config.max_total_tokens, mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+
+    def extend(
+        self,
+        new_token_ids: list[list[int]],
+        prefix_slots: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        *,
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One batched pass: sequence b has ``prefix_slots[b]`` already in the pool and
+        appends ``new_token_ids[b]`` into ``new_slots[b]``. Returns last-token logits [B, V]
+        and, when asked, the final hidden states of all new tokens [T, H]."""
+        batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device)
+        with torch.inference_mode():
+            return self.model.forward(batch, self.kv, return_hidden=return_hidden)

@@ -1,0 +1,199 @@
+"""The scheduler's view of one request, and the one place that decides when its stats are
+sent.
+
+Invariants:
+- Every stats value is changed through ``update_stats`` / ``update_time_stats``, which
+  replace the frozen ``RequestOutputStats`` and bump ``stats_epoch``.
+- ``take_request_stats_due`` is the only code that decides whether a row carries stats,
+  and the only code that records a send. Every output path builds its rows through it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from pipeline.io_struct import (
+    DecodeOptions,
+    FinishReason,
+    MediaItem,
+    RequestOutputStats,
+    SamplingParams,
+    SchedulerTimeStats,
+)
+
+_replace = msgspec.structs.replace
+
+
+class Req:
+    __slots__ = (
+        "rid",
+        "req_id",
+        "origin_input_ids",
+        "sampling",
+        "stream",
+        "stream_interval",
+        "arrival_time",
+        "output_ids",
+        "num_sent_tokens",
+        "finished_reason",
+        "kv_slots",
+        "num_computed",
+        "prefix_node",
+        "generator",
+        "stats_epoch",
+        "request_stats_retraction_count",
+        "_stats_epoch_sent",
+        "_stats",
+        "_decode_options_sent",
+        "is_embedding",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        *,
+        rid: str,
+        req_id: int,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        stream: bool,
+        stream_interval: int,
+        arrival_time: float,
+        media: tuple[MediaItem, ...] = (),
+        collect_time_stats: bool = True,
+        is_embedding: bool = False,
+    ) -> None:
+        self.rid = rid
+        self.req_id = req_id
+        self.origin_input_ids = input_ids
+        self.sampling = sampling
+        self.stream = stream
+        self.stream_interval = sampling.stream_interval or stream_interval
+        self.arrival_time = arrival_time
+        self.output_ids: list[int] = []
+        self.num_sent_tokens = 0
+        self.finished_reason: FinishReason | None = None
+        # KV pool slots of the tokens computed so far (prompt, then generated tokens).
+        self.kv_slots: torch.Tensor | None = None
+        self.num_computed = 0
+        self.prefix_node: Any = None  # radix-cache node locked for this request
+        self.generator: torch.Generator | None = None
+        self.is_embedding = is_embedding
+        self._decode_options_sent = False
+
+        self.stats_epoch = 0
+        self.request_stats_retraction_count: int | None = None
+        self._stats_epoch_sent: int | None = None
+        counts = {"image": 0, "audio": 0, "video": 0}
+        for item in media:
+            counts[item.kind] += item.num_tokens
+        self._stats = RequestOutputStats(
+            prompt_tokens=len(input_ids),
+            image_tokens=counts["image"],
+            audio_tokens=counts["audio"],
+            video_tokens=counts["video"],
+            time_stats=SchedulerTimeStats() if collect_time_stats else None,
+        )
+
+    # --- stats: one setter, one decision point ------------------------------------------
+
+    @property
+    def stats(self) -> RequestOutputStats:
+        return self._stats
+
+    @property
+    def retraction_count(self) -> int:
+        return self._stats.num_retractions
+
+    def update_stats(self, **changes: Any) -> None:
+        """The only way a stats value changes. Bumping the epoch makes the next row of this
+        request carry the new value, however the value changed."""
+        self._stats = _replace(self._stats, **changes)
+        self.stats_epoch += 1
+
+    def update_time_stats(self, **changes: Any) -> None:
+        """Time stats exist only when metrics are on; otherwise this costs nothing."""
+        time_stats = self._stats.time_stats
+        if time_stats is not None:
+            self.update_stats(time_stats=_replace(time_stats, **changes))
+
+    def take_request_stats_due(self) -> RequestOutputStats | None:
+        """Stats for the row being built now, or None when this row needs none.
+
+        Due on the first output, on the first output after a retraction or after any
+        other stats change (the epoch), and on the finished row. Records the send.
+        """
+        if (
+            self.finished_reason is None
+            and self.stats_epoch == self._stats_epoch_sent
+            and self.request_stats_retraction_count == self._stats.num_retractions
+        ):
+            return None
+        self.request_stats_retraction_count = self._stats.num_retractions
+        self._stats_epoch_sent = self.stats_epoch
+        return self._stats
+
+    def take_decode_options_due(self) -> DecodeOptions | None:
+        """The detokenizer's per-request options, on the request's first row only."""
+        if self._decode_options_sent:
+            return None
+        self._decode_options_sent = True
+        s = self.sampling
+        return DecodeOptions(
+            skip_special_tokens=s.skip_special_tokens, stop=s.stop, no_stop_trim=s.no_stop_trim, stream=self.stream
+        )
+
+    # --- lifecycle events ----------------------------------------------------------------
+
+    def enter_waiting_queue(self, now: float) -> None:
+        self.update_time_stats(wait_queue_entry_time=now)
+
+    def leave_waiting_queue(self, now: float) -> None:
+        ts = self._stats.time_stats
+        if ts is None or ts.wait_queue_entry_time is None:
+            return
+        changes: dict[str, float] = {"queue_time": ts.queue_time + (now - ts.wait_queue_entry_time)}
+        if ts.forward_entry_time is None:
+            changes["forward_entry_time"] = now
+        self.update_time_stats(**changes)
+
+    def mark_retracted(self, now: float) -> None:
+        self.update_stats(num_retractions=self._stats.num_retractions + 1)
+        self.enter_waiting_queue(now)
+
+    def finish(self, reason: FinishReason, now: float | None = None) -> None:
+        self.finished_reason = reason
+        self.update_time_stats(completion_time=time.time() if now is None else now)
+
+    # --- token bookkeeping ---------------------------------------------------------------
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV a (re-)prefill must compute: the prompt, then every generated
+        token (a retracted request re-prefills what it generated so far)."""
+        return self.origin_input_ids + self.output_ids if self.output_ids else self.origin_input_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def output_due(self) -> bool:
+        """Whether this step's tokens go out now (SPEC section 4, stream interval)."""
+        if self.finished_reason is not None:
+            return True
+        if not self.stream:
+            return False
+        if self.num_sent_tokens == 0:
+            return True
+        return len(self.output_ids) - self.num_sent_tokens >= self.stream_interval
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, req_id={self.req_id}, out={len(self.output_ids)})"

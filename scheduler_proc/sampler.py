@@ -1,0 +1,55 @@
+"""Batched sampling: greedy rows by one argmax, the rest with temperature, top-k and top-p
+cuts applied to the whole sub-batch, then one draw per row from that request's own
+generator, so a seeded request samples the same tokens whatever it is batched with (and
+across retractions, since the generator lives with the request)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from scheduler_proc.req import Req
+
+_GREEDY_EPS = 1e-5
+
+
+def _generator_for(req: Req, device: torch.device) -> torch.Generator:
+    if req.generator is None:
+        seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(63)
+        req.generator = torch.Generator(device=device).manual_seed(seed)
+    return req.generator
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
+    """``logits`` is [B, vocab], one row per request; returns one token id per row."""
+    tokens = torch.argmax(logits, dim=-1)
+    sampled_rows = [i for i, r in enumerate(reqs) if r.sampling.temperature > _GREEDY_EPS]
+    if not sampled_rows:
+        return tokens.tolist()
+
+    device = logits.device
+    rows = torch.tensor(sampled_rows, device=device)
+    params = [reqs[i].sampling for i in sampled_rows]
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    scaled = logits.index_select(0, rows).float() / temps.unsqueeze(1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+    # Drop a token when the mass strictly before it already reaches top_p; the first
+    # token always survives.
+    before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+
+    out = tokens.tolist()
+    for j, i in enumerate(sampled_rows):
+        pick = torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], device))
+        out[i] = int(order[j, pick])
+    return out

@@ -1,0 +1,288 @@
+"""Continuous batching: admission, (chunked) prefill, batched decode, retraction, stops and
+aborts. Socket-free, so tests can drive it step by step; ``scheduler_proc.main`` wires it
+to ZeroMQ.
+
+One ``step()``:
+1. prefill: continue the request that is mid-chunk, then admit waiting requests in arrival
+   order while the token budget and the KV pool allow (leaving one slot per running request
+   for the next decode step);
+2. decode: one batched step over every running request, retracting requests first when the
+   pool cannot give each a slot;
+3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due.
+A request mid-prefill emits no row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from pipeline.io_struct import (
+    AbortReq,
+    BatchTokenIDOutput,
+    FinishAbort,
+    TokenizedGenerateReqInput,
+)
+from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.output_builder import build_token_output
+from scheduler_proc.req import Req
+from scheduler_proc.sampler import sample
+from scheduler_proc.stop_checker import StopChecker
+
+logger = logging.getLogger("tokenpipe.scheduler")
+
+_EMPTY_SLOTS = torch.empty(0, dtype=torch.long)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        stop_checker: StopChecker,
+        *,
+        context_length: int,
+        vocab_size: int,
+        chunked_prefill_size: int,
+        max_running_requests: int,
+        stream_interval: int,
+        collect_time_stats: bool,
+    ) -> None:
+        self.runner = runner
+        self.kv = runner.kv
+        self.stop_checker = stop_checker
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.prefill_budget = chunked_prefill_size if chunked_prefill_size > 0 else context_length
+        self.max_running_requests = max_running_requests
+        self.stream_interval = stream_interval
+        self.collect_time_stats = collect_time_stats
+
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
+        self.running: list[Req] = []
+        self.live: dict[int, Req] = {}
+        self._rows_due: list[Req] = []  # rows produced outside a step (aborts, rejections)
+        self.num_retracted_total = 0
+        self.forward_steps = 0
+
+    # --- inputs --------------------------------------------------------------------------
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        now = time.time()
+        req = Req(
+            rid=msg.rid,
+            req_id=msg.req_id,
+            input_ids=msg.input_ids,
+            sampling=msg.sampling_params,
+            stream=msg.stream,
+            stream_interval=self.stream_interval,
+            arrival_time=msg.arrival_time,
+            media=msg.media,
+            collect_time_stats=self.collect_time_stats,
+        )
+        if msg.req_id in self.live:
+            logger.warning("dropped a request with a duplicate req_id %d (rid %r)", msg.req_id, msg.rid)
+            return
+        problem = self._admission_problem(req)
+        if problem is not None:
+            # The tokenizer manager validates first; this guards the scheduler against a
+            # frame from elsewhere, answering instead of crashing or starving.
+            req.finish(FinishAbort(message=problem, status_code=400), now)
+            self._rows_due.append(req)
+            return
+        req.enter_waiting_queue(now)
+        self.live[req.req_id] = req
+        self.waiting.append(req)
+
+    def _admission_problem(self, req: Req) -> str | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "input_ids is empty"
+        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.vocab_size:
+            return f"input_ids holds a token id outside the vocabulary [0, {self.vocab_size})"
+        if n + req.sampling.max_new_tokens > self.kv.capacity:
+            return (
+                f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds "
+                f"the KV pool ({self.kv.capacity} tokens)"
+            )
+        if n >= self.context_length:
+            return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
+        return None
+
+    def abort(self, msg: AbortReq) -> None:
+        targets = list(self.live.values()) if msg.abort_all else [self.live[msg.req_id]] if msg.req_id in self.live else []
+        now = time.time()
+        for req in targets:
+            self._remove(req)
+            req.finish(FinishAbort(message=msg.reason, status_code=499 if not msg.abort_all else 503), now)
+            self._release(req)
+            self._rows_due.append(req)
+
+    # --- the step ------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self._rows_due)
+
+    def step(self) -> list[BatchTokenIDOutput]:
+        rows, self._rows_due = self._rows_due, []
+        newly_running = self._prefill(rows)
+        self._decode(rows)
+        self.running.extend(newly_running)
+        if not rows:
+            return []
+        frame = build_token_output(rows)
+        for req in rows:
+            if req.finished:
+                self._release(req)
+        return [frame]
+
+    def _prefill(self, rows: list[Req]) -> list[Req]:
+        now = time.time()
+        budget = self.prefill_budget
+        batch: list[tuple[Req, list[int], torch.Tensor]] = []
+        candidates = list(self.prefilling)
+        self.prefilling = []
+        slots_for_decode = len(self.running)
+        admitted = len(self.running) + len(candidates)
+        for req in self.waiting:
+            if admitted >= self.max_running_requests:
+                break
+            candidates.append(req)
+            admitted += 1
+        for req in candidates:
+            if budget <= 0:
+                self._requeue_unscheduled(req)
+                continue
+            fill = req.fill_ids
+            take = min(len(fill) - req.num_computed, budget)
+            slots = self.kv.alloc(take) if self.kv.num_free - take >= slots_for_decode else None
+            if slots is None:
+                self._requeue_unscheduled(req)
+                budget = 0  # arrival order: nobody overtakes a request that does not fit
+                continue
+            if self.waiting and self.waiting[0] is req:
+                self.waiting.popleft()
+                req.leave_waiting_queue(now)
+            batch.append((req, fill[req.num_computed : req.num_computed + take], slots))
+            budget -= take
+        if not batch:
+            return []
+
+        logits, _ = self.runner.extend(
+            [toks for _, toks, _ in batch],
+            [req.kv_slots if req.kv_slots is not None else _EMPTY_SLOTS for req, _, _ in batch],
+            [slots for _, _, slots in batch],
+        )
+        self.forward_steps += 1
+        done_rows: list[int] = []
+        for i, (req, toks, slots) in enumerate(batch):
+            req.kv_slots = slots if req.kv_slots is None else torch.cat((req.kv_slots, slots))
+            req.num_computed += len(toks)
+            if req.num_computed == req.seq_len:
+                done_rows.append(i)
+            else:
+                self.prefilling.append(req)
+        if not done_rows:
+            return []
+        done = [batch[i][0] for i in done_rows]
+        finished_at = time.time()
+        for req in done:
+            ts = req.stats.time_stats
+            if ts is not None and ts.prefill_finished_time is None:
+                req.update_time_stats(prefill_finished_time=finished_at)
+        picked = logits if len(done_rows) == len(batch) else logits[torch.tensor(done_rows, device=logits.device)]
+        return self._append_tokens(done, sample(picked, done), rows)
+
+    def _requeue_unscheduled(self, req: Req) -> None:
+        """A candidate that got no slots this step: a mid-chunk request stays in prefill,
+        a waiting one stays where it is."""
+        if req.num_computed > 0:
+            self.prefilling.append(req)
+
+    def _decode(self, rows: list[Req]) -> None:
+        if not self.running:
+            return
+        self._retract_until_fits()
+        reqs = self.running
+        slots = self.kv.alloc(len(reqs))
+        assert slots is not None, "retraction left too few KV slots"
+        logits, _ = self.runner.extend(
+            [[r.output_ids[-1]] for r in reqs],
+            [r.kv_slots for r in reqs],  # type: ignore[misc]
+            list(slots.split(1)),
+        )
+        self.forward_steps += 1
+        for i, req in enumerate(reqs):
+            req.kv_slots = torch.cat((req.kv_slots, slots[i : i + 1]))  # type: ignore[arg-type]
+            req.num_computed += 1
+        self.running = self._append_tokens(reqs, sample(logits, reqs), rows)
+
+    def _append_tokens(self, reqs: list[Req], tokens: list[int], rows: list[Req]) -> list[Req]:
+        """Appends one sampled token per request, checks stops, queues due rows; returns
+        the requests that keep running."""
+        still_running: list[Req] = []
+        for req, token in zip(reqs, tokens):
+            req.output_ids.append(token)
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                req.finish(reason)
+            else:
+                still_running.append(req)
+            if req.output_due():
+                rows.append(req)
+        return still_running
+
+    # --- retraction ----------------------------------------------------------------------
+
+    def _retract_until_fits(self) -> None:
+        """Frees KV until every running request can take one more token: mid-prefill
+        requests first, then running ones with the fewest output tokens (then the longest
+        prompt). The last running request is never retracted: admission guarantees that
+        one request alone always fits."""
+        now = time.time()
+        while self.kv.num_free < len(self.running):
+            if self.prefilling:
+                victim = self.prefilling.pop()
+            elif len(self.running) > 1:
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+                self.running.remove(victim)
+            else:
+                raise RuntimeError("a single request does not fit the KV pool; admission should have refused it")
+            self._retract(victim, now)
+
+    def _retract(self, req: Req, now: float) -> None:
+        if req.kv_slots is not None:
+            self.kv.free(req.kv_slots)
+        req.kv_slots = None
+        req.num_computed = 0
+        req.mark_retracted(now)
+        self.waiting.appendleft(req)
+        self.num_retracted_total += 1
+        logger.info("retracted req_id=%d rid=%s retraction_count=%d", req.req_id, req.rid, req.retraction_count)
+
+    # --- bookkeeping ---------------------------------------------------------------------
+
+    def _remove(self, req: Req) -> None:
+        for queue in (self.running, self.prefilling):
+            if req in queue:
+                queue.remove(req)
+                return
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def _release(self, req: Req) -> None:
+        if req.kv_slots is not None:
+            self.kv.free(req.kv_slots)
+            req.kv_slots = None
+        self.live.pop(req.req_id, None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

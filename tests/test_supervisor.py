@@ -1,0 +1,79 @@
+"""``tokenpipe serve`` keeps the service whole: a dead child takes everything down fast and
+clean; SIGTERM drains in-flight requests first."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess, pid_alive, wait_until
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "detokenizer", "api"])
+def test_kill_9_of_a_child_stops_the_whole_service(tmp_path: Path, victim: str) -> None:
+    srv = ServerProcess(tmp_path / "tmp").wait_ready()
+    children = srv.children()
+    assert set(children) == {"scheduler", "detokenizer", "api"}, children
+    assert len(list((tmp_path / "tmp").iterdir())) == 1  # the private ipc directory
+
+    started = time.monotonic()
+    os.kill(children[victim], signal.SIGKILL)
+    code = srv.proc.wait(timeout=10)
+    elapsed = time.monotonic() - started
+
+    assert code != 0
+    assert elapsed < 5.0, f"took {elapsed:.2f} s to stop"
+    assert wait_until(lambda: not any(pid_alive(p) for p in children.values()), timeout=1.0), "orphan left"
+    assert list((tmp_path / "tmp").iterdir()) == [], "socket files left behind"
+    assert f"child process {victim}" in srv.output() and "killed by signal 9" in srv.output()
+
+
+def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "tmp").wait_ready()
+    children = srv.children()
+    results: list[tuple[float, dict]] = []  # type: ignore[type-arg]
+    started = threading.Barrier(5)
+
+    def stream_one(i: int) -> None:
+        body = {"text": f"story {i}", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+        events = []
+        with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/generate", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 1:
+                        started.wait()
+        results.append((time.monotonic(), events[-1]["meta_info"]))
+
+    threads = [threading.Thread(target=stream_one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(60)  # every request is running now
+    sigterm_at = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    code = srv.proc.wait(timeout=60)
+
+    assert code == 0, srv.output()[-3000:]
+    assert len(results) == 4
+    assert all(done_at > sigterm_at for done_at, _ in results), "a request finished before the SIGTERM"
+    assert all(m["finish_reason"] == {"type": "length", "length": 1500} and m["completion_tokens"] == 1500 for _, m in results)
+    assert not any(pid_alive(p) for p in children.values())
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_ready_line_has_a_curl_example(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "tmp").wait_ready()
+    try:
+        assert srv.ready_line is not None and f"http://127.0.0.1:{srv.port}" in srv.ready_line
+        assert "curl -s" in srv.output()
+    finally:
+        assert srv.stop() == 0

@@ -1,0 +1,54 @@
+"""The tokenizer manager's request bookkeeping, on real sockets but without HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pipeline.config import ServerConfig
+from pipeline.io_struct import AbortReq, SamplingParams, SchedulerInput
+from pipeline.sockets import FrameDecoder
+from pipeline.tokenizer_loader import load_tokenizer
+from tokenizer_proc.api_schema import RequestValidationError
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+
+def _manager(tmp_path: Path) -> TokenizerManager:
+    config = ServerConfig(scheduler_input=f"ipc://{tmp_path}/sched", tokenizer_input=f"ipc://{tmp_path}/tm", max_total_tokens=4096)
+    return TokenizerManager(config, load_tokenizer(None), context_length=2048)
+
+
+def test_duplicate_live_rid_is_refused_and_reusable_after_finish(tmp_path: Path) -> None:
+    async def scenario() -> list[object]:
+        tm = _manager(tmp_path)
+        scheduler_inbox = zmq.Context.instance().socket(zmq.PULL)
+        scheduler_inbox.bind(tm.config.scheduler_input)
+        await tm.start()
+        try:
+            first = tm.submit_generate(input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same")
+            with pytest.raises(RequestValidationError, match="'same' is already running"):
+                tm.submit_generate(input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same")
+            tm.abort(first.req_id)
+            tm.forget(first)
+            second = tm.submit_generate(input_ids=[3], sampling=SamplingParams(), stream=False, rid="same")
+            assert second.req_id != first.req_id
+            decoder: FrameDecoder[SchedulerInput] = FrameDecoder(SchedulerInput, logging.getLogger("t"), "t")
+            return [decoder.decode(scheduler_inbox.recv()) for _ in range(3)]
+        finally:
+            await tm.close()
+            scheduler_inbox.close(0)
+
+    sent = asyncio.run(scenario())
+    assert [type(m).__name__ for m in sent] == ["TokenizedGenerateReqInput", "AbortReq", "TokenizedGenerateReqInput"]
+    assert isinstance(sent[1], AbortReq) and sent[1].req_id == sent[0].req_id  # type: ignore[union-attr]
+
+
+def test_req_ids_are_never_reused_and_carry_the_worker_index(tmp_path: Path) -> None:
+    config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused")
+    tm = TokenizerManager(config, load_tokenizer(None), context_length=2048, worker_index=3)
+    ids = [next(tm._next_req_id) for _ in range(1000)]
+    assert len(set(ids)) == 1000 and all(i >> 48 == 3 for i in ids)

@@ -1,0 +1,105 @@
+"""Typed request bodies of the native API. Decoding with msgspec is the validation: a
+wrong type, an unknown key or a value out of range fails with a message that names the
+field (``... - at `$.sampling_params.max_new_tokens```)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from pipeline.io_struct import SamplingParams
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class RequestValidationError(ValueError):
+    """A request the server refuses with 400; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_new_tokens: PositiveInt = 128
+    min_new_tokens: NonNegInt = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    stream_interval: PositiveInt | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def to_wire(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stop):
+            raise RequestValidationError("sampling_params.stop must not contain an empty string", "sampling_params.stop")
+        if self.top_k == 0:
+            raise RequestValidationError("sampling_params.top_k must be -1 (off) or at least 1", "sampling_params.top_k")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise RequestValidationError(
+                "sampling_params.min_new_tokens must not exceed max_new_tokens", "sampling_params.min_new_tokens"
+            )
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=tuple(stop),
+            ignore_eos=self.ignore_eos,
+            stream_interval=self.stream_interval,
+            skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim,
+        )
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    text: str | None = None
+    input_ids: list[TokenId] | None = None
+    sampling_params: GenerateSamplingParams = msgspec.field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    rid: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    image_data: list[str] | str | None = None
+    audio_data: list[str] | str | None = None
+    video_data: list[str] | str | None = None
+
+
+class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+def decode_body(body: bytes, type_: type) -> object:
+    """Decodes a JSON body into ``type_``; every failure is a RequestValidationError."""
+    if not body:
+        raise RequestValidationError("request body is empty; expected a JSON object")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestValidationError(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        raise RequestValidationError(str(exc), _param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise RequestValidationError(f"request body is not valid JSON: {exc}") from exc
+
+
+def _param_of(message: str) -> str | None:
+    """``... - at `$.sampling_params.top_p``` -> ``sampling_params.top_p``."""
+    marker = "- at `$."
+    at = message.rfind(marker)
+    if at < 0:
+        return None
+    return message[at + len(marker) :].rstrip("`")

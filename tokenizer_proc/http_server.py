@@ -1,0 +1,162 @@
+"""The HTTP surface: routes, error shape and authentication. Request handling beyond
+parsing lives in ``TokenizerManager``; this module only adapts it to HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeline.io_struct import FinishAbort, SamplingParams, TraceContext
+from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
+from tokenizer_proc.meta_info import build_meta_info
+from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_json = msgspec.json.Encoder()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request finished."""
+
+
+def error_response(status: int, message: str, *, err_type: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"message": message, "type": err_type, "code": status}
+    if param is not None:
+        body["param"] = param
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+def build_app(tm: TokenizerManager) -> FastAPI:
+    app = FastAPI(title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    api_key = tm.config.api_key
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, str(exc), param=exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), err_type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}", err_type="internal_error")
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next: Any) -> Response:
+        if api_key is not None and request.url.path not in _OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            # Constant-time compare, so the key cannot be guessed byte by byte from timing.
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "missing or invalid API key (expected `Authorization: Bearer KEY`)", err_type="authentication_error")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        info = msgspec.to_builtins(tm.config)
+        info.pop("api_key", None)
+        info.update(model_name=tm.model_name, context_length=tm.context_length, vocab_size=tm.tokenizer.vocab_size)
+        return info
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        obj: GenerateRequest = decode_body(await request.body(), GenerateRequest)  # type: ignore[assignment]
+        if obj.image_data or obj.audio_data or obj.video_data:
+            raise RequestValidationError("media inputs are not supported by this server", "image_data")
+        sampling = obj.sampling_params.to_wire()
+        input_ids = tm.tokenize(obj.text, obj.input_ids)
+        state = tm.submit_generate(
+            input_ids=input_ids, sampling=sampling, stream=obj.stream, rid=obj.rid, trace=_trace_context(request)
+        )
+        if obj.stream:
+            return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")
+        try:
+            await _wait_finished(tm, state, request)
+        except ClientGone:
+            return Response(status_code=499)
+        refused = _refusal(state)
+        if refused is not None:
+            return refused
+        return JSONResponse({"text": state.text, "output_ids": state.output_ids, "meta_info": build_meta_info(state)})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        state = tm.submit_generate(input_ids=tm.tokenizer.encode("ping")[:1] or [0], sampling=sampling, stream=False, rid=None)
+        try:
+            await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
+        except asyncio.TimeoutError:
+            tm.abort(state.req_id, "health check timed out")
+            return error_response(503, "a 1-token request did not get through the pipeline in time", err_type="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        obj: AbortRequestBody = decode_body(await request.body(), AbortRequestBody)  # type: ignore[assignment]
+        if obj.abort_all:
+            tm.abort_all("aborted by /abort_request")
+            return JSONResponse({"aborted": "all"})
+        if obj.rid is None:
+            raise RequestValidationError("give `rid` or `abort_all: true`", "rid")
+        req_id = tm.rid_to_req_id.get(obj.rid)
+        if req_id is None:
+            return error_response(404, f"no running request with rid {obj.rid!r}", err_type="not_found_error", param="rid")
+        tm.abort(req_id, "aborted by /abort_request")
+        return JSONResponse({"aborted": obj.rid})
+
+    return app
+
+
+def _trace_context(request: Request) -> TraceContext | None:
+    parent = request.headers.get("traceparent")
+    return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
+
+
+def _refusal(state: ReqState) -> JSONResponse | None:
+    """A request the scheduler refused before running it is a client error, not output."""
+    reason = state.finished_reason
+    if isinstance(reason, FinishAbort) and reason.status_code == 400 and state.completion_tokens == 0:
+        return error_response(400, reason.message)
+    return None
+
+
+async def _wait_finished(tm: TokenizerManager, state: ReqState, request: Request) -> None:
+    while not state.finished:
+        try:
+            await asyncio.wait_for(state.event.wait(), timeout=1.0)
+            state.event.clear()
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                tm.abort(state.req_id)
+                raise ClientGone from None
+
+
+async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
+    try:
+        async for _ in tm.wait(state):
+            text, ids = state.take_pending()
+            if state.finished and _refusal(state) is not None:
+                yield _sse({"error": {"message": state.finished_reason.message, "type": "invalid_request_error", "code": 400}})  # type: ignore[union-attr]
+                break
+            yield _sse({"text": text, "output_ids": ids, "meta_info": build_meta_info(state)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        # Cancelled by a disconnect (or any other exit before the finish): stop the work.
+        if not state.finished:
+            tm.abort(state.req_id)

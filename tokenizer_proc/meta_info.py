@@ -1,0 +1,56 @@
+"""Builds a response's ``meta_info`` (SGLang-compatible names) from ``ReqState`` alone:
+per-request numbers from ``request_stats``, latencies from the state's own timing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pipeline.io_struct import finish_reason_to_dict
+from tokenizer_proc.req_state import ReqState
+
+
+def build_meta_info(state: ReqState) -> dict[str, Any]:
+    stats = state.request_stats
+    assert stats is not None, "meta_info is only built once the request has stats"
+    details = stats.cached_tokens_details
+    meta: dict[str, Any] = {
+        "id": state.rid,
+        "finish_reason": finish_reason_to_dict(state.finished_reason) if state.finished_reason else None,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": state.completion_tokens,
+        "cached_tokens": stats.cached_tokens,
+        "cached_tokens_details": msgspec.to_builtins(details) if details is not None else None,
+        "num_retractions": stats.num_retractions,
+    }
+    for kind, count in (("image_tokens", stats.image_tokens), ("audio_tokens", stats.audio_tokens), ("video_tokens", stats.video_tokens)):
+        if count:
+            meta[kind] = count
+    finished = state.finished_time is not None
+    if finished:
+        meta["e2e_latency"] = state.finished_time - state.created_time  # type: ignore[operator]
+
+    ts = stats.time_stats
+    if ts is None:  # metrics off: no timing keys
+        return meta
+    meta["queue_time"] = ts.queue_time
+    meta["forward_entry_time"] = ts.forward_entry_time
+    meta["prefill_finished_time"] = ts.prefill_finished_time
+    meta["storage_prefetch_wait"] = ts.storage_prefetch_wait
+    if finished:
+        first = state.first_token_time
+        meta["first_token_latency"] = (first - state.created_time) if first is not None else None
+        meta["request_received_ts"] = state.created_time
+        meta["request_finished_ts"] = state.finished_time
+        meta["decode_throughput"] = decode_throughput(state)
+    return meta
+
+
+def decode_throughput(state: ReqState) -> float:
+    """Tokens per second after the first one: (completion_tokens - 1) over the time from
+    the first token to the finish; 0.0 when there is no such interval."""
+    if state.first_token_time is None or state.finished_time is None:
+        return 0.0
+    span = state.finished_time - state.first_token_time
+    return (state.completion_tokens - 1) / span if span > 0 and state.completion_tokens > 1 else 0.0

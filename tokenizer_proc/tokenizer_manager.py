@@ -1,0 +1,220 @@
+"""Tokenizes requests, sends them to the scheduler, and keeps one ``ReqState`` per live
+request, updated from the detokenizer's frames.
+
+``handle_output`` is the only function that loops over a frame's rows: stats, text and
+finish for every row are applied in that one pass. It is plain synchronous code, so the
+differential test drives it without an HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pipeline.config import ServerConfig
+from pipeline.io_struct import (
+    COUNT_DTYPE,
+    REQ_ID_DTYPE,
+    AbortReq,
+    BatchEmbeddingOutput,
+    BatchStrOutput,
+    MediaItem,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    TokenizerManagerInput,
+    TraceContext,
+    from_column,
+    split_token_rows,
+)
+from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
+from pipeline.tokenizer_loader import LoadedTokenizer
+from tokenizer_proc.api_schema import RequestValidationError
+from tokenizer_proc.req_state import ReqState
+
+logger = logging.getLogger("tokenpipe.tokenizer_manager")
+
+# Worker index lives in the high bits, so req_ids of several tokenizer workers never meet.
+_WORKER_SHIFT = 48
+
+
+class TokenizerManager:
+    def __init__(
+        self,
+        config: ServerConfig,
+        tokenizer: LoadedTokenizer,
+        *,
+        context_length: int,
+        worker_index: int = 0,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.model_name = config.served_model_name or tokenizer.name
+        self.states: dict[int, ReqState] = {}
+        self.rid_to_req_id: dict[str, int] = {}
+        self._next_req_id = itertools.count((worker_index << _WORKER_SHIFT) + 1)
+        self._dropped_rows = RateLimitedWarning(logger)
+        self._encoder = make_encoder()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._send: Any = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    # --- sockets -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._send = connect_push(self._ctx, self.config.scheduler_input)
+        recv = bind_pull(self._ctx, self.config.tokenizer_input)
+        self._loop_task = asyncio.create_task(self._receive_loop(recv))
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+
+    async def _receive_loop(self, sock: Any) -> None:
+        decoder: FrameDecoder[TokenizerManagerInput] = FrameDecoder(TokenizerManagerInput, logger, "tokenizer manager input")
+        while True:
+            frame = await sock.recv(copy=False)
+            msg = decoder.decode(frame.buffer)
+            if msg is None:
+                continue
+            try:
+                self.handle_output(msg)
+            except ValueError as exc:  # inconsistent columns: drop the frame, keep serving
+                logger.warning("dropped an inconsistent output frame: %s", exc)
+
+    def _send_obj(self, obj: Any) -> None:
+        self._send.send(self._encoder.encode(obj), copy=False)
+
+    # --- requests ------------------------------------------------------------------------
+
+    def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        if (text is None) == (input_ids is None):
+            raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
+        ids = self.tokenizer.encode(text) if text is not None else list(input_ids or [])
+        if not ids:
+            raise RequestValidationError("the prompt is empty: `text` must encode to at least one token", "text")
+        vocab = self.tokenizer.vocab_size
+        if input_ids is not None and max(ids) >= vocab:
+            raise RequestValidationError(f"input_ids holds a token id >= the vocabulary size {vocab}", "input_ids")
+        return ids
+
+    def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
+        limit = self.config.max_new_tokens_limit
+        if sampling.max_new_tokens > limit:
+            raise RequestValidationError(
+                f"sampling_params.max_new_tokens is {sampling.max_new_tokens}; this server allows at most {limit}",
+                "sampling_params.max_new_tokens",
+            )
+        if prompt_len + sampling.max_new_tokens > self.context_length:
+            raise RequestValidationError(
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                f"context length ({self.context_length})",
+                "sampling_params.max_new_tokens" if prompt_len < self.context_length else "text",
+            )
+        if prompt_len + sampling.max_new_tokens > self.config.max_total_tokens:
+            raise RequestValidationError(
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}) can never fit the "
+                f"KV pool ({self.config.max_total_tokens} tokens)",
+                "sampling_params.max_new_tokens",
+            )
+
+    def submit_generate(
+        self,
+        *,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        stream: bool,
+        rid: str | None,
+        media: tuple[MediaItem, ...] = (),
+        trace: TraceContext | None = None,
+        created_time: float | None = None,
+    ) -> ReqState:
+        self.validate_lengths(len(input_ids), sampling)
+        req_id = next(self._next_req_id)
+        rid = rid if rid is not None else f"{req_id:x}-{time.monotonic_ns() & 0xFFFFFF:06x}"
+        if rid in self.rid_to_req_id:
+            raise RequestValidationError(f"a request with rid {rid!r} is already running", "rid")
+        now = time.time() if created_time is None else created_time
+        state = ReqState(rid=rid, req_id=req_id, stream=stream, sampling=sampling, created_time=now, trace=trace)
+        self.states[req_id] = state
+        self.rid_to_req_id[rid] = req_id
+        self._send_obj(
+            TokenizedGenerateReqInput(
+                rid=rid,
+                req_id=req_id,
+                input_ids=input_ids,
+                sampling_params=sampling,
+                stream=stream,
+                arrival_time=now,
+                media=media,
+                trace=trace,
+            )
+        )
+        return state
+
+    def abort(self, req_id: int, reason: str = "client disconnected") -> None:
+        if req_id in self.states and not self.states[req_id].finished:
+            self._send_obj(AbortReq(req_id=req_id, reason=reason))
+
+    def abort_all(self, reason: str) -> None:
+        self._send_obj(AbortReq(abort_all=True, reason=reason))
+
+    def forget(self, state: ReqState) -> None:
+        self.states.pop(state.req_id, None)
+        if self.rid_to_req_id.get(state.rid) == state.req_id:
+            del self.rid_to_req_id[state.rid]
+
+    async def wait(self, state: ReqState) -> AsyncIterator[ReqState]:
+        """Yields whenever the state changed, until it is finished."""
+        while True:
+            await state.event.wait()
+            state.event.clear()
+            yield state
+            if state.finished:
+                return
+
+    # --- outputs: the one loop over rows -------------------------------------------------
+
+    def handle_output(self, frame: TokenizerManagerInput) -> None:
+        if isinstance(frame, BatchEmbeddingOutput):
+            raise ValueError("embedding frames are not served by this manager yet")
+        self._handle_str_output(frame)
+
+    def _handle_str_output(self, frame: BatchStrOutput) -> None:
+        now = time.time()
+        req_ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
+        rows = split_token_rows(frame.output_ids, frame.output_counts)
+        completion = from_column(frame.completion_tokens, COUNT_DTYPE).tolist()
+        n = len(req_ids)
+        if not (len(rows) == len(completion) == len(frame.text_deltas) == n):
+            raise ValueError(f"frame columns disagree in length ({n} req_ids)")
+        stats_col = frame.request_stats
+        finished_col = frame.finished_reasons
+        for i in range(n):
+            state = self.states.get(req_ids[i])
+            stats = stats_col[i] if stats_col is not None else None
+            if state is not None and stats is not None:
+                state.update_request_stats(stats)
+            if state is None or state.request_stats is None:
+                self._dropped_rows.warn(
+                    "dropped an output row for req_id %d: %s", req_ids[i], "no live request" if state is None else "no stats yet"
+                )
+                continue
+            state.add_output(frame.text_deltas[i], rows[i], completion[i], now)
+            reason = finished_col[i] if finished_col is not None else None
+            if reason is not None:
+                state.finished_reason = reason
+                state.finished_time = now
+                self.forget(state)
+            state.event.set()
+
