@@ -153,3 +153,34 @@ def test_abort_request_finishes_with_abort_reason(server: ServerProcess) -> None
     final = events[-1]["meta_info"]
     assert final["finish_reason"]["type"] == "abort"
     assert final["completion_tokens"] < 1500
+
+
+def _wait_idle(c: httpx.Client, timeout: float = 20.0) -> dict:  # type: ignore[type-arg]
+    import time
+
+    deadline = time.monotonic() + timeout
+    info = c.get("/server_info").json()
+    while info["live_requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        info = c.get("/server_info").json()
+    return info
+
+
+def test_client_disconnect_aborts_the_request(server: ServerProcess) -> None:
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
+    with server.client() as c:
+        before = _wait_idle(c)["aborted_requests"]
+        # Streaming: read one event, then hang up.
+        with httpx.Client(base_url=server.url, timeout=30) as s, s.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+            next(line for line in resp.iter_lines() if line)
+        after_stream = _wait_idle(c)
+        assert after_stream["live_requests"] == 0
+        assert after_stream["aborted_requests"] == before + 1
+        # Non-streaming: the client gives up while the server is still generating.
+        try:
+            httpx.post(f"{server.url}/generate", json=body, timeout=0.5)
+        except httpx.ReadTimeout:
+            pass
+        after_plain = _wait_idle(c)
+        assert after_plain["live_requests"] == 0
+        assert after_plain["aborted_requests"] == before + 2

@@ -54,15 +54,6 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         return error_response(500, f"internal error: {type(exc).__name__}", err_type="internal_error")
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next: Any) -> Response:
-        if api_key is not None and request.url.path not in _OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            # Constant-time compare, so the key cannot be guessed byte by byte from timing.
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or invalid API key (expected `Authorization: Bearer KEY`)", err_type="authentication_error")
-        return await call_next(request)
-
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
@@ -71,7 +62,13 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     async def server_info() -> dict[str, Any]:
         info = msgspec.to_builtins(tm.config)
         info.pop("api_key", None)
-        info.update(model_name=tm.model_name, context_length=tm.context_length, vocab_size=tm.tokenizer.vocab_size)
+        info.update(
+            model_name=tm.model_name,
+            context_length=tm.context_length,
+            vocab_size=tm.tokenizer.vocab_size,
+            live_requests=len(tm.states),
+            aborted_requests=tm.num_aborted_requests,
+        )
         return info
 
     @app.post("/generate")
@@ -120,7 +117,30 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         tm.abort(req_id, "aborted by /abort_request")
         return JSONResponse({"aborted": obj.rid})
 
+    if api_key is not None:
+        app.add_middleware(BearerAuth, api_key=api_key)
     return app
+
+
+class BearerAuth:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it buffers and breaks disconnect
+    detection). Every path but the open ones needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant-time compare, so the key cannot be guessed byte by byte from timing.
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response(
+                    401, "missing or invalid API key (expected `Authorization: Bearer KEY`)", err_type="authentication_error"
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _trace_context(request: Request) -> TraceContext | None:
@@ -137,14 +157,25 @@ def _refusal(state: ReqState) -> JSONResponse | None:
 
 
 async def _wait_finished(tm: TokenizerManager, state: ReqState, request: Request) -> None:
-    while not state.finished:
-        try:
-            await asyncio.wait_for(state.event.wait(), timeout=1.0)
+    """Waits for the finish, or aborts the request as soon as the client disconnects."""
+    disconnect = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        while not state.finished:
+            changed = asyncio.ensure_future(state.event.wait())
+            await asyncio.wait((changed, disconnect), return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
             state.event.clear()
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
+            if disconnect.done() and not state.finished:
                 tm.abort(state.req_id)
-                raise ClientGone from None
+                raise ClientGone
+    finally:
+        disconnect.cancel()
+
+
+async def _until_disconnected(request: Request) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.io_struct import finish_reason_to_dict
+from pipeline.io_struct import SchedulerTimeStats, finish_reason_to_dict
 from tokenizer_proc.req_state import ReqState
 
 
@@ -43,14 +43,16 @@ def build_meta_info(state: ReqState) -> dict[str, Any]:
         meta["first_token_latency"] = (first - state.created_time) if first is not None else None
         meta["request_received_ts"] = state.created_time
         meta["request_finished_ts"] = state.finished_time
-        meta["decode_throughput"] = decode_throughput(state)
+        meta["decode_throughput"] = decode_throughput(state.completion_tokens, ts)
     return meta
 
 
-def decode_throughput(state: ReqState) -> float:
-    """Tokens per second after the first one: (completion_tokens - 1) over the time from
-    the first token to the finish; 0.0 when there is no such interval."""
-    if state.first_token_time is None or state.finished_time is None:
+def decode_throughput(completion_tokens: int, ts: SchedulerTimeStats) -> float:
+    """Scheduler-side tokens per second after the first token: (completion_tokens - 1)
+    over the time from the first prefill's end to the completion. Measured where the tokens
+    are made, so it means the same for streaming and non-streaming requests; 0.0 when
+    there is no such interval."""
+    if ts.prefill_finished_time is None or ts.completion_time is None:
         return 0.0
-    span = state.finished_time - state.first_token_time
-    return (state.completion_tokens - 1) / span if span > 0 and state.completion_tokens > 1 else 0.0
+    span = ts.completion_time - ts.prefill_finished_time
+    return (completion_tokens - 1) / span if span > 0 and completion_tokens > 1 else 0.0

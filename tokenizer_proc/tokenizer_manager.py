@@ -25,6 +25,7 @@ from pipeline.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
+    FinishAbort,
     MediaItem,
     SamplingParams,
     TokenizedGenerateReqInput,
@@ -61,6 +62,7 @@ class TokenizerManager:
         self.rid_to_req_id: dict[str, int] = {}
         self._next_req_id = itertools.count((worker_index << _WORKER_SHIFT) + 1)
         self._dropped_rows = RateLimitedWarning(logger)
+        self.num_aborted_requests = 0
         self._encoder = make_encoder()
         self._ctx: zmq.asyncio.Context | None = None
         self._send: Any = None
@@ -215,6 +217,8 @@ class TokenizerManager:
             if reason is not None:
                 state.finished_reason = reason
                 state.finished_time = now
+                if isinstance(reason, FinishAbort):
+                    self.num_aborted_requests += 1
                 self.forget(state)
             state.event.set()
 

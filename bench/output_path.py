@@ -1,0 +1,394 @@
+"""Output-path micro benchmark (SPEC section 9).
+
+A steady decode step on the CPU only: ``--requests`` (default 512) requests that have all
+emitted before (their stats and decode options were already sent, so
+``take_request_stats_due`` returns None for every row), one new token each.
+
+Timed with ``time.perf_counter_ns`` in interleaved rounds (each round runs every variant
+once, in a rotating order), minimum over rounds (``--rounds``, default 200):
+
+- ``tokenpipe``: the scheduler's real ``build_token_output`` (build), the real encoder of
+  ``pipeline.sockets.make_encoder`` (encode), and the detokenizer's real typed decoder
+  (``FrameDecoder(DetokenizerInput)``, as ``detokenizer_proc.main`` uses) plus reading the
+  four columns back as arrays with ``from_column`` (decode).
+- ``baseline(pickle)``: SGLang's per-row layout, a dataclass of per-row Python lists of the
+  same fields (rid strings, token lists, stats columns on every row) built by a per-row loop
+  over the same ``Req`` objects, pickled with the highest protocol (encode) and unpickled
+  (decode), as SGLang's default IPC does.
+
+Both run with metrics on (``Req(collect_time_stats=True)``; the baseline carries the time
+stats lists) and off. Appending this step's token to every request is set-up, not timed.
+``build+encode`` is the minimum over rounds of the per-round sum, not the sum of minima.
+
+Usage: ``python bench/output_path.py [--requests 512] [--rounds 200] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pickle
+import random
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.io_struct import (  # noqa: E402
+    COUNT_DTYPE,
+    REQ_ID_DTYPE,
+    TOKEN_DTYPE,
+    BatchTokenIDOutput,
+    CachedTokensDetails,
+    DetokenizerInput,
+    MediaItem,
+    SamplingParams,
+    finish_reason_to_dict,
+    from_column,
+)
+from pipeline.sockets import FrameDecoder, make_encoder  # noqa: E402
+from scheduler_proc.output_builder import build_token_output  # noqa: E402
+from scheduler_proc.req import Req  # noqa: E402
+
+logger = logging.getLogger("tokenpipe.bench.output_path")
+
+COLUMNS = ("build_us", "encode_us", "decode_us", "build+encode_us", "msg_KB")
+ROWS = (
+    "tokenpipe metrics=on",
+    "tokenpipe metrics=off",
+    "baseline(pickle) metrics=on",
+    "baseline(pickle) metrics=off",
+)
+# Targets on tokenpipe / baseline (same metrics setting), and on tokenpipe on / off.
+TARGETS = {"build+encode_us": 0.10, "decode_us": 0.20, "msg_KB": 0.40}
+METRICS_OVERHEAD_TARGET = 1.05
+SGLANG_REFERENCE = {
+    "per_row_stats_lists": {"build+encode_us": 707.0, "msg_KB": 38.3},
+    "request_output_stats": {"build+encode_us": 492.0, "msg_KB": 22.3},
+}
+
+
+# --- the baseline: SGLang's per-row layout ---------------------------------------------
+
+
+@dataclass
+class BaselineBatchTokenIDOutput:
+    """Per-row Python lists of the same fields, stats columns on every row."""
+
+    rids: list[str]
+    output_ids: list[list[int]]
+    completion_tokens: list[int]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    cached_tokens_details: list[dict[str, Any] | None]
+    retraction_counts: list[int]
+    image_tokens: list[int]
+    audio_tokens: list[int]
+    video_tokens: list[int]
+    # Time stats lists: None with metrics off.
+    wait_queue_entry_time: list[float | None] | None = None
+    forward_entry_time: list[float | None] | None = None
+    prefill_finished_time: list[float | None] | None = None
+    queue_time: list[float] | None = None
+
+
+def _details_dict(details: CachedTokensDetails | None) -> dict[str, Any] | None:
+    if details is None:
+        return None
+    out: dict[str, Any] = {"device": details.device, "host": details.host}
+    if details.storage is not None:
+        out["storage"] = details.storage
+        out["storage_backend"] = details.storage_backend
+    return out
+
+
+def build_baseline_output(reqs: Sequence[Req], metrics: bool) -> BaselineBatchTokenIDOutput:
+    """A per-row loop over the requests, as SGLang's output processor does."""
+    rids: list[str] = []
+    output_ids: list[list[int]] = []
+    completion_tokens: list[int] = []
+    finished_reasons: list[dict[str, Any] | None] = []
+    prompt_tokens: list[int] = []
+    cached_tokens: list[int] = []
+    cached_tokens_details: list[dict[str, Any] | None] = []
+    retraction_counts: list[int] = []
+    image_tokens: list[int] = []
+    audio_tokens: list[int] = []
+    video_tokens: list[int] = []
+    wait_queue_entry_time: list[float | None] = []
+    forward_entry_time: list[float | None] = []
+    prefill_finished_time: list[float | None] = []
+    queue_time: list[float] = []
+    for req in reqs:
+        rids.append(req.rid)
+        output_ids.append(req.output_ids[req.num_sent_tokens :])
+        req.num_sent_tokens = len(req.output_ids)
+        completion_tokens.append(len(req.output_ids))
+        reason = req.finished_reason
+        finished_reasons.append(None if reason is None else finish_reason_to_dict(reason))
+        stats = req.stats
+        prompt_tokens.append(stats.prompt_tokens)
+        cached_tokens.append(stats.cached_tokens)
+        cached_tokens_details.append(_details_dict(stats.cached_tokens_details))
+        retraction_counts.append(stats.num_retractions)
+        image_tokens.append(stats.image_tokens)
+        audio_tokens.append(stats.audio_tokens)
+        video_tokens.append(stats.video_tokens)
+        if metrics:
+            ts = stats.time_stats
+            assert ts is not None
+            wait_queue_entry_time.append(ts.wait_queue_entry_time)
+            forward_entry_time.append(ts.forward_entry_time)
+            prefill_finished_time.append(ts.prefill_finished_time)
+            queue_time.append(ts.queue_time)
+    out = BaselineBatchTokenIDOutput(
+        rids=rids,
+        output_ids=output_ids,
+        completion_tokens=completion_tokens,
+        finished_reasons=finished_reasons,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        cached_tokens_details=cached_tokens_details,
+        retraction_counts=retraction_counts,
+        image_tokens=image_tokens,
+        audio_tokens=audio_tokens,
+        video_tokens=video_tokens,
+    )
+    if metrics:
+        out.wait_queue_entry_time = wait_queue_entry_time
+        out.forward_entry_time = forward_entry_time
+        out.prefill_finished_time = prefill_finished_time
+        out.queue_time = queue_time
+    return out
+
+
+# --- the steady decode step ------------------------------------------------------------
+
+
+def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0) -> list[Req]:
+    """``n`` running requests that have all emitted before: prefilled (with prefix-cache
+    hits, a few media items, time stats when metrics are on), a few tokens generated and
+    sent through the real ``build_token_output``, so stats and decode options are sent."""
+    rng = random.Random(seed)
+    now = time.time()
+    reqs: list[Req] = []
+    for i in range(n):
+        prompt_len = rng.randint(64, 2048)
+        media = (MediaItem(kind="image", num_tokens=256),) if i % 8 == 0 else ()
+        req = Req(
+            rid=uuid.UUID(int=rng.getrandbits(128), version=4).hex,
+            req_id=(1 << 40) + i,  # worker index in the high bits, as with several tokenizer workers
+            input_ids=[rng.randrange(32000) for _ in range(prompt_len)],
+            sampling=SamplingParams(max_new_tokens=4096),
+            stream=True,
+            stream_interval=1,
+            arrival_time=now - 1.0,
+            media=media,
+            collect_time_stats=metrics,
+        )
+        req.enter_waiting_queue(now - 0.9)
+        req.leave_waiting_queue(now - 0.8)
+        cached = rng.randrange(0, prompt_len, 16)
+        req.update_stats(cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0))
+        req.update_time_stats(prefill_finished_time=now - 0.7)
+        req.output_ids.extend(rng.randrange(32000) for _ in range(rng.randint(1, 16)))
+        reqs.append(req)
+    first = build_token_output(reqs)  # the first output: every row carries stats
+    assert first.request_stats is not None and all(s is not None for s in first.request_stats)
+    return reqs
+
+
+def _append_one_token(reqs: Sequence[Req], token: int) -> None:
+    for req in reqs:
+        req.output_ids.append(token)
+
+
+Timings = tuple[int, int, int, int]  # build, encode, decode (ns), message bytes
+
+
+def _tokenpipe_variant(reqs: list[Req]) -> Callable[[int], Timings]:
+    encoder = make_encoder()
+    decoder: FrameDecoder[Any] = FrameDecoder(DetokenizerInput, logger, "bench frame")
+    clock = time.perf_counter_ns
+
+    def step(token: int) -> Timings:
+        _append_one_token(reqs, token)  # set-up, not timed
+        t0 = clock()
+        frame = build_token_output(reqs)
+        t1 = clock()
+        data = encoder.encode(frame)
+        t2 = clock()
+        msg = decoder.decode(data)
+        req_ids = from_column(msg.req_ids, REQ_ID_DTYPE)
+        tokens = from_column(msg.output_ids, TOKEN_DTYPE)
+        counts = from_column(msg.output_counts, COUNT_DTYPE)
+        completion = from_column(msg.completion_tokens, COUNT_DTYPE)
+        t3 = clock()
+        # Checks, not timed: a steady step, decoded intact.
+        assert isinstance(msg, BatchTokenIDOutput)
+        assert msg.request_stats is None and msg.decode_options is None and msg.finished_reasons is None
+        assert len(req_ids) == len(tokens) == len(counts) == len(completion) == len(reqs)
+        assert int(tokens[-1]) == token and int(counts.max()) == 1
+        return t1 - t0, t2 - t1, t3 - t2, len(data)
+
+    return step
+
+
+def _baseline_variant(reqs: list[Req], metrics: bool) -> Callable[[int], Timings]:
+    clock = time.perf_counter_ns
+    dumps, loads, protocol = pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL
+
+    def step(token: int) -> Timings:
+        _append_one_token(reqs, token)  # set-up, not timed
+        t0 = clock()
+        out = build_baseline_output(reqs, metrics)
+        t1 = clock()
+        data = dumps(out, protocol=protocol)
+        t2 = clock()
+        msg = loads(data)
+        t3 = clock()
+        assert len(msg.rids) == len(reqs) and msg.output_ids[-1] == [token]
+        assert (msg.queue_time is not None) == metrics
+        return t1 - t0, t2 - t1, t3 - t2, len(data)
+
+    return step
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")
+
+
+def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Run the benchmark; returns the per-variant minima, the ratios and the targets."""
+    if requests < 1 or rounds < 1:
+        raise ValueError("requests and rounds must be >= 1")
+    warmup = min(10, rounds) if warmup is None else warmup
+    reqs_on = make_steady_reqs(requests, metrics=True, seed=seed)
+    reqs_off = make_steady_reqs(requests, metrics=False, seed=seed)
+    variants: dict[str, Callable[[int], Timings]] = {
+        ROWS[0]: _tokenpipe_variant(reqs_on),
+        ROWS[1]: _tokenpipe_variant(reqs_off),
+        ROWS[2]: _baseline_variant(reqs_on, metrics=True),
+        ROWS[3]: _baseline_variant(reqs_off, metrics=False),
+    }
+    names = list(variants)
+    best: dict[str, list[float]] = {name: [float("inf")] * 4 for name in names}
+    size: dict[str, int] = {}
+    rng = random.Random(seed + 1)
+    for rnd in range(warmup + rounds):
+        token = rng.randrange(32000)
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            build, encode, decode, nbytes = variants[name](token)
+            size[name] = nbytes
+            if rnd < warmup:
+                continue
+            b = best[name]
+            b[0] = min(b[0], build)
+            b[1] = min(b[1], encode)
+            b[2] = min(b[2], decode)
+            b[3] = min(b[3], build + encode)
+
+    results = {
+        name: {
+            "build_us": best[name][0] / 1000,
+            "encode_us": best[name][1] / 1000,
+            "decode_us": best[name][2] / 1000,
+            "build+encode_us": best[name][3] / 1000,
+            "msg_KB": size[name] / 1000,
+        }
+        for name in names
+    }
+    ratios = {
+        f"metrics={m}": {
+            col: _ratio(results[f"tokenpipe metrics={m}"][col], results[f"baseline(pickle) metrics={m}"][col])
+            for col in COLUMNS
+        }
+        for m in ("on", "off")
+    }
+    on_off = _ratio(results[ROWS[0]]["build+encode_us"], results[ROWS[1]]["build+encode_us"])
+    targets = []
+    for col, limit in TARGETS.items():
+        for m in ("on", "off"):
+            value = ratios[f"metrics={m}"][col]
+            targets.append(
+                {"name": f"{col} tokenpipe/baseline metrics={m}", "value": value, "limit": limit, "pass": value <= limit}
+            )
+    targets.append(
+        {
+            "name": "tokenpipe build+encode_us metrics on/off",
+            "value": on_off,
+            "limit": METRICS_OVERHEAD_TARGET,
+            "pass": on_off <= METRICS_OVERHEAD_TARGET,
+        }
+    )
+    return {
+        "config": {"requests": requests, "rounds": rounds, "warmup": warmup, "seed": seed, "python": sys.version.split()[0]},
+        "results": results,
+        "ratios": ratios,
+        "metrics_on_off": on_off,
+        "targets": targets,
+        "sglang_reference": SGLANG_REFERENCE,
+    }
+
+
+# --- report ----------------------------------------------------------------------------
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [
+        f"output path, steady decode step: {cfg['requests']} requests x 1 token, "
+        f"min over {cfg['rounds']} interleaved rounds (python {cfg['python']})",
+        "",
+    ]
+    width = max(len(r) for r in ROWS) + 2
+    lines.append("variant".ljust(width) + "".join(f"{c:>17}" for c in COLUMNS))
+    for name in ROWS:
+        row = report["results"][name]
+        lines.append(name.ljust(width) + "".join(f"{row[c]:>17.2f}" for c in COLUMNS))
+    lines += ["", "tokenpipe / baseline".ljust(width) + "".join(f"{c:>17}" for c in COLUMNS)]
+    for key, row in report["ratios"].items():
+        lines.append(key.ljust(width) + "".join(f"{row[c]:>16.3f}x" for c in COLUMNS))
+    lines += ["", f"{'target':<46}{'measured':>10}{'limit':>10}  result"]
+    for t in report["targets"]:
+        lines.append(
+            f"{t['name']:<46}{t['value']:>9.3f}x{'<= ' + format(t['limit'], '.2f') + 'x':>10}  {'PASS' if t['pass'] else 'MISS'}"
+        )
+    ref = report["sglang_reference"]
+    lines += [
+        "",
+        "reference (SGLang, SPEC section 9): build+pickle "
+        f"{ref['per_row_stats_lists']['build+encode_us']:.0f} us / {ref['per_row_stats_lists']['msg_KB']} KB "
+        "with per-row stats lists, "
+        f"{ref['request_output_stats']['build+encode_us']:.0f} us / {ref['request_output_stats']['msg_KB']} KB "
+        "with RequestOutputStats",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=512, help="rows per step (default 512)")
+    parser.add_argument("--rounds", type=int, default=200, help="timed rounds; the minimum is reported (default 200)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    report = run(requests=args.requests, rounds=args.rounds, seed=args.seed)
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
