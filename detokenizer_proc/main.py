@@ -15,6 +15,7 @@ from pipeline.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerInput,
+    SchedulerStatsReport,
     from_column,
     split_token_rows,
 )
@@ -59,8 +60,8 @@ def run_detokenizer(config: ServerConfig) -> None:
             continue
         frame = inbox.recv(copy=False)
         msg = decoder.decode(frame.buffer)
-        if isinstance(msg, BatchEmbeddingOutput):
-            outbox.send(frame, copy=False)
+        if isinstance(msg, (BatchEmbeddingOutput, SchedulerStatsReport)):
+            outbox.send(frame, copy=False)  # not ours to change: forward the frame as it came
         elif isinstance(msg, BatchTokenIDOutput):
             try:
                 out = detokenize_frame(detok, msg)

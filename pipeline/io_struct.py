@@ -160,8 +160,8 @@ class CachedTokensDetails(msgspec.Struct, omit_defaults=True, gc=False, frozen=T
     """A map on the wire on purpose: it is shown to users as-is, and the storage keys
     appear only while HiCache storage is attached."""
 
-    device: int = 0
-    host: int = 0
+    device: int
+    host: int
     storage: int | None = None
     storage_backend: str | None = None
 
@@ -231,8 +231,26 @@ class BatchEmbeddingOutput(msgspec.Struct, tag="emb_out", array_like=True, gc=Fa
     finished_reasons: list[FinishReason | None] | None = None
 
 
-DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput]
-TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput]
+class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, gc=False):
+    """The scheduler's gauges, sent about twice a second while it works (and once when it
+    goes idle) through the detokenizer, so one /metrics endpoint serves every process."""
+
+    num_running_reqs: int
+    num_queue_reqs: int
+    token_usage: float  # KV held by requests (not by evictable cache) / pool capacity
+    cache_hit_rate: float  # cached / prompt tokens of the prefills since the last report
+    gen_throughput: float  # generated tokens per second since the last report
+    num_retracted_reqs: int  # requests retracted since the last report
+    num_retracted_requests_total: int
+    kv_used_tokens: int
+    kv_capacity: int
+    cached_tokens_in_tree: int
+    forward_steps_total: int
+    live_reqs: int  # requests the scheduler holds in any state
+
+
+DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport]
+TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport]
 
 
 # --- control ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import zmq
 
@@ -16,6 +17,7 @@ from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.model_limits import context_length_of
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.stats_reporter import SchedulerStatsReporter
 from scheduler_proc.stop_checker import StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")
@@ -50,6 +52,7 @@ def run_scheduler(config: ServerConfig) -> None:
     encoder = make_encoder()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    reporter = SchedulerStatsReporter(scheduler)
     report_ready(ctx, config, "scheduler")
 
     while not shutdown.is_set():
@@ -70,5 +73,8 @@ def run_scheduler(config: ServerConfig) -> None:
                 logger.warning("dropped embedding request %s: this server runs --mode %s", msg.rid, config.mode)
         for out in scheduler.step():
             outbox.send(encoder.encode(out), copy=False)
+        report = reporter.maybe_report(time.time())
+        if report is not None:
+            outbox.send(encoder.encode(report), copy=False)
     logger.info("scheduler exiting (pid %d)", os.getpid())
     ctx.destroy(linger=0)

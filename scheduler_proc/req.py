@@ -50,6 +50,7 @@ class Req:
         "_stats",
         "_decode_options_sent",
         "is_embedding",
+        "admitted_once",
         "__weakref__",
     )
 
@@ -83,6 +84,7 @@ class Req:
         self.prefix_node: Any = None  # radix-cache node locked for this request
         self.generator: torch.Generator | None = None
         self.is_embedding = is_embedding
+        self.admitted_once = False  # cached_tokens is fixed at the first admission
         self._decode_options_sent = False
 
         self.stats_epoch = 0

@@ -23,11 +23,13 @@ import torch
 from pipeline.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
+    CachedTokensDetails,
     FinishAbort,
     TokenizedGenerateReqInput,
 )
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import build_token_output
+from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import sample
 from scheduler_proc.stop_checker import StopChecker
@@ -52,6 +54,7 @@ class Scheduler:
     ) -> None:
         self.runner = runner
         self.kv = runner.kv
+        self.cache = RadixCache(runner.kv)
         self.stop_checker = stop_checker
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -67,6 +70,9 @@ class Scheduler:
         self._rows_due: list[Req] = []  # rows produced outside a step (aborts, rejections)
         self.num_retracted_total = 0
         self.forward_steps = 0
+        self.generated_tokens_total = 0
+        self.prefill_tokens_total = 0  # prompt tokens of first admissions
+        self.cached_tokens_total = 0  # of those, served from the prefix cache
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -153,19 +159,25 @@ class Scheduler:
             candidates.append(req)
             admitted += 1
         for req in candidates:
+            from_waiting = bool(self.waiting) and self.waiting[0] is req
             if budget <= 0:
                 self._requeue_unscheduled(req)
                 continue
+            if from_waiting:
+                self._attach_cached_prefix(req)
             fill = req.fill_ids
             take = min(len(fill) - req.num_computed, budget)
-            slots = self.kv.alloc(take) if self.kv.num_free - take >= slots_for_decode else None
+            slots = self._alloc(take, reserve=slots_for_decode)
             if slots is None:
+                if from_waiting:
+                    self._unlock_prefix(req)  # it holds only the cache's own slots so far
                 self._requeue_unscheduled(req)
                 budget = 0  # arrival order: nobody overtakes a request that does not fit
                 continue
-            if self.waiting and self.waiting[0] is req:
+            if from_waiting:
                 self.waiting.popleft()
                 req.leave_waiting_queue(now)
+                self._record_first_admission(req)
             batch.append((req, fill[req.num_computed : req.num_computed + take], slots))
             budget -= take
         if not batch:
@@ -196,6 +208,51 @@ class Scheduler:
         picked = logits if len(done_rows) == len(batch) else logits[torch.tensor(done_rows, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
 
+    def _attach_cached_prefix(self, req: Req) -> None:
+        """Starts a (re-)prefill from the longest cached prefix. The last token is always
+        computed, since its logits pick the next token."""
+        fill = req.fill_ids
+        slots, node = self.cache.match_prefix(fill[: len(fill) - 1])
+        self.cache.inc_lock(node)
+        req.prefix_node = node
+        req.kv_slots = slots
+        req.num_computed = len(slots)
+
+    def _record_first_admission(self, req: Req) -> None:
+        if req.admitted_once:
+            return
+        req.admitted_once = True
+        cached = req.num_computed
+        self.prefill_tokens_total += len(req.origin_input_ids)
+        self.cached_tokens_total += cached
+        if cached:
+            req.update_stats(cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0))
+
+    def _alloc(self, n: int, reserve: int = 0) -> torch.Tensor | None:
+        """n pool slots, evicting cached prefixes when the free list is short; None when even
+        that would leave fewer than ``reserve`` slots for the next decode step."""
+        if self.kv.num_free + self.cache.evictable_size - n < reserve:
+            return None
+        if self.kv.num_free < n:
+            self.cache.evict(n - self.kv.num_free)
+        return self.kv.alloc(n)
+
+    def _release_kv(self, req: Req) -> None:
+        """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
+        the slots (freeing duplicates of what it already held), then the prefix lock drops."""
+        slots = req.kv_slots
+        if slots is not None and slots.numel():
+            tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]
+            self.cache.insert(tokens, slots)
+        self._unlock_prefix(req)
+
+    def _unlock_prefix(self, req: Req) -> None:
+        if req.prefix_node is not None:
+            self.cache.dec_lock(req.prefix_node)
+        req.prefix_node = None
+        req.kv_slots = None
+        req.num_computed = 0
+
     def _requeue_unscheduled(self, req: Req) -> None:
         """A candidate that got no slots this step: a mid-chunk request stays in prefill,
         a waiting one stays where it is."""
@@ -207,7 +264,7 @@ class Scheduler:
             return
         self._retract_until_fits()
         reqs = self.running
-        slots = self.kv.alloc(len(reqs))
+        slots = self._alloc(len(reqs))
         assert slots is not None, "retraction left too few KV slots"
         logits, _ = self.runner.extend(
             [[r.output_ids[-1]] for r in reqs],
@@ -224,6 +281,7 @@ class Scheduler:
         """Appends one sampled token per request, checks stops, queues due rows; returns
         the requests that keep running."""
         still_running: list[Req] = []
+        self.generated_tokens_total += len(tokens)
         for req, token in zip(reqs, tokens):
             req.output_ids.append(token)
             reason = self.stop_checker.check(req)
@@ -243,7 +301,7 @@ class Scheduler:
         prompt). The last running request is never retracted: admission guarantees that
         one request alone always fits."""
         now = time.time()
-        while self.kv.num_free < len(self.running):
+        while self.kv.num_free + self.cache.evictable_size < len(self.running):
             if self.prefilling:
                 victim = self.prefilling.pop()
             elif len(self.running) > 1:
@@ -254,14 +312,13 @@ class Scheduler:
             self._retract(victim, now)
 
     def _retract(self, req: Req, now: float) -> None:
-        if req.kv_slots is not None:
-            self.kv.free(req.kv_slots)
-        req.kv_slots = None
-        req.num_computed = 0
+        self._release_kv(req)  # what it computed stays in the cache while the pool allows
         req.mark_retracted(now)
         self.waiting.appendleft(req)
         self.num_retracted_total += 1
-        logger.info("retracted req_id=%d rid=%s retraction_count=%d", req.req_id, req.rid, req.retraction_count)
+        # A warning: retraction means the pool is too small for the load, and tests and
+        # operators count these lines.
+        logger.warning("retracted req_id=%d rid=%s retraction_count=%d", req.req_id, req.rid, req.retraction_count)
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -274,10 +331,16 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _release(self, req: Req) -> None:
-        if req.kv_slots is not None:
-            self.kv.free(req.kv_slots)
-            req.kv_slots = None
+        self._release_kv(req)
         self.live.pop(req.req_id, None)
+
+    @property
+    def kv_tokens_held_by_requests(self) -> int:
+        return self.kv.num_used - self.cache.evictable_size
+
+    @property
+    def cache_size(self) -> int:
+        return self.cache.total_size
 
     @property
     def num_running(self) -> int:

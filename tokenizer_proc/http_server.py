@@ -15,7 +15,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.io_struct import FinishAbort, SamplingParams, TraceContext
 from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
+from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
+from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -58,6 +60,11 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = tm.metrics.render() if tm.metrics is not None else b""
+        return Response(content=body, media_type=CONTENT_TYPE)
+
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         info = msgspec.to_builtins(tm.config)
@@ -68,18 +75,23 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             vocab_size=tm.tokenizer.vocab_size,
             live_requests=len(tm.states),
             aborted_requests=tm.num_aborted_requests,
+            scheduler=msgspec.structs.asdict(tm.last_scheduler_report) if tm.last_scheduler_report else None,
         )
         return info
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         obj: GenerateRequest = decode_body(await request.body(), GenerateRequest)  # type: ignore[assignment]
-        if obj.image_data or obj.audio_data or obj.video_data:
-            raise RequestValidationError("media inputs are not supported by this server", "image_data")
         sampling = obj.sampling_params.to_wire()
-        input_ids = tm.tokenize(obj.text, obj.input_ids)
+        media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
+        input_ids = expand_prompt(tm.tokenize(obj.text, obj.input_ids), media, tm.tokenizer.media_token_ids)
         state = tm.submit_generate(
-            input_ids=input_ids, sampling=sampling, stream=obj.stream, rid=obj.rid, trace=_trace_context(request)
+            input_ids=input_ids,
+            sampling=sampling,
+            stream=obj.stream,
+            rid=obj.rid,
+            media=tuple(media),
+            trace=_trace_context(request),
         )
         if obj.stream:
             return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")

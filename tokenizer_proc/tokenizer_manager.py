@@ -28,6 +28,7 @@ from pipeline.io_struct import (
     FinishAbort,
     MediaItem,
     SamplingParams,
+    SchedulerStatsReport,
     TokenizedGenerateReqInput,
     TokenizerManagerInput,
     TraceContext,
@@ -37,6 +38,7 @@ from pipeline.io_struct import (
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer
 from tokenizer_proc.api_schema import RequestValidationError
+from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
 
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
@@ -63,6 +65,8 @@ class TokenizerManager:
         self._next_req_id = itertools.count((worker_index << _WORKER_SHIFT) + 1)
         self._dropped_rows = RateLimitedWarning(logger)
         self.num_aborted_requests = 0
+        self.metrics = ServiceMetrics(self.model_name) if config.enable_metrics else None
+        self.last_scheduler_report: SchedulerStatsReport | None = None
         self._encoder = make_encoder()
         self._ctx: zmq.asyncio.Context | None = None
         self._send: Any = None
@@ -188,6 +192,11 @@ class TokenizerManager:
     # --- outputs: the one loop over rows -------------------------------------------------
 
     def handle_output(self, frame: TokenizerManagerInput) -> None:
+        if isinstance(frame, SchedulerStatsReport):
+            self.last_scheduler_report = frame
+            if self.metrics is not None:
+                self.metrics.scheduler.update(frame)
+            return
         if isinstance(frame, BatchEmbeddingOutput):
             raise ValueError("embedding frames are not served by this manager yet")
         self._handle_str_output(frame)

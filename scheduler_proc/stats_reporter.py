@@ -1,0 +1,62 @@
+"""Turns the scheduler's running counters into a ``SchedulerStatsReport`` now and then:
+gauges are windowed over the time since the previous report."""
+
+from __future__ import annotations
+
+from pipeline.io_struct import SchedulerStatsReport
+from scheduler_proc.scheduler import Scheduler
+
+REPORT_INTERVAL = 0.5
+
+
+class SchedulerStatsReporter:
+    def __init__(self, scheduler: Scheduler, interval: float = REPORT_INTERVAL) -> None:
+        self._s = scheduler
+        self._interval = interval
+        self._last_time = 0.0
+        self._last_generated = 0
+        self._last_prompt = 0
+        self._last_cached = 0
+        self._last_retracted = 0
+        self._cache_hit_rate = 0.0
+        self._reported_idle = False
+
+    def maybe_report(self, now: float) -> SchedulerStatsReport | None:
+        """A report every ``interval`` seconds while busy, and one when work runs out, so
+        the gauges fall back to zero instead of freezing at their last busy value."""
+        idle = not self._s.has_work()
+        if idle and self._reported_idle:
+            return None
+        if not idle and now - self._last_time < self._interval:
+            return None
+        self._reported_idle = idle
+        return self.report(now)
+
+    def report(self, now: float) -> SchedulerStatsReport:
+        s = self._s
+        elapsed = now - self._last_time if self._last_time else 0.0
+        generated = s.generated_tokens_total - self._last_generated
+        prompt = s.prefill_tokens_total - self._last_prompt
+        cached = s.cached_tokens_total - self._last_cached
+        if prompt > 0:
+            self._cache_hit_rate = cached / prompt
+        report = SchedulerStatsReport(
+            num_running_reqs=s.num_running,
+            num_queue_reqs=s.num_waiting,
+            token_usage=s.kv_tokens_held_by_requests / s.kv.capacity,
+            cache_hit_rate=self._cache_hit_rate,
+            gen_throughput=generated / elapsed if elapsed > 0 else 0.0,
+            num_retracted_reqs=s.num_retracted_total - self._last_retracted,
+            num_retracted_requests_total=s.num_retracted_total,
+            kv_used_tokens=s.kv.num_used,
+            kv_capacity=s.kv.capacity,
+            cached_tokens_in_tree=s.cache_size,
+            forward_steps_total=s.forward_steps,
+            live_reqs=len(s.live),
+        )
+        self._last_time = now
+        self._last_generated = s.generated_tokens_total
+        self._last_prompt = s.prefill_tokens_total
+        self._last_cached = s.cached_tokens_total
+        self._last_retracted = s.num_retracted_total
+        return report

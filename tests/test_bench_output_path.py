@@ -1,0 +1,71 @@
+"""Smoke test of the output-path micro benchmark (bench/output_path.py, SPEC section 9):
+tiny rounds, checks the shape of the table and that every number is positive. It does
+not check the targets (timings on a shared CI machine say nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "output_path.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    name = "tokenpipe_bench_output_path"
+    spec = importlib.util.spec_from_file_location(name, BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # pickle finds the baseline dataclass by module name
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_run_returns_every_row_and_column(bench: ModuleType) -> None:
+    report = bench.run(requests=16, rounds=3)
+    assert list(report["results"]) == list(bench.ROWS)
+    for name, row in report["results"].items():
+        assert list(row) == list(bench.COLUMNS), name
+        assert all(value > 0 for value in row.values()), (name, row)
+        assert row["build+encode_us"] >= max(row["build_us"], row["encode_us"])
+    for key in ("metrics=on", "metrics=off"):
+        assert all(value > 0 for value in report["ratios"][key].values())
+    assert report["metrics_on_off"] > 0
+    assert len(report["targets"]) == 7 and all(isinstance(t["pass"], bool) for t in report["targets"])
+    results = report["results"]
+    # Sizes are deterministic: columnar frames do not grow with metrics on (no stats in a
+    # steady step), the baseline's time stats lists do.
+    assert results["tokenpipe metrics=on"]["msg_KB"] == results["tokenpipe metrics=off"]["msg_KB"]
+    assert results["baseline(pickle) metrics=on"]["msg_KB"] > results["baseline(pickle) metrics=off"]["msg_KB"]
+
+
+def test_main_prints_table_and_writes_json(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "result.json"
+    assert bench.main(["--requests", "8", "--rounds", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("variant"))
+    assert header.split()[1:] == list(bench.COLUMNS)
+    for name in bench.ROWS:
+        row = next(line for line in lines if line.startswith(name + " "))
+        numbers = [float(v) for v in row[len(name) :].split()]
+        assert len(numbers) == len(bench.COLUMNS) and all(v > 0 for v in numbers), row
+    for key in ("metrics=on", "metrics=off"):
+        row = next(line for line in lines if line.startswith(key))
+        assert len(row.split()) == 1 + len(bench.COLUMNS)
+    assert sum(("PASS" in line) or ("MISS" in line) for line in lines) == 7
+    assert "707" in text and "38.3" in text and "492" in text and "22.3" in text
+    data = json.loads(out.read_text())
+    assert data["config"] == {**data["config"], "requests": 8, "rounds": 2}
+    assert list(data["results"]) == list(bench.ROWS)
