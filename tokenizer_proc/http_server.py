@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,6 +82,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        arrived = time.time()
         obj: GenerateRequest = decode_body(await request.body(), GenerateRequest)  # type: ignore[assignment]
         sampling = obj.sampling_params.to_wire()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
@@ -92,6 +94,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             rid=obj.rid,
             media=tuple(media),
             trace=_trace_context(request),
+            created_time=arrived,
         )
         if obj.stream:
             return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")

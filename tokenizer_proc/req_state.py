@@ -22,6 +22,7 @@ class ReqState:
     sampling: SamplingParams
     created_time: float  # time.time() when the HTTP request arrived
     trace: TraceContext | None = None
+    tokenized_time: float | None = None  # when the request left for the scheduler
     request_stats: RequestOutputStats | None = None
     finished_reason: FinishReason | None = None
     completion_tokens: int = 0
@@ -33,10 +34,20 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
+    # Wall-clock time of each retraction, for the span's retract events.
+    retract_times: list[float] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def update_request_stats(self, stats: RequestOutputStats) -> None:
+    def update_request_stats(self, stats: RequestOutputStats, now: float) -> None:
+        previous = self.request_stats
         self.request_stats = stats
+        missed = stats.num_retractions - (previous.num_retractions if previous is not None else 0)
+        if missed > 0:
+            # A retraction re-enters the waiting queue, so its time is the new queue entry
+            # time (metrics on); otherwise the best we know is when the news arrived.
+            ts = stats.time_stats
+            at = ts.wait_queue_entry_time if ts is not None and ts.wait_queue_entry_time is not None else now
+            self.retract_times.extend([at] * missed)
 
     @property
     def finished(self) -> bool:

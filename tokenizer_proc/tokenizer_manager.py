@@ -67,6 +67,11 @@ class TokenizerManager:
         self.num_aborted_requests = 0
         self.metrics = ServiceMetrics(self.model_name) if config.enable_metrics else None
         self.last_scheduler_report: SchedulerStatsReport | None = None
+        self.tracer: Any = None
+        if config.otlp_traces_endpoint:
+            from tokenizer_proc.tracing import RequestTracer
+
+            self.tracer = RequestTracer(config, self.model_name)
         self._encoder = make_encoder()
         self._ctx: zmq.asyncio.Context | None = None
         self._send: Any = None
@@ -81,6 +86,8 @@ class TokenizerManager:
         self._loop_task = asyncio.create_task(self._receive_loop(recv))
 
     async def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.shutdown()  # flushes spans still queued for export
         if self._loop_task is not None:
             self._loop_task.cancel()
         if self._ctx is not None:
@@ -150,8 +157,16 @@ class TokenizerManager:
         rid = rid if rid is not None else f"{req_id:x}-{time.monotonic_ns() & 0xFFFFFF:06x}"
         if rid in self.rid_to_req_id:
             raise RequestValidationError(f"a request with rid {rid!r} is already running", "rid")
-        now = time.time() if created_time is None else created_time
-        state = ReqState(rid=rid, req_id=req_id, stream=stream, sampling=sampling, created_time=now, trace=trace)
+        now = time.time()
+        state = ReqState(
+            rid=rid,
+            req_id=req_id,
+            stream=stream,
+            sampling=sampling,
+            created_time=now if created_time is None else created_time,
+            trace=trace,
+            tokenized_time=now,
+        )
         self.states[req_id] = state
         self.rid_to_req_id[rid] = req_id
         self._send_obj(
@@ -161,7 +176,7 @@ class TokenizerManager:
                 input_ids=input_ids,
                 sampling_params=sampling,
                 stream=stream,
-                arrival_time=now,
+                arrival_time=state.created_time,
                 media=media,
                 trace=trace,
             )
@@ -215,7 +230,7 @@ class TokenizerManager:
             state = self.states.get(req_ids[i])
             stats = stats_col[i] if stats_col is not None else None
             if state is not None and stats is not None:
-                state.update_request_stats(stats)
+                state.update_request_stats(stats, now)
             if state is None or state.request_stats is None:
                 self._dropped_rows.warn(
                     "dropped an output row for req_id %d: %s", req_ids[i], "no live request" if state is None else "no stats yet"
@@ -228,6 +243,8 @@ class TokenizerManager:
                 state.finished_time = now
                 if isinstance(reason, FinishAbort):
                     self.num_aborted_requests += 1
+                if self.tracer is not None:
+                    self.tracer.on_finish(state)
                 self.forget(state)
             state.event.set()
 
