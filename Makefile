@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 PORT ?= 30000
 
-.PHONY: serve test bench setup clean
+.PHONY: serve test bench setup system-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,16 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/tokenpipe serve --port $(PORT) $(ARGS)
 
-test: $(STAMP)
+# The metrics tests run a real Prometheus server and promtool (Debian package). Without
+# root or apt they skip on a laptop; in CI (CI=true) they fail instead.
+system-deps:
+	@if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+		else echo "note: prometheus/promtool missing and cannot apt-get install them; their tests will skip"; fi; \
+	fi
+
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -7,9 +7,13 @@ endpoint covers every process without a multiprocess directory. Names carry the
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from pipeline.io_struct import SchedulerStatsReport
+from pipeline.io_struct import FinishAbort, SchedulerStatsReport
+from tokenizer_proc.req_state import ReqState
+
+# A `*_created` series per counter and histogram doubles the scrape for no use here.
+disable_created_metrics()
 
 PREFIX = "tokenpipe:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -50,11 +54,92 @@ class SchedulerGauges:
         self.last_report = report
 
 
+# SGLang's bucket boundaries, extended downwards: on a CPU-sized model a token takes
+# milliseconds, and SGLang's smallest latency buckets (0.1 s TTFT, 2 ms ITL) would put
+# every observation of a small deployment into one bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 25.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 90.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
+RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50)
+TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
+
+
+class RequestMetrics:
+    """Request-level metrics of SPEC section 7. Every value comes from the ReqState: its
+    ``request_stats`` (the scheduler's numbers) and its own timing."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        names = list(labels)
+        self._labels = labels
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, names + list(extra), registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, names + list(extra), buckets=buckets, registry=registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**labels)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.").labels(**labels)
+        cached = counter("cached_tokens", "Prompt tokens served from the prefix cache, by tier.", ("cache_source",))
+        self.cached_tokens = {src: cached.labels(**labels, cache_source=src) for src in ("device", "host", "storage", "total")}
+        requests = counter("num_requests", "Finished requests.", ("is_streaming",))
+        self.num_requests = {s: requests.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
+        self.num_aborted = counter("num_aborted_requests", "Requests that finished by abort.").labels(**labels)
+        ttft = histogram("time_to_first_token_seconds", "Arrival to the first token at the API.", TTFT_BUCKETS, ("is_streaming",))
+        self.ttft = {s: ttft.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens as the API sees them, per token.", ITL_BUCKETS).labels(**labels)
+        e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS, ("is_streaming",))
+        self.e2e = {s: e2e.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "Decode time per output token after the first.", ITL_BUCKETS
+        ).labels(**labels)
+        self.queue_time = histogram("queue_time_seconds", "Time in the scheduler's waiting queue, all stays.", QUEUE_BUCKETS).labels(**labels)
+        self.num_retractions = histogram("num_retractions", "Retractions per finished request.", RETRACTION_BUCKETS).labels(**labels)
+        self.prompt_tokens_hist = histogram("prompt_tokens_histogram", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS).labels(**labels)
+        self.generation_tokens_hist = histogram(
+            "generation_tokens_histogram", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        ).labels(**labels)
+
+    def on_tokens(self, state: ReqState, num_tokens: int, previous_token_time: float | None, now: float) -> None:
+        """A row with tokens reached the API: TTFT on the first, ITL per token after."""
+        if previous_token_time is None:
+            self.ttft[state.stream].observe(now - state.created_time)
+        elif num_tokens:
+            per_token = (now - previous_token_time) / num_tokens
+            for _ in range(num_tokens):
+                self.itl.observe(per_token)
+
+    def on_finish(self, state: ReqState) -> None:
+        stats = state.request_stats
+        assert stats is not None and state.finished_time is not None
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(state.completion_tokens)
+        details = stats.cached_tokens_details
+        if details is not None:
+            self.cached_tokens["device"].inc(details.device)
+            self.cached_tokens["host"].inc(details.host)
+            self.cached_tokens["storage"].inc(details.storage or 0)
+        self.cached_tokens["total"].inc(stats.cached_tokens)
+        self.num_requests[state.stream].inc()
+        if isinstance(state.finished_reason, FinishAbort):
+            self.num_aborted.inc()
+        self.e2e[state.stream].observe(state.finished_time - state.created_time)
+        if state.first_token_time is not None and state.completion_tokens > 1:
+            self.tpot.observe((state.finished_time - state.first_token_time) / (state.completion_tokens - 1))
+        if stats.time_stats is not None:
+            self.queue_time.observe(stats.time_stats.queue_time)
+        self.num_retractions.observe(stats.num_retractions)
+        self.prompt_tokens_hist.observe(stats.prompt_tokens)
+        self.generation_tokens_hist.observe(state.completion_tokens)
+
+
 class ServiceMetrics:
-    def __init__(self, model_name: str, engine_type: str = "unified") -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, model_name: str, engine_type: str = "unified", registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name, "engine_type": engine_type}
         self.scheduler = SchedulerGauges(self.registry, self.labels)
+        self.requests = RequestMetrics(self.registry, self.labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

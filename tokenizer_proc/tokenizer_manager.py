@@ -226,6 +226,7 @@ class TokenizerManager:
             raise ValueError(f"frame columns disagree in length ({n} req_ids)")
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
+        metrics = self.metrics.requests if self.metrics is not None else None
         for i in range(n):
             state = self.states.get(req_ids[i])
             stats = stats_col[i] if stats_col is not None else None
@@ -236,15 +237,19 @@ class TokenizerManager:
                     "dropped an output row for req_id %d: %s", req_ids[i], "no live request" if state is None else "no stats yet"
                 )
                 continue
+            previous_token_time = state.last_token_time
             state.add_output(frame.text_deltas[i], rows[i], completion[i], now)
+            if metrics is not None and rows[i]:
+                metrics.on_tokens(state, len(rows[i]), previous_token_time, now)
             reason = finished_col[i] if finished_col is not None else None
             if reason is not None:
                 state.finished_reason = reason
                 state.finished_time = now
                 if isinstance(reason, FinishAbort):
                     self.num_aborted_requests += 1
+                if metrics is not None:
+                    metrics.on_finish(state)
                 if self.tracer is not None:
                     self.tracer.on_finish(state)
                 self.forget(state)
             state.event.set()
-
