@@ -20,39 +20,56 @@ from pipeline.io_struct import (
     TOKEN_DTYPE,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
+    DecodeOptions,
     FinishReason,
+    RequestOutputStats,
 )
-from scheduler_proc.req import Req
-
-
-def _none_if_all_none(values: list) -> list | None:  # type: ignore[type-arg]
-    return values if any(v is not None for v in values) else None
+from scheduler_proc.req import PENDING_STATS, Req
 
 
 def build_token_output(reqs: Sequence[Req]) -> BatchTokenIDOutput:
-    """One row per request: the tokens generated since its last row."""
+    """One row per request: the tokens generated since its last row.
+
+    The stats, decode-option and finish columns are asked of each request only while some
+    request has stats pending (``PENDING_STATS``): a first row, a finished row and a row
+    after a stats change are all pending, so a steady decode step skips those calls."""
     n = len(reqs)
-    req_ids = np.fromiter((r.req_id for r in reqs), dtype=REQ_ID_DTYPE, count=n)
-    completion = np.fromiter((len(r.output_ids) for r in reqs), dtype=COUNT_DTYPE, count=n)
-    sent = np.fromiter((r.num_sent_tokens for r in reqs), dtype=COUNT_DTYPE, count=n)
+    outputs = [r.output_ids for r in reqs]
+    completion = np.array([len(o) for o in outputs], dtype=COUNT_DTYPE)
+    sent = np.array([r.num_sent_tokens for r in reqs], dtype=COUNT_DTYPE)
     counts = completion - sent
-    if counts.max(initial=0) == 1 and counts.min(initial=1) == 1:
-        tokens = np.fromiter((r.output_ids[-1] for r in reqs), dtype=TOKEN_DTYPE, count=n)
+    if n and counts.min() == 1 and counts.max() == 1:
+        tokens = np.array([o[-1] for o in outputs], dtype=TOKEN_DTYPE)
     else:
         tokens = np.fromiter(
-            chain.from_iterable(r.output_ids[r.num_sent_tokens :] for r in reqs), dtype=TOKEN_DTYPE, count=int(counts.sum())
+            chain.from_iterable(o[k:] for o, k in zip(outputs, sent.tolist())), dtype=TOKEN_DTYPE, count=int(counts.sum())
         )
-    for r in reqs:
-        r.num_sent_tokens = len(r.output_ids)
-    finished: list[FinishReason | None] = [r.finished_reason for r in reqs]
+    for r, done in zip(reqs, completion.tolist()):
+        r.num_sent_tokens = done
+
+    stats: list[RequestOutputStats | None] | None = None
+    options: list[DecodeOptions | None] | None = None
+    finished: list[FinishReason | None] | None = None
+    if PENDING_STATS:
+        stats = [r.take_request_stats_due() for r in reqs]
+        if stats.count(None) == n:
+            stats = None
+        else:
+            # A request's first row always carries stats, so options ride on stats rows.
+            options = [r.take_decode_options_due() if st is not None else None for r, st in zip(reqs, stats)]
+            if options.count(None) == n:
+                options = None
+            finished = [r.finished_reason for r in reqs]
+            if finished.count(None) == n:
+                finished = None
     return BatchTokenIDOutput(
-        req_ids=req_ids.tobytes(),
+        req_ids=np.array([r.req_id for r in reqs], dtype=REQ_ID_DTYPE).tobytes(),
         output_ids=tokens.tobytes(),
         output_counts=counts.tobytes(),
         completion_tokens=completion.tobytes(),
-        finished_reasons=_none_if_all_none(finished),
-        request_stats=_none_if_all_none([r.take_request_stats_due() for r in reqs]),
-        decode_options=_none_if_all_none([r.take_decode_options_due() for r in reqs]),
+        finished_reasons=finished,
+        request_stats=stats,
+        decode_options=options,
     )
 
 

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -26,6 +27,12 @@ from pipeline.io_struct import (
 )
 
 _replace = msgspec.structs.replace
+
+# Requests whose next row is due to carry stats: added by the stats setter, at creation and
+# at the finish; removed by take_request_stats_due when it records a send. While it is empty
+# no row anywhere is due, and the output builder skips asking each request (the steady
+# decode step). Weak, so a request dropped without a final row cannot leak.
+PENDING_STATS: weakref.WeakSet[Req] = weakref.WeakSet()
 
 
 class Req:
@@ -100,6 +107,7 @@ class Req:
             video_tokens=counts["video"],
             time_stats=SchedulerTimeStats() if collect_time_stats else None,
         )
+        PENDING_STATS.add(self)  # the first output is always due
 
     # --- stats: one setter, one decision point ------------------------------------------
 
@@ -116,6 +124,7 @@ class Req:
         request carry the new value, however the value changed."""
         self._stats = _replace(self._stats, **changes)
         self.stats_epoch += 1
+        PENDING_STATS.add(self)
 
     def update_time_stats(self, **changes: Any) -> None:
         """Time stats exist only when metrics are on; otherwise this costs nothing."""
@@ -137,6 +146,7 @@ class Req:
             return None
         self.request_stats_retraction_count = self._stats.num_retractions
         self._stats_epoch_sent = self.stats_epoch
+        PENDING_STATS.discard(self)
         return self._stats
 
     def take_decode_options_due(self) -> DecodeOptions | None:
@@ -169,6 +179,7 @@ class Req:
 
     def finish(self, reason: FinishReason, now: float | None = None) -> None:
         self.finished_reason = reason
+        PENDING_STATS.add(self)  # the finished row always carries stats
         self.update_time_stats(completion_time=time.time() if now is None else now)
 
     # --- token bookkeeping ---------------------------------------------------------------
