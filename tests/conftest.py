@@ -13,3 +13,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = ServerProcess(tmp_path_factory.mktemp("shared-server") / "tmp").wait_ready()
     yield srv
     srv.stop()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--lifecycles", default="20000", help="lifecycles for the differential test")
+    parser.addoption("--lifecycle-seed", default="0", help="first seed of the differential test")

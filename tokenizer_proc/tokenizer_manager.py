@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -55,7 +55,9 @@ class TokenizerManager:
         *,
         context_length: int,
         worker_index: int = 0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self._clock = clock  # injectable, so the differential test is deterministic
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -153,11 +155,36 @@ class TokenizerManager:
         created_time: float | None = None,
     ) -> ReqState:
         self.validate_lengths(len(input_ids), sampling)
+        state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
+        self._send_obj(
+            TokenizedGenerateReqInput(
+                rid=state.rid,
+                req_id=state.req_id,
+                input_ids=input_ids,
+                sampling_params=sampling,
+                stream=stream,
+                arrival_time=state.created_time,
+                media=media,
+                trace=trace,
+            )
+        )
+        return state
+
+    def open_state(
+        self,
+        *,
+        sampling: SamplingParams,
+        stream: bool,
+        rid: str | None,
+        trace: TraceContext | None = None,
+        created_time: float | None = None,
+    ) -> ReqState:
+        """Assigns the req_id and registers the ReqState that outputs will update."""
         req_id = next(self._next_req_id)
         rid = rid if rid is not None else f"{req_id:x}-{time.monotonic_ns() & 0xFFFFFF:06x}"
         if rid in self.rid_to_req_id:
             raise RequestValidationError(f"a request with rid {rid!r} is already running", "rid")
-        now = time.time()
+        now = self._clock()
         state = ReqState(
             rid=rid,
             req_id=req_id,
@@ -169,18 +196,6 @@ class TokenizerManager:
         )
         self.states[req_id] = state
         self.rid_to_req_id[rid] = req_id
-        self._send_obj(
-            TokenizedGenerateReqInput(
-                rid=rid,
-                req_id=req_id,
-                input_ids=input_ids,
-                sampling_params=sampling,
-                stream=stream,
-                arrival_time=state.created_time,
-                media=media,
-                trace=trace,
-            )
-        )
         return state
 
     def abort(self, req_id: int, reason: str = "client disconnected") -> None:
@@ -217,7 +232,7 @@ class TokenizerManager:
         self._handle_str_output(frame)
 
     def _handle_str_output(self, frame: BatchStrOutput) -> None:
-        now = time.time()
+        now = self._clock()
         req_ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
         rows = split_token_rows(frame.output_ids, frame.output_counts)
         completion = from_column(frame.completion_tokens, COUNT_DTYPE).tolist()

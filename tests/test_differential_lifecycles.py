@@ -1,0 +1,166 @@
+"""Differential lifecycle test (SPEC section 9): stats sent only when due must give the
+client, the metrics and the spans exactly what full stats on every row would give.
+
+Two pipelines see the same frames. The optimized one is the real path: rows built by
+``build_token_output`` (so ``take_request_stats_due`` decides), msgpack encode and typed
+decode, the real detokenizer, another encode/decode, and the real
+``TokenizerManager.handle_output``. The reference frame is the same frame with the current
+stats on every row. After every frame, every row's client-visible output (text and ids
+since the last output, and ``meta_info``), every metrics observation and, per finished
+request, every span attribute must be equal.
+
+Run more lifecycles than the suite's default with
+``python -m pytest tests/test_differential_lifecycles.py --lifecycles 20000``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pytest
+
+from detokenizer_proc.incremental import IncrementalDetokenizer
+from detokenizer_proc.main import detokenize_frame
+from pipeline.config import ServerConfig
+from pipeline.io_struct import BatchTokenIDOutput, DetokenizerInput, TokenizerManagerInput
+from pipeline.tokenizer_loader import load_tokenizer
+from scheduler_proc.output_builder import build_token_output
+from scheduler_proc.req import Req
+from tests.lifecycle_sim import SimWorld, lifecycle, make_req, make_sampling
+from tokenizer_proc.meta_info import build_meta_info
+from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+TOKENIZER = load_tokenizer(None)
+ENCODER = msgspec.msgpack.Encoder()
+TO_DETOKENIZER = msgspec.msgpack.Decoder(DetokenizerInput)
+TO_MANAGER = msgspec.msgpack.Decoder(TokenizerManagerInput)
+MAX_ACTIVE = 12
+
+
+class Recorder:
+    """Stands in front of one metric child and records each observation, in order."""
+
+    def __init__(self, log: list[tuple[str, str, float]], name: str, child: Any) -> None:
+        self._log, self._name, self._child = log, name, child
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._log.append((self._name, "inc", amount))
+        self._child.inc(amount)
+
+    def observe(self, value: float) -> None:
+        self._log.append((self._name, "observe", value))
+        self._child.observe(value)
+
+
+def record_metrics(tm: TokenizerManager) -> list[tuple[str, str, float]]:
+    log: list[tuple[str, str, float]] = []
+    if tm.metrics is None:
+        return log
+    requests = tm.metrics.requests
+    for attr, value in list(vars(requests).items()):
+        if isinstance(value, dict):
+            setattr(requests, attr, {k: Recorder(log, f"{attr}[{k}]", v) for k, v in value.items()})
+        elif hasattr(value, "inc") or hasattr(value, "observe"):
+            setattr(requests, attr, Recorder(log, attr, value))
+    return log
+
+
+@dataclass
+class Pipeline:
+    tm: TokenizerManager
+    detok: IncrementalDetokenizer
+    metrics_log: list[tuple[str, str, float]]
+    states: dict[int, ReqState] = field(default_factory=dict)
+
+    def feed(self, frame: BatchTokenIDOutput) -> None:
+        wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
+        out = detokenize_frame(self.detok, wire)  # type: ignore[arg-type]
+        self.tm.handle_output(TO_MANAGER.decode(ENCODER.encode(out)))
+
+    def client_output(self, req_id: int) -> dict[str, Any] | None:
+        """What the client would receive now for this request (None: nothing yet)."""
+        state = self.states[req_id]
+        if state.request_stats is None:
+            return None
+        if state.stream:
+            text, ids = state.take_pending()
+        elif state.finished:
+            text, ids = state.text, state.output_ids
+        else:
+            return None
+        return {"text": text, "output_ids": ids, "meta_info": build_meta_info(state)}
+
+
+def make_pipeline(metrics: bool, clock: Any) -> Pipeline:
+    config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=metrics)
+    tm = TokenizerManager(config, TOKENIZER, context_length=2048, clock=clock)
+    return Pipeline(tm, IncrementalDetokenizer(TOKENIZER.tokenizer), record_metrics(tm))
+
+
+def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
+    """Drives ``lifecycles`` random lifecycles; returns the number of rows compared."""
+    rng = random.Random(seed)
+    world = SimWorld(rng)
+    opt, ref = make_pipeline(metrics, lambda: world.now), make_pipeline(metrics, lambda: world.now)
+    stop_token = next(iter(TOKENIZER.eos_token_ids))
+    active: list[tuple[Req, Any]] = []
+    started = compared = 0
+    while started < lifecycles or active:
+        while started < lifecycles and len(active) < MAX_ACTIVE and rng.random() < 0.5:
+            stream = rng.random() < 0.6
+            sampling, _ = make_sampling(rng, stream)
+            rid = f"sim-{seed}-{started}"
+            s_opt = opt.tm.open_state(sampling=sampling, stream=stream, rid=rid)
+            s_ref = ref.tm.open_state(sampling=sampling, stream=stream, rid=rid)
+            assert s_opt.req_id == s_ref.req_id
+            opt.states[s_opt.req_id], ref.states[s_ref.req_id] = s_opt, s_ref
+            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now)
+            active.append((req, lifecycle(world, req, stop_token)))
+            started += 1
+        if rng.random() < 0.01:
+            world.toggle_storage()
+        world.rows = []
+        still = []
+        for req, steps in active:
+            try:
+                next(steps)
+                still.append((req, steps))
+            except StopIteration:
+                pass
+        active = still
+        if world.rows:
+            compared += compare_frame(world, opt, ref, seed)
+        world.now += 0.01 + rng.random() / 1000
+    return compared
+
+
+def compare_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int) -> int:
+    rows = world.rows
+    frame = build_token_output(rows)
+    reference = msgspec.structs.replace(frame, request_stats=[r.stats for r in rows])
+    log_mark = (len(opt.metrics_log), len(ref.metrics_log))
+    opt.feed(frame)
+    ref.feed(reference)
+    for req in rows:
+        got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
+        if got != want:
+            pytest.fail(f"seed {seed}: output of {req.rid} differs at t={world.now:.3f}\n optimized: {got}\n reference: {want}")
+    new_opt, new_ref = opt.metrics_log[log_mark[0] :], ref.metrics_log[log_mark[1] :]
+    if new_opt != new_ref:
+        pytest.fail(f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}")
+    return len(rows)
+
+
+@pytest.mark.parametrize("metrics", [True, False], ids=["metrics-on", "metrics-off"])
+def test_due_stats_match_full_stats_on_every_row(request: pytest.FixtureRequest, metrics: bool) -> None:
+    total = int(request.config.getoption("--lifecycles"))
+    seed = int(request.config.getoption("--lifecycle-seed"))
+    per_seed = 500
+    compared = 0
+    for k in range(0, total // 2, per_seed):
+        compared += run_differential(min(per_seed, total // 2 - k), seed + k + (0 if metrics else 1_000_003), metrics)
+    assert compared > total  # every lifecycle emitted at least one row
