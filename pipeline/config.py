@@ -33,6 +33,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chunked_prefill_size: int = 512
     stream_interval: int = 1
     max_new_tokens_limit: int = 4096
+    discard_output: bool = False  # benchmarking only: build token frames, never send them
 
     # HTTP
     host: str = "127.0.0.1"
@@ -93,6 +94,11 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunking")
     g.add_argument("--stream-interval", type=int, default=d.stream_interval)
     g.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    g.add_argument(
+        "--discard-output",
+        action="store_true",
+        help="benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output",
+    )
 
     g = parser.add_argument_group("http")
     g.add_argument("--host", default=d.host)
@@ -132,6 +138,7 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         chunked_prefill_size=args.chunked_prefill_size,
         stream_interval=args.stream_interval,
         max_new_tokens_limit=args.max_new_tokens_limit,
+        discard_output=args.discard_output,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

@@ -72,7 +72,9 @@ def run_scheduler(config: ServerConfig) -> None:
             elif isinstance(msg, TokenizedEmbeddingReqInput):
                 logger.warning("dropped embedding request %s: this server runs --mode %s", msg.rid, config.mode)
         for out in scheduler.step():
-            outbox.send(encoder.encode(out), copy=False)
+            frame = encoder.encode(out)
+            if not config.discard_output:
+                outbox.send(frame, copy=False)
         report = reporter.maybe_report(time.time())
         if report is not None:
             outbox.send(encoder.encode(report), copy=False)
