@@ -65,12 +65,10 @@ def run_scheduler(config: ServerConfig) -> None:
             except zmq.Again:
                 break
             msg = decoder.decode(frame.buffer)
-            if isinstance(msg, TokenizedGenerateReqInput):
-                scheduler.add_request(msg)
-            elif isinstance(msg, AbortReq):
+            if isinstance(msg, AbortReq):
                 scheduler.abort(msg)
-            elif isinstance(msg, TokenizedEmbeddingReqInput):
-                logger.warning("dropped embedding request %s: this server runs --mode %s", msg.rid, config.mode)
+            elif isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
+                scheduler.add_request(msg)
         for out in scheduler.step():
             frame = encoder.encode(out)
             if not config.discard_output:

@@ -58,6 +58,7 @@ class Req:
         "_decode_options_sent",
         "is_embedding",
         "admitted_once",
+        "hidden_sum",
         "__weakref__",
     )
 
@@ -92,6 +93,7 @@ class Req:
         self.generator: torch.Generator | None = None
         self.is_embedding = is_embedding
         self.admitted_once = False  # cached_tokens is fixed at the first admission
+        self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self._decode_options_sent = False
 
         self.stats_epoch = 0

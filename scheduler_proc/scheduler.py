@@ -20,15 +20,21 @@ from collections import deque
 
 import torch
 
+import numpy as np
+
 from pipeline.io_struct import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchTokenIDOutput,
     CachedTokensDetails,
     FinishAbort,
+    FinishLength,
+    SamplingParams,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from scheduler_proc.model_runner import ModelRunner
-from scheduler_proc.output_builder import build_token_output
+from scheduler_proc.output_builder import build_embedding_output, build_token_output
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import sample
@@ -37,6 +43,8 @@ from scheduler_proc.stop_checker import StopChecker
 logger = logging.getLogger("tokenpipe.scheduler")
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.long)
+# An embedding request generates nothing: it finishes when its prompt is prefilled.
+_EMBEDDING_SAMPLING = SamplingParams(max_new_tokens=0)
 
 
 class Scheduler:
@@ -76,22 +84,24 @@ class Scheduler:
 
     # --- inputs --------------------------------------------------------------------------
 
-    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+    def add_request(self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput) -> None:
+        if msg.req_id in self.live:
+            logger.warning("dropped a request with a duplicate req_id %d (rid %r)", msg.req_id, msg.rid)
+            return
         now = time.time()
+        embedding = isinstance(msg, TokenizedEmbeddingReqInput)
         req = Req(
             rid=msg.rid,
             req_id=msg.req_id,
             input_ids=msg.input_ids,
-            sampling=msg.sampling_params,
-            stream=msg.stream,
+            sampling=_EMBEDDING_SAMPLING if embedding else msg.sampling_params,  # type: ignore[union-attr]
+            stream=False if embedding else msg.stream,  # type: ignore[union-attr]
             stream_interval=self.stream_interval,
             arrival_time=msg.arrival_time,
             media=msg.media,
             collect_time_stats=self.collect_time_stats,
+            is_embedding=embedding,
         )
-        if msg.req_id in self.live:
-            logger.warning("dropped a request with a duplicate req_id %d (rid %r)", msg.req_id, msg.rid)
-            return
         problem = self._admission_problem(req)
         if problem is not None:
             # The tokenizer manager validates first; this guards the scheduler against a
@@ -109,7 +119,7 @@ class Scheduler:
             return "input_ids is empty"
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.vocab_size:
             return f"input_ids holds a token id outside the vocabulary [0, {self.vocab_size})"
-        if n + req.sampling.max_new_tokens > self.kv.capacity:
+        if n > self.kv.capacity - req.sampling.max_new_tokens:
             return (
                 f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds "
                 f"the KV pool ({self.kv.capacity} tokens)"
@@ -132,18 +142,32 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running or self._rows_due)
 
-    def step(self) -> list[BatchTokenIDOutput]:
+    def step(self) -> list[BatchTokenIDOutput | BatchEmbeddingOutput]:
         rows, self._rows_due = self._rows_due, []
         newly_running = self._prefill(rows)
         self._decode(rows)
         self.running.extend(newly_running)
         if not rows:
             return []
-        frame = build_token_output(rows)
-        for req in rows:
+        frames: list[BatchTokenIDOutput | BatchEmbeddingOutput] = []
+        embedded = [r for r in rows if r.is_embedding]
+        if embedded:
+            rows = [r for r in rows if not r.is_embedding]
+            frames.append(build_embedding_output(embedded, np.stack([self._pooled(r) for r in embedded])))
+        if rows:
+            frames.append(build_token_output(rows))
+        for req in rows + embedded:
             if req.finished:
                 self._release(req)
-        return [frame]
+        return frames
+
+    def _pooled(self, req: Req) -> np.ndarray:
+        """Mean over the prompt's final hidden states, L2-normalised; zeros for a request
+        that ended before its prefill did (an abort)."""
+        if req.hidden_sum is None or req.num_computed < len(req.origin_input_ids):
+            return np.zeros(self.runner.model_config.hidden_size, dtype=np.float32)
+        mean = req.hidden_sum / len(req.origin_input_ids)
+        return torch.nn.functional.normalize(mean, dim=0).cpu().numpy().astype(np.float32)
 
     def _prefill(self, rows: list[Req]) -> list[Req]:
         now = time.time()
@@ -163,7 +187,8 @@ class Scheduler:
             if budget <= 0:
                 self._requeue_unscheduled(req)
                 continue
-            if from_waiting:
+            if from_waiting and not req.is_embedding:
+                # Pooling needs every prompt token's hidden state, so embeddings skip the cache.
                 self._attach_cached_prefix(req)
             fill = req.fill_ids
             take = min(len(fill) - req.num_computed, budget)
@@ -183,12 +208,16 @@ class Scheduler:
         if not batch:
             return []
 
-        logits, _ = self.runner.extend(
+        embeds = any(req.is_embedding for req, _, _ in batch)
+        logits, hidden = self.runner.extend(
             [toks for _, toks, _ in batch],
             [req.kv_slots if req.kv_slots is not None else _EMPTY_SLOTS for req, _, _ in batch],
             [slots for _, _, slots in batch],
+            return_hidden=embeds,
         )
         self.forward_steps += 1
+        if hidden is not None:
+            self._accumulate_hidden(batch, hidden)
         done_rows: list[int] = []
         for i, (req, toks, slots) in enumerate(batch):
             req.kv_slots = slots if req.kv_slots is None else torch.cat((req.kv_slots, slots))
@@ -205,8 +234,27 @@ class Scheduler:
             ts = req.stats.time_stats
             if ts is not None and ts.prefill_finished_time is None:
                 req.update_time_stats(prefill_finished_time=finished_at)
-        picked = logits if len(done_rows) == len(batch) else logits[torch.tensor(done_rows, device=logits.device)]
+        for req in done:
+            if req.is_embedding:
+                req.finish(FinishLength(length=0), finished_at)
+                rows.append(req)
+        generating = [i for i in done_rows if not batch[i][0].is_embedding]
+        if not generating:
+            return []
+        done = [batch[i][0] for i in generating]
+        picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
+
+    @staticmethod
+    def _accumulate_hidden(batch: list[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor) -> None:
+        """Adds each embedding request's new hidden states into its running sum, so a
+        prompt prefilled in chunks pools exactly like one prefilled at once."""
+        offset = 0
+        for req, toks, _ in batch:
+            if req.is_embedding:
+                part = hidden[offset : offset + len(toks)].sum(dim=0, dtype=torch.float32)
+                req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
+            offset += len(toks)
 
     def _attach_cached_prefix(self, req: Req) -> None:
         """Starts a (re-)prefill from the longest cached prefix. The last token is always
@@ -239,9 +287,12 @@ class Scheduler:
 
     def _release_kv(self, req: Req) -> None:
         """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
-        the slots (freeing duplicates of what it already held), then the prefix lock drops."""
+        the slots (freeing duplicates of what it already held), then the prefix lock drops.
+        An embedding request's KV is only freed: it never reads the cache."""
         slots = req.kv_slots
-        if slots is not None and slots.numel():
+        if slots is not None and slots.numel() and req.is_embedding:
+            self.kv.free(slots)
+        elif slots is not None and slots.numel():
             tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]
             self.cache.insert(tokens, slots)
         self._unlock_prefix(req)
@@ -313,6 +364,7 @@ class Scheduler:
 
     def _retract(self, req: Req, now: float) -> None:
         self._release_kv(req)  # what it computed stays in the cache while the pool allows
+        req.hidden_sum = None  # an embedding request pools again from its re-prefill
         req.mark_retracted(now)
         self.waiting.appendleft(req)
         self.num_retracted_total += 1

@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 
 import msgspec
+import numpy as np
 
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
+    EMBEDDING_DTYPE,
     REQ_ID_DTYPE,
     AbortReq,
+    BatchEmbeddingOutput,
     FinishAbort,
     SamplingParams,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     from_column,
     split_token_rows,
@@ -112,3 +116,25 @@ def test_retraction_under_pressure_leaves_no_leak() -> None:
     assert s.num_retracted_total > 0
     assert all(len(v) == 60 for v in out.values()) and len(out) == 8
     assert_no_kv_leak(s)
+
+
+def embed(s: Scheduler, req_id: int, ids: list[int]) -> tuple[np.ndarray, object]:
+    s.add_request(TokenizedEmbeddingReqInput(rid=f"e{req_id}", req_id=req_id, input_ids=ids, arrival_time=time.time()))
+    frames = []
+    while s.has_work():
+        frames += [f for f in s.step() if isinstance(f, BatchEmbeddingOutput)]
+    assert len(frames) == 1
+    frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frames[0]), type=BatchEmbeddingOutput)
+    return from_column(frame.embeddings, EMBEDDING_DTYPE).reshape(frame.shape)[0], frame.request_stats[0]
+
+
+def test_embedding_pools_the_same_chunked_or_not() -> None:
+    chunked, whole = make(chunk=32), make(chunk=-1)
+    a, stats = embed(chunked, 1, PROMPT)
+    b, _ = embed(whole, 1, PROMPT)
+    assert np.allclose(a, b, atol=1e-5)
+    assert abs(float(np.linalg.norm(a)) - 1.0) < 1e-5
+    assert stats is not None and stats.prompt_tokens == len(PROMPT) and stats.cached_tokens == 0  # type: ignore[attr-defined]
+    c, _ = embed(whole, 2, PROMPT[:80])
+    assert not np.allclose(a, c, atol=1e-3), "different inputs should embed differently"
+    assert_no_kv_leak(whole)

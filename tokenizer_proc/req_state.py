@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pipeline.io_struct import FinishReason, RequestOutputStats, SamplingParams, TraceContext
 
 
@@ -34,6 +36,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_ids: list[int] = field(default_factory=list)
+    embedding: np.ndarray | None = None  # embedding requests: the pooled vector
     # Wall-clock time of each retraction, for the span's retract events.
     retract_times: list[float] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)

@@ -21,14 +21,17 @@ import zmq.asyncio
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     COUNT_DTYPE,
+    EMBEDDING_DTYPE,
     REQ_ID_DTYPE,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
     FinishAbort,
+    FinishLength,
     MediaItem,
     SamplingParams,
     SchedulerStatsReport,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     TokenizerManagerInput,
     TraceContext,
@@ -143,6 +146,15 @@ class TokenizerManager:
                 "sampling_params.max_new_tokens",
             )
 
+    def submit_embedding(self, *, input_ids: list[int], rid: str | None, created_time: float | None = None) -> ReqState:
+        if len(input_ids) > self.context_length:
+            raise RequestValidationError(
+                f"input ({len(input_ids)} tokens) is longer than the context length ({self.context_length})", "input"
+            )
+        state = self.open_state(sampling=SamplingParams(max_new_tokens=0), stream=False, rid=rid, created_time=created_time)
+        self._send_obj(TokenizedEmbeddingReqInput(rid=state.rid, req_id=state.req_id, input_ids=input_ids, arrival_time=state.created_time))
+        return state
+
     def submit_generate(
         self,
         *,
@@ -228,8 +240,9 @@ class TokenizerManager:
                 self.metrics.scheduler.update(frame)
             return
         if isinstance(frame, BatchEmbeddingOutput):
-            raise ValueError("embedding frames are not served by this manager yet")
-        self._handle_str_output(frame)
+            self._handle_embedding_output(frame)
+        else:
+            self._handle_str_output(frame)
 
     def _handle_str_output(self, frame: BatchStrOutput) -> None:
         now = self._clock()
@@ -267,4 +280,33 @@ class TokenizerManager:
                 if self.tracer is not None:
                     self.tracer.on_finish(state)
                 self.forget(state)
+            state.event.set()
+
+    def _handle_embedding_output(self, frame: BatchEmbeddingOutput) -> None:
+        now = self._clock()
+        req_ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
+        rows, dim = frame.shape
+        matrix = from_column(frame.embeddings, EMBEDDING_DTYPE)
+        if not (len(req_ids) == rows == len(frame.request_stats)) or matrix.size != rows * dim:
+            raise ValueError(f"embedding frame of shape {frame.shape} disagrees with its {len(req_ids)} req_ids")
+        matrix = matrix.reshape(rows, dim)
+        finished_col = frame.finished_reasons
+        metrics = self.metrics.requests if self.metrics is not None else None
+        for i in range(rows):
+            state = self.states.get(req_ids[i])
+            if state is None:
+                self._dropped_rows.warn("dropped an embedding row for req_id %d: no live request", req_ids[i])
+                continue
+            state.update_request_stats(frame.request_stats[i], now)
+            state.embedding = matrix[i]
+            reason = finished_col[i] if finished_col is not None else None
+            state.finished_reason = reason if reason is not None else FinishLength(length=0)
+            state.finished_time = now
+            if isinstance(reason, FinishAbort):
+                self.num_aborted_requests += 1
+            if metrics is not None:
+                metrics.on_finish(state)
+            if self.tracer is not None:
+                self.tracer.on_finish(state, operation="embeddings")
+            self.forget(state)
             state.event.set()

@@ -1,0 +1,448 @@
+"""Scheduler decode-step benchmark: the scheduler alone, no sockets.
+
+For each batch size B (``--batch-sizes``, default 1,16,64,256) a fresh scheduler is built
+with ``scheduler_proc.main.build_scheduler(ServerConfig(...))`` on the default model (the
+built-in seeded model and the shipped tokenizer), with a KV pool sized to hold every
+request for the whole run. Then:
+
+1. B requests are submitted: ``--context`` (default 32) prompt tokens each, the first
+   token distinct per request so the prefix cache cannot share them; greedy
+   (temperature 0), ``ignore_eos``, streamed with stream_interval 1 (every step emits a
+   row per request), ``max_new_tokens`` large enough that none finishes during the run;
+2. warm-up: ``Scheduler.step()`` until every request is prefilled and decoding (no
+   waiting or mid-chunk request), then ``--warmup`` (default 3) more decode steps;
+3. timed: ``--steps`` (default 50) calls of ``Scheduler.step()``, each one batched decode
+   over the B requests plus the output frame build, stopping early after
+   ``--max-seconds`` (default 60) per batch size. Every step is checked to be a pure
+   decode step that emitted one frame of B rows.
+
+``scheduler.runner.extend`` (ForwardBatch build + model forward) and
+``scheduler.runner.model.forward`` are wrapped with timers for the timed steps, so the
+table splits a step into the forward, the host-side batch build and everything outside
+``extend`` (retraction check, KV alloc, slot bookkeeping, sampling, stop checks, output
+frame build). On CUDA the wrappers synchronize before reading the clock, so kernel time
+is charged to the forward rather than to the ``.tolist()`` in the sampler.
+
+``--profile`` then runs ``--profile-steps`` more decode steps of the largest batch size
+under cProfile and prints the top entries (by own time and by cumulative time).
+
+Usage: ``python bench/scheduler_step.py [--batch-sizes 1,16,64,256] [--steps 50]
+[--context 32] [--torch-threads N] [--device auto] [--profile] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from pipeline.config import ServerConfig  # noqa: E402
+from pipeline.io_struct import REQ_ID_DTYPE, SamplingParams, TokenizedGenerateReqInput, from_column  # noqa: E402
+from scheduler_proc.main import build_scheduler  # noqa: E402
+from scheduler_proc.scheduler import Scheduler  # noqa: E402
+
+COLUMNS = (
+    "steps",
+    "steps/s",
+    "tokens/s",
+    "ms/step",
+    "p50_ms",
+    "fwd_ms",
+    "build_ms",
+    "outside_ms",
+    "outside_%",
+)
+COLUMN_HELP = (
+    "steps: timed steps; ms/step: mean; p50_ms: median step; fwd_ms: model.forward; "
+    "build_ms: ForwardBatch build (extend minus forward); outside_ms / outside_%: step time "
+    "outside runner.extend (scheduling, sampling, stop checks, output frame)"
+)
+FIRST_TOKEN = 16  # prompt ids start above the tokenizer's special tokens
+
+
+# --- timing wrappers ---------------------------------------------------------------------
+
+
+class _Timer:
+    """Wraps a callable; sums the wall time of its calls (synchronizing CUDA first)."""
+
+    def __init__(self, fn: Callable[..., Any], sync: Callable[[], None] | None) -> None:
+        self.fn = fn
+        self.sync = sync
+        self.total_ns = 0
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        out = self.fn(*args, **kwargs)
+        if self.sync is not None:
+            self.sync()
+        self.total_ns += time.perf_counter_ns() - t0
+        self.calls += 1
+        return out
+
+    def take(self) -> int:
+        total, self.total_ns = self.total_ns, 0
+        return total
+
+
+def _instrument(scheduler: Scheduler) -> tuple[_Timer, _Timer]:
+    """Instance attributes shadow the bound methods the scheduler and runner call."""
+    runner = scheduler.runner
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
+    extend = _Timer(runner.extend, sync)
+    forward = _Timer(runner.model.forward, sync)
+    runner.extend = extend  # type: ignore[method-assign]
+    runner.model.forward = forward  # type: ignore[method-assign]
+    return extend, forward
+
+
+# --- set-up ------------------------------------------------------------------------------
+
+
+def _prompts(batch_size: int, context: int, vocab_size: int, seed: int) -> list[list[int]]:
+    span = vocab_size - FIRST_TOKEN
+    if batch_size > span:
+        raise ValueError(f"at most {span} requests get distinct first tokens with this vocabulary")
+    rng = random.Random(seed)
+    return [
+        [FIRST_TOKEN + i] + [rng.randrange(FIRST_TOKEN, vocab_size) for _ in range(context - 1)]
+        for i in range(batch_size)
+    ]
+
+
+def _build(
+    batch_size: int, tokens_per_req: int, torch_threads: int | None, device: str
+) -> Scheduler:
+    # Headroom beyond the requests' own KV: the pool also leaves slots for the next decode
+    # step during admission, and nothing here may ever trigger a retraction.
+    pool = batch_size * tokens_per_req + 2 * batch_size + 64
+    config = ServerConfig(
+        max_total_tokens=max(pool, 16),
+        max_running_requests=max(batch_size, ServerConfig().max_running_requests),
+        torch_threads=torch_threads,
+        device=device,
+    )
+    return build_scheduler(config)
+
+
+def _submit(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int) -> None:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    now = time.time()
+    for i, ids in enumerate(prompts):
+        scheduler.add_request(
+            TokenizedGenerateReqInput(
+                rid=f"bench-{i}", req_id=i, input_ids=ids, sampling_params=params, stream=True, arrival_time=now
+            )
+        )
+
+
+def _decode_step(scheduler: Scheduler, batch_size: int) -> None:
+    """One step that must be a pure decode over every request, emitting B rows."""
+    frames = scheduler.step()
+    if len(frames) != 1 or len(from_column(frames[0].req_ids, REQ_ID_DTYPE)) != batch_size:
+        raise RuntimeError("a timed step was not one frame with a row per request")
+
+
+# --- one batch size ----------------------------------------------------------------------
+
+
+def run_batch(
+    batch_size: int,
+    *,
+    steps: int,
+    context: int,
+    warmup: int = 3,
+    max_seconds: float = 60.0,
+    torch_threads: int | None = None,
+    device: str = "auto",
+    profile_steps: int = 0,
+    profile_top: int = 25,
+    seed: int = 0,
+) -> dict[str, Any]:
+    if batch_size < 1 or steps < 1 or context < 1 or warmup < 0:
+        raise ValueError("batch size, steps and context must be >= 1, warmup >= 0")
+    # Decode tokens a request may see: warm-up, timed and profiled steps, plus the ones
+    # emitted while the other requests' prefills were still running (each prefill step
+    # fills the chunk budget, so the prompts take about B * context / chunk steps).
+    chunk = ServerConfig().chunked_prefill_size
+    prefill_steps_bound = (-(-batch_size * context // chunk) if chunk > 0 else 1) + 2
+    max_new = warmup + steps + profile_steps + prefill_steps_bound + 8
+    scheduler = _build(batch_size, context + max_new, torch_threads, device)
+    if context + max_new >= scheduler.context_length:
+        max_new = scheduler.context_length - context - 1
+    needed = context + warmup + steps + profile_steps + 2
+    if needed >= scheduler.context_length:
+        raise ValueError(
+            f"context ({context}) + warm-up + steps + profile steps does not fit the model's "
+            f"context length ({scheduler.context_length})"
+        )
+    _submit(scheduler, _prompts(batch_size, context, scheduler.vocab_size, seed), max_new)
+    if len(scheduler.live) != batch_size:
+        raise RuntimeError("the scheduler refused some benchmark requests")
+
+    t0 = time.perf_counter()
+    prefill_steps = 0
+    while scheduler.waiting or scheduler.prefilling or len(scheduler.running) < batch_size:
+        scheduler.step()
+        prefill_steps += 1
+        if prefill_steps > prefill_steps_bound:
+            raise RuntimeError("requests did not all reach decoding")
+    for _ in range(warmup):
+        _decode_step(scheduler, batch_size)
+    warmup_s = time.perf_counter() - t0
+
+    extend, forward = _instrument(scheduler)
+    gc.collect()
+    step_ns: list[int] = []
+    deadline = time.perf_counter() + max_seconds
+    for _ in range(steps):
+        t = time.perf_counter_ns()
+        _decode_step(scheduler, batch_size)
+        step_ns.append(time.perf_counter_ns() - t)
+        if time.perf_counter() > deadline:
+            break
+    if scheduler.num_retracted_total:
+        raise RuntimeError("a retraction happened during the benchmark; the KV pool is too small")
+    n = len(step_ns)
+    total_s = sum(step_ns) / 1e9
+    extend_s = extend.take() / 1e9
+    forward_s = forward.take() / 1e9
+    outside_s = total_s - extend_s
+    result: dict[str, Any] = {
+        "batch_size": batch_size,
+        "steps": n,
+        "steps/s": n / total_s,
+        "tokens/s": batch_size * n / total_s,
+        "ms/step": total_s * 1e3 / n,
+        "p50_ms": statistics.median(step_ns) / 1e6,
+        "fwd_ms": forward_s * 1e3 / n,
+        "build_ms": (extend_s - forward_s) * 1e3 / n,
+        "outside_ms": outside_s * 1e3 / n,
+        "outside_%": 100.0 * outside_s / total_s,
+        "prefill_steps": prefill_steps,
+        "warmup_s": warmup_s,
+        "kv_pool_tokens": scheduler.kv.capacity,
+    }
+    if profile_steps > 0:
+        result["profile"] = _profile(scheduler, batch_size, profile_steps, profile_top)
+    return result
+
+
+def _profile(scheduler: Scheduler, batch_size: int, steps: int, top: int) -> dict[str, str]:
+    # The timers stay in place (they show up as _Timer.__call__); their cost is two clock
+    # reads per call.
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        _decode_step(scheduler, batch_size)
+    profiler.disable()
+    out: dict[str, str] = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        stats = pstats.Stats(profiler, stream=buf)
+        stats.strip_dirs().sort_stats(key).print_stats(top)
+        out[key] = buf.getvalue()
+    # Where the time outside the model forward goes: what the step's own functions call.
+    buf = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buf)
+    stats.strip_dirs().sort_stats("cumulative")
+    for pattern in _CALLEE_PATTERNS:
+        stats.print_callees(pattern)
+    out["callees"] = buf.getvalue()
+    return out
+
+
+_CALLEE_PATTERNS = (
+    r"scheduler\.py:\d+\((step|_decode|_append_tokens)\)",
+    r"forward_batch\.py:\d+\((build|_cat_cpu)\)",
+    r"sampler\.py:\d+\(sample\)",
+    r"output_builder\.py:\d+\(build_token_output\)",
+)
+
+
+# --- the whole run -----------------------------------------------------------------------
+
+
+def machine_info(device: str = "auto") -> dict[str, Any]:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": device,
+    }
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def run(
+    batch_sizes: Sequence[int] = (1, 16, 64, 256),
+    *,
+    steps: int = 50,
+    context: int = 32,
+    warmup: int = 3,
+    max_seconds: float = 60.0,
+    torch_threads: int | None = None,
+    device: str = "auto",
+    profile: bool = False,
+    profile_steps: int = 20,
+    profile_top: int = 25,
+    seed: int = 0,
+) -> dict[str, Any]:
+    results = []
+    profiled = max(batch_sizes) if profile else None
+    machine: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    for b in batch_sizes:
+        row = run_batch(
+            b,
+            steps=steps,
+            context=context,
+            warmup=warmup,
+            max_seconds=max_seconds,
+            torch_threads=torch_threads,
+            device=device,
+            profile_steps=profile_steps if b == profiled else 0,
+            profile_top=profile_top,
+            seed=seed,
+        )
+        results.append(row)
+        if not machine:  # after the first build: build_scheduler sets the torch threads
+            from scheduler_proc.model_runner import resolve_device
+
+            machine = machine_info(str(resolve_device(device)))
+            model = _model_info(device)
+    return {
+        "config": {
+            "batch_sizes": list(batch_sizes),
+            "steps": steps,
+            "context": context,
+            "warmup": warmup,
+            "max_seconds": max_seconds,
+            "torch_threads": torch_threads,
+            "device": device,
+            "seed": seed,
+        },
+        "machine": machine,
+        "model": model,
+        "results": results,
+    }
+
+
+def _model_info(device: str) -> dict[str, Any]:
+    from pipeline.tokenizer_loader import load_tokenizer
+    from scheduler_proc.model_limits import load_model_config
+
+    config = ServerConfig(device=device)
+    mc = load_model_config(config, load_tokenizer(config.model_path).vocab_size)
+    return {
+        "name": "built-in seeded (model_path=None)",
+        "hidden": mc.hidden_size,
+        "layers": mc.num_hidden_layers,
+        "heads": f"{mc.num_attention_heads}/{mc.num_key_value_heads}",
+        "vocab": mc.vocab_size,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    m, cfg, model = report["machine"], report["config"], report["model"]
+    lines = [
+        f"machine: cpu_count={m['cpu_count']} (usable {m['cpus_usable']}), torch_threads={m['torch_threads']}, "
+        f"torch {m['torch']}, device={m['device']}" + (f" ({m['gpu']})" if "gpu" in m else "")
+        + f", python {m['python']}",
+        f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, heads {model['heads']}, "
+        f"vocab {model['vocab']}",
+        f"scheduler decode step: prompt {cfg['context']} tokens, {cfg['warmup']} warm-up + up to {cfg['steps']} "
+        f"timed steps per batch size (at most {cfg['max_seconds']:g} s), greedy, stream_interval 1",
+        "",
+        "batch".rjust(6) + "".join(f"{c:>12}" for c in COLUMNS),
+    ]
+    for row in report["results"]:
+        cells = [f"{row['steps']:>12d}"] + [f"{row[c]:>12.{_digits(c)}f}" for c in COLUMNS[1:]]
+        lines.append(f"{row['batch_size']:>6d}" + "".join(cells))
+    lines += ["", COLUMN_HELP]
+    for row in report["results"]:
+        prof = row.get("profile")
+        if prof:
+            lines += ["", f"cProfile, B={row['batch_size']}: top entries by own time", prof["tottime"].strip()]
+            lines += ["", f"cProfile, B={row['batch_size']}: top entries by cumulative time", prof["cumulative"].strip()]
+            lines += ["", f"cProfile, B={row['batch_size']}: callees of the step's own functions", prof["callees"].strip()]
+    return "\n".join(lines)
+
+
+def _digits(column: str) -> int:
+    return 1 if column in ("steps/s", "tokens/s", "outside_%") else 3
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from exc
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be positive integers")
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 16, 64, 256], help="default 1,16,64,256")
+    parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size (default 50)")
+    parser.add_argument("--max-seconds", type=float, default=60.0, help="stop timing a batch size after this (default 60)")
+    parser.add_argument("--warmup", type=int, default=3, help="decode steps after every request is decoding (default 3)")
+    parser.add_argument("--context", type=int, default=32, help="prompt tokens per request (default 32)")
+    parser.add_argument("--torch-threads", type=int, default=None, help="default: the server's (cores - 2, at least 1)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    parser.add_argument("--profile", action="store_true", help="cProfile extra steps of the largest batch size")
+    parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--profile-top", type=int, default=25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    report = run(
+        args.batch_sizes,
+        steps=args.steps,
+        context=args.context,
+        warmup=args.warmup,
+        max_seconds=args.max_seconds,
+        torch_threads=args.torch_threads,
+        device=args.device,
+        profile=args.profile,
+        profile_steps=args.profile_steps,
+        profile_top=args.profile_top,
+        seed=args.seed,
+    )
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
