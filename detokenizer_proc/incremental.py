@@ -26,7 +26,6 @@ from pipeline.sockets import RateLimitedWarning
 logger = logging.getLogger("tokenpipe.detokenizer")
 
 _REPLACEMENT = "\ufffd"
-_DEFAULT_OPTIONS = DecodeOptions()
 
 
 @dataclass
@@ -48,7 +47,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._states: dict[int, _RequestText] = {}
-        self._missing_options = RateLimitedWarning(logger)
+        self._unknown = RateLimitedWarning(logger)
 
     @property
     def num_live(self) -> int:
@@ -63,24 +62,29 @@ class IncrementalDetokenizer:
     ) -> list[str]:
         """Returns the text delta of each row, in row order."""
         states: list[_RequestText] = []
+        known: list[int] = []  # row indices that have state
         for i, rid in enumerate(req_ids):
             state = self._states.get(rid)
             if state is None:
                 opt = options[i] if options is not None else None
                 if opt is None:
-                    self._missing_options.warn("req_id %d has no decode options; using defaults", rid)
-                    opt = _DEFAULT_OPTIONS
+                    # Not a first row and no state: the request is unknown here (its first
+                    # row never came). Pass the row on without text rather than keep state
+                    # for an id that may never finish.
+                    self._unknown.warn("req_id %d has no decode state and no decode options; its text is dropped", rid)
+                    continue
                 state = self._states[rid] = _RequestText(opt)
             state.ids.extend(new_ids[i])
             states.append(state)
+            known.append(i)
 
         news = self._decode_rows(states, prefix_only=False)
         prefixes = self._decode_rows(states, prefix_only=True)
 
-        deltas: list[str] = []
-        for i, state in enumerate(states):
+        deltas = [""] * len(req_ids)
+        for k, (i, state) in enumerate(zip(known, states)):
             reason = finished[i] if finished is not None else None
-            new_text, prefix_text = news[i], prefixes[i]
+            new_text, prefix_text = news[k], prefixes[k]
             if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
                 state.text += new_text[len(prefix_text) :]
                 state.prefix_offset = state.read_offset
@@ -88,7 +92,7 @@ class IncrementalDetokenizer:
             elif reason is not None:
                 # An incomplete UTF-8 sequence at the very end is dropped, never shown.
                 state.text += new_text[len(prefix_text) :].rstrip(_REPLACEMENT)
-            deltas.append(self._take_delta(state, reason))
+            deltas[i] = self._take_delta(state, reason)
             if reason is not None:
                 del self._states[req_ids[i]]
         return deltas

@@ -20,7 +20,7 @@ from pipeline.io_struct import (
     split_token_rows,
 )
 from pipeline.process_util import ShutdownFlag, report_ready
-from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
+from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import load_tokenizer
 from detokenizer_proc.incremental import IncrementalDetokenizer
 
@@ -53,6 +53,7 @@ def run_detokenizer(config: ServerConfig) -> None:
     outbox = connect_push(ctx, config.tokenizer_input)
     decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(DetokenizerInput, logger, "detokenizer input")
     encoder = make_encoder()
+    inconsistent = RateLimitedWarning(logger)
     report_ready(ctx, config, "detokenizer")
 
     while not shutdown.is_set():
@@ -66,7 +67,7 @@ def run_detokenizer(config: ServerConfig) -> None:
             try:
                 out = detokenize_frame(detok, msg)
             except ValueError as exc:
-                logger.warning("dropped an inconsistent token frame: %s", exc)
+                inconsistent.warn("dropped an inconsistent token frame: %s", exc)
                 continue
             outbox.send(encoder.encode(out), copy=False)
     ctx.destroy(linger=0)

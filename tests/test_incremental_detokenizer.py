@@ -100,3 +100,12 @@ def test_rows_of_many_requests_in_one_frame() -> None:
         for i, delta in zip(rows, out):
             joined[i] += delta
     assert joined == TEXTS and detok.num_live == 0
+
+
+def test_row_of_an_unknown_request_keeps_no_state() -> None:
+    detok = IncrementalDetokenizer(TOK.tokenizer)
+    known = TOK.encode("hi")
+    out = detok.process([5, 6], [[42], known], [None, None], [None, DecodeOptions()])
+    assert out[0] == "" and detok.num_live == 1
+    out = detok.process([6], [[]], [FinishLength(length=len(known))], None)
+    assert detok.num_live == 0

@@ -100,6 +100,7 @@ class TokenizerManager:
 
     async def _receive_loop(self, sock: Any) -> None:
         decoder: FrameDecoder[TokenizerManagerInput] = FrameDecoder(TokenizerManagerInput, logger, "tokenizer manager input")
+        inconsistent = RateLimitedWarning(logger)
         while True:
             frame = await sock.recv(copy=False)
             msg = decoder.decode(frame.buffer)
@@ -108,7 +109,7 @@ class TokenizerManager:
             try:
                 self.handle_output(msg)
             except ValueError as exc:  # inconsistent columns: drop the frame, keep serving
-                logger.warning("dropped an inconsistent output frame: %s", exc)
+                inconsistent.warn("dropped an inconsistent output frame: %s", exc)
 
     def _send_obj(self, obj: Any) -> None:
         self._send.send(self._encoder.encode(obj), copy=False)
