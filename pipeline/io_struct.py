@@ -247,6 +247,7 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     cached_tokens_in_tree: int
     forward_steps_total: int
     live_reqs: int  # requests the scheduler holds in any state
+    instance: int  # random per scheduler start: a change means every in-flight request was lost
 
 
 DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport]

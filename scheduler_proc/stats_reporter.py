@@ -3,6 +3,8 @@ gauges are windowed over the time since the previous report."""
 
 from __future__ import annotations
 
+import random
+
 from pipeline.io_struct import SchedulerStatsReport
 from scheduler_proc.scheduler import Scheduler
 
@@ -19,7 +21,8 @@ class SchedulerStatsReporter:
         self._last_cached = 0
         self._last_retracted = 0
         self._cache_hit_rate = 0.0
-        self._reported_idle = False
+        self._reported_idle = False  # so a fresh scheduler announces itself at once
+        self._instance = random.getrandbits(62)
 
     def maybe_report(self, now: float) -> SchedulerStatsReport | None:
         """A report every ``interval`` seconds while busy, and one when work runs out, so
@@ -53,6 +56,7 @@ class SchedulerStatsReporter:
             cached_tokens_in_tree=s.cache_size,
             forward_steps_total=s.forward_steps,
             live_reqs=len(s.live),
+            instance=self._instance,
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total

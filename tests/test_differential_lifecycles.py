@@ -97,7 +97,7 @@ class Pipeline:
 
 def make_pipeline(metrics: bool, clock: Any) -> Pipeline:
     config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=metrics)
-    tm = TokenizerManager(config, TOKENIZER, context_length=2048, clock=clock)
+    tm = TokenizerManager(config, TOKENIZER, context_length=2048, clock=clock, req_id_base=1)
     return Pipeline(tm, IncrementalDetokenizer(TOKENIZER.tokenizer), record_metrics(tm))
 
 

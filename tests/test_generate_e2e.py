@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -50,12 +51,13 @@ def stream_events(client: httpx.Client, body: dict) -> list[dict]:  # type: igno
 
 
 def test_generate_non_streaming_meta_info(server: ServerProcess) -> None:
-    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    prompt = f"{uuid.uuid4().hex} {PROMPT}"  # unique, so nothing of it is in the prefix cache
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
     with server.client() as c:
         out = c.post("/generate", json=body).json()
     meta = out["meta_info"]
     assert META_KEYS <= set(meta), META_KEYS - set(meta)
-    assert meta["prompt_tokens"] == len(TOKENIZER.encode(PROMPT))
+    assert meta["prompt_tokens"] == len(TOKENIZER.encode(prompt))
     assert meta["completion_tokens"] == len(out["output_ids"]) == 24
     assert meta["finish_reason"] == {"type": "length", "length": 24}
     assert meta["num_retractions"] == 0 and meta["cached_tokens"] == 0

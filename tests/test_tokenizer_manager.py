@@ -37,12 +37,15 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(tmp_path: Path)
             second = tm.submit_generate(input_ids=[3], sampling=SamplingParams(), stream=False, rid="same")
             assert second.req_id != first.req_id
             decoder: FrameDecoder[SchedulerInput] = FrameDecoder(SchedulerInput, logging.getLogger("t"), "t")
-            return [decoder.decode(scheduler_inbox.recv()) for _ in range(3)]
+            return [decoder.decode(scheduler_inbox.recv()) for _ in range(4)]
         finally:
             await tm.close()
             scheduler_inbox.close(0)
 
     sent = asyncio.run(scenario())
+    # A (re)started manager first stops whatever an earlier incarnation left in the scheduler.
+    assert isinstance(sent[0], AbortReq) and sent[0].abort_all
+    sent = sent[1:]
     assert [type(m).__name__ for m in sent] == ["TokenizedGenerateReqInput", "AbortReq", "TokenizedGenerateReqInput"]
     assert isinstance(sent[1], AbortReq) and sent[1].req_id == sent[0].req_id  # type: ignore[union-attr]
 
@@ -51,4 +54,4 @@ def test_req_ids_are_never_reused_and_carry_the_worker_index(tmp_path: Path) -> 
     config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused")
     tm = TokenizerManager(config, load_tokenizer(None), context_length=2048, worker_index=3)
     ids = [next(tm._next_req_id) for _ in range(1000)]
-    assert len(set(ids)) == 1000 and all(i >> 48 == 3 for i in ids)
+    assert len(set(ids)) == 1000 and all(i >> 56 == 3 for i in ids)

@@ -30,7 +30,7 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
@@ -97,9 +97,13 @@ def decode_body(body: bytes, type_: type) -> object:
 
 
 def _param_of(message: str) -> str | None:
-    """``... - at `$.sampling_params.top_p``` -> ``sampling_params.top_p``."""
+    """``... - at `$.sampling_params.top_p``` -> ``sampling_params.top_p``; an unknown key
+    names itself: ``Object contains unknown field `foo` - at `$.x``` -> ``x.foo``."""
     marker = "- at `$."
     at = message.rfind(marker)
-    if at < 0:
-        return None
-    return message[at + len(marker) :].rstrip("`")
+    where = message[at + len(marker) :].rstrip("`") if at >= 0 else None
+    unknown = "unknown field `"
+    if message.startswith("Object contains " + unknown):
+        name = message[len("Object contains " + unknown) :].split("`", 1)[0]
+        return f"{where}.{name}" if where else name
+    return where

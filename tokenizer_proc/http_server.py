@@ -16,29 +16,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.io_struct import FinishAbort, SamplingParams, TraceContext
 from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
+from tokenizer_proc.embeddings_api import build_embeddings_router
+from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
+from tokenizer_proc.openai_api import build_openai_router
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
-_json = msgspec.json.Encoder()
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request finished."""
-
-
-def error_response(status: int, message: str, *, err_type: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"message": message, "type": err_type, "code": status}
-    if param is not None:
-        body["param"] = param
-    return JSONResponse({"error": body}, status_code=status)
-
-
-def _sse(payload: Any) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
 
 
 def build_app(tm: TokenizerManager) -> FastAPI:
@@ -93,16 +80,16 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             stream=obj.stream,
             rid=obj.rid,
             media=tuple(media),
-            trace=_trace_context(request),
+            trace=trace_context(request),
             created_time=arrived,
         )
         if obj.stream:
             return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")
         try:
-            await _wait_finished(tm, state, request)
+            await wait_finished(tm, state, request)
         except ClientGone:
             return Response(status_code=499)
-        refused = _refusal(state)
+        refused = refusal(state)
         if refused is not None:
             return refused
         return JSONResponse({"text": state.text, "output_ids": state.output_ids, "meta_info": build_meta_info(state)})
@@ -110,11 +97,14 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     @app.get("/health_generate")
     async def health_generate() -> Response:
         sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        state = tm.submit_generate(input_ids=tm.tokenizer.encode("ping")[:1] or [0], sampling=sampling, stream=False, rid=None)
+        state = tm.submit_generate(
+            input_ids=tm.tokenizer.encode("ping")[:1] or [0], sampling=sampling, stream=False, rid=None, internal=True
+        )
         try:
             await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
         except asyncio.TimeoutError:
             tm.abort(state.req_id, "health check timed out")
+            tm.forget(state)  # a stalled scheduler may never answer: keep no state for it
             return error_response(503, "a 1-token request did not get through the pipeline in time", err_type="service_unavailable")
         return JSONResponse({"status": "ok"})
 
@@ -131,6 +121,9 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             return error_response(404, f"no running request with rid {obj.rid!r}", err_type="not_found_error", param="rid")
         tm.abort(req_id, "aborted by /abort_request")
         return JSONResponse({"aborted": obj.rid})
+
+    app.include_router(build_openai_router(tm))
+    app.include_router(build_embeddings_router(tm))
 
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)
@@ -158,49 +151,14 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def _trace_context(request: Request) -> TraceContext | None:
-    parent = request.headers.get("traceparent")
-    return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
-
-
-def _refusal(state: ReqState) -> JSONResponse | None:
-    """A request the scheduler refused before running it is a client error, not output."""
-    reason = state.finished_reason
-    if isinstance(reason, FinishAbort) and reason.status_code == 400 and state.completion_tokens == 0:
-        return error_response(400, reason.message)
-    return None
-
-
-async def _wait_finished(tm: TokenizerManager, state: ReqState, request: Request) -> None:
-    """Waits for the finish, or aborts the request as soon as the client disconnects."""
-    disconnect = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        while not state.finished:
-            changed = asyncio.ensure_future(state.event.wait())
-            await asyncio.wait((changed, disconnect), return_when=asyncio.FIRST_COMPLETED)
-            changed.cancel()
-            state.event.clear()
-            if disconnect.done() and not state.finished:
-                tm.abort(state.req_id)
-                raise ClientGone
-    finally:
-        disconnect.cancel()
-
-
-async def _until_disconnected(request: Request) -> None:
-    # The body is already read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
     try:
         async for _ in tm.wait(state):
             text, ids = state.take_pending()
-            if state.finished and _refusal(state) is not None:
-                yield _sse({"error": {"message": state.finished_reason.message, "type": "invalid_request_error", "code": 400}})  # type: ignore[union-attr]
+            if state.finished and refusal(state) is not None:
+                yield sse({"error": {"message": state.finished_reason.message, "type": "invalid_request_error", "code": 400}})  # type: ignore[union-attr]
                 break
-            yield _sse({"text": text, "output_ids": ids, "meta_info": build_meta_info(state)})
+            yield sse({"text": text, "output_ids": ids, "meta_info": build_meta_info(state)})
         yield b"data: [DONE]\n\n"
     finally:
         # Cancelled by a disconnect (or any other exit before the finish): stop the work.

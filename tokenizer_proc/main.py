@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+from collections.abc import Iterator
 
 import uvicorn
 import uvloop
@@ -19,12 +22,27 @@ from tokenizer_proc.tokenizer_manager import TokenizerManager
 logger = logging.getLogger("tokenpipe.api")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM once ``serve()`` returns, which would kill the
+    process before the tokenizer manager closes (flushing queued spans). Here the signal
+    only starts uvicorn's graceful shutdown, and the process then exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 async def _serve(config: ServerConfig) -> None:
     tokenizer = load_tokenizer(config.model_path)
     tm = TokenizerManager(config, tokenizer, context_length=context_length_of(config, tokenizer.vocab_size))
     await tm.start()
     app = build_app(tm)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=config.host,
@@ -43,8 +61,10 @@ async def _serve(config: ServerConfig) -> None:
         report_ready(ctx, config, "api")
         ctx.destroy(linger=0)
         logger.info("serving %s on http://%s:%d", tm.model_name, config.host, config.port)
-    await serving
-    await tm.close()
+    try:
+        await serving
+    finally:
+        await tm.close()
     if not server.started:
         raise SystemExit(f"the HTTP server could not start on {config.host}:{config.port}")
 

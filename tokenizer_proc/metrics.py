@@ -47,7 +47,10 @@ class SchedulerGauges:
         self.cache_hit_rate.set(report.cache_hit_rate)
         self.gen_throughput.set(report.gen_throughput)
         self.num_retracted_reqs.set(report.num_retracted_reqs)
-        # The scheduler reports a running total; a counter only moves by the difference.
+        # The scheduler reports a running total; a counter only moves by the difference,
+        # counted afresh when a restarted scheduler starts its total from zero.
+        if self.last_report is not None and report.instance != self.last_report.instance:
+            self._retracted_seen = 0
         if report.num_retracted_requests_total > self._retracted_seen:
             self._retracted_total.inc(report.num_retracted_requests_total - self._retracted_seen)
             self._retracted_seen = report.num_retracted_requests_total

@@ -24,6 +24,8 @@ class ReqState:
     sampling: SamplingParams
     created_time: float  # time.time() when the HTTP request arrived
     trace: TraceContext | None = None
+    operation: str = "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
+    internal: bool = False  # a health probe: served, but kept out of metrics and traces
     tokenized_time: float | None = None  # when the request left for the scheduler
     request_stats: RequestOutputStats | None = None
     finished_reason: FinishReason | None = None

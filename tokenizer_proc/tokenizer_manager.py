@@ -47,7 +47,9 @@ from tokenizer_proc.req_state import ReqState
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
 
 # Worker index lives in the high bits, so req_ids of several tokenizer workers never meet.
-_WORKER_SHIFT = 48
+# Each start counts up from the current time in microseconds, so a restarted API process
+# never reuses an id a scheduler may still hold from before the restart.
+_WORKER_SHIFT = 56
 
 
 class TokenizerManager:
@@ -59,6 +61,7 @@ class TokenizerManager:
         context_length: int,
         worker_index: int = 0,
         clock: Callable[[], float] = time.time,
+        req_id_base: int | None = None,
     ) -> None:
         self._clock = clock  # injectable, so the differential test is deterministic
         self.config = config
@@ -67,7 +70,8 @@ class TokenizerManager:
         self.model_name = config.served_model_name or tokenizer.name
         self.states: dict[int, ReqState] = {}
         self.rid_to_req_id: dict[str, int] = {}
-        self._next_req_id = itertools.count((worker_index << _WORKER_SHIFT) + 1)
+        base = time.time_ns() // 1000 if req_id_base is None else req_id_base
+        self._next_req_id = itertools.count((worker_index << _WORKER_SHIFT) + base)
         self._dropped_rows = RateLimitedWarning(logger)
         self.num_aborted_requests = 0
         self.metrics = ServiceMetrics(self.model_name) if config.enable_metrics else None
@@ -89,6 +93,9 @@ class TokenizerManager:
         self._send = connect_push(self._ctx, self.config.scheduler_input)
         recv = bind_pull(self._ctx, self.config.tokenizer_input)
         self._loop_task = asyncio.create_task(self._receive_loop(recv))
+        # Requests a previous incarnation of this process left in the scheduler have no
+        # client any more: stop them rather than let them run to completion.
+        self.abort_all("the API process restarted")
 
     async def close(self) -> None:
         if self.tracer is not None:
@@ -110,6 +117,8 @@ class TokenizerManager:
                 self.handle_output(msg)
             except ValueError as exc:  # inconsistent columns: drop the frame, keep serving
                 inconsistent.warn("dropped an inconsistent output frame: %s", exc)
+            except Exception:  # a bug must not end this loop: every later request would hang
+                logger.exception("failed to handle an output frame; dropped it")
 
     def _send_obj(self, obj: Any) -> None:
         self._send.send(self._encoder.encode(obj), copy=False)
@@ -153,6 +162,7 @@ class TokenizerManager:
                 f"input ({len(input_ids)} tokens) is longer than the context length ({self.context_length})", "input"
             )
         state = self.open_state(sampling=SamplingParams(max_new_tokens=0), stream=False, rid=rid, created_time=created_time)
+        state.operation = "embeddings"
         self._send_obj(TokenizedEmbeddingReqInput(rid=state.rid, req_id=state.req_id, input_ids=input_ids, arrival_time=state.created_time))
         return state
 
@@ -166,9 +176,17 @@ class TokenizerManager:
         media: tuple[MediaItem, ...] = (),
         trace: TraceContext | None = None,
         created_time: float | None = None,
+        operation: str = "generate",
+        internal: bool = False,
     ) -> ReqState:
+        if self.config.mode == "embedding" and not internal:
+            raise RequestValidationError(
+                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate", "model"
+            )
         self.validate_lengths(len(input_ids), sampling)
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
+        state.operation = operation
+        state.internal = internal
         self._send_obj(
             TokenizedGenerateReqInput(
                 rid=state.rid,
@@ -236,6 +254,9 @@ class TokenizerManager:
 
     def handle_output(self, frame: TokenizerManagerInput) -> None:
         if isinstance(frame, SchedulerStatsReport):
+            last = self.last_scheduler_report
+            if last is not None and last.instance != frame.instance:
+                self._fail_in_flight("the scheduler restarted and lost this request; send it again", 503)
             self.last_scheduler_report = frame
             if self.metrics is not None:
                 self.metrics.scheduler.update(frame)
@@ -268,7 +289,7 @@ class TokenizerManager:
                 continue
             previous_token_time = state.last_token_time
             state.add_output(frame.text_deltas[i], rows[i], completion[i], now)
-            if metrics is not None and rows[i]:
+            if metrics is not None and rows[i] and not state.internal:
                 metrics.on_tokens(state, len(rows[i]), previous_token_time, now)
             reason = finished_col[i] if finished_col is not None else None
             if reason is not None:
@@ -276,10 +297,7 @@ class TokenizerManager:
                 state.finished_time = now
                 if isinstance(reason, FinishAbort):
                     self.num_aborted_requests += 1
-                if metrics is not None:
-                    metrics.on_finish(state)
-                if self.tracer is not None:
-                    self.tracer.on_finish(state)
+                self._observe_finish(state)
                 self.forget(state)
             state.event.set()
 
@@ -292,7 +310,6 @@ class TokenizerManager:
             raise ValueError(f"embedding frame of shape {frame.shape} disagrees with its {len(req_ids)} req_ids")
         matrix = matrix.reshape(rows, dim)
         finished_col = frame.finished_reasons
-        metrics = self.metrics.requests if self.metrics is not None else None
         for i in range(rows):
             state = self.states.get(req_ids[i])
             if state is None:
@@ -305,9 +322,28 @@ class TokenizerManager:
             state.finished_time = now
             if isinstance(reason, FinishAbort):
                 self.num_aborted_requests += 1
-            if metrics is not None:
-                metrics.on_finish(state)
-            if self.tracer is not None:
-                self.tracer.on_finish(state, operation="embeddings")
+            self._observe_finish(state)
             self.forget(state)
             state.event.set()
+
+    def _fail_in_flight(self, message: str, status: int) -> None:
+        """Finishes every live request with an abort, so no client waits forever for a
+        process that no longer holds its request."""
+        now = self._clock()
+        logger.warning("%s: failing %d in-flight requests", message, len(self.states))
+        for state in list(self.states.values()):
+            state.finished_reason = FinishAbort(message=message, status_code=status)
+            state.finished_time = now
+            self.num_aborted_requests += 1
+            if state.request_stats is not None:
+                self._observe_finish(state)
+            self.forget(state)
+            state.event.set()
+
+    def _observe_finish(self, state: ReqState) -> None:
+        if state.internal:
+            return
+        if self.metrics is not None:
+            self.metrics.requests.on_finish(state)
+        if self.tracer is not None:
+            self.tracer.on_finish(state, operation=state.operation)

@@ -1,0 +1,109 @@
+"""Renders chat messages to a prompt string with the model's Jinja2 chat template.
+
+The template is the model directory's (``LoadedTokenizer.chat_template``: tokenizer_config.json's
+``chat_template`` or chat_template.jinja). A tokenizer without one gets
+``DEFAULT_CHAT_TEMPLATE``, ChatML, which is also what the shipped tokenizer's config holds::
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n   (one per message)
+    <|im_start|>assistant\\n                      (the generation prompt)
+
+Rendering follows Hugging Face ``transformers`` so that a model's own template renders the same
+here as in ``apply_chat_template``: a sandboxed environment (a template is data from a model
+directory, it must not reach Python internals), ``trim_blocks``/``lstrip_blocks``, the
+``raise_exception`` and ``strftime_now`` globals, a ``tojson`` that does not HTML-escape, the
+``{% generation %}`` tag rendered as its body, and ``add_generation_prompt=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pipeline.tokenizer_loader import LoadedTokenizer
+
+logger = logging.getLogger("tokenpipe.chat_template")
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered: the template refused them (``raise_exception``) or
+    failed on them. A client error."""
+
+
+class ChatTemplateUnavailable(RuntimeError):
+    """The model's template itself does not compile: a server problem, not the client's."""
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks in
+    some HF templates; for rendering it is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """One compiled template, built once per server. A template that does not compile is
+    logged at start-up and makes every chat request a 500 naming the problem, rather than
+    stopping a server whose other endpoints work."""
+
+    def __init__(self, source: str | None) -> None:
+        self.source = source if source is not None else DEFAULT_CHAT_TEMPLATE
+        self.is_default = source is None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self._template: jinja2.Template | None = None
+        self._compile_error: str | None = None
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateError as exc:
+            self._compile_error = f"the model's chat template does not compile: {exc}"
+            logger.warning("%s; /v1/chat/completions will answer 500", self._compile_error)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: LoadedTokenizer) -> "ChatTemplate":
+        return cls(tokenizer.chat_template)
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """``messages`` are plain dicts (``role``, ``content`` as a string, optional ``name``).
+        Raises ChatTemplateError for messages the template refuses or fails on."""
+        if self._template is None:
+            raise ChatTemplateUnavailable(self._compile_error)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # A template indexing a missing key or adding str to None fails on these messages.
+            raise ChatTemplateError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc

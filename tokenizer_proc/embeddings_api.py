@@ -1,0 +1,144 @@
+"""Embedding endpoints: OpenAI's ``POST /v1/embeddings`` and the native ``POST /encode``.
+
+Served only by a server started with ``--mode embedding``: the scheduler then mean-pools
+and L2-normalises the final hidden states of each input, and the vectors come back as
+one float32 matrix per step (``BatchEmbeddingOutput``)."""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Annotated, Any, Literal
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from msgspec import Meta
+
+from pipeline.io_struct import EMBEDDING_DTYPE
+from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_body
+from tokenizer_proc.http_common import ClientGone, wait_finished
+from tokenizer_proc.meta_info import build_meta_info
+from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+MAX_INPUTS = 256
+
+# msgspec allows one array type per union, so a list's items are checked for one kind below.
+EmbeddingInput = str | list[str | TokenId | list[TokenId]]
+
+
+class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    user: str | None = None
+
+
+class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    text: str | list[str] | None = None
+    input_ids: list[TokenId | list[TokenId]] | None = None
+    rid: str | None = None
+
+
+def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        arrived = time.time()
+        obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)  # type: ignore[assignment]
+        _require_embedding_mode(tm)
+        if obj.dimensions is not None:
+            raise RequestValidationError("`dimensions` is not supported: the model's size is fixed", "dimensions")
+        inputs = _token_inputs(tm, obj.input, "input")
+        states = await _embed_all(tm, inputs, request, arrived)
+        if states is None:
+            return Response(status_code=499)
+        data = []
+        for i, state in enumerate(states):
+            vector = state.embedding
+            assert vector is not None
+            value: Any = (
+                base64.b64encode(vector.astype(EMBEDDING_DTYPE).tobytes()).decode()
+                if obj.encoding_format == "base64"
+                else vector.tolist()
+            )
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        prompt_tokens = sum(s.request_stats.prompt_tokens for s in states if s.request_stats is not None)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "model": tm.model_name,
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            }
+        )
+
+    @router.post("/encode")
+    async def encode(request: Request) -> Response:
+        arrived = time.time()
+        obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)  # type: ignore[assignment]
+        _require_embedding_mode(tm)
+        if (obj.text is None) == (obj.input_ids is None):
+            raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
+        given = obj.text if obj.text is not None else obj.input_ids
+        single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))  # type: ignore[index]
+        inputs = _token_inputs(tm, given, "text" if obj.text is not None else "input_ids")  # type: ignore[arg-type]
+        states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
+        if states is None:
+            return Response(status_code=499)
+        out = [{"embedding": s.embedding.tolist(), "meta_info": build_meta_info(s)} for s in states]  # type: ignore[union-attr]
+        return JSONResponse(out[0] if single else out)
+
+    return router
+
+
+def _require_embedding_mode(tm: TokenizerManager) -> None:
+    if tm.config.mode != "embedding":
+        raise RequestValidationError(
+            f"this server runs --mode {tm.config.mode}; embeddings need a server started with --mode embedding", "model"
+        )
+
+
+def _token_inputs(tm: TokenizerManager, given: EmbeddingInput, field: str) -> list[list[int]]:
+    """One token list per input: a string, a list of strings, token ids, or lists of them."""
+    if isinstance(given, str):
+        items: list[Any] = [given]
+    elif given and all(isinstance(x, int) for x in given):
+        items = [given]
+    else:
+        items = list(given)
+        kinds = {type(x) for x in items}
+        if len(kinds) > 1 or int in kinds:
+            raise RequestValidationError(
+                f"`{field}` must be a string, a list of strings, a list of token ids, or a list of such lists", field
+            )
+    if not items:
+        raise RequestValidationError(f"`{field}` is empty", field)
+    if len(items) > MAX_INPUTS:
+        raise RequestValidationError(f"`{field}` has {len(items)} inputs; at most {MAX_INPUTS} per request", field)
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(tm.tokenize(item, None) if isinstance(item, str) else tm.tokenize(None, item))
+        except RequestValidationError as exc:
+            raise RequestValidationError(f"{field}[{i}]: {exc}", f"{field}[{i}]") from exc
+    return out
+
+
+async def _embed_all(
+    tm: TokenizerManager, inputs: list[list[int]], request: Request, arrived: float, rid: str | None = None
+) -> list[ReqState] | None:
+    """Submits every input at once (they batch in the scheduler) and waits for all; None
+    when the client went away, with the rest aborted."""
+    states = [tm.submit_embedding(input_ids=ids, rid=rid, created_time=arrived) for ids in inputs]
+    try:
+        for state in states:
+            await wait_finished(tm, state, request)
+    except ClientGone:
+        for state in states:
+            tm.abort(state.req_id)
+        return None
+    return states

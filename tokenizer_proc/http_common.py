@@ -1,0 +1,67 @@
+"""What every HTTP route module shares: the error shape, SSE framing, waiting for a
+request with disconnect detection, and reading trace context."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pipeline.io_struct import FinishAbort, TraceContext
+from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+_json = msgspec.json.Encoder()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request finished."""
+
+
+def error_response(status: int, message: str, *, err_type: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"message": message, "type": err_type, "code": status}
+    if param is not None:
+        body["param"] = param
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+def trace_context(request: Request) -> TraceContext | None:
+    parent = request.headers.get("traceparent")
+    return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
+
+
+def refusal(state: ReqState) -> JSONResponse | None:
+    """A request the scheduler refused before running it is a client error, not output."""
+    reason = state.finished_reason
+    if isinstance(reason, FinishAbort) and reason.status_code == 400 and state.completion_tokens == 0:
+        return error_response(400, reason.message)
+    return None
+
+
+async def wait_finished(tm: TokenizerManager, state: ReqState, request: Request) -> None:
+    """Waits for the finish, or aborts the request as soon as the client disconnects."""
+    disconnect = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        while not state.finished:
+            changed = asyncio.ensure_future(state.event.wait())
+            await asyncio.wait((changed, disconnect), return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            state.event.clear()
+            if disconnect.done() and not state.finished:
+                tm.abort(state.req_id)
+                raise ClientGone
+    finally:
+        disconnect.cancel()
+
+
+async def _until_disconnected(request: Request) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

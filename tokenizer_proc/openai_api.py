@@ -1,0 +1,343 @@
+"""The OpenAI-compatible text generation API: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{model}``.
+
+Each choice is its own pipeline request (``n`` choices of ``p`` prompts are ``n * p``
+requests, submitted together so they batch). With a ``seed``, choice ``i`` of each prompt
+samples with ``seed + i``: the choices differ, and each prompt of a batch gives what it would
+give alone.
+
+``usage`` comes from the pipeline's own numbers: ``ReqState.request_stats`` (prompt and cached
+tokens) and ``ReqState.completion_tokens``. As OpenAI does, a prompt is counted once however
+many choices it has: ``prompt_tokens`` sums over prompts, ``completion_tokens`` over every
+choice. A prompt's ``cached_tokens`` is the smallest count among its choices (the copy that
+really computed the prompt; the other copies may have reused its prefix), so
+``cached_tokens <= prompt_tokens`` always holds.
+
+``finish_reason``: ``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``,
+``FinishLength`` is ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``.
+
+Waiting, disconnect handling and error bodies are ``http_server``'s: a client that
+disconnects aborts every choice of its request, and a request the scheduler refuses is a 400
+(or, once a stream has started, an SSE ``error`` event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, SamplingParams
+from tokenizer_proc.api_schema import RequestValidationError, decode_body
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
+from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished
+from tokenizer_proc.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+_FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
+_DONE = b"data: [DONE]\n\n"
+
+
+def build_openai_router(tm: TokenizerManager) -> APIRouter:
+    router = APIRouter()
+    template = ChatTemplate.for_tokenizer(tm.tokenizer)
+    started = int(time.time())
+
+    def model_card() -> dict[str, Any]:
+        return {"id": tm.model_name, "object": "model", "created": started, "owned_by": "tokenpipe"}
+
+    @router.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> Response:
+        if model != tm.model_name:
+            return _model_not_found(model)
+        return JSONResponse(model_card())
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrived = time.time()
+        body: CompletionRequest = decode_body(await request.body(), CompletionRequest)  # type: ignore[assignment]
+        body.refuse_unsupported()
+        if body.model is not None and body.model != tm.model_name:
+            return _model_not_found(body.model)
+        prompts = body.prompts()
+        if len(prompts) * body.choices > MAX_CHOICES:
+            raise RequestValidationError(f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n")
+        max_tokens = body.max_tokens if body.max_tokens is not None else CompletionRequest.DEFAULT_MAX_TOKENS
+        jobs: list[tuple[list[int], SamplingParams]] = []
+        for prompt in prompts:
+            with _openai_names("prompt", "max_tokens"):
+                ids = tm.tokenize(prompt, None) if isinstance(prompt, str) else tm.tokenize(None, prompt)
+                jobs.extend(_choices(tm, body, ids, max_tokens))
+        return await _respond(tm, request, _COMPLETION, body, jobs, arrived)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrived = time.time()
+        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)  # type: ignore[assignment]
+        body.refuse_unsupported()
+        if body.model is not None and body.model != tm.model_name:
+            return _model_not_found(body.model)
+        try:
+            prompt = template.render(body.template_messages())
+        except ChatTemplateError as exc:
+            raise RequestValidationError(str(exc), "messages") from exc
+        except ChatTemplateUnavailable as exc:
+            return error_response(500, str(exc), err_type="internal_error")
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        with _openai_names("messages", max_param):
+            ids = tm.tokenize(prompt, None)
+            max_tokens = body.requested_max_tokens() or _room_left(tm, len(ids))
+            jobs = _choices(tm, body, ids, max_tokens)
+        return await _respond(tm, request, _CHAT, body, jobs, arrived)
+
+    return router
+
+
+def _model_not_found(model: str) -> JSONResponse:
+    return error_response(404, f"the model {model!r} does not exist; see GET /v1/models", err_type="not_found_error", param="model")
+
+
+def _room_left(tm: TokenizerManager, prompt_len: int) -> int:
+    """Chat's default max_tokens, as in OpenAI: as many as fit after the prompt (the context,
+    the KV pool and --max-new-tokens-limit); at least 1, so a prompt that leaves no room gets
+    the length check's error."""
+    config = tm.config
+    return max(1, min(config.max_new_tokens_limit, tm.context_length - prompt_len, config.max_total_tokens - prompt_len))
+
+
+def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+    """One (prompt, sampling) job per choice, validated against the server's limits first so
+    that nothing is submitted for a request that will be refused."""
+    jobs = [(ids, body.sampling(max_tokens, i)) for i in range(body.choices)]
+    tm.validate_lengths(len(ids), jobs[0][1])
+    return jobs
+
+
+@contextmanager
+def _openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
+    """``tm.tokenize`` and ``tm.validate_lengths`` speak the native API's field names; an
+    OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``)."""
+    try:
+        yield
+    except RequestValidationError as exc:
+        message = str(exc)
+        for native, ours in (
+            ("sampling_params.max_new_tokens", max_param),
+            ("max_new_tokens", max_param),
+            ("`text`", f"`{prompt_param}`"),
+            ("input_ids", prompt_param),
+        ):
+            message = message.replace(native, ours)
+        param = {"sampling_params.max_new_tokens": max_param, "text": prompt_param, "input_ids": prompt_param}.get(
+            exc.param or "", exc.param
+        )
+        raise RequestValidationError(message, param) from exc
+
+
+# --- response shapes -----------------------------------------------------------------------
+
+
+class _Completion:
+    id_prefix = "cmpl-"
+    object = "text_completion"
+    operation = "text_completion"  # gen_ai.operation.name
+    chunk_object = "text_completion"
+
+    @staticmethod
+    def choice(index: int, state: ReqState) -> dict[str, Any]:
+        return {"index": index, "text": state.text, "logprobs": None, "finish_reason": _finish_reason(state)}
+
+    @staticmethod
+    def opening(index: int) -> dict[str, Any] | None:
+        return None
+
+    @staticmethod
+    def delta(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+class _Chat:
+    id_prefix = "chatcmpl-"
+    object = "chat.completion"
+    operation = "chat"
+    chunk_object = "chat.completion.chunk"
+
+    @staticmethod
+    def choice(index: int, state: ReqState) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": state.text},
+            "logprobs": None,
+            "finish_reason": _finish_reason(state),
+        }
+
+    @staticmethod
+    def opening(index: int) -> dict[str, Any] | None:
+        """OpenAI's first chunk of each choice names the role."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    @staticmethod
+    def delta(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish_reason}
+
+
+_COMPLETION = _Completion()
+_CHAT = _Chat()
+
+
+def _finish_reason(state: ReqState) -> str | None:
+    reason = state.finished_reason
+    return None if reason is None else _FINISH_REASONS[type(reason)]
+
+
+def _usage(states: list[ReqState], n: int) -> dict[str, Any]:
+    """``states`` in choice order, ``n`` per prompt; see the module docstring."""
+    prompt = cached = 0
+    for start in range(0, len(states), n):
+        stats = [s.request_stats for s in states[start : start + n]]
+        prompt += stats[0].prompt_tokens  # type: ignore[union-attr]
+        cached += min(st.cached_tokens for st in stats)  # type: ignore[union-attr]
+    completion = sum(s.completion_tokens for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+# --- running the choices -------------------------------------------------------------------
+
+
+async def _respond(
+    tm: TokenizerManager,
+    request: Request,
+    kind: _Completion | _Chat,
+    body: SamplingRequest,
+    jobs: list[tuple[list[int], SamplingParams]],
+    arrived: float,
+) -> Response:
+    response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
+    trace = trace_context(request)
+    states: list[ReqState] = []
+    try:
+        for index, (ids, sampling) in enumerate(jobs):
+            states.append(
+                tm.submit_generate(
+                    input_ids=ids,
+                    sampling=sampling,
+                    stream=body.streaming,
+                    rid=f"{response_id}-{index}",
+                    trace=trace,
+                    created_time=arrived,
+                    operation=kind.operation,
+                )
+            )
+    except BaseException:
+        _abort_unfinished(tm, states)
+        raise
+    head = {"id": response_id, "object": kind.object, "created": int(arrived), "model": tm.model_name}
+    if body.streaming:
+        head["object"] = kind.chunk_object
+        stream = _stream(tm, kind, states, head, body.choices, body.include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    try:
+        # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
+        # a time reads the ASGI receive channel.
+        for state in states:
+            await wait_finished(tm, state, request)
+    except ClientGone:
+        _abort_unfinished(tm, states)
+        return Response(status_code=499)
+    for state in states:
+        refused = refusal(state)
+        if refused is not None:
+            return refused
+    return JSONResponse(
+        {**head, "choices": [kind.choice(i, s) for i, s in enumerate(states)], "usage": _usage(states, body.choices)}
+    )
+
+
+def _abort_unfinished(tm: TokenizerManager, states: list[ReqState]) -> None:
+    for state in states:
+        if not state.finished:
+            tm.abort(state.req_id)
+
+
+async def _stream(
+    tm: TokenizerManager,
+    kind: _Completion | _Chat,
+    states: list[ReqState],
+    head: dict[str, Any],
+    n: int,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    # With include_usage every chunk carries "usage": null but the last, as OpenAI sends it.
+    tail = {"usage": None} if include_usage else {}
+    try:
+        for index in range(len(states)):
+            opening = kind.opening(index)
+            if opening is not None:
+                yield sse({**head, "choices": [opening], **tail})
+        async with aclosing(_changes(tm, states)) as changes:
+            async for index in changes:
+                state = states[index]
+                refused = refusal(state) if state.finished else None
+                if refused is not None:
+                    yield b"data: " + bytes(refused.body) + b"\n\n"
+                    break
+                text, _ = state.take_pending()
+                finish_reason = _finish_reason(state)
+                if text or finish_reason is not None:
+                    yield sse({**head, "choices": [kind.delta(index, text, finish_reason)], **tail})
+            else:
+                if include_usage:
+                    yield sse({**head, "choices": [], "usage": _usage(states, n)})
+        yield _DONE
+    finally:
+        # A disconnect cancels this generator: stop every choice still running.
+        _abort_unfinished(tm, states)
+
+
+async def _changes(tm: TokenizerManager, states: list[ReqState]) -> AsyncIterator[int]:
+    """Yields the index of each state that changed, each finished state exactly once, until
+    all are finished. One task per state follows it through ``tm.wait``; changes that come
+    while the consumer is busy (a slow client) collapse into one mark per state, so nothing
+    queues up beyond ``len(states)`` marks: the text itself merges in the state's pending
+    delta."""
+    changed: dict[int, None] = {}  # an ordered set
+    wake = asyncio.Event()
+
+    async def follow(index: int) -> None:
+        async for _ in tm.wait(states[index]):
+            changed[index] = None
+            wake.set()
+
+    followers = [asyncio.ensure_future(follow(i)) for i in range(len(states))]
+    reported: set[int] = set()
+    try:
+        while len(reported) < len(states):
+            await wake.wait()
+            wake.clear()
+            while changed:
+                index = next(iter(changed))
+                del changed[index]
+                if index in reported:
+                    continue
+                if states[index].finished:
+                    reported.add(index)
+                yield index
+    finally:
+        for task in followers:
+            task.cancel()

@@ -1,0 +1,286 @@
+"""Typed request bodies of the OpenAI-compatible API (``/v1/completions``,
+``/v1/chat/completions``).
+
+Decoding with msgspec (``api_schema.decode_body``) is the validation of types and ranges: a
+wrong type, a value out of range or a field that OpenAI does not document fails with a 400
+that names the field. Every field OpenAI documents for these two endpoints is accepted, so an
+official client never trips on one. The fields this server cannot honour are refused with a
+400 naming them when they ask for something (``logprobs``, ``echo``, ``tools``, penalties, ...);
+the ones that ask for nothing here (``user``, ``store``, ``metadata``, ``service_tier``,
+``prompt_cache_key``, ...) are accepted and ignored. Each request type lists its refusals in
+one table, ``_REFUSED``.
+
+Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids`` and ``skip_special_tokens`` are accepted (``extra_body`` in the official
+client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+from msgspec import Meta
+
+from pipeline.io_struct import SamplingParams
+from tokenizer_proc.api_schema import NonNegInt, PositiveInt, RequestValidationError, TokenId
+
+MAX_CHOICES = 128
+"""OpenAI's limit on ``n``; also the limit on prompts x n of one completions request."""
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# int64, so that seed + choice index (< MAX_CHOICES) still fits the wire's and torch's range.
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
+StopString = Annotated[str, Meta(min_length=1)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # documented; this server never pads chunks
+
+
+# (field, is the value a request for something unsupported?, what to say)
+Refusal = tuple[str, Callable[[Any], bool], str]
+
+
+class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What completions and chat share: sampling, choices, streaming, the ignored fields."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: StopString | list[StopString] | None = None
+    n: Choices | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # ignored
+    # SGLang/vLLM extensions
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_tokens: NonNegInt | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool | None = None
+
+    _REFUSED: ClassVar[tuple[Refusal, ...]] = ()  # each request type's own refusals
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def refuse_unsupported(self) -> None:
+        """Raises RequestValidationError for the first field that asks for a feature this
+        server does not have."""
+        for name, asks, message in _COMMON_REFUSED + self._REFUSED:
+            if asks(getattr(self, name)):
+                raise RequestValidationError(message, name)
+        if self.stream_options is not None and not self.stream:
+            raise RequestValidationError("stream_options is only allowed when stream is true", "stream_options")
+        if self.top_k == 0:
+            raise RequestValidationError("top_k must be -1 (off) or at least 1", "top_k")
+
+    def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
+        """The wire sampling params of choice ``choice`` (0-based): a seeded request gives
+        choice i the seed ``seed + i``, so its choices differ and each is reproducible."""
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise RequestValidationError("min_tokens must not exceed max_tokens", "min_tokens")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            min_new_tokens=self.min_tokens or 0,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=None if self.seed is None else self.seed + choice,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=tuple(stop),
+            ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+        )
+
+
+_COMMON_REFUSED: tuple[Refusal, ...] = (
+    ("frequency_penalty", bool, "frequency_penalty is not supported by this server (send 0 or leave it out)"),
+    ("presence_penalty", bool, "presence_penalty is not supported by this server (send 0 or leave it out)"),
+    ("logit_bias", bool, "logit_bias is not supported by this server"),
+)
+
+
+# --- /v1/completions -----------------------------------------------------------------------
+
+# msgspec allows one array type per union, so the four prompt forms (a string, strings, token
+# ids, lists of token ids) decode as "a string or a list of those"; ``prompts`` sorts them out.
+PromptItem = str | TokenId | list[TokenId]
+
+
+class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=True):
+    prompt: str | list[PromptItem]
+    max_tokens: PositiveInt | None = None  # None: OpenAI's default, 16
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    _REFUSED: ClassVar[tuple[Refusal, ...]] = (
+        ("echo", bool, "echo is not supported by this server"),
+        ("logprobs", lambda v: v is not None, "logprobs are not supported by this server"),
+        ("suffix", bool, "suffix (insertion) is not supported by this server"),
+        ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
+    )
+
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt as a string or as token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise RequestValidationError("prompt must not be an empty list", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [prompt]  # type: ignore[list-item]
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        raise RequestValidationError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids "
+            "(not a mix)",
+            "prompt",
+        )
+
+
+# --- /v1/chat/completions ------------------------------------------------------------------
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    text: str
+
+
+class ImageURLPart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+    image_url: Any
+
+
+class InputAudioPart(msgspec.Struct, tag_field="type", tag="input_audio", forbid_unknown_fields=True):
+    input_audio: Any
+
+
+class FilePart(msgspec.Struct, tag_field="type", tag="file", forbid_unknown_fields=True):
+    file: Any
+
+
+class RefusalPart(msgspec.Struct, tag_field="type", tag="refusal", forbid_unknown_fields=True):
+    refusal: str
+
+
+ContentPart = TextPart | ImageURLPart | InputAudioPart | FilePart | RefusalPart
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    # Documented for tool use and audio, which this server refuses.
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None  # an earlier assistant refusal: ignored
+
+    def to_template(self, index: int) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined with newlines (as
+        vLLM does)."""
+        where = f"messages[{index}]"
+        if self.role in ("tool", "function") or self.tool_calls is not None or self.function_call is not None:
+            raise RequestValidationError(f"{where}: tool and function calls are not supported by this server", where)
+        if self.audio is not None:
+            raise RequestValidationError(f"{where}: audio is not supported by this server", f"{where}.audio")
+        if self.content is None:
+            raise RequestValidationError(f"{where}.content is required", f"{where}.content")
+        if isinstance(self.content, str):
+            content = self.content
+        else:
+            texts = []
+            for j, part in enumerate(self.content):
+                if not isinstance(part, (TextPart, RefusalPart)):
+                    kind = type(part).__struct_config__.tag
+                    raise RequestValidationError(
+                        f"{where}.content[{j}]: content parts of type {kind!r} are not supported by this server; "
+                        "only 'text'",
+                        f"{where}.content[{j}].type",
+                    )
+                texts.append(part.text if isinstance(part, TextPart) else part.refusal)
+            content = "\n".join(texts)
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Any = None
+
+
+class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: Any = None
+    web_search_options: Any = None
+    # Documented, and asking for nothing this server could do differently: ignored.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    _REFUSED: ClassVar[tuple[Refusal, ...]] = (
+        ("logprobs", bool, "logprobs are not supported by this server"),
+        ("top_logprobs", lambda v: v is not None, "top_logprobs (logprobs) are not supported by this server"),
+        ("tools", bool, "tools (function calling) are not supported by this server"),
+        ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported by this server"),
+        ("functions", bool, "functions (function calling) are not supported by this server"),
+        ("function_call", lambda v: v not in (None, "none"), "function_call is not supported by this server"),
+        (
+            "response_format",
+            lambda v: v is not None and v.type != "text",
+            "response_format other than {\"type\": \"text\"} is not supported by this server",
+        ),
+        ("modalities", lambda v: v is not None and "audio" in v, "audio output is not supported by this server"),
+        ("audio", lambda v: v is not None, "audio output is not supported by this server"),
+        ("web_search_options", lambda v: v is not None, "web search is not supported by this server"),
+    )
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (the current name) wins over ``max_tokens`` (deprecated);
+        None when neither is given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
