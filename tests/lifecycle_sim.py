@@ -9,9 +9,9 @@ Covered: prefill with a cached prefix, chunked prefill (steps without rows), dec
 stream intervals 1 to 3, retraction at random steps and re-prefill, PD-decode prebuilt
 requests with re-bootstrap (new cached tokens and bootstrap times), dLLM blocks (several
 tokens per row, cached tokens changing with each block), HiCache storage attach/detach
-while requests run, storage prefetch waits, aborts, and finishes by length, stop token
-and stop string. Embedding requests are not covered yet: the tokenizer manager does not
-serve embedding frames.
+while requests run, storage prefetch waits, aborts, finishes by length, stop token and
+stop string, and embedding requests (one finished row each, through
+``build_embedding_output``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class SimWorld:
     rng: random.Random
     now: float = 1_000_000.0
     rows: list[Req] = field(default_factory=list)
+    embedding_rows: list[Req] = field(default_factory=list)
     storage_backend: str | None = None
     live: set[Req] = field(default_factory=set)
 
@@ -77,7 +78,9 @@ def make_sampling(rng: random.Random, stream: bool) -> tuple[SamplingParams, int
     return sampling, max_new
 
 
-def make_req(rng: random.Random, req_id: int, sampling: SamplingParams, stream: bool, metrics: bool, now: float) -> Req:
+def make_req(
+    rng: random.Random, req_id: int, sampling: SamplingParams, stream: bool, metrics: bool, now: float, embedding: bool = False
+) -> Req:
     media = []
     if rng.random() < 0.2:
         for kind in ("image", "audio", "video"):
@@ -94,6 +97,7 @@ def make_req(rng: random.Random, req_id: int, sampling: SamplingParams, stream: 
         arrival_time=now,
         media=tuple(media),
         collect_time_stats=metrics,
+        is_embedding=embedding,
     )
 
 
@@ -132,6 +136,22 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int) -> Step:
             world.live.discard(req)
             return
         yield
+
+
+def embedding_lifecycle(world: SimWorld, req: Req) -> Step:
+    """An embedding request: queue, prefill in chunks, then one finished row with stats."""
+    req.enter_waiting_queue(world.now)
+    for _ in range(world.rng.randint(0, 2)):
+        yield
+    req.leave_waiting_queue(world.now)
+    for _ in range(world.rng.randint(0, 3)):
+        yield
+    req.update_time_stats(prefill_finished_time=world.now)
+    if world.rng.random() < 0.05:
+        req.finish(FinishAbort(message="aborted by client", status_code=499), world.now)
+    else:
+        req.finish(FinishLength(length=0), world.now)
+    world.embedding_rows.append(req)
 
 
 def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Step:

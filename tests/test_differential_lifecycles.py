@@ -22,23 +22,28 @@ from typing import Any
 import msgspec
 import pytest
 
+import numpy as np
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from detokenizer_proc.incremental import IncrementalDetokenizer
 from detokenizer_proc.main import detokenize_frame
 from pipeline.config import ServerConfig
-from pipeline.io_struct import BatchTokenIDOutput, DetokenizerInput, TokenizerManagerInput
+from pipeline.io_struct import BatchEmbeddingOutput, BatchTokenIDOutput, DetokenizerInput, SamplingParams, TokenizerManagerInput
 from pipeline.tokenizer_loader import load_tokenizer
-from scheduler_proc.output_builder import build_token_output
+from scheduler_proc.output_builder import build_embedding_output, build_token_output
 from scheduler_proc.req import Req
-from tests.lifecycle_sim import SimWorld, lifecycle, make_req, make_sampling
+from tests.lifecycle_sim import SimWorld, embedding_lifecycle, lifecycle, make_req, make_sampling
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
+from tokenizer_proc.tracing import RequestTracer
 
 TOKENIZER = load_tokenizer(None)
 ENCODER = msgspec.msgpack.Encoder()
 TO_DETOKENIZER = msgspec.msgpack.Decoder(DetokenizerInput)
 TO_MANAGER = msgspec.msgpack.Decoder(TokenizerManagerInput)
 MAX_ACTIVE = 12
+SPAN_BATCH = 200  # finished requests between span comparisons (the exporter queue holds 2048 spans)
 
 
 class Recorder:
@@ -74,12 +79,34 @@ class Pipeline:
     tm: TokenizerManager
     detok: IncrementalDetokenizer
     metrics_log: list[tuple[str, str, float]]
+    spans: InMemorySpanExporter
     states: dict[int, ReqState] = field(default_factory=dict)
 
-    def feed(self, frame: BatchTokenIDOutput) -> None:
+    def feed(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput) -> None:
         wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
-        out = detokenize_frame(self.detok, wire)  # type: ignore[arg-type]
+        # The detokenizer passes embedding frames on untouched.
+        out = wire if isinstance(wire, BatchEmbeddingOutput) else detokenize_frame(self.detok, wire)  # type: ignore[arg-type]
         self.tm.handle_output(TO_MANAGER.decode(ENCODER.encode(out)))
+
+    def finished_spans(self) -> list[dict[str, Any]]:
+        """Exported spans without their random ids: name, kind, times, parent link,
+        attributes, events and status must all be equal."""
+        self.tm.tracer.force_flush()
+        out = [
+            {
+                "name": sp.name,
+                "kind": sp.kind,
+                "start": sp.start_time,
+                "end": sp.end_time,
+                "has_parent": sp.parent is not None,
+                "attributes": dict(sp.attributes or {}),
+                "events": [(e.name, e.timestamp) for e in sp.events],
+                "status": (sp.status.status_code, sp.status.description),
+            }
+            for sp in self.spans.get_finished_spans()
+        ]
+        self.spans.clear()
+        return out
 
     def client_output(self, req_id: int) -> dict[str, Any] | None:
         """What the client would receive now for this request (None: nothing yet)."""
@@ -92,13 +119,26 @@ class Pipeline:
             text, ids = state.text, state.output_ids
         else:
             return None
+        if state.embedding is not None:
+            return {"embedding": state.embedding.tolist(), "meta_info": build_meta_info(state)}
         return {"text": text, "output_ids": ids, "meta_info": build_meta_info(state)}
 
 
 def make_pipeline(metrics: bool, clock: Any) -> Pipeline:
     config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=metrics)
     tm = TokenizerManager(config, TOKENIZER, context_length=2048, clock=clock, req_id_base=1)
-    return Pipeline(tm, IncrementalDetokenizer(TOKENIZER.tokenizer), record_metrics(tm))
+    spans = InMemorySpanExporter()
+    tm.tracer = RequestTracer(config, tm.model_name, exporter=spans)
+    return Pipeline(tm, IncrementalDetokenizer(TOKENIZER.tokenizer), record_metrics(tm), spans)
+
+
+def compare_spans(opt: Pipeline, ref: Pipeline, seed: int) -> int:
+    got, want = opt.finished_spans(), ref.finished_spans()
+    for a, b in zip(got, want):
+        if a != b:
+            pytest.fail(f"seed {seed}: span differs\n optimized: {a}\n reference: {b}")
+    assert len(got) == len(want), f"seed {seed}: {len(got)} spans against {len(want)}"
+    return len(got)
 
 
 def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
@@ -108,22 +148,26 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
     opt, ref = make_pipeline(metrics, lambda: world.now), make_pipeline(metrics, lambda: world.now)
     stop_token = next(iter(TOKENIZER.eos_token_ids))
     active: list[tuple[Req, Any]] = []
-    started = compared = 0
+    started = compared = finished_since_spans = spans = 0
     while started < lifecycles or active:
         while started < lifecycles and len(active) < MAX_ACTIVE and rng.random() < 0.5:
-            stream = rng.random() < 0.6
-            sampling, _ = make_sampling(rng, stream)
+            embedding = rng.random() < 0.08
+            stream = not embedding and rng.random() < 0.6
+            sampling = SamplingParams(max_new_tokens=0) if embedding else make_sampling(rng, stream)[0]
             rid = f"sim-{seed}-{started}"
             s_opt = opt.tm.open_state(sampling=sampling, stream=stream, rid=rid)
             s_ref = ref.tm.open_state(sampling=sampling, stream=stream, rid=rid)
             assert s_opt.req_id == s_ref.req_id
+            if embedding:
+                s_opt.operation = s_ref.operation = "embeddings"
             opt.states[s_opt.req_id], ref.states[s_ref.req_id] = s_opt, s_ref
-            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now)
-            active.append((req, lifecycle(world, req, stop_token)))
+            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now, embedding=embedding)
+            active.append((req, embedding_lifecycle(world, req) if embedding else lifecycle(world, req, stop_token)))
             started += 1
         if rng.random() < 0.01:
             world.toggle_storage()
         world.rows = []
+        world.embedding_rows = []
         still = []
         for req, steps in active:
             try:
@@ -134,7 +178,16 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
         active = still
         if world.rows:
             compared += compare_frame(world, opt, ref, seed)
+            finished_since_spans += sum(r.finished for r in world.rows)
+        if world.embedding_rows:
+            compared += compare_embedding_frame(world, opt, ref, seed)
+            finished_since_spans += len(world.embedding_rows)
+        if finished_since_spans >= SPAN_BATCH:
+            spans += compare_spans(opt, ref, seed)
+            finished_since_spans = 0
         world.now += 0.01 + rng.random() / 1000
+    spans += compare_spans(opt, ref, seed)
+    assert spans >= 2 * lifecycles, "every request should have exported a span and its stages"
     return compared
 
 
@@ -152,6 +205,22 @@ def compare_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int) -> i
     new_opt, new_ref = opt.metrics_log[log_mark[0] :], ref.metrics_log[log_mark[1] :]
     if new_opt != new_ref:
         pytest.fail(f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}")
+    return len(rows)
+
+
+def compare_embedding_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int) -> int:
+    rows = world.embedding_rows
+    vectors = np.asarray([[world.rng.random() for _ in range(4)] for _ in rows], dtype=np.float32)
+    frame = build_embedding_output(rows, vectors)
+    log_mark = (len(opt.metrics_log), len(ref.metrics_log))
+    opt.feed(frame)
+    ref.feed(msgspec.structs.replace(frame, request_stats=[r.stats for r in rows]))
+    for req in rows:
+        got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
+        if got != want or got is None:
+            pytest.fail(f"seed {seed}: embedding output of {req.rid} differs\n optimized: {got}\n reference: {want}")
+    if opt.metrics_log[log_mark[0] :] != ref.metrics_log[log_mark[1] :]:
+        pytest.fail(f"seed {seed}: metrics observations of an embedding frame differ")
     return len(rows)
 
 
