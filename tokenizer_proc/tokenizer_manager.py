@@ -28,6 +28,7 @@ from pipeline.io_struct import (
     BatchStrOutput,
     FinishAbort,
     FinishLength,
+    FinishReason,
     MediaItem,
     SamplingParams,
     SchedulerStatsReport,
@@ -293,12 +294,7 @@ class TokenizerManager:
                 metrics.on_tokens(state, len(rows[i]), previous_token_time, now)
             reason = finished_col[i] if finished_col is not None else None
             if reason is not None:
-                state.finished_reason = reason
-                state.finished_time = now
-                if isinstance(reason, FinishAbort):
-                    self.num_aborted_requests += 1
-                self._observe_finish(state)
-                self.forget(state)
+                self._finish(state, reason, now)
             state.event.set()
 
     def _handle_embedding_output(self, frame: BatchEmbeddingOutput) -> None:
@@ -318,12 +314,7 @@ class TokenizerManager:
             state.update_request_stats(frame.request_stats[i], now)
             state.embedding = matrix[i]
             reason = finished_col[i] if finished_col is not None else None
-            state.finished_reason = reason if reason is not None else FinishLength(length=0)
-            state.finished_time = now
-            if isinstance(reason, FinishAbort):
-                self.num_aborted_requests += 1
-            self._observe_finish(state)
-            self.forget(state)
+            self._finish(state, reason if reason is not None else FinishLength(length=0), now)
             state.event.set()
 
     def _fail_in_flight(self, message: str, status: int) -> None:
@@ -332,16 +323,20 @@ class TokenizerManager:
         now = self._clock()
         logger.warning("%s: failing %d in-flight requests", message, len(self.states))
         for state in list(self.states.values()):
-            state.finished_reason = FinishAbort(message=message, status_code=status)
-            state.finished_time = now
-            self.num_aborted_requests += 1
-            if state.request_stats is not None:
-                self._observe_finish(state)
-            self.forget(state)
+            self._finish(state, FinishAbort(message=message, status_code=status), now)
             state.event.set()
 
+    def _finish(self, state: ReqState, reason: FinishReason, now: float) -> None:
+        """Marks the state finished, counts and observes it, and forgets its ids."""
+        state.finished_reason = reason
+        state.finished_time = now
+        if isinstance(reason, FinishAbort):
+            self.num_aborted_requests += 1
+        self._observe_finish(state)
+        self.forget(state)
+
     def _observe_finish(self, state: ReqState) -> None:
-        if state.internal:
+        if state.internal or state.request_stats is None:
             return
         if self.metrics is not None:
             self.metrics.requests.on_finish(state)
