@@ -1,0 +1,582 @@
+"""End-to-end serving benchmark: N concurrent HTTP clients against a running server.
+
+``--url`` drives a server that is already running; ``--launch`` starts ``tokenpipe serve``
+on a free port (extra flags through ``--server-args "..."``) and stops it at the end.
+
+Each of ``--concurrency`` clients sends requests one after the other until ``--requests``
+have been sent: ``--prompt-len`` random token ids (different for every request, so the
+prefix cache cannot share them), ``--max-new-tokens`` with ``ignore_eos``, temperature 0.7
+with a per-request seed; a ``--stream-ratio`` fraction of them streaming. Per request it
+measures (client side) TTFT (send to the first SSE event with tokens; a non-streaming
+request's whole response), ITL (the gap before each later event divided by the tokens in
+it), end-to-end latency and the tokens received. A request whose ``output_ids`` (summed
+over the events of a stream) differ from its final ``meta_info.completion_tokens`` counts
+as tokens lost.
+
+While it runs, ``/server_info`` is polled for ``scheduler.forward_steps_total``; the
+scheduler step rate is taken over the steady part of the run (from the moment every client
+has a request in flight to the moment the first client runs out of work).
+
+``--compare-discard`` (with ``--launch``) then starts a second server with the same flags
+plus ``--discard-output``: its scheduler builds and encodes every frame but drops it, so
+no client ever gets output. Streaming requests are kept at the same number live in that
+scheduler (topped up from the ``live_reqs`` it reports) for the same duration, the step
+rate is taken the same way, then ``/abort_request {"abort_all": true}`` ends the work, the
+hanging clients are cancelled and the server is stopped. The ratio of the two step rates
+is what the output path costs the scheduler; the target is >= 0.95x at 256 streams.
+
+Usage: ``python bench/serve.py --launch [--concurrency 64] [--requests N]
+[--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32] [--compare-discard]
+[--json PATH] [--plot PATH.png] [--no-progress] [--server-args "..."]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import json
+import math
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import uvloop
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+POLL_INTERVAL = 0.1  # /server_info sampling; the scheduler reports about every 0.5 s
+TARGET_RATIO = 0.95
+TARGET_STREAMS = 256
+T = TypeVar("T")
+
+
+@dataclass
+class LoadConfig:
+    concurrency: int = 64
+    requests: int = 256
+    stream_ratio: float = 0.5
+    max_new_tokens: int = 64
+    prompt_len: int = 32
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class ReqResult:
+    stream: bool
+    ok: bool = False
+    status: int = 0
+    error: str | None = None
+    sent: float = 0.0  # seconds since the run's start
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0  # output_ids received
+    completion_tokens: int | None = None  # the final meta_info's count
+    itl: list[float] = field(default_factory=list)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, tokens)
+
+
+@dataclass
+class Sample:
+    """One /server_info answer: when it was asked and answered, and the scheduler's report."""
+
+    asked: float
+    answered: float
+    steps: int
+    live: int
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
+    rng = random.Random(cfg.seed * 1_000_003 + i)
+    ids = [rng.randrange(16, vocab) for _ in range(cfg.prompt_len)]  # low ids hold the special tokens
+    sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0.7, "seed": cfg.seed + i, "ignore_eos": True}
+    return {"input_ids": ids, "sampling_params": sampling, "stream": stream}
+
+
+async def send_one(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], t0: float, on_headers: Callable[[], None] | None = None
+) -> ReqResult:
+    """One request. ``on_headers`` is called when a stream's headers arrive: the server has
+    then already handed the request to the scheduler."""
+    res = ReqResult(stream=bool(body["stream"]))
+    start = time.perf_counter()
+    res.sent = start - t0
+    try:
+        if not res.stream:
+            resp = await client.post(f"{url}/generate", json=body)
+            now = time.perf_counter()
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return res
+            data = resp.json()
+            res.tokens = len(data["output_ids"])
+            res.completion_tokens = data["meta_info"]["completion_tokens"]
+            res.ttft = res.e2e = now - start
+            res.arrivals.append((now - t0, res.tokens))
+            res.ok = True
+            return res
+        async with client.stream("POST", f"{url}/generate", json=body) as resp:
+            res.status = resp.status_code
+            if on_headers is not None:
+                on_headers()
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            last = start
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter()
+                payload = line[6:]
+                if payload == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    res.error = f"stream error: {event['error'].get('message')}"
+                    return res
+                n = len(event["output_ids"])
+                res.completion_tokens = event["meta_info"]["completion_tokens"]
+                if n == 0:
+                    continue
+                if res.ttft is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append((now - last) / n)
+                last = now
+                res.tokens += n
+                res.arrivals.append((now - t0, n))
+            res.e2e = time.perf_counter() - start
+            if not done:
+                res.error = "stream ended without [DONE]"
+                return res
+            res.ok = True
+    except Exception as exc:  # noqa: BLE001 - every failure is a counted error
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def sample_loop(url: str, t0: float, out: list[Sample], stop: asyncio.Event) -> None:
+    """Polls /server_info until ``stop``; keeps the answers that carry a scheduler report."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        while not stop.is_set():
+            asked = time.perf_counter() - t0
+            try:
+                resp = await client.get(f"{url}/server_info")
+                sched = resp.json().get("scheduler") if resp.status_code == 200 else None
+            except httpx.HTTPError:
+                sched = None
+            if sched is not None:
+                out.append(Sample(asked, time.perf_counter() - t0, int(sched["forward_steps_total"]), int(sched["live_reqs"])))
+            try:
+                await asyncio.wait_for(stop.wait(), POLL_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+
+
+def step_rate(samples: Sequence[Sample], lo: float, hi: float) -> dict[str, Any] | None:
+    """Steps/s between the first and the last new report seen in [lo, hi]. Reports come
+    about every 0.5 s, so each is timed by the first sample that saw it, not by the poll."""
+    changes = [s for prev, s in zip(samples, samples[1:]) if s.steps != prev.steps and lo <= s.answered <= hi]
+    if len(changes) < 2 or changes[-1].answered <= changes[0].answered:
+        return None
+    a, b = changes[0], changes[-1]
+    return {"steps_per_s": (b.steps - a.steps) / (b.answered - a.answered), "steps": b.steps - a.steps, "window_s": [a.answered, b.answered]}
+
+
+async def prepare(url: str, discarding: bool = False) -> int:
+    """The vocabulary size, after one short request so the model's first (slow) forward
+    is not timed. A discarding server never answers it: wait for the scheduler's report."""
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        resp = await client.get(f"{url}/server_info")
+        resp.raise_for_status()
+        vocab = int(resp.json()["vocab_size"])
+        warm = {"input_ids": [16, 17, 18, 19], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        if not discarding:
+            (await client.post(f"{url}/generate", json=warm)).raise_for_status()
+            return vocab
+        task = asyncio.create_task(client.post(f"{url}/generate", json=warm))
+        deadline = time.monotonic() + 120.0
+        while time.monotonic() < deadline:
+            sched = (await client.get(f"{url}/server_info")).json().get("scheduler")
+            if sched is not None and sched["live_reqs"] == 0 and sched["forward_steps_total"] > 0:
+                break
+            await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return vocab
+
+
+# --- the attached run -------------------------------------------------------------------------
+
+
+async def run_load(url: str, cfg: LoadConfig) -> dict[str, Any]:
+    vocab = await prepare(url)
+    rng = random.Random(cfg.seed)
+    streams = [rng.random() < cfg.stream_ratio for _ in range(cfg.requests)]
+    results: list[ReqResult] = []
+    samples: list[Sample] = []
+    next_i = 0
+    in_flight = 0
+    full_at: float | None = None  # every client has a request in flight
+    dry_at: float | None = None  # the first client found no work left
+    target = min(cfg.concurrency, cfg.requests)
+    limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8)
+    bar = tqdm(total=cfg.requests, file=sys.stderr, disable=not cfg.progress, desc="requests", unit="req")
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal next_i, in_flight, full_at, dry_at
+        while next_i < cfg.requests:
+            i = next_i
+            next_i += 1
+            in_flight += 1
+            if full_at is None and in_flight >= target:
+                full_at = time.perf_counter() - t0
+            res = await send_one(client, url, make_body(i, cfg, vocab, streams[i]), t0)
+            in_flight -= 1
+            results.append(res)
+            bar.update(1)
+        if dry_at is None:
+            dry_at = time.perf_counter() - t0
+
+    sampler = asyncio.create_task(sample_loop(url, t0, samples, stop))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(cfg.concurrency)))
+    duration = time.perf_counter() - t0
+    stop.set()
+    await sampler
+    bar.close()
+    summary = summarize(results, duration)
+    lo, hi = full_at or 0.0, dry_at or duration
+    rate = step_rate(samples, lo, hi) or step_rate(samples, 0.0, duration)
+    summary.update(
+        config=asdict(cfg),
+        url=url,
+        steady_s=[lo, hi],
+        scheduler_steps=rate,
+        samples=[asdict(s) for s in samples],
+        requests_detail=[{k: v for k, v in asdict(r).items() if k not in ("itl", "arrivals")} for r in results],
+    )
+    summary["_results"] = results  # for the plot; dropped before the JSON
+    return summary
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    ordered = sorted(values)
+
+    def pick(q: float) -> float | None:
+        if not ordered:
+            return None
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000.0
+
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "mean": sum(ordered) * 1000.0 / len(ordered) if ordered else None}
+
+
+def summarize(results: Sequence[ReqResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    lost = [r for r in ok if r.completion_tokens is not None and r.completion_tokens != r.tokens]
+    tokens = sum(r.tokens for r in ok)
+    errors = [r.error for r in results if not r.ok]
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "streaming": sum(r.stream for r in results),
+        "duration_s": duration,
+        "requests_per_s": len(ok) / duration,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / duration,
+        "ttft_ms": percentiles([r.ttft for r in ok if r.ttft is not None]),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+        "e2e_ms": percentiles([r.e2e for r in ok if r.e2e is not None]),
+        "errors": len(errors),
+        "error_examples": sorted(set(e for e in errors if e))[:5],
+        "tokens_lost": sum(abs((r.completion_tokens or 0) - r.tokens) for r in lost),
+        "requests_with_lost_tokens": len(lost),
+    }
+
+
+# --- the discarded run ------------------------------------------------------------------------
+
+
+async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, Any]:
+    """Keeps ``concurrency`` streaming requests live in a ``--discard-output`` scheduler for
+    ``window_s`` after they are first all sent, then aborts everything.
+
+    The clients never get an answer, so the top-up reads the scheduler's ``live_reqs``. A
+    stream's headers come back once the server has handed the request to the scheduler, so
+    every request acknowledged before the poll that preceded a new report is counted in that
+    report, or finished (allowing two scheduler steps for the request to be taken in).
+    Requests sent later are assumed live. The oldest acknowledged streams that the
+    scheduler has finished (they finish in arrival order: same prompt length, same
+    max_new_tokens) are closed, so connections do not pile up."""
+    vocab = await prepare(url, discarding=True)
+    samples: list[Sample] = []
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    sampler = asyncio.create_task(sample_loop(url, t0, samples, stop))
+    tasks: list[asyncio.Task[ReqResult]] = []
+    acked: list[tuple[float, asyncio.Task[ReqResult]]] = []  # in acknowledgement order
+    closed = 0
+    seen: Sample | None = None  # the sample that first showed the latest report
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                i = len(tasks)
+                body = make_body(i, cfg, vocab, True)
+                tasks.append(asyncio.create_task(send_one(client, url, body, t0, lambda i=i: acked.append((time.perf_counter() - t0, tasks[i])))))
+
+        send(cfg.concurrency)
+        full_at = time.perf_counter() - t0
+        while time.perf_counter() - t0 < full_at + window_s:
+            await asyncio.sleep(POLL_INTERVAL / 2)
+            if len(samples) < 2 or (seen is not None and samples[-1].steps == seen.steps):
+                continue
+            # The scheduler takes in new requests between steps, so one that arrived during
+            # the step before the report is not in it yet: allow two steps, plus transit.
+            step_s = (samples[-1].answered - seen.answered) / (samples[-1].steps - seen.steps) if seen is not None else 0.5
+            seen = samples[-1]
+            cut = samples[-2].asked - 0.02 - min(1.0, 2 * step_s)
+            counted = bisect.bisect_left([t for t, _ in acked], cut)
+            live = samples[-1].live
+            while closed < counted - live:
+                acked[closed][1].cancel()
+                closed += 1
+            send(max(0, cfg.concurrency - live - (len(tasks) - counted)))
+        async with httpx.AsyncClient(timeout=10.0) as ctl:
+            await ctl.post(f"{url}/abort_request", json={"abort_all": True})
+        stop.set()
+        await sampler
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    rate = step_rate(samples, full_at, full_at + window_s)
+    return {"requests_sent": len(tasks), "window_s": window_s, "scheduler_steps": rate, "samples": [asdict(s) for s in samples]}
+
+
+# --- launching servers ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LaunchedServer:
+    def __init__(self, server_args: Sequence[str], log_dir: Path, name: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--log-level", "warning", *server_args, "--port", str(self.port)]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.url}/server_info", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server did not become ready; log tail:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def fmt_pcts(p: dict[str, float | None]) -> str:
+    return "  ".join(f"{k} {v:9.1f}" if v is not None else f"{k}       n/a" for k, v in p.items() if k != "mean")
+
+
+def format_report(r: dict[str, Any]) -> str:
+    c = r["config"]
+    lines = [
+        f"bench/serve  {r['url']}  concurrency {c['concurrency']}, {r['requests']} requests ({r['streaming']} streaming), "
+        f"prompt {c['prompt_len']}, max_new_tokens {c['max_new_tokens']}",
+        f"  duration            {r['duration_s']:10.2f} s",
+        f"  requests/s          {r['requests_per_s']:10.2f}",
+        f"  output tokens/s     {r['output_tokens_per_s']:10.1f}",
+        f"  TTFT ms             {fmt_pcts(r['ttft_ms'])}",
+        f"  ITL ms              {fmt_pcts(r['itl_ms'])}",
+        f"  e2e ms              {fmt_pcts(r['e2e_ms'])}",
+        f"  errors              {r['errors']:10d}" + (f"   e.g. {r['error_examples'][0]}" if r["error_examples"] else ""),
+        f"  tokens lost         {r['tokens_lost']:10d}   ({r['requests_with_lost_tokens']} requests)",
+    ]
+    rate = r.get("scheduler_steps")
+    if rate:
+        lo, hi = rate["window_s"]
+        lines.append(f"  scheduler steps/s   {rate['steps_per_s']:10.2f}   ({rate['steps']} steps, {lo:.1f}-{hi:.1f} s)")
+    else:
+        lines.append("  scheduler steps/s          n/a   (too few scheduler reports)")
+    d = r.get("discard")
+    if d is not None:
+        drate = d["scheduler_steps"]
+        if drate:
+            lo, hi = drate["window_s"]
+            lines.append(
+                f"  discarded steps/s   {drate['steps_per_s']:10.2f}   ({drate['steps']} steps, {lo:.1f}-{hi:.1f} s, {d['requests_sent']} requests sent)"
+            )
+        ratio = r.get("steps_ratio")
+        if ratio is not None:
+            verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
+            note = "" if c["concurrency"] == TARGET_STREAMS and c["stream_ratio"] == 1.0 else f"; target is set at {TARGET_STREAMS} streams"
+            lines.append(f"  attached/discarded  {ratio:10.3f}x  target >= {TARGET_RATIO}x: {verdict}{note}")
+        else:
+            lines.append("  attached/discarded         n/a")
+    return "\n".join(lines)
+
+
+def write_plot(path: Path, r: dict[str, Any], results: Sequence[ReqResult]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ttft = [[x.ttft * 1000 for x in results if x.ok and x.ttft is not None and x.stream == st] for st in (True, False)]
+    itl = [v * 1000 for x in results if x.ok for v in x.itl]
+    axes[0].hist(ttft, bins=40, stacked=True, label=["streaming", "non-streaming (= e2e)"])
+    axes[0].set(title="TTFT", xlabel="ms", ylabel="requests")
+    axes[0].legend()
+    axes[1].hist(itl or [0.0], bins=60)
+    axes[1].set(title="ITL (streaming)", xlabel="ms per token", ylabel="events")
+    bin_s = max(1.0, r["duration_s"] / 60)
+    nbins = int(r["duration_s"] / bin_s) + 1
+    per_bin = [0] * nbins
+    for x in results:
+        for t, n in x.arrivals:
+            per_bin[min(nbins - 1, int(t / bin_s))] += n
+    axes[2].plot([i * bin_s for i in range(nbins)], [n / bin_s for n in per_bin], drawstyle="steps-post", label="client tokens/s")
+    times, rates = step_rates(r.get("samples") or [])
+    if rates:
+        ax2 = axes[2].twinx()
+        ax2.plot(times, rates, color="tab:orange", alpha=0.7)
+        ax2.set_ylabel("scheduler steps/s (orange)")
+    axes[2].set(title="output tokens/s over time", xlabel="s", ylabel="tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=80)
+    plt.close(fig)
+
+
+def step_rates(samples: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """Steps/s between consecutive new scheduler reports, at the time each was first seen."""
+    changes = [b for a, b in zip(samples, samples[1:]) if b["steps"] != a["steps"]]
+    pairs = [(b["answered"], (b["steps"] - a["steps"]) / (b["answered"] - a["answered"])) for a, b in zip(changes, changes[1:])]
+    return [t for t, _ in pairs], [v for _, v in pairs]
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """On uvloop, as the server runs: the client shares the machine with the server, and the
+    default loop costs it noticeably more CPU per streamed event."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", default="http://127.0.0.1:30000", help="a running server (default %(default)s)")
+    where.add_argument("--launch", action="store_true", help="start `tokenpipe serve` on a free port and stop it at the end")
+    p.add_argument("--server-args", default="", help="extra `tokenpipe serve` flags for --launch, as one string")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--requests", type=int, default=None, help="total requests (default 4 x concurrency)")
+    p.add_argument("--stream-ratio", type=float, default=0.5, help="fraction of streaming requests (default 0.5)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-discard", action="store_true", help="with --launch: also measure a --discard-output server")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.compare_discard and not args.launch:
+        p.error("--compare-discard needs --launch")
+    if args.concurrency < 1 or not 0.0 <= args.stream_ratio <= 1.0:
+        p.error("--concurrency must be >= 1 and --stream-ratio in [0, 1]")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = LoadConfig(
+        concurrency=args.concurrency,
+        requests=args.requests if args.requests is not None else 4 * args.concurrency,
+        stream_ratio=args.stream_ratio,
+        max_new_tokens=args.max_new_tokens,
+        prompt_len=args.prompt_len,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    server_args = shlex.split(args.server_args)
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as log_dir:
+        server = LaunchedServer(server_args, Path(log_dir), "attached") if args.launch else None
+        try:
+            if server is not None:
+                server.wait_ready()
+            report = run_async(run_load(server.url if server else args.url, cfg))
+        finally:
+            if server is not None:
+                server.stop()
+        if args.compare_discard:
+            lo, hi = report["steady_s"]
+            discard = LaunchedServer([*server_args, "--discard-output", "--graceful-timeout", "1"], Path(log_dir), "discard")
+            try:
+                discard.wait_ready()
+                report["discard"] = run_async(run_discard(discard.url, cfg, max(2.0, hi - lo)))
+            finally:
+                discard.stop()
+            a, d = report.get("scheduler_steps"), report["discard"]["scheduler_steps"]
+            report["steps_ratio"] = a["steps_per_s"] / d["steps_per_s"] if a and d and d["steps_per_s"] > 0 else None
+    results: list[ReqResult] = report.pop("_results")
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        write_plot(args.plot, report, results)
+    ok = report["errors"] == 0 and report["tokens_lost"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

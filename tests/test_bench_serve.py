@@ -1,0 +1,75 @@
+"""Smoke tests of the end-to-end serving benchmark (bench/serve.py) against servers it
+launches itself: tiny numbers; checks the JSON, the printed table and the PNG. They do not
+judge the timings (a shared CI machine says nothing about them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "serve.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    pytest.importorskip("tqdm")
+    pytest.importorskip("matplotlib")
+    name = "tokenpipe_bench_serve"
+    spec = importlib.util.spec_from_file_location(name, BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(60)
+def test_launch_run_writes_json_and_png(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "p.png"
+    argv = ["--launch", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--no-progress"]
+    assert bench.main([*argv, "--json", str(out), "--plot", str(png), "--server-args", "--max-total-tokens 4096"]) == 0
+
+    r = json.loads(out.read_text())
+    assert r["requests"] == r["completed"] == 8
+    assert r["errors"] == 0 and r["tokens_lost"] == 0 and r["requests_with_lost_tokens"] == 0
+    assert r["output_tokens"] == 8 * 8
+    assert r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0
+    for key in ("ttft_ms", "e2e_ms"):
+        assert all(r[key][p] is not None and r[key][p] > 0 for p in ("p50", "p90", "p99")), r[key]
+    assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+    if r["streaming"]:  # the seeded 50/50 split has streams, which have ITLs
+        assert all(r["itl_ms"][p] is not None for p in ("p50", "p90", "p99"))
+    assert len(r["requests_detail"]) == 8
+    assert all(d["tokens"] == d["completion_tokens"] == 8 for d in r["requests_detail"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    table = capsys.readouterr().out
+    for label in ("requests/s", "output tokens/s", "TTFT ms", "ITL ms", "e2e ms", "errors", "tokens lost", "scheduler steps/s"):
+        assert label in table
+
+
+@pytest.mark.timeout(90)
+def test_compare_discard_reports_a_ratio(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Long enough (a few scheduler reports, 0.5 s apart) for both step rates to exist."""
+    out = tmp_path / "r.json"
+    argv = ["--launch", "--compare-discard", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "96"]
+    assert bench.main([*argv, "--stream-ratio", "1", "--no-progress", "--json", str(out), "--server-args", "--max-total-tokens 4096"]) == 0
+
+    r = json.loads(out.read_text())
+    assert r["errors"] == 0 and r["tokens_lost"] == 0 and r["streaming"] == 8
+    assert r["scheduler_steps"]["steps_per_s"] > 0
+    d = r["discard"]
+    assert d["requests_sent"] >= 4 and d["scheduler_steps"]["steps_per_s"] > 0
+    assert r["steps_ratio"] > 0
+    table = capsys.readouterr().out
+    assert "discarded steps/s" in table and "attached/discarded" in table
+    assert "PASS" in table or "MISS" in table
