@@ -34,9 +34,16 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     params = [reqs[i].sampling for i in sampled_rows]
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     scaled = logits.index_select(0, rows).float() / temps.unsqueeze(1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
     vocab = scaled.shape[-1]
+    out = tokens.tolist()
+    if not any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        # No cut: sample straight from the softmax, without sorting the vocabulary.
+        probs = torch.softmax(scaled, dim=-1)
+        for j, i in enumerate(sampled_rows):
+            out[i] = int(torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], device)))
+        return out
 
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
@@ -48,7 +55,6 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
 
-    out = tokens.tolist()
     for j, i in enumerate(sampled_rows):
         pick = torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], device))
         out[i] = int(order[j, pick])
