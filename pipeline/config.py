@@ -34,6 +34,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_interval: int = 1
     max_new_tokens_limit: int = 4096
     discard_output: bool = False  # benchmarking only: build token frames, never send them
+    dense_usage_columns: bool = False  # UsageColumns on every BatchTokenIDOutput row (docs/wire.md)
 
     # HTTP
     host: str = "127.0.0.1"
@@ -99,6 +100,12 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
         action="store_true",
         help="benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output",
     )
+    g.add_argument(
+        "--dense-usage-columns",
+        action="store_true",
+        help="every token frame row also carries prompt, cached, image, audio and video token counts as int32 columns, "
+        "for a consumer that keeps no per-request state (docs/wire.md)",
+    )
 
     g = parser.add_argument_group("http")
     g.add_argument("--host", default=d.host)
@@ -139,6 +146,7 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         stream_interval=args.stream_interval,
         max_new_tokens_limit=args.max_new_tokens_limit,
         discard_output=args.discard_output,
+        dense_usage_columns=args.dense_usage_columns,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

@@ -1,7 +1,11 @@
 """Every type that crosses a ZeroMQ socket, in one module.
 
 Field order is the wire contract: the structs are ``array_like`` (a frame is a msgpack
-array, not a map), so new fields are appended last with a default. Output frames are
+array, not a map), so new fields are appended last with a default. msgspec writes every
+field of an ``array_like`` struct, defaults included (``omit_defaults`` does not shorten
+one), so a new field costs its default's bytes on every message; a reader takes a shorter
+array (defaults fill the tail) and ignores extra trailing elements. docs/wire.md is the
+language-neutral description of every message here. Output frames are
 columnar: per-row numbers travel as little-endian ``bytes`` columns (see ``ColumnDtype``),
 so one decode step of 512 rows costs a handful of buffers, not 512 small objects.
 
@@ -183,10 +187,25 @@ class RequestOutputStats(msgspec.Struct, array_like=True, omit_defaults=True, gc
 # --- output side -----------------------------------------------------------------------
 
 
+class UsageColumns(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """``--dense-usage-columns``: five COUNT_DTYPE columns, one value on every row of a
+    ``BatchTokenIDOutput``, read from the row's current ``Req.stats`` when the row is built.
+    For a consumer that keeps no per-request state (a gateway in another language); the
+    same values also travel in ``request_stats`` on the rows that are due (SPEC section 3).
+    Schema for such a consumer: docs/wire.md."""
+
+    prompt_tokens: bytes
+    cached_tokens: bytes
+    image_tokens: bytes
+    audio_tokens: bytes
+    video_tokens: bytes
+
+
 class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
     """Scheduler -> detokenizer. Columns: req_ids (REQ_ID_DTYPE), output_ids (flat
     TOKEN_DTYPE), output_counts (COUNT_DTYPE, tokens per row), completion_tokens
-    (COUNT_DTYPE, cumulative through the stop)."""
+    (COUNT_DTYPE, cumulative through the stop). ``usage`` is None unless the scheduler
+    runs with ``--dense-usage-columns`` (then it is on every frame, every row)."""
 
     req_ids: bytes
     output_ids: bytes
@@ -196,6 +215,8 @@ class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
     request_stats: list[RequestOutputStats | None] | None = None
     # Per-row flags the detokenizer needs on a request's first row only.
     decode_options: list[DecodeOptions | None] | None = None
+    # --dense-usage-columns only; appended last so older decoders ignore it.
+    usage: UsageColumns | None = None
 
 
 class DecodeOptions(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -248,6 +269,7 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     forward_steps_total: int
     live_reqs: int  # requests the scheduler holds in any state
     instance: int  # random per scheduler start: a change means every in-flight request was lost
+    detokenizer_live_reqs: int = -1  # the detokenizer's live decode states (it fills this in); -1: not filled in
 
 
 DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport]

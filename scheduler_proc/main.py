@@ -37,6 +37,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         max_running_requests=config.max_running_requests,
         stream_interval=config.stream_interval,
         collect_time_stats=config.enable_metrics,
+        dense_usage_columns=config.dense_usage_columns,
     )
 
 

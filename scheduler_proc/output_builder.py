@@ -4,6 +4,11 @@ row's stats are decided by ``Req.take_request_stats_due`` and nothing else.
 
 Hot path: called once per step with every row that has output. Per-row work is one
 attribute read or method call per column; the columns are packed with numpy.
+
+``--dense-usage-columns`` (``dense_usage=True``) adds ``UsageColumns`` to every token frame:
+prompt, cached and media token counts on every row, read from each row's ``Req.stats`` (the
+same object ``take_request_stats_due`` sends), for a consumer that keeps no per-request
+state. Off, nothing of it runs.
 """
 
 from __future__ import annotations
@@ -23,16 +28,37 @@ from pipeline.io_struct import (
     DecodeOptions,
     FinishReason,
     RequestOutputStats,
+    UsageColumns,
 )
 from scheduler_proc.req import PENDING_STATS, Req
 
 
-def build_token_output(reqs: Sequence[Req]) -> BatchTokenIDOutput:
+def build_usage_columns(reqs: Sequence[Req]) -> UsageColumns:
+    """The dense usage columns of these rows, read from each ``Req.stats`` (the current
+    stats, whether or not this row's stats are due): one ``Req.stats`` read and five plain
+    attribute reads of the frozen stats per row, then one numpy conversion."""
+    stats = [r.stats for r in reqs]
+    matrix = np.array(
+        [
+            [s.prompt_tokens for s in stats],
+            [s.cached_tokens for s in stats],
+            [s.image_tokens for s in stats],
+            [s.audio_tokens for s in stats],
+            [s.video_tokens for s in stats],
+        ],
+        dtype=COUNT_DTYPE,
+    ).reshape(5, len(stats))
+    prompt, cached, image, audio, video = (column.tobytes() for column in matrix)
+    return UsageColumns(prompt_tokens=prompt, cached_tokens=cached, image_tokens=image, audio_tokens=audio, video_tokens=video)
+
+
+def build_token_output(reqs: Sequence[Req], *, dense_usage: bool = False) -> BatchTokenIDOutput:
     """One row per request: the tokens generated since its last row.
 
     The stats, decode-option and finish columns are asked of each request only while some
     request has stats pending (``PENDING_STATS``): a first row, a finished row and a row
-    after a stats change are all pending, so a steady decode step skips those calls."""
+    after a stats change are all pending, so a steady decode step skips those calls.
+    ``dense_usage`` adds ``UsageColumns`` on every row (``--dense-usage-columns``)."""
     n = len(reqs)
     outputs = [r.output_ids for r in reqs]
     completion = np.array([len(o) for o in outputs], dtype=COUNT_DTYPE)
@@ -70,6 +96,7 @@ def build_token_output(reqs: Sequence[Req]) -> BatchTokenIDOutput:
         finished_reasons=finished,
         request_stats=stats,
         decode_options=options,
+        usage=build_usage_columns(reqs) if dense_usage else None,
     )
 
 

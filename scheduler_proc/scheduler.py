@@ -59,6 +59,7 @@ class Scheduler:
         max_running_requests: int,
         stream_interval: int,
         collect_time_stats: bool,
+        dense_usage_columns: bool = False,
     ) -> None:
         self.runner = runner
         self.kv = runner.kv
@@ -70,6 +71,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.stream_interval = stream_interval
         self.collect_time_stats = collect_time_stats
+        self.dense_usage_columns = dense_usage_columns  # UsageColumns on every token frame
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
@@ -155,7 +157,7 @@ class Scheduler:
             rows = [r for r in rows if not r.is_embedding]
             frames.append(build_embedding_output(embedded, np.stack([self._pooled(r) for r in embedded])))
         if rows:
-            frames.append(build_token_output(rows))
+            frames.append(build_token_output(rows, dense_usage=self.dense_usage_columns))
         for req in rows + embedded:
             if req.finished:
                 self._release(req)
