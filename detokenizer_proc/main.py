@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import zmq
 
 from pipeline.config import ServerConfig
@@ -61,8 +62,14 @@ def run_detokenizer(config: ServerConfig) -> None:
             continue
         frame = inbox.recv(copy=False)
         msg = decoder.decode(frame.buffer)
-        if isinstance(msg, (BatchEmbeddingOutput, SchedulerStatsReport)):
+        if isinstance(msg, BatchEmbeddingOutput):
             outbox.send(frame, copy=False)  # not ours to change: forward the frame as it came
+        elif isinstance(msg, SchedulerStatsReport):
+            # Forwarded with this process's own count of live decode states, so /server_info
+            # shows per-request state left behind here too (frames arrive in order, so every
+            # row the scheduler sent before this report has been processed).
+            report = msgspec.structs.replace(msg, detokenizer_live_reqs=detok.num_live)
+            outbox.send(encoder.encode(report), copy=False)
         elif isinstance(msg, BatchTokenIDOutput):
             try:
                 out = detokenize_frame(detok, msg)
