@@ -33,6 +33,7 @@ from pipeline.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
 from scheduler_proc.radix_cache import RadixCache
@@ -153,21 +154,14 @@ class Scheduler:
         embedded = [r for r in rows if r.is_embedding]
         if embedded:
             rows = [r for r in rows if not r.is_embedding]
-            frames.append(build_embedding_output(embedded, np.stack([self._pooled(r) for r in embedded])))
+            size = self.runner.model_config.hidden_size
+            frames.append(build_embedding_output(embedded, np.stack([pooled_embedding(r, size) for r in embedded])))
         if rows:
             frames.append(build_token_output(rows))
         for req in rows + embedded:
             if req.finished:
                 self._release(req)
         return frames
-
-    def _pooled(self, req: Req) -> np.ndarray:
-        """Mean over the prompt's final hidden states, L2-normalised; zeros for a request
-        that ended before its prefill did (an abort)."""
-        if req.hidden_sum is None or req.num_computed < len(req.origin_input_ids):
-            return np.zeros(self.runner.model_config.hidden_size, dtype=np.float32)
-        mean = req.hidden_sum / len(req.origin_input_ids)
-        return torch.nn.functional.normalize(mean, dim=0).cpu().numpy().astype(np.float32)
 
     def _prefill(self, rows: list[Req]) -> list[Req]:
         now = time.time()
@@ -217,7 +211,7 @@ class Scheduler:
         )
         self.forward_steps += 1
         if hidden is not None:
-            self._accumulate_hidden(batch, hidden)
+            accumulate_hidden(batch, hidden)
         done_rows: list[int] = []
         for i, (req, toks, slots) in enumerate(batch):
             req.kv_slots = slots if req.kv_slots is None else torch.cat((req.kv_slots, slots))
@@ -244,17 +238,6 @@ class Scheduler:
         done = [batch[i][0] for i in generating]
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
-
-    @staticmethod
-    def _accumulate_hidden(batch: list[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor) -> None:
-        """Adds each embedding request's new hidden states into its running sum, so a
-        prompt prefilled in chunks pools exactly like one prefilled at once."""
-        offset = 0
-        for req, toks, _ in batch:
-            if req.is_embedding:
-                part = hidden[offset : offset + len(toks)].sum(dim=0, dtype=torch.float32)
-                req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
-            offset += len(toks)
 
     def _attach_cached_prefix(self, req: Req) -> None:
         """Starts a (re-)prefill from the longest cached prefix. The last token is always
