@@ -4,10 +4,11 @@ to ZeroMQ.
 
 One ``step()``:
 1. prefill: continue the request that is mid-chunk, then admit waiting requests in arrival
-   order while the token budget and the KV pool allow (leaving one slot per running request
-   for the next decode step);
+   order while the token budget and the KV pool allow (leaving the slots the next decode
+   step takes: one per running request);
 2. decode: one batched step over every running request, retracting requests first when the
-   pool cannot give each a slot;
+   pool cannot give each a slot (in ``--mode dllm``, one block refinement pass instead:
+   ``scheduler_proc.dllm``);
 3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due.
 A request mid-prefill emits no row.
 """
@@ -33,6 +34,7 @@ from pipeline.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
@@ -60,6 +62,7 @@ class Scheduler:
         max_running_requests: int,
         stream_interval: int,
         collect_time_stats: bool,
+        dllm: DllmConfig | None = None,
     ) -> None:
         self.runner = runner
         self.kv = runner.kv
@@ -71,6 +74,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.stream_interval = stream_interval
         self.collect_time_stats = collect_time_stats
+        self.dllm = None if dllm is None else DllmDecoder(dllm, runner, stop_checker, context_length, self._alloc)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
@@ -120,9 +124,10 @@ class Scheduler:
             return "input_ids is empty"
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.vocab_size:
             return f"input_ids holds a token id outside the vocabulary [0, {self.vocab_size})"
-        if n > self.kv.capacity - req.sampling.max_new_tokens:
+        max_new = req.sampling.max_new_tokens
+        if n > self.kv.capacity - (max_new if self.dllm is None else self.dllm.peak_output_slots(max_new)):
             return (
-                f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds "
+                f"prompt ({n} tokens) plus max_new_tokens ({max_new}{' in whole blocks' if self.dllm else ''}) exceeds "
                 f"the KV pool ({self.kv.capacity} tokens)"
             )
         if n >= self.context_length:
@@ -169,7 +174,7 @@ class Scheduler:
         batch: list[tuple[Req, list[int], torch.Tensor]] = []
         candidates = list(self.prefilling)
         self.prefilling = []
-        slots_for_decode = len(self.running)
+        slots_for_decode = self._decode_demand()
         admitted = len(self.running) + len(candidates)
         for req in self.waiting:
             if admitted >= self.max_running_requests:
@@ -236,6 +241,8 @@ class Scheduler:
         if not generating:
             return []
         done = [batch[i][0] for i in generating]
+        if self.dllm is not None:
+            return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
 
@@ -272,6 +279,8 @@ class Scheduler:
         """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
         the slots (freeing duplicates of what it already held), then the prefix lock drops.
         An embedding request's KV is only freed: it never reads the cache."""
+        if self.dllm is not None:
+            self.dllm.drop_block(req)  # a block in progress is never cached: it restarts
         slots = req.kv_slots
         if slots is not None and slots.numel() and req.is_embedding:
             self.kv.free(slots)
@@ -297,6 +306,11 @@ class Scheduler:
         if not self.running:
             return
         self._retract_until_fits()
+        if self.dllm is not None:
+            self.running, committed = self.dllm.step(self.running, rows)
+            self.forward_steps += 1
+            self.generated_tokens_total += committed
+            return
         reqs = self.running
         slots = self._alloc(len(reqs))
         assert slots is not None, "retraction left too few KV slots"
@@ -335,7 +349,7 @@ class Scheduler:
         prompt). The last running request is never retracted: admission guarantees that
         one request alone always fits."""
         now = time.time()
-        while self.kv.num_free + self.cache.evictable_size < len(self.running):
+        while self.kv.num_free + self.cache.evictable_size < self._decode_demand():
             if self.prefilling:
                 victim = self.prefilling.pop()
             elif len(self.running) > 1:
@@ -344,6 +358,12 @@ class Scheduler:
             else:
                 raise RuntimeError("a single request does not fit the KV pool; admission should have refused it")
             self._retract(victim, now)
+
+    def _decode_demand(self) -> int:
+        """Pool slots the next decode step takes: one per request, or what each dLLM pass needs."""
+        if self.dllm is None:
+            return len(self.running)
+        return sum(self.dllm.slots_needed(r) for r in self.running)
 
     def _retract(self, req: Req, now: float) -> None:
         self._release_kv(req)  # what it computed stays in the cache while the pool allows
