@@ -72,15 +72,17 @@ class DllmConfig:
 class Block:
     """The block a request is refining: its tokens (the mask token where still masked),
     which positions are still masked (a committed token may equal the mask id), the pool
-    slots its positions are written to (None before the first pass) and passes done."""
+    slots its positions are written to, passes done, and the request's generator state at
+    the block's start (a restarted block draws the same numbers again)."""
 
-    __slots__ = ("tokens", "masked", "slots", "passes")
+    __slots__ = ("tokens", "masked", "slots", "passes", "rng_state")
 
-    def __init__(self, size: int, mask_token_id: int) -> None:
+    def __init__(self, size: int, mask_token_id: int, slots: torch.Tensor, generator: torch.Generator | None) -> None:
         self.tokens = [mask_token_id] * size
         self.masked = [True] * size
-        self.slots: torch.Tensor | None = None
+        self.slots = slots
         self.passes = 0
+        self.rng_state = None if generator is None else generator.get_state()
 
     def masked_positions(self) -> list[int]:
         return [j for j, m in enumerate(self.masked) if m]
@@ -117,11 +119,21 @@ class DllmDecoder:
         return req.seq_len - req.num_computed + self._block_size(req)
 
     def drop_block(self, req: Req) -> None:
-        """Frees the block in progress (finish, abort, retraction: it restarts later)."""
+        """Drops the block in progress (retraction: it restarts later, drawing what it drew
+        before, so a seeded request samples the same tokens; finish; abort)."""
         block = req.dllm_block
+        if block is None:
+            return
+        self._free(req)
+        if block.rng_state is None:
+            req.generator = None  # made again from the seed at the next draw
+        else:
+            assert req.generator is not None
+            req.generator.set_state(block.rng_state)
+
+    def _free(self, req: Req) -> None:
+        self.runner.kv.free(req.dllm_block.slots)
         req.dllm_block = None
-        if block is not None and block.slots is not None:
-            self.runner.kv.free(block.slots)
 
     def _block_size(self, req: Req) -> int:
         # Only at the end of the context is a block shorter: its positions must exist.
@@ -137,7 +149,7 @@ class DllmDecoder:
         prefixes: list[torch.Tensor] = []
         new_slots: list[torch.Tensor] = []
         block_start: list[int] = []
-        fresh_slots: list[torch.Tensor | None] = []  # per request: slots of recomputed committed tokens
+        fresh_slots: list[torch.Tensor | None] = []  # per request: slots of committed tokens recomputed
         masked: list[list[int]] = []  # per request: its masked block positions
         rows_of_masked: list[int] = []  # the rows predicting them among the pass's new tokens, flat
         owners: list[Req] = []  # and their requests
@@ -148,17 +160,16 @@ class DllmDecoder:
             block, fresh = req.dllm_block, None
             if block is None:
                 # A block starts: committed tokens without final KV are recomputed in front.
-                block = req.dllm_block = Block(self._block_size(req), self.config.mask_token_id)
-                stale = req.seq_len - req.num_computed
-                slots = self._alloc(stale + len(block.tokens))
+                size, stale = self._block_size(req), req.seq_len - req.num_computed
+                slots = self._alloc(stale + size)
                 assert slots is not None, "the scheduler made room for every block"
-                fresh, block.slots = slots[:stale], slots[stale:]
-            assert block.slots is not None
+                fresh = slots[:stale]
+                block = req.dllm_block = Block(size, self.config.mask_token_id, slots[stale:], req.generator)
             # The head: tokens before the block that this pass writes. At least the anchor
             # (the last committed token, rewritten with the causal KV it already had), as
             # its hidden state predicts the block's first position.
             start = min(req.num_computed, req.seq_len - 1)
-            head = req.fill_ids[start:]
+            head = _tokens_from(req, start)
             head_slots = kv_slots[start:] if fresh is None else torch.cat((kv_slots[start:], fresh))
             new_ids.append(head + block.tokens)
             prefixes.append(kv_slots[:start])
@@ -212,7 +223,7 @@ class DllmDecoder:
         """Appends the block's tokens through the stop checks, queues the row, frees the
         block's slots; returns the number of tokens appended."""
         tokens = req.dllm_block.tokens
-        self.drop_block(req)
+        self._free(req)
         appended = 0
         for token in tokens:
             req.output_ids.append(token)
@@ -227,3 +238,11 @@ class DllmDecoder:
         if req.finished or req.stream:
             rows.append(req)
         return appended
+
+
+def _tokens_from(req: Req, start: int) -> list[int]:
+    """``req.fill_ids[start:]`` without building the whole list."""
+    prompt = req.origin_input_ids
+    if start >= len(prompt):
+        return req.output_ids[start - len(prompt) :]
+    return prompt[start:] + req.output_ids

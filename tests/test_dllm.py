@@ -27,6 +27,7 @@ from pipeline.io_struct import (
 )
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.main import build_scheduler
+from scheduler_proc.req import Req
 from scheduler_proc.scheduler import Scheduler
 from tests.server_harness import ServerProcess
 
@@ -68,10 +69,11 @@ def run(s: Scheduler, *, until: int | None = None, at_step: dict[int, object] | 
     """Rows per req_id (through a msgpack round trip); ``at_step[n]()`` runs before step n."""
     rows: dict[int, list[Row]] = {}
     step = 0
-    while s.has_work() and (until is None or step < until):
+    pending = dict(at_step or {})
+    while (s.has_work() or pending) and (until is None or step < until):
         step += 1
-        if at_step and step in at_step:
-            at_step[step]()  # type: ignore[operator]
+        if step in pending:
+            pending.pop(step)()  # type: ignore[operator]
         for frame in s.step():
             frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=type(frame))
             ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
@@ -247,16 +249,33 @@ def test_committed_blocks_leave_causal_kv_like_a_prefill() -> None:
 
 
 def test_retraction_restarts_the_block_and_leaks_nothing() -> None:
+    """Greedy and seeded requests decode the same with or without retractions: a restarted
+    block is recomputed from the same KV and redraws the same random numbers."""
     prompts = [[100 + i] * 16 + PROMPTS[0][:16] for i in range(8)]
-    roomy = make()
-    for i, p in enumerate(prompts):
-        submit(roomy, i + 1, p, max_new=30)
-    expected = {rid: tokens(rows) for rid, rows in run(roomy).items()}
 
-    s = make(pool=400)
-    for i, p in enumerate(prompts):
-        submit(s, i + 1, p, max_new=30)
-    rows = run(s)
+    def run_all(s: Scheduler) -> dict[int, list[Row]]:
+        # Staggered arrivals, so that blocks are at different passes when the pool runs short.
+        def arrive(i: int) -> None:
+            submit(s, i + 1, prompts[i], max_new=30, temperature=0.0 if i % 2 else 1.0, seed=i)
+
+        return run(s, at_step={1 + i: (lambda i=i: arrive(i)) for i in range(len(prompts))})
+
+    roomy = make(steps=3)
+    expected = {rid: tokens(rows) for rid, rows in run_all(roomy).items()}
+    assert roomy.num_retracted_total == 0
+
+    s = make(pool=300, steps=3)
+    mid_block = 0
+    drop = s.dllm.drop_block  # type: ignore[union-attr]
+
+    def counting_drop(req: Req) -> None:
+        nonlocal mid_block
+        mid_block += req.dllm_block is not None and not req.finished
+        drop(req)
+
+    s.dllm.drop_block = counting_drop  # type: ignore[union-attr,method-assign]
+    rows = run_all(s)
+    assert mid_block > 0, "some retraction should hit a block in progress"
     assert s.num_retracted_total > 0
     for rid, got in rows.items():
         assert len(tokens(got)) == 30 and tokens(got) == expected[rid], rid
