@@ -334,16 +334,24 @@ def _stream(srv: ServerProcess, body: dict) -> list[dict]:  # type: ignore[type-
 
 
 def test_serve_streams_one_event_per_block(dllm_server: ServerProcess) -> None:
-    body = {"text": "Once upon a time in a dLLM", "sampling_params": {"max_new_tokens": 12, "temperature": 0.8, "seed": 5, "ignore_eos": True}}
+    n = 32
+    body = {"text": "Once upon a time in a dLLM", "sampling_params": {"max_new_tokens": n, "temperature": 0.8, "seed": 5, "ignore_eos": True}}
     events = _stream(dllm_server, body)
-    assert [len(e["output_ids"]) for e in events] == [4, 4, 4]
-    cached = [e["meta_info"]["cached_tokens"] for e in events]
+    # One event per block. The API merges the deltas of a reader that falls behind (on a
+    # busy machine two blocks can reach it before it writes), so allow whole multiples.
+    sizes = [len(e["output_ids"]) for e in events]
+    assert sum(sizes) == n and all(k > 0 and k % 4 == 0 for k in sizes), sizes
+    assert len(events) > 2, sizes
     prompt = events[0]["meta_info"]["prompt_tokens"]
-    assert cached[0] == prompt + 4 and cached[1] == prompt + 8 and cached[0] < cached[1]
-    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    cached = [e["meta_info"]["cached_tokens"] for e in events]
+    # Prompt plus the blocks committed so far; the last block has no successor to reuse it.
+    sent = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    assert cached == [prompt + min(k, n - 4) for k in sent]
+    assert cached[:-1] == sorted(set(cached[:-1])) and cached[-1] >= cached[-2]
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": n}
     again = _stream(dllm_server, body)
     assert "".join(e["text"] for e in again) == "".join(e["text"] for e in events)
-    assert [e["output_ids"] for e in again] == [e["output_ids"] for e in events]
+    assert [t for e in again for t in e["output_ids"]] == [t for e in events for t in e["output_ids"]]
     with dllm_server.client() as c:
         whole = c.post("/generate", json=body).json()
     assert whole["output_ids"] == [t for e in events for t in e["output_ids"]]
