@@ -35,6 +35,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens_limit: int = 4096
     discard_output: bool = False  # benchmarking only: build token frames, never send them
     dense_usage_columns: bool = False  # UsageColumns on every BatchTokenIDOutput row (docs/wire.md)
+    dllm_block_size: int = 4  # --mode dllm: masked positions refined together, emitted as one row
+    dllm_steps: int = 4  # --mode dllm: batched refinement passes per block
 
     # HTTP
     host: str = "127.0.0.1"
@@ -62,6 +64,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def decode(cls, text: str) -> "ServerConfig":
         return msgspec.json.decode(text, type=cls)
 
+    def kv_tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV slots one request may hold at its peak. A dLLM request refines whole blocks,
+        so its last block takes ``dllm_block_size`` slots even when the output stops short."""
+        if self.mode == "dllm":
+            block = self.dllm_block_size
+            return prompt_len + -(-max_new_tokens // block) * block
+        return prompt_len + max_new_tokens
+
     def validate(self) -> None:
         problems = []
         if self.max_total_tokens < 16:
@@ -72,6 +82,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--stream-interval must be at least 1")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
+        if self.dllm_block_size < 1:
+            problems.append("--dllm-block-size must be at least 1")
+        if not 1 <= self.dllm_steps <= self.dllm_block_size:
+            problems.append("--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least one position)")
         if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
             problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
         if problems:
@@ -95,6 +109,10 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunking")
     g.add_argument("--stream-interval", type=int, default=d.stream_interval)
     g.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    g.add_argument(
+        "--dllm-block-size", type=int, default=d.dllm_block_size, help="--mode dllm: tokens per block (one output row each)"
+    )
+    g.add_argument("--dllm-steps", type=int, default=d.dllm_steps, help="--mode dllm: refinement passes per block")
     g.add_argument(
         "--discard-output",
         action="store_true",
@@ -147,6 +165,8 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         max_new_tokens_limit=args.max_new_tokens_limit,
         discard_output=args.discard_output,
         dense_usage_columns=args.dense_usage_columns,
+        dllm_block_size=args.dllm_block_size,
+        dllm_steps=args.dllm_steps,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

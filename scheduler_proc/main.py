@@ -14,6 +14,7 @@ from pipeline.io_struct import AbortReq, SchedulerInput, TokenizedEmbeddingReqIn
 from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import load_tokenizer
+from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.model_limits import context_length_of
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
@@ -38,6 +39,13 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         stream_interval=config.stream_interval,
         collect_time_stats=config.enable_metrics,
         dense_usage_columns=config.dense_usage_columns,
+        # The mask placeholder is the tokenizer's EOS id (<|endoftext|>, 0, for the shipped
+        # tokenizer): see scheduler_proc/dllm.py.
+        dllm=(
+            DllmConfig(config.dllm_block_size, config.dllm_steps, min(tokenizer.eos_token_ids))
+            if config.mode == "dllm"
+            else None
+        ),
     )
 
 

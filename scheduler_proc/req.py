@@ -59,6 +59,7 @@ class Req:
         "is_embedding",
         "admitted_once",
         "hidden_sum",
+        "dllm_block",
         "__weakref__",
     )
 
@@ -94,6 +95,7 @@ class Req:
         self.is_embedding = is_embedding
         self.admitted_once = False  # cached_tokens is fixed at the first admission
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
+        self.dllm_block: Any = None  # --mode dllm: the block being refined (scheduler_proc.dllm.Block)
         self._decode_options_sent = False
 
         self.stats_epoch = 0

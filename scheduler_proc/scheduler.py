@@ -4,10 +4,11 @@ to ZeroMQ.
 
 One ``step()``:
 1. prefill: continue the request that is mid-chunk, then admit waiting requests in arrival
-   order while the token budget and the KV pool allow (leaving one slot per running request
-   for the next decode step);
+   order while the token budget and the KV pool allow (leaving the slots the next decode
+   step takes: one per running request);
 2. decode: one batched step over every running request, retracting requests first when the
-   pool cannot give each a slot;
+   pool cannot give each a slot (in ``--mode dllm``, one block refinement pass instead:
+   ``scheduler_proc.dllm``);
 3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due.
 A request mid-prefill emits no row.
 """
@@ -33,6 +34,8 @@ from pipeline.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from scheduler_proc.dllm import DllmConfig, DllmDecoder
+from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
 from scheduler_proc.radix_cache import RadixCache
@@ -60,6 +63,7 @@ class Scheduler:
         stream_interval: int,
         collect_time_stats: bool,
         dense_usage_columns: bool = False,
+        dllm: DllmConfig | None = None,
     ) -> None:
         self.runner = runner
         self.kv = runner.kv
@@ -72,6 +76,7 @@ class Scheduler:
         self.stream_interval = stream_interval
         self.collect_time_stats = collect_time_stats
         self.dense_usage_columns = dense_usage_columns  # UsageColumns on every token frame
+        self.dllm = None if dllm is None else DllmDecoder(dllm, runner, stop_checker, context_length, self._alloc)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
@@ -121,9 +126,10 @@ class Scheduler:
             return "input_ids is empty"
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.vocab_size:
             return f"input_ids holds a token id outside the vocabulary [0, {self.vocab_size})"
-        if n > self.kv.capacity - req.sampling.max_new_tokens:
+        max_new = req.sampling.max_new_tokens
+        if n > self.kv.capacity - (max_new if self.dllm is None else self.dllm.peak_output_slots(max_new)):
             return (
-                f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds "
+                f"prompt ({n} tokens) plus max_new_tokens ({max_new}{' in whole blocks' if self.dllm else ''}) exceeds "
                 f"the KV pool ({self.kv.capacity} tokens)"
             )
         if n >= self.context_length:
@@ -155,7 +161,8 @@ class Scheduler:
         embedded = [r for r in rows if r.is_embedding]
         if embedded:
             rows = [r for r in rows if not r.is_embedding]
-            frames.append(build_embedding_output(embedded, np.stack([self._pooled(r) for r in embedded])))
+            size = self.runner.model_config.hidden_size
+            frames.append(build_embedding_output(embedded, np.stack([pooled_embedding(r, size) for r in embedded])))
         if rows:
             frames.append(build_token_output(rows, dense_usage=self.dense_usage_columns))
         for req in rows + embedded:
@@ -163,21 +170,13 @@ class Scheduler:
                 self._release(req)
         return frames
 
-    def _pooled(self, req: Req) -> np.ndarray:
-        """Mean over the prompt's final hidden states, L2-normalised; zeros for a request
-        that ended before its prefill did (an abort)."""
-        if req.hidden_sum is None or req.num_computed < len(req.origin_input_ids):
-            return np.zeros(self.runner.model_config.hidden_size, dtype=np.float32)
-        mean = req.hidden_sum / len(req.origin_input_ids)
-        return torch.nn.functional.normalize(mean, dim=0).cpu().numpy().astype(np.float32)
-
     def _prefill(self, rows: list[Req]) -> list[Req]:
         now = time.time()
         budget = self.prefill_budget
         batch: list[tuple[Req, list[int], torch.Tensor]] = []
         candidates = list(self.prefilling)
         self.prefilling = []
-        slots_for_decode = len(self.running)
+        slots_for_decode = self._decode_demand()
         admitted = len(self.running) + len(candidates)
         for req in self.waiting:
             if admitted >= self.max_running_requests:
@@ -219,7 +218,7 @@ class Scheduler:
         )
         self.forward_steps += 1
         if hidden is not None:
-            self._accumulate_hidden(batch, hidden)
+            accumulate_hidden(batch, hidden)
         done_rows: list[int] = []
         for i, (req, toks, slots) in enumerate(batch):
             req.kv_slots = slots if req.kv_slots is None else torch.cat((req.kv_slots, slots))
@@ -244,19 +243,10 @@ class Scheduler:
         if not generating:
             return []
         done = [batch[i][0] for i in generating]
+        if self.dllm is not None:
+            return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
-
-    @staticmethod
-    def _accumulate_hidden(batch: list[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor) -> None:
-        """Adds each embedding request's new hidden states into its running sum, so a
-        prompt prefilled in chunks pools exactly like one prefilled at once."""
-        offset = 0
-        for req, toks, _ in batch:
-            if req.is_embedding:
-                part = hidden[offset : offset + len(toks)].sum(dim=0, dtype=torch.float32)
-                req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
-            offset += len(toks)
 
     def _attach_cached_prefix(self, req: Req) -> None:
         """Starts a (re-)prefill from the longest cached prefix. The last token is always
@@ -291,6 +281,8 @@ class Scheduler:
         """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
         the slots (freeing duplicates of what it already held), then the prefix lock drops.
         An embedding request's KV is only freed: it never reads the cache."""
+        if self.dllm is not None:
+            self.dllm.drop_block(req)  # a block in progress is never cached: it restarts
         slots = req.kv_slots
         if slots is not None and slots.numel() and req.is_embedding:
             self.kv.free(slots)
@@ -316,6 +308,11 @@ class Scheduler:
         if not self.running:
             return
         self._retract_until_fits()
+        if self.dllm is not None:
+            self.running, committed = self.dllm.step(self.running, rows)
+            self.forward_steps += 1
+            self.generated_tokens_total += committed
+            return
         reqs = self.running
         slots = self._alloc(len(reqs))
         assert slots is not None, "retraction left too few KV slots"
@@ -354,7 +351,7 @@ class Scheduler:
         prompt). The last running request is never retracted: admission guarantees that
         one request alone always fits."""
         now = time.time()
-        while self.kv.num_free + self.cache.evictable_size < len(self.running):
+        while self.kv.num_free + self.cache.evictable_size < self._decode_demand():
             if self.prefilling:
                 victim = self.prefilling.pop()
             elif len(self.running) > 1:
@@ -363,6 +360,12 @@ class Scheduler:
             else:
                 raise RuntimeError("a single request does not fit the KV pool; admission should have refused it")
             self._retract(victim, now)
+
+    def _decode_demand(self) -> int:
+        """Pool slots the next decode step takes: one per request, or what each dLLM pass needs."""
+        if self.dllm is None:
+            return len(self.running)
+        return sum(self.dllm.slots_needed(r) for r in self.running)
 
     def _retract(self, req: Req, now: float) -> None:
         self._release_kv(req)  # what it computed stays in the cache while the pool allows

@@ -150,9 +150,10 @@ class TokenizerManager:
                 f"context length ({self.context_length})",
                 "sampling_params.max_new_tokens" if prompt_len < self.context_length else "text",
             )
-        if prompt_len + sampling.max_new_tokens > self.config.max_total_tokens:
+        if self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens) > self.config.max_total_tokens:
+            block = " (rounded up to whole dLLM blocks)" if self.config.mode == "dllm" else ""
             raise RequestValidationError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}) can never fit the "
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}){block} can never fit the "
                 f"KV pool ({self.config.max_total_tokens} tokens)",
                 "sampling_params.max_new_tokens",
             )
