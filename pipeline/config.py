@@ -35,6 +35,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens_limit: int = 4096
     discard_output: bool = False  # benchmarking only: build token frames, never send them
 
+    # HiCache: a host tier under the device KV pool, and a storage tier under that
+    hicache_host_tokens: int = 0  # 0: off
+    hicache_storage_dir: str | None = None  # absolute path; storage can also be attached at runtime
+
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -71,6 +75,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--stream-interval must be at least 1")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
+        if self.hicache_host_tokens < 0:
+            problems.append("--hicache-host-tokens must be 0 (off) or positive")
+        if self.hicache_storage_dir is not None and self.hicache_host_tokens == 0:
+            problems.append("--hicache-storage-dir needs the host tier: give --hicache-host-tokens N too")
         if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
             problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
         if problems:
@@ -98,6 +106,19 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
         "--discard-output",
         action="store_true",
         help="benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output",
+    )
+
+    g = parser.add_argument_group("hicache")
+    g.add_argument(
+        "--hicache-host-tokens",
+        type=int,
+        default=d.hicache_host_tokens,
+        help="host-memory KV tier under the device pool, in tokens: evicted prefixes move there and come back on a hit (0: off)",
+    )
+    g.add_argument(
+        "--hicache-storage-dir",
+        default=d.hicache_storage_dir,
+        help="existing directory for the storage tier under the host tier (file backend); also POST /hicache/storage/attach",
     )
 
     g = parser.add_argument_group("http")
@@ -139,6 +160,8 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         stream_interval=args.stream_interval,
         max_new_tokens_limit=args.max_new_tokens_limit,
         discard_output=args.discard_output,
+        hicache_host_tokens=args.hicache_host_tokens,
+        hicache_storage_dir=os.path.abspath(args.hicache_storage_dir) if args.hicache_storage_dir else None,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

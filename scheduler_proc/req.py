@@ -58,6 +58,7 @@ class Req:
         "_decode_options_sent",
         "is_embedding",
         "admitted_once",
+        "cached_by_tier",
         "hidden_sum",
         "__weakref__",
     )
@@ -93,6 +94,7 @@ class Req:
         self.generator: torch.Generator | None = None
         self.is_embedding = is_embedding
         self.admitted_once = False  # cached_tokens is fixed at the first admission
+        self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self._decode_options_sent = False
 

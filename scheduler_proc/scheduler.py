@@ -26,16 +26,18 @@ from pipeline.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
-    CachedTokensDetails,
     FinishAbort,
     FinishLength,
+    HiCacheStorageControl,
+    HiCacheStorageState,
     SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from scheduler_proc.hicache import Fetched, HiCache, apply_storage_control, cached_details
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
-from scheduler_proc.radix_cache import RadixCache
+from scheduler_proc.radix_cache import RadixCache, RadixNode
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import sample
 from scheduler_proc.stop_checker import StopChecker
@@ -59,10 +61,14 @@ class Scheduler:
         max_running_requests: int,
         stream_interval: int,
         collect_time_stats: bool,
+        hicache: HiCache | None = None,
     ) -> None:
         self.runner = runner
         self.kv = runner.kv
-        self.cache = RadixCache(runner.kv)
+        self.hicache = hicache  # host and storage tiers under the device pool, or None
+        self.cache = RadixCache(runner.kv, lower=hicache)
+        if hicache is not None:
+            hicache.bind(self.cache)
         self.stop_checker = stop_checker
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -128,6 +134,19 @@ class Scheduler:
             return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
         return None
 
+    def storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
+        """Attaches or detaches HiCache storage between two steps. On a change, every
+        admitted request's ``cached_tokens_details`` changes keys through the one stats
+        setter, so its next row shows the storage keys appear or go."""
+        state = apply_storage_control(self.hicache, msg)
+        backend = state.backend
+        for req in self.live.values():
+            if req.admitted_once:
+                details = cached_details(*req.cached_by_tier, backend)
+                if details != req.stats.cached_tokens_details:
+                    req.update_stats(cached_tokens_details=details)
+        return state
+
     def abort(self, msg: AbortReq) -> None:
         targets = list(self.live.values()) if msg.abort_all else [self.live[msg.req_id]] if msg.req_id in self.live else []
         now = time.time()
@@ -187,22 +206,32 @@ class Scheduler:
             if budget <= 0:
                 self._requeue_unscheduled(req)
                 continue
+            lower: list[RadixNode] = []
             if from_waiting and not req.is_embedding:
                 # Pooling needs every prompt token's hidden state, so embeddings skip the cache.
-                self._attach_cached_prefix(req)
+                lower = self._attach_cached_prefix(req)
             fill = req.fill_ids
-            take = min(len(fill) - req.num_computed, budget)
-            slots = self._alloc(take, reserve=slots_for_decode)
-            if slots is None:
+            to_load = sum(len(node) for node in lower)  # HiCache hits to bring back
+            take = min(len(fill) - req.num_computed - to_load, budget)
+            if not self._fits(to_load + take, reserve=slots_for_decode):
                 if from_waiting:
                     self._unlock_prefix(req)  # it holds only the cache's own slots so far
                 self._requeue_unscheduled(req)
                 budget = 0  # arrival order: nobody overtakes a request that does not fit
                 continue
+            fetched = None
+            if lower:
+                fetched = self.hicache.fetch(lower)  # type: ignore[union-attr]
+                take = min(len(fill) - req.num_computed - fetched.num_tokens, budget)
+                to_load = fetched.num_tokens
+            slots = self._alloc(to_load + take)
+            assert slots is not None, "_fits promised these slots"
+            if fetched is not None:
+                slots = self._bring_back(req, fetched, slots)
             if from_waiting:
                 self.waiting.popleft()
                 req.leave_waiting_queue(now)
-                self._record_first_admission(req)
+                self._record_first_admission(req, fetched)
             batch.append((req, fill[req.num_computed : req.num_computed + take], slots))
             budget -= take
         if not batch:
@@ -256,30 +285,57 @@ class Scheduler:
                 req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
             offset += len(toks)
 
-    def _attach_cached_prefix(self, req: Req) -> None:
-        """Starts a (re-)prefill from the longest cached prefix. The last token is always
+    def _attach_cached_prefix(self, req: Req) -> list[RadixNode]:
+        """Starts a (re-)prefill from the longest prefix cached on the device, and returns
+        the HiCache nodes (host or storage) that continue it. The last token is always
         computed, since its logits pick the next token."""
         fill = req.fill_ids
-        slots, node = self.cache.match_prefix(fill[: len(fill) - 1])
+        key = fill[: len(fill) - 1]
+        slots, node = self.cache.match_prefix(key)
         self.cache.inc_lock(node)
         req.prefix_node = node
         req.kv_slots = slots
         req.num_computed = len(slots)
+        return self.hicache.match_below(node, key, len(slots)) if self.hicache is not None else []
 
-    def _record_first_admission(self, req: Req) -> None:
+    def _bring_back(self, req: Req, fetched: Fetched, slots: torch.Tensor) -> torch.Tensor:
+        """Copies fetched HiCache K/V into the first of ``slots`` and extends the request's
+        cached prefix over it; returns the slots left for computing."""
+        n = fetched.num_tokens
+        if n:
+            node = self.hicache.install(fetched, slots[:n])  # type: ignore[union-attr]
+            self.cache.inc_lock(node)
+            self.cache.dec_lock(req.prefix_node)
+            req.prefix_node = node
+            req.kv_slots = torch.cat((req.kv_slots, slots[:n]))  # type: ignore[arg-type]
+            req.num_computed += n
+        ts = req.stats.time_stats
+        if fetched.storage_seconds > 0 and ts is not None:
+            req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + fetched.storage_seconds)
+        return slots[n:]
+
+    def _record_first_admission(self, req: Req, fetched: Fetched | None) -> None:
         if req.admitted_once:
             return
         req.admitted_once = True
         cached = req.num_computed
         self.prefill_tokens_total += len(req.origin_input_ids)
         self.cached_tokens_total += cached
-        if cached:
-            req.update_stats(cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0))
+        host, storage = (fetched.host_tokens, fetched.storage_tokens) if fetched is not None else (0, 0)
+        req.cached_by_tier = (cached - host - storage, host, storage)
+        details = cached_details(*req.cached_by_tier, self.hicache.storage_backend if self.hicache is not None else None)
+        if cached or details is not None:
+            req.update_stats(cached_tokens=cached, cached_tokens_details=details)
+
+    def _fits(self, n: int, reserve: int = 0) -> bool:
+        """Whether n pool slots can be had (evicting cached prefixes) leaving ``reserve``
+        for the next decode step."""
+        return self.kv.num_free + self.cache.evictable_size - n >= reserve
 
     def _alloc(self, n: int, reserve: int = 0) -> torch.Tensor | None:
         """n pool slots, evicting cached prefixes when the free list is short; None when even
         that would leave fewer than ``reserve`` slots for the next decode step."""
-        if self.kv.num_free + self.cache.evictable_size - n < reserve:
+        if not self._fits(n, reserve):
             return None
         if self.kv.num_free < n:
             self.cache.evict(n - self.kv.num_free)
