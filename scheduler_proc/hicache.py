@@ -47,6 +47,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pipeline.config import storage_dir_problem
 from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl, HiCacheStorageState
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.radix_cache import RadixCache, RadixNode, common_prefix_len
@@ -117,17 +118,10 @@ class FileStorage:
     SUFFIX = ".kv"
 
     def __init__(self, directory: str) -> None:
-        if not directory:
-            raise StorageError("`dir` is empty: give the absolute path of an existing directory", "dir")
+        problem = storage_dir_problem(directory)
+        if problem is not None:
+            raise StorageError(problem, "dir")
         path = Path(directory)
-        if not path.is_absolute():
-            raise StorageError(f"`dir` must be an absolute path, got {directory!r}", "dir")
-        if not path.exists():
-            raise StorageError(f"storage directory {directory!r} does not exist", "dir")
-        if not path.is_dir():
-            raise StorageError(f"storage path {directory!r} is not a directory", "dir")
-        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
-            raise StorageError(f"storage directory {directory!r} is not readable and writable by the scheduler", "dir")
         self.dir = path
         self.index: dict[str, int] = {}
         for entry in path.iterdir():

@@ -5,7 +5,8 @@ to ZeroMQ.
 One ``step()``:
 1. prefill: continue the request that is mid-chunk, then admit waiting requests in arrival
    order while the token budget and the KV pool allow (leaving one slot per running request
-   for the next decode step);
+   for the next decode step). ``PrefixKV`` gives each its slots and its cached prefix
+   (from the device, or brought back from HiCache's host and storage tiers);
 2. decode: one batched step over every running request, retracting requests first when the
    pool cannot give each a slot;
 3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due.
@@ -37,7 +38,7 @@ from pipeline.io_struct import (
 from scheduler_proc.hicache import Fetched, HiCache, apply_storage_control, cached_details
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
-from scheduler_proc.radix_cache import RadixCache, RadixNode
+from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import sample
 from scheduler_proc.stop_checker import StopChecker
@@ -64,11 +65,10 @@ class Scheduler:
         hicache: HiCache | None = None,
     ) -> None:
         self.runner = runner
+        self.prefix_kv = PrefixKV(runner.kv, hicache)
         self.kv = runner.kv
+        self.cache = self.prefix_kv.cache
         self.hicache = hicache  # host and storage tiers under the device pool, or None
-        self.cache = RadixCache(runner.kv, lower=hicache)
-        if hicache is not None:
-            hicache.bind(self.cache)
         self.stop_checker = stop_checker
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -206,33 +206,19 @@ class Scheduler:
             if budget <= 0:
                 self._requeue_unscheduled(req)
                 continue
-            lower: list[RadixNode] = []
-            if from_waiting and not req.is_embedding:
-                # Pooling needs every prompt token's hidden state, so embeddings skip the cache.
-                lower = self._attach_cached_prefix(req)
-            fill = req.fill_ids
-            to_load = sum(len(node) for node in lower)  # HiCache hits to bring back
-            take = min(len(fill) - req.num_computed - to_load, budget)
-            if not self._fits(to_load + take, reserve=slots_for_decode):
-                if from_waiting:
-                    self._unlock_prefix(req)  # it holds only the cache's own slots so far
+            # Pooling needs every prompt token's hidden state, so embeddings skip the cache.
+            got = self.prefix_kv.admit(req, match=from_waiting and not req.is_embedding, budget=budget, reserve=slots_for_decode)
+            if got is None:
                 self._requeue_unscheduled(req)
                 budget = 0  # arrival order: nobody overtakes a request that does not fit
                 continue
-            fetched = None
-            if lower:
-                fetched = self.hicache.fetch(lower)  # type: ignore[union-attr]
-                take = min(len(fill) - req.num_computed - fetched.num_tokens, budget)
-                to_load = fetched.num_tokens
-            slots = self._alloc(to_load + take)
-            assert slots is not None, "_fits promised these slots"
-            if fetched is not None:
-                slots = self._bring_back(req, fetched, slots)
+            slots, fetched = got
             if from_waiting:
                 self.waiting.popleft()
                 req.leave_waiting_queue(now)
-                self._record_first_admission(req, fetched)
-            batch.append((req, fill[req.num_computed : req.num_computed + take], slots))
+                self._record_admission(req, fetched)
+            take = len(slots)
+            batch.append((req, req.fill_ids[req.num_computed : req.num_computed + take], slots))
             budget -= take
         if not batch:
             return []
@@ -285,36 +271,12 @@ class Scheduler:
                 req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
             offset += len(toks)
 
-    def _attach_cached_prefix(self, req: Req) -> list[RadixNode]:
-        """Starts a (re-)prefill from the longest prefix cached on the device, and returns
-        the HiCache nodes (host or storage) that continue it. The last token is always
-        computed, since its logits pick the next token."""
-        fill = req.fill_ids
-        key = fill[: len(fill) - 1]
-        slots, node = self.cache.match_prefix(key)
-        self.cache.inc_lock(node)
-        req.prefix_node = node
-        req.kv_slots = slots
-        req.num_computed = len(slots)
-        return self.hicache.match_below(node, key, len(slots)) if self.hicache is not None else []
-
-    def _bring_back(self, req: Req, fetched: Fetched, slots: torch.Tensor) -> torch.Tensor:
-        """Copies fetched HiCache K/V into the first of ``slots`` and extends the request's
-        cached prefix over it; returns the slots left for computing."""
-        n = fetched.num_tokens
-        if n:
-            node = self.hicache.install(fetched, slots[:n])  # type: ignore[union-attr]
-            self.cache.inc_lock(node)
-            self.cache.dec_lock(req.prefix_node)
-            req.prefix_node = node
-            req.kv_slots = torch.cat((req.kv_slots, slots[:n]))  # type: ignore[arg-type]
-            req.num_computed += n
+    def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
+        """Stats of an admission: time spent reading HiCache storage (every admission), and
+        the cached tokens per tier (fixed at the first one)."""
         ts = req.stats.time_stats
-        if fetched.storage_seconds > 0 and ts is not None:
+        if fetched is not None and fetched.storage_seconds > 0 and ts is not None:
             req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + fetched.storage_seconds)
-        return slots[n:]
-
-    def _record_first_admission(self, req: Req, fetched: Fetched | None) -> None:
         if req.admitted_once:
             return
         req.admitted_once = True
@@ -323,42 +285,9 @@ class Scheduler:
         self.cached_tokens_total += cached
         host, storage = (fetched.host_tokens, fetched.storage_tokens) if fetched is not None else (0, 0)
         req.cached_by_tier = (cached - host - storage, host, storage)
-        details = cached_details(*req.cached_by_tier, self.hicache.storage_backend if self.hicache is not None else None)
+        details = cached_details(*req.cached_by_tier, self.prefix_kv.storage_backend)
         if cached or details is not None:
             req.update_stats(cached_tokens=cached, cached_tokens_details=details)
-
-    def _fits(self, n: int, reserve: int = 0) -> bool:
-        """Whether n pool slots can be had (evicting cached prefixes) leaving ``reserve``
-        for the next decode step."""
-        return self.kv.num_free + self.cache.evictable_size - n >= reserve
-
-    def _alloc(self, n: int, reserve: int = 0) -> torch.Tensor | None:
-        """n pool slots, evicting cached prefixes when the free list is short; None when even
-        that would leave fewer than ``reserve`` slots for the next decode step."""
-        if not self._fits(n, reserve):
-            return None
-        if self.kv.num_free < n:
-            self.cache.evict(n - self.kv.num_free)
-        return self.kv.alloc(n)
-
-    def _release_kv(self, req: Req) -> None:
-        """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
-        the slots (freeing duplicates of what it already held), then the prefix lock drops.
-        An embedding request's KV is only freed: it never reads the cache."""
-        slots = req.kv_slots
-        if slots is not None and slots.numel() and req.is_embedding:
-            self.kv.free(slots)
-        elif slots is not None and slots.numel():
-            tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]
-            self.cache.insert(tokens, slots)
-        self._unlock_prefix(req)
-
-    def _unlock_prefix(self, req: Req) -> None:
-        if req.prefix_node is not None:
-            self.cache.dec_lock(req.prefix_node)
-        req.prefix_node = None
-        req.kv_slots = None
-        req.num_computed = 0
 
     def _requeue_unscheduled(self, req: Req) -> None:
         """A candidate that got no slots this step: a mid-chunk request stays in prefill,
@@ -371,7 +300,7 @@ class Scheduler:
             return
         self._retract_until_fits()
         reqs = self.running
-        slots = self._alloc(len(reqs))
+        slots = self.prefix_kv.alloc(len(reqs))
         assert slots is not None, "retraction left too few KV slots"
         logits, _ = self.runner.extend(
             [[r.output_ids[-1]] for r in reqs],
@@ -408,7 +337,7 @@ class Scheduler:
         prompt). The last running request is never retracted: admission guarantees that
         one request alone always fits."""
         now = time.time()
-        while self.kv.num_free + self.cache.evictable_size < len(self.running):
+        while not self.prefix_kv.fits(len(self.running)):
             if self.prefilling:
                 victim = self.prefilling.pop()
             elif len(self.running) > 1:
@@ -419,7 +348,7 @@ class Scheduler:
             self._retract(victim, now)
 
     def _retract(self, req: Req, now: float) -> None:
-        self._release_kv(req)  # what it computed stays in the cache while the pool allows
+        self.prefix_kv.release(req)  # what it computed stays in the cache while the pool allows
         req.hidden_sum = None  # an embedding request pools again from its re-prefill
         req.mark_retracted(now)
         self.waiting.appendleft(req)
@@ -439,12 +368,12 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _release(self, req: Req) -> None:
-        self._release_kv(req)
+        self.prefix_kv.release(req)
         self.live.pop(req.req_id, None)
 
     @property
     def kv_tokens_held_by_requests(self) -> int:
-        return self.kv.num_used - self.cache.evictable_size
+        return self.prefix_kv.held_by_requests
 
     @property
     def cache_size(self) -> int:
