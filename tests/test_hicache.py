@@ -375,3 +375,26 @@ def test_bad_storage_dir_flag_is_refused(tmp_path: Path) -> None:
     assert wait_until(lambda: without_host.proc.poll() is not None, 60)
     without_host.stop()
     assert without_host.proc.returncode == 2 and "--hicache-host-tokens" in without_host.output()
+
+
+def test_retraction_under_pressure_with_hicache_keeps_tokens(tmp_path: Path) -> None:
+    """Many requests with shared prefixes in a small pool: retractions, evictions down
+    both tiers and hits back from both, and the same greedy tokens as without HiCache."""
+
+    def run(s: Scheduler) -> dict[int, list[int]]:
+        for i in range(8):
+            submit(s, i + 1, [100 + i % 3] * 20 + PROMPTS[i % 2][:30], max_new=40)
+        out, _ = run_to_end(s)
+        for i in range(8, 12):  # later arrivals hit what the earlier ones left in the tiers
+            submit(s, i + 1, [100 + i % 3] * 20 + PROMPTS[i % 2][:30], max_new=8)
+        out.update(run_to_end(s)[0])
+        return out
+
+    plain = build_scheduler(ServerConfig(max_total_tokens=400, chunked_prefill_size=64, torch_threads=1))
+    s = hicache_scheduler(host=64, storage=tmp_path, pool=400)
+    want, got = run(plain), run(s)
+    assert s.num_retracted_total > 0
+    h = s.hicache
+    assert h is not None and min(h.tokens_demoted, h.tokens_written, h.tokens_loaded_host + h.tokens_loaded_storage) > 0, vars(h)
+    assert got == want
+    assert_no_leak(s)
