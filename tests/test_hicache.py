@@ -323,8 +323,10 @@ def test_attach_and_detach_mid_stream_change_the_next_rows_keys(hicache_server: 
     # Off, then on from one row on, then off again from one row on: each change shows on
     # the row after it and stays.
     assert not any(keyed[:first_on]) and all(keyed[first_on : last_on + 1]) and not any(keyed[last_on + 1 :])
-    assert before_attach <= first_on <= after_attach + 1, (before_attach, first_on, after_attach)
-    assert before_detach <= last_on + 1 <= after_detach + 1, (before_detach, last_on, after_detach)
+    # Rows the server sent before the answer may still be on their way when it arrives.
+    in_flight = 3
+    assert before_attach <= first_on <= after_attach + in_flight, (before_attach, first_on, after_attach)
+    assert before_detach <= last_on + 1 <= after_detach + in_flight, (before_detach, last_on, after_detach)
     assert events[first_on]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0, "storage_backend": "file"}
     assert events[-1]["cached_tokens_details"] is None
 
