@@ -15,6 +15,7 @@ from pipeline.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerInput,
+    HiCacheStorageState,
     SchedulerStatsReport,
     from_column,
     split_token_rows,
@@ -61,7 +62,7 @@ def run_detokenizer(config: ServerConfig) -> None:
             continue
         frame = inbox.recv(copy=False)
         msg = decoder.decode(frame.buffer)
-        if isinstance(msg, (BatchEmbeddingOutput, SchedulerStatsReport)):
+        if isinstance(msg, (BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState)):
             outbox.send(frame, copy=False)  # not ours to change: forward the frame as it came
         elif isinstance(msg, BatchTokenIDOutput):
             try:

@@ -38,6 +38,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dllm_block_size: int = 4  # --mode dllm: masked positions refined together, emitted as one row
     dllm_steps: int = 4  # --mode dllm: batched refinement passes per block
 
+    # HiCache: a host tier under the device KV pool, and a storage tier under that
+    hicache_host_tokens: int = 0  # 0: off
+    hicache_storage_dir: str | None = None  # absolute path; storage can also be attached at runtime
+
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -86,10 +90,30 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--dllm-block-size must be at least 1")
         if not 1 <= self.dllm_steps <= self.dllm_block_size:
             problems.append("--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least one position)")
+        if self.hicache_host_tokens < 0:
+            problems.append("--hicache-host-tokens must be 0 (off) or positive")
+        if self.hicache_storage_dir is not None and self.hicache_host_tokens == 0:
+            problems.append("--hicache-storage-dir needs the host tier: give --hicache-host-tokens N too")
         if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
             problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def storage_dir_problem(directory: str) -> str | None:
+    """Why ``directory`` cannot hold HiCache storage files, or None when it can. Checked by
+    the scheduler (the process that writes there) and, for ``serve``, by the CLI first."""
+    if not directory:
+        return "the directory is empty: give the absolute path of an existing directory"
+    if not os.path.isabs(directory):
+        return f"the directory must be an absolute path, got {directory!r}"
+    if not os.path.exists(directory):
+        return f"storage directory {directory!r} does not exist"
+    if not os.path.isdir(directory):
+        return f"storage path {directory!r} is not a directory"
+    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        return f"storage directory {directory!r} is not readable and writable by the scheduler"
+    return None
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool) -> None:
@@ -123,6 +147,19 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
         action="store_true",
         help="every token frame row also carries prompt, cached, image, audio and video token counts as int32 columns, "
         "for a consumer that keeps no per-request state (docs/wire.md)",
+    )
+
+    g = parser.add_argument_group("hicache")
+    g.add_argument(
+        "--hicache-host-tokens",
+        type=int,
+        default=d.hicache_host_tokens,
+        help="host-memory KV tier under the device pool, in tokens: evicted prefixes move there and come back on a hit (0: off)",
+    )
+    g.add_argument(
+        "--hicache-storage-dir",
+        default=d.hicache_storage_dir,
+        help="existing directory for the storage tier under the host tier (file backend); also POST /hicache/storage/attach",
     )
 
     g = parser.add_argument_group("http")
@@ -167,6 +204,8 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         dense_usage_columns=args.dense_usage_columns,
         dllm_block_size=args.dllm_block_size,
         dllm_steps=args.dllm_steps,
+        hicache_host_tokens=args.hicache_host_tokens,
+        hicache_storage_dir=os.path.abspath(args.hicache_storage_dir) if args.hicache_storage_dir else None,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
