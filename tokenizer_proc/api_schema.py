@@ -4,7 +4,8 @@ field (``... - at `$.sampling_params.max_new_tokens```)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import re
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -89,11 +90,46 @@ def decode_body(body: bytes, type_: type) -> object:
     except UnicodeDecodeError as exc:
         raise RequestValidationError(f"request body is not valid UTF-8 (byte {exc.start})") from exc
     try:
-        return msgspec.json.decode(body, type=type_)
+        obj = msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as exc:
         raise RequestValidationError(str(exc), _param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise RequestValidationError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # deep nesting inside a free-form (Any) field
+        raise RequestValidationError("request body is nested too deeply") from exc
+    if _LONG_DIGITS.search(body) is not None:
+        where = _int_out_of_range(obj)
+        if where is not None:
+            message = f"Integer out of range: must fit a signed 64-bit integer - at `{where}`"
+            raise RequestValidationError(message, _param_of(message))
+    return obj
+
+
+# msgspec decodes a JSON integer of any size into an `int` field, but no wire field can carry
+# one beyond 64 bits (msgpack) and no field means anything there: refuse it as the client's
+# error here rather than fail with a 500 when the request is encoded for the scheduler. Only an
+# integer literal of 19 or more digits can be out of range, so other bodies skip the walk.
+_LONG_DIGITS = re.compile(rb"\d{19}")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int_out_of_range(obj: Any) -> str | None:
+    """The path (``$.sampling_params.top_k``) of an int outside int64, or None."""
+    stack: list[tuple[Any, str]] = [(obj, "$")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                return path
+        elif isinstance(value, msgspec.Struct):
+            stack.extend((getattr(value, name), f"{path}.{name}") for name in value.__struct_fields__)
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            stack.extend((item, f"{path}.{key}") for key, item in value.items())
+    return None
 
 
 def _param_of(message: str) -> str | None:
