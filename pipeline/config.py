@@ -2,7 +2,7 @@
 
 Command-line flags and the ``OTEL_*`` variables are read here, once, into a
 ``ServerConfig``; nothing deeper in the code reads ``os.environ`` or ``argv``. The
-supervisor hands each child the same object as JSON (``--config-json``), so the three
+supervisor hands each child the same object as JSON (in ``TOKENPIPE_CONFIG_JSON``), so the three
 processes can never disagree about a setting.
 """
 
@@ -15,6 +15,9 @@ from typing import Literal
 import msgspec
 
 Mode = Literal["generate", "embedding", "dllm"]
+
+# The supervisor hands its children the whole config as JSON in this variable.
+CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
 
 
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -183,8 +186,9 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
 
 
 def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str] = os.environ) -> ServerConfig:
-    if args.config_json:
-        config = ServerConfig.decode(args.config_json)
+    given = args.config_json or environ.get(CONFIG_ENV)
+    if given:
+        config = ServerConfig.decode(given)
         config.validate()
         return config
     config = ServerConfig(

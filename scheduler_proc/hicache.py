@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from pipeline.config import storage_dir_problem
 from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl, HiCacheStorageState
@@ -109,7 +110,7 @@ def apply_storage_control(hicache: HiCache | None, msg: HiCacheStorageControl) -
 
 
 class FileStorage:
-    """One file per stored segment, ``<key>.kv`` (``torch.save`` of its K and V, shaped
+    """One file per stored segment, ``<key>.kv`` (a safetensors file of its K and V, shaped
     [layers, tokens, kv_heads, head_dim]), written to a temporary name and renamed, so a
     reader never sees half a file. ``index`` maps the keys present to their sizes; it is
     read from the directory at attach time and kept up to date by ``put``."""
@@ -137,7 +138,7 @@ class FileStorage:
             return True
         tmp = self.dir / f".{key}.{os.getpid()}.tmp"
         try:
-            torch.save({"k": k.detach().to("cpu").contiguous(), "v": v.detach().to("cpu").contiguous()}, tmp)
+            save_file({"k": k.detach().to("cpu").contiguous(), "v": v.detach().to("cpu").contiguous()}, str(tmp))
             os.replace(tmp, self._path(key))
             self.index[key] = self._path(key).stat().st_size
             return True
@@ -149,7 +150,8 @@ class FileStorage:
     def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A stored segment's K and V (CPU), or None when it is gone or unreadable."""
         try:
-            data = torch.load(self._path(key), map_location="cpu", weights_only=True)
+            # safetensors: a stored file is raw tensor bytes and a header, never code.
+            data = load_file(str(self._path(key)), device="cpu")
             return data["k"], data["v"]
         except Exception as exc:  # missing, truncated or foreign file: a miss, not a crash
             logger.warning("HiCache storage: could not read %s: %s", self._path(key), exc)

@@ -138,7 +138,8 @@ class Scheduler:
                 f"prompt ({n} tokens) plus max_new_tokens ({max_new}{' in whole blocks' if self.dllm else ''}) exceeds "
                 f"the KV pool ({self.kv.capacity} tokens)"
             )
-        if n >= self.context_length:
+        # A generating request needs room for at least one new token; an embedding does not.
+        if n > self.context_length or (n == self.context_length and not req.is_embedding):
             return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
         return None
 
