@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.config import ServerConfig, add_server_args, config_from_args
+from pipeline.config import ServerConfig, add_server_args, config_from_args, storage_dir_problem
 from pipeline.process_util import setup_logging
 
 
@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.command == "serve" and config.hicache_storage_dir is not None:
+        # serve runs the scheduler on this host: a bad directory fails here, not in a child.
+        problem = storage_dir_problem(config.hicache_storage_dir)
+        if problem is not None:
+            parser.error(f"--hicache-storage-dir: {problem}")
     setup_logging(config.log_level, args.command)
     if args.command == "serve":
         from pipeline.supervisor import serve

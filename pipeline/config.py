@@ -2,7 +2,7 @@
 
 Command-line flags and the ``OTEL_*`` variables are read here, once, into a
 ``ServerConfig``; nothing deeper in the code reads ``os.environ`` or ``argv``. The
-supervisor hands each child the same object as JSON (``--config-json``), so the three
+supervisor hands each child the same object as JSON (in ``TOKENPIPE_CONFIG_JSON``), so the three
 processes can never disagree about a setting.
 """
 
@@ -15,6 +15,9 @@ from typing import Literal
 import msgspec
 
 Mode = Literal["generate", "embedding", "dllm"]
+
+# The supervisor hands its children the whole config as JSON in this variable.
+CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
 
 
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -35,6 +38,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens_limit: int = 4096
     discard_output: bool = False  # benchmarking only: build token frames, never send them
     dense_usage_columns: bool = False  # UsageColumns on every BatchTokenIDOutput row (docs/wire.md)
+    dllm_block_size: int = 4  # --mode dllm: masked positions refined together, emitted as one row
+    dllm_steps: int = 4  # --mode dllm: batched refinement passes per block
+
+    # HiCache: a host tier under the device KV pool, and a storage tier under that
+    hicache_host_tokens: int = 0  # 0: off
+    hicache_storage_dir: str | None = None  # absolute path; storage can also be attached at runtime
 
     # HTTP
     host: str = "127.0.0.1"
@@ -62,6 +71,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def decode(cls, text: str) -> "ServerConfig":
         return msgspec.json.decode(text, type=cls)
 
+    def kv_tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV slots one request may hold at its peak. A dLLM request refines whole blocks,
+        so its last block takes ``dllm_block_size`` slots even when the output stops short."""
+        if self.mode == "dllm":
+            block = self.dllm_block_size
+            return prompt_len + -(-max_new_tokens // block) * block
+        return prompt_len + max_new_tokens
+
     def validate(self) -> None:
         problems = []
         if self.max_total_tokens < 16:
@@ -72,10 +89,34 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--stream-interval must be at least 1")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
+        if self.dllm_block_size < 1:
+            problems.append("--dllm-block-size must be at least 1")
+        if not 1 <= self.dllm_steps <= self.dllm_block_size:
+            problems.append("--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least one position)")
+        if self.hicache_host_tokens < 0:
+            problems.append("--hicache-host-tokens must be 0 (off) or positive")
+        if self.hicache_storage_dir is not None and self.hicache_host_tokens == 0:
+            problems.append("--hicache-storage-dir needs the host tier: give --hicache-host-tokens N too")
         if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
             problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def storage_dir_problem(directory: str) -> str | None:
+    """Why ``directory`` cannot hold HiCache storage files, or None when it can. Checked by
+    the scheduler (the process that writes there) and, for ``serve``, by the CLI first."""
+    if not directory:
+        return "the directory is empty: give the absolute path of an existing directory"
+    if not os.path.isabs(directory):
+        return f"the directory must be an absolute path, got {directory!r}"
+    if not os.path.exists(directory):
+        return f"storage directory {directory!r} does not exist"
+    if not os.path.isdir(directory):
+        return f"storage path {directory!r} is not a directory"
+    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+        return f"storage directory {directory!r} is not readable and writable by the scheduler"
+    return None
 
 
 def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool) -> None:
@@ -96,6 +137,10 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
     g.add_argument("--stream-interval", type=int, default=d.stream_interval)
     g.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
     g.add_argument(
+        "--dllm-block-size", type=int, default=d.dllm_block_size, help="--mode dllm: tokens per block (one output row each)"
+    )
+    g.add_argument("--dllm-steps", type=int, default=d.dllm_steps, help="--mode dllm: refinement passes per block")
+    g.add_argument(
         "--discard-output",
         action="store_true",
         help="benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output",
@@ -105,6 +150,19 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
         action="store_true",
         help="every token frame row also carries prompt, cached, image, audio and video token counts as int32 columns, "
         "for a consumer that keeps no per-request state (docs/wire.md)",
+    )
+
+    g = parser.add_argument_group("hicache")
+    g.add_argument(
+        "--hicache-host-tokens",
+        type=int,
+        default=d.hicache_host_tokens,
+        help="host-memory KV tier under the device pool, in tokens: evicted prefixes move there and come back on a hit (0: off)",
+    )
+    g.add_argument(
+        "--hicache-storage-dir",
+        default=d.hicache_storage_dir,
+        help="existing directory for the storage tier under the host tier (file backend); also POST /hicache/storage/attach",
     )
 
     g = parser.add_argument_group("http")
@@ -128,8 +186,9 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
 
 
 def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str] = os.environ) -> ServerConfig:
-    if args.config_json:
-        config = ServerConfig.decode(args.config_json)
+    given = args.config_json or environ.get(CONFIG_ENV)
+    if given:
+        config = ServerConfig.decode(given)
         config.validate()
         return config
     config = ServerConfig(
@@ -147,6 +206,10 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         max_new_tokens_limit=args.max_new_tokens_limit,
         discard_output=args.discard_output,
         dense_usage_columns=args.dense_usage_columns,
+        dllm_block_size=args.dllm_block_size,
+        dllm_steps=args.dllm_steps,
+        hicache_host_tokens=args.hicache_host_tokens,
+        hicache_storage_dir=os.path.abspath(args.hicache_storage_dir) if args.hicache_storage_dir else None,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

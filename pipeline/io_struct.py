@@ -114,7 +114,18 @@ class AbortReq(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True,
     reason: str = "aborted by client"
 
 
-SchedulerInput = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq]
+class HiCacheStorageControl(msgspec.Struct, tag="hicache_storage", array_like=True, omit_defaults=True, gc=False):
+    """API -> scheduler: attach (``backend`` at ``dir``) or detach the HiCache storage
+    tier at runtime. The scheduler answers with a ``HiCacheStorageState`` of the same
+    ``control_id``."""
+
+    control_id: int
+    attach: bool
+    backend: str = ""
+    dir: str = ""
+
+
+SchedulerInput = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq, HiCacheStorageControl]
 
 
 # --- finish reasons --------------------------------------------------------------------
@@ -270,10 +281,28 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     live_reqs: int  # requests the scheduler holds in any state
     instance: int  # random per scheduler start: a change means every in-flight request was lost
     detokenizer_live_reqs: int = -1  # the detokenizer's live decode states (it fills this in); -1: not filled in
+    # HiCache (zeros and None when it is off)
+    hicache_host_used_tokens: int = 0
+    hicache_host_capacity: int = 0
+    hicache_storage_backend: str | None = None
 
 
-DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport]
-TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport]
+class HiCacheStorageState(msgspec.Struct, tag="hicache_storage_state", array_like=True, omit_defaults=True, gc=False):
+    """Scheduler -> API (through the detokenizer, untouched): the answer to one
+    ``HiCacheStorageControl``. ``ok`` False carries the reason in ``error`` (and the request
+    field it is about in ``param``) and leaves the state as it was. ``backend`` and ``dir``
+    are the storage attached after the call, None when none is."""
+
+    control_id: int
+    ok: bool
+    error: str = ""
+    param: str | None = None
+    backend: str | None = None
+    dir: str | None = None
+
+
+DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState]
+TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState]
 
 
 # --- control ---------------------------------------------------------------------------

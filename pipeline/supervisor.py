@@ -23,7 +23,7 @@ import time
 import msgspec
 import zmq
 
-from pipeline.config import ServerConfig
+from pipeline.config import CONFIG_ENV, ServerConfig
 from pipeline.io_struct import ProcessReady
 from pipeline.process_util import die_with_parent
 from pipeline.sockets import FrameDecoder, PrivateIpcDir, bind_pull
@@ -81,10 +81,13 @@ class Supervisor:
         self._stopping = True
 
     def _spawn_all(self) -> None:
-        config_json = self.config.encode()
+        # Through the environment, not argv: /proc/PID/cmdline is world-readable and the
+        # config may hold the API key, while /proc/PID/environ is readable by the owner only.
+        env = dict(os.environ, **{CONFIG_ENV: self.config.encode()})
         for name in CHILDREN:
             self.children[name] = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", name, "--config-json", config_json],
+                [sys.executable, "-m", "pipeline.cli", name],
+                env=env,
                 process_group=0,
                 preexec_fn=die_with_parent,
             )
@@ -111,7 +114,7 @@ class Supervisor:
 
     def _announce(self, elapsed: float) -> None:
         c = self.config
-        auth = f" -H 'Authorization: Bearer {c.api_key}'" if c.api_key else ""
+        auth = " -H 'Authorization: Bearer $TOKENPIPE_API_KEY'" if c.api_key else ""  # never print the key
         print(
             f"tokenpipe ready on http://{c.host}:{c.port} in {elapsed:.1f} s. Try:\n"
             f"  curl -s http://{c.host}:{c.port}/generate{auth} -H 'Content-Type: application/json' "

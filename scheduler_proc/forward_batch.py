@@ -22,6 +22,10 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [T] int64, pool slots where the new tokens' K/V are written
     kv_slot_table: torch.Tensor  # [B, Lmax] int64, padded with 0 (masked out)
     kv_lens: torch.Tensor  # [B] int64, prefix_lens + new_lens
+    # dLLM refinement: a new token at position >= bidirectional_from[b] attends to every
+    # token of its sequence (the block sees itself both ways); earlier ones stay causal.
+    # None: every sequence is causal (prefill, decode).
+    bidirectional_from: torch.Tensor | None = None  # [B] int64
 
     @property
     def batch_size(self) -> int:
@@ -38,6 +42,7 @@ class ForwardBatch:
         prefix_slots: list[torch.Tensor],
         new_slots: list[torch.Tensor],
         device: torch.device | str,
+        bidirectional_from: list[int] | None = None,
     ) -> ForwardBatch:
         """Assemble on the host, then copy each tensor to `device` once."""
         if not (len(new_token_ids) == len(prefix_slots) == len(new_slots)):
@@ -81,6 +86,9 @@ class ForwardBatch:
             out_slots=out_slots.to(device),
             kv_slot_table=kv_slot_table.to(device),
             kv_lens=kv_lens.to(device),
+            bidirectional_from=(
+                None if bidirectional_from is None else torch.tensor(bidirectional_from, dtype=torch.long).to(device)
+            ),
         )
 
 
@@ -129,6 +137,11 @@ class AttentionLayout:
         # columns past kv_lens[b] are beyond every real query's position and drop out too.
         key_pos = torch.arange(batch.kv_slot_table.shape[1], device=device)
         mask = (key_pos.view(1, 1, 1, -1) <= q_pos.view(b, 1, max_new, 1))
+        if batch.bidirectional_from is not None:
+            # A padded query has position 0, below every bidirectional_from (prompts are
+            # never empty), so its row stays causal and keeps key 0.
+            both_ways = (q_pos >= batch.bidirectional_from.view(b, 1)).view(b, 1, max_new, 1)
+            mask = mask | (both_ways & (key_pos.view(1, 1, 1, -1) < batch.kv_lens.view(b, 1, 1, 1)))
         return cls(
             cos=cos_cache[batch.positions].to(dtype).unsqueeze(1),
             sin=sin_cache[batch.positions].to(dtype).unsqueeze(1),

@@ -25,14 +25,16 @@ class KVPool:
         device: torch.device | str,
         *,
         debug: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"KVPool capacity must be positive, got {capacity}")
         shape = (num_layers, capacity, num_kv_heads, head_dim)
         # zeros, not empty: attention reads padded slots (masked out, weight 0), and
         # 0 * NaN from uninitialised memory would still poison the output.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # pin_memory: a host pool (HiCache) whose copies to and from a GPU can overlap.
+        self.k = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.v = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self._capacity = capacity
         # Stack of free slots in [0, _top); reversed so the first allocs get low slots.
         self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.long)

@@ -10,10 +10,18 @@ import time
 import zmq
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import AbortReq, SchedulerInput, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput
+from pipeline.io_struct import (
+    AbortReq,
+    HiCacheStorageControl,
+    SchedulerInput,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import load_tokenizer
+from scheduler_proc.dllm import DllmConfig
+from scheduler_proc.hicache import HiCache, StorageError
 from scheduler_proc.model_limits import context_length_of
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.scheduler import Scheduler
@@ -38,13 +46,43 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         stream_interval=config.stream_interval,
         collect_time_stats=config.enable_metrics,
         dense_usage_columns=config.dense_usage_columns,
+        # The mask placeholder is the tokenizer's EOS id (<|endoftext|>, 0, for the shipped
+        # tokenizer): see scheduler_proc/dllm.py.
+        dllm=(
+            DllmConfig(config.dllm_block_size, config.dllm_steps, min(tokenizer.eos_token_ids))
+            if config.mode == "dllm"
+            else None
+        ),
+        hicache=build_hicache(config, runner),
     )
+
+
+def build_hicache(config: ServerConfig, runner: ModelRunner) -> HiCache | None:
+    """The host tier (and the storage tier when a directory is given), or None when off.
+    Raises StorageError for a storage directory that cannot be used."""
+    if config.hicache_host_tokens <= 0:
+        return None
+    mc = runner.model_config
+    # Storage keys hash this in: stored KV is only ever read back by the same model.
+    namespace = (
+        f"{config.model_path or 'builtin'}|seed={config.model_seed}|{runner.kv.k.dtype}|"
+        f"layers={mc.num_hidden_layers}|kv_heads={mc.num_key_value_heads}|head_dim={mc.head_dim}"
+    )
+    hicache = HiCache(runner.kv, config.hicache_host_tokens, namespace)
+    if config.hicache_storage_dir is not None:
+        hicache.attach_storage("file", config.hicache_storage_dir)
+    return hicache
 
 
 def run_scheduler(config: ServerConfig) -> None:
     shutdown = ShutdownFlag.install()
-    scheduler = build_scheduler(config)
+    try:
+        scheduler = build_scheduler(config)
+    except StorageError as exc:
+        raise SystemExit(f"--hicache-storage-dir: {exc}") from None
     logger.info("model on %s, KV pool of %d tokens", scheduler.runner.device, scheduler.kv.capacity)
+    if scheduler.hicache is not None:
+        logger.info("HiCache host tier of %d tokens", scheduler.hicache.host.capacity)
 
     ctx = zmq.Context()
     inbox = bind_pull(ctx, config.scheduler_input)
@@ -70,6 +108,10 @@ def run_scheduler(config: ServerConfig) -> None:
                 scheduler.abort(msg)
             elif isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
                 scheduler.add_request(msg)
+            elif isinstance(msg, HiCacheStorageControl):
+                # Answered at once, before this step's frames: every row after the answer
+                # reflects the new storage state.
+                outbox.send(encoder.encode(scheduler.storage_control(msg)), copy=False)
         for out in scheduler.step():
             frame = encoder.encode(out)
             if not config.discard_output:

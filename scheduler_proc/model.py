@@ -163,15 +163,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns float32 logits [B, vocab] at each sequence's last new token and, when
         return_hidden, the final-normed hidden states [T, hidden] of all new tokens."""
+        h = self.hidden_states(batch, kv)
+        # lm_head only on the rows that are sampled from: the vocab matmul dominates at decode.
+        last = torch.cumsum(batch.new_lens, 0) - 1
+        return self.logits(h[last]), (h if return_hidden else None)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """The final-normed hidden states [T, hidden] of all new tokens; writes their KV."""
         layout = AttentionLayout.from_batch(batch, self.rotary_cos, self.rotary_sin, self.dtype)
         h = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             h = layer(h, layout, kv)
-        h = self.model.norm(h)
-        # lm_head only on the rows that are sampled from: the vocab matmul dominates at decode.
-        last = torch.cumsum(batch.new_lens, 0) - 1
-        logits = self.lm_head(h[last]).float()
-        return logits, (h if return_hidden else None)
+        return self.model.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] of final hidden states [N, hidden]."""
+        return self.lm_head(h).float()
 
     @classmethod
     def random(

@@ -57,3 +57,20 @@ class ModelRunner:
         batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device)
         with torch.inference_mode():
             return self.model.forward(batch, self.kv, return_hidden=return_hidden)
+
+    def logits_at(
+        self,
+        new_token_ids: list[list[int]],
+        prefix_slots: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        rows: torch.Tensor,
+        bidirectional_from: list[int],
+    ) -> torch.Tensor:
+        """One batched pass as ``extend``, where the new tokens of sequence b at positions
+        from ``bidirectional_from[b]`` on attend to each other both ways (a dLLM block).
+        Returns float32 logits [len(rows), V] at ``rows``, indices into the concatenated
+        new tokens."""
+        batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device, bidirectional_from)
+        with torch.inference_mode():
+            h = self.model.hidden_states(batch, self.kv)
+            return self.model.logits(h.index_select(0, rows.to(h.device)))

@@ -9,6 +9,13 @@ Invariants:
   (locked nodes) keep pointing at the node that ends where their match ended.
 - Eviction pops a lazily invalidated heap: an entry is stale when its node was removed,
   gained children, got locked or was touched since the push. No scan per evicted node.
+- Lower tiers (HiCache, ``scheduler_proc.hicache``): when a ``LowerTiers`` is given, an
+  evicted node may stay in the tree off the device (``value`` None), its KV kept in a host
+  pool or a storage file that the lower tiers own (``host_value``, ``storage``). The device
+  nodes always form a subtree that hangs from the root (an off-device node has only
+  off-device descendants), so a device match is a walk that stops at the first off-device
+  node, and "leaf" means "no device child". The sizes below count device slots only.
+  Without lower tiers every node is on the device and all of this is moot.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +37,7 @@ def _empty_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.long)
 
 
-def _common_len(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two token runs, in one vectorised compare."""
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
@@ -37,18 +45,22 @@ def _common_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class RadixNode:
-    __slots__ = ("children", "key", "value", "lock_ref", "last_access", "parent")
+    __slots__ = ("children", "key", "value", "lock_ref", "last_access", "parent", "host_value", "storage")
 
     def __init__(
         self,
         key: np.ndarray,
-        value: torch.Tensor,
+        value: torch.Tensor | None,
         parent: RadixNode | None,
         last_access: float = 0.0,
     ) -> None:
         self.children: dict[int, RadixNode] = {}
         self.key = key  # int64 token ids, one per slot in value
-        self.value = value  # CPU int64 pool slots
+        self.value = value  # CPU int64 pool slots; None while the KV lives in a lower tier
+        # Owned by the lower tiers (HiCache) while value is None: host pool slots, or a
+        # reference into a storage file.
+        self.host_value: torch.Tensor | None = None
+        self.storage: Any = None
         self.lock_ref = 0
         self.last_access = last_access
         # None for the root and, once evicted, for a removed node: that is what marks
@@ -62,9 +74,27 @@ class RadixNode:
         return f"RadixNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
+class LowerTiers(Protocol):
+    """Where evicted device KV goes (implemented by ``scheduler_proc.hicache.HiCache``)."""
+
+    def demote(self, node: RadixNode) -> bool:
+        """Copies an evicted device node's KV below the device; True when the node stays
+        in the tree (off the device), False when it must be dropped."""
+        ...
+
+    def release(self, node: RadixNode) -> None:
+        """Forgets node's lower-tier copy (it is dropped, or back on the device)."""
+        ...
+
+    def on_split(self, head: RadixNode, tail: RadixNode, at: int) -> None:
+        """A node was split at ``at``: share its lower-tier holdings between the halves."""
+        ...
+
+
 class RadixCache:
-    def __init__(self, kv: KVPool) -> None:
+    def __init__(self, kv: KVPool, lower: LowerTiers | None = None) -> None:
         self.kv = kv
+        self.lower = lower
         self._clock = itertools.count(1)  # LRU time: a counter is enough and never ties by accident
         self._seq = itertools.count()  # heap tie-break, so nodes are never compared
         self._heap: list[tuple[float, int, RadixNode]] = []
@@ -102,9 +132,9 @@ class RadixCache:
         pos = 0
         while pos < len(key):
             child = node.children.get(int(key[pos]))
-            if child is None:
-                break
-            common = _common_len(child.key, key[pos:])
+            if child is None or child.value is None:
+                break  # a lower tier's node: HiCache continues the match from here
+            common = common_prefix_len(child.key, key[pos:])
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
@@ -117,7 +147,7 @@ class RadixCache:
         if not values:
             return _empty_slots(), self.root
         # clone the single-node case too: callers must never hold a view of a node's slots.
-        return (values[0].clone() if len(values) == 1 else torch.cat(values)), node
+        return (values[0].clone() if len(values) == 1 else torch.cat(values)), node  # type: ignore[arg-type]
 
     # --- locking -------------------------------------------------------------------------
 
@@ -169,12 +199,17 @@ class RadixCache:
             child = node.children.get(int(key[pos]))
             if child is None:
                 break
-            common = _common_len(child.key, key[pos:])
+            common = common_prefix_len(child.key, key[pos:])
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
             theirs = slots[pos : pos + common]
-            duplicates.append(theirs[theirs != child.value])
+            if child.value is None:
+                # Cached only in a lower tier: the caller computed it again, so the tree
+                # takes the caller's slots and drops the lower copy.
+                self.adopt(child, theirs)
+            else:
+                duplicates.append(theirs[theirs != child.value])
             node = child
             pos += common
         if pos < len(key):
@@ -194,28 +229,44 @@ class RadixCache:
                 self.kv.free(dup)
         return pos
 
+    def adopt(self, node: RadixNode, slots: torch.Tensor) -> None:
+        """Puts an off-device node back on the device at ``slots`` (the tree takes them).
+        Its parent must be on the device already, which keeps the device subtree whole."""
+        assert node.value is None and node.lock_ref == 0 and node.parent is not None
+        assert node.parent is self.root or node.parent.value is not None
+        assert slots.numel() == len(node)
+        node.value = slots.clone()
+        if self.lower is not None:
+            self.lower.release(node)
+        self._evictable += len(node)
+        self._push_if_evictable(node)
+
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Splits child's run at `at` (0 < at < len): a new node takes the head and becomes
         child's parent; child keeps the tail, so references to child stay valid."""
         assert 0 < at < len(child.key) and child.parent is not None
         parent = child.parent
-        head = RadixNode(child.key[:at], child.value[:at], parent, child.last_access)
+        value = child.value
+        head = RadixNode(child.key[:at], None if value is None else value[:at], parent, child.last_access)
         # Every lock on child also passes through head, so head inherits the count; the
         # evictable/protected totals do not change since the tokens are the same.
         head.lock_ref = child.lock_ref
         head.children[int(child.key[at])] = child
         parent.children[int(child.key[0])] = head
         child.key = child.key[at:]
-        child.value = child.value[at:]
+        child.value = None if value is None else value[at:]
         child.parent = head
         self._num_nodes += 1
+        if self.lower is not None:
+            self.lower.on_split(head, child, at)
         return head
 
     # --- eviction ------------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
         """Frees at least num_tokens slots (if possible) by removing least-recently-used
-        unlocked leaves; a parent becomes a candidate once its children are gone. Returns
+        unlocked leaves; a parent becomes a candidate once its children are gone. With
+        lower tiers an evicted leaf moves down instead of going, when they take it. Returns
         how many slots were freed."""
         freed: list[torch.Tensor] = []
         count = 0
@@ -224,17 +275,34 @@ class RadixCache:
             if not self._is_evictable_leaf(node) or node.last_access != stamp:
                 continue  # stale entry; a fresh one was pushed when the node changed
             parent = node.parent
-            assert parent is not None
-            del parent.children[int(node.key[0])]
-            node.parent = None
-            self._num_nodes -= 1
+            assert parent is not None and node.value is not None
             self._evictable -= len(node)
             count += len(node)
             freed.append(node.value)
+            if self.lower is not None and self.lower.demote(node):
+                node.value = None  # stays in the tree, its KV one tier down
+            else:
+                node.value = None
+                self.remove_subtree(node)
             self._push_if_evictable(parent)
         if freed:
             self.kv.free(freed[0] if len(freed) == 1 else torch.cat(freed))
         return count
+
+    def remove_subtree(self, node: RadixNode) -> None:
+        """Takes an off-device node and everything below it out of the tree, releasing
+        their lower-tier copies (device nodes are never below an off-device one)."""
+        assert node.value is None and node.parent is not None
+        del node.parent.children[int(node.key[0])]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert n.value is None and n.lock_ref == 0
+            stack.extend(n.children.values())
+            if self.lower is not None:
+                self.lower.release(n)
+            n.parent = None
+            self._num_nodes -= 1
 
     def reset(self) -> None:
         """Frees everything unlocked (debug/tests). Locked paths survive."""
@@ -247,7 +315,10 @@ class RadixCache:
             raise RuntimeError("RadixCache: lock change on a node that was evicted")
 
     def _is_evictable_leaf(self, node: RadixNode) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0
+        """An unlocked device node with no device child."""
+        if node.parent is None or node.lock_ref != 0 or node.value is None:
+            return False
+        return not node.children or all(c.value is None for c in node.children.values())
 
     def _push_if_evictable(self, node: RadixNode) -> None:
         if self._is_evictable_leaf(node):
@@ -265,7 +336,7 @@ class RadixCache:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
-            elif node.lock_ref == 0:
+            if self._is_evictable_leaf(node):
                 live.append((node.last_access, next(self._seq), node))
         heapq.heapify(live)
         self._heap = live

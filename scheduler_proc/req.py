@@ -58,7 +58,9 @@ class Req:
         "_decode_options_sent",
         "is_embedding",
         "admitted_once",
+        "cached_by_tier",
         "hidden_sum",
+        "dllm_block",
         "__weakref__",
     )
 
@@ -93,7 +95,9 @@ class Req:
         self.generator: torch.Generator | None = None
         self.is_embedding = is_embedding
         self.admitted_once = False  # cached_tokens is fixed at the first admission
+        self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
+        self.dllm_block: Any = None  # --mode dllm: the block being refined (scheduler_proc.dllm.Block)
         self._decode_options_sent = False
 
         self.stats_epoch = 0

@@ -53,7 +53,8 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     # Drop a token when the mass strictly before it already reaches top_p; the first
     # token always survives.
     before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+    # ranks > 0: a top_p that rounds to 0 in this dtype must still leave the top token.
+    probs = probs.masked_fill((before >= top_p.unsqueeze(1)) & (ranks > 0), 0.0)
 
     for j, i in enumerate(sampled_rows):
         pick = torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], device))

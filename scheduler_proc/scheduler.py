@@ -5,9 +5,11 @@ to ZeroMQ.
 One ``step()``:
 1. prefill: continue the request that is mid-chunk, then admit waiting requests in arrival
    order while the token budget and the KV pool allow (leaving one slot per running request
-   for the next decode step);
+   for the next decode step). ``PrefixKV`` gives each its slots and its cached prefix
+   (from the device, or brought back from HiCache's host and storage tiers);
 2. decode: one batched step over every running request, retracting requests first when the
-   pool cannot give each a slot;
+   pool cannot give each a slot (in ``--mode dllm``, one block refinement pass instead:
+   ``scheduler_proc.dllm``);
 3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due.
 A request mid-prefill emits no row.
 """
@@ -26,16 +28,20 @@ from pipeline.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
-    CachedTokensDetails,
     FinishAbort,
     FinishLength,
+    HiCacheStorageControl,
+    HiCacheStorageState,
     SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from scheduler_proc.dllm import DllmConfig, DllmDecoder
+from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
+from scheduler_proc.hicache import Fetched, HiCache, apply_storage_control, cached_details
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
-from scheduler_proc.radix_cache import RadixCache
+from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import sample
 from scheduler_proc.stop_checker import StopChecker
@@ -60,10 +66,14 @@ class Scheduler:
         stream_interval: int,
         collect_time_stats: bool,
         dense_usage_columns: bool = False,
+        dllm: DllmConfig | None = None,
+        hicache: HiCache | None = None,
     ) -> None:
         self.runner = runner
+        self.prefix_kv = PrefixKV(runner.kv, hicache)
         self.kv = runner.kv
-        self.cache = RadixCache(runner.kv)
+        self.cache = self.prefix_kv.cache
+        self.hicache = hicache  # host and storage tiers under the device pool, or None
         self.stop_checker = stop_checker
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -72,6 +82,7 @@ class Scheduler:
         self.stream_interval = stream_interval
         self.collect_time_stats = collect_time_stats
         self.dense_usage_columns = dense_usage_columns  # UsageColumns on every token frame
+        self.dllm = None if dllm is None else DllmDecoder(dllm, runner, stop_checker, context_length, self.prefix_kv.alloc)
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
@@ -121,14 +132,29 @@ class Scheduler:
             return "input_ids is empty"
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.vocab_size:
             return f"input_ids holds a token id outside the vocabulary [0, {self.vocab_size})"
-        if n > self.kv.capacity - req.sampling.max_new_tokens:
+        max_new = req.sampling.max_new_tokens
+        if n > self.kv.capacity - (max_new if self.dllm is None else self.dllm.peak_output_slots(max_new)):
             return (
-                f"prompt ({n} tokens) plus max_new_tokens ({req.sampling.max_new_tokens}) exceeds "
+                f"prompt ({n} tokens) plus max_new_tokens ({max_new}{' in whole blocks' if self.dllm else ''}) exceeds "
                 f"the KV pool ({self.kv.capacity} tokens)"
             )
-        if n >= self.context_length:
+        # A generating request needs room for at least one new token; an embedding does not.
+        if n > self.context_length or (n == self.context_length and not req.is_embedding):
             return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
         return None
+
+    def storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
+        """Attaches or detaches HiCache storage between two steps. On a change, every
+        admitted request's ``cached_tokens_details`` changes keys through the one stats
+        setter, so its next row shows the storage keys appear or go."""
+        state = apply_storage_control(self.hicache, msg)
+        backend = state.backend
+        for req in self.live.values():
+            if req.admitted_once:
+                details = cached_details(*req.cached_by_tier, backend)
+                if details != req.stats.cached_tokens_details:
+                    req.update_stats(cached_tokens_details=details)
+        return state
 
     def abort(self, msg: AbortReq) -> None:
         targets = list(self.live.values()) if msg.abort_all else [self.live[msg.req_id]] if msg.req_id in self.live else []
@@ -155,7 +181,8 @@ class Scheduler:
         embedded = [r for r in rows if r.is_embedding]
         if embedded:
             rows = [r for r in rows if not r.is_embedding]
-            frames.append(build_embedding_output(embedded, np.stack([self._pooled(r) for r in embedded])))
+            size = self.runner.model_config.hidden_size
+            frames.append(build_embedding_output(embedded, np.stack([pooled_embedding(r, size) for r in embedded])))
         if rows:
             frames.append(build_token_output(rows, dense_usage=self.dense_usage_columns))
         for req in rows + embedded:
@@ -163,21 +190,13 @@ class Scheduler:
                 self._release(req)
         return frames
 
-    def _pooled(self, req: Req) -> np.ndarray:
-        """Mean over the prompt's final hidden states, L2-normalised; zeros for a request
-        that ended before its prefill did (an abort)."""
-        if req.hidden_sum is None or req.num_computed < len(req.origin_input_ids):
-            return np.zeros(self.runner.model_config.hidden_size, dtype=np.float32)
-        mean = req.hidden_sum / len(req.origin_input_ids)
-        return torch.nn.functional.normalize(mean, dim=0).cpu().numpy().astype(np.float32)
-
     def _prefill(self, rows: list[Req]) -> list[Req]:
         now = time.time()
         budget = self.prefill_budget
         batch: list[tuple[Req, list[int], torch.Tensor]] = []
         candidates = list(self.prefilling)
         self.prefilling = []
-        slots_for_decode = len(self.running)
+        slots_for_decode = self._decode_demand()
         admitted = len(self.running) + len(candidates)
         for req in self.waiting:
             if admitted >= self.max_running_requests:
@@ -189,23 +208,19 @@ class Scheduler:
             if budget <= 0:
                 self._requeue_unscheduled(req)
                 continue
-            if from_waiting and not req.is_embedding:
-                # Pooling needs every prompt token's hidden state, so embeddings skip the cache.
-                self._attach_cached_prefix(req)
-            fill = req.fill_ids
-            take = min(len(fill) - req.num_computed, budget)
-            slots = self._alloc(take, reserve=slots_for_decode)
-            if slots is None:
-                if from_waiting:
-                    self._unlock_prefix(req)  # it holds only the cache's own slots so far
+            # Pooling needs every prompt token's hidden state, so embeddings skip the cache.
+            got = self.prefix_kv.admit(req, match=from_waiting and not req.is_embedding, budget=budget, reserve=slots_for_decode)
+            if got is None:
                 self._requeue_unscheduled(req)
                 budget = 0  # arrival order: nobody overtakes a request that does not fit
                 continue
+            slots, fetched = got
             if from_waiting:
                 self.waiting.popleft()
                 req.leave_waiting_queue(now)
-                self._record_first_admission(req)
-            batch.append((req, fill[req.num_computed : req.num_computed + take], slots))
+                self._record_admission(req, fetched)
+            take = len(slots)
+            batch.append((req, req.fill_ids[req.num_computed : req.num_computed + take], slots))
             budget -= take
         if not batch:
             return []
@@ -219,7 +234,7 @@ class Scheduler:
         )
         self.forward_steps += 1
         if hidden is not None:
-            self._accumulate_hidden(batch, hidden)
+            accumulate_hidden(batch, hidden)
         done_rows: list[int] = []
         for i, (req, toks, slots) in enumerate(batch):
             req.kv_slots = slots if req.kv_slots is None else torch.cat((req.kv_slots, slots))
@@ -244,67 +259,33 @@ class Scheduler:
         if not generating:
             return []
         done = [batch[i][0] for i in generating]
+        if self.dllm is not None:
+            return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
 
-    @staticmethod
-    def _accumulate_hidden(batch: list[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor) -> None:
-        """Adds each embedding request's new hidden states into its running sum, so a
-        prompt prefilled in chunks pools exactly like one prefilled at once."""
-        offset = 0
-        for req, toks, _ in batch:
-            if req.is_embedding:
-                part = hidden[offset : offset + len(toks)].sum(dim=0, dtype=torch.float32)
-                req.hidden_sum = part if req.hidden_sum is None else req.hidden_sum + part
-            offset += len(toks)
-
-    def _attach_cached_prefix(self, req: Req) -> None:
-        """Starts a (re-)prefill from the longest cached prefix. The last token is always
-        computed, since its logits pick the next token."""
-        fill = req.fill_ids
-        slots, node = self.cache.match_prefix(fill[: len(fill) - 1])
-        self.cache.inc_lock(node)
-        req.prefix_node = node
-        req.kv_slots = slots
-        req.num_computed = len(slots)
-
-    def _record_first_admission(self, req: Req) -> None:
+    def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
+        """Stats of an admission: time spent reading HiCache storage (every admission), and
+        the cached tokens per tier (fixed at the first one)."""
+        ts = req.stats.time_stats
+        if fetched is not None and fetched.storage_seconds > 0 and ts is not None:
+            req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + fetched.storage_seconds)
         if req.admitted_once:
             return
         req.admitted_once = True
         cached = req.num_computed
         self.prefill_tokens_total += len(req.origin_input_ids)
         self.cached_tokens_total += cached
-        if cached:
-            req.update_stats(cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0))
-
-    def _alloc(self, n: int, reserve: int = 0) -> torch.Tensor | None:
-        """n pool slots, evicting cached prefixes when the free list is short; None when even
-        that would leave fewer than ``reserve`` slots for the next decode step."""
-        if self.kv.num_free + self.cache.evictable_size - n < reserve:
-            return None
-        if self.kv.num_free < n:
-            self.cache.evict(n - self.kv.num_free)
-        return self.kv.alloc(n)
+        host, storage = (fetched.host_tokens, fetched.storage_tokens) if fetched is not None else (0, 0)
+        req.cached_by_tier = (cached - host - storage, host, storage)
+        details = cached_details(*req.cached_by_tier, self.prefix_kv.storage_backend)
+        if cached or details is not None:
+            req.update_stats(cached_tokens=cached, cached_tokens_details=details)
 
     def _release_kv(self, req: Req) -> None:
-        """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
-        the slots (freeing duplicates of what it already held), then the prefix lock drops.
-        An embedding request's KV is only freed: it never reads the cache."""
-        slots = req.kv_slots
-        if slots is not None and slots.numel() and req.is_embedding:
-            self.kv.free(slots)
-        elif slots is not None and slots.numel():
-            tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]
-            self.cache.insert(tokens, slots)
-        self._unlock_prefix(req)
-
-    def _unlock_prefix(self, req: Req) -> None:
-        if req.prefix_node is not None:
-            self.cache.dec_lock(req.prefix_node)
-        req.prefix_node = None
-        req.kv_slots = None
-        req.num_computed = 0
+        if self.dllm is not None:
+            self.dllm.drop_block(req)  # a block in progress is never cached: it restarts
+        self.prefix_kv.release(req)
 
     def _requeue_unscheduled(self, req: Req) -> None:
         """A candidate that got no slots this step: a mid-chunk request stays in prefill,
@@ -316,8 +297,13 @@ class Scheduler:
         if not self.running:
             return
         self._retract_until_fits()
+        if self.dllm is not None:
+            self.running, committed = self.dllm.step(self.running, rows)
+            self.forward_steps += 1
+            self.generated_tokens_total += committed
+            return
         reqs = self.running
-        slots = self._alloc(len(reqs))
+        slots = self.prefix_kv.alloc(len(reqs))
         assert slots is not None, "retraction left too few KV slots"
         logits, _ = self.runner.extend(
             [[r.output_ids[-1]] for r in reqs],
@@ -354,7 +340,7 @@ class Scheduler:
         prompt). The last running request is never retracted: admission guarantees that
         one request alone always fits."""
         now = time.time()
-        while self.kv.num_free + self.cache.evictable_size < len(self.running):
+        while not self.prefix_kv.fits(self._decode_demand()):
             if self.prefilling:
                 victim = self.prefilling.pop()
             elif len(self.running) > 1:
@@ -363,6 +349,12 @@ class Scheduler:
             else:
                 raise RuntimeError("a single request does not fit the KV pool; admission should have refused it")
             self._retract(victim, now)
+
+    def _decode_demand(self) -> int:
+        """Pool slots the next decode step takes: one per request, or what each dLLM pass needs."""
+        if self.dllm is None:
+            return len(self.running)
+        return sum(self.dllm.slots_needed(r) for r in self.running)
 
     def _retract(self, req: Req, now: float) -> None:
         self._release_kv(req)  # what it computed stays in the cache while the pool allows
@@ -390,7 +382,7 @@ class Scheduler:
 
     @property
     def kv_tokens_held_by_requests(self) -> int:
-        return self.kv.num_used - self.cache.evictable_size
+        return self.prefix_kv.held_by_requests
 
     @property
     def cache_size(self) -> int:

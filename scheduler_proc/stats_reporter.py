@@ -37,6 +37,7 @@ class SchedulerStatsReporter:
 
     def report(self, now: float) -> SchedulerStatsReport:
         s = self._s
+        hicache = s.hicache
         elapsed = now - self._last_time if self._last_time else 0.0
         generated = s.generated_tokens_total - self._last_generated
         prompt = s.prefill_tokens_total - self._last_prompt
@@ -57,6 +58,9 @@ class SchedulerStatsReporter:
             forward_steps_total=s.forward_steps,
             live_reqs=len(s.live),
             instance=self._instance,
+            hicache_host_used_tokens=hicache.host.num_used if hicache is not None else 0,
+            hicache_host_capacity=hicache.host.capacity if hicache is not None else 0,
+            hicache_storage_backend=hicache.storage_backend if hicache is not None else None,
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total

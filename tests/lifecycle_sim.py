@@ -28,6 +28,7 @@ from pipeline.io_struct import (
     MediaItem,
     SamplingParams,
 )
+from scheduler_proc.hicache import cached_details
 from scheduler_proc.req import Req
 
 Step = Generator[None, None, None]
@@ -49,21 +50,25 @@ class SimWorld:
         if req.output_due() and req not in self.rows:
             self.rows.append(req)
 
+    def set_cached(self, req: Req, device: int, host: int = 0, storage: int = 0) -> None:
+        """Cached tokens per tier, as the scheduler records them (``Req.cached_by_tier``)."""
+        req.cached_by_tier = (device, host, storage)
+        cached, details = device + host + storage, self.details(device, host, storage)
+        if (cached, details) != (req.stats.cached_tokens, req.stats.cached_tokens_details):
+            req.update_stats(cached_tokens=cached, cached_tokens_details=details)
+
     def details(self, device: int, host: int, storage: int) -> CachedTokensDetails | None:
         """Cached-token details as the cache would report them right now."""
-        if self.storage_backend is None:
-            return CachedTokensDetails(device=device, host=host) if device or host else None
-        return CachedTokensDetails(device=device, host=host, storage=storage, storage_backend=self.storage_backend)
+        return cached_details(device, host, storage, self.storage_backend)
 
     def toggle_storage(self) -> None:
         """Attach or detach HiCache storage: every running request's details change keys,
-        through the one setter, as the real attach/detach does."""
+        through the one setter, as the real attach/detach does (``Scheduler.storage_control``)."""
         self.storage_backend = None if self.storage_backend else self.rng.choice(["file", "mooncake"])
         for req in self.live:
-            st = req.stats
-            d = st.cached_tokens_details
-            device, host, storage = (d.device, d.host, d.storage or 0) if d is not None else (st.cached_tokens, 0, 0)
-            req.update_stats(cached_tokens_details=self.details(device, host, storage))
+            details = self.details(*req.cached_by_tier)
+            if details != req.stats.cached_tokens_details:
+                req.update_stats(cached_tokens_details=details)
 
 
 def make_sampling(rng: random.Random, stream: bool) -> tuple[SamplingParams, int]:
@@ -129,8 +134,7 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int) -> Step:
                     break
             if kind == "dllm" and not req.finished:
                 # A committed block extends what the cache holds for this request.
-                cached = req.stats.cached_tokens + block
-                req.update_stats(cached_tokens=cached, cached_tokens_details=world.details(cached, 0, 0))
+                world.set_cached(req, req.stats.cached_tokens + block)
         world.emit_if_due(req)
         if req.finished:
             world.live.discard(req)
@@ -160,14 +164,17 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Step:
     req.leave_waiting_queue(world.now)
     if kind == "pd_decode":
         # Prebuilt: the KV arrives from the prefill server, which reports its cached tokens.
-        cached = rng.randint(0, len(req.origin_input_ids) - 1)
-        req.update_stats(cached_tokens=cached, cached_tokens_details=world.details(cached, 0, 0))
+        world.set_cached(req, rng.randint(0, len(req.origin_input_ids) - 1))
         req.update_time_stats(bootstrap_done_time=world.now, decode_prebuilt_finish_time=world.now + 0.001)
     elif first:
         device = rng.randint(0, len(req.origin_input_ids) - 1) if rng.random() < 0.5 else 0
         host = rng.randint(0, 8) if device and rng.random() < 0.3 else 0
-        if device + host:
-            req.update_stats(cached_tokens=device + host, cached_tokens_details=world.details(device, host, 0))
+        storage = rng.randint(0, 8) if device and world.storage_backend and rng.random() < 0.3 else 0
+        if storage:  # read from storage files before the prefill
+            ts = req.stats.time_stats
+            if ts is not None:
+                req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + rng.random() / 100)
+        world.set_cached(req, device, host, storage)
     for _ in range(rng.randint(0, 3)):  # chunked prefill: no row until the last chunk
         yield
     ts = req.stats.time_stats

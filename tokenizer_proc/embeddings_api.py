@@ -15,9 +15,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
 
-from pipeline.io_struct import EMBEDDING_DTYPE
+from pipeline.io_struct import EMBEDDING_DTYPE, FinishAbort
 from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_body
-from tokenizer_proc.http_common import ClientGone, wait_finished
+from tokenizer_proc.http_common import ClientGone, error_response, wait_finished
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -42,6 +42,12 @@ class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     rid: str | None = None
 
 
+class EmbeddingFailed(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
 
@@ -53,7 +59,10 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         if obj.dimensions is not None:
             raise RequestValidationError("`dimensions` is not supported: the model's size is fixed", "dimensions")
         inputs = _token_inputs(tm, obj.input, "input")
-        states = await _embed_all(tm, inputs, request, arrived)
+        try:
+            states = await _embed_all(tm, inputs, request, arrived)
+        except EmbeddingFailed as exc:
+            return error_response(exc.status, str(exc), param="input")
         if states is None:
             return Response(status_code=499)
         data = []
@@ -86,7 +95,10 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         given = obj.text if obj.text is not None else obj.input_ids
         single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))  # type: ignore[index]
         inputs = _token_inputs(tm, given, "text" if obj.text is not None else "input_ids")  # type: ignore[arg-type]
-        states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
+        try:
+            states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
+        except EmbeddingFailed as exc:
+            return error_response(exc.status, str(exc), param="text" if obj.text is not None else "input_ids")
         if states is None:
             return Response(status_code=499)
         out = [{"embedding": s.embedding.tolist(), "meta_info": build_meta_info(s)} for s in states]  # type: ignore[union-attr]
@@ -141,4 +153,10 @@ async def _embed_all(
         for state in states:
             tm.abort(state.req_id)
         return None
+    for i, state in enumerate(states):
+        reason = state.finished_reason
+        if isinstance(reason, FinishAbort):
+            # A refused or aborted input has no embedding: answer with its reason, never
+            # with the placeholder vector the scheduler sends for it.
+            raise EmbeddingFailed(reason.status_code, f"input {i}: {reason.message}")
     return states

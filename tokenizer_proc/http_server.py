@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.io_struct import FinishAbort, SamplingParams, TraceContext
 from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
 from tokenizer_proc.embeddings_api import build_embeddings_router
+from tokenizer_proc.hicache_api import build_hicache_router
 from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
@@ -124,6 +125,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
 
     app.include_router(build_openai_router(tm))
     app.include_router(build_embeddings_router(tm))
+    app.include_router(build_hicache_router(tm))
 
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)

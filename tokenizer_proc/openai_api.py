@@ -10,8 +10,9 @@ give alone.
 tokens) and ``ReqState.completion_tokens``. As OpenAI does, a prompt is counted once however
 many choices it has: ``prompt_tokens`` sums over prompts, ``completion_tokens`` over every
 choice. A prompt's ``cached_tokens`` is the smallest count among its choices (the copy that
-really computed the prompt; the other copies may have reused its prefix), so
-``cached_tokens <= prompt_tokens`` always holds.
+really computed the prompt; the other copies may have reused its prefix), capped at the
+prompt (in ``--mode dllm`` a request's ``cached_tokens`` also counts its committed blocks),
+so ``cached_tokens <= prompt_tokens`` always holds.
 
 ``finish_reason``: ``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``,
 ``FinishLength`` is ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``.
@@ -113,7 +114,10 @@ def _room_left(tm: TokenizerManager, prompt_len: int) -> int:
     the KV pool and --max-new-tokens-limit); at least 1, so a prompt that leaves no room gets
     the length check's error."""
     config = tm.config
-    return max(1, min(config.max_new_tokens_limit, tm.context_length - prompt_len, config.max_total_tokens - prompt_len))
+    pool_room = config.max_total_tokens - prompt_len
+    if config.mode == "dllm":  # the KV pool holds whole blocks
+        pool_room -= pool_room % config.dllm_block_size
+    return max(1, min(config.max_new_tokens_limit, tm.context_length - prompt_len, pool_room))
 
 
 def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
@@ -207,7 +211,7 @@ def _usage(states: list[ReqState], n: int) -> dict[str, Any]:
     for start in range(0, len(states), n):
         stats = [s.request_stats for s in states[start : start + n]]
         prompt += stats[0].prompt_tokens  # type: ignore[union-attr]
-        cached += min(st.cached_tokens for st in stats)  # type: ignore[union-attr]
+        cached += min(stats[0].prompt_tokens, *(st.cached_tokens for st in stats))  # type: ignore[union-attr]
     completion = sum(s.completion_tokens for s in states)
     return {
         "prompt_tokens": prompt,

@@ -29,6 +29,8 @@ from pipeline.io_struct import (
     FinishAbort,
     FinishLength,
     FinishReason,
+    HiCacheStorageControl,
+    HiCacheStorageState,
     MediaItem,
     SamplingParams,
     SchedulerStatsReport,
@@ -86,6 +88,8 @@ class TokenizerManager:
         self._ctx: zmq.asyncio.Context | None = None
         self._send: Any = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._next_control_id = itertools.count(1)
+        self._controls: dict[int, asyncio.Future[HiCacheStorageState]] = {}
 
     # --- sockets -------------------------------------------------------------------------
 
@@ -150,9 +154,10 @@ class TokenizerManager:
                 f"context length ({self.context_length})",
                 "sampling_params.max_new_tokens" if prompt_len < self.context_length else "text",
             )
-        if prompt_len + sampling.max_new_tokens > self.config.max_total_tokens:
+        if self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens) > self.config.max_total_tokens:
+            block = " (rounded up to whole dLLM blocks)" if self.config.mode == "dllm" else ""
             raise RequestValidationError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}) can never fit the "
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}){block} can never fit the "
                 f"KV pool ({self.config.max_total_tokens} tokens)",
                 "sampling_params.max_new_tokens",
             )
@@ -242,6 +247,20 @@ class TokenizerManager:
         if self.rid_to_req_id.get(state.rid) == state.req_id:
             del self.rid_to_req_id[state.rid]
 
+    async def hicache_storage(self, *, attach: bool, backend: str = "", dir: str = "", timeout: float = 30.0) -> HiCacheStorageState | None:
+        """Asks the scheduler to attach or detach HiCache storage and waits for its answer
+        (it comes between two scheduler steps); None when none came within ``timeout``."""
+        control_id = next(self._next_control_id)
+        future: asyncio.Future[HiCacheStorageState] = asyncio.get_running_loop().create_future()
+        self._controls[control_id] = future
+        try:
+            self._send_obj(HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._controls.pop(control_id, None)
+
     async def wait(self, state: ReqState) -> AsyncIterator[ReqState]:
         """Yields whenever the state changed, until it is finished."""
         while True:
@@ -261,6 +280,11 @@ class TokenizerManager:
             self.last_scheduler_report = frame
             if self.metrics is not None:
                 self.metrics.scheduler.update(frame)
+            return
+        if isinstance(frame, HiCacheStorageState):
+            future = self._controls.pop(frame.control_id, None)
+            if future is not None and not future.done():
+                future.set_result(frame)
             return
         if isinstance(frame, BatchEmbeddingOutput):
             self._handle_embedding_output(frame)
