@@ -3,6 +3,7 @@ there is work, and pushes each step's frames to the detokenizer."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -74,6 +75,16 @@ def build_hicache(config: ServerConfig, runner: ModelRunner) -> HiCache | None:
     return hicache
 
 
+def release_free_heap() -> None:
+    """Hands freed heap back to the OS when the scheduler goes idle. Without it glibc keeps
+    the peak of every burst, and RSS creeps up over hours of traffic although no request
+    state is left (bench/memory.py measured +13% over 100,000 requests)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def run_scheduler(config: ServerConfig) -> None:
     shutdown = ShutdownFlag.install()
     try:
@@ -119,5 +130,7 @@ def run_scheduler(config: ServerConfig) -> None:
         report = reporter.maybe_report(time.time())
         if report is not None:
             outbox.send(encoder.encode(report), copy=False)
+            if report.live_reqs == 0:
+                release_free_heap()
     logger.info("scheduler exiting (pid %d)", os.getpid())
     ctx.destroy(linger=0)
