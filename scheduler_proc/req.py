@@ -94,7 +94,7 @@ class Req:
         self.prefix_node: Any = None  # radix-cache node locked for this request
         self.generator: torch.Generator | None = None
         self.is_embedding = is_embedding
-        self.admitted_once = False  # cached_tokens is fixed at the first admission
+        self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self.dllm_block: Any = None  # --mode dllm: the block being refined (scheduler_proc.dllm.Block)

@@ -61,7 +61,8 @@ def test_generate_non_streaming_meta_info(server: ServerProcess) -> None:
     assert meta["completion_tokens"] == len(out["output_ids"]) == 24
     assert meta["finish_reason"] == {"type": "length", "length": 24}
     assert meta["num_retractions"] == 0 and meta["cached_tokens"] == 0
-    assert out["text"] == TOKENIZER.decode(out["output_ids"])
+    # A random model may end on an incomplete UTF-8 sequence, which the detokenizer drops.
+    assert out["text"] == TOKENIZER.decode(out["output_ids"]).rstrip("\ufffd")
     assert meta["request_received_ts"] <= meta["forward_entry_time"] <= meta["prefill_finished_time"] <= meta["request_finished_ts"]
     assert 0 < meta["first_token_latency"] <= meta["e2e_latency"]
     assert meta["queue_time"] >= 0
