@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
