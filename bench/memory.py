@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import shlex
 import shutil
@@ -42,27 +41,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import uvloop
 
 
-def _load_module() -> ModuleType:
-    """bench/load.py (the HTTP client, launcher and process lookup), under a name that
-    cannot collide with anything else called ``load``."""
-    name = "tokenpipe_bench_load"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / "load.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-load = _load_module()
+from bench import load  # noqa: E402
+from bench.launch import LaunchedServer, child_roles  # noqa: E402
 ROLES = ("scheduler", "detokenizer", "api")
 
 
@@ -337,9 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         trim=args.malloc_trim,
     )
     if args.url:
-        result = uvloop.run(measure(args.url, load.child_roles(args.supervisor_pid), **kwargs))  # type: ignore[arg-type]
+        result = uvloop.run(measure(args.url, child_roles(args.supervisor_pid), **kwargs))  # type: ignore[arg-type]
     else:
-        with load.LaunchedServer(shlex.split(args.server_args)) as server:
+        with LaunchedServer(shlex.split(args.server_args)) as server:
             result = uvloop.run(measure(server.url, server.children(), **kwargs))  # type: ignore[arg-type]
     print(format_table(result))
     if args.json:

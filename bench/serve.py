@@ -37,14 +37,9 @@ import asyncio
 import bisect
 import json
 import math
-import os
 import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
@@ -55,7 +50,11 @@ import httpx
 import uvloop
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.launch import LaunchedServer  # noqa: E402
+
 POLL_INTERVAL = 0.1  # /server_info sampling; the scheduler reports about every 0.5 s
 TARGET_RATIO = 0.95
 TARGET_STREAMS = 256
@@ -377,46 +376,6 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
 # --- launching servers ------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LaunchedServer:
-    def __init__(self, server_args: Sequence[str], log_dir: Path, name: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "pipeline.cli", "serve", "--log-level", "warning", *server_args, "--port", str(self.port)]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{self.url}/server_info", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server did not become ready; log tail:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 # --- output -----------------------------------------------------------------------------------
 
 
@@ -547,25 +506,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     server_args = shlex.split(args.server_args)
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as log_dir:
-        server = LaunchedServer(server_args, Path(log_dir), "attached") if args.launch else None
+    server = LaunchedServer(["--log-level", "warning", *server_args]) if args.launch else None
+    try:
+        if server is not None:
+            server.wait_ready()
+        report = run_async(run_load(server.url if server else args.url, cfg))
+    finally:
+        if server is not None:
+            server.stop()
+    if args.compare_discard:
+        lo, hi = report["steady_s"]
+        discard = LaunchedServer(["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"])
         try:
-            if server is not None:
-                server.wait_ready()
-            report = run_async(run_load(server.url if server else args.url, cfg))
+            discard.wait_ready()
+            report["discard"] = run_async(run_discard(discard.url, cfg, max(2.0, hi - lo)))
         finally:
-            if server is not None:
-                server.stop()
-        if args.compare_discard:
-            lo, hi = report["steady_s"]
-            discard = LaunchedServer([*server_args, "--discard-output", "--graceful-timeout", "1"], Path(log_dir), "discard")
-            try:
-                discard.wait_ready()
-                report["discard"] = run_async(run_discard(discard.url, cfg, max(2.0, hi - lo)))
-            finally:
-                discard.stop()
-            a, d = report.get("scheduler_steps"), report["discard"]["scheduler_steps"]
-            report["steps_ratio"] = a["steps_per_s"] / d["steps_per_s"] if a and d and d["steps_per_s"] > 0 else None
+            discard.stop()
+        a, d = report.get("scheduler_steps"), report["discard"]["scheduler_steps"]
+        report["steps_ratio"] = a["steps_per_s"] / d["steps_per_s"] if a and d and d["steps_per_s"] > 0 else None
     results: list[ReqResult] = report.pop("_results")
     print(format_report(report))
     if args.json is not None:
