@@ -4,30 +4,16 @@ not check the targets (timings on a shared CI machine say nothing)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "output_path.py"
-
-
 @pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    name = "tokenpipe_bench_output_path"
-    spec = importlib.util.spec_from_file_location(name, BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # pickle finds the baseline dataclass by module name
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
+def bench() -> ModuleType:
+    return importlib.import_module("bench.output_path")
 
 
 def test_run_returns_every_row_and_column(bench: ModuleType) -> None:

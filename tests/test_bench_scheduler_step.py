@@ -5,30 +5,16 @@ timings (a shared CI machine says nothing about them)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "scheduler_step.py"
-
-
 @pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    name = "tokenpipe_bench_scheduler_step"
-    spec = importlib.util.spec_from_file_location(name, BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
+def bench() -> ModuleType:
+    return importlib.import_module("bench.scheduler_step")
 
 
 @pytest.mark.timeout(60)

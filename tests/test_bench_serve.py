@@ -4,32 +4,18 @@ judge the timings (a shared CI machine says nothing about them)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "serve.py"
-
-
 @pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
+def bench() -> ModuleType:
     pytest.importorskip("tqdm")
     pytest.importorskip("matplotlib")
-    name = "tokenpipe_bench_serve"
-    spec = importlib.util.spec_from_file_location(name, BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(name, None)
+    return importlib.import_module("bench.serve")
 
 
 @pytest.mark.timeout(60)
