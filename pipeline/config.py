@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 
 Mode = Literal["generate", "embedding", "dllm"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
 
 # The supervisor hands its children the whole config as JSON in this variable.
 CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
@@ -45,6 +46,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hicache_host_tokens: int = 0  # 0: off
     hicache_storage_dir: str | None = None  # absolute path; storage can also be attached at runtime
 
+    # PD disaggregation: a prefill server sends each request's KV to a decode server
+    disaggregation_mode: DisaggregationMode = "null"  # null: one unified server
+    disaggregation_bootstrap_port: int = 8998  # prefill: where decode servers fetch KV (tcp, on --host)
+    disaggregation_bootstrap_endpoint: str | None = None  # prefill: a tcp:// or ipc:// endpoint instead of the port
+    disaggregation_bootstrap_timeout: float = 30.0  # decode: wait for KV; prefill: how long unclaimed KV is kept
+
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -70,6 +77,17 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @classmethod
     def decode(cls, text: str) -> "ServerConfig":
         return msgspec.json.decode(text, type=cls)
+
+    @property
+    def engine_type(self) -> str:
+        """The ``engine_type`` metrics label: unified, prefill or decode."""
+        return "unified" if self.disaggregation_mode == "null" else self.disaggregation_mode
+
+    def bootstrap_endpoint(self) -> str:
+        """Prefill: the ZeroMQ endpoint its scheduler binds for decode servers' KV fetches."""
+        if self.disaggregation_bootstrap_endpoint:
+            return self.disaggregation_bootstrap_endpoint
+        return f"tcp://{self.host}:{self.disaggregation_bootstrap_port}"
 
     def kv_tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """KV slots one request may hold at its peak. A dLLM request refines whole blocks,
@@ -97,6 +115,15 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--hicache-host-tokens must be 0 (off) or positive")
         if self.hicache_storage_dir is not None and self.hicache_host_tokens == 0:
             problems.append("--hicache-storage-dir needs the host tier: give --hicache-host-tokens N too")
+        if self.disaggregation_mode != "null" and self.mode != "generate":
+            problems.append("--disaggregation-mode needs --mode generate")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            problems.append("--disaggregation-bootstrap-port must be a TCP port (1-65535)")
+        endpoint = self.disaggregation_bootstrap_endpoint
+        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+            problems.append("--disaggregation-bootstrap-endpoint must be a tcp:// or ipc:// endpoint")
+        if self.disaggregation_bootstrap_timeout <= 0:
+            problems.append("--disaggregation-bootstrap-timeout must be positive")
         if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
             problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
         if problems:
@@ -165,6 +192,32 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
         help="existing directory for the storage tier under the host tier (file backend); also POST /hicache/storage/attach",
     )
 
+    g = parser.add_argument_group("PD disaggregation")
+    g.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default=d.disaggregation_mode,
+        help="prefill: compute KV and the first token, and send the KV to a decode server; decode: take requests "
+        "prebuilt from a prefill server (run both behind `tokenpipe router`); null: one unified server",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=d.disaggregation_bootstrap_port,
+        help="prefill: TCP port on --host where decode servers fetch KV",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-endpoint",
+        default=d.disaggregation_bootstrap_endpoint,
+        help="prefill: a tcp:// or ipc:// ZeroMQ endpoint for KV fetches, instead of --host and the port",
+    )
+    g.add_argument(
+        "--disaggregation-bootstrap-timeout",
+        type=float,
+        default=d.disaggregation_bootstrap_timeout,
+        help="decode: seconds to wait for a request's KV before failing it; prefill: seconds unclaimed KV is kept",
+    )
+
     g = parser.add_argument_group("http")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
@@ -210,6 +263,10 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         dllm_steps=args.dllm_steps,
         hicache_host_tokens=args.hicache_host_tokens,
         hicache_storage_dir=os.path.abspath(args.hicache_storage_dir) if args.hicache_storage_dir else None,
+        disaggregation_mode=args.disaggregation_mode,
+        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_bootstrap_endpoint=args.disaggregation_bootstrap_endpoint,
+        disaggregation_bootstrap_timeout=args.disaggregation_bootstrap_timeout,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

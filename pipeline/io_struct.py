@@ -93,9 +93,9 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit
     arrival_time: float
     media: tuple[MediaItem, ...] = ()
     trace: TraceContext | None = None
-    # PD decode: where to fetch the prefill side's KV from.
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
+    # PD: the room pairs a request's prefill-server and decode-server halves; a decode
+    # server fetches the KV from the prefill scheduler at ``bootstrap_endpoint``.
+    bootstrap_endpoint: str | None = None
     bootstrap_room: int | None = None
 
 
@@ -303,6 +303,50 @@ class HiCacheStorageState(msgspec.Struct, tag="hicache_storage_state", array_lik
 
 DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState]
 TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState]
+
+
+# --- PD disaggregation: KV transfer between a prefill and a decode scheduler -------------
+
+
+class KVLayout(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Shape of one token's KV: both sides must agree, or the bytes would be misread."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+
+
+class KVFetch(msgspec.Struct, tag="kv_fetch", array_like=True, gc=False):
+    """Decode -> prefill scheduler (DEALER -> ROUTER): send the KV of ``token_ids`` for
+    ``room``. ``attempt`` 0 is the request's first bootstrap: the prefill server pairs it
+    with the request of the same room that its own API received. A later attempt is a
+    re-bootstrap after a decode-side retraction: the prefill server computes the KV of
+    ``token_ids`` (prompt plus what was generated but the last token) from its prefix cache."""
+
+    room: int
+    attempt: int
+    token_ids: list[int]
+    prompt_tokens: int
+    layout: KVLayout
+
+
+class KVTransferHeader(msgspec.Struct, tag="kv_header", array_like=True, gc=False):
+    """Prefill -> decode: the first frame of a transfer. When ``ok``, two raw frames follow
+    with K and V: ``num_tokens`` tokens of ``layout``, shaped [num_layers, num_tokens,
+    num_kv_heads, head_dim], C order, native byte order. Raw bytes, never pickle. When not
+    ``ok``, ``error`` says why and nothing follows."""
+
+    room: int
+    attempt: int
+    ok: bool
+    error: str = ""
+    num_tokens: int = 0
+    layout: KVLayout | None = None
+    first_token: int | None = None  # attempt 0: the token the prefill server sampled
+    cached_tokens: int = 0  # of the prompt, served from the prefill server's cache
+    cached_tokens_details: CachedTokensDetails | None = None
+    prefill_finished_time: float | None = None
 
 
 # --- control ---------------------------------------------------------------------------

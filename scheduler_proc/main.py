@@ -23,8 +23,11 @@ from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.hicache import HiCache, StorageError
+from scheduler_proc.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model_limits import context_length_of
 from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.pd_decode import DecodeBootstrapper
+from scheduler_proc.pd_prefill import PrefillKVSender
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats_reporter import SchedulerStatsReporter
 from scheduler_proc.stop_checker import StopChecker
@@ -75,6 +78,23 @@ def build_hicache(config: ServerConfig, runner: ModelRunner) -> HiCache | None:
     return hicache
 
 
+def attach_pd(scheduler: Scheduler, config: ServerConfig, ctx: zmq.Context, poller: zmq.Poller) -> None:  # type: ignore[type-arg]
+    """The KV transfer sockets of --disaggregation-mode prefill or decode, registered with
+    the loop's poller so a fetch or a transfer wakes an idle scheduler."""
+    timeout = config.disaggregation_bootstrap_timeout
+    if config.disaggregation_mode == "prefill":
+        endpoint = config.bootstrap_endpoint()
+        try:
+            server = KVFetchServer(ctx, endpoint)
+        except zmq.ZMQError as exc:
+            raise SystemExit(f"--disaggregation-bootstrap-port/endpoint: cannot bind {endpoint}: {exc}") from None
+        poller.register(server.socket, zmq.POLLIN)
+        scheduler.pd_prefill = PrefillKVSender(server, scheduler.kv, timeout)
+        logger.info("prefill server: decode servers fetch KV at %s", endpoint)
+    elif config.disaggregation_mode == "decode":
+        scheduler.pd_decode = DecodeBootstrapper(KVFetchClient(ctx, poller), scheduler.kv, timeout, scheduler.vocab_size)
+
+
 def release_free_heap() -> None:
     """Hands freed heap back to the OS when the scheduler goes idle. Without it glibc keeps
     the peak of every burst, and RSS creeps up over hours of traffic although no request
@@ -102,6 +122,7 @@ def run_scheduler(config: ServerConfig) -> None:
     encoder = make_encoder()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    attach_pd(scheduler, config, ctx, poller)
     reporter = SchedulerStatsReporter(scheduler)
     report_ready(ctx, config, "scheduler")
 

@@ -85,12 +85,13 @@ class PrefixKV:
             self.cache.evict(n - self.kv.num_free)
         return self.kv.alloc(n)
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Req, *, cache: bool = True) -> None:
         """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
         the slots (freeing duplicates of what it already held), then the prefix lock drops.
-        An embedding request's KV is only freed: it never reads the cache."""
+        An embedding request's KV is only freed (it never reads the cache), and so is the
+        KV of a ``cache=False`` release (a PD decode request: it never prefills here)."""
         slots = req.kv_slots
-        if slots is not None and slots.numel() and req.is_embedding:
+        if slots is not None and slots.numel() and (req.is_embedding or not cache):
             self.kv.free(slots)
         elif slots is not None and slots.numel():
             tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]

@@ -61,6 +61,7 @@ class Req:
         "cached_by_tier",
         "hidden_sum",
         "dllm_block",
+        "pd",
         "__weakref__",
     )
 
@@ -98,6 +99,9 @@ class Req:
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self.dllm_block: Any = None  # --mode dllm: the block being refined (scheduler_proc.dllm.Block)
+        # PD disaggregation: PrefillHalf or KVFetchJob (scheduler_proc.pd_prefill) on a prefill
+        # server, DecodeBootstrap (scheduler_proc.pd_decode) on a decode server; else None.
+        self.pd: Any = None
         self._decode_options_sent = False
 
         self.stats_epoch = 0

@@ -12,6 +12,11 @@ One ``step()``:
    ``scheduler_proc.dllm``);
 3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due.
 A request mid-prefill emits no row.
+
+PD disaggregation (``pd_prefill`` / ``pd_decode``, set by ``scheduler_proc.main``): a prefill
+server also answers KV fetches and sends a request's KV when it releases it; a decode
+server takes requests "prebuilt" (step 0: install arrived KV, emit the prefill's first
+token) and re-bootstraps a retracted one instead of re-prefilling it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pipeline.io_struct import (
     FinishLength,
     HiCacheStorageControl,
     HiCacheStorageState,
+    KVFetch,
     SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -40,7 +46,10 @@ from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
 from scheduler_proc.hicache import Fetched, HiCache, apply_storage_control, cached_details
 from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.kv_transfer import scatter_kv
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
+from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper
+from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import sample
@@ -94,6 +103,9 @@ class Scheduler:
         self.generated_tokens_total = 0
         self.prefill_tokens_total = 0  # prompt tokens of first admissions
         self.cached_tokens_total = 0  # of those, served from the prefix cache
+        self.pd_prefill: PrefillKVSender | None = None  # --disaggregation-mode prefill
+        self.pd_decode: DecodeBootstrapper | None = None  # --disaggregation-mode decode
+        self._next_kv_job_id = -1  # internal re-bootstrap requests count down: never a client's req_id
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -115,12 +127,43 @@ class Scheduler:
             collect_time_stats=self.collect_time_stats,
             is_embedding=embedding,
         )
+        room = None if embedding else msg.bootstrap_room  # type: ignore[union-attr]
+        if room is not None and self.pd_prefill is not None:
+            req.pd = PrefillHalf(room)
+        elif room is not None and self.pd_decode is not None and msg.bootstrap_endpoint:  # type: ignore[union-attr]
+            req.pd = DecodeBootstrap(room, msg.bootstrap_endpoint)  # type: ignore[union-attr]
         problem = self._admission_problem(req)
         if problem is not None:
             # The tokenizer manager validates first; this guards the scheduler against a
             # frame from elsewhere, answering instead of crashing or starving.
             req.finish(FinishAbort(message=problem, status_code=400), now)
             self._rows_due.append(req)
+            return
+        req.enter_waiting_queue(now)
+        self.live[req.req_id] = req
+        if isinstance(req.pd, DecodeBootstrap):
+            self.pd_decode.start(req, now)  # type: ignore[union-attr]
+        else:
+            self.waiting.append(req)
+
+    def _add_kv_job(self, identity: bytes, fetch: KVFetch, now: float) -> None:
+        """A decode server's re-bootstrap: an internal request that computes the KV of
+        ``fetch.token_ids`` (from the prefix cache where it can) and emits no row."""
+        req = Req(
+            rid=f"kv-fetch-{fetch.room}-{fetch.attempt}",
+            req_id=self._next_kv_job_id,
+            input_ids=fetch.token_ids,
+            sampling=_EMBEDDING_SAMPLING,
+            stream=False,
+            stream_interval=self.stream_interval,
+            arrival_time=now,
+            collect_time_stats=self.collect_time_stats,
+        )
+        self._next_kv_job_id -= 1
+        req.pd = KVFetchJob(identity, fetch)
+        problem = self._admission_problem(req) if fetch.token_ids else "the fetch names no tokens"
+        if problem is not None:
+            self.pd_prefill.refuse(identity, fetch, problem)  # type: ignore[union-attr]
             return
         req.enter_waiting_queue(now)
         self.live[req.req_id] = req
@@ -163,17 +206,21 @@ class Scheduler:
             self._remove(req)
             req.finish(FinishAbort(message=msg.reason, status_code=499 if not msg.abort_all else 503), now)
             self._release(req)
-            self._rows_due.append(req)
+            if not isinstance(req.pd, KVFetchJob):  # internal: no client waits for a row
+                self._rows_due.append(req)
 
     # --- the step ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._rows_due)
+        prebuilt = self.pd_decode is not None and bool(self.pd_decode.ready)
+        return bool(self.waiting or self.prefilling or self.running or self._rows_due or prebuilt)
 
     def step(self) -> list[BatchTokenIDOutput | BatchEmbeddingOutput]:
         rows, self._rows_due = self._rows_due, []
+        prebuilt = self._take_pd_inputs(rows)
         newly_running = self._prefill(rows)
         self._decode(rows)
+        self.running.extend(prebuilt)
         self.running.extend(newly_running)
         if not rows:
             return []
@@ -255,7 +302,9 @@ class Scheduler:
             if req.is_embedding:
                 req.finish(FinishLength(length=0), finished_at)
                 rows.append(req)
-        generating = [i for i in done_rows if not batch[i][0].is_embedding]
+            elif isinstance(req.pd, KVFetchJob):
+                self._release(req)  # a re-bootstrap wanted only the KV: sent on release
+        generating = [i for i in done_rows if not batch[i][0].is_embedding and not isinstance(batch[i][0].pd, KVFetchJob)]
         if not generating:
             return []
         done = [batch[i][0] for i in generating]
@@ -263,6 +312,50 @@ class Scheduler:
             return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
+
+    # --- PD disaggregation -----------------------------------------------------------------
+
+    def _take_pd_inputs(self, rows: list[Req]) -> list[Req]:
+        """Prefill server: takes decode servers' fetches. Decode server: takes arrived KV,
+        installs it while the pool allows (in arrival order) and returns the requests that
+        join the running batch after this step's decode; failed bootstraps become rows."""
+        now = time.time()
+        if self.pd_prefill is not None:
+            for identity, fetch in self.pd_prefill.receive(now):
+                self._add_kv_job(identity, fetch, now)
+        if self.pd_decode is None:
+            return []
+        rows.extend(self.pd_decode.poll(now))
+        ready = self.pd_decode.ready
+        joined: list[Req] = []
+        while ready and len(self.running) + len(self.prefilling) + len(joined) < self.max_running_requests:
+            req = ready[0]
+            pd = req.pd
+            assert isinstance(pd, DecodeBootstrap) and pd.prebuilt is not None
+            header = pd.prebuilt.header
+            # Room for its KV, plus one slot for each running request's next token and its own.
+            slots = self.prefix_kv.alloc(header.num_tokens, self._decode_demand() + len(joined) + 1)
+            if slots is None:
+                break
+            ready.popleft()
+            scatter_kv(self.kv, slots, pd.prebuilt.k, pd.prebuilt.v)
+            req.kv_slots = slots
+            req.num_computed = header.num_tokens
+            installed = time.time()
+            req.leave_waiting_queue(installed)
+            # A re-bootstrap's new cached tokens show on the request's next row (the epoch).
+            req.update_stats(cached_tokens=header.cached_tokens, cached_tokens_details=header.cached_tokens_details)
+            times: dict[str, float] = {"bootstrap_done_time": pd.prebuilt.received_time, "decode_prebuilt_finish_time": installed}
+            ts = req.stats.time_stats
+            if ts is not None and ts.prefill_finished_time is None:
+                times["prefill_finished_time"] = header.prefill_finished_time or installed
+            req.update_time_stats(**times)
+            pd.prebuilt = None
+            if req.output_ids:  # re-bootstrapped: its last token is the next decode step's input
+                joined.append(req)
+            else:  # the prefill server's first token is this request's first output
+                joined.extend(self._append_tokens([req], [header.first_token], rows))  # type: ignore[list-item]
+        return joined
 
     def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
         """Stats of an admission: time spent reading HiCache storage (every admission), and
@@ -357,6 +450,16 @@ class Scheduler:
         return sum(self.dllm.slots_needed(r) for r in self.running)
 
     def _retract(self, req: Req, now: float) -> None:
+        if isinstance(req.pd, DecodeBootstrap):
+            self.prefix_kv.release(req, cache=False)
+            req.mark_retracted(now)
+            self.pd_decode.start(req, now)  # type: ignore[union-attr]
+            self.num_retracted_total += 1
+            logger.warning(
+                "retracted req_id=%d rid=%s retraction_count=%d: re-bootstrapping its KV from %s",
+                req.req_id, req.rid, req.retraction_count, req.pd.endpoint,
+            )
+            return
         self._release_kv(req)  # what it computed stays in the cache while the pool allows
         req.hidden_sum = None  # an embedding request pools again from its re-prefill
         req.mark_retracted(now)
@@ -369,6 +472,8 @@ class Scheduler:
     # --- bookkeeping ---------------------------------------------------------------------
 
     def _remove(self, req: Req) -> None:
+        if self.pd_decode is not None:
+            self.pd_decode.discard(req)
         for queue in (self.running, self.prefilling):
             if req in queue:
                 queue.remove(req)
@@ -377,7 +482,12 @@ class Scheduler:
             self.waiting.remove(req)
 
     def _release(self, req: Req) -> None:
-        self._release_kv(req)
+        if self.pd_prefill is not None and req.pd is not None:
+            self.pd_prefill.on_release(req, time.time())  # sends (or keeps) the KV first
+        if isinstance(req.pd, DecodeBootstrap):
+            self.prefix_kv.release(req, cache=False)  # nothing here ever matches a PD request's prefix
+        else:
+            self._release_kv(req)
         self.live.pop(req.req_id, None)
 
     @property
@@ -394,4 +504,4 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + (self.pd_decode.num_waiting if self.pd_decode is not None else 0)

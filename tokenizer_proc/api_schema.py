@@ -65,6 +65,38 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
         )
 
 
+Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+# tcp://host:port or ipc:///absolute/path: anything else would make ZeroMQ refuse it later.
+_ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.\-]+:[0-9]{1,5}|tcp://\[[0-9A-Fa-f:.]+\]:[0-9]{1,5}|ipc:///[^\s\x00]+")
+
+
+class Bootstrap(msgspec.Struct, frozen=True):
+    """PD disaggregation: the room shared by a request's prefill and decode halves, and the
+    prefill server's KV endpoint the decode server fetches from."""
+
+    room: int
+    endpoint: str
+
+
+def bootstrap_of(room: int | None, endpoint: str | None, host: str | None, port: int | None) -> Bootstrap | None:
+    """The bootstrap fields of a request body (SGLang's ``bootstrap_host``/``bootstrap_port``,
+    or a ZeroMQ ``bootstrap_endpoint``), or None when it has none."""
+    if room is None and endpoint is None and host is None and port is None:
+        return None
+    if room is None:
+        raise RequestValidationError("bootstrap_room is required with the other bootstrap fields", "bootstrap_room")
+    if endpoint is None:
+        if host is None:
+            raise RequestValidationError("give bootstrap_endpoint, or bootstrap_host (and bootstrap_port)", "bootstrap_endpoint")
+        endpoint = f"tcp://{f'[{host}]' if ':' in host else host}:{port if port is not None else 8998}"
+    if len(endpoint) > 512 or _ENDPOINT.fullmatch(endpoint) is None:
+        raise RequestValidationError(
+            f"bootstrap endpoint {endpoint[:100]!r} is not tcp://host:port or ipc:///path", "bootstrap_endpoint"
+        )
+    return Bootstrap(room=room, endpoint=endpoint)
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     text: str | None = None
     input_ids: list[TokenId] | None = None
@@ -74,6 +106,14 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     image_data: list[str] | str | None = None
     audio_data: list[str] | str | None = None
     video_data: list[str] | str | None = None
+    # PD disaggregation (set by `tokenpipe router`)
+    bootstrap_room: Room | None = None
+    bootstrap_endpoint: str | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: Port | None = None
+
+    def bootstrap(self) -> Bootstrap | None:
+        return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
 
 
 class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

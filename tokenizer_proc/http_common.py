@@ -37,11 +37,16 @@ def trace_context(request: Request) -> TraceContext | None:
     return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
 
 
+# Aborts that mean "this request could not run", answered as errors rather than as output:
+# refused by the scheduler (400); a PD peer failed (502) or did not answer in time (504).
+_ERROR_TYPES = {400: "invalid_request_error", 502: "bad_gateway", 504: "gateway_timeout"}
+
+
 def refusal(state: ReqState) -> JSONResponse | None:
-    """A request the scheduler refused before running it is a client error, not output."""
+    """A request that ended before any output, for a reason that is an error, not output."""
     reason = state.finished_reason
-    if isinstance(reason, FinishAbort) and reason.status_code == 400 and state.completion_tokens == 0:
-        return error_response(400, reason.message)
+    if isinstance(reason, FinishAbort) and reason.status_code in _ERROR_TYPES and state.completion_tokens == 0:
+        return error_response(reason.status_code, reason.message, err_type=_ERROR_TYPES[reason.status_code])
     return None
 
 

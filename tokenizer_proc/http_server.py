@@ -65,6 +65,10 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             live_requests=len(tm.states),
             aborted_requests=tm.num_aborted_requests,
             scheduler=msgspec.structs.asdict(tm.last_scheduler_report) if tm.last_scheduler_report else None,
+            engine_type=tm.config.engine_type,
+            disaggregation_bootstrap_endpoint=(
+                tm.config.bootstrap_endpoint() if tm.config.disaggregation_mode == "prefill" else None
+            ),
         )
         return info
 
@@ -83,6 +87,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             media=tuple(media),
             trace=trace_context(request),
             created_time=arrived,
+            bootstrap=obj.bootstrap(),
         )
         if obj.stream:
             return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")
@@ -157,8 +162,9 @@ async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterat
     try:
         async for _ in tm.wait(state):
             text, ids = state.take_pending()
-            if state.finished and refusal(state) is not None:
-                yield sse({"error": {"message": state.finished_reason.message, "type": "invalid_request_error", "code": 400}})  # type: ignore[union-attr]
+            refused = refusal(state) if state.finished else None
+            if refused is not None:
+                yield b"data: " + bytes(refused.body) + b"\n\n"
                 break
             yield sse({"text": text, "output_ids": ids, "meta_info": build_meta_info(state)})
         yield b"data: [DONE]\n\n"

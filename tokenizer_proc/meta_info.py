@@ -38,6 +38,9 @@ def build_meta_info(state: ReqState) -> dict[str, Any]:
     meta["forward_entry_time"] = ts.forward_entry_time
     meta["prefill_finished_time"] = ts.prefill_finished_time
     meta["storage_prefetch_wait"] = ts.storage_prefetch_wait
+    if ts.bootstrap_done_time is not None:  # PD decode: when the KV arrived, and when it was installed
+        meta["bootstrap_done_time"] = ts.bootstrap_done_time
+        meta["decode_prebuilt_finish_time"] = ts.decode_prebuilt_finish_time
     if finished:
         first = state.first_token_time
         meta["first_token_latency"] = (first - state.created_time) if first is not None else None

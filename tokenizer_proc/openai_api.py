@@ -234,6 +234,9 @@ async def _respond(
 ) -> Response:
     response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
     trace = trace_context(request)
+    bootstrap = body.bootstrap()
+    if bootstrap is not None and len(jobs) > 1:
+        raise RequestValidationError("PD disaggregation takes one completion per request (one bootstrap room): n and the prompts must make 1", "n")
     states: list[ReqState] = []
     try:
         for index, (ids, sampling) in enumerate(jobs):
@@ -246,6 +249,7 @@ async def _respond(
                     trace=trace,
                     created_time=arrived,
                     operation=kind.operation,
+                    bootstrap=bootstrap,
                 )
             )
     except BaseException:

@@ -24,7 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from pipeline.io_struct import SamplingParams
-from tokenizer_proc.api_schema import NonNegInt, PositiveInt, RequestValidationError, TokenId
+from tokenizer_proc.api_schema import Bootstrap, NonNegInt, Port, PositiveInt, RequestValidationError, Room, TokenId, bootstrap_of
 
 MAX_CHOICES = 128
 """OpenAI's limit on ``n``; also the limit on prompts x n of one completions request."""
@@ -68,8 +68,16 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
+    # PD disaggregation (set by `tokenpipe router`)
+    bootstrap_room: Room | None = None
+    bootstrap_endpoint: str | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: Port | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = ()  # each request type's own refusals
+
+    def bootstrap(self) -> Bootstrap | None:
+        return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
 
     @property
     def choices(self) -> int:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -43,7 +44,7 @@ from pipeline.io_struct import (
 )
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer
-from tokenizer_proc.api_schema import RequestValidationError
+from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
 
@@ -77,7 +78,7 @@ class TokenizerManager:
         self._next_req_id = itertools.count((worker_index << _WORKER_SHIFT) + base)
         self._dropped_rows = RateLimitedWarning(logger)
         self.num_aborted_requests = 0
-        self.metrics = ServiceMetrics(self.model_name) if config.enable_metrics else None
+        self.metrics = ServiceMetrics(self.model_name, config.engine_type) if config.enable_metrics else None
         self.last_scheduler_report: SchedulerStatsReport | None = None
         self.tracer: Any = None
         if config.otlp_traces_endpoint:
@@ -184,11 +185,13 @@ class TokenizerManager:
         created_time: float | None = None,
         operation: str = "generate",
         internal: bool = False,
+        bootstrap: Bootstrap | None = None,
     ) -> ReqState:
         if self.config.mode == "embedding" and not internal:
             raise RequestValidationError(
                 "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate", "model"
             )
+        sampling, bootstrap = self._pd_half(sampling, bootstrap, internal)
         self.validate_lengths(len(input_ids), sampling)
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
         state.operation = operation
@@ -203,9 +206,28 @@ class TokenizerManager:
                 arrival_time=state.created_time,
                 media=media,
                 trace=trace,
+                bootstrap_endpoint=bootstrap.endpoint if bootstrap is not None else None,
+                bootstrap_room=bootstrap.room if bootstrap is not None else None,
             )
         )
         return state
+
+    def _pd_half(self, sampling: SamplingParams, bootstrap: Bootstrap | None, internal: bool) -> tuple[SamplingParams, Bootstrap | None]:
+        """A prefill server computes the prompt's KV and the first token only, whatever the
+        request asked (the decode server generates the rest). A decode server takes only
+        requests it can fetch KV for (its own health check prefills locally)."""
+        mode = self.config.disaggregation_mode
+        if mode == "prefill":
+            return msgspec.structs.replace(sampling, max_new_tokens=1, min_new_tokens=0), bootstrap
+        if mode == "decode":
+            if bootstrap is None and not internal:
+                raise RequestValidationError(
+                    "this server runs --disaggregation-mode decode: a request needs bootstrap_room and bootstrap_endpoint "
+                    "(or bootstrap_host and bootstrap_port); send requests through `tokenpipe router`",
+                    "bootstrap_room",
+                )
+            return sampling, bootstrap
+        return sampling, None  # a unified server computes everything itself
 
     def open_state(
         self,

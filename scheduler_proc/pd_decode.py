@@ -1,0 +1,136 @@
+"""Decode side of PD disaggregation: fetches each request's KV from the prefill server and
+hands the scheduler requests that arrive "prebuilt".
+
+A request with a bootstrap room never prefills here. ``start`` sends a ``KVFetch``
+(attempt 0: the prompt); ``poll`` takes the transfers that arrived and moves their
+requests to ``ready``, where the scheduler installs the KV into its pool and the request
+joins the running batch. A retraction frees the KV and calls ``start`` again (a
+re-bootstrap): the prefill server recomputes the prompt plus the generated tokens, mostly
+from its prefix cache, and reports its new cached tokens.
+
+Nothing waits forever: a fetch with no answer within ``timeout`` seconds (the prefill
+server is down, unreachable, or never got the request) finishes the request with a 504,
+and an error from the prefill server or a malformed transfer with a 502.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.io_struct import FinishAbort, KVFetch, KVTransferHeader
+from pipeline.sockets import RateLimitedWarning
+from scheduler_proc.kv_pool import KVPool
+from scheduler_proc.kv_transfer import KVFetchClient, KVTransferError, pool_layout, tensors_from_frames
+from scheduler_proc.req import Req
+
+logger = logging.getLogger("tokenpipe.pd_decode")
+
+
+@dataclass
+class Prebuilt:
+    """A transfer that arrived: the KV of the request's tokens but the last."""
+
+    header: KVTransferHeader
+    k: torch.Tensor
+    v: torch.Tensor
+    received_time: float
+
+
+@dataclass
+class DecodeBootstrap:
+    """``Req.pd`` on a decode server."""
+
+    room: int
+    endpoint: str
+    attempt: int = -1
+    deadline: float = 0.0
+    num_tokens: int = 0  # tokens whose KV the current fetch asked for
+    prebuilt: Prebuilt | None = None
+
+
+class DecodeBootstrapper:
+    def __init__(self, client: KVFetchClient, kv: KVPool, timeout: float, vocab_size: int) -> None:
+        self.client = client
+        self.vocab_size = vocab_size
+        self.layout = pool_layout(kv)
+        self.timeout = timeout
+        self._pending: dict[tuple[str, int], Req] = {}  # (endpoint, room) -> request waiting for its KV
+        self.ready: deque[Req] = deque()  # KV arrived, waiting for pool slots
+        self._stray = RateLimitedWarning(logger)
+
+    def start(self, req: Req, now: float) -> None:
+        """Fetches the KV of everything req holds but its last token (that one is the next
+        decode step's input): the prompt at first, the prompt plus output after a retraction."""
+        pd = req.pd
+        assert isinstance(pd, DecodeBootstrap)
+        pd.attempt += 1
+        pd.deadline = now + self.timeout
+        pd.prebuilt = None
+        token_ids = req.fill_ids[:-1] if req.output_ids else req.origin_input_ids
+        pd.num_tokens = len(token_ids)
+        self._pending[(pd.endpoint, pd.room)] = req
+        fetch = KVFetch(room=pd.room, attempt=pd.attempt, token_ids=token_ids, prompt_tokens=len(req.origin_input_ids), layout=self.layout)
+        self.client.send(pd.endpoint, fetch)
+
+    def poll(self, now: float) -> list[Req]:
+        """Takes arrived transfers; returns the requests that failed (finished, with the
+        reason), for the scheduler to emit and release."""
+        failed: list[Req] = []
+        for endpoint, header, frames in self.client.receive():
+            req = self._pending.get((endpoint, header.room))
+            pd = req.pd if req is not None else None
+            if req is None or not isinstance(pd, DecodeBootstrap) or pd.attempt != header.attempt:
+                self._stray.warn("dropped a KV transfer for room %d (attempt %d) from %s: no request waits for it", header.room, header.attempt, endpoint)
+                continue
+            del self._pending[(endpoint, header.room)]
+            try:
+                pd.prebuilt = self._prebuilt(header, frames, pd, now)
+            except KVTransferError as exc:
+                req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} from {endpoint} failed: {exc}", status_code=502), now)
+                failed.append(req)
+                continue
+            self.ready.append(req)
+        for key, req in list(self._pending.items()):
+            pd = req.pd
+            assert isinstance(pd, DecodeBootstrap)
+            if now > pd.deadline:
+                del self._pending[key]
+                message = (
+                    f"PD bootstrap timed out after {self.timeout:g} s: the prefill server at {pd.endpoint} sent no KV "
+                    f"for room {pd.room} (is it running, and did it get this request?)"
+                )
+                req.finish(FinishAbort(message=message, status_code=504), now)
+                failed.append(req)
+        for req in failed:
+            logger.warning("req_id=%d rid=%s failed: %s", req.req_id, req.rid, req.finished_reason.message)  # type: ignore[union-attr]
+        return failed
+
+    def _prebuilt(self, header: KVTransferHeader, frames: list[bytes], pd: DecodeBootstrap, now: float) -> Prebuilt:
+        if not header.ok:
+            raise KVTransferError(header.error or "the prefill server refused without a reason")
+        if len(frames) != 2:
+            raise KVTransferError(f"a transfer has a header and 2 tensor frames, got {len(frames)} after the header")
+        if header.num_tokens != pd.num_tokens:
+            raise KVTransferError(f"asked for the KV of {pd.num_tokens} tokens, got {header.num_tokens}")
+        if pd.attempt == 0 and not (header.first_token is not None and 0 <= header.first_token < self.vocab_size):
+            raise KVTransferError(f"the first transfer must carry a first token in [0, {self.vocab_size}), got {header.first_token}")
+        k, v = tensors_from_frames(header, frames[0], frames[1], self.layout)
+        return Prebuilt(header, k, v, now)
+
+    def discard(self, req: Req) -> None:
+        """Forgets an aborted request wherever it is (a transfer arriving later is dropped)."""
+        pd = req.pd
+        if isinstance(pd, DecodeBootstrap):
+            if self._pending.get((pd.endpoint, pd.room)) is req:
+                del self._pending[(pd.endpoint, pd.room)]
+            pd.prebuilt = None
+        if req in self.ready:
+            self.ready.remove(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending) + len(self.ready)

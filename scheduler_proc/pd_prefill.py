@@ -1,0 +1,153 @@
+"""Prefill side of PD disaggregation: hands each request's KV to the decode server that
+fetches it.
+
+Two kinds of requests carry a ``Req.pd`` here:
+- ``PrefillHalf``: a request this server's API received with a bootstrap room. It runs
+  as usual (its API clamps it to one new token). When it is released, its prompt KV and
+  first token go to the decode server's fetch for the same room: at once if the fetch has
+  arrived, else kept until it does (at most ``timeout`` seconds).
+- ``KVFetchJob``: a re-bootstrap. A decode server retracted the request and asks again,
+  for the prompt plus the tokens it generated. The scheduler computes that KV as an
+  internal prefill that emits no rows (the prompt mostly comes from the prefix cache),
+  and its release sends the KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.io_struct import CachedTokensDetails, FinishAbort, KVFetch, KVTransferHeader
+from scheduler_proc.kv_pool import KVPool
+from scheduler_proc.kv_transfer import KVFetchServer, gather_kv, pool_layout
+from scheduler_proc.req import Req
+
+logger = logging.getLogger("tokenpipe.pd_prefill")
+
+
+@dataclass
+class PrefillHalf:
+    room: int
+
+
+@dataclass
+class KVFetchJob:
+    identity: bytes
+    fetch: KVFetch
+
+
+@dataclass
+class _Stashed:
+    header: KVTransferHeader
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    deadline: float
+
+
+@dataclass
+class _WaitingFetch:
+    identity: bytes
+    deadline: float
+
+
+class PrefillKVSender:
+    def __init__(self, server: KVFetchServer, kv: KVPool, timeout: float) -> None:
+        self.server = server
+        self.kv = kv
+        self.layout = pool_layout(kv)
+        self.timeout = timeout
+        self._waiting: dict[int, _WaitingFetch] = {}  # room -> a first fetch that came before its prefill ended
+        self._stash: dict[int, _Stashed] = {}  # room -> KV of a finished prefill that nobody fetched yet
+
+    def receive(self, now: float) -> list[tuple[bytes, KVFetch]]:
+        """Takes the fetches that arrived: a first fetch is paired with its room here; the
+        re-bootstraps are returned for the scheduler to compute."""
+        jobs: list[tuple[bytes, KVFetch]] = []
+        for identity, fetch in self.server.receive():
+            if fetch.layout != self.layout:
+                message = f"this prefill server's KV layout {self.layout} differs from the decode server's {fetch.layout} (different models?)"
+                self.server.send(identity, KVTransferHeader(room=fetch.room, attempt=fetch.attempt, ok=False, error=message))
+            elif fetch.attempt > 0:
+                jobs.append((identity, fetch))
+            else:
+                stashed = self._stash.pop(fetch.room, None)
+                if stashed is not None:
+                    self.server.send(identity, stashed.header, stashed.k, stashed.v)
+                else:
+                    self._waiting[fetch.room] = _WaitingFetch(identity, now + self.timeout)
+        self._expire(now)
+        return jobs
+
+    def refuse(self, identity: bytes, fetch: KVFetch, message: str) -> None:
+        self.server.send(identity, KVTransferHeader(room=fetch.room, attempt=fetch.attempt, ok=False, error=message))
+
+    def on_release(self, req: Req, now: float) -> None:
+        """Called just before a PD request's KV is released: package it and send or keep it."""
+        pd = req.pd
+        if isinstance(pd, KVFetchJob):
+            header, k, v = self._package(req, pd.fetch.room, pd.fetch.attempt, len(pd.fetch.token_ids), pd.fetch.prompt_tokens)
+            self.server.send(pd.identity, header, k, v)
+            return
+        assert isinstance(pd, PrefillHalf)
+        header, k, v = self._package(req, pd.room, 0, len(req.origin_input_ids), len(req.origin_input_ids))
+        waiting = self._waiting.pop(pd.room, None)
+        if waiting is not None:
+            self.server.send(waiting.identity, header, k, v)
+        else:
+            self._stash[pd.room] = _Stashed(header, k, v, now + self.timeout)
+
+    def _package(
+        self, req: Req, room: int, attempt: int, num_tokens: int, prompt_tokens: int
+    ) -> tuple[KVTransferHeader, torch.Tensor | None, torch.Tensor | None]:
+        reason = req.finished_reason
+        if req.kv_slots is None or req.num_computed < num_tokens:
+            why = reason.message if isinstance(reason, FinishAbort) else "its prefill did not complete"
+            return KVTransferHeader(room=room, attempt=attempt, ok=False, error=f"the prefill server dropped the request: {why}"), None, None
+        k, v = gather_kv(self.kv, req.kv_slots[:num_tokens])
+        stats = req.stats
+        cached = min(stats.cached_tokens, prompt_tokens)
+        header = KVTransferHeader(
+            room=room,
+            attempt=attempt,
+            ok=True,
+            num_tokens=num_tokens,
+            layout=self.layout,
+            first_token=req.output_ids[0] if attempt == 0 and req.output_ids else None,
+            cached_tokens=cached,
+            cached_tokens_details=_capped(stats.cached_tokens_details, stats.cached_tokens - cached),
+            prefill_finished_time=stats.time_stats.prefill_finished_time if stats.time_stats is not None else None,
+        )
+        return header, k, v
+
+    def _expire(self, now: float) -> None:
+        for room in [room for room, s in self._stash.items() if s.deadline < now]:
+            del self._stash[room]
+            logger.warning("dropped the KV of bootstrap room %d: no decode server fetched it within %g s", room, self.timeout)
+        for room in [room for room, w in self._waiting.items() if w.deadline < now]:
+            waiting = self._waiting.pop(room)
+            message = f"the prefill server got no request for bootstrap room {room} within {self.timeout:g} s"
+            self.server.send(waiting.identity, KVTransferHeader(room=room, attempt=0, ok=False, error=message))
+
+    @property
+    def num_held(self) -> int:
+        return len(self._stash) + len(self._waiting)
+
+
+def _capped(details: CachedTokensDetails | None, excess: int) -> CachedTokensDetails | None:
+    """Cached-token details without the hits beyond the prompt (a re-bootstrap may also
+    hit generated tokens, which are not prompt tokens). The deepest tier goes first: a
+    match runs device, then host, then storage."""
+    if details is None or excess <= 0:
+        return details
+    storage = details.storage or 0
+    cut_storage = min(storage, excess)
+    cut_host = min(details.host, excess - cut_storage)
+    cut_device = excess - cut_storage - cut_host
+    return CachedTokensDetails(
+        device=details.device - cut_device,
+        host=details.host - cut_host,
+        storage=None if details.storage is None else storage - cut_storage,
+        storage_backend=details.storage_backend,
+    )

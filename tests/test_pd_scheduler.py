@@ -1,0 +1,222 @@
+"""PD disaggregation between two in-process schedulers (real model, real pools, the real
+ZeroMQ KV transfer over ipc): the decode side's output equals a unified scheduler's,
+a decode-side retraction re-bootstraps with the prefill side's new cached tokens on the
+next row, and a failed or silent peer fails the request instead of hanging it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from pipeline.config import ServerConfig
+from pipeline.io_struct import (
+    REQ_ID_DTYPE,
+    BatchTokenIDOutput,
+    FinishAbort,
+    KVTransferHeader,
+    RequestOutputStats,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    from_column,
+    split_token_rows,
+)
+from scheduler_proc.main import attach_pd, build_scheduler
+from scheduler_proc.scheduler import Scheduler
+
+PROMPTS = [[(7 * i + 3 * j) % 3000 + 60 for i in range(24 + 5 * j)] for j in range(4)]
+MAX_NEW = 40
+
+
+class Row(msgspec.Struct):
+    tokens: list[int]
+    stats: RequestOutputStats | None
+    finished: object
+
+
+def make(mode: str, tmp: Path, *, pool: int = 4096, timeout: float = 10.0) -> tuple[Scheduler, zmq.Context]:  # type: ignore[type-arg]
+    config = ServerConfig(
+        max_total_tokens=pool,
+        chunked_prefill_size=64,
+        torch_threads=1,
+        disaggregation_mode=mode,  # type: ignore[arg-type]
+        disaggregation_bootstrap_endpoint=f"ipc://{tmp / 'kv'}",
+        disaggregation_bootstrap_timeout=timeout,
+    )
+    s = build_scheduler(config)
+    ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
+    attach_pd(s, config, ctx, zmq.Poller())
+    return s, ctx
+
+
+def submit(s: Scheduler, req_id: int, ids: list[int], *, room: int | None = None, endpoint: str | None = None, max_new: int = MAX_NEW) -> None:
+    s.add_request(
+        TokenizedGenerateReqInput(
+            rid=f"r{req_id}",
+            req_id=req_id,
+            input_ids=ids,
+            sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
+            stream=True,
+            arrival_time=time.time(),
+            bootstrap_room=room,
+            bootstrap_endpoint=endpoint,
+        )
+    )
+
+
+def collect(frames: list[object], into: dict[int, list[Row]]) -> None:
+    for frame in frames:
+        assert isinstance(frame, BatchTokenIDOutput)
+        frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=BatchTokenIDOutput)
+        ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
+        rows = split_token_rows(frame.output_ids, frame.output_counts)
+        for i, req_id in enumerate(ids):
+            stats = frame.request_stats[i] if frame.request_stats is not None else None
+            finished = frame.finished_reasons[i] if frame.finished_reasons is not None else None
+            into.setdefault(req_id, []).append(Row(rows[i], stats, finished))
+
+
+def run(schedulers: list[Scheduler], out: dict[int, list[Row]], until: float = 60.0, on_step=None) -> None:  # type: ignore[no-untyped-def]
+    """Steps every scheduler until none has live requests (the KV travels over sockets, so
+    an idle-looking decode side may still wait for a transfer)."""
+    deadline = time.monotonic() + until
+    while any(s.live for s in schedulers):
+        assert time.monotonic() < deadline, "PD requests did not finish"
+        for s in schedulers:
+            frames = s.step()
+            if s.pd_decode is not None:
+                collect(frames, out)
+        if on_step is not None:
+            on_step()
+        time.sleep(0.001)
+
+
+def unified_outputs() -> dict[int, list[int]]:
+    s = build_scheduler(ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1))
+    for j, ids in enumerate(PROMPTS):
+        submit(s, j + 1, ids)
+    out: dict[int, list[Row]] = {}
+    while s.has_work():
+        collect(s.step(), out)
+    return {req_id: [t for row in rows for t in row.tokens] for req_id, rows in out.items()}
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[int, list[int]]:
+    return unified_outputs()
+
+
+def test_decode_output_equals_unified_and_carries_prefill_stats(tmp_path: Path, expected: dict[int, list[int]]) -> None:
+    prefill, _ = make("prefill", tmp_path)
+    decode, _ = make("decode", tmp_path)
+    endpoint = f"ipc://{tmp_path / 'kv'}"
+    out: dict[int, list[Row]] = {}
+    # Same prompt twice on the prefill side: the second prefill is served from its cache.
+    for j, ids in enumerate(PROMPTS + [PROMPTS[0]]):
+        room = 1000 + j
+        submit(prefill, j + 1, ids, room=room, max_new=1)
+        submit(decode, j + 1, ids, room=room, endpoint=endpoint)
+        run([prefill, decode], out)
+    for j in range(len(PROMPTS)):
+        rows = out[j + 1]
+        assert [t for row in rows for t in row.tokens] == expected[j + 1]
+        first = rows[0].stats
+        assert first is not None and first.prompt_tokens == len(PROMPTS[j])
+        ts = first.time_stats
+        assert ts is not None and ts.bootstrap_done_time is not None and ts.decode_prebuilt_finish_time is not None
+        assert ts.bootstrap_done_time <= ts.decode_prebuilt_finish_time
+        assert all(row.stats is None for row in rows[1:-1]), "a steady decode row carried stats"
+    again = out[len(PROMPTS) + 1]
+    assert [t for row in again for t in row.tokens] == expected[1]
+    assert out[1][0].stats.cached_tokens == 0  # type: ignore[union-attr]
+    assert again[0].stats.cached_tokens == len(PROMPTS[0]) - 1  # type: ignore[union-attr]
+    assert decode.kv.num_used == 0, "the decode side kept KV after its requests finished"
+    assert prefill.pd_prefill.num_held == 0  # type: ignore[union-attr]
+
+
+def test_forced_retraction_rebootstraps_and_finishes_the_same(
+    tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    prefill, _ = make("prefill", tmp_path)
+    decode, _ = make("decode", tmp_path)
+    endpoint = f"ipc://{tmp_path / 'kv'}"
+    out: dict[int, list[Row]] = {}
+    for j, ids in enumerate(PROMPTS):
+        submit(prefill, j + 1, ids, room=2000 + j, max_new=1)
+        submit(decode, j + 1, ids, room=2000 + j, endpoint=endpoint)
+    forced: list[int] = []
+
+    def retract_once() -> None:
+        # Once every request decodes, retract the one with the most output, as a full pool would.
+        if not forced and len(decode.running) == len(PROMPTS) and all(len(r.output_ids) >= 5 for r in decode.running):
+            victim = max(decode.running, key=lambda r: len(r.output_ids))
+            decode.running.remove(victim)
+            decode._retract(victim, time.time())
+            forced.append(victim.req_id)
+
+    with caplog.at_level(logging.WARNING, logger="tokenpipe.scheduler"):
+        run([prefill, decode], out, on_step=retract_once)
+    assert forced, "the retraction was never forced"
+    victim = forced[0]
+    for j in range(len(PROMPTS)):
+        assert [t for row in out[j + 1] for t in row.tokens] == expected[j + 1]
+    rows = out[victim]
+    with_stats = [row.stats for row in rows if row.stats is not None]
+    assert with_stats[0].cached_tokens == 0 and with_stats[0].num_retractions == 0  # type: ignore[union-attr]
+    # The first row after the re-bootstrap carries the new count and the prefill side's
+    # new cached tokens: the whole prompt is in its cache now.
+    after = next(s for s in with_stats if s.num_retractions == 1)  # type: ignore[union-attr]
+    assert after.cached_tokens == len(PROMPTS[victim - 1])
+    assert with_stats[-1] == after or with_stats[-1].num_retractions == 1  # type: ignore[union-attr]
+    assert any("re-bootstrapping its KV" in r.getMessage() and f"req_id={victim}" in r.getMessage() for r in caplog.records)
+    assert decode.kv.num_used == 0
+
+
+def test_silent_peer_times_out_with_504(tmp_path: Path) -> None:
+    decode, _ = make("decode", tmp_path, timeout=0.5)
+    out: dict[int, list[Row]] = {}
+    submit(decode, 1, PROMPTS[0], room=1, endpoint=f"ipc://{tmp_path / 'nobody'}")
+    started = time.monotonic()
+    run([decode], out, until=10)
+    assert time.monotonic() - started < 5
+    reason = out[1][-1].finished
+    assert isinstance(reason, FinishAbort) and reason.status_code == 504 and "timed out" in reason.message
+    assert out[1][-1].stats is not None
+
+
+def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) -> None:
+    decode, _ = make("decode", tmp_path)
+    ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
+    peer = ctx.socket(zmq.ROUTER)
+    peer.bind(f"ipc://{tmp_path / 'hostile'}")
+    endpoint = f"ipc://{tmp_path / 'hostile'}"
+    out: dict[int, list[Row]] = {}
+    submit(decode, 1, PROMPTS[0], room=7, endpoint=endpoint)
+    submit(decode, 2, PROMPTS[1], room=8, endpoint=endpoint)
+    enc = msgspec.msgpack.Encoder()
+    answered = 0
+    deadline = time.monotonic() + 10
+    while answered < 2 and time.monotonic() < deadline:
+        decode.step()
+        try:
+            identity, raw = peer.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+        room = msgspec.msgpack.decode(raw)[1]
+        peer.send_multipart([identity, b"\xc1garbage"])  # dropped with a warning
+        if room == 7:
+            peer.send_multipart([identity, enc.encode(KVTransferHeader(room=7, attempt=0, ok=False, error="out of memory"))])
+        else:  # says 24 tokens, sends 3 bytes
+            header = KVTransferHeader(room=8, attempt=0, ok=True, num_tokens=len(PROMPTS[1]), layout=decode.pd_decode.layout, first_token=5)  # type: ignore[union-attr]
+            peer.send_multipart([identity, enc.encode(header), b"abc", b"def"])
+        answered += 1
+    run([decode], out, until=10)
+    first, second = out[1][-1].finished, out[2][-1].finished
+    assert isinstance(first, FinishAbort) and first.status_code == 502 and "out of memory" in first.message
+    assert isinstance(second, FinishAbort) and second.status_code == 502 and "do not hold" in second.message
+    assert decode.kv.num_used == 0
+    ctx.destroy(linger=0)
