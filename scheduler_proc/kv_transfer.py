@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pipeline.io_struct import KVFetch, KVLayout, KVTransferHeader
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, make_encoder
@@ -115,14 +116,23 @@ class KVFetchServer:
         self.socket.close(linger=0)
 
 
+_PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
 class KVFetchClient:
     """Decode side: one DEALER per prefill endpoint, each registered with the scheduler
-    loop's poller so an arriving transfer wakes it."""
+    loop's poller so an arriving transfer wakes it.
+
+    ZeroMQ connects and reconnects silently, so each DEALER also has a monitor: a peer that
+    refuses the connection or drops it is reported by ``peer_failures`` at once, rather
+    than found out by a timeout."""
 
     def __init__(self, ctx: zmq.Context[Any], poller: zmq.Poller | None = None) -> None:
         self._ctx = ctx
         self._poller = poller
         self._sockets: dict[str, zmq.Socket[Any]] = {}
+        self._monitors: dict[str, zmq.Socket[Any]] = {}
+        self._connected: dict[str, bool] = {}
         self._decoder: FrameDecoder[KVTransferHeader] = FrameDecoder(KVTransferHeader, logger, "KV transfer header")
         self._shape = RateLimitedWarning(logger)
         self._encoder = make_encoder()
@@ -132,10 +142,20 @@ class KVFetchClient:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)  # asynchronous: an unreachable peer shows as a timeout
+            monitor = sock.get_monitor_socket(_PEER_EVENTS)
+            try:
+                sock.connect(endpoint)  # asynchronous: the monitor tells how it goes
+            except zmq.ZMQError as exc:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+                sock.close(linger=0)
+                raise KVTransferError(f"cannot connect to {endpoint}: {exc}") from None
             self._sockets[endpoint] = sock
+            self._monitors[endpoint] = monitor
+            self._connected[endpoint] = False
             if self._poller is not None:
                 self._poller.register(sock, zmq.POLLIN)
+                self._poller.register(monitor, zmq.POLLIN)
         try:
             sock.send(self._encoder.encode(fetch), zmq.NOBLOCK)
         except zmq.Again:
@@ -156,8 +176,31 @@ class KVFetchClient:
                 got.append((endpoint, header, parts[1:]))
         return got
 
+    def peer_failures(self) -> list[tuple[str, str]]:
+        """(endpoint, what happened) for each peer that refused or dropped the connection
+        since the last call. A fetch sent to it is lost: the peer never saw it, or a
+        restarted peer no longer has what it was asked for."""
+        failures: list[tuple[str, str]] = []
+        for endpoint, monitor in self._monitors.items():
+            while True:
+                try:
+                    event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+                except zmq.Again:
+                    break
+                if event == zmq.EVENT_CONNECTED:
+                    self._connected[endpoint] = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self._connected[endpoint] = False
+                    failures.append((endpoint, f"the connection to the prefill server at {endpoint} was lost"))
+                elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected[endpoint]:
+                    failures.append((endpoint, f"cannot connect to the prefill server at {endpoint} (is it running?)"))
+        return failures
+
     def close(self) -> None:
-        for sock in self._sockets.values():
+        for endpoint, sock in self._sockets.items():
+            sock.disable_monitor()
+            self._monitors[endpoint].close(linger=0)
             sock.close(linger=0)
         self._sockets.clear()
+        self._monitors.clear()
 

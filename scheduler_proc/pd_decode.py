@@ -24,7 +24,7 @@ import torch
 from pipeline.io_struct import FinishAbort, KVFetch, KVTransferHeader
 from pipeline.sockets import RateLimitedWarning
 from scheduler_proc.kv_pool import KVPool
-from scheduler_proc.kv_transfer import KVFetchClient, KVTransferError, pool_layout, tensors_from_frames
+from scheduler_proc.kv_transfer import KVFetchClient, KVTransferError, pool_layout, scatter_kv, tensors_from_frames
 from scheduler_proc.req import Req
 
 logger = logging.getLogger("tokenpipe.pd_decode")
@@ -52,6 +52,26 @@ class DecodeBootstrap:
     prebuilt: Prebuilt | None = None
 
 
+def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> None:
+    """Writes req's arrived KV into ``slots`` and records the bootstrap in its stats. The
+    first token, when the transfer has one, is for the scheduler to append."""
+    pd = req.pd
+    assert isinstance(pd, DecodeBootstrap) and pd.prebuilt is not None
+    prebuilt, pd.prebuilt = pd.prebuilt, None
+    header = prebuilt.header
+    scatter_kv(kv, slots, prebuilt.k, prebuilt.v)
+    req.kv_slots = slots
+    req.num_computed = header.num_tokens
+    req.leave_waiting_queue(now)
+    # A re-bootstrap's new cached tokens show on the request's next row (the epoch).
+    req.update_stats(cached_tokens=header.cached_tokens, cached_tokens_details=header.cached_tokens_details)
+    times = {"bootstrap_done_time": prebuilt.received_time, "decode_prebuilt_finish_time": now}
+    ts = req.stats.time_stats
+    if ts is not None and ts.prefill_finished_time is None:
+        times["prefill_finished_time"] = header.prefill_finished_time or now
+    req.update_time_stats(**times)
+
+
 class DecodeBootstrapper:
     def __init__(self, client: KVFetchClient, kv: KVPool, timeout: float, vocab_size: int) -> None:
         self.client = client
@@ -61,6 +81,7 @@ class DecodeBootstrapper:
         self._pending: dict[tuple[str, int], Req] = {}  # (endpoint, room) -> request waiting for its KV
         self.ready: deque[Req] = deque()  # KV arrived, waiting for pool slots
         self._stray = RateLimitedWarning(logger)
+        self._failed: list[Req] = []  # failed in start(), reported by the next poll()
 
     def start(self, req: Req, now: float) -> None:
         """Fetches the KV of everything req holds but its last token (that one is the next
@@ -72,14 +93,19 @@ class DecodeBootstrapper:
         pd.prebuilt = None
         token_ids = req.fill_ids[:-1] if req.output_ids else req.origin_input_ids
         pd.num_tokens = len(token_ids)
-        self._pending[(pd.endpoint, pd.room)] = req
         fetch = KVFetch(room=pd.room, attempt=pd.attempt, token_ids=token_ids, prompt_tokens=len(req.origin_input_ids), layout=self.layout)
-        self.client.send(pd.endpoint, fetch)
+        try:
+            self.client.send(pd.endpoint, fetch)
+        except KVTransferError as exc:
+            req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {exc}", status_code=502), now)
+            self._failed.append(req)
+            return
+        self._pending[(pd.endpoint, pd.room)] = req
 
     def poll(self, now: float) -> list[Req]:
         """Takes arrived transfers; returns the requests that failed (finished, with the
         reason), for the scheduler to emit and release."""
-        failed: list[Req] = []
+        failed, self._failed = self._failed, []
         for endpoint, header, frames in self.client.receive():
             req = self._pending.get((endpoint, header.room))
             pd = req.pd if req is not None else None
@@ -94,10 +120,17 @@ class DecodeBootstrapper:
                 failed.append(req)
                 continue
             self.ready.append(req)
+        lost: dict[str, str] = {}
+        for endpoint, why in self.client.peer_failures():
+            lost.setdefault(endpoint, why)  # the first event says most: "lost", then "cannot connect" again
         for key, req in list(self._pending.items()):
             pd = req.pd
             assert isinstance(pd, DecodeBootstrap)
-            if now > pd.deadline:
+            if pd.endpoint in lost:
+                del self._pending[key]
+                req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {lost[pd.endpoint]}", status_code=502), now)
+                failed.append(req)
+            elif now > pd.deadline:
                 del self._pending[key]
                 message = (
                     f"PD bootstrap timed out after {self.timeout:g} s: the prefill server at {pd.endpoint} sent no KV "
@@ -130,6 +163,11 @@ class DecodeBootstrapper:
             pd.prebuilt = None
         if req in self.ready:
             self.ready.remove(req)
+
+    @property
+    def has_work(self) -> bool:
+        """Something the next step must handle: KV to install, or a failure to report."""
+        return bool(self.ready or self._failed)
 
     @property
     def num_waiting(self) -> int:

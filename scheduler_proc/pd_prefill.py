@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.io_struct import CachedTokensDetails, FinishAbort, KVFetch, KVTransferHeader
+from pipeline.io_struct import CachedTokensDetails, FinishAbort, KVFetch, KVTransferHeader, SamplingParams
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.kv_transfer import KVFetchServer, gather_kv, pool_layout
 from scheduler_proc.req import Req
@@ -36,6 +36,26 @@ class PrefillHalf:
 class KVFetchJob:
     identity: bytes
     fetch: KVFetch
+
+
+# A re-bootstrap generates nothing: it ends when its tokens' KV is computed.
+_KV_ONLY = SamplingParams(max_new_tokens=0)
+
+
+def kv_job_request(identity: bytes, fetch: KVFetch, req_id: int, now: float, collect_time_stats: bool) -> Req:
+    """The internal request that computes a re-bootstrap's KV; it emits no row."""
+    req = Req(
+        rid=f"kv-fetch-{fetch.room}-{fetch.attempt}",
+        req_id=req_id,
+        input_ids=fetch.token_ids,
+        sampling=_KV_ONLY,
+        stream=False,
+        stream_interval=1,
+        arrival_time=now,
+        collect_time_stats=collect_time_stats,
+    )
+    req.pd = KVFetchJob(identity, fetch)
+    return req
 
 
 @dataclass

@@ -46,10 +46,9 @@ from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
 from scheduler_proc.hicache import Fetched, HiCache, apply_storage_control, cached_details
 from scheduler_proc.model_runner import ModelRunner
-from scheduler_proc.kv_transfer import scatter_kv
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
-from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper
-from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender
+from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, install_prebuilt
+from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import sample
@@ -149,18 +148,8 @@ class Scheduler:
     def _add_kv_job(self, identity: bytes, fetch: KVFetch, now: float) -> None:
         """A decode server's re-bootstrap: an internal request that computes the KV of
         ``fetch.token_ids`` (from the prefix cache where it can) and emits no row."""
-        req = Req(
-            rid=f"kv-fetch-{fetch.room}-{fetch.attempt}",
-            req_id=self._next_kv_job_id,
-            input_ids=fetch.token_ids,
-            sampling=_EMBEDDING_SAMPLING,
-            stream=False,
-            stream_interval=self.stream_interval,
-            arrival_time=now,
-            collect_time_stats=self.collect_time_stats,
-        )
+        req = kv_job_request(identity, fetch, self._next_kv_job_id, now, self.collect_time_stats)
         self._next_kv_job_id -= 1
-        req.pd = KVFetchJob(identity, fetch)
         problem = self._admission_problem(req) if fetch.token_ids else "the fetch names no tokens"
         if problem is not None:
             self.pd_prefill.refuse(identity, fetch, problem)  # type: ignore[union-attr]
@@ -212,7 +201,7 @@ class Scheduler:
     # --- the step ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        prebuilt = self.pd_decode is not None and bool(self.pd_decode.ready)
+        prebuilt = self.pd_decode is not None and self.pd_decode.has_work
         return bool(self.waiting or self.prefilling or self.running or self._rows_due or prebuilt)
 
     def step(self) -> list[BatchTokenIDOutput | BatchEmbeddingOutput]:
@@ -338,19 +327,7 @@ class Scheduler:
             if slots is None:
                 break
             ready.popleft()
-            scatter_kv(self.kv, slots, pd.prebuilt.k, pd.prebuilt.v)
-            req.kv_slots = slots
-            req.num_computed = header.num_tokens
-            installed = time.time()
-            req.leave_waiting_queue(installed)
-            # A re-bootstrap's new cached tokens show on the request's next row (the epoch).
-            req.update_stats(cached_tokens=header.cached_tokens, cached_tokens_details=header.cached_tokens_details)
-            times: dict[str, float] = {"bootstrap_done_time": pd.prebuilt.received_time, "decode_prebuilt_finish_time": installed}
-            ts = req.stats.time_stats
-            if ts is not None and ts.prefill_finished_time is None:
-                times["prefill_finished_time"] = header.prefill_finished_time or installed
-            req.update_time_stats(**times)
-            pd.prebuilt = None
+            install_prebuilt(req, self.kv, slots, time.time())
             if req.output_ids:  # re-bootstrapped: its last token is the next decode step's input
                 joined.append(req)
             else:  # the prefill server's first token is this request's first output

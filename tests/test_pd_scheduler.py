@@ -176,16 +176,39 @@ def test_forced_retraction_rebootstraps_and_finishes_the_same(
     assert decode.kv.num_used == 0
 
 
-def test_silent_peer_times_out_with_504(tmp_path: Path) -> None:
-    decode, _ = make("decode", tmp_path, timeout=0.5)
+def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> None:
+    """Nothing listening: 502 at once. A peer that takes the fetch and never answers: 504
+    after the timeout. A peer that dies holding the fetch: 502 when the connection drops."""
+    decode, _ = make("decode", tmp_path, timeout=2.0)
+    ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(f"ipc://{tmp_path / 'silent'}")
+    dying = ctx.socket(zmq.ROUTER)
+    dying.bind(f"ipc://{tmp_path / 'dying'}")
     out: dict[int, list[Row]] = {}
-    submit(decode, 1, PROMPTS[0], room=1, endpoint=f"ipc://{tmp_path / 'nobody'}")
+    finished_at: dict[int, float] = {}
     started = time.monotonic()
-    run([decode], out, until=10)
-    assert time.monotonic() - started < 5
-    reason = out[1][-1].finished
-    assert isinstance(reason, FinishAbort) and reason.status_code == 504 and "timed out" in reason.message
-    assert out[1][-1].stats is not None
+    submit(decode, 1, PROMPTS[0], room=1, endpoint=f"ipc://{tmp_path / 'nobody'}")
+    submit(decode, 2, PROMPTS[0], room=2, endpoint=f"ipc://{tmp_path / 'silent'}")
+    submit(decode, 3, PROMPTS[0], room=3, endpoint=f"ipc://{tmp_path / 'dying'}")
+
+    def kill_dying_peer_once_it_has_the_fetch() -> None:
+        for req_id in out:
+            finished_at.setdefault(req_id, time.monotonic() - started)
+        if not dying.closed and dying.poll(0):
+            dying.recv_multipart()
+            dying.close(linger=0)
+
+    run([decode], out, until=10, on_step=kill_dying_peer_once_it_has_the_fetch)
+    reasons = {req_id: rows[-1].finished for req_id, rows in out.items()}
+    assert all(isinstance(r, FinishAbort) for r in reasons.values()), reasons
+    assert reasons[1].status_code == 502 and "cannot connect" in reasons[1].message  # type: ignore[union-attr]
+    assert reasons[2].status_code == 504 and "timed out" in reasons[2].message  # type: ignore[union-attr]
+    assert reasons[3].status_code == 502 and "was lost" in reasons[3].message  # type: ignore[union-attr]
+    assert finished_at[1] < 1.5 and finished_at[3] < 1.5 and finished_at[2] >= 2.0, finished_at
+    assert all(rows[-1].stats is not None for rows in out.values())
+    assert not decode.live and decode.kv.num_used == 0
+    ctx.destroy(linger=0)
 
 
 def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) -> None:
@@ -201,7 +224,7 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     answered = 0
     deadline = time.monotonic() + 10
     while answered < 2 and time.monotonic() < deadline:
-        decode.step()
+        collect(decode.step(), out)
         try:
             identity, raw = peer.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:

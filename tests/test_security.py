@@ -27,7 +27,7 @@ import zmq
 
 from pipeline.sockets import PrivateIpcDir
 from tests.server_harness import REPO, ServerProcess, free_port
-from tokenizer_proc import http_server
+from pipeline import http_edge
 
 API_KEY = "tp-Secret-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -285,7 +285,7 @@ def test_serve_listens_on_loopback_http_only(server: ServerProcess) -> None:
 
 
 def test_bearer_auth_compares_with_hmac_compare_digest() -> None:
-    source = textwrap.dedent(inspect.getsource(http_server.BearerAuth))
+    source = textwrap.dedent(inspect.getsource(http_edge.BearerAuth))
     tree = ast.parse(source)
     calls = [
         n
@@ -298,7 +298,7 @@ def test_bearer_auth_compares_with_hmac_compare_digest() -> None:
     ]
     assert len(calls) == 1, "BearerAuth must compare the key with hmac.compare_digest"
     assert any(isinstance(a, ast.Attribute) and a.attr == "_expected" for a in calls[0].args)
-    assert http_server.hmac.compare_digest is __import__("hmac").compare_digest
+    assert http_edge.hmac.compare_digest is __import__("hmac").compare_digest
     # No other comparison ever touches the key (== would leak its length of matching prefix).
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):

@@ -10,6 +10,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pipeline.http_edge import error_response, until_disconnected
 from pipeline.io_struct import FinishAbort, TraceContext
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -19,13 +20,6 @@ _json = msgspec.json.Encoder()
 
 class ClientGone(Exception):
     """The client disconnected before its request finished."""
-
-
-def error_response(status: int, message: str, *, err_type: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"message": message, "type": err_type, "code": status}
-    if param is not None:
-        body["param"] = param
-    return JSONResponse({"error": body}, status_code=status)
 
 
 def sse(payload: Any) -> bytes:
@@ -52,7 +46,7 @@ def refusal(state: ReqState) -> JSONResponse | None:
 
 async def wait_finished(tm: TokenizerManager, state: ReqState, request: Request) -> None:
     """Waits for the finish, or aborts the request as soon as the client disconnects."""
-    disconnect = asyncio.ensure_future(_until_disconnected(request))
+    disconnect = asyncio.ensure_future(until_disconnected(request))
     try:
         while not state.finished:
             changed = asyncio.ensure_future(state.event.wait())
@@ -64,9 +58,3 @@ async def wait_finished(tm: TokenizerManager, state: ReqState, request: Request)
                 raise ClientGone
     finally:
         disconnect.cancel()
-
-
-async def _until_disconnected(request: Request) -> None:
-    # The body is already read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

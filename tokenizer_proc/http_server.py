@@ -4,7 +4,6 @@ parsing lives in ``TokenizerManager``; this module only adapts it to HTTP."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.io_struct import FinishAbort, SamplingParams, TraceContext
+from pipeline.http_edge import BearerAuth
+from pipeline.io_struct import SamplingParams
 from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
 from tokenizer_proc.embeddings_api import build_embeddings_router
 from tokenizer_proc.hicache_api import build_hicache_router
@@ -133,29 +133,8 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     app.include_router(build_hicache_router(tm))
 
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key, open_paths=_OPEN_PATHS)
     return app
-
-
-class BearerAuth:
-    """Pure ASGI middleware (no BaseHTTPMiddleware: it buffers and breaks disconnect
-    detection). Every path but the open ones needs ``Authorization: Bearer KEY``."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # Constant-time compare, so the key cannot be guessed byte by byte from timing.
-            if not hmac.compare_digest(given, self._expected):
-                response = error_response(
-                    401, "missing or invalid API key (expected `Authorization: Bearer KEY`)", err_type="authentication_error"
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
