@@ -1,0 +1,124 @@
+"""PD disaggregation through real processes: a prefill server, a decode server whose KV pool
+is too small for the load (so it retracts and re-bootstraps), and ``tokenpipe router``.
+Every stream must equal the unified server's greedy output, and the first event after a
+re-bootstrap must show the prefill side's new cached tokens."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess, free_port
+from tests.test_router import RouterProcess
+
+PROMPTS = [f"{word} is the first word of request number {i}" for i, word in enumerate(["Apple", "Bridge", "Cloud", "Desert", "Engine", "Forest"])]
+MAX_NEW = 80
+DECODE_POOL = 320  # six requests of ~90 tokens at their peak: retractions are certain
+
+
+@pytest.fixture(scope="module")
+def pd_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess, RouterProcess]]:
+    base = tmp_path_factory.mktemp("pd-small")
+    prefill = ServerProcess(base / "prefill", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())])
+    decode = ServerProcess(base / "decode", ["--disaggregation-mode", "decode", "--max-total-tokens", str(DECODE_POOL)])
+    router: RouterProcess | None = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router = RouterProcess(base, prefill.url, decode.url).wait_ready()
+        yield prefill, decode, router
+    finally:
+        if router is not None:
+            router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def _body(prompt: str, stream: bool) -> dict[str, object]:
+    return {"text": prompt, "stream": stream, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}}
+
+
+def _events(url: str, prompt: str) -> list[dict[str, object]]:
+    with httpx.Client(base_url=url, timeout=300) as client, client.stream("POST", "/generate", json=_body(prompt, True)) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.timeout(600)
+def test_decode_retractions_rebootstrap_and_match_the_unified_server(
+    server: ServerProcess, pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]
+) -> None:
+    _, decode, router = pd_small
+    with server.client() as unified:
+        expected = [unified.post("/generate", json=_body(p, False)).json() for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streams = list(pool.map(lambda p: _events(router.url, p), PROMPTS))
+
+    retracted = 0
+    for want, events in zip(expected, streams):
+        assert all("error" not in e for e in events), events
+        assert [t for e in events for t in e["output_ids"]] == want["output_ids"]  # type: ignore[attr-defined]
+        assert "".join(str(e["text"]) for e in events) == want["text"]
+        metas = [e["meta_info"] for e in events]
+        final = metas[-1]
+        assert final["prompt_tokens"] == want["meta_info"]["prompt_tokens"]  # type: ignore[index]
+        assert final["bootstrap_done_time"] is not None and final["decode_prebuilt_finish_time"] is not None  # type: ignore[index]
+        count = int(final["num_retractions"])  # type: ignore[index]
+        retracted += count
+        if count == 0:
+            continue
+        # The first event after a re-bootstrap (or several: a slow client's deltas merge) shows
+        # the new count and the prefill side's new cached tokens: the whole prompt is in its
+        # cache by then.
+        first_after = next(m for m in metas if m["num_retractions"] >= 1)  # type: ignore[index, operator]
+        assert first_after["cached_tokens"] == final["prompt_tokens"]  # type: ignore[index]
+        assert metas[0]["cached_tokens"] < final["prompt_tokens"]  # type: ignore[index]
+        assert first_after["bootstrap_done_time"] > metas[0]["bootstrap_done_time"]  # type: ignore[index, operator]
+    assert retracted > 0, "the small decode pool never retracted: the test proves nothing"
+    print(f"\nPD: {len(PROMPTS)} streams equal the unified server's after {retracted} decode-side re-bootstraps")
+    log = decode.output()
+    assert log.count("re-bootstrapping its KV") == retracted
+    with httpx.Client(base_url=decode.url) as client:
+        info = client.get("/server_info").json()
+    assert info["live_requests"] == 0 and info["engine_type"] == "decode"
+
+
+def test_decode_server_fails_fast_when_the_prefill_peer_is_unreachable(
+    pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]
+) -> None:
+    _, decode, _ = pd_small
+    body = {**_body("hello", False), "bootstrap_room": 7, "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port()}
+    started = time.monotonic()
+    with decode.client() as client:
+        response = client.post("/generate", json=body)
+        streamed = client.post("/generate", json={**body, "stream": True, "bootstrap_room": 8})
+    assert time.monotonic() - started < 10  # not the 30 s bootstrap timeout
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["type"] == "bad_gateway" and "cannot connect to the prefill server at tcp://127.0.0.1:" in error["message"]
+    assert "cannot connect" in streamed.text and streamed.text.endswith("data: [DONE]\n\n")
+
+
+def test_decode_server_refuses_requests_without_bootstrap_fields(pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]) -> None:
+    _, decode, _ = pd_small
+    with decode.client() as client:
+        missing = client.post("/generate", json=_body("hello", False))
+        bad = client.post("/generate", json={**_body("hello", False), "bootstrap_room": 1, "bootstrap_endpoint": "http://x:1"})
+        health = client.get("/health_generate")
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "bootstrap_room"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bootstrap_endpoint"
+    assert health.status_code == 200  # its own 1-token check prefills locally
+
+
+def test_metrics_carry_the_engine_type(pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]) -> None:
+    prefill, decode, _ = pd_small
+    for srv, engine in ((prefill, "prefill"), (decode, "decode")):
+        text = httpx.get(srv.url + "/metrics").text
+        assert f'engine_type="{engine}"' in text and 'engine_type="unified"' not in text
