@@ -22,6 +22,15 @@ def _generator_for(req: Req, device: torch.device) -> torch.Generator:
     return req.generator
 
 
+def skip_draw(req: Req, vocab_size: int, device: torch.device) -> None:
+    """Advances a sampling request's generator past one token, as if that token had been
+    drawn here (PD decode: the prefill server drew the first one with the same seed). One
+    multinomial draw over a vocabulary takes the same generator state whatever the
+    probabilities, so the draws after it match a unified server's."""
+    if req.sampling.temperature > _GREEDY_EPS:
+        torch.multinomial(torch.ones(vocab_size, device=device), 1, generator=_generator_for(req, device))
+
+
 def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     """``logits`` is [B, vocab], one row per request; returns one token id per row."""
     tokens = torch.argmax(logits, dim=-1)

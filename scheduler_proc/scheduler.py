@@ -51,7 +51,7 @@ from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, instal
 from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
-from scheduler_proc.sampler import sample
+from scheduler_proc.sampler import sample, skip_draw
 from scheduler_proc.stop_checker import StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")
@@ -331,6 +331,7 @@ class Scheduler:
             if req.output_ids:  # re-bootstrapped: its last token is the next decode step's input
                 joined.append(req)
             else:  # the prefill server's first token is this request's first output
+                skip_draw(req, self.vocab_size, self.runner.device)
                 joined.extend(self._append_tokens([req], [header.first_token], rows))  # type: ignore[list-item]
         return joined
 

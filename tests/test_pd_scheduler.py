@@ -53,13 +53,26 @@ def make(mode: str, tmp: Path, *, pool: int = 4096, timeout: float = 10.0) -> tu
     return s, ctx
 
 
-def submit(s: Scheduler, req_id: int, ids: list[int], *, room: int | None = None, endpoint: str | None = None, max_new: int = MAX_NEW) -> None:
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+
+
+def submit(
+    s: Scheduler,
+    req_id: int,
+    ids: list[int],
+    *,
+    room: int | None = None,
+    endpoint: str | None = None,
+    max_new: int = MAX_NEW,
+    sampling: SamplingParams = GREEDY,
+) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
             rid=f"r{req_id}",
             req_id=req_id,
             input_ids=ids,
-            sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
+            sampling_params=msgspec.structs.replace(sampling, max_new_tokens=max_new),
             stream=True,
             arrival_time=time.time(),
             bootstrap_room=room,
@@ -95,10 +108,10 @@ def run(schedulers: list[Scheduler], out: dict[int, list[Row]], until: float = 6
         time.sleep(0.001)
 
 
-def unified_outputs() -> dict[int, list[int]]:
+def unified_outputs(sampling: SamplingParams = GREEDY) -> dict[int, list[int]]:
     s = build_scheduler(ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1))
     for j, ids in enumerate(PROMPTS):
-        submit(s, j + 1, ids)
+        submit(s, j + 1, ids, sampling=sampling)
     out: dict[int, list[Row]] = {}
     while s.has_work():
         collect(s.step(), out)
@@ -136,6 +149,21 @@ def test_decode_output_equals_unified_and_carries_prefill_stats(tmp_path: Path, 
     assert again[0].stats.cached_tokens == len(PROMPTS[0]) - 1  # type: ignore[union-attr]
     assert decode.kv.num_used == 0, "the decode side kept KV after its requests finished"
     assert prefill.pd_prefill.num_held == 0  # type: ignore[union-attr]
+
+
+def test_seeded_sampling_through_pd_equals_unified(tmp_path: Path) -> None:
+    """The prefill server draws the first token; the decode side's generator then skips
+    that draw, so every later token is the one a unified server draws with the same seed."""
+    expected = unified_outputs(SEEDED)
+    prefill, _ = make("prefill", tmp_path)
+    decode, _ = make("decode", tmp_path)
+    out: dict[int, list[Row]] = {}
+    for j, ids in enumerate(PROMPTS):
+        submit(prefill, j + 1, ids, room=3000 + j, max_new=1, sampling=SEEDED)
+        submit(decode, j + 1, ids, room=3000 + j, endpoint=f"ipc://{tmp_path / 'kv'}", sampling=SEEDED)
+    run([prefill, decode], out)
+    assert {k: [t for row in rows for t in row.tokens] for k, rows in out.items()} == expected
+    assert expected != unified_outputs(GREEDY)  # the seed mattered
 
 
 def test_forced_retraction_rebootstraps_and_finishes_the_same(
