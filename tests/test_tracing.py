@@ -241,6 +241,18 @@ def test_embeddings_span_has_no_generation_attributes() -> None:
     assert list(children) == ["tokenize", "queue", "prefill"]  # no decode stage
 
 
+def test_pd_decode_request_has_no_prefill_stage_and_decodes_from_its_install() -> None:
+    # The prefill server finished its prefill (its clock) before the KV reached this server.
+    ts = SchedulerTimeStats(
+        wait_queue_entry_time=T0 + 0.003, forward_entry_time=T0 + 0.012, prefill_finished_time=T0 + 0.008,
+        completion_time=T0 + 0.099, queue_time=0.009, bootstrap_done_time=T0 + 0.011, decode_prebuilt_finish_time=T0 + 0.012,
+    )
+    _, children = _split(_export(_state(time_stats=ts)))
+    assert list(children) == ["tokenize", "queue", "decode"]
+    assert (children["queue"].start_time, children["queue"].end_time) == (_ns(T0 + 0.002), _ns(T0 + 0.012))
+    assert (children["decode"].start_time, children["decode"].end_time) == (_ns(T0 + 0.012), _ns(T0 + 0.099))
+
+
 def test_aborted_request_has_error_status_and_stops_in_the_stage_it_was_in() -> None:
     # Aborted while waiting: never reached a forward pass.
     waiting = SchedulerTimeStats(wait_queue_entry_time=T0 + 0.003, completion_time=T0 + 0.050, queue_time=0.047)

@@ -131,8 +131,10 @@ def span_attributes(state: ReqState, model_name: str, operation: str = "generate
 
 def stage_intervals(state: ReqState, operation: str = "generate") -> list[tuple[str, float, float]]:
     """``(name, start, end)`` in wall-clock seconds for each stage child span, in order
-    (an embedding request has no ``decode``). An interval whose end precedes its start (clocks of different hosts) is clamped to
-    zero length rather than dropped."""
+    (an embedding request has no ``decode``). A PD decode request (it has a
+    ``bootstrap_done_time``) has no ``prefill``: that ran on the prefill server, and its
+    ``queue`` includes the KV transfer. An interval whose end precedes its start (clocks of
+    different hosts) is clamped to zero length rather than dropped."""
     end_of_request = state.finished_time if state.finished_time is not None else time.time()
     stages: list[tuple[str, float | None, float | None]] = [("tokenize", state.created_time, state.tokenized_time)]
     stats = state.request_stats
@@ -142,11 +144,13 @@ def stage_intervals(state: ReqState, operation: str = "generate") -> list[tuple[
         if ts.wait_queue_entry_time is not None or ts.forward_entry_time is not None:
             queue_start = state.tokenized_time if state.tokenized_time is not None else ts.wait_queue_entry_time
             stages.append(("queue", queue_start, ts.forward_entry_time if ts.forward_entry_time is not None else done))
-        if ts.forward_entry_time is not None:
+        prebuilt = ts.bootstrap_done_time is not None
+        if ts.forward_entry_time is not None and not prebuilt:
             prefill_end = ts.prefill_finished_time if ts.prefill_finished_time is not None else done
             stages.append(("prefill", ts.forward_entry_time, prefill_end))
-        if ts.prefill_finished_time is not None and operation != EMBEDDINGS:
-            stages.append(("decode", ts.prefill_finished_time, done))
+        decode_start = ts.forward_entry_time if prebuilt else ts.prefill_finished_time
+        if decode_start is not None and operation != EMBEDDINGS:
+            stages.append(("decode", decode_start, done))
     return [(name, start, max(start, end)) for name, start, end in stages if start is not None and end is not None]
 
 
