@@ -117,6 +117,9 @@ class KVFetchServer:
 
 
 _PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+# Endpoints come from requests: bound the sockets (and file descriptors) they can open.
+MAX_PREFILL_PEERS = 64
+_RECONNECT_MAX_MS = 5000  # a dead peer is retried with backoff, not every 100 ms
 
 
 class KVFetchClient:
@@ -140,8 +143,11 @@ class KVFetchClient:
     def send(self, endpoint: str, fetch: KVFetch) -> None:
         sock = self._sockets.get(endpoint)
         if sock is None:
+            if len(self._sockets) >= MAX_PREFILL_PEERS:
+                raise KVTransferError(f"this decode server already fetches from {MAX_PREFILL_PEERS} prefill endpoints, its limit")
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
             monitor = sock.get_monitor_socket(_PEER_EVENTS)
             try:
                 sock.connect(endpoint)  # asynchronous: the monitor tells how it goes

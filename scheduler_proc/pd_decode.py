@@ -88,6 +88,12 @@ class DecodeBootstrapper:
         decode step's input): the prompt at first, the prompt plus output after a retraction."""
         pd = req.pd
         assert isinstance(pd, DecodeBootstrap)
+        other = self._pending.get((pd.endpoint, pd.room))
+        if other is not None and other is not req:
+            # Its transfer could not be told from the other's: refuse rather than mix them up.
+            req.finish(FinishAbort(message=f"bootstrap room {pd.room} is already in use by another request", status_code=400), now)
+            self._failed.append(req)
+            return
         pd.attempt += 1
         pd.deadline = now + self.timeout
         pd.prebuilt = None

@@ -248,6 +248,7 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     out: dict[int, list[Row]] = {}
     submit(decode, 1, PROMPTS[0], room=7, endpoint=endpoint)
     submit(decode, 2, PROMPTS[1], room=8, endpoint=endpoint)
+    submit(decode, 3, PROMPTS[2], room=8, endpoint=endpoint)  # a room already waiting: refused
     enc = msgspec.msgpack.Encoder()
     answered = 0
     deadline = time.monotonic() + 10
@@ -269,5 +270,7 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     first, second = out[1][-1].finished, out[2][-1].finished
     assert isinstance(first, FinishAbort) and first.status_code == 502 and "out of memory" in first.message
     assert isinstance(second, FinishAbort) and second.status_code == 502 and "do not hold" in second.message
+    third = out[3][-1].finished
+    assert isinstance(third, FinishAbort) and third.status_code == 400 and "already in use" in third.message
     assert decode.kv.num_used == 0
     ctx.destroy(linger=0)
