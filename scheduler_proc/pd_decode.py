@@ -88,6 +88,8 @@ class DecodeBootstrapper:
         decode step's input): the prompt at first, the prompt plus output after a retraction."""
         pd = req.pd
         assert isinstance(pd, DecodeBootstrap)
+        # Connection events from before this fetch are about earlier fetches, not this one.
+        self._fail_lost_peers(now)
         other = self._pending.get((pd.endpoint, pd.room))
         if other is not None and other is not req:
             # Its transfer could not be told from the other's: refuse rather than mix them up.
@@ -111,7 +113,7 @@ class DecodeBootstrapper:
     def poll(self, now: float) -> list[Req]:
         """Takes arrived transfers; returns the requests that failed (finished, with the
         reason), for the scheduler to emit and release."""
-        failed, self._failed = self._failed, []
+        failed: list[Req] = []
         for endpoint, header, frames in self.client.receive():
             req = self._pending.get((endpoint, header.room))
             pd = req.pd if req is not None else None
@@ -126,17 +128,13 @@ class DecodeBootstrapper:
                 failed.append(req)
                 continue
             self.ready.append(req)
-        lost: dict[str, str] = {}
-        for endpoint, why in self.client.peer_failures():
-            lost.setdefault(endpoint, why)  # the first event says most: "lost", then "cannot connect" again
+        self._fail_lost_peers(now)
+        failed += self._failed  # failed in start() or by a lost peer
+        self._failed = []
         for key, req in list(self._pending.items()):
             pd = req.pd
             assert isinstance(pd, DecodeBootstrap)
-            if pd.endpoint in lost:
-                del self._pending[key]
-                req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {lost[pd.endpoint]}", status_code=502), now)
-                failed.append(req)
-            elif now > pd.deadline:
+            if now > pd.deadline:
                 del self._pending[key]
                 message = (
                     f"PD bootstrap timed out after {self.timeout:g} s: the prefill server at {pd.endpoint} sent no KV "
@@ -147,6 +145,21 @@ class DecodeBootstrapper:
         for req in failed:
             logger.warning("req_id=%d rid=%s failed: %s", req.req_id, req.rid, req.finished_reason.message)  # type: ignore[union-attr]
         return failed
+
+    def _fail_lost_peers(self, now: float) -> None:
+        """Fails the fetches out to a peer that refused or dropped the connection."""
+        lost: dict[str, str] = {}
+        for endpoint, why in self.client.peer_failures():
+            lost.setdefault(endpoint, why)  # the first event says most: "lost", then "cannot connect" again
+        if not lost:
+            return
+        for key, req in list(self._pending.items()):
+            pd = req.pd
+            assert isinstance(pd, DecodeBootstrap)
+            if pd.endpoint in lost:
+                del self._pending[key]
+                req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {lost[pd.endpoint]}", status_code=502), now)
+                self._failed.append(req)
 
     def _prebuilt(self, header: KVTransferHeader, frames: list[bytes], pd: DecodeBootstrap, now: float) -> Prebuilt:
         if not header.ok:

@@ -1,6 +1,6 @@
 """The deploy/ kit against real components: supervisord (from PyPI) runs the real
-``tokenpipe`` console script from deploy/supervisord.conf and deploy/supervisord-serve.conf
-in a private temporary run directory; promtool checks deploy/prometheus.yml and the
+``tokenpipe`` console script from deploy/supervisord.conf, deploy/supervisord-serve.conf and
+deploy/supervisord-pd.conf in a private temporary run directory; promtool checks deploy/prometheus.yml and the
 dashboard's PromQL; the dashboard's metric names are checked against a live /metrics.
 
 promtool and supervisord are skipped when missing, except under CI=true, where a missing
@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_harness import SMALL_SERVER_ARGS, REPO, descendants, free_port, pid_alive, wait_until
+from tests.server_harness import SMALL_SERVER_ARGS, REPO, ServerProcess, descendants, free_port, pid_alive, wait_until
 
 DEPLOY = REPO / "deploy"
 BIN = Path(sys.executable).parent  # the venv's scripts: tokenpipe, supervisord, supervisorctl
@@ -45,21 +45,24 @@ def require_tool(path: Path | str | None, what: str) -> Path:
 
 class Supervisord:
     """``supervisord -n`` on one of the deploy configs, with TOKENPIPE_* pointing at a
-    private temporary run directory and a free port."""
+    private temporary run directory and a free port (TOKENPIPE_PORT, plus one for each
+    variable in ``port_vars``: a PD deployment has three servers)."""
 
-    def __init__(self, conf: str) -> None:
+    def __init__(self, conf: str, port_vars: tuple[str, ...] = ()) -> None:
         self.supervisord = require_tool(BIN / "supervisord", "supervisord (pip install supervisor)")
         self.supervisorctl = require_tool(BIN / "supervisorctl", "supervisorctl (pip install supervisor)")
         self.conf = DEPLOY / conf
         # Short (ipc socket paths are limited to ~107 bytes) and mode 0700, as the config asks.
         self.run_dir = Path(tempfile.mkdtemp(prefix="tp-deploy-"))
         self.port = free_port()
+        self.ports = {name: free_port() for name in port_vars}
         self.env = dict(
             os.environ,
             TOKENPIPE_BIN=str(BIN / "tokenpipe"),
             TOKENPIPE_RUN_DIR=str(self.run_dir),
             TOKENPIPE_PORT=str(self.port),
             TOKENPIPE_ARGS=shlex.join(SMALL_SERVER_ARGS),
+            **{name: str(port) for name, port in self.ports.items()},
         )
         self._out = open(self.run_dir / "supervisord.out", "wb")
         self.proc = subprocess.Popen(
@@ -111,20 +114,43 @@ class Supervisord:
         assert out["meta_info"]["completion_tokens"] == 5
         return out
 
+    def wait_generate(self, timeout: float) -> dict[str, Any]:
+        """The first 200 answer to GENERATE; errors while the service (re)starts are retried."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"supervisord exited with {self.proc.returncode}\n{self.logs()}"
+            try:
+                r = httpx.post(self.url + "/generate", json=GENERATE, timeout=60)
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            else:
+                if r.status_code == 200:
+                    out = r.json()
+                    assert out["meta_info"]["completion_tokens"] == 5, out
+                    return out
+                last = f"{r.status_code} {r.text[:500]}"
+            time.sleep(0.2)
+        raise AssertionError(f"/generate never answered 200 within {timeout:g} s; last: {last}\n{self.logs()}")
+
     def tokenpipe_processes(self) -> list[int]:
         """Live processes of this service: a command line naming its run directory (ipc
-        endpoints, or serve's children's config with the ipc dir under TMPDIR) or its port."""
-        run_dir, port = str(self.run_dir).encode(), str(self.port).encode()
+        endpoints) or one of its ports, or an environment naming its run directory (every
+        program inherits TOKENPIPE_RUN_DIR from supervisord, and serve's children get their
+        config, ipc dir included, through the environment, not argv)."""
+        run_dir = str(self.run_dir).encode()
+        ports = {str(port).encode() for port in (self.port, *self.ports.values())}
         found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) in (os.getpid(), self.proc.pid):
                 continue
             try:
                 cmdline = (entry / "cmdline").read_bytes()
+                environ = (entry / "environ").read_bytes()
             except OSError:
                 continue
-            args = cmdline.split(b"\0")
-            if (run_dir in cmdline or port in args or f'"port":{self.port}'.encode() in cmdline) and pid_alive(int(entry.name)):
+            named = run_dir in cmdline or run_dir in environ or not ports.isdisjoint(cmdline.split(b"\0"))
+            if named and pid_alive(int(entry.name)):
                 found.append(int(entry.name))
         return found
 
@@ -150,8 +176,8 @@ class Supervisord:
 def supervisord_factory():  # type: ignore[no-untyped-def]
     started: list[Supervisord] = []
 
-    def start(conf: str) -> Supervisord:
-        sd = Supervisord(conf)
+    def start(conf: str, port_vars: tuple[str, ...] = ()) -> Supervisord:
+        sd = Supervisord(conf, port_vars)
         started.append(sd)
         return sd
 
@@ -261,6 +287,45 @@ def test_supervisord_serve_variant_restarts_when_a_child_dies_and_stops_clean(su
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
     assert not list(sd.run_dir.glob("tokenpipe-*")), "ipc dir left behind"
+    assert sd.ctl("shutdown").returncode == 0
+    assert sd.proc.wait(30) == 0
+
+
+PD_PROGRAMS = ("tokenpipe-prefill", "tokenpipe-decode", "tokenpipe-router")
+PD_PORTS = ("TOKENPIPE_PREFILL_PORT", "TOKENPIPE_DECODE_PORT", "TOKENPIPE_BOOTSTRAP_PORT")
+
+
+@pytest.mark.timeout(300)
+def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_prefill_and_stops_clean(  # type: ignore[no-untyped-def]
+    server: ServerProcess, supervisord_factory
+) -> None:
+    sd = supervisord_factory("supervisord-pd.conf", PD_PORTS)
+    with server.client() as unified:
+        expected = unified.post("/generate", json=GENERATE).json()["output_ids"]
+    assert sd.wait_generate(180)["output_ids"] == expected
+    assert sd.states() == dict.fromkeys(PD_PROGRAMS, "RUNNING"), sd.logs()
+    pids = {name: sd.pid(name) for name in PD_PROGRAMS}
+    assert all(pids.values()), pids
+    prefill_children = [pid for pid, role in descendants(pids["tokenpipe-prefill"]).items() if role]
+    assert len(prefill_children) == 3, prefill_children
+    assert len(list(sd.run_dir.glob("tokenpipe-*"))) == 2, "each serve makes its private ipc dir under TMPDIR (the run dir)"
+
+    # SIGKILL the prefill server's `tokenpipe serve`: its children die with it, supervisord
+    # starts it again, and the router (and the decode server's KV fetches) find it again.
+    os.kill(pids["tokenpipe-prefill"], signal.SIGKILL)
+    assert wait_until(lambda: sd.pid("tokenpipe-prefill") not in (0, pids["tokenpipe-prefill"]), 30, 0.2), sd.logs()
+    assert "exited: tokenpipe-prefill (terminated by SIGKILL; not expected)" in sd.logs()
+    assert wait_until(lambda: not any(pid_alive(pid) for pid in prefill_children), 10), prefill_children
+    assert sd.wait_generate(60)["output_ids"] == expected
+    assert sd.pid("tokenpipe-decode") == pids["tokenpipe-decode"]
+    assert sd.pid("tokenpipe-router") == pids["tokenpipe-router"]
+    pids["tokenpipe-prefill"] = sd.pid("tokenpipe-prefill")
+    every = sd.tokenpipe_processes()
+    assert set(pids.values()) <= set(every) and len(every) == 9, f"three programs, two with three children: {every}"
+
+    stop = sd.ctl("stop", "all")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
     assert sd.ctl("shutdown").returncode == 0
     assert sd.proc.wait(30) == 0
 
