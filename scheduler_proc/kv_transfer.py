@@ -96,8 +96,8 @@ class KVFetchServer:
                 parts = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return got
-            if len(parts) != 2:
-                self._shape.warn("dropped a KV fetch of %d frames (expected 2)", len(parts))
+            if len(parts) != 2:  # the peer's identity, then its one frame
+                self._shape.warn("dropped a KV fetch of %d frames (expected 1)", len(parts) - 1)
                 continue
             fetch = self._decoder.decode(parts[1])
             if fetch is not None:

@@ -308,7 +308,8 @@ def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_pref
     assert all(pids.values()), pids
     prefill_children = [pid for pid, role in descendants(pids["tokenpipe-prefill"]).items() if role]
     assert len(prefill_children) == 3, prefill_children
-    assert len(list(sd.run_dir.glob("tokenpipe-*"))) == 2, "each serve makes its private ipc dir under TMPDIR (the run dir)"
+    ipc_dirs = [path for path in sd.run_dir.glob("tokenpipe-*") if path.is_dir()]
+    assert len(ipc_dirs) == 2, "each serve makes its private ipc dir under TMPDIR (the run dir)"
 
     # SIGKILL the prefill server's `tokenpipe serve`: its children die with it, supervisord
     # starts it again, and the router (and the decode server's KV fetches) find it again.

@@ -6,6 +6,7 @@ next row, and a failed or silent peer fails the request instead of hanging it.""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from pipeline.io_struct import (
     REQ_ID_DTYPE,
     BatchTokenIDOutput,
     FinishAbort,
+    KVFetch,
     KVTransferHeader,
     RequestOutputStats,
     SamplingParams,
@@ -273,4 +275,46 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     third = out[3][-1].finished
     assert isinstance(third, FinishAbort) and third.status_code == 400 and "already in use" in third.message
     assert decode.kv.num_used == 0
+    ctx.destroy(linger=0)
+
+
+def test_prefill_side_survives_malformed_and_hostile_fetches(tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture) -> None:
+    """Junk on the prefill server's KV endpoint is dropped with a warning; well-formed but
+    wrong fetches get an error header; a real PD request still works after them."""
+    prefill, _ = make("prefill", tmp_path)
+    decode, _ = make("decode", tmp_path)
+    endpoint = f"ipc://{tmp_path / 'kv'}"
+    ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
+    hostile = ctx.socket(zmq.DEALER)
+    hostile.connect(endpoint)
+    enc = msgspec.msgpack.Encoder()
+    layout = prefill.pd_prefill.layout  # type: ignore[union-attr]
+    rng = random.Random(5)
+    for _ in range(300):
+        hostile.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
+    hostile.send_multipart([b"two", b"frames"])
+    bad_fetches = [
+        KVFetch(room=1, attempt=0, token_ids=[1, 2], prompt_tokens=2, layout=msgspec.structs.replace(layout, num_layers=99)),
+        KVFetch(room=2, attempt=1, token_ids=[10**6, 3], prompt_tokens=2, layout=layout),  # outside the vocabulary
+        KVFetch(room=3, attempt=1, token_ids=[], prompt_tokens=0, layout=layout),
+    ]
+    for fetch in bad_fetches:
+        hostile.send(enc.encode(fetch))
+    with caplog.at_level(logging.WARNING):
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + 10
+        while len(errors) < len(bad_fetches) and time.monotonic() < deadline:
+            prefill.step()
+            while hostile.poll(0):
+                header = msgspec.msgpack.decode(hostile.recv_multipart()[0], type=KVTransferHeader)
+                assert not header.ok
+                errors[header.room] = header.error
+    assert "layout" in errors[1] and "vocabulary" in errors[2] and "no tokens" in errors[3], errors
+    assert any("malformed KV fetch" in r.getMessage() for r in caplog.records)
+    assert any("KV fetch of 2 frames" in r.getMessage() for r in caplog.records)
+    out: dict[int, list[Row]] = {}
+    submit(prefill, 1, PROMPTS[0], room=4000, max_new=1)
+    submit(decode, 1, PROMPTS[0], room=4000, endpoint=endpoint)
+    run([prefill, decode], out)
+    assert [t for row in out[1] for t in row.tokens] == expected[1]
     ctx.destroy(linger=0)
