@@ -119,16 +119,18 @@ class KVFetchServer:
 _PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 # Endpoints come from requests: bound the sockets (and file descriptors) they can open.
 MAX_PREFILL_PEERS = 64
-_RECONNECT_MAX_MS = 5000  # a dead peer is retried with backoff, not every 100 ms
+# A dead peer is retried with backoff up to this, not every 100 ms; short enough that a
+# restarted peer is reconnected well within the decode side's connect grace.
+_RECONNECT_MAX_MS = 1000
 
 
 class KVFetchClient:
     """Decode side: one DEALER per prefill endpoint, each registered with the scheduler
     loop's poller so an arriving transfer wakes it.
 
-    ZeroMQ connects and reconnects silently, so each DEALER also has a monitor: a peer that
-    refuses the connection or drops it is reported by ``peer_failures`` at once, rather
-    than found out by a timeout."""
+    ZeroMQ connects and reconnects silently, so each DEALER also has a monitor: a dropped
+    connection is reported by ``lost_peers``, and ``down_since`` tells how long a peer has
+    refused connections, so the decode side need not wait for its timeout to find out."""
 
     def __init__(self, ctx: zmq.Context[Any], poller: zmq.Poller | None = None) -> None:
         self._ctx = ctx
@@ -136,6 +138,7 @@ class KVFetchClient:
         self._sockets: dict[str, zmq.Socket[Any]] = {}
         self._monitors: dict[str, zmq.Socket[Any]] = {}
         self._connected: dict[str, bool] = {}
+        self._down_since: dict[str, float] = {}  # endpoints refusing or dropping connections, since when
         self._decoder: FrameDecoder[KVTransferHeader] = FrameDecoder(KVTransferHeader, logger, "KV transfer header")
         self._shape = RateLimitedWarning(logger)
         self._encoder = make_encoder()
@@ -182,11 +185,11 @@ class KVFetchClient:
                 got.append((endpoint, header, parts[1:]))
         return got
 
-    def peer_failures(self) -> list[tuple[str, str]]:
-        """(endpoint, what happened) for each peer that refused or dropped the connection
-        since the last call. A fetch sent to it is lost: the peer never saw it, or a
-        restarted peer no longer has what it was asked for."""
-        failures: list[tuple[str, str]] = []
+    def lost_peers(self, now: float) -> set[str]:
+        """Takes the connection events: returns the endpoints whose connection dropped
+        since the last call (a fetch out to one is lost with it: a restarted peer no longer
+        has what it was asked for), and updates ``down_since``."""
+        lost: set[str] = set()
         for endpoint, monitor in self._monitors.items():
             while True:
                 try:
@@ -195,12 +198,18 @@ class KVFetchClient:
                     break
                 if event == zmq.EVENT_CONNECTED:
                     self._connected[endpoint] = True
+                    self._down_since.pop(endpoint, None)
                 elif event == zmq.EVENT_DISCONNECTED:
                     self._connected[endpoint] = False
-                    failures.append((endpoint, f"the connection to the prefill server at {endpoint} was lost"))
+                    self._down_since.setdefault(endpoint, now)
+                    lost.add(endpoint)
                 elif event == zmq.EVENT_CONNECT_RETRIED and not self._connected[endpoint]:
-                    failures.append((endpoint, f"cannot connect to the prefill server at {endpoint} (is it running?)"))
-        return failures
+                    self._down_since.setdefault(endpoint, now)
+        return lost
+
+    def down_since(self, endpoint: str) -> float | None:
+        """When the peer started refusing connections (None: connected, or not known yet)."""
+        return self._down_since.get(endpoint)
 
     def close(self) -> None:
         for endpoint, sock in self._sockets.items():

@@ -8,9 +8,11 @@ joins the running batch. A retraction frees the KV and calls ``start`` again (a
 re-bootstrap): the prefill server recomputes the prompt plus the generated tokens, mostly
 from its prefix cache, and reports its new cached tokens.
 
-Nothing waits forever: a fetch with no answer within ``timeout`` seconds (the prefill
-server is down, unreachable, or never got the request) finishes the request with a 504,
-and an error from the prefill server or a malformed transfer with a 502.
+Nothing waits forever. A fetch out to a peer whose connection drops, or to one that has
+refused connections for ``connect_grace`` seconds, fails with a 502 (the grace lets a
+restarting peer come back, and connection events that raced the fetch settle); so does an
+error from the prefill server or a malformed transfer. A fetch with no answer within
+``timeout`` seconds (the prefill server never got the request, or hangs) fails with a 504.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class DecodeBootstrap:
     endpoint: str
     attempt: int = -1
     deadline: float = 0.0
+    sent_time: float = 0.0  # when the current fetch went out
     num_tokens: int = 0  # tokens whose KV the current fetch asked for
     prebuilt: Prebuilt | None = None
 
@@ -73,9 +76,10 @@ def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> N
 
 
 class DecodeBootstrapper:
-    def __init__(self, client: KVFetchClient, kv: KVPool, timeout: float, vocab_size: int) -> None:
+    def __init__(self, client: KVFetchClient, kv: KVPool, timeout: float, vocab_size: int, connect_grace: float = 3.0) -> None:
         self.client = client
         self.vocab_size = vocab_size
+        self.connect_grace = connect_grace
         self.layout = pool_layout(kv)
         self.timeout = timeout
         self._pending: dict[tuple[str, int], Req] = {}  # (endpoint, room) -> request waiting for its KV
@@ -98,6 +102,7 @@ class DecodeBootstrapper:
             return
         pd.attempt += 1
         pd.deadline = now + self.timeout
+        pd.sent_time = now
         pd.prebuilt = None
         token_ids = req.fill_ids[:-1] if req.output_ids else req.origin_input_ids
         pd.num_tokens = len(token_ids)
@@ -147,19 +152,22 @@ class DecodeBootstrapper:
         return failed
 
     def _fail_lost_peers(self, now: float) -> None:
-        """Fails the fetches out to a peer that refused or dropped the connection."""
-        lost: dict[str, str] = {}
-        for endpoint, why in self.client.peer_failures():
-            lost.setdefault(endpoint, why)  # the first event says most: "lost", then "cannot connect" again
-        if not lost:
-            return
+        """Fails the fetches out to a peer that dropped the connection, or that has refused
+        connections for ``connect_grace`` seconds of the fetch's life."""
+        lost = self.client.lost_peers(now)
         for key, req in list(self._pending.items()):
             pd = req.pd
             assert isinstance(pd, DecodeBootstrap)
+            down = self.client.down_since(pd.endpoint)
             if pd.endpoint in lost:
-                del self._pending[key]
-                req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {lost[pd.endpoint]}", status_code=502), now)
-                self._failed.append(req)
+                why = f"the connection to the prefill server at {pd.endpoint} was lost"
+            elif down is not None and now - max(down, pd.sent_time) >= self.connect_grace:
+                why = f"cannot connect to the prefill server at {pd.endpoint} (is it running?)"
+            else:
+                continue
+            del self._pending[key]
+            req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {why}", status_code=502), now)
+            self._failed.append(req)
 
     def _prebuilt(self, header: KVTransferHeader, frames: list[bytes], pd: DecodeBootstrap, now: float) -> Prebuilt:
         if not header.ok:

@@ -207,9 +207,11 @@ def test_forced_retraction_rebootstraps_and_finishes_the_same(
 
 
 def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> None:
-    """Nothing listening: 502 at once. A peer that takes the fetch and never answers: 504
-    after the timeout. A peer that dies holding the fetch: 502 when the connection drops."""
-    decode, _ = make("decode", tmp_path, timeout=2.0)
+    """Nothing listening: 502 after the connect grace. A peer that takes the fetch and never
+    answers: 504 after the timeout. A peer that dies holding the fetch: 502 when the
+    connection drops. A peer that comes up within the grace is reached."""
+    decode, _ = make("decode", tmp_path, timeout=6.0)
+    decode.pd_decode.connect_grace = 2.0  # type: ignore[union-attr]
     ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
     silent = ctx.socket(zmq.ROUTER)
     silent.bind(f"ipc://{tmp_path / 'silent'}")
@@ -221,6 +223,8 @@ def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> 
     submit(decode, 1, PROMPTS[0], room=1, endpoint=f"ipc://{tmp_path / 'nobody'}")
     submit(decode, 2, PROMPTS[0], room=2, endpoint=f"ipc://{tmp_path / 'silent'}")
     submit(decode, 3, PROMPTS[0], room=3, endpoint=f"ipc://{tmp_path / 'dying'}")
+    submit(decode, 4, PROMPTS[0], room=4, endpoint=f"ipc://{tmp_path / 'late'}")
+    late: list[zmq.Socket] = []  # type: ignore[type-arg]
 
     def kill_dying_peer_once_it_has_the_fetch() -> None:
         for req_id in out:
@@ -228,6 +232,13 @@ def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> 
         if not dying.closed and dying.poll(0):
             dying.recv_multipart()
             dying.close(linger=0)
+        if not late and time.monotonic() - started > 1.0:  # a restart that beats the grace
+            late.append(ctx.socket(zmq.ROUTER))
+            late[0].bind(f"ipc://{tmp_path / 'late'}")
+        if late and late[0].poll(0):
+            identity, _ = late[0].recv_multipart()
+            refusal = KVTransferHeader(room=4, attempt=0, ok=False, error="late but alive")
+            late[0].send_multipart([identity, msgspec.msgpack.encode(refusal)])
 
     run([decode], out, until=10, on_step=kill_dying_peer_once_it_has_the_fetch)
     reasons = {req_id: rows[-1].finished for req_id, rows in out.items()}
@@ -235,7 +246,8 @@ def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> 
     assert reasons[1].status_code == 502 and "cannot connect" in reasons[1].message  # type: ignore[union-attr]
     assert reasons[2].status_code == 504 and "timed out" in reasons[2].message  # type: ignore[union-attr]
     assert reasons[3].status_code == 502 and "was lost" in reasons[3].message  # type: ignore[union-attr]
-    assert finished_at[1] < 1.5 and finished_at[3] < 1.5 and finished_at[2] >= 2.0, finished_at
+    assert reasons[4].status_code == 502 and "late but alive" in reasons[4].message  # type: ignore[union-attr]
+    assert 2.0 <= finished_at[1] < 4.0 and finished_at[3] < 1.5 and finished_at[2] >= 6.0, finished_at
     assert all(rows[-1].stats is not None for rows in out.values())
     assert not decode.live and decode.kv.num_used == 0
     ctx.destroy(linger=0)
