@@ -1,7 +1,8 @@
 """The deploy/ kit against real components: supervisord (from PyPI) runs the real
 ``tokenpipe`` console script from deploy/supervisord.conf, deploy/supervisord-serve.conf and
-deploy/supervisord-pd.conf in a private temporary run directory; promtool checks deploy/prometheus.yml and the
-dashboard's PromQL; the dashboard's metric names are checked against a live /metrics.
+deploy/supervisord-pd.conf in a private temporary run directory; promtool checks
+deploy/prometheus.yml and the dashboard's PromQL; the dashboard's metric names are checked
+against a live /metrics.
 
 promtool and supervisord are skipped when missing, except under CI=true, where a missing
 tool fails the test instead."""
