@@ -206,7 +206,9 @@ async def prepare(url: str, discarding: bool = False) -> int:
     async with httpx.AsyncClient(timeout=120.0) as client:
         resp = await client.get(f"{url}/server_info")
         resp.raise_for_status()
-        vocab = int(resp.json()["vocab_size"])
+        info = resp.json()
+        # A PD router answers with both servers' info; the decode server's is the one asked.
+        vocab = int(info["vocab_size"] if "vocab_size" in info else info["decode"]["vocab_size"])
         warm = {"input_ids": [16, 17, 18, 19], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
         if not discarding:
             (await client.post(f"{url}/generate", json=warm)).raise_for_status()
