@@ -6,6 +6,7 @@ re-bootstrap must show the prefill side's new cached tokens."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, free_port
+from tests.server_harness import ServerProcess, free_port, wait_until
 from tests.test_router import RouterProcess
 
 PROMPTS = [f"{word} is the first word of request number {i}" for i, word in enumerate(["Apple", "Bridge", "Cloud", "Desert", "Engine", "Forest"])]
@@ -122,3 +123,47 @@ def test_metrics_carry_the_engine_type(pd_small: tuple[ServerProcess, ServerProc
     for srv, engine in ((prefill, "prefill"), (decode, "decode")):
         text = httpx.get(srv.url + "/metrics").text
         assert f'engine_type="{engine}"' in text and 'engine_type="unified"' not in text
+
+
+@pytest.mark.timeout(600)
+def test_clients_that_go_away_leave_nothing_behind(pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]) -> None:
+    """Streams cut at random points and impatient non-streaming clients, through the
+    router, while others finish: afterwards neither server holds a request, the decode
+    server's pool is empty, and the finished requests got all their tokens."""
+    prefill, decode, router = pd_small
+    rng = random.Random(11)
+    plans = [("cut", rng.randint(1, 20)) if i % 3 == 0 else ("impatient", rng.uniform(0.05, 0.6)) if i % 3 == 1 else ("finish", 0) for i in range(18)]
+
+    def client(i: int) -> str:
+        kind, arg = plans[i]
+        body = {"text": f"request {i} of the crowd", "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+        try:
+            if kind == "cut":
+                with httpx.Client(base_url=router.url, timeout=120) as c, c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                    for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
+                        if n + 1 >= arg:
+                            return "cut"
+                return "ended before the cut"
+            if kind == "impatient":
+                with httpx.Client(base_url=router.url, timeout=arg) as c:
+                    c.post("/generate", json=body)
+                return "answered in time"
+            with httpx.Client(base_url=router.url, timeout=120) as c:
+                out = c.post("/generate", json=body).json()
+            return "ok" if out["meta_info"]["completion_tokens"] == 40 == len(out["output_ids"]) else f"short: {out}"
+        except httpx.TimeoutException:
+            return "gave up"
+
+    with ThreadPoolExecutor(len(plans)) as pool:
+        results = list(pool.map(client, range(len(plans))))
+    assert all(r == "ok" for r, (kind, _) in zip(results, plans) if kind == "finish"), results
+    assert results.count("cut") >= 3 and results.count("gave up") >= 3, results  # the test cut something
+
+    def idle(srv: ServerProcess) -> bool:
+        info = httpx.get(srv.url + "/server_info", timeout=10).json()
+        sched = info["scheduler"] or {}
+        return info["live_requests"] == 0 and sched.get("live_reqs") == 0 and sched.get("num_queue_reqs") == 0
+
+    assert wait_until(lambda: idle(decode) and idle(prefill), 30, interval=0.2), (results, decode.output()[-2000:])
+    sched = httpx.get(decode.url + "/server_info", timeout=10).json()["scheduler"]
+    assert sched["kv_used_tokens"] == 0, sched
