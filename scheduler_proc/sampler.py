@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from scheduler_proc.req import Req
@@ -22,6 +23,15 @@ def _generator_for(req: Req, device: torch.device) -> torch.Generator:
     return req.generator
 
 
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """The greedy token of each row. On the CPU numpy's argmax is an order of magnitude
+    faster than torch's (1.5 ms against 0.1 ms for 256 x 4096 float32 logits here); both
+    return the first index of a tie."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return np.argmax(logits.numpy(), axis=-1).tolist()  # type: ignore[no-any-return]
+    return torch.argmax(logits, dim=-1).tolist()  # type: ignore[no-any-return]
+
+
 def skip_draw(req: Req, vocab_size: int, device: torch.device) -> None:
     """Advances a sampling request's generator past one token, as if that token had been
     drawn here (PD decode: the prefill server drew the first one with the same seed). One
@@ -33,10 +43,10 @@ def skip_draw(req: Req, vocab_size: int, device: torch.device) -> None:
 
 def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     """``logits`` is [B, vocab], one row per request; returns one token id per row."""
-    tokens = torch.argmax(logits, dim=-1)
+    greedy = _argmax(logits)
     sampled_rows = [i for i, r in enumerate(reqs) if r.sampling.temperature > _GREEDY_EPS]
     if not sampled_rows:
-        return tokens.tolist()
+        return greedy
 
     device = logits.device
     rows = torch.tensor(sampled_rows, device=device)
@@ -44,7 +54,7 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     scaled = logits.index_select(0, rows).float() / temps.unsqueeze(1)
     vocab = scaled.shape[-1]
-    out = tokens.tolist()
+    out = greedy
     if not any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
         # No cut: sample straight from the softmax, without sorting the vocabulary.
         probs = torch.softmax(scaled, dim=-1)
