@@ -145,19 +145,6 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
-    def _add_kv_job(self, identity: bytes, fetch: KVFetch, now: float) -> None:
-        """A decode server's re-bootstrap: an internal request that computes the KV of
-        ``fetch.token_ids`` (from the prefix cache where it can) and emits no row."""
-        req = kv_job_request(identity, fetch, self._next_kv_job_id, now, self.collect_time_stats)
-        self._next_kv_job_id -= 1
-        problem = self._admission_problem(req) if fetch.token_ids else "the fetch names no tokens"
-        if problem is not None:
-            self.pd_prefill.refuse(identity, fetch, problem)  # type: ignore[union-attr]
-            return
-        req.enter_waiting_queue(now)
-        self.live[req.req_id] = req
-        self.waiting.append(req)
-
     def _admission_problem(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
         if n == 0:
@@ -302,39 +289,6 @@ class Scheduler:
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
         return self._append_tokens(done, sample(picked, done), rows)
 
-    # --- PD disaggregation -----------------------------------------------------------------
-
-    def _take_pd_inputs(self, rows: list[Req]) -> list[Req]:
-        """Prefill server: takes decode servers' fetches. Decode server: takes arrived KV,
-        installs it while the pool allows (in arrival order) and returns the requests that
-        join the running batch after this step's decode; failed bootstraps become rows."""
-        now = time.time()
-        if self.pd_prefill is not None:
-            for identity, fetch in self.pd_prefill.receive(now):
-                self._add_kv_job(identity, fetch, now)
-        if self.pd_decode is None:
-            return []
-        rows.extend(self.pd_decode.poll(now))
-        ready = self.pd_decode.ready
-        joined: list[Req] = []
-        while ready and len(self.running) + len(self.prefilling) + len(joined) < self.max_running_requests:
-            req = ready[0]
-            pd = req.pd
-            assert isinstance(pd, DecodeBootstrap) and pd.prebuilt is not None
-            header = pd.prebuilt.header
-            # Room for its KV, plus one slot for each running request's next token and its own.
-            slots = self.prefix_kv.alloc(header.num_tokens, self._decode_demand() + len(joined) + 1)
-            if slots is None:
-                break
-            ready.popleft()
-            install_prebuilt(req, self.kv, slots, time.time())
-            if req.output_ids:  # re-bootstrapped: its last token is the next decode step's input
-                joined.append(req)
-            else:  # the prefill server's first token is this request's first output
-                skip_draw(req, self.vocab_size, self.runner.device)
-                joined.extend(self._append_tokens([req], [header.first_token], rows))  # type: ignore[list-item]
-        return joined
-
     def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
         """Stats of an admission: time spent reading HiCache storage (every admission), and
         the cached tokens per tier (fixed at the first one)."""
@@ -446,6 +400,52 @@ class Scheduler:
         # A warning: retraction means the pool is too small for the load, and tests and
         # operators count these lines.
         logger.warning("retracted req_id=%d rid=%s retraction_count=%d", req.req_id, req.rid, req.retraction_count)
+
+    # --- PD disaggregation -----------------------------------------------------------------
+
+    def _take_pd_inputs(self, rows: list[Req]) -> list[Req]:
+        """Prefill server: takes decode servers' fetches. Decode server: takes arrived KV,
+        installs it while the pool allows (in arrival order) and returns the requests that
+        join the running batch after this step's decode; failed bootstraps become rows."""
+        now = time.time()
+        if self.pd_prefill is not None:
+            for identity, fetch in self.pd_prefill.receive(now):
+                self._add_kv_job(identity, fetch, now)
+        if self.pd_decode is None:
+            return []
+        rows.extend(self.pd_decode.poll(now))
+        ready = self.pd_decode.ready
+        joined: list[Req] = []
+        while ready and len(self.running) + len(self.prefilling) + len(joined) < self.max_running_requests:
+            req = ready[0]
+            pd = req.pd
+            assert isinstance(pd, DecodeBootstrap) and pd.prebuilt is not None
+            header = pd.prebuilt.header
+            # Room for its KV, plus one slot for each running request's next token and its own.
+            slots = self.prefix_kv.alloc(header.num_tokens, self._decode_demand() + len(joined) + 1)
+            if slots is None:
+                break
+            ready.popleft()
+            install_prebuilt(req, self.kv, slots, time.time())
+            if req.output_ids:  # re-bootstrapped: its last token is the next decode step's input
+                joined.append(req)
+            else:  # the prefill server's first token is this request's first output
+                skip_draw(req, self.vocab_size, self.runner.device)
+                joined.extend(self._append_tokens([req], [header.first_token], rows))  # type: ignore[list-item]
+        return joined
+
+    def _add_kv_job(self, identity: bytes, fetch: KVFetch, now: float) -> None:
+        """A decode server's re-bootstrap: an internal request that computes the KV of
+        ``fetch.token_ids`` (from the prefix cache where it can) and emits no row."""
+        req = kv_job_request(identity, fetch, self._next_kv_job_id, now, self.collect_time_stats)
+        self._next_kv_job_id -= 1
+        problem = self._admission_problem(req) if fetch.token_ids else "the fetch names no tokens"
+        if problem is not None:
+            self.pd_prefill.refuse(identity, fetch, problem)  # type: ignore[union-attr]
+            return
+        req.enter_waiting_queue(now)
+        self.live[req.req_id] = req
+        self.waiting.append(req)
 
     # --- bookkeeping ---------------------------------------------------------------------
 
