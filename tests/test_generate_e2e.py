@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -50,11 +51,16 @@ def stream_events(client: httpx.Client, body: dict) -> list[dict]:  # type: igno
     return events
 
 
-def test_generate_non_streaming_meta_info(server: ServerProcess) -> None:
-    prompt = f"{uuid.uuid4().hex} {PROMPT}"  # unique, so nothing of it is in the prefix cache
+def test_generate_non_streaming_meta_info(tmp_path: Path) -> None:
+    # A server of its own: in the shared one, fuzzed prompts may have cached any first token.
+    server = ServerProcess(tmp_path / "tmp").wait_ready()
+    prompt = f"{uuid.uuid4().hex} {PROMPT}"
     body = {"text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
-    with server.client() as c:
-        out = c.post("/generate", json=body).json()
+    try:
+        with server.client() as c:
+            out = c.post("/generate", json=body).json()
+    finally:
+        server.stop()
     meta = out["meta_info"]
     assert META_KEYS <= set(meta), META_KEYS - set(meta)
     assert meta["prompt_tokens"] == len(TOKENIZER.encode(prompt))
