@@ -57,10 +57,12 @@ def wait_idle(c: httpx.Client, timeout: float = 30.0) -> dict:  # type: ignore[t
         time.sleep(0.1)
 
 
-def test_shared_prefix_reports_cached_tokens(server: ServerProcess) -> None:
+def test_shared_prefix_reports_cached_tokens(small_pool_server: ServerProcess) -> None:
+    # The small-pool server, first: its cache is empty. The shared server's holds the fuzz
+    # test's random prompts, any of which may start with this prefix's first token.
     shared = [(7 * i + 11) % 3000 + 100 for i in range(64)]
     sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    with server.client() as c:
+    with small_pool_server.client() as c:
         first = c.post("/generate", json={"input_ids": shared + [3001, 3002], "sampling_params": sampling}).json()
         second = c.post("/generate", json={"input_ids": shared + [3003, 3004, 3005], "sampling_params": sampling}).json()
     assert first["meta_info"]["cached_tokens"] == 0
