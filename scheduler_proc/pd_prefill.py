@@ -65,6 +65,15 @@ class _Stashed:
     v: torch.Tensor | None
     deadline: float
 
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
+
+
+# Host memory that KV nobody has fetched yet may take: a decode server that never fetches
+# (down, or refusing the requests) must not make the prefill server grow without bound.
+STASH_LIMIT_BYTES = 1 << 30
+
 
 @dataclass
 class _WaitingFetch:
@@ -73,8 +82,10 @@ class _WaitingFetch:
 
 
 class PrefillKVSender:
-    def __init__(self, server: KVFetchServer, kv: KVPool, timeout: float) -> None:
+    def __init__(self, server: KVFetchServer, kv: KVPool, timeout: float, stash_limit_bytes: int = STASH_LIMIT_BYTES) -> None:
         self.server = server
+        self.stash_limit_bytes = stash_limit_bytes
+        self._stash_bytes = 0
         self.kv = kv
         self.layout = pool_layout(kv)
         self.timeout = timeout
@@ -92,7 +103,7 @@ class PrefillKVSender:
             elif fetch.attempt > 0:
                 jobs.append((identity, fetch))
             else:
-                stashed = self._stash.pop(fetch.room, None)
+                stashed = self._unstash(fetch.room)
                 if stashed is not None:
                     self.server.send(identity, stashed.header, stashed.k, stashed.v)
                 else:
@@ -116,7 +127,23 @@ class PrefillKVSender:
         if waiting is not None:
             self.server.send(waiting.identity, header, k, v)
         else:
-            self._stash[pd.room] = _Stashed(header, k, v, now + self.timeout)
+            self._keep(pd.room, _Stashed(header, k, v, now + self.timeout))
+
+    def _keep(self, room: int, stashed: _Stashed) -> None:
+        """Stashes until fetched; over the byte limit the oldest go first (dicts keep order)."""
+        self._unstash(room)
+        self._stash[room] = stashed
+        self._stash_bytes += stashed.nbytes
+        while self._stash_bytes > self.stash_limit_bytes and len(self._stash) > 1:
+            oldest = next(iter(self._stash))
+            self._unstash(oldest)
+            logger.warning("dropped the unfetched KV of bootstrap room %d: unfetched KV is over %d bytes", oldest, self.stash_limit_bytes)
+
+    def _unstash(self, room: int) -> _Stashed | None:
+        stashed = self._stash.pop(room, None)
+        if stashed is not None:
+            self._stash_bytes -= stashed.nbytes
+        return stashed
 
     def _package(
         self, req: Req, room: int, attempt: int, num_tokens: int, prompt_tokens: int
@@ -143,7 +170,7 @@ class PrefillKVSender:
 
     def _expire(self, now: float) -> None:
         for room in [room for room, s in self._stash.items() if s.deadline < now]:
-            del self._stash[room]
+            self._unstash(room)
             logger.warning("dropped the KV of bootstrap room %d: no decode server fetched it within %g s", room, self.timeout)
         for room in [room for room, w in self._waiting.items() if w.deadline < now]:
             waiting = self._waiting.pop(room)

@@ -330,3 +330,25 @@ def test_prefill_side_survives_malformed_and_hostile_fetches(tmp_path: Path, exp
     run([prefill, decode], out)
     assert [t for row in out[1] for t in row.tokens] == expected[1]
     ctx.destroy(linger=0)
+
+
+def test_unfetched_kv_is_capped_oldest_first(tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture) -> None:
+    """KV that no decode server fetches is kept within a byte limit, dropping the oldest:
+    a decode server that never comes cannot make the prefill server grow without bound."""
+    prefill, _ = make("prefill", tmp_path)
+    sender = prefill.pd_prefill
+    assert sender is not None
+    per_token = 2 * prefill.kv.k[:, 0].numel() * prefill.kv.k.element_size()
+    sender.stash_limit_bytes = per_token * (len(PROMPTS[0]) + len(PROMPTS[1]) + len(PROMPTS[2]) // 2)
+    with caplog.at_level(logging.WARNING):
+        for j in range(3):
+            submit(prefill, j + 1, PROMPTS[j], room=5000 + j, max_new=1)
+            run([prefill], {})
+    assert sender.num_held == 2
+    assert any("dropped the unfetched KV of bootstrap room 5000" in r.getMessage() for r in caplog.records)
+    decode, _ = make("decode", tmp_path)
+    out: dict[int, list[Row]] = {}
+    submit(decode, 3, PROMPTS[2], room=5002, endpoint=f"ipc://{tmp_path / 'kv'}")
+    run([prefill, decode], out)
+    assert [t for row in out[3] for t in row.tokens] == expected[3]
+    assert sender.num_held == 1
