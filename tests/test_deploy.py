@@ -63,6 +63,7 @@ class Supervisord:
             TOKENPIPE_RUN_DIR=str(self.run_dir),
             TOKENPIPE_PORT=str(self.port),
             TOKENPIPE_ARGS=shlex.join(SMALL_SERVER_ARGS),
+            TOKENPIPE_ROUTER_ARGS="--request-timeout 120 --log-level warning",
             **{name: str(port) for name, port in self.ports.items()},
         )
         self._out = open(self.run_dir / "supervisord.out", "wb")
