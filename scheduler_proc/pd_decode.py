@@ -52,6 +52,7 @@ class DecodeBootstrap:
     deadline: float = 0.0
     sent_time: float = 0.0  # when the current fetch went out
     num_tokens: int = 0  # tokens whose KV the current fetch asked for
+    prompt_tokens: int = 0
     prebuilt: Prebuilt | None = None
 
 
@@ -106,7 +107,8 @@ class DecodeBootstrapper:
         pd.prebuilt = None
         token_ids = req.fill_ids[:-1] if req.output_ids else req.origin_input_ids
         pd.num_tokens = len(token_ids)
-        fetch = KVFetch(room=pd.room, attempt=pd.attempt, token_ids=token_ids, prompt_tokens=len(req.origin_input_ids), layout=self.layout)
+        pd.prompt_tokens = len(req.origin_input_ids)
+        fetch = KVFetch(room=pd.room, attempt=pd.attempt, token_ids=token_ids, prompt_tokens=pd.prompt_tokens, layout=self.layout)
         try:
             self.client.send(pd.endpoint, fetch)
         except KVTransferError as exc:
@@ -178,6 +180,8 @@ class DecodeBootstrapper:
             raise KVTransferError(f"asked for the KV of {pd.num_tokens} tokens, got {header.num_tokens}")
         if pd.attempt == 0 and not (header.first_token is not None and 0 <= header.first_token < self.vocab_size):
             raise KVTransferError(f"the first transfer must carry a first token in [0, {self.vocab_size}), got {header.first_token}")
+        if not 0 <= header.cached_tokens <= pd.prompt_tokens:
+            raise KVTransferError(f"cached_tokens {header.cached_tokens} is outside [0, {pd.prompt_tokens}], the prompt")
         k, v = tensors_from_frames(header, frames[0], frames[1], self.layout)
         return Prebuilt(header, k, v, now)
 

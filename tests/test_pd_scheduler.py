@@ -263,10 +263,11 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     submit(decode, 1, PROMPTS[0], room=7, endpoint=endpoint)
     submit(decode, 2, PROMPTS[1], room=8, endpoint=endpoint)
     submit(decode, 3, PROMPTS[2], room=8, endpoint=endpoint)  # a room already waiting: refused
+    submit(decode, 4, PROMPTS[3], room=9, endpoint=endpoint)
     enc = msgspec.msgpack.Encoder()
     answered = 0
     deadline = time.monotonic() + 10
-    while answered < 2 and time.monotonic() < deadline:
+    while answered < 3 and time.monotonic() < deadline:
         collect(decode.step(), out)
         try:
             identity, raw = peer.recv_multipart(zmq.NOBLOCK)
@@ -276,6 +277,11 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
         peer.send_multipart([identity, b"\xc1garbage"])  # dropped with a warning
         if room == 7:
             peer.send_multipart([identity, enc.encode(KVTransferHeader(room=7, attempt=0, ok=False, error="out of memory"))])
+        elif room == 9:  # claims more cached tokens than the prompt has
+            layout = decode.pd_decode.layout  # type: ignore[union-attr]
+            header = KVTransferHeader(room=9, attempt=0, ok=True, num_tokens=len(PROMPTS[3]), layout=layout, first_token=5, cached_tokens=10**6)
+            size = layout.num_layers * len(PROMPTS[3]) * layout.num_kv_heads * layout.head_dim * 4
+            peer.send_multipart([identity, enc.encode(header), bytes(size), bytes(size)])
         else:  # says 24 tokens, sends 3 bytes
             header = KVTransferHeader(room=8, attempt=0, ok=True, num_tokens=len(PROMPTS[1]), layout=decode.pd_decode.layout, first_token=5)  # type: ignore[union-attr]
             peer.send_multipart([identity, enc.encode(header), b"abc", b"def"])
@@ -284,6 +290,8 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     first, second = out[1][-1].finished, out[2][-1].finished
     assert isinstance(first, FinishAbort) and first.status_code == 502 and "out of memory" in first.message
     assert isinstance(second, FinishAbort) and second.status_code == 502 and "do not hold" in second.message
+    fourth = out[4][-1].finished
+    assert isinstance(fourth, FinishAbort) and fourth.status_code == 502 and "cached_tokens" in fourth.message
     third = out[3][-1].finished
     assert isinstance(third, FinishAbort) and third.status_code == 400 and "already in use" in third.message
     assert decode.kv.num_used == 0
