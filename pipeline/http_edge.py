@@ -1,14 +1,20 @@
 """What every HTTP server of tokenpipe (the API and the PD router) does the same way: the
-JSON error shape, Bearer API-key checking, and noticing a client that went away. Kept
-free of the tokenizer manager so the router can import it."""
+JSON error shape, Bearer API-key checking, noticing a client that went away, and running on
+uvicorn with a graceful stop. Kept free of the tokenizer manager so the router can import it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
+import signal
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from fastapi import Request
+import uvicorn
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
@@ -48,3 +54,59 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as the JSON error shape: a Starlette HTTP error (404, 405) keeps its
+    status, and an exception no route handled is a 500 that names only its type."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), err_type=err_type)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}", err_type="internal_error")
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM once ``serve()`` returns, which would kill the
+    process before its clean-up runs (flushing queued spans, closing client pools). Here the
+    signal only starts uvicorn's graceful shutdown, and the process then exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+async def serve_http(
+    app: FastAPI, *, host: str, port: int, log_level: str, graceful_timeout: float, on_started: Callable[[], None]
+) -> None:
+    """Runs ``app`` on uvicorn (on the running loop) until SIGTERM/SIGINT, then drains
+    requests in flight for up to ``graceful_timeout`` seconds. ``on_started`` runs once the
+    port accepts connections; SystemExit when it never does (the port is taken, say)."""
+    server = _GracefulServer(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            loop="none",
+            log_level=log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=int(graceful_timeout) or None,
+        )
+    )
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        on_started()
+    await serving
+    if not server.started:
+        raise SystemExit(f"the HTTP server could not start on {host}:{port}")

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.http_edge import install_error_handlers
 from router_proc.bodies import BadBody, parse_body
 from router_proc.config import RouterConfig
 from router_proc.dispatch import Dispatcher
@@ -33,13 +33,7 @@ def build_app(config: RouterConfig, client: httpx.AsyncClient) -> FastAPI:
     async def _peer_error(_: Request, exc: PeerError) -> JSONResponse:
         return error_response(exc.status, exc.message, err_type=exc.err_type)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), err_type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(exc).__name__}", err_type="internal_error")
+    install_error_handlers(app)
 
     async def generate(request: Request) -> Response:
         return await dispatcher.forward(request, parse_body(await request.body()))

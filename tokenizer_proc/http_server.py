@@ -11,9 +11,8 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.http_edge import BearerAuth
+from pipeline.http_edge import BearerAuth, install_error_handlers
 from pipeline.io_struct import SamplingParams
 from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
 from tokenizer_proc.embeddings_api import build_embeddings_router
@@ -37,13 +36,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, str(exc), param=exc.param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), err_type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(exc).__name__}", err_type="internal_error")
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
