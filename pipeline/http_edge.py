@@ -9,7 +9,7 @@ import contextlib
 import hmac
 import signal
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -85,21 +85,29 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-async def serve_http(
-    app: FastAPI, *, host: str, port: int, log_level: str, graceful_timeout: float, on_started: Callable[[], None]
-) -> None:
+class HttpSettings(Protocol):
+    """What serving needs of a config (``ServerConfig`` and ``RouterConfig`` both have it)."""
+
+    host: str
+    port: int
+    log_level: str
+    graceful_timeout: float
+
+
+async def serve_http(app: FastAPI, settings: HttpSettings, on_started: Callable[[], None]) -> None:
     """Runs ``app`` on uvicorn (on the running loop) until SIGTERM/SIGINT, then drains
     requests in flight for up to ``graceful_timeout`` seconds. ``on_started`` runs once the
     port accepts connections; SystemExit when it never does (the port is taken, say)."""
+    host, port = settings.host, settings.port
     server = _GracefulServer(
         uvicorn.Config(
             app,
             host=host,
             port=port,
             loop="none",
-            log_level=log_level.lower(),
+            log_level=settings.log_level.lower(),
             access_log=False,
-            timeout_graceful_shutdown=int(graceful_timeout) or None,
+            timeout_graceful_shutdown=int(settings.graceful_timeout) or None,
         )
     )
     serving = asyncio.create_task(server.serve())

@@ -29,14 +29,7 @@ async def _serve(config: RouterConfig) -> None:
         logger.info("router on http://%s:%d -> prefill %s, decode %s", config.host, config.port, config.prefill_url, config.decode_url)
 
     try:
-        await serve_http(
-            build_app(config, client),
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            graceful_timeout=config.graceful_timeout,
-            on_started=started,
-        )
+        await serve_http(build_app(config, client), config, on_started=started)
     finally:
         await client.aclose()
 

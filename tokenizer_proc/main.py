@@ -31,14 +31,7 @@ async def _serve(config: ServerConfig) -> None:
         logger.info("serving %s on http://%s:%d", tm.model_name, config.host, config.port)
 
     try:
-        await serve_http(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            graceful_timeout=config.graceful_timeout,
-            on_started=started,
-        )
+        await serve_http(app, config, on_started=started)
     finally:
         await tm.close()
 
