@@ -201,7 +201,8 @@ def test_supervisord_three_programs_serve_restart_a_killed_scheduler_and_stop_cl
     sd = supervisord_factory("supervisord.conf")
     sd.wait_healthy()
     sd.generate()
-    assert sd.states() == dict.fromkeys(PROGRAMS, "RUNNING"), sd.logs()
+    # Serving can come before supervisord's startsecs (2 s) has passed: wait for RUNNING.
+    assert wait_until(lambda: sd.states() == dict.fromkeys(PROGRAMS, "RUNNING"), 15, 0.2), f"{sd.states()}\n{sd.logs()}"
     pids = {name: sd.pid(name) for name in PROGRAMS}
     assert all(pids.values()), pids
     assert (sd.run_dir.stat().st_mode & 0o777) == 0o700
@@ -305,7 +306,7 @@ def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_pref
     with server.client() as unified:
         expected = unified.post("/generate", json=GENERATE).json()["output_ids"]
     assert sd.wait_generate(180)["output_ids"] == expected
-    assert sd.states() == dict.fromkeys(PD_PROGRAMS, "RUNNING"), sd.logs()
+    assert wait_until(lambda: sd.states() == dict.fromkeys(PD_PROGRAMS, "RUNNING"), 15, 0.2), f"{sd.states()}\n{sd.logs()}"
     pids = {name: sd.pid(name) for name in PD_PROGRAMS}
     assert all(pids.values()), pids
     prefill_children = [pid for pid, role in descendants(pids["tokenpipe-prefill"]).items() if role]
