@@ -51,8 +51,6 @@ class DecodeBootstrap:
     attempt: int = -1
     deadline: float = 0.0
     sent_time: float = 0.0  # when the current fetch went out
-    num_tokens: int = 0  # tokens whose KV the current fetch asked for
-    prompt_tokens: int = 0
     prebuilt: Prebuilt | None = None
 
 
@@ -106,9 +104,7 @@ class DecodeBootstrapper:
         pd.sent_time = now
         pd.prebuilt = None
         token_ids = req.fill_ids[:-1] if req.output_ids else req.origin_input_ids
-        pd.num_tokens = len(token_ids)
-        pd.prompt_tokens = len(req.origin_input_ids)
-        fetch = KVFetch(room=pd.room, attempt=pd.attempt, token_ids=token_ids, prompt_tokens=pd.prompt_tokens, layout=self.layout)
+        fetch = KVFetch(room=pd.room, attempt=pd.attempt, token_ids=token_ids, prompt_tokens=len(req.origin_input_ids), layout=self.layout)
         try:
             self.client.send(pd.endpoint, fetch)
         except KVTransferError as exc:
@@ -129,7 +125,7 @@ class DecodeBootstrapper:
                 continue
             del self._pending[(endpoint, header.room)]
             try:
-                pd.prebuilt = self._prebuilt(header, frames, pd, now)
+                pd.prebuilt = self._prebuilt(header, frames, req, now)
             except KVTransferError as exc:
                 req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} from {endpoint} failed: {exc}", status_code=502), now)
                 failed.append(req)
@@ -171,17 +167,20 @@ class DecodeBootstrapper:
             req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {why}", status_code=502), now)
             self._failed.append(req)
 
-    def _prebuilt(self, header: KVTransferHeader, frames: list[bytes], pd: DecodeBootstrap, now: float) -> Prebuilt:
+    def _prebuilt(self, header: KVTransferHeader, frames: list[bytes], req: Req, now: float) -> Prebuilt:
+        """The arrived KV of the tokens req asked for: all it holds but its last token."""
+        asked = req.seq_len - 1 if req.output_ids else len(req.origin_input_ids)
+        prompt = len(req.origin_input_ids)
         if not header.ok:
             raise KVTransferError(header.error or "the prefill server refused without a reason")
         if len(frames) != 2:
             raise KVTransferError(f"a transfer has a header and 2 tensor frames, got {len(frames)} after the header")
-        if header.num_tokens != pd.num_tokens:
-            raise KVTransferError(f"asked for the KV of {pd.num_tokens} tokens, got {header.num_tokens}")
-        if pd.attempt == 0 and not (header.first_token is not None and 0 <= header.first_token < self.vocab_size):
+        if header.num_tokens != asked:
+            raise KVTransferError(f"asked for the KV of {asked} tokens, got {header.num_tokens}")
+        if not req.output_ids and not (header.first_token is not None and 0 <= header.first_token < self.vocab_size):
             raise KVTransferError(f"the first transfer must carry a first token in [0, {self.vocab_size}), got {header.first_token}")
-        if not 0 <= header.cached_tokens <= pd.prompt_tokens:
-            raise KVTransferError(f"cached_tokens {header.cached_tokens} is outside [0, {pd.prompt_tokens}], the prompt")
+        if not 0 <= header.cached_tokens <= prompt:
+            raise KVTransferError(f"cached_tokens {header.cached_tokens} is outside [0, {prompt}], the prompt")
         k, v = tensors_from_frames(header, frames[0], frames[1], self.layout)
         return Prebuilt(header, k, v, now)
 
