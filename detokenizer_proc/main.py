@@ -10,16 +10,14 @@ import msgspec
 import zmq
 
 from pipeline.config import ServerConfig
+from pipeline.frame_checks import read_token_rows
 from pipeline.io_struct import (
-    REQ_ID_DTYPE,
     BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerInput,
     HiCacheStorageState,
     SchedulerStatsReport,
-    from_column,
-    split_token_rows,
 )
 from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
@@ -30,11 +28,8 @@ logger = logging.getLogger("tokenpipe.detokenizer")
 
 
 def detokenize_frame(detok: IncrementalDetokenizer, frame: BatchTokenIDOutput) -> BatchStrOutput:
-    req_ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
-    rows = split_token_rows(frame.output_ids, frame.output_counts)
-    if len(rows) != len(req_ids):
-        raise ValueError(f"frame has {len(req_ids)} req_ids but {len(rows)} token rows")
-    deltas = detok.process(req_ids, rows, frame.finished_reasons, frame.decode_options)
+    rows = read_token_rows(frame)  # ValueError when a column disagrees: the frame is dropped
+    deltas = detok.process(rows.req_ids, rows.tokens, frame.finished_reasons, frame.decode_options)
     return BatchStrOutput(
         req_ids=frame.req_ids,
         text_deltas=deltas,

@@ -44,9 +44,15 @@ def split_token_rows(output_ids: bytes, output_counts: bytes) -> list[list[int]]
     disagree (a frame from a buggy or hostile peer must not index out of range)."""
     tokens = from_column(output_ids, TOKEN_DTYPE)
     counts = from_column(output_counts, COUNT_DTYPE)
-    if len(counts) and (counts.min() < 0 or int(counts.sum()) != len(tokens)):
+    if not len(counts):
+        if len(tokens):
+            raise ValueError(f"a frame with no rows holds {len(tokens)} tokens")
+        return []
+    if counts.min() < 0 or int(counts.sum()) != len(tokens):
         raise ValueError(f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens")
-    if len(counts) == len(tokens):  # the steady decode step: one token per row
+    # The steady decode step: one token per row. Equal lengths alone do not say so: counts
+    # [2, 0] also sum to two tokens over two rows (an abort's empty row beside a long one).
+    if len(counts) == len(tokens) and counts.max() == 1:
         return [[t] for t in tokens.tolist()]
     return [part.tolist() for part in np.split(tokens, np.cumsum(counts)[:-1])]
 

@@ -13,6 +13,8 @@ import zmq
 from pipeline.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
+    DecodeOptions,
+    FinishLength,
     SamplingParams,
     TokenizedGenerateReqInput,
 )
@@ -31,7 +33,7 @@ def hostile_frames(rng: random.Random, n: int) -> list[bytes]:
     ]
     frames = []
     for i in range(n):
-        kind = i % 4
+        kind = i % 6
         if kind == 0:
             frames.append(rng.randbytes(rng.randint(0, 200)))
         elif kind == 1:
@@ -39,9 +41,16 @@ def hostile_frames(rng: random.Random, n: int) -> list[bytes]:
             frames.append(frame[: rng.randint(0, len(frame) - 1)])
         elif kind == 2:
             frames.append(enc.encode(["gen", rng.random(), None, {"a": [1, 2]}]))
-        else:
+        elif kind == 3:
             # Columns that disagree: 3 rows of counts for 1 token, unknown req ids.
             frames.append(enc.encode(BatchTokenIDOutput(req_ids=rng.randbytes(24), output_ids=b"\x00" * 4, output_counts=b"\x01\x00\x00\x00" * 3, completion_tokens=b"\x00" * 12)))
+        elif kind == 4:
+            # Token columns agree, a per-row list does not: 2 rows, 1 decode option (once
+            # an IndexError that ended the detokenizer).
+            frames.append(enc.encode(BatchTokenIDOutput(req_ids=rng.randbytes(16), output_ids=b"\x00" * 8, output_counts=b"\x01\x00\x00\x00" * 2, completion_tokens=b"\x01\x00\x00\x00" * 2, decode_options=[DecodeOptions()])))
+        else:
+            # The same for the tokenizer manager: 2 rows, 3 finish reasons.
+            frames.append(enc.encode(BatchStrOutput(req_ids=rng.randbytes(16), text_deltas=["a", "b"], output_ids=b"\x00" * 8, output_counts=b"\x01\x00\x00\x00" * 2, completion_tokens=b"\x01\x00\x00\x00" * 2, finished_reasons=[None, None, FinishLength(length=1)])))
     return frames
 
 
@@ -77,6 +86,8 @@ def test_ten_thousand_bad_frames_per_socket_are_dropped(tmp_path: Path) -> None:
         log = srv.output()
         for what in ("scheduler input", "detokenizer input", "tokenizer manager input"):
             assert f"dropped a malformed {what} frame" in log, what
+        assert "dropped an inconsistent token frame" in log
+        assert "dropped an inconsistent output frame" in log
         # Rate-limited: 30,000 bad frames must not mean 30,000 log lines.
         assert log.count("dropped") < 100
         assert "Traceback" not in log

@@ -20,10 +20,8 @@ import zmq
 import zmq.asyncio
 
 from pipeline.config import ServerConfig
+from pipeline.frame_checks import read_embedding_rows, read_token_rows
 from pipeline.io_struct import (
-    COUNT_DTYPE,
-    EMBEDDING_DTYPE,
-    REQ_ID_DTYPE,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
@@ -39,8 +37,6 @@ from pipeline.io_struct import (
     TokenizedGenerateReqInput,
     TokenizerManagerInput,
     TraceContext,
-    from_column,
-    split_token_rows,
 )
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer
@@ -315,12 +311,9 @@ class TokenizerManager:
 
     def _handle_str_output(self, frame: BatchStrOutput) -> None:
         now = self._clock()
-        req_ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
-        rows = split_token_rows(frame.output_ids, frame.output_counts)
-        completion = from_column(frame.completion_tokens, COUNT_DTYPE).tolist()
+        columns = read_token_rows(frame)  # ValueError when a column disagrees: nothing applied
+        req_ids, rows, completion = columns.req_ids, columns.tokens, columns.completion_tokens
         n = len(req_ids)
-        if not (len(rows) == len(completion) == len(frame.text_deltas) == n):
-            raise ValueError(f"frame columns disagree in length ({n} req_ids)")
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
         metrics = self.metrics.requests if self.metrics is not None else None
@@ -345,14 +338,9 @@ class TokenizerManager:
 
     def _handle_embedding_output(self, frame: BatchEmbeddingOutput) -> None:
         now = self._clock()
-        req_ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
-        rows, dim = frame.shape
-        matrix = from_column(frame.embeddings, EMBEDDING_DTYPE)
-        if not (len(req_ids) == rows == len(frame.request_stats)) or matrix.size != rows * dim:
-            raise ValueError(f"embedding frame of shape {frame.shape} disagrees with its {len(req_ids)} req_ids")
-        matrix = matrix.reshape(rows, dim)
+        req_ids, matrix = read_embedding_rows(frame)
         finished_col = frame.finished_reasons
-        for i in range(rows):
+        for i in range(len(req_ids)):
             state = self.states.get(req_ids[i])
             if state is None:
                 self._dropped_rows.warn("dropped an embedding row for req_id %d: no live request", req_ids[i])
