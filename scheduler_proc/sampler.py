@@ -1,5 +1,5 @@
 """Batched sampling: greedy rows by one argmax, the rest with temperature, top-k and top-p
-cuts applied to the whole sub-batch, then one draw per row from that request's own
+cuts applied to the rows that ask for them, then one draw per row from that request's own
 generator, so a seeded request samples the same tokens whatever it is batched with (and
 across retractions, since the generator lives with the request)."""
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pipeline.io_struct import SamplingParams
 from scheduler_proc.req import Req
 
 _GREEDY_EPS = 1e-5
@@ -42,26 +43,45 @@ def skip_draw(req: Req, vocab_size: int, device: torch.device) -> None:
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
-    """``logits`` is [B, vocab], one row per request; returns one token id per row."""
-    greedy = _argmax(logits)
-    sampled_rows = [i for i, r in enumerate(reqs) if r.sampling.temperature > _GREEDY_EPS]
-    if not sampled_rows:
-        return greedy
+    """``logits`` is [B, vocab], one row per request; returns one token id per row.
 
-    device = logits.device
-    rows = torch.tensor(sampled_rows, device=device)
-    params = [reqs[i].sampling for i in sampled_rows]
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    scaled = logits.index_select(0, rows).float() / temps.unsqueeze(1)
-    vocab = scaled.shape[-1]
-    out = greedy
-    if not any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
-        # No cut: sample straight from the softmax, without sorting the vocabulary.
-        probs = torch.softmax(scaled, dim=-1)
-        for j, i in enumerate(sampled_rows):
-            out[i] = int(torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], device)))
+    Which path a row takes depends on its own parameters only: a row without cuts draws
+    from the softmax in vocabulary order, a row with a top-k or top-p cut from its sorted,
+    cut distribution. Deciding for the whole batch would make a seeded request's tokens
+    depend on whether a neighbour asked for a cut."""
+    out = _argmax(logits)
+    sampled = [i for i, r in enumerate(reqs) if r.sampling.temperature > _GREEDY_EPS]
+    if not sampled:
         return out
+    vocab = logits.shape[-1]
+    plain, cut = [], []
+    for i in sampled:
+        p = reqs[i].sampling
+        (cut if 0 < p.top_k < vocab or p.top_p < 1.0 else plain).append(i)
+    if plain:
+        probs = torch.softmax(_scaled(logits, reqs, plain), dim=-1)
+        for j, i in enumerate(plain):
+            out[i] = int(torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], logits.device)))
+    if cut:
+        probs, order = _cut_probs(_scaled(logits, reqs, cut), [reqs[i].sampling for i in cut])
+        for j, i in enumerate(cut):
+            pick = torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], logits.device))
+            out[i] = int(order[j, pick])
+    return out
 
+
+def _scaled(logits: torch.Tensor, reqs: Sequence[Req], rows: list[int]) -> torch.Tensor:
+    """These rows' logits in float32, divided by each row's temperature."""
+    device = logits.device
+    temps = torch.tensor([reqs[i].sampling.temperature for i in rows], device=device, dtype=torch.float32)
+    return logits.index_select(0, torch.tensor(rows, device=device)).float() / temps.unsqueeze(1)
+
+
+def _cut_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities in descending order after its top-k and top-p cuts, and the
+    vocabulary index of each sorted position."""
+    device = scaled.device
+    vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
@@ -73,9 +93,4 @@ def sample(logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
     # token always survives.
     before = probs.cumsum(dim=-1) - probs
     # ranks > 0: a top_p that rounds to 0 in this dtype must still leave the top token.
-    probs = probs.masked_fill((before >= top_p.unsqueeze(1)) & (ranks > 0), 0.0)
-
-    for j, i in enumerate(sampled_rows):
-        pick = torch.multinomial(probs[j], 1, generator=_generator_for(reqs[i], device))
-        out[i] = int(order[j, pick])
-    return out
+    return probs.masked_fill((before >= top_p.unsqueeze(1)) & (ranks > 0), 0.0), order

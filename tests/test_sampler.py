@@ -10,8 +10,9 @@ from scheduler_proc.sampler import sample
 
 
 def req(seed: int, **params: object) -> Req:
+    params = {"temperature": 0.8, **params}
     return Req(
-        rid=f"s{seed}", req_id=seed, input_ids=[1], sampling=SamplingParams(temperature=0.8, seed=seed, **params),  # type: ignore[arg-type]
+        rid=f"s{seed}", req_id=seed, input_ids=[1], sampling=SamplingParams(seed=seed, **params),  # type: ignore[arg-type]
         stream=True, stream_interval=1, arrival_time=0.0,
     )  # fmt: skip
 
@@ -36,3 +37,19 @@ def test_top_k_one_is_greedy_and_top_p_cuts_the_tail() -> None:
     logits[0, 7] = 19.0
     assert {t for row in draws([req(3, top_k=1)], logits) for t in row} == {123}
     assert {t for row in draws([req(4, top_p=0.5)], logits, 50) for t in row} == {123}
+
+
+def test_a_seeded_row_ignores_whether_a_neighbour_has_cuts() -> None:
+    """A row without cuts beside a top_p or top_k row draws what it draws alone (the sorted
+    path was once taken for the whole batch, so 20 of 20 seeds changed)."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 4096) * 2
+    for seed in range(20):
+        alone = [row[0] for row in draws([req(seed, temperature=1.0)], logits[:1], 8)]
+        for neighbour in ({"top_p": 0.9}, {"top_k": 50}):
+            mixed = [row[0] for row in draws([req(seed, temperature=1.0), req(1000 + seed, **neighbour)], logits, 8)]
+            assert mixed == alone, (seed, neighbour)
+        # And the other way round: a cut row beside an uncut one draws what it draws alone.
+        cut_alone = [row[0] for row in draws([req(seed, top_p=0.9)], logits[1:], 8)]
+        cut_mixed = [row[1] for row in draws([req(2000 + seed), req(seed, top_p=0.9)], logits, 8)]
+        assert cut_mixed == cut_alone, seed
