@@ -6,7 +6,9 @@ text of ``ids[prefix:read]`` is already emitted context, and the new text is wha
 two ``decode_batch`` calls, so the per-row Python work is slicing only.
 
 Guarantees: no U+FFFD for an incomplete UTF-8 sequence (such text is held until the
-sequence completes, or dropped at the end); stop strings are trimmed (unless
+sequence completes, or dropped at the end; a byte run that can no longer become a
+character is released as U+FFFD as soon as that is certain); a stop token's text and a
+stop string from the occurrence that ended the request on are trimmed (unless
 ``no_stop_trim``), and while a streaming request has stop strings the last
 ``len(longest stop) - 1`` characters are held back, so a trim never has to take back
 text that was already sent. State is dropped when the request finishes.
@@ -15,6 +17,7 @@ text that was already sent. State is dropped when the request finishes.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +31,11 @@ logger = logging.getLogger("tokenpipe.detokenizer")
 _REPLACEMENT = "\ufffd"
 
 
+# A UTF-8 character is at most 4 bytes, so an unfinished one has at most 3, and every token
+# is at least one byte: a byte run that 3 later tokens have not completed never will be.
+_MAX_OPEN_TOKENS = 3
+
+
 @dataclass
 class _RequestText:
     options: DecodeOptions
@@ -37,10 +45,28 @@ class _RequestText:
     text: str = ""  # everything decoded so far, held-back part included
     sent: int = 0  # characters of ``text`` already emitted
     holdback: int = 0
+    # While the tail is an open byte run: characters of decode(ids[prefix_offset:]) past
+    # the prefix text that are already in ``text`` (settled, though no token boundary
+    # after them lets the offsets move).
+    settled: int = 0
+    stop_search_from: int = 0  # where a matched stop string's occurrence may start, at the earliest
 
     def __post_init__(self) -> None:
         if self.options.stream and self.options.stop and not self.options.no_stop_trim:
             self.holdback = max(len(s) for s in self.options.stop) - 1
+
+
+def _trimmed_stop_string(reason: FinishReason | None, state: _RequestText) -> str | None:
+    """The stop string whose occurrence ends the text, when it is to be cut off."""
+    if isinstance(reason, FinishStop) and isinstance(reason.matched, str) and not state.options.no_stop_trim:
+        return reason.matched
+    return None
+
+
+def _trims_stop_token(reason: FinishReason | None, state: _RequestText) -> bool:
+    """A stop token id (or EOS) ends the row it finishes; its text is not output (SGLang
+    and vLLM leave it out unless asked to keep it)."""
+    return isinstance(reason, FinishStop) and isinstance(reason.matched, int) and not state.options.no_stop_trim
 
 
 class IncrementalDetokenizer:
@@ -60,9 +86,9 @@ class IncrementalDetokenizer:
         finished: Sequence[FinishReason | None] | None,
         options: Sequence[DecodeOptions | None] | None,
     ) -> list[str]:
-        """Returns the text delta of each row, in row order."""
-        states: list[_RequestText] = []
-        known: list[int] = []  # row indices that have state
+        """Returns the text delta of each row, in row order. The columns must be of one
+        length (``pipeline.frame_checks`` checks a frame before it gets here)."""
+        rows: list[tuple[int, _RequestText]] = []  # (row index, state) of the rows with state
         for i, rid in enumerate(req_ids):
             state = self._states.get(rid)
             if state is None:
@@ -74,28 +100,82 @@ class IncrementalDetokenizer:
                     self._unknown.warn("req_id %d has no decode state and no decode options; its text is dropped", rid)
                     continue
                 state = self._states[rid] = _RequestText(opt)
-            state.ids.extend(new_ids[i])
-            states.append(state)
-            known.append(i)
+            rows.append((i, state))
 
-        news = self._decode_rows(states, prefix_only=False)
-        prefixes = self._decode_rows(states, prefix_only=True)
+        states = [st for _, st in rows]
+        if finished is None:  # the steady step: nothing ends, nothing is trimmed
+            self._advance(states, [new_ids[i] for i, _ in rows], final=False)
+        else:
+            self._advance(states, self._chunks_of_finishing_frame(rows, new_ids, finished), final=[finished[i] is not None for i, _ in rows])
 
         deltas = [""] * len(req_ids)
-        for k, (i, state) in enumerate(zip(known, states)):
+        for i, st in rows:
             reason = finished[i] if finished is not None else None
-            new_text, prefix_text = news[k], prefixes[k]
-            if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
-                state.text += new_text[len(prefix_text) :]
-                state.prefix_offset = state.read_offset
-                state.read_offset = len(state.ids)
-            elif reason is not None:
-                # An incomplete UTF-8 sequence at the very end is dropped, never shown.
-                state.text += new_text[len(prefix_text) :].rstrip(_REPLACEMENT)
-            deltas[i] = self._take_delta(state, reason)
+            deltas[i] = self._take_delta(st, reason)
             if reason is not None:
                 del self._states[req_ids[i]]
         return deltas
+
+    def _chunks_of_finishing_frame(
+        self, rows: list[tuple[int, _RequestText]], new_ids: Sequence[Sequence[int]], finished: Sequence[FinishReason | None]
+    ) -> list[Sequence[int]]:
+        """The ids each row adds, less a stop token that is trimmed. A matched stop string
+        ends in its row's last token (the scheduler checks after every token), so its
+        occurrence starts past the text of the tokens before it: those are decoded first
+        here, and the trim searches from where their text ends."""
+        split = [(i, st) for i, st in rows if _trimmed_stop_string(finished[i], st) is not None and len(new_ids[i]) > 1]
+        if split:
+            self._advance([st for _, st in split], [new_ids[i][:-1] for i, _ in split], final=False)
+        last_only = {i for i, _ in split}
+        chunks: list[Sequence[int]] = []
+        for i, st in rows:
+            ids = new_ids[i][-1:] if i in last_only else new_ids[i]
+            if _trimmed_stop_string(finished[i], st) is not None:
+                st.stop_search_from = len(st.text)
+            elif _trims_stop_token(finished[i], st):
+                ids = ids[:-1]
+            chunks.append(ids)
+        return chunks
+
+    def _advance(self, states: list[_RequestText], chunks: Sequence[Sequence[int]], *, final: bool | list[bool]) -> None:
+        """Appends each state's new ids and the text they complete: two ``decode_batch``
+        calls for all rows. A text ending in U+FFFD is an unfinished UTF-8 sequence and is
+        held, unless the row is final (then it is dropped) or the run has outlived any
+        character (then what can no longer change is released)."""
+        for st, chunk in zip(states, chunks):
+            st.ids.extend(chunk)
+        news = self._decode_rows(states, prefix_only=False)
+        prefixes = self._decode_rows(states, prefix_only=True)
+        for k, st in enumerate(states):
+            new_text, prefix_text = news[k], prefixes[k]
+            start = len(prefix_text) + st.settled
+            if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+                st.text += new_text[start:]
+                st.prefix_offset = st.read_offset
+                st.read_offset = len(st.ids)
+                st.settled = 0
+            else:
+                if len(st.ids) - st.read_offset > _MAX_OPEN_TOKENS:
+                    start = self._release_closed_run(st, new_text, start)
+                if final if isinstance(final, bool) else final[k]:
+                    # What may be an unfinished UTF-8 sequence at the very end is dropped,
+                    # never shown (streamed or not, the same text: the closed part first).
+                    st.text += new_text[start:].rstrip(_REPLACEMENT)
+
+    def _release_closed_run(self, st: _RequestText, new_text: str, start: int) -> int:
+        """Releases the part of an open run that later bytes can no longer change: what
+        ``ids[prefix:-3]`` decodes to, as far as it agrees with the whole decode (U+FFFD
+        for bytes that never formed a character, which a client should see now, not at
+        the end). Returns where the unreleased text now starts. Rare: only a run of bytes
+        that stays invalid gets here."""
+        cut = len(st.ids) - _MAX_OPEN_TOKENS
+        before = self._tokenizer.decode(st.ids[st.prefix_offset : cut], skip_special_tokens=st.options.skip_special_tokens)
+        agreed = len(os.path.commonprefix([before, new_text]))
+        if agreed <= start:
+            return start
+        st.text += new_text[start:agreed]
+        st.settled += agreed - start
+        return agreed
 
     def _decode_rows(self, states: list[_RequestText], *, prefix_only: bool) -> list[str]:
         out = [""] * len(states)
@@ -119,8 +199,9 @@ class IncrementalDetokenizer:
             end = max(state.sent, len(state.text) - state.holdback)
         else:
             end = len(state.text)
-            if isinstance(reason, FinishStop) and isinstance(reason.matched, str) and not state.options.no_stop_trim:
-                at = state.text.find(reason.matched, max(0, state.sent - len(reason.matched) + 1))
+            matched = _trimmed_stop_string(reason, state)
+            if matched is not None:
+                at = state.text.find(matched, max(0, state.stop_search_from - len(matched) + 1))
                 if at >= state.sent:
                     end = at
                 elif at >= 0:

@@ -9,8 +9,14 @@ from pipeline.io_struct import FinishLength, FinishReason, FinishStop
 from scheduler_proc.req import Req
 
 
+# Decodes token ids to text; the flag is ``skip_special_tokens``.
+Decode = Callable[[Sequence[int], bool], str]
+
+_REPLACEMENT = "\ufffd"
+
+
 class StopChecker:
-    def __init__(self, eos_token_ids: frozenset[int], decode: Callable[[Sequence[int]], str], context_length: int) -> None:
+    def __init__(self, eos_token_ids: frozenset[int], decode: Decode, context_length: int) -> None:
         self._eos = eos_token_ids
         self._decode = decode
         self._context_length = context_length
@@ -36,11 +42,25 @@ class StopChecker:
         return None
 
     def _match_stop_string(self, req: Req) -> str | None:
-        # A stop string that completed now ends inside the newest token, and every token
-        # is at least one byte, so the last len(stop in bytes) tokens cover it.
-        longest = max(len(stop.encode()) for stop in req.sampling.stop)
-        tail = self._decode(req.output_ids[-(longest + 1) :])
-        for stop in req.sampling.stop:
-            if stop in tail:
-                return stop
-        return None
+        """The stop string that the newest token completes, if any: of the occurrences
+        that end in its text, the one that starts first (the text is cut there, so it then
+        holds no stop string past ``min_new_tokens``). An occurrence that ended earlier is
+        not a match now: it came before ``min_new_tokens`` allowed a stop. The text is
+        decoded as the client sees it (``skip_special_tokens``), so a stop string can
+        match a special token's text."""
+        stops = req.sampling.stop
+        # An occurrence ends inside the newest token and every token is at least one byte,
+        # so the last len(stop in bytes) tokens cover it; one more gives the decoder context.
+        longest = max(len(stop.encode()) for stop in stops)
+        window = req.output_ids[-(longest + 1) :]
+        skip = req.sampling.skip_special_tokens
+        text = self._decode(window, skip)
+        # Past this point the text is the newest token's (an unfinished UTF-8 sequence
+        # that it completes decoded to U+FFFD before it).
+        settled = len(self._decode(window[:-1], skip).rstrip(_REPLACEMENT))
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            at = text.find(stop, max(0, settled - len(stop) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        return best[1] if best is not None else None

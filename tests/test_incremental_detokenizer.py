@@ -109,3 +109,53 @@ def test_row_of_an_unknown_request_keeps_no_state() -> None:
     assert out[0] == "" and detok.num_live == 1
     out = detok.process([6], [[]], [FinishLength(length=len(known))], None)
     assert detok.num_live == 0
+
+
+def _one_row(ids: list[int], reason, options: DecodeOptions = DecodeOptions(stream=False)) -> str:  # type: ignore[no-untyped-def]
+    return IncrementalDetokenizer(TOK.tokenizer).process([1], [ids], [reason], [options])[0]
+
+
+def _streamed(ids: list[int], reason, options: DecodeOptions = DecodeOptions()) -> list[str]:  # type: ignore[no-untyped-def]
+    return feed(IncrementalDetokenizer(TOK.tokenizer), 1, ids, [1] * len(ids), options, reason)
+
+
+def test_a_stop_token_text_is_trimmed_unless_asked_to_keep_it() -> None:
+    """stop_token_ids [id of " follows"]: its text is not output, streamed or not."""
+    ids = TOK.encode(" onglessongless follows")
+    stop = FinishStop(matched=ids[-1])
+    assert _one_row(ids, stop) == TOK.decode(ids[:-1])
+    assert "".join(_streamed(ids, stop)) == TOK.decode(ids[:-1])
+    assert _one_row(ids, stop, DecodeOptions(stream=False, no_stop_trim=True)) == TOK.decode(ids)
+    # EOS kept as text (skip_special_tokens false) is a stop token too.
+    eos = [*TOK.encode(" done"), 0]
+    assert _one_row(eos, FinishStop(matched=0), DecodeOptions(stream=False, skip_special_tokens=False)) == " done"
+
+
+def test_a_stop_string_is_cut_at_the_occurrence_that_ended_the_request() -> None:
+    """min_new_tokens let the first " 15" through; the request ended on the second, and
+    the text is cut there, streamed or not (once cut at the first: " ")."""
+    ids = TOK.encode(" 15 wanting 15")
+    stop = FinishStop(matched="15")
+    options = ("15",)
+    assert _one_row(ids, stop, DecodeOptions(stream=False, stop=options)) == " 15 wanting "
+    assert "".join(_streamed(ids, stop, DecodeOptions(stop=options))) == " 15 wanting "
+
+
+def test_of_two_stop_strings_the_text_holds_neither() -> None:
+    ids = TOK.encode(" 15 wanting sources")
+    stop = FinishStop(matched="sou")  # what the stop checker reports: the earliest start
+    options = ("es", "sou")
+    assert _one_row(ids, stop, DecodeOptions(stream=False, stop=options)) == " 15 wanting "
+    assert "".join(_streamed(ids, stop, DecodeOptions(stop=options))) == " 15 wanting "
+
+
+def test_a_byte_run_that_can_never_be_a_character_is_released_as_it_goes() -> None:
+    """50 tokens of the byte 0xFF: no UTF-8 character can come of them, so the stream
+    shows them as they come (U+FFFD each) instead of holding all to the end; what the
+    last three tokens might still have completed is dropped at the end, the same streamed
+    or not."""
+    ff = TOK.tokenizer.token_to_id("ÿ")  # byte 0xFF in the byte-level alphabet
+    ids = [ff] * 50
+    deltas = _streamed(ids, FinishLength(length=50))
+    assert sum(1 for d in deltas if d) >= 45
+    assert "".join(deltas) == "\ufffd" * 47 == _one_row(ids, FinishLength(length=50))
