@@ -56,6 +56,7 @@ class Req:
         "_stats_epoch_sent",
         "_stats",
         "_decode_options_sent",
+        "_queue_stay_open",
         "is_embedding",
         "admitted_once",
         "cached_by_tier",
@@ -103,6 +104,7 @@ class Req:
         # server, DecodeBootstrap (scheduler_proc.pd_decode) on a decode server; else None.
         self.pd: Any = None
         self._decode_options_sent = False
+        self._queue_stay_open = False  # between enter_waiting_queue and leaving the queue
 
         self.stats_epoch = 0
         self.request_stats_retraction_count: int | None = None
@@ -172,14 +174,22 @@ class Req:
     # --- lifecycle events ----------------------------------------------------------------
 
     def enter_waiting_queue(self, now: float) -> None:
+        self._queue_stay_open = True
         self.update_time_stats(wait_queue_entry_time=now)
 
     def leave_waiting_queue(self, now: float) -> None:
+        """Admitted (or its KV installed): the stay ends, and the first one starts the forward."""
+        self._close_queue_stay(now, entering_forward=True)
+
+    def _close_queue_stay(self, now: float, *, entering_forward: bool) -> None:
+        if not self._queue_stay_open:
+            return
+        self._queue_stay_open = False
         ts = self._stats.time_stats
         if ts is None or ts.wait_queue_entry_time is None:
             return
         changes: dict[str, float] = {"queue_time": ts.queue_time + (now - ts.wait_queue_entry_time)}
-        if ts.forward_entry_time is None:
+        if entering_forward and ts.forward_entry_time is None:
             changes["forward_entry_time"] = now
         self.update_time_stats(**changes)
 
@@ -188,9 +198,13 @@ class Req:
         self.enter_waiting_queue(now)
 
     def finish(self, reason: FinishReason, now: float | None = None) -> None:
+        """Ends the request wherever it is. A request that ends while it waits (an abort
+        before admission, or after a retraction) counts that stay in ``queue_time`` too."""
+        now = time.time() if now is None else now
         self.finished_reason = reason
         PENDING_STATS.add(self)  # the finished row always carries stats
-        self.update_time_stats(completion_time=time.time() if now is None else now)
+        self._close_queue_stay(now, entering_forward=False)
+        self.update_time_stats(completion_time=now)
 
     # --- token bookkeeping ---------------------------------------------------------------
 

@@ -138,3 +138,33 @@ def test_embedding_pools_the_same_chunked_or_not() -> None:
     c, _ = embed(whole, 2, PROMPT[:80])
     assert not np.allclose(a, c, atol=1e-3), "different inputs should embed differently"
     assert_no_kv_leak(whole)
+
+
+def _finished_stats(s: Scheduler) -> dict[int, object]:
+    out = {}
+    while s.has_work():
+        for frame in s.step():
+            if frame.request_stats is None or frame.finished_reasons is None:
+                continue
+            for rid, st, reason in zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), frame.request_stats, frame.finished_reasons):
+                if reason is not None:
+                    out[rid] = st
+    return out
+
+
+def test_a_request_aborted_while_it_waits_keeps_its_queue_time() -> None:
+    """With one running slot, B waits behind A; aborted in the queue, its stats still count
+    the stay (once 0.0: the abort never closed the open stay)."""
+    s = build_scheduler(ServerConfig(max_total_tokens=4096, max_running_requests=1, torch_threads=1))
+    submit(s, 1, PROMPT[:20], max_new=40)
+    submit(s, 2, PROMPT[20:40])
+    entered = time.time()
+    for _ in range(3):
+        s.step()
+    time.sleep(0.05)
+    s.abort(AbortReq(req_id=2))
+    waited = time.time() - entered
+    stats = _finished_stats(s)
+    ts = stats[2].time_stats  # type: ignore[attr-defined]
+    assert 0.05 <= ts.queue_time <= waited + 0.01
+    assert ts.forward_entry_time is None, "it never left the queue for a forward pass"
