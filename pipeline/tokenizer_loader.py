@@ -33,6 +33,10 @@ DEFAULT_MODEL_NAME = "tokenpipe-tiny"
 MEDIA_TOKENS: dict[str, str] = {"image": "<|image|>", "audio": "<|audio|>", "video": "<|video|>"}
 """Placeholder token per media kind; a tokenizer without one simply cannot take that kind."""
 
+SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The single special tokens of ``transformers``' special-token map, which it hands to chat
+templates (``{{ bos_token }}``)."""
+
 
 class TokenizerLoadError(ValueError):
     """A model directory cannot give a usable tokenizer.
@@ -57,14 +61,15 @@ class LoadedTokenizer:
     chat_template: str | None
     media_token_ids: dict[str, int]
     name: str
+    special_tokens: dict[str, str]  # tokenizer_config.json's SPECIAL_TOKEN_FIELDS, as strings
 
-    def encode(self, text: str) -> list[int]:
-        """Encode without a post-processor's BOS/EOS: prompts arrive already templated.
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """By default without a post-processor's BOS/EOS: prompts arrive already templated.
 
         Special-token strings in ``text`` (such as ``<|im_start|>``) still become their ids, so
         a rendered chat template encodes to real control tokens.
         """
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -133,6 +138,7 @@ def load_tokenizer(model_path: str | os.PathLike[str] | None) -> LoadedTokenizer
         chat_template=_chat_template(directory, tokenizer_config),
         media_token_ids=media_ids,
         name=DEFAULT_MODEL_NAME if is_default else directory.name,
+        special_tokens=_special_tokens(tokenizer_config),
     )
 
 
@@ -149,13 +155,26 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
-def _token_id(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], field: str) -> int:
-    """Resolve a token named in tokenizer_config.json; HF writes either a string or an
-    AddedToken-style dict ``{"content": ...}``."""
+def _token_content(config: dict[str, Any], field: str) -> str:
+    """A token named in tokenizer_config.json; HF writes either a string or an AddedToken-style
+    dict ``{"content": ...}``."""
     value = config[field]
     content = value.get("content") if isinstance(value, dict) else value
     if not isinstance(content, str):
         raise TokenizerLoadError(f"tokenizer_config.json: '{field}' must be a string or {{\"content\": str}}")
+    return content
+
+
+def _special_tokens(config: dict[str, Any] | None) -> dict[str, str]:
+    """What a chat template gets as ``bos_token`` etc.; like ``transformers``, a token the
+    config leaves out or sets to null is simply not there (undefined in the template)."""
+    if config is None:
+        return {}
+    return {name: _token_content(config, name) for name in SPECIAL_TOKEN_FIELDS if config.get(name) is not None}
+
+
+def _token_id(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], field: str) -> int:
+    content = _token_content(config, field)
     token_id = tokenizer.token_to_id(content)
     if token_id is None:
         raise TokenizerLoadError(f"tokenizer_config.json: '{field}' {content!r} is not in the vocabulary")

@@ -11,7 +11,9 @@ Rendering follows Hugging Face ``transformers`` so that a model's own template r
 here as in ``apply_chat_template``: a sandboxed environment (a template is data from a model
 directory, it must not reach Python internals), ``trim_blocks``/``lstrip_blocks``, the
 ``raise_exception`` and ``strftime_now`` globals, a ``tojson`` that does not HTML-escape, the
-``{% generation %}`` tag rendered as its body, and ``add_generation_prompt=True``.
+``{% generation %}`` tag rendered as its body, ``tools`` and ``documents`` as none, and the
+tokenizer's special tokens (``bos_token``, ``eos_token``, ...: ``LoadedTokenizer.special_tokens``)
+as variables, which Llama-style templates open with.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
+from collections.abc import Mapping
 from typing import Any
 
 import jinja2
@@ -76,9 +79,10 @@ class ChatTemplate:
     logged at start-up and makes every chat request a 500 naming the problem, rather than
     stopping a server whose other endpoints work."""
 
-    def __init__(self, source: str | None) -> None:
+    def __init__(self, source: str | None, special_tokens: Mapping[str, str] | None = None) -> None:
         self.source = source if source is not None else DEFAULT_CHAT_TEMPLATE
         self.is_default = source is None
+        self._special_tokens = dict(special_tokens or {})
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
@@ -93,15 +97,23 @@ class ChatTemplate:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: LoadedTokenizer) -> "ChatTemplate":
-        return cls(tokenizer.chat_template)
+        return cls(tokenizer.chat_template, tokenizer.special_tokens)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """``messages`` are plain dicts (``role``, ``content`` as a string, optional ``name``).
-        Raises ChatTemplateError for messages the template refuses or fails on."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """``messages`` are plain dicts (``role``, ``content`` as a string, optional ``name``,
+        ``tool_calls``, ``tool_call_id``). Raises ChatTemplateError for messages the template
+        refuses or fails on."""
         if self._template is None:
             raise ChatTemplateUnavailable(self._compile_error)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True)
+            # As apply_chat_template: none, not undefined, so that `tools is not none` is false.
+            return self._template.render(
+                **self._special_tokens,
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+            )
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
