@@ -17,6 +17,7 @@ client).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -197,45 +198,86 @@ class RefusalPart(msgspec.Struct, tag_field="type", tag="refusal", forbid_unknow
 ContentPart = TextPart | ImageURLPart | InputAudioPart | FilePart | RefusalPart
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # Documented for tool use and audio, which this server refuses.
-    tool_calls: Any = None
+    # A conversation's earlier tool use is rendered (as vLLM does), though `tools` is refused.
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # Documented for the deprecated function calling and for audio, which this server refuses.
     function_call: Any = None
     audio: Any = None
     refusal: str | None = None  # an earlier assistant refusal: ignored
 
     def to_template(self, index: int) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined with newlines (as
-        vLLM does)."""
+        """The message as the chat template sees it: text parts joined with newlines and
+        ``developer`` as ``system`` (as vLLM and OpenAI do: templates know only ``system``)."""
         where = f"messages[{index}]"
-        if self.role in ("tool", "function") or self.tool_calls is not None or self.function_call is not None:
-            raise RequestValidationError(f"{where}: tool and function calls are not supported by this server", where)
-        if self.audio is not None:
-            raise RequestValidationError(f"{where}: audio is not supported by this server", f"{where}.audio")
-        if self.content is None:
-            raise RequestValidationError(f"{where}.content is required", f"{where}.content")
-        if isinstance(self.content, str):
-            content = self.content
-        else:
-            texts = []
-            for j, part in enumerate(self.content):
-                if not isinstance(part, (TextPart, RefusalPart)):
-                    kind = type(part).__struct_config__.tag
-                    raise RequestValidationError(
-                        f"{where}.content[{j}]: content parts of type {kind!r} are not supported by this server; "
-                        "only 'text'",
-                        f"{where}.content[{j}].type",
-                    )
-                texts.append(part.text if isinstance(part, TextPart) else part.refusal)
-            content = "\n".join(texts)
-        out: dict[str, Any] = {"role": self.role, "content": content}
+        self._refuse_unsupported(where)
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self._text(where)}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [
+                _template_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(self.tool_calls)
+            ]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+    def _refuse_unsupported(self, where: str) -> None:
+        if self.role == "function" or self.function_call is not None:
+            raise RequestValidationError(f"{where}: function calls are not supported by this server (use tool calls)", where)
+        if self.audio is not None:
+            raise RequestValidationError(f"{where}: audio is not supported by this server", f"{where}.audio")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise RequestValidationError(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise RequestValidationError(f"{where}.tool_call_id is required on tool messages", f"{where}.tool_call_id")
+
+    def _text(self, where: str) -> str:
+        if self.content is None:
+            # An assistant turn that only called tools has no content.
+            if self.role == "assistant":
+                return ""
+            raise RequestValidationError(f"{where}.content is required", f"{where}.content")
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if not isinstance(part, (TextPart, RefusalPart)):
+                kind = type(part).__struct_config__.tag
+                raise RequestValidationError(
+                    f"{where}.content[{j}]: content parts of type {kind!r} are not supported by this server; "
+                    "only 'text'",
+                    f"{where}.content[{j}].type",
+                )
+            texts.append(part.text if isinstance(part, TextPart) else part.refusal)
+        return "\n".join(texts)
+
+
+def _template_tool_call(call: ToolCall, where: str) -> dict[str, Any]:
+    """Templates (``arguments | tojson``) expect the arguments as an object, not the JSON
+    text the API carries; vLLM parses them the same way, an empty string as ``{}``."""
+    try:
+        arguments = json.loads(call.function.arguments) if call.function.arguments else {}
+    except json.JSONDecodeError as exc:
+        message = f"{where}.function.arguments is not valid JSON: {exc}"
+        raise RequestValidationError(message, f"{where}.function.arguments") from exc
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -248,7 +290,7 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -270,7 +312,7 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("logprobs", bool, "logprobs are not supported by this server"),
-        ("top_logprobs", lambda v: v is not None, "top_logprobs (logprobs) are not supported by this server"),
+        ("top_logprobs", bool, "top_logprobs (logprobs) are not supported by this server (send 0 or leave it out)"),
         ("tools", bool, "tools (function calling) are not supported by this server"),
         ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported by this server"),
         ("functions", bool, "functions (function calling) are not supported by this server"),
