@@ -16,6 +16,8 @@ so ``cached_tokens <= prompt_tokens`` always holds.
 
 ``finish_reason``: ``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``,
 ``FinishLength`` is ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``.
+A non-streamed choice's ``stop_reason`` (vLLM's) is the stop string or ``stop_token_ids`` id
+that ended it, null for EOS and every other finish.
 
 Waiting, disconnect handling and error bodies are ``http_server``'s: a client that
 disconnects aborts every choice of its request, and a request the scheduler refuses is a 400
@@ -52,7 +54,14 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     started = int(time.time())
 
     def model_card() -> dict[str, Any]:
-        return {"id": tm.model_name, "object": "model", "created": started, "owned_by": "tokenpipe"}
+        return {
+            "id": tm.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "tokenpipe",
+            "max_model_len": tm.context_length,  # vLLM's name
+        }
+
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -74,12 +83,11 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         prompts = body.prompts()
         if len(prompts) * body.choices > MAX_CHOICES:
             raise RequestValidationError(f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n")
-        max_tokens = body.max_tokens if body.max_tokens is not None else CompletionRequest.DEFAULT_MAX_TOKENS
         jobs: list[tuple[list[int], SamplingParams]] = []
         for prompt in prompts:
             with _openai_names("prompt", "max_tokens"):
                 ids = tm.tokenize(prompt, None) if isinstance(prompt, str) else tm.tokenize(None, prompt)
-                jobs.extend(_choices(tm, body, ids, max_tokens))
+                jobs.extend(_choices(tm, body, ids, _completion_max_tokens(tm, body, len(ids))))
         return await _respond(tm, request, _COMPLETION, body, jobs, arrived)
 
     @router.post("/v1/chat/completions")
@@ -118,6 +126,14 @@ def _room_left(tm: TokenizerManager, prompt_len: int) -> int:
     if config.mode == "dllm":  # the KV pool holds whole blocks
         pool_room -= pool_room % config.dllm_block_size
     return max(1, min(config.max_new_tokens_limit, tm.context_length - prompt_len, pool_room))
+
+
+def _completion_max_tokens(tm: TokenizerManager, body: CompletionRequest, prompt_len: int) -> int:
+    """OpenAI's default of 16, but as vLLM and OpenAI do, a prompt with less room than that
+    is cut at the context ("length") rather than refused."""
+    if body.max_tokens is not None:
+        return body.max_tokens
+    return min(CompletionRequest.DEFAULT_MAX_TOKENS, _room_left(tm, prompt_len))
 
 
 def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
@@ -160,7 +176,14 @@ class _Completion:
 
     @staticmethod
     def choice(index: int, state: ReqState) -> dict[str, Any]:
-        return {"index": index, "text": state.text, "logprobs": None, "finish_reason": _finish_reason(state)}
+        return {
+            "index": index,
+            "text": state.text,
+            "logprobs": None,
+            "finish_reason": _finish_reason(state),
+            "stop_reason": _stop_reason(state),
+        }
+
 
     @staticmethod
     def opening(index: int) -> dict[str, Any] | None:
@@ -184,6 +207,7 @@ class _Chat:
             "message": {"role": "assistant", "content": state.text},
             "logprobs": None,
             "finish_reason": _finish_reason(state),
+            "stop_reason": _stop_reason(state),
         }
 
     @staticmethod
@@ -203,6 +227,17 @@ _CHAT = _Chat()
 def _finish_reason(state: ReqState) -> str | None:
     reason = state.finished_reason
     return None if reason is None else _FINISH_REASONS[type(reason)]
+
+
+def _stop_reason(state: ReqState) -> int | str | None:
+    """``FinishStop.matched`` is a token id both for EOS and for a stop token: only the
+    request's own ``stop_token_ids`` make it a stop token (the stop checker tests them first)."""
+    reason = state.finished_reason
+    if not isinstance(reason, FinishStop):
+        return None
+    if isinstance(reason.matched, str) or reason.matched in state.sampling.stop_token_ids:
+        return reason.matched
+    return None
 
 
 def _usage(states: list[ReqState], n: int) -> dict[str, Any]:
