@@ -23,6 +23,7 @@ from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.openai_api import build_openai_router
 from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.tokenize_api import build_tokenize_router
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -124,6 +125,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     app.include_router(build_openai_router(tm))
     app.include_router(build_embeddings_router(tm))
     app.include_router(build_hicache_router(tm))
+    app.include_router(build_tokenize_router(tm))
 
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=_OPEN_PATHS)

@@ -1,0 +1,99 @@
+"""vLLM's tokenizer endpoints: ``POST /tokenize`` and ``POST /detokenize``.
+
+``/tokenize`` takes a ``prompt`` (``add_special_tokens`` defaults to true, as in vLLM: the
+tokenizer's post-processor BOS/EOS, if it has one) or chat ``messages`` rendered through the
+same chat template as ``/v1/chat/completions`` (``add_special_tokens`` defaults to false
+there, so the ids are exactly the prompt a chat request would run). It answers
+``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` on request). ``/detokenize``
+takes ``tokens`` and answers ``{"prompt"}``, special tokens included, as vLLM does.
+
+Neither touches the scheduler: they answer from the API process's own tokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from msgspec import Meta
+
+from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_body
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
+from tokenizer_proc.http_common import error_response
+from tokenizer_proc.openai_schema import Message
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's completion and chat forms in one struct (msgspec decodes no untagged union of
+    objects); ``check_form`` refuses a mix of the two. None means "not given"."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)] | None = None
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    def check_form(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestValidationError("give exactly one of `prompt` and `messages`", "prompt")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise RequestValidationError("add_generation_prompt goes with `messages`, not `prompt`", "add_generation_prompt")
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
+    router = APIRouter()
+    template = ChatTemplate.for_tokenizer(tm.tokenizer)
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)  # type: ignore[assignment]
+        body.check_form()
+        if body.model is not None and body.model != tm.model_name:
+            return _model_not_found(body.model)
+        try:
+            ids = _tokens(tm, template, body)
+        except ChatTemplateUnavailable as exc:
+            return error_response(500, str(exc), err_type="internal_error")
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": tm.context_length, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tm.tokenizer.tokenizer.id_to_token(i) for i in ids]
+        return JSONResponse(out)
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)  # type: ignore[assignment]
+        if body.model is not None and body.model != tm.model_name:
+            return _model_not_found(body.model)
+        vocab = tm.tokenizer.vocab_size
+        for i, token in enumerate(body.tokens):
+            if token >= vocab:
+                raise RequestValidationError(f"tokens[{i}] is {token}, not below the vocabulary size {vocab}", f"tokens[{i}]")
+        return JSONResponse({"prompt": tm.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    return router
+
+
+def _tokens(tm: TokenizerManager, template: ChatTemplate, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return tm.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+    assert body.messages is not None
+    messages = [m.to_template(i) for i, m in enumerate(body.messages)]
+    try:
+        rendered = template.render(messages, add_generation_prompt=body.add_generation_prompt is not False)
+    except ChatTemplateError as exc:
+        raise RequestValidationError(str(exc), "messages") from exc
+    return tm.tokenizer.encode(rendered, add_special_tokens=bool(body.add_special_tokens))
+
+
+def _model_not_found(model: str) -> JSONResponse:
+    return error_response(404, f"the model {model!r} does not exist; see GET /v1/models", err_type="not_found_error", param="model")
