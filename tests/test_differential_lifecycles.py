@@ -114,8 +114,14 @@ class Pipeline:
         if state.request_stats is None:
             return None
         if state.stream:
-            text, ids = state.take_pending()
-        elif state.finished:
+            # As /generate streams them: one event per chunk, the finish on the last only.
+            chunks, finished = state.take_pending(), state.finished
+            events = []
+            for i, c in enumerate(chunks):
+                interim = None if finished and i == len(chunks) - 1 else c.completion_tokens
+                events.append({"text": c.text, "output_ids": c.ids, "meta_info": build_meta_info(state, interim)})
+            return {"events": events}
+        if state.finished:
             text, ids = state.text, state.output_ids
         else:
             return None

@@ -183,7 +183,7 @@ def test_row_without_state_is_dropped_with_warning(manager: TokenizerManager, ca
     with caplog.at_level(logging.WARNING, logger="tokenpipe.tokenizer_manager"):
         manager.handle_output(_str_frame([orphan, known]))
     assert "req_id 77" in caplog.text
-    assert live.pending_text == "x" and live.completion_tokens == 1
+    assert [c.text for c in live.pending] == ["x"] and live.completion_tokens == 1
 
 
 def test_row_before_any_stats_is_dropped(manager: TokenizerManager, caplog: pytest.LogCaptureFixture) -> None:

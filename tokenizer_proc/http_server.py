@@ -22,7 +22,7 @@ from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.openai_api import build_openai_router
-from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.req_state import ReqState, sending
 from tokenizer_proc.tokenize_api import build_tokenize_router
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -134,13 +134,23 @@ def build_app(tm: TokenizerManager) -> FastAPI:
 
 async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
     try:
-        async for _ in tm.wait(state):
-            text, ids = state.take_pending()
+        # Not ``tm.wait``: it ends as soon as the state is finished, but rows and the finish
+        # that come while events are being sent must still go out after them.
+        finished = False
+        while not finished:
+            await state.event.wait()
+            state.event.clear()
             refused = refusal(state) if state.finished else None
             if refused is not None:
                 yield b"data: " + bytes(refused.body) + b"\n\n"
                 break
-            yield sse({"text": text, "output_ids": ids, "meta_info": build_meta_info(state)})
+            # Finished or not as taken: what comes while these events are sent is the next take's.
+            chunks, finished = state.take_pending(), state.finished
+            for i, chunk in enumerate(chunks):
+                final = finished and i == len(chunks) - 1  # the finish goes on the last event only
+                meta = build_meta_info(state, None if final else chunk.completion_tokens)
+                with sending([state]):
+                    yield sse({"text": chunk.text, "output_ids": chunk.ids, "meta_info": meta})
         yield b"data: [DONE]\n\n"
     finally:
         # Cancelled by a disconnect (or any other exit before the finish): stop the work.

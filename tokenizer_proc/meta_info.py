@@ -11,15 +11,19 @@ from pipeline.io_struct import SchedulerTimeStats, finish_reason_to_dict
 from tokenizer_proc.req_state import ReqState
 
 
-def build_meta_info(state: ReqState) -> dict[str, Any]:
+def build_meta_info(state: ReqState, interim_tokens: int | None = None) -> dict[str, Any]:
+    """The request's meta_info now. ``interim_tokens``: that of a stream event before the
+    last one instead, with the completion count through that event and no finish (the
+    finish goes on the last event only, even when several events are sent at once)."""
     stats = state.request_stats
     assert stats is not None, "meta_info is only built once the request has stats"
     details = stats.cached_tokens_details
+    finished = interim_tokens is None and state.finished_time is not None
     meta: dict[str, Any] = {
         "id": state.rid,
-        "finish_reason": finish_reason_to_dict(state.finished_reason) if state.finished_reason else None,
+        "finish_reason": finish_reason_to_dict(state.finished_reason) if finished and state.finished_reason else None,
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": state.completion_tokens,
+        "completion_tokens": state.completion_tokens if interim_tokens is None else interim_tokens,
         "cached_tokens": stats.cached_tokens,
         "cached_tokens_details": msgspec.to_builtins(details) if details is not None else None,
         "num_retractions": stats.num_retractions,
@@ -27,7 +31,6 @@ def build_meta_info(state: ReqState) -> dict[str, Any]:
     for kind, count in (("image_tokens", stats.image_tokens), ("audio_tokens", stats.audio_tokens), ("video_tokens", stats.video_tokens)):
         if count:
             meta[kind] = count
-    finished = state.finished_time is not None
     if finished:
         meta["e2e_latency"] = state.finished_time - state.created_time  # type: ignore[operator]
 

@@ -41,7 +41,7 @@ from tokenizer_proc.api_schema import RequestValidationError, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished
 from tokenizer_proc.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingRequest
-from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.req_state import ReqState, sending
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
@@ -332,7 +332,8 @@ async def _stream(
         for index in range(len(states)):
             opening = kind.opening(index)
             if opening is not None:
-                yield sse({**head, "choices": [opening], **tail})
+                with sending(states):
+                    yield sse({**head, "choices": [opening], **tail})
         async with aclosing(_changes(tm, states)) as changes:
             async for index in changes:
                 state = states[index]
@@ -340,10 +341,14 @@ async def _stream(
                 if refused is not None:
                     yield b"data: " + bytes(refused.body) + b"\n\n"
                     break
-                text, _ = state.take_pending()
-                finish_reason = _finish_reason(state)
-                if text or finish_reason is not None:
-                    yield sse({**head, "choices": [kind.delta(index, text, finish_reason)], **tail})
+                # Finished or not as taken: what comes while these events are sent is the
+                # next take's (``_changes`` marks the state again).
+                chunks, finish_reason = state.take_pending(), _finish_reason(state)
+                for i, chunk in enumerate(chunks):
+                    final = finish_reason if i == len(chunks) - 1 else None  # on the last event only
+                    if chunk.text or final is not None:  # ids that decode to no text yet: nothing to show
+                        with sending(states):
+                            yield sse({**head, "choices": [kind.delta(index, chunk.text, final)], **tail})
             else:
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(states, n)})
@@ -357,8 +362,10 @@ async def _changes(tm: TokenizerManager, states: list[ReqState]) -> AsyncIterato
     """Yields the index of each state that changed, each finished state exactly once, until
     all are finished. One task per state follows it through ``tm.wait``; changes that come
     while the consumer is busy (a slow client) collapse into one mark per state, so nothing
-    queues up beyond ``len(states)`` marks: the text itself merges in the state's pending
-    delta."""
+    queues up beyond ``len(states)`` marks: the output itself waits in the state's pending
+    chunks. A state is reported finished only once the consumer has been told of a change
+    after its finish, so output that came while the consumer was sending is never left
+    behind."""
     changed: dict[int, None] = {}  # an ordered set
     wake = asyncio.Event()
 

@@ -1,19 +1,39 @@
 """The tokenizer manager's state for one live request.
 
 ``request_stats`` holds the latest ``RequestOutputStats`` the scheduler sent; meta_info,
-metrics and span attributes are all built from it. Stream deltas that pile up while the
-client is slow are merged into one pending delta, so a slow reader costs memory linear in
-its unread text, never a queue of events.
+metrics and span attributes are all built from it.
+
+A streaming request keeps its unread output as pending chunks, one per output row, so a
+client that keeps up gets one event per row (benchmark clients time each event: merged
+rows would hide inter-token latency). Rows that arrive while the previous event is still
+being sent (the client's socket is not writable: the stream generator is suspended in the
+ASGI send) merge into the last chunk, and beyond ``MAX_PENDING_CHUNKS`` every row merges,
+so a slow reader costs memory linear in its unread text, never an ever-growing queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.io_struct import FinishReason, RequestOutputStats, SamplingParams, TraceContext
+
+# Beyond this many unread chunks every row merges into the last: a defensive bound for a
+# reader that is slow without ever blocking a send (the merge while sending is the usual one).
+MAX_PENDING_CHUNKS = 256
+
+
+@dataclass
+class StreamChunk:
+    """The text and ids of one stream event, and the completion count through it."""
+
+    text: str
+    ids: list[int]
+    completion_tokens: int
 
 
 @dataclass
@@ -36,8 +56,8 @@ class ReqState:
     # Non-streaming requests accumulate here; streaming ones only keep what is unread.
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
-    pending_ids: list[int] = field(default_factory=list)
+    pending: list[StreamChunk] = field(default_factory=list)
+    sending: bool = False  # a stream event is being sent: new rows merge into the last chunk
     embedding: np.ndarray | None = None  # embedding requests: the pooled vector
     # Wall-clock time of each retraction, for the span's retract events.
     retract_times: list[float] = field(default_factory=list)
@@ -65,13 +85,42 @@ class ReqState:
             self.last_token_time = now
         self.completion_tokens = completion_tokens
         if self.stream:
-            self.pending_text += text
-            self.pending_ids.extend(ids)
+            self._queue(text, ids, completion_tokens)
         else:
             self.text += text
             self.output_ids.extend(ids)
 
-    def take_pending(self) -> tuple[str, list[int]]:
-        text, ids = self.pending_text, self.pending_ids
-        self.pending_text, self.pending_ids = "", []
-        return text, ids
+    def _queue(self, text: str, ids: list[int], completion_tokens: int) -> None:
+        if not text and not ids:
+            return  # nothing to show: a finish without output gets its event from take_pending
+        if self.pending and (self.sending or len(self.pending) >= MAX_PENDING_CHUNKS):
+            last = self.pending[-1]
+            last.text += text
+            last.ids.extend(ids)
+            last.completion_tokens = completion_tokens
+        else:
+            self.pending.append(StreamChunk(text, list(ids), completion_tokens))
+
+    def take_pending(self) -> list[StreamChunk]:
+        """The unread chunks, oldest first. Once finished there is always at least one: the
+        last chunk is the one the finish goes on."""
+        chunks, self.pending = self.pending, []
+        if not chunks and self.finished:
+            chunks.append(StreamChunk("", [], self.completion_tokens))
+        return chunks
+
+
+@contextmanager
+def sending(states: Iterable[ReqState]) -> Iterator[None]:
+    """Wraps a stream generator's ``yield``: the generator stays suspended there while the
+    ASGI server sends the event, which only takes a while when the client's socket applies
+    back-pressure. Rows that arrive meanwhile merge, so a slow reader gets fewer, larger
+    events; a reader that keeps up gets one per row."""
+    marked = list(states)
+    for state in marked:
+        state.sending = True
+    try:
+        yield
+    finally:
+        for state in marked:
+            state.sending = False
