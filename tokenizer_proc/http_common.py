@@ -31,17 +31,29 @@ def trace_context(request: Request) -> TraceContext | None:
     return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
 
 
-# Aborts that mean "this request could not run", answered as errors rather than as output:
-# refused by the scheduler (400); a PD peer failed (502) or did not answer in time (504).
-_ERROR_TYPES = {400: "invalid_request_error", 502: "bad_gateway", 504: "gateway_timeout"}
+_ERROR_TYPES = {400: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable", 504: "gateway_timeout"}
+# Aborts that mean "this request could not run", answered as errors rather than as output
+# when they came before any: refused by the scheduler (400); a PD peer failed (502) or did
+# not answer in time (504). Others (a client's or an operator's abort) are output.
+_REFUSED_STATUSES = frozenset({400, 502, 504})
 
 
 def refusal(state: ReqState) -> JSONResponse | None:
-    """A request that ended before any output, for a reason that is an error, not output."""
+    """A request that ended before any output, for a reason that is an error, not output.
+
+    An abort of a request the scheduler never reported on (a restarted scheduler lost it,
+    503) is always one: there are no stats to build meta_info or usage from."""
     reason = state.finished_reason
-    if isinstance(reason, FinishAbort) and reason.status_code in _ERROR_TYPES and state.completion_tokens == 0:
-        return error_response(reason.status_code, reason.message, err_type=_ERROR_TYPES[reason.status_code])
+    if not isinstance(reason, FinishAbort):
+        return None
+    unheard = state.request_stats is None
+    if unheard or (reason.status_code in _REFUSED_STATUSES and state.completion_tokens == 0):
+        return error_response(reason.status_code, reason.message, err_type=_error_type(reason.status_code))
     return None
+
+
+def _error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
 
 
 async def wait_finished(tm: TokenizerManager, state: ReqState, request: Request) -> None:

@@ -1,0 +1,139 @@
+"""A scheduler that restarts under the API (as supervisord restarts a killed program): every
+request it held is lost, and each client gets a 503 with a message saying so, never a 500.
+
+The scheduler, detokenizer and API run as three processes (``tokenpipe scheduler|detokenizer|api``
+over ipc://, as deploy/supervisord.conf runs them); the test kills the scheduler with -9 and
+starts another, whose first stats report carries a new ``instance``. With
+``--max-running-requests 1`` one request runs and the others wait in the queue, so none of
+them has had an output row (and its stats) when the scheduler dies, however fast the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_harness import REPO, free_port, wait_until
+
+LOST = "the scheduler restarted and lost this request; send it again"
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+class ThreeProcesses:
+    def __init__(self, run_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            "--scheduler-input", f"ipc://{run_dir}/scheduler",
+            "--detokenizer-input", f"ipc://{run_dir}/detokenizer",
+            "--tokenizer-input", f"ipc://{run_dir}/tokenizer",
+            "--port", str(self.port), "--log-level", "warning",
+            "--max-total-tokens", "4096", "--max-running-requests", "1",
+        ]  # fmt: skip
+        self.procs = {role: self.start(role) for role in ("scheduler", "detokenizer", "api")}
+
+    def start(self, role: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *self.args], cwd=REPO)
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        def serving() -> bool:
+            assert all(p.poll() is None for p in self.procs.values()), "a process exited"
+            try:
+                return httpx.get(self.url + "/health_generate", timeout=30).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(serving, timeout, 0.2), "the three processes never served a request"
+
+    def scheduler_live_reqs(self) -> int:
+        report = httpx.get(self.url + "/server_info", timeout=30).json()["scheduler"]
+        return int(report["live_reqs"]) if report else 0
+
+    def restart_scheduler(self) -> None:
+        old = self.procs["scheduler"]
+        old.send_signal(signal.SIGKILL)
+        old.wait(30)
+        self.procs["scheduler"] = self.start("scheduler")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def three() -> Iterator[ThreeProcesses]:
+    run_dir = Path(tempfile.mkdtemp(prefix="tp-restart-"))  # short: ipc paths are limited to ~107 bytes
+    procs = ThreeProcesses(run_dir)
+    try:
+        procs.wait_serving()
+        yield procs
+    finally:
+        procs.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+def stream(url: str, path: str, body: dict[str, Any]) -> tuple[int, list[str]]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
+        return resp.status_code, [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+LOST_BODY = {"error": {"message": LOST, "type": "service_unavailable", "code": 503}}
+
+
+def assert_lost(resp: httpx.Response) -> None:
+    assert resp.status_code == 503, resp.text
+    assert resp.json() == LOST_BODY
+
+
+@pytest.mark.timeout(240)
+def test_requests_lost_by_a_restarted_scheduler_get_503(three: ThreeProcesses) -> None:
+    url = three.url
+    long = {"text": "a long request", "sampling_params": {"max_new_tokens": 1900, **GREEDY}}
+    short = {"max_new_tokens": 16, **GREEDY}
+    with ThreadPoolExecutor(4) as pool:
+        running = pool.submit(post, url, "/generate", long)  # admitted first: the one that runs
+        assert wait_until(lambda: three.scheduler_live_reqs() == 1, 60)
+        queued: dict[str, Future[Any]] = {
+            "completions": pool.submit(post, url, "/v1/completions", {"prompt": "queued", "max_tokens": 16, **GREEDY}),
+            "generate stream": pool.submit(stream, url, "/generate", {"text": "queued", "sampling_params": short}),
+            "chat stream": pool.submit(stream, url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "queued"}], "max_tokens": 16, **GREEDY}),
+        }  # fmt: skip
+        assert wait_until(lambda: three.scheduler_live_reqs() == 4, 60), "the requests never all reached the scheduler"
+        assert not running.done(), "the long request finished before the scheduler was killed"
+        three.restart_scheduler()
+
+        assert_lost(running.result(120))
+        assert_lost(queued["completions"].result(120))
+        # A stream has sent its head (and chat its role chunk): an error event, then [DONE].
+        for name, before in (("generate stream", 0), ("chat stream", 1)):
+            status, events = queued[name].result(120)
+            assert status == 200 and len(events) == before + 2 and events[-1] == "data: [DONE]", (name, events)
+            assert json.loads(events[-2][len("data: ") :]) == LOST_BODY, name
+
+    # The new scheduler serves the next request.
+    after = post(url, "/generate", {"text": "again", "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 4
+    assert httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 0
