@@ -54,11 +54,25 @@ def build_meta_info(state: ReqState, interim_tokens: int | None = None) -> dict[
 
 
 def decode_throughput(completion_tokens: int, ts: SchedulerTimeStats) -> float:
-    """Scheduler-side tokens per second after the first token: (completion_tokens - 1)
-    over the time from the first prefill's end to the completion. Measured where the tokens
-    are made, so it means the same for streaming and non-streaming requests; 0.0 when
+    """Scheduler-side tokens per second after the first token (``decode_interval``); 0.0
+    when there is no such interval."""
+    interval = decode_interval(completion_tokens, ts)
+    return interval[1] / interval[0] if interval is not None else 0.0
+
+
+def time_per_output_token(completion_tokens: int, ts: SchedulerTimeStats) -> float | None:
+    """Scheduler-side seconds per token after the first (``decode_interval``); None when
     there is no such interval."""
-    if ts.prefill_finished_time is None or ts.completion_time is None:
-        return 0.0
+    interval = decode_interval(completion_tokens, ts)
+    return interval[0] / interval[1] if interval is not None else None
+
+
+def decode_interval(completion_tokens: int, ts: SchedulerTimeStats) -> tuple[float, int] | None:
+    """(seconds, tokens) of decoding after the first token: from the first prefill's end to
+    the completion, and completion_tokens - 1. Measured where the tokens are made, so it
+    means the same for streaming and non-streaming requests (whose only row may be the
+    last); None when there is no positive interval or no token after the first."""
+    if ts.prefill_finished_time is None or ts.completion_time is None or completion_tokens <= 1:
+        return None
     span = ts.completion_time - ts.prefill_finished_time
-    return (completion_tokens - 1) / span if span > 0 and completion_tokens > 1 else 0.0
+    return (span, completion_tokens - 1) if span > 0 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from pipeline.io_struct import FinishAbort, SchedulerStatsReport
+from tokenizer_proc.meta_info import time_per_output_token
 from tokenizer_proc.req_state import ReqState
 
 # A `*_created` series per counter and histogram doubles the scrape for no use here.
@@ -128,9 +129,12 @@ class RequestMetrics:
         if isinstance(state.finished_reason, FinishAbort):
             self.num_aborted.inc()
         self.e2e[state.stream].observe(state.finished_time - state.created_time)
-        if state.first_token_time is not None and state.completion_tokens > 1:
-            self.tpot.observe((state.finished_time - state.first_token_time) / (state.completion_tokens - 1))
         if stats.time_stats is not None:
+            # The scheduler's decode interval, as meta_info's decode_throughput: the API's own
+            # token times are one instant for a non-streaming request (its only row is the last).
+            per_token = time_per_output_token(state.completion_tokens, stats.time_stats)
+            if per_token is not None:
+                self.tpot.observe(per_token)
             self.queue_time.observe(stats.time_stats.queue_time)
         self.num_retractions.observe(stats.num_retractions)
         self.prompt_tokens_hist.observe(stats.prompt_tokens)
