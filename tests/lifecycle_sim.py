@@ -9,9 +9,16 @@ Covered: prefill with a cached prefix, chunked prefill (steps without rows), dec
 stream intervals 1 to 3, retraction at random steps and re-prefill, PD-decode prebuilt
 requests with re-bootstrap (new cached tokens and bootstrap times), dLLM blocks (several
 tokens per row, cached tokens changing with each block), HiCache storage attach/detach
-while requests run, storage prefetch waits, aborts, finishes by length, stop token and
-stop string, and embedding requests (one finished row each, through
-``build_embedding_output``).
+while requests run, storage prefetch waits, aborts (before admission, while queued after a
+retraction, and while running: their rows carry no tokens, beside multi-token rows),
+finishes by length, stop token and stop strings (decided by the real ``StopChecker``, with
+``min_new_tokens`` and several stop strings, over tokens drawn so that stop strings do
+occur), and embedding requests (one finished row each, through ``build_embedding_output``).
+
+The world also keeps what the client must see, worked out without the pipeline's code:
+each request's true tokens (``Req.output_ids``) and its time in the waiting queue, summed
+from the clock at each entry and exit (``SimWorld.queue_time``). ``expected_text`` gives
+the text a finished request must show.
 """
 
 from __future__ import annotations
@@ -24,27 +31,64 @@ from pipeline.io_struct import (
     CachedTokensDetails,
     FinishAbort,
     FinishLength,
+    FinishReason,
     FinishStop,
     MediaItem,
     SamplingParams,
 )
+from pipeline.tokenizer_loader import LoadedTokenizer
 from scheduler_proc.hicache import cached_details
 from scheduler_proc.req import Req
+from scheduler_proc.stop_checker import StopChecker
 
 Step = Generator[None, None, None]
-STOP_STRINGS = ("END", "\n\n")
+# Sets of stop strings a request may carry; several per request, some that one token can
+# complete together (" sources" completes both "es" and "sou").
+STOP_STRING_SETS = (("END", "\n\n"), ("es", "sou"), ("15",), ("sou", "es", " 15"))
+# Text whose tokens the lifecycles draw often, so that the stop strings above do occur.
+STOP_TEXT = " END of the sources\n\nes sou 15 wanting sources 15"
 
 
 @dataclass
 class SimWorld:
-    """What the lifecycles share: the clock, this step's rows, and HiCache storage."""
+    """What the lifecycles share: the clock, this step's rows, HiCache storage, the stop
+    checker and token pool, and the expected queue times."""
 
     rng: random.Random
+    tokenizer: LoadedTokenizer
     now: float = 1_000_000.0
     rows: list[Req] = field(default_factory=list)
     embedding_rows: list[Req] = field(default_factory=list)
     storage_backend: str | None = None
     live: set[Req] = field(default_factory=set)
+    queue_time: dict[int, float] = field(default_factory=dict)  # req_id -> expected queue_time
+    _queue_entry: dict[int, float] = field(default_factory=dict)  # req_id -> open stay's entry
+
+    def __post_init__(self) -> None:
+        self.stop_checker = StopChecker(self.tokenizer.eos_token_ids, self.tokenizer.decode, context_length=1 << 20)
+        self.stop_pieces = self.tokenizer.encode(STOP_TEXT)
+
+    def enter_queue(self, req: Req) -> None:
+        req.enter_waiting_queue(self.now)
+        self._queue_entry[req.req_id] = self.now
+        self.queue_time.setdefault(req.req_id, 0.0)
+
+    def retract(self, req: Req) -> None:
+        req.mark_retracted(self.now)  # back into the waiting queue
+        self._queue_entry[req.req_id] = self.now
+
+    def leave_queue(self, req: Req) -> None:
+        req.leave_waiting_queue(self.now)
+        self._close_stay(req)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish(reason, self.now)
+        self._close_stay(req)  # an abort while waiting ends the stay there
+
+    def _close_stay(self, req: Req) -> None:
+        entered = self._queue_entry.pop(req.req_id, None)
+        if entered is not None:
+            self.queue_time[req.req_id] += self.now - entered
 
     def emit_if_due(self, req: Req) -> None:
         if req.output_due() and req not in self.rows:
@@ -75,9 +119,10 @@ def make_sampling(rng: random.Random, stream: bool) -> tuple[SamplingParams, int
     max_new = rng.randint(1, 40)
     sampling = SamplingParams(
         max_new_tokens=max_new,
+        min_new_tokens=rng.choice([0, 0, 1, 3, 5]),
         stream_interval=rng.choice([None, 1, 2, 3]),
         skip_special_tokens=rng.random() < 0.8,
-        stop=STOP_STRINGS if rng.random() < 0.3 else (),
+        stop=rng.choice(STOP_STRING_SETS) if rng.random() < 0.4 else (),
         no_stop_trim=rng.random() < 0.2,
     )
     return sampling, max_new
@@ -111,18 +156,24 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int) -> Step:
     kind = rng.choices(["unified", "pd_decode", "dllm"], weights=[6, 2, 2])[0]
     block = rng.randint(2, 4) if kind == "dllm" else 1
     world.live.add(req)
-    req.enter_waiting_queue(world.now)
+    world.enter_queue(req)
     for _ in range(rng.randint(0, 2)):
         yield
+    if rng.random() < 0.04:  # aborted before admission: a row with no tokens
+        yield from abort_waiting(world, req)
+        return
     yield from admit(world, req, kind, first=True)
     while True:
         roll = rng.random()
         if roll < 0.04:
-            req.finish(FinishAbort(message="aborted by client", status_code=499), world.now)
+            world.finish(req, FinishAbort(message="aborted by client", status_code=499))
         elif roll < 0.10 and len(req.output_ids) > 0:
-            req.mark_retracted(world.now)
+            world.retract(req)
             for _ in range(rng.randint(1, 3)):
                 yield
+            if rng.random() < 0.15:  # aborted while it waits to re-prefill
+                yield from abort_waiting(world, req)
+                return
             yield from admit(world, req, kind, first=False)
         elif roll < 0.13:
             ts = req.stats.time_stats
@@ -142,26 +193,35 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int) -> Step:
         yield
 
 
+def abort_waiting(world: SimWorld, req: Req) -> Step:
+    """An abort that finds the request in the waiting queue: its finished row comes at once."""
+    world.finish(req, FinishAbort(message="aborted by client", status_code=499))
+    world.emit_if_due(req)
+    world.live.discard(req)
+    return
+    yield  # a generator, like every lifecycle part
+
+
 def embedding_lifecycle(world: SimWorld, req: Req) -> Step:
     """An embedding request: queue, prefill in chunks, then one finished row with stats."""
-    req.enter_waiting_queue(world.now)
+    world.enter_queue(req)
     for _ in range(world.rng.randint(0, 2)):
         yield
-    req.leave_waiting_queue(world.now)
+    world.leave_queue(req)
     for _ in range(world.rng.randint(0, 3)):
         yield
     req.update_time_stats(prefill_finished_time=world.now)
     if world.rng.random() < 0.05:
-        req.finish(FinishAbort(message="aborted by client", status_code=499), world.now)
+        world.finish(req, FinishAbort(message="aborted by client", status_code=499))
     else:
-        req.finish(FinishLength(length=0), world.now)
+        world.finish(req, FinishLength(length=0))
     world.embedding_rows.append(req)
 
 
 def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Step:
     """Queue exit, (re-)prefill in chunks without rows, then the step that emits."""
     rng = world.rng
-    req.leave_waiting_queue(world.now)
+    world.leave_queue(req)
     if kind == "pd_decode":
         # Prebuilt: the KV arrives from the prefill server, which reports its cached tokens.
         world.set_cached(req, rng.randint(0, len(req.origin_input_ids) - 1))
@@ -183,15 +243,51 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Step:
 
 
 def append_token(world: SimWorld, req: Req, stop_token: int) -> bool:
-    """One generated token and the stop checks; True when the request finished."""
+    """One generated token and the real stop checks; True when the request finished."""
     rng = world.rng
-    s = req.sampling
-    token = stop_token if rng.random() < 0.03 else rng.randint(6, 4095)
+    roll = rng.random()
+    if roll < 0.03:
+        token = stop_token
+    elif roll < 0.4 and req.sampling.stop:
+        token = rng.choice(world.stop_pieces)
+    else:
+        token = rng.randint(6, 4095)
     req.output_ids.append(token)
-    if token == stop_token and not s.ignore_eos:
-        req.finish(FinishStop(matched=token), world.now)
-    elif s.stop and rng.random() < 0.05:
-        req.finish(FinishStop(matched=rng.choice(s.stop)), world.now)
-    elif len(req.output_ids) >= s.max_new_tokens:
-        req.finish(FinishLength(length=s.max_new_tokens), world.now)
+    reason = world.stop_checker.check(req)
+    if reason is not None:
+        world.finish(req, reason)
     return req.finished
+
+
+def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str | None:
+    """The whole text a finished request must show, from its tokens by plain decodes (none
+    of the pipeline's incremental code): a trimmed stop token left out; a stop string cut
+    at the earliest occurrence of any of the request's stop strings that ends past the text
+    of its first ``min_new_tokens - 1`` tokens (what came before may hold one). None where
+    the decode holds U+FFFD (unfinished or invalid UTF-8 is the detokenizer's own test)."""
+    s, reason, ids = req.sampling, req.finished_reason, req.output_ids
+    skip = s.skip_special_tokens
+    if isinstance(reason, FinishStop) and isinstance(reason.matched, int) and not s.no_stop_trim:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip)
+    if "\ufffd" in text:
+        return None
+    if isinstance(reason, FinishStop) and isinstance(reason.matched, str) and not s.no_stop_trim:
+        allowed = len(tokenizer.decode(ids[: max(s.min_new_tokens - 1, 0)], skip))
+        starts = [
+            at
+            for stop in s.stop
+            for at in _occurrences(text, stop)
+            if at + len(stop) > allowed
+        ]
+        assert starts, f"{req.rid}: finished on {reason.matched!r} but its text {text!r} holds no such stop"
+        return text[: min(starts)]
+    return text
+
+
+def _occurrences(text: str, sub: str) -> list[int]:
+    out, at = [], text.find(sub)
+    while at >= 0:
+        out.append(at)
+        at = text.find(sub, at + 1)
+    return out

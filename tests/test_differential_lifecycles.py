@@ -9,6 +9,13 @@ stats on every row. After every frame, every row's client-visible output (text a
 since the last output, and ``meta_info``), every metrics observation and, per finished
 request, every span attribute must be equal.
 
+Both pipelines share the code between the frame and the client, so each finished request
+is also checked against the truth the simulation keeps (``tests.lifecycle_sim``): the ids
+the client got, joined, are the request's tokens; its text is ``expected_text`` (stop
+tokens and stop strings trimmed by plain decodes, ``min_new_tokens`` and several stop
+strings included); its ``queue_time`` is the time the simulation kept it waiting (aborts
+in the queue included).
+
 Run more lifecycles than the suite's default with
 ``python -m pytest tests/test_differential_lifecycles.py --lifecycles 20000``.
 """
@@ -32,7 +39,7 @@ from pipeline.io_struct import BatchEmbeddingOutput, BatchTokenIDOutput, Detoken
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
 from scheduler_proc.req import Req
-from tests.lifecycle_sim import SimWorld, embedding_lifecycle, lifecycle, make_req, make_sampling
+from tests.lifecycle_sim import SimWorld, embedding_lifecycle, expected_text, lifecycle, make_req, make_sampling
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -72,6 +79,25 @@ def record_metrics(tm: TokenizerManager) -> list[tuple[str, str, float]]:
         elif hasattr(value, "inc") or hasattr(value, "observe"):
             setattr(requests, attr, Recorder(log, attr, value))
     return log
+
+
+@dataclass
+class Delivered:
+    """What the client of one request has received so far, joined."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    meta_info: dict[str, Any] | None = None
+
+    def add(self, output: dict[str, Any]) -> None:
+        for event in output.get("events", [output]):
+            if "embedding" in event:
+                continue
+            if "events" not in output:  # a non-streaming answer is the whole output
+                self.text, self.ids = "", []
+            self.text += event["text"]
+            self.ids += event["output_ids"]
+            self.meta_info = event["meta_info"]
 
 
 @dataclass
@@ -150,10 +176,11 @@ def compare_spans(opt: Pipeline, ref: Pipeline, seed: int) -> int:
 def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
     """Drives ``lifecycles`` random lifecycles; returns the number of rows compared."""
     rng = random.Random(seed)
-    world = SimWorld(rng)
+    world = SimWorld(rng, TOKENIZER)
     opt, ref = make_pipeline(metrics, lambda: world.now), make_pipeline(metrics, lambda: world.now)
     stop_token = next(iter(TOKENIZER.eos_token_ids))
     active: list[tuple[Req, Any]] = []
+    delivered: dict[int, Delivered] = {}
     started = compared = finished_since_spans = spans = 0
     while started < lifecycles or active:
         while started < lifecycles and len(active) < MAX_ACTIVE and rng.random() < 0.5:
@@ -183,7 +210,7 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
                 pass
         active = still
         if world.rows:
-            compared += compare_frame(world, opt, ref, seed)
+            compared += compare_frame(world, opt, ref, seed, delivered)
             finished_since_spans += sum(r.finished for r in world.rows)
         if world.embedding_rows:
             compared += compare_embedding_frame(world, opt, ref, seed)
@@ -197,7 +224,7 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
     return compared
 
 
-def compare_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int) -> int:
+def compare_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int, delivered: dict[int, Delivered]) -> int:
     rows = world.rows
     frame = build_token_output(rows)
     reference = msgspec.structs.replace(frame, request_stats=[r.stats for r in rows])
@@ -208,10 +235,26 @@ def compare_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int) -> i
         got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
         if got != want:
             pytest.fail(f"seed {seed}: output of {req.rid} differs at t={world.now:.3f}\n optimized: {got}\n reference: {want}")
+        if got is not None:
+            delivered.setdefault(req.req_id, Delivered()).add(got)
+        if req.finished:
+            check_against_truth(world, req, delivered.pop(req.req_id, Delivered()), seed)
     new_opt, new_ref = opt.metrics_log[log_mark[0] :], ref.metrics_log[log_mark[1] :]
     if new_opt != new_ref:
         pytest.fail(f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}")
     return len(rows)
+
+
+def check_against_truth(world: SimWorld, req: Req, got: Delivered, seed: int) -> None:
+    """A finished request's whole output against what the simulation knows it must be."""
+    where = f"seed {seed}: {req.rid} ({req.finished_reason}, {req.sampling})"
+    assert got.ids == req.output_ids, f"{where}: the client got ids {got.ids}, the request made {req.output_ids}"
+    want = expected_text(TOKENIZER, req)
+    if want is not None:
+        assert got.text == want, f"{where}: the client got text {got.text!r}, expected {want!r}"
+    assert got.meta_info is not None and got.meta_info["completion_tokens"] == len(req.output_ids), where
+    if "queue_time" in got.meta_info:  # metrics on
+        assert got.meta_info["queue_time"] == pytest.approx(world.queue_time[req.req_id], rel=1e-9, abs=1e-9), where
 
 
 def compare_embedding_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int) -> int:
