@@ -16,8 +16,8 @@ so ``cached_tokens <= prompt_tokens`` always holds.
 
 ``finish_reason``: ``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``,
 ``FinishLength`` is ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``.
-A non-streamed choice's ``stop_reason`` (vLLM's) is the stop string or ``stop_token_ids`` id
-that ended it, null for EOS and every other finish.
+A choice's ``stop_reason`` (vLLM's; streamed, on the finishing chunk) is the stop string or
+``stop_token_ids`` id that ended it, null for EOS and every other finish.
 
 Waiting, disconnect handling and error bodies are ``http_server``'s: a client that
 disconnects aborts every choice of its request, and a request the scheduler refuses is a 400
@@ -61,7 +61,6 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             "owned_by": "tokenpipe",
             "max_model_len": tm.context_length,  # vLLM's name
         }
-
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -184,14 +183,13 @@ class _Completion:
             "stop_reason": _stop_reason(state),
         }
 
-
     @staticmethod
     def opening(index: int) -> dict[str, Any] | None:
         return None
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 class _Chat:
@@ -213,11 +211,17 @@ class _Chat:
     @staticmethod
     def opening(index: int) -> dict[str, Any] | None:
         """OpenAI's first chunk of each choice names the role."""
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish_reason}
+    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"content": text} if text else {},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
 
 
 _COMPLETION = _Completion()
@@ -344,11 +348,14 @@ async def _stream(
                 # Finished or not as taken: what comes while these events are sent is the
                 # next take's (``_changes`` marks the state again).
                 chunks, finish_reason = state.take_pending(), _finish_reason(state)
+                stop_reason = _stop_reason(state)
                 for i, chunk in enumerate(chunks):
-                    final = finish_reason if i == len(chunks) - 1 else None  # on the last event only
+                    last = i == len(chunks) - 1  # the finish goes on the last event only
+                    final = finish_reason if last else None
                     if chunk.text or final is not None:  # ids that decode to no text yet: nothing to show
+                        delta = kind.delta(index, chunk.text, final, stop_reason if last else None)
                         with sending(states):
-                            yield sse({**head, "choices": [kind.delta(index, chunk.text, final)], **tail})
+                            yield sse({**head, "choices": [delta], **tail})
             else:
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(states, n)})
