@@ -137,3 +137,12 @@ def test_requests_lost_by_a_restarted_scheduler_get_503(three: ThreeProcesses) -
     after = post(url, "/generate", {"text": "again", "sampling_params": {"max_new_tokens": 4, **GREEDY}})
     assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 4
     assert httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 0
+    # Each lost request is counted as a request and as an abort, like /server_info counts it.
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    assert metric_total(metrics, "tokenpipe:num_aborted_requests_total") == 4
+    assert metric_total(metrics, "tokenpipe:num_requests_total") == 5
+
+
+def metric_total(exposition: str, name: str) -> float:
+    """The sum of a counter's samples over its labels."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines() if line.startswith(name + "{"))

@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from pipeline.io_struct import EMBEDDING_DTYPE, FinishAbort
 from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_body
-from tokenizer_proc.http_common import ClientGone, error_response, wait_finished
+from tokenizer_proc.http_common import ClientGone, error_response, error_type, wait_finished
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -62,7 +62,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         try:
             states = await _embed_all(tm, inputs, request, arrived)
         except EmbeddingFailed as exc:
-            return error_response(exc.status, str(exc), param="input")
+            return error_response(exc.status, str(exc), err_type=error_type(exc.status), param="input")
         if states is None:
             return Response(status_code=499)
         data = []
@@ -98,7 +98,8 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         try:
             states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
         except EmbeddingFailed as exc:
-            return error_response(exc.status, str(exc), param="text" if obj.text is not None else "input_ids")
+            param = "text" if obj.text is not None else "input_ids"
+            return error_response(exc.status, str(exc), err_type=error_type(exc.status), param=param)
         if states is None:
             return Response(status_code=499)
         out = [{"embedding": s.embedding.tolist(), "meta_info": build_meta_info(s)} for s in states]  # type: ignore[union-attr]

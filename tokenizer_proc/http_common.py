@@ -48,11 +48,12 @@ def refusal(state: ReqState) -> JSONResponse | None:
         return None
     unheard = state.request_stats is None
     if unheard or (reason.status_code in _REFUSED_STATUSES and state.completion_tokens == 0):
-        return error_response(reason.status_code, reason.message, err_type=_error_type(reason.status_code))
+        return error_response(reason.status_code, reason.message, err_type=error_type(reason.status_code))
     return None
 
 
-def _error_type(status: int) -> str:
+def error_type(status: int) -> str:
+    """The error body's `type` for an abort's status code."""
     return _ERROR_TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
 
 

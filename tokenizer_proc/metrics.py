@@ -114,6 +114,12 @@ class RequestMetrics:
             for _ in range(num_tokens):
                 self.itl.observe(per_token)
 
+    def on_lost(self, state: ReqState) -> None:
+        """A request that ended before the scheduler reported on it (a restarted scheduler
+        lost it): a request and an abort, with no token counts or timings to observe."""
+        self.num_requests[state.stream].inc()
+        self.num_aborted.inc()
+
     def on_finish(self, state: ReqState) -> None:
         stats = state.request_stats
         assert stats is not None and state.finished_time is not None

@@ -370,7 +370,11 @@ class TokenizerManager:
         self.forget(state)
 
     def _observe_finish(self, state: ReqState) -> None:
-        if state.internal or state.request_stats is None:
+        if state.internal:
+            return
+        if state.request_stats is None:  # lost before the scheduler reported: counted, no span
+            if self.metrics is not None and isinstance(state.finished_reason, FinishAbort):
+                self.metrics.requests.on_lost(state)
             return
         if self.metrics is not None:
             self.metrics.requests.on_finish(state)
