@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from bench.launch import REPO, LaunchedServer, descendants, free_port
 
@@ -33,6 +34,11 @@ class ServerProcess(LaunchedServer):
 
     def client(self, **kwargs: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120.0, **kwargs)  # type: ignore[arg-type]
+
+    def openai_client(self, api_key: str = "unused") -> openai.OpenAI:
+        """The official client, pointed at this server's OpenAI routes, without retries
+        (a retry would hide an error the test is looking for)."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
 def pid_alive(pid: int) -> bool:

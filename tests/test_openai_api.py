@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +25,6 @@ TOKENIZER = load_tokenizer(None)
 MODEL = "tokenpipe-tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 GREEDY: dict[str, Any] = {"temperature": 0}
-
-
-def client_for(server: ServerProcess, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def oai(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with client_for(server) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
 
 
 def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, Any]:
@@ -236,12 +219,12 @@ def test_models(oai: openai.OpenAI) -> None:
 def test_api_key(tmp_path: Path) -> None:
     keyed = ServerProcess(tmp_path / "tmp", ["--api-key", "sekret"]).wait_ready()
     try:
-        with client_for(keyed, "wrong") as bad:
+        with keyed.openai_client("wrong") as bad:
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
             with pytest.raises(openai.AuthenticationError):
                 bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        with client_for(keyed, "sekret") as good:
+        with keyed.openai_client("sekret") as good:
             assert [m.id for m in good.models.list().data] == [MODEL]
             assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
         with keyed.client() as c:

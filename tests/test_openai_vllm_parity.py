@@ -103,25 +103,9 @@ def llama_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     srv.stop()
 
 
-def client_for(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def oai(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with client_for(server) as c:
-        yield c
-
-
 @pytest.fixture(scope="module")
 def llama_oai(llama_server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with client_for(llama_server) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as c:
+    with llama_server.openai_client() as c:
         yield c
 
 
