@@ -13,17 +13,24 @@ it), end-to-end latency and the tokens received. A request whose ``output_ids`` 
 over the events of a stream) differ from its final ``meta_info.completion_tokens`` counts
 as tokens lost.
 
-While it runs, ``/server_info`` is polled for ``scheduler.forward_steps_total``; the
-scheduler step rate is taken over the steady part of the run (from the moment every client
-has a request in flight to the moment the first client runs out of work).
+The scheduler step rate comes from ``scheduler.forward_steps_total`` in ``/server_info``
+(the scheduler's stats report: about every 0.5 s while it works, and one when it runs out
+of work). The counter is cumulative, so readings at two moments give the steps between
+them: one before the run (the scheduler idle after a warm-up request), one after it (the
+report sent when the run's work was done, waited for up to ``SETTLE_TIMEOUT``), and each
+report polled in between, timed by the first poll that saw it. The rate is taken between
+the last reading at or before the steady part of the run starts (every client has a
+request in flight) and the first at or after it ends (the first client runs out of work):
+the steady part on a long run, the whole run on one shorter than the report interval.
 
 ``--compare-discard`` (with ``--launch``) then starts a second server with the same flags
 plus ``--discard-output``: its scheduler builds and encodes every frame but drops it, so
 no client ever gets output. Streaming requests are kept at the same number live in that
-scheduler (topped up from the ``live_reqs`` it reports) for the same duration, the step
-rate is taken the same way, then ``/abort_request {"abort_all": true}`` ends the work, the
-hanging clients are cancelled and the server is stopped. The ratio of the two step rates
-is what the output path costs the scheduler; the target is >= 0.95x at 256 streams.
+scheduler (topped up from the ``live_reqs`` it reports) for the same duration, then, once
+every request sent has reached the scheduler, ``/abort_request {"abort_all": true}`` ends
+the work, the step rate is taken the same way (the run ends at the abort), the hanging
+clients are cancelled and the server is stopped. The ratio of the two step rates is what
+the output path costs the scheduler; the target is >= 0.95x at 256 streams.
 
 Usage: ``python bench/serve.py --launch [--concurrency 64] [--requests N]
 [--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32] [--compare-discard]
@@ -56,6 +63,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 from bench.launch import LaunchedServer  # noqa: E402
 
 POLL_INTERVAL = 0.1  # /server_info sampling; the scheduler reports about every 0.5 s
+SETTLE_TIMEOUT = 5.0  # for the report the scheduler sends once a run's work is done
 TARGET_RATIO = 0.95
 TARGET_STREAMS = 256
 T = TypeVar("T")
@@ -95,6 +103,16 @@ class Sample:
     answered: float
     steps: int
     live: int
+
+
+@dataclass
+class Settled:
+    """The scheduler's step count once a run's work is done (or before it starts).
+    ``confirmed`` False: no report that shows the work done came in time; the count is the
+    latest report's and may miss the last steps."""
+
+    steps: int
+    confirmed: bool
 
 
 # --- requests ---------------------------------------------------------------------------------
@@ -172,64 +190,122 @@ async def send_one(
     return res
 
 
+async def read_report(client: httpx.AsyncClient, url: str, t0: float) -> Sample | None:
+    """The scheduler's latest report from /server_info; None when the answer has none."""
+    asked = time.perf_counter() - t0
+    try:
+        resp = await client.get(f"{url}/server_info")
+        sched = resp.json().get("scheduler") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        sched = None
+    if sched is None:
+        return None
+    return Sample(asked, time.perf_counter() - t0, int(sched["forward_steps_total"]), int(sched["live_reqs"]))
+
+
 async def sample_loop(url: str, t0: float, out: list[Sample], stop: asyncio.Event) -> None:
     """Polls /server_info until ``stop``; keeps the answers that carry a scheduler report."""
     async with httpx.AsyncClient(timeout=10.0) as client:
         while not stop.is_set():
-            asked = time.perf_counter() - t0
-            try:
-                resp = await client.get(f"{url}/server_info")
-                sched = resp.json().get("scheduler") if resp.status_code == 200 else None
-            except httpx.HTTPError:
-                sched = None
-            if sched is not None:
-                out.append(Sample(asked, time.perf_counter() - t0, int(sched["forward_steps_total"]), int(sched["live_reqs"])))
+            sample = await read_report(client, url, t0)
+            if sample is not None:
+                out.append(sample)
             try:
                 await asyncio.wait_for(stop.wait(), POLL_INTERVAL)
             except asyncio.TimeoutError:
                 pass
 
 
-def step_rate(samples: Sequence[Sample], lo: float, hi: float) -> dict[str, Any] | None:
-    """Steps/s between the first and the last new report seen in [lo, hi]. Reports come
-    about every 0.5 s, so each is timed by the first sample that saw it, not by the poll."""
-    changes = [s for prev, s in zip(samples, samples[1:]) if s.steps != prev.steps and lo <= s.answered <= hi]
-    if len(changes) < 2 or changes[-1].answered <= changes[0].answered:
+async def settle(client: httpx.AsyncClient, url: str, older_steps: int, timeout: float) -> Settled | None:
+    """The step count once the work handed to the scheduler is done: from the report it
+    sends when it runs out of work (no live request), once that report counts more steps
+    than ``older_steps``. ``older_steps`` is the count of a report the scheduler sent before
+    the last request of the work reached it, which ran at least one step after that: so a
+    report from an idle moment before then is not taken, and the count is final (an idle
+    scheduler steps no more). Polls up to ``timeout``, then settles for the latest report,
+    unconfirmed; None when no report came at all."""
+    t0 = time.perf_counter()
+    latest: Sample | None = None
+    while True:
+        sample = await read_report(client, url, t0)
+        if sample is not None:
+            latest = sample
+            if sample.live == 0 and sample.steps > older_steps:
+                return Settled(sample.steps, True)
+        if time.perf_counter() - t0 >= timeout:
+            return Settled(latest.steps, False) if latest is not None else None
+        await asyncio.sleep(POLL_INTERVAL)
+
+
+def latest_steps(start: Settled, samples: Sequence[Sample], before: float) -> int:
+    """The count of the latest report seen before ``before`` (the counter only grows)."""
+    return max([start.steps, *(s.steps for s in samples if s.answered < before)])
+
+
+def phase_readings(start: Settled, samples: Sequence[Sample], end: Settled, end_t: float) -> list[tuple[float, int]]:
+    """(seconds since the run's start, forward steps): the count before the run at 0, each
+    new report at the first sample that saw it, and the count after the run at ``end_t``."""
+    out = [(0.0, start.steps)]
+    for s in samples:
+        if s.answered < end_t and s.steps > out[-1][1]:
+            out.append((s.answered, s.steps))
+    out.append((end_t, max(end.steps, out[-1][1])))
+    return out
+
+
+def step_rate(readings: Sequence[tuple[float, int]], lo: float, hi: float) -> dict[str, Any] | None:
+    """Steps/s between the last reading at or before ``lo`` and the first at or after
+    ``hi``: the shortest stretch between two known counts that covers [lo, hi]. The
+    readings before and after the run are always there, so a run shorter than the report
+    interval gets its rate over the whole run."""
+    before = [r for r in readings if r[0] <= lo]
+    after = [r for r in readings if r[0] >= hi]
+    if not before or not after or after[0][0] <= before[-1][0]:
         return None
-    a, b = changes[0], changes[-1]
-    return {"steps_per_s": (b.steps - a.steps) / (b.answered - a.answered), "steps": b.steps - a.steps, "window_s": [a.answered, b.answered]}
+    (ta, sa), (tb, sb) = before[-1], after[0]
+    return {"steps_per_s": (sb - sa) / (tb - ta), "steps": sb - sa, "window_s": [ta, tb]}
 
 
-async def prepare(url: str, discarding: bool = False) -> int:
-    """The vocabulary size, after one short request so the model's first (slow) forward
-    is not timed. A discarding server never answers it: wait for the scheduler's report."""
+async def prepare(url: str, discarding: bool = False) -> tuple[int, Settled | None]:
+    """The vocabulary size, and the scheduler's step count (None: the server has no
+    scheduler reports, as a PD router) after one short request, so the model's first
+    (slow) forward is not timed. A discarding server never answers that request: its
+    report says when it is done."""
     async with httpx.AsyncClient(timeout=120.0) as client:
         resp = await client.get(f"{url}/server_info")
         resp.raise_for_status()
         info = resp.json()
         # A PD router answers with both servers' info; the decode server's is the one asked.
         vocab = int(info["vocab_size"] if "vocab_size" in info else info["decode"]["vocab_size"])
+        reports = "scheduler" in info
+        older = int(info["scheduler"]["forward_steps_total"]) if info.get("scheduler") else 0
         warm = {"input_ids": [16, 17, 18, 19], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
         if not discarding:
             (await client.post(f"{url}/generate", json=warm)).raise_for_status()
-            return vocab
+            return vocab, await settle(client, url, older, SETTLE_TIMEOUT) if reports else None
         task = asyncio.create_task(client.post(f"{url}/generate", json=warm))
-        deadline = time.monotonic() + 120.0
-        while time.monotonic() < deadline:
-            sched = (await client.get(f"{url}/server_info")).json().get("scheduler")
-            if sched is not None and sched["live_reqs"] == 0 and sched["forward_steps_total"] > 0:
-                break
-            await asyncio.sleep(0.1)
+        start = await settle(client, url, older, 120.0)  # it includes the first forward
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        return vocab
+        return vocab, start
+
+
+def run_step_rate(
+    start: Settled | None, samples: Sequence[Sample], end: Settled | None, end_t: float, lo: float, hi: float
+) -> dict[str, Any] | None:
+    if start is None or end is None:
+        return None
+    rate = step_rate(phase_readings(start, samples, end, end_t), lo, hi)
+    if rate is not None:
+        rate["confirmed"] = start.confirmed and end.confirmed
+    return rate
 
 
 # --- the attached run -------------------------------------------------------------------------
 
 
 async def run_load(url: str, cfg: LoadConfig) -> dict[str, Any]:
-    vocab = await prepare(url)
+    vocab, start = await prepare(url)
     rng = random.Random(cfg.seed)
     streams = [rng.random() < cfg.stream_ratio for _ in range(cfg.requests)]
     results: list[ReqResult] = []
@@ -238,6 +314,7 @@ async def run_load(url: str, cfg: LoadConfig) -> dict[str, Any]:
     in_flight = 0
     full_at: float | None = None  # every client has a request in flight
     dry_at: float | None = None  # the first client found no work left
+    last_sent = 0.0
     target = min(cfg.concurrency, cfg.requests)
     limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8)
     bar = tqdm(total=cfg.requests, file=sys.stderr, disable=not cfg.progress, desc="requests", unit="req")
@@ -245,13 +322,14 @@ async def run_load(url: str, cfg: LoadConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        nonlocal next_i, in_flight, full_at, dry_at
+        nonlocal next_i, in_flight, full_at, dry_at, last_sent
         while next_i < cfg.requests:
             i = next_i
             next_i += 1
             in_flight += 1
+            last_sent = time.perf_counter() - t0
             if full_at is None and in_flight >= target:
-                full_at = time.perf_counter() - t0
+                full_at = last_sent
             res = await send_one(client, url, make_body(i, cfg, vocab, streams[i]), t0)
             in_flight -= 1
             results.append(res)
@@ -266,9 +344,13 @@ async def run_load(url: str, cfg: LoadConfig) -> dict[str, Any]:
     stop.set()
     await sampler
     bar.close()
+    end = None
+    if start is not None:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            end = await settle(client, url, latest_steps(start, samples, last_sent), SETTLE_TIMEOUT)
     summary = summarize(results, duration)
     lo, hi = full_at or 0.0, dry_at or duration
-    rate = step_rate(samples, lo, hi) or step_rate(samples, 0.0, duration)
+    rate = run_step_rate(start, samples, end, duration, lo, hi)
     summary.update(
         config=asdict(cfg),
         url=url,
@@ -328,8 +410,10 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
     report, or finished (allowing two scheduler steps for the request to be taken in).
     Requests sent later are assumed live. The oldest acknowledged streams that the
     scheduler has finished (they finish in arrival order: same prompt length, same
-    max_new_tokens) are closed, so connections do not pile up."""
-    vocab = await prepare(url, discarding=True)
+    max_new_tokens) are closed, so connections do not pile up. The abort waits until
+    every request sent has reached the scheduler (or failed): one still on its way would
+    run after it."""
+    vocab, start = await prepare(url, discarding=True)
     samples: list[Sample] = []
     stop = asyncio.Event()
     t0 = time.perf_counter()
@@ -337,12 +421,15 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
     tasks: list[asyncio.Task[ReqResult]] = []
     acked: list[tuple[float, asyncio.Task[ReqResult]]] = []  # in acknowledgement order
     closed = 0
+    last_sent = 0.0
     seen: Sample | None = None  # the sample that first showed the latest report
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
 
         def send(n: int) -> None:
+            nonlocal last_sent
             for _ in range(n):
+                last_sent = time.perf_counter() - t0
                 i = len(tasks)
                 body = make_body(i, cfg, vocab, True)
                 tasks.append(asyncio.create_task(send_one(client, url, body, t0, lambda i=i: acked.append((time.perf_counter() - t0, tasks[i])))))
@@ -364,14 +451,19 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
                 acked[closed][1].cancel()
                 closed += 1
             send(max(0, cfg.concurrency - live - (len(tasks) - counted)))
+        deadline = time.perf_counter() + SETTLE_TIMEOUT
+        while time.perf_counter() < deadline and any(not t.done() for t in set(tasks) - {t for _, t in acked}):
+            await asyncio.sleep(POLL_INTERVAL / 2)  # (one done before its acknowledgement failed)
         async with httpx.AsyncClient(timeout=10.0) as ctl:
             await ctl.post(f"{url}/abort_request", json={"abort_all": True})
-        stop.set()
-        await sampler
+            end_t = time.perf_counter() - t0
+            stop.set()
+            await sampler
+            end = await settle(ctl, url, latest_steps(start, samples, last_sent), SETTLE_TIMEOUT) if start is not None else None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    rate = step_rate(samples, full_at, full_at + window_s)
+    rate = run_step_rate(start, samples, end, end_t, full_at, full_at + window_s)
     return {"requests_sent": len(tasks), "window_s": window_s, "scheduler_steps": rate, "samples": [asdict(s) for s in samples]}
 
 
@@ -383,6 +475,16 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
 
 def fmt_pcts(p: dict[str, float | None]) -> str:
     return "  ".join(f"{k} {v:9.1f}" if v is not None else f"{k}       n/a" for k, v in p.items() if k != "mean")
+
+
+def fmt_rate(label: str, rate: dict[str, Any] | None, extra: str = "") -> str:
+    if not rate:
+        return f"  {label:<20}{'n/a':>10}   (no scheduler reports)"
+    lo, hi = rate["window_s"]
+    line = f"  {label:<20}{rate['steps_per_s']:10.2f}   ({rate['steps']} steps, {lo:.1f}-{hi:.1f} s{extra})"
+    if not rate.get("confirmed", True):
+        line += f"  [no report of the work done within {SETTLE_TIMEOUT:g} s: may miss the last steps]"
+    return line
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -399,20 +501,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"  errors              {r['errors']:10d}" + (f"   e.g. {r['error_examples'][0]}" if r["error_examples"] else ""),
         f"  tokens lost         {r['tokens_lost']:10d}   ({r['requests_with_lost_tokens']} requests)",
     ]
-    rate = r.get("scheduler_steps")
-    if rate:
-        lo, hi = rate["window_s"]
-        lines.append(f"  scheduler steps/s   {rate['steps_per_s']:10.2f}   ({rate['steps']} steps, {lo:.1f}-{hi:.1f} s)")
-    else:
-        lines.append("  scheduler steps/s          n/a   (too few scheduler reports)")
+    lines.append(fmt_rate("scheduler steps/s", r.get("scheduler_steps")))
     d = r.get("discard")
     if d is not None:
-        drate = d["scheduler_steps"]
-        if drate:
-            lo, hi = drate["window_s"]
-            lines.append(
-                f"  discarded steps/s   {drate['steps_per_s']:10.2f}   ({drate['steps']} steps, {lo:.1f}-{hi:.1f} s, {d['requests_sent']} requests sent)"
-            )
+        lines.append(fmt_rate("discarded steps/s", d["scheduler_steps"], f", {d['requests_sent']} requests sent"))
         ratio = r.get("steps_ratio")
         if ratio is not None:
             verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
