@@ -20,15 +20,18 @@ class SchedulerStatsReporter:
         self._last_prompt = 0
         self._last_cached = 0
         self._last_retracted = 0
+        self._last_steps = 0
         self._cache_hit_rate = 0.0
         self._reported_idle = False  # so a fresh scheduler announces itself at once
         self._instance = random.getrandbits(62)
 
     def maybe_report(self, now: float) -> SchedulerStatsReport | None:
         """A report every ``interval`` seconds while busy, and one when work runs out, so
-        the gauges fall back to zero instead of freezing at their last busy value."""
+        the gauges fall back to zero instead of freezing at their last busy value. Work that
+        came and went within one interval of an idle report gets its idle report too, or
+        ``forward_steps_total`` would stay behind for good."""
         idle = not self._s.has_work()
-        if idle and self._reported_idle:
+        if idle and self._reported_idle and self._s.forward_steps == self._last_steps:
             return None
         if not idle and now - self._last_time < self._interval:
             return None
@@ -67,4 +70,5 @@ class SchedulerStatsReporter:
         self._last_prompt = s.prefill_tokens_total
         self._last_cached = s.cached_tokens_total
         self._last_retracted = s.num_retracted_total
+        self._last_steps = s.forward_steps
         return report

@@ -71,6 +71,8 @@ def test_compare_discard_reports_a_ratio(bench: ModuleType, tmp_path: Path, caps
     assert r["scheduler_steps"]["steps_per_s"] > 0
     d = r["discard"]
     assert d["requests_sent"] >= 4 and d["scheduler_steps"]["steps_per_s"] > 0
+    # Both rates rest on the scheduler's idle reports before and after each run.
+    assert r["scheduler_steps"]["confirmed"] and d["scheduler_steps"]["confirmed"]
     assert r["steps_ratio"] > 0
     table = capsys.readouterr().out
     assert "discarded steps/s" in table and "attached/discarded" in table
