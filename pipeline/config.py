@@ -58,6 +58,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_key: str | None = None
     graceful_timeout: float = 30.0
     health_generate_timeout: float = 20.0
+    max_request_bytes: int = 64 * 1024 * 1024  # a larger body gets 413, read no further
+    max_queued_requests: int | None = None  # None: no bound; else a request beyond N waiting gets 503
+    request_read_timeout: float = 30.0  # a client slower than this sending headers or body is dropped
 
     # Observability
     enable_metrics: bool = True
@@ -105,6 +108,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--chunked-prefill-size must be positive, or -1 to disable chunking")
         if self.stream_interval < 1:
             problems.append("--stream-interval must be at least 1")
+        if self.max_request_bytes <= 0 or self.request_read_timeout <= 0:
+            problems.append("--max-request-bytes and --request-read-timeout must be positive")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            problems.append("--max-queued-requests must be 0 or more (leave it out for no bound)")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
         if self.dllm_block_size < 1:
@@ -224,6 +231,21 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
     g.add_argument("--api-key", default=d.api_key)
     g.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout)
     g.add_argument("--health-generate-timeout", type=float, default=d.health_generate_timeout)
+    g.add_argument(
+        "--max-request-bytes", type=int, default=d.max_request_bytes, help="a larger request body gets 413 and is read no further"
+    )
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="when this many requests wait for admission, a new one gets 503 with Retry-After (default: no bound)",
+    )
+    g.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=d.request_read_timeout,
+        help="seconds a client may take to send its request headers, and between parts of its body",
+    )
 
     g = parser.add_argument_group("observability")
     g.add_argument("--disable-metrics", action="store_true")
@@ -272,6 +294,9 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         api_key=args.api_key,
         graceful_timeout=args.graceful_timeout,
         health_generate_timeout=args.health_generate_timeout,
+        max_request_bytes=args.max_request_bytes,
+        max_queued_requests=args.max_queued_requests,
+        request_read_timeout=args.request_read_timeout,
         enable_metrics=not args.disable_metrics,
         otlp_traces_endpoint=args.otlp_traces_endpoint or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
         otlp_traces_protocol=environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),

@@ -20,6 +20,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True):
     connect_timeout: float = 5.0
     graceful_timeout: float = 30.0
     log_level: str = "info"
+    max_request_bytes: int = 64 * 1024 * 1024  # as `tokenpipe serve`: a larger body gets 413
+    request_read_timeout: float = 30.0  # as `tokenpipe serve`: a slower client is dropped
 
     def validate(self) -> None:
         problems = [p for p in (_url_problem("--prefill-url", self.prefill_url), _url_problem("--decode-url", self.decode_url)) if p]
@@ -27,6 +29,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True):
             problems.append("--request-timeout must be positive")
         if not 0 <= self.port < 65536:
             problems.append("--port must be a TCP port (0-65535)")
+        if self.max_request_bytes <= 0 or self.request_read_timeout <= 0:
+            problems.append("--max-request-bytes and --request-read-timeout must be positive")
         if self.api_key == "":
             problems.append("--api-key must not be empty")
         if problems:
@@ -54,6 +58,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout)
     parser.add_argument("--log-level", default=d.log_level)
+    parser.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="a larger request body gets 413")
+    parser.add_argument(
+        "--request-read-timeout", type=float, default=d.request_read_timeout, help="seconds a client may take to send headers, and between body parts"
+    )
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -66,6 +74,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout=args.request_timeout,
         graceful_timeout=args.graceful_timeout,
         log_level=args.log_level,
+        max_request_bytes=args.max_request_bytes,
+        request_read_timeout=args.request_read_timeout,
     )
     config.validate()
     return config

@@ -90,6 +90,9 @@ class RequestMetrics:
         requests = counter("num_requests", "Finished requests.", ("is_streaming",))
         self.num_requests = {s: requests.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
         self.num_aborted = counter("num_aborted_requests", "Requests that finished by abort.").labels(**labels)
+        # Refused before they ran: body_too_large (413), queue_full (503), read_timeout.
+        rejected = counter("num_rejected_requests", "Requests refused by a limit, by reason.", ("reason",))
+        self.num_rejected = {r: rejected.labels(**labels, reason=r) for r in REJECTION_REASONS}
         ttft = histogram("time_to_first_token_seconds", "Arrival to the first token at the API.", TTFT_BUCKETS, ("is_streaming",))
         self.ttft = {s: ttft.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
         self.itl = histogram("inter_token_latency_seconds", "Time between tokens as the API sees them, per token.", ITL_BUCKETS).labels(**labels)
@@ -145,6 +148,9 @@ class RequestMetrics:
         self.num_retractions.observe(stats.num_retractions)
         self.prompt_tokens_hist.observe(stats.prompt_tokens)
         self.generation_tokens_hist.observe(state.completion_tokens)
+
+
+REJECTION_REASONS = ("body_too_large", "queue_full", "read_timeout")
 
 
 class ServiceMetrics:
