@@ -148,6 +148,9 @@ class FinishLength(msgspec.Struct, tag="length", array_like=True, gc=False, froz
 class FinishAbort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen=True):
     message: str
     status_code: int = 400
+    # Seconds after which a retry may succeed; set only on a refusal for a full waiting queue
+    # (503). Appended last with a default: a reader of the older 3-element form still decodes.
+    retry_after: float | None = None
 
 
 FinishReason = Union[FinishStop, FinishLength, FinishAbort]
@@ -157,7 +160,9 @@ def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
     """The SPEC's edge form: ``{"type": "stop", "matched": ...}`` and so on."""
     out: dict[str, object] = {"type": type(reason).__struct_config__.tag}
     for field in reason.__struct_fields__:
-        out[field] = getattr(reason, field)
+        value = getattr(reason, field)
+        if value is not None:  # an optional field left unset (retry_after) is not part of the SPEC's form
+            out[field] = value
     return out
 
 

@@ -47,6 +47,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         vocab_size=runner.model_config.vocab_size,
         chunked_prefill_size=config.chunked_prefill_size,
         max_running_requests=config.max_running_requests,
+        max_queued_requests=config.max_queued_requests,
         stream_interval=config.stream_interval,
         collect_time_stats=config.enable_metrics,
         dense_usage_columns=config.dense_usage_columns,

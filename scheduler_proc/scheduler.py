@@ -57,6 +57,10 @@ from scheduler_proc.stop_checker import StopChecker
 logger = logging.getLogger("tokenpipe.scheduler")
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.long)
+# What a refusal for a full waiting queue tells the client to wait before retrying: about
+# the time a few requests take to be admitted and finish on a small server; a hint only.
+QUEUE_FULL_RETRY_AFTER = 1.0
+
 # An embedding request generates nothing: it finishes when its prompt is prefilled.
 _EMBEDDING_SAMPLING = SamplingParams(max_new_tokens=0)
 
@@ -76,6 +80,7 @@ class Scheduler:
         dense_usage_columns: bool = False,
         dllm: DllmConfig | None = None,
         hicache: HiCache | None = None,
+        max_queued_requests: int | None = None,
     ) -> None:
         self.runner = runner
         self.prefix_kv = PrefixKV(runner.kv, hicache)
@@ -87,6 +92,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.prefill_budget = chunked_prefill_size if chunked_prefill_size > 0 else context_length
         self.max_running_requests = max_running_requests
+        self.max_queued_requests = max_queued_requests  # None: the waiting queue is unbounded
         self.stream_interval = stream_interval
         self.collect_time_stats = collect_time_stats
         self.dense_usage_columns = dense_usage_columns  # UsageColumns on every token frame
@@ -138,12 +144,28 @@ class Scheduler:
             req.finish(FinishAbort(message=problem, status_code=400), now)
             self._rows_due.append(req)
             return
+        if self._queue_full():
+            # Checked here, where requests enter the queue one at a time, so the bound is
+            # exact: no burst can slip past it. Queued and running requests are untouched.
+            req.finish(self._queue_full_abort(), now)
+            self._rows_due.append(req)
+            return
         req.enter_waiting_queue(now)
         self.live[req.req_id] = req
         if isinstance(req.pd, DecodeBootstrap):
             self.pd_decode.start(req, now)  # type: ignore[union-attr]
         else:
             self.waiting.append(req)
+
+    def _queue_full(self) -> bool:
+        return self.max_queued_requests is not None and self.num_waiting >= self.max_queued_requests
+
+    def _queue_full_abort(self) -> FinishAbort:
+        return FinishAbort(
+            message=f"the waiting queue is full ({self.num_waiting} requests wait for admission); retry later",
+            status_code=503,
+            retry_after=QUEUE_FULL_RETRY_AFTER,
+        )
 
     def _admission_problem(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
