@@ -30,8 +30,10 @@ async def _serve(config: ServerConfig) -> None:
         ctx.destroy(linger=0)
         logger.info("serving %s on http://%s:%d", tm.model_name, config.host, config.port)
 
+    # The counter of clients dropped for sending their request too slowly (None: metrics off).
+    on_read_timeout = tm.metrics.requests.num_rejected["read_timeout"].inc if tm.metrics is not None else None
     try:
-        await serve_http(app, config, on_started=started)
+        await serve_http(app, config, on_started=started, on_read_timeout=on_read_timeout)
     finally:
         await tm.close()
 
