@@ -9,6 +9,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import install_error_handlers
 from router_proc.bodies import BadBody, parse_body
 from router_proc.config import RouterConfig
@@ -67,6 +68,8 @@ def build_app(config: RouterConfig, client: httpx.AsyncClient) -> FastAPI:
         answer = await peers.get(peers.decode, path, forwarded_headers(request))
         return Response(answer.content, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
 
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    # Added last, so outermost: the key is checked before the size, as on the servers.
     if config.api_key is not None:
         app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=OPEN_PATHS)
     return app

@@ -12,6 +12,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import BearerAuth, install_error_handlers
 from pipeline.io_struct import SamplingParams
 from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
@@ -127,6 +128,10 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     app.include_router(build_hicache_router(tm))
     app.include_router(build_tokenize_router(tm))
 
+    too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
+    app.add_middleware(BodyLimit, max_bytes=tm.config.max_request_bytes, on_reject=too_large)
+    # Added last, so outermost: the key is checked first. Neither reads the body before its
+    # answer, but a client without the key gets its 401 and learns nothing of the limit.
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=_OPEN_PATHS)
     return app

@@ -43,7 +43,10 @@ Limits
     At most 16 items per kind per request, and at most 20 MiB (20 * 1024 * 1024 bytes) per
     decoded item. A request over a limit is refused; for too many items the error names the
     first item over the limit (``image_data[16]``). An item whose base64 text is already too
-    long is refused before it is decoded.
+    long is refused before it is decoded. The whole request body is bounded first, while it
+    is read, by ``--max-request-bytes`` (64 MiB by default, 413 beyond it): so the total of
+    all items is at most that, and one item's base64 text (~26.7 MiB at the 20 MiB limit)
+    fits in the default; a smaller body limit refuses a large item before this module sees it.
 
 Errors
     Every refusal is a ``MediaError``, a ``RequestValidationError`` that the HTTP layer answers
