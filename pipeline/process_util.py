@@ -1,21 +1,29 @@
 """What every tokenpipe process does the same way: logging, the shutdown flag, the readiness
-report to the supervisor, and dying with its parent."""
+report to the supervisor, and stopping (and cleaning up) when the supervisor is gone."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
+import threading
+import time
 from typing import Any
 
 import zmq
 
 from pipeline.config import ServerConfig
 from pipeline.io_struct import ProcessReady
-from pipeline.sockets import connect_push, make_encoder
+from pipeline.sockets import connect_push, make_encoder, remove_ipc_dir
 
-_PR_SET_PDEATHSIG = 1
+logger = logging.getLogger("tokenpipe.process")
+
+# What the supervisor tells its children: its pid, and the private ipc directory that the
+# children remove when it dies without removing it itself (SIGKILL).
+SUPERVISOR_PID_ENV = "TOKENPIPE_SUPERVISOR_PID"
+IPC_DIR_ENV = "TOKENPIPE_IPC_DIR"
+_PARENT_POLL = 0.2  # seconds between two looks at the parent
+_ORPHAN_GRACE = 3.0  # seconds an orphan's own shutdown may take before it exits hard
 
 
 def setup_logging(level: str, name: str) -> None:
@@ -26,13 +34,31 @@ def setup_logging(level: str, name: str) -> None:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a supervisor killed with
-    -9 leaves no orphans. A no-op elsewhere."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    """In a child of the supervisor: once the supervisor is gone, however it died (SIGKILL
+    included), remove the private ipc directory, stop through this process's own shutdown
+    path (SIGTERM), and exit hard if that takes over ``_ORPHAN_GRACE`` seconds: no orphan and
+    no socket file outlive a killed supervisor.
+
+    A watcher thread rather than PDEATHSIG: PDEATHSIG=SIGKILL leaves no chance to clean up,
+    and a SIGTERM arriving before this process installs its handler (while it imports) would
+    kill it just as uncleanly. A parent that died before the watcher started (during those
+    imports) is noticed at once: the parent is then no longer the supervisor's pid."""
+    supervisor = int(os.environ.get(SUPERVISOR_PID_ENV) or os.getppid())
+    ipc_dir = os.environ.get(IPC_DIR_ENV)
+    threading.Thread(target=_watch_parent, args=(supervisor, ipc_dir), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(supervisor: int, ipc_dir: str | None) -> None:
+    while os.getppid() == supervisor:
+        time.sleep(_PARENT_POLL)
+    logger.warning("the supervisor (pid %d) is gone; stopping", supervisor)
+    # First, before anything that could hang: each child removes it (harmless twice).
+    if ipc_dir:
+        remove_ipc_dir(ipc_dir)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(_ORPHAN_GRACE)
+    logger.warning("did not stop within %.0f s of the supervisor's death; exiting", _ORPHAN_GRACE)
+    os._exit(1)
 
 
 class ShutdownFlag:

@@ -96,20 +96,31 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
 
+_IPC_DIR_PREFIX = "tokenpipe-"
+
+
+def remove_ipc_dir(path: str | Path) -> None:
+    """Removes a private ipc directory. Harmless when it is already gone (the supervisor and
+    each of its children may all try), and a no-op for a directory that is not one of ours,
+    so a wrong path handed down in the environment cannot remove anything else."""
+    if Path(path).name.startswith(_IPC_DIR_PREFIX):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class PrivateIpcDir:
     """A mode-0700 temporary directory for ``ipc://`` socket files, removed on close so
     no socket file outlives the service."""
 
     def __init__(self) -> None:
         # mkdtemp creates the directory with mode 0700 (owner only).
-        self.path = Path(tempfile.mkdtemp(prefix="tokenpipe-"))
+        self.path = Path(tempfile.mkdtemp(prefix=_IPC_DIR_PREFIX))
         os.chmod(self.path, 0o700)
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.path / name}"
 
     def close(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        remove_ipc_dir(self.path)
 
     def __enter__(self) -> "PrivateIpcDir":
         return self

@@ -7,8 +7,10 @@ the service whole.
   in-flight requests finish, bounded by --graceful-timeout), then the scheduler and the
   detokenizer; the supervisor exits 0.
 - Children run in their own process group (a terminal's Ctrl-C reaches only the
-  supervisor, which then shuts down in order) and die with it if it is killed (PDEATHSIG).
-  The private ipc directory is removed on every exit path.
+  supervisor, which then shuts down in order). The private ipc directory is removed on every
+  exit path: by the supervisor, or, when it is SIGKILLed, by its children, which watch for
+  their parent's death, remove the directory (named to them in the environment), and stop
+  (``process_util.die_with_parent``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import zmq
 
 from pipeline.config import CONFIG_ENV, ServerConfig
 from pipeline.io_struct import ProcessReady
-from pipeline.process_util import die_with_parent
+from pipeline.process_util import IPC_DIR_ENV, SUPERVISOR_PID_ENV
 from pipeline.sockets import FrameDecoder, PrivateIpcDir, bind_pull
 
 logger = logging.getLogger("tokenpipe.supervisor")
@@ -83,14 +85,13 @@ class Supervisor:
     def _spawn_all(self) -> None:
         # Through the environment, not argv: /proc/PID/cmdline is world-readable and the
         # config may hold the API key, while /proc/PID/environ is readable by the owner only.
-        env = dict(os.environ, **{CONFIG_ENV: self.config.encode()})
+        # The pid and the directory let a child clean up and stop when this process is killed.
+        env = dict(
+            os.environ,
+            **{CONFIG_ENV: self.config.encode(), SUPERVISOR_PID_ENV: str(os.getpid()), IPC_DIR_ENV: str(self.ipc.path)},
+        )
         for name in CHILDREN:
-            self.children[name] = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", name],
-                env=env,
-                process_group=0,
-                preexec_fn=die_with_parent,
-            )
+            self.children[name] = subprocess.Popen([sys.executable, "-m", "pipeline.cli", name], env=env, process_group=0)
 
     def _wait_ready(self, sock: zmq.Socket) -> int | None:  # type: ignore[type-arg]
         decoder: FrameDecoder[ProcessReady] = FrameDecoder(ProcessReady, logger, "ready")
