@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.config import ServerConfig
 from tests.server_harness import ServerProcess, descendants
-from tests.test_router import RouterProcess, _dead_url
+from tests.test_router import API_KEY, RouterProcess, _dead_url
 from tokenizer_proc.media import MAX_ITEM_BYTES
 
 MiB = 1024 * 1024
@@ -37,7 +37,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     # Its servers are down: a body under the limit gets 502, one over it 413 before any peer is asked.
-    proc = RouterProcess(tmp_path_factory.mktemp("body-limit-router"), _dead_url(), _dead_url(), "--max-request-bytes", str(LIMIT))
+    args = ("--max-request-bytes", str(LIMIT), "--api-key", API_KEY)
+    proc = RouterProcess(tmp_path_factory.mktemp("body-limit-router"), _dead_url(), _dead_url(), *args)
     yield proc.wait_ready()
     proc.stop()
 
@@ -60,8 +61,10 @@ def json_of_size(size: int) -> bytes:
     return head + b"a " * words + b"a" * odd + tail
 
 
-def post(url: str, body: Iterator[bytes] | bytes, declared: int | None) -> httpx.Response:
+def post(url: str, body: Iterator[bytes] | bytes, declared: int | None, key: str | None = None) -> httpx.Response:
     headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
     if declared is not None:
         headers["content-length"] = str(declared)
     return httpx.post(url, content=body, headers=headers, timeout=120.0)
@@ -155,10 +158,11 @@ def test_a_media_item_over_the_body_limit_is_refused_by_it_first(limited: Server
     assert_too_large(response)
 
 
-def test_router_refuses_a_body_over_its_limit(router: RouterProcess) -> None:
+def test_router_refuses_a_body_over_its_limit_after_checking_the_key(router: RouterProcess) -> None:
     for declared in (None, HUGE):
-        response = post(router.url + "/generate", chunks(HUGE), declared)
-        assert_too_large(response)
+        assert_too_large(post(router.url + "/generate", chunks(HUGE), declared, API_KEY))
+        # The key is checked first: without it the answer is 401, and that needs no body either.
+        assert post(router.url + "/generate", chunks(HUGE), declared).status_code == 401
     # Under the limit the body reaches the routing, which finds its servers down.
-    under = post(router.url + "/generate", json_of_size(LIMIT), LIMIT)
+    under = post(router.url + "/generate", json_of_size(LIMIT), LIMIT, API_KEY)
     assert under.status_code == 502, under.text
