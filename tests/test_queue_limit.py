@@ -3,12 +3,23 @@ full is refused at once (503, Retry-After), and nothing admitted or queued is af
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
 import msgspec
+import pytest
 
 from pipeline.config import ServerConfig
 from pipeline.io_struct import REQ_ID_DTYPE, FinishAbort, FinishLength, from_column
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import QUEUE_FULL_RETRY_AFTER, Scheduler
+from tests.server_harness import ServerProcess, wait_until
+from tests.test_metrics import prometheus, query, scalar  # noqa: F401 (prometheus: a fixture, scraping metrics_server below)
 from tests.test_scheduler_steps import PROMPT, run_to_end, submit
 
 MAX_NEW = 12
@@ -60,3 +71,127 @@ def test_scheduler_without_a_bound_queues_everything() -> None:
     for req_id in range(1, 9):
         submit(s, req_id, PROMPT[:40], 2)
     assert s.num_waiting == 8
+
+
+# --- against a real server ---------------------------------------------------------------
+
+QUEUE, RUNNING, BURST, GEN = 4, 2, 32, 64
+LIMIT_ARGS = ["--max-queued-requests", str(QUEUE), "--max-running-requests", str(RUNNING)]
+
+
+@pytest.fixture(scope="module")
+def metrics_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The server ``prometheus`` (imported from test_metrics) scrapes: this module's, bounded."""
+    srv = ServerProcess(tmp_path_factory.mktemp("queue") / "tmp", LIMIT_ARGS).wait_ready()
+    yield srv
+    srv.stop()
+
+
+def assert_queue_full(resp: httpx.Response) -> None:
+    assert resp.status_code == 503, resp.text
+    assert int(resp.headers["Retry-After"]) >= 1
+    error = resp.json()["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == 503
+    assert f"the waiting queue is full ({QUEUE} requests wait for admission); retry later" == error["message"]
+
+
+def one_request(srv: ServerProcess, i: int) -> tuple[int, int | None]:
+    """Status, and for a success the completion_tokens the client saw (the stream's last
+    meta_info, checked against the ids it received)."""
+    body = {"text": f"Request {i} of the burst", "sampling_params": {"max_new_tokens": GEN, "ignore_eos": True}}
+    with srv.client() as c:
+        if i % 2 == 0:
+            resp = c.post("/generate", json=body)
+            if resp.status_code != 200:
+                assert_queue_full(resp)
+                return resp.status_code, None
+            meta = resp.json()["meta_info"]
+            assert len(resp.json()["output_ids"]) == meta["completion_tokens"]
+            return 200, meta["completion_tokens"]
+        with c.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                assert_queue_full(resp)
+                return resp.status_code, None
+            ids: list[int] = []
+            meta = {}
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    ids.extend(event["output_ids"])
+                    meta = event["meta_info"]
+            assert len(ids) == meta["completion_tokens"]
+            return 200, meta["completion_tokens"]
+
+
+class QueueSampler:
+    """Reads the scheduler's report from /server_info in a thread while the burst runs."""
+
+    def __init__(self, srv: ServerProcess) -> None:
+        self.srv = srv
+        self.reports: list[dict] = []  # type: ignore[type-arg]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with self.srv.client() as c:
+            while not self._stop.is_set():
+                report = c.get("/server_info").json()["scheduler"]
+                if report is not None:
+                    self.reports.append(report)
+                time.sleep(0.05)
+
+    def __enter__(self) -> QueueSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_burst_beyond_the_queue_gets_503_and_prometheus_counts_them(metrics_server: ServerProcess, prometheus: str) -> None:
+    with QueueSampler(metrics_server) as sampler, ThreadPoolExecutor(BURST) as pool:
+        results = list(pool.map(lambda i: one_request(metrics_server, i), range(BURST)))
+    ok = [tokens for status, tokens in results if status == 200]
+    refused = sum(1 for status, _ in results if status == 503)
+    assert len(ok) + refused == BURST
+    assert refused >= 1 and len(ok) >= RUNNING + QUEUE
+    assert ok == [GEN] * len(ok), "an admitted or queued request lost tokens"
+    # The bound held at every report the scheduler made during the burst.
+    assert any(r["num_queue_reqs"] > 0 for r in sampler.reports), sampler.reports
+    assert max(r["num_queue_reqs"] for r in sampler.reports) <= QUEUE
+    assert max(r["live_reqs"] for r in sampler.reports) <= QUEUE + RUNNING
+    expr = 'tokenpipe:num_rejected_requests_total{reason="queue_full"}'
+    assert wait_until(lambda: scalar(prometheus, expr) == refused, timeout=30, interval=0.5), query(prometheus, expr)
+
+
+def test_every_route_answers_a_full_queue_with_503(tmp_path: Path) -> None:
+    """The queue filled by long requests, then each route in turn, streaming or not, with
+    several choices: a 503 with Retry-After, never a 200 stream, and no state left behind.
+    The operator's abort_all (also a 503, but without retry_after) stays the long requests'
+    output, a 200."""
+    srv = ServerProcess(tmp_path / "tmp", LIMIT_ARGS).wait_ready()
+    long_body = {"text": "A long one", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    try:
+        with ThreadPoolExecutor(RUNNING + QUEUE) as pool, srv.client() as c:
+            long = [pool.submit(lambda: srv.client().post("/generate", json=long_body)) for _ in range(RUNNING + QUEUE)]
+
+            def full() -> bool:
+                report = c.get("/server_info").json()["scheduler"]
+                return report is not None and report["num_queue_reqs"] == QUEUE
+
+            assert wait_until(full, timeout=60, interval=0.1)
+            prompt = {"model": "tokenpipe-tiny", "max_tokens": 4}
+            chat = {"model": "tokenpipe-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            assert_queue_full(c.post("/generate", json={"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 4}}))
+            assert_queue_full(c.post("/v1/completions", json={**prompt, "prompt": ["a", "b"], "n": 2, "stream": True}))
+            assert_queue_full(c.post("/v1/completions", json={**prompt, "prompt": "a"}))
+            assert_queue_full(c.post("/v1/chat/completions", json={**chat, "stream": True}))
+            assert_queue_full(c.post("/v1/chat/completions", json={**chat, "n": 3}))
+            assert c.get("/server_info").json()["live_requests"] == RUNNING + QUEUE, "refused choices left state behind"
+            c.post("/abort_request", json={"abort_all": True})
+            assert all(f.result().status_code == 200 for f in long)
+    finally:
+        srv.stop()

@@ -17,7 +17,7 @@ from msgspec import Meta
 
 from pipeline.io_struct import EMBEDDING_DTYPE, FinishAbort
 from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_body
-from tokenizer_proc.http_common import ClientGone, error_response, error_type, wait_finished
+from tokenizer_proc.http_common import ClientGone, abort_response, abort_unfinished, wait_finished, wait_started
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -43,9 +43,12 @@ class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class EmbeddingFailed(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, reason: FinishAbort, message: str) -> None:
         super().__init__(message)
-        self.status = status
+        self.reason = reason  # its status, and a full queue's retry_after
+
+    def response(self, param: str) -> JSONResponse:
+        return abort_response(self.reason, str(self), param=param)
 
 
 def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
@@ -62,7 +65,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         try:
             states = await _embed_all(tm, inputs, request, arrived)
         except EmbeddingFailed as exc:
-            return error_response(exc.status, str(exc), err_type=error_type(exc.status), param="input")
+            return exc.response("input")
         if states is None:
             return Response(status_code=499)
         data = []
@@ -99,7 +102,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
             states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
         except EmbeddingFailed as exc:
             param = "text" if obj.text is not None else "input_ids"
-            return error_response(exc.status, str(exc), err_type=error_type(exc.status), param=param)
+            return exc.response(param)
         if states is None:
             return Response(status_code=499)
         out = [{"embedding": s.embedding.tolist(), "meta_info": build_meta_info(s)} for s in states]  # type: ignore[union-attr]
@@ -148,16 +151,17 @@ async def _embed_all(
     when the client went away, with the rest aborted."""
     states = [tm.submit_embedding(input_ids=ids, rid=rid, created_time=arrived) for ids in inputs]
     try:
-        for state in states:
-            await wait_finished(tm, state, request)
+        # A refused input (a full waiting queue) answers for all at once, the rest aborted.
+        if await wait_started(tm, states, request) is None:
+            for state in states:
+                await wait_finished(tm, state, request)
     except ClientGone:
-        for state in states:
-            tm.abort(state.req_id)
+        abort_unfinished(tm, states)
         return None
     for i, state in enumerate(states):
         reason = state.finished_reason
         if isinstance(reason, FinishAbort):
             # A refused or aborted input has no embedding: answer with its reason, never
             # with the placeholder vector the scheduler sends for it.
-            raise EmbeddingFailed(reason.status_code, f"input {i}: {reason.message}")
+            raise EmbeddingFailed(reason, f"input {i}: {reason.message}")
     return states

@@ -18,7 +18,7 @@ from pipeline.io_struct import SamplingParams
 from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
 from tokenizer_proc.embeddings_api import build_embeddings_router
 from tokenizer_proc.hicache_api import build_hicache_router
-from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished
+from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished, wait_started
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
@@ -84,10 +84,14 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             created_time=arrived,
             bootstrap=obj.bootstrap(),
         )
-        if obj.stream:
-            return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")
         try:
-            await wait_finished(tm, state, request)
+            if obj.stream:
+                # A refusal (full queue, scheduler's check, PD failure) is the first change
+                # when it comes: answer it with its status rather than a 200 stream.
+                if await wait_started(tm, [state], request) is None:
+                    return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")
+            else:
+                await wait_finished(tm, state, request)
         except ClientGone:
             return Response(status_code=499)
         refused = refusal(state)

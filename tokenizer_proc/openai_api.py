@@ -19,9 +19,12 @@ so ``cached_tokens <= prompt_tokens`` always holds.
 A choice's ``stop_reason`` (vLLM's; streamed, on the finishing chunk) is the stop string or
 ``stop_token_ids`` id that ended it, null for EOS and every other finish.
 
-Waiting, disconnect handling and error bodies are ``http_server``'s: a client that
-disconnects aborts every choice of its request, and a request the scheduler refuses is a 400
-(or, once a stream has started, an SSE ``error`` event).
+Waiting, disconnect handling and error bodies are ``http_common``'s: a client that
+disconnects aborts every choice of its request. A stream starts (status 200) only once every
+choice has changed once, so a choice the scheduler refuses (400, a full waiting queue's 503
+with ``Retry-After``, a PD peer's 502/504) makes the whole request that error, streaming or
+not, with the other choices aborted; a refusal after the stream started (a PD failure) is an
+SSE ``error`` event.
 """
 
 from __future__ import annotations
@@ -39,7 +42,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, SamplingParams
 from tokenizer_proc.api_schema import RequestValidationError, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
-from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished
+from tokenizer_proc.http_common import (
+    ClientGone,
+    abort_unfinished,
+    error_response,
+    refusal,
+    sse,
+    trace_context,
+    wait_finished,
+    wait_started,
+)
 from tokenizer_proc.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from tokenizer_proc.req_state import ReqState, sending
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -292,20 +304,23 @@ async def _respond(
                 )
             )
     except BaseException:
-        _abort_unfinished(tm, states)
+        abort_unfinished(tm, states)
         raise
     head = {"id": response_id, "object": kind.object, "created": int(arrived), "model": tm.model_name}
-    if body.streaming:
-        head["object"] = kind.chunk_object
-        stream = _stream(tm, kind, states, head, body.choices, body.include_usage)
-        return StreamingResponse(stream, media_type="text/event-stream")
     try:
+        # Until every choice has started, so one refused choice answers for the request
+        # (with the others aborted) before a stream's 200 or a long wait for the others.
+        refused_state = await wait_started(tm, states, request)
+        if refused_state is None and body.streaming:
+            head["object"] = kind.chunk_object
+            stream = _stream(tm, kind, states, head, body.choices, body.include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
-        for state in states:
+        for state in states if refused_state is None else ():
             await wait_finished(tm, state, request)
     except ClientGone:
-        _abort_unfinished(tm, states)
+        abort_unfinished(tm, states)
         return Response(status_code=499)
     for state in states:
         refused = refusal(state)
@@ -314,12 +329,6 @@ async def _respond(
     return JSONResponse(
         {**head, "choices": [kind.choice(i, s) for i, s in enumerate(states)], "usage": _usage(states, body.choices)}
     )
-
-
-def _abort_unfinished(tm: TokenizerManager, states: list[ReqState]) -> None:
-    for state in states:
-        if not state.finished:
-            tm.abort(state.req_id)
 
 
 async def _stream(
@@ -362,7 +371,7 @@ async def _stream(
         yield _DONE
     finally:
         # A disconnect cancels this generator: stop every choice still running.
-        _abort_unfinished(tm, states)
+        abort_unfinished(tm, states)
 
 
 async def _changes(tm: TokenizerManager, states: list[ReqState]) -> AsyncIterator[int]:

@@ -372,6 +372,12 @@ class TokenizerManager:
     def _observe_finish(self, state: ReqState) -> None:
         if state.internal:
             return
+        reason = state.finished_reason
+        if self.metrics is not None and isinstance(reason, FinishAbort) and reason.retry_after is not None:
+            # Counted here, once per pipeline request the scheduler refused for a full
+            # waiting queue (an OpenAI request of n choices may count up to n), whichever
+            # route it came by; it is also a request and an abort, as any refusal is.
+            self.metrics.requests.num_rejected["queue_full"].inc()
         if state.request_stats is None:  # lost before the scheduler reported: counted, no span
             if self.metrics is not None and isinstance(state.finished_reason, FinishAbort):
                 self.metrics.requests.on_lost(state)
