@@ -195,3 +195,40 @@ def test_every_route_answers_a_full_queue_with_503(tmp_path: Path) -> None:
             assert all(f.result().status_code == 200 for f in long)
     finally:
         srv.stop()
+
+
+def test_refused_choice_aborts_its_siblings_and_a_queued_stream_that_disconnects_is_aborted(tmp_path: Path) -> None:
+    """Room for one more in the queue: of an n=2 request, one choice queues and the other is
+    refused, so the request is a 503 and the queued choice is aborted, not left to run. Then
+    a stream that waits in the queue (no 200 yet) and whose client goes away is aborted."""
+    srv = ServerProcess(tmp_path / "tmp", LIMIT_ARGS).wait_ready()
+    long_body = {"text": "A long one", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    try:
+        with ThreadPoolExecutor(RUNNING + QUEUE + 1) as pool, srv.client() as c:
+
+            def scheduler_holds(running: int, queued: int) -> bool:
+                report = c.get("/server_info").json()["scheduler"]
+                return report is not None and (report["num_running_reqs"], report["num_queue_reqs"]) == (running, queued)
+
+            long = [pool.submit(lambda: srv.client().post("/generate", json=long_body)) for _ in range(RUNNING + QUEUE - 1)]
+            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE - 1), timeout=60, interval=0.1)
+            body = {"model": "tokenpipe-tiny", "prompt": "two", "max_tokens": 4, "n": 2, "stream": True}
+            assert_queue_full(c.post("/v1/completions", json=body))
+            assert wait_until(lambda: c.get("/server_info").json()["live_requests"] == RUNNING + QUEUE - 1, timeout=10)
+            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE - 1), timeout=10), "the queued sibling was not aborted"
+
+            # A stream that queues: its client gives up before any output.
+            def impatient() -> None:
+                with httpx.Client(base_url=srv.url, timeout=3) as client:
+                    client.post("/generate", json={**long_body, "stream": True})
+
+            gone = pool.submit(impatient)
+            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE), timeout=2, interval=0.05), "the stream never queued"
+            with pytest.raises(httpx.ReadTimeout):
+                gone.result(30)
+            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE - 1), timeout=10), "the queued stream was not aborted"
+            assert c.get("/server_info").json()["live_requests"] == RUNNING + QUEUE - 1
+            c.post("/abort_request", json={"abort_all": True})
+            assert all(f.result().status_code == 200 for f in long)
+    finally:
+        srv.stop()
