@@ -151,7 +151,7 @@ class QueueSampler:
         self._thread.join(10)
 
 
-def test_burst_beyond_the_queue_gets_503_and_prometheus_counts_them(metrics_server: ServerProcess, prometheus: str) -> None:
+def test_burst_beyond_the_queue_gets_503_and_prometheus_counts_them(metrics_server: ServerProcess, prometheus: str) -> None:  # noqa: F811
     with QueueSampler(metrics_server) as sampler, ThreadPoolExecutor(BURST) as pool:
         results = list(pool.map(lambda i: one_request(metrics_server, i), range(BURST)))
     ok = [tokens for status, tokens in results if status == 200]
