@@ -109,7 +109,7 @@ class _ReadTimeoutProtocol(H11Protocol):
       not to blame, and the deadline is postponed.
 
     A late client's connection is aborted (an ASGI app still running sees a disconnect) and
-    ``on_read_timeout`` runs. Set as class attributes by ``read_timeout_protocol``."""
+    ``on_read_timeout`` runs, unless the client sent nothing at all. Set as class attributes by ``read_timeout_protocol``."""
 
     read_timeout: float = 30.0
     on_read_timeout: Callable[[], None] | None = None
@@ -172,10 +172,14 @@ class _ReadTimeoutProtocol(H11Protocol):
         if self.flow.read_paused:
             self._arm(self.read_timeout)  # uvicorn is not reading: not the client's fault
             return
-        logger.info("dropped a client too slow sending its request %s (%s)", self._reading, self.client)
+        # A connection that never sent a byte (a browser's preconnect, say) is closed like
+        # uvicorn closes an idle kept-alive one: silently, and not counted as a request.
+        began = self._reading == "body" or bool(self.conn.trailing_data[0])
+        if began:
+            logger.info("dropped a client too slow sending its request %s (%s)", self._reading, self.client)
         self._stop_reading()
         self.transport.abort()
-        if self.on_read_timeout is not None:
+        if began and self.on_read_timeout is not None:
             self.on_read_timeout()
 
 

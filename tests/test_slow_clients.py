@@ -64,9 +64,12 @@ def test_half_headers_are_dropped_while_others_are_served(srv: ServerProcess) ->
     assert _read_timeouts(srv) == before + 1
 
 
-def test_a_connection_that_sends_nothing_is_dropped(srv: ServerProcess) -> None:
+def test_a_connection_that_sends_nothing_is_dropped_uncounted(srv: ServerProcess) -> None:
+    """Closed like an idle kept-alive connection, and not a rejected request: nothing came."""
+    before = _read_timeouts(srv)
     with _connect(srv) as idle:
         assert _closed_after(idle) < CLOSE_WITHIN
+    assert _read_timeouts(srv) == before
 
 
 def test_a_body_slower_than_the_timeout_is_dropped(srv: ServerProcess) -> None:
@@ -78,17 +81,17 @@ def test_a_body_slower_than_the_timeout_is_dropped(srv: ServerProcess) -> None:
 
 
 def test_a_body_trickled_forever_is_dropped(srv: ServerProcess) -> None:
-    """One byte per half timeout never leaves a gap long enough, but the whole body has a
-    bound too (ten read timeouts)."""
+    """One byte per quarter timeout never leaves a gap long enough, but the whole body has
+    a bound too (ten read timeouts)."""
     with _connect(srv) as slow:
         slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
         started = time.monotonic()
         with pytest.raises(OSError):
             while time.monotonic() - started < 10 * READ_TIMEOUT + CLOSE_WITHIN:
                 slow.sendall(b" ")
-                time.sleep(READ_TIMEOUT / 2)
+                time.sleep(READ_TIMEOUT / 4)
             pytest.fail("a body trickled one byte at a time was never cut off")
-        assert time.monotonic() - started > 5 * READ_TIMEOUT, "cut off before any bound was reached"
+        assert time.monotonic() - started > 3 * READ_TIMEOUT, "cut off before any bound was reached"
 
 
 def test_a_stream_longer_than_the_timeout_is_not_cut(srv: ServerProcess) -> None:
