@@ -61,6 +61,10 @@ class BearerAuth:
                 response = error_response(
                     401, "missing or invalid API key (expected `Authorization: Bearer KEY`)", err_type="authentication_error"
                 )
+                # Without it uvicorn would read (and discard) the rest of an unread body
+                # before the connection could serve another request: a keyless client
+                # could make the server read gigabytes.
+                response.headers["connection"] = "close"
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

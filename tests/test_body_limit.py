@@ -135,16 +135,23 @@ def test_a_body_at_the_limit_is_read_and_one_byte_more_is_not(limited: ServerPro
     assert_too_large(post(limited.url + "/generate", iter([over]), LIMIT + 1 if declared else None))
 
 
-def test_declared_oversize_body_is_answered_without_being_read(limited: ServerProcess) -> None:
-    """Headers and a few bytes of a body declared as 200 MiB: the 413 comes at once and the
-    server closes the connection, instead of waiting for (or draining) the rest."""
-    with socket.create_connection(("127.0.0.1", limited.port), timeout=30) as sock:
+def declared_huge_post(port: int) -> tuple[bytes, bytes]:
+    """Headers and a few bytes of a body declared as 200 MiB, on a raw socket; the answer's
+    head and body, read until the server closes the connection (a timeout fails the test)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {HUGE}\r\n\r\n".encode() + b"{" * 1024)
         received = b""
-        while chunk := sock.recv(65536):  # ends at the server's close; a timeout fails the test
+        while chunk := sock.recv(65536):
             received += chunk
     head, _, body = received.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 413"), received[:500]
+    return head, body
+
+
+def test_declared_oversize_body_is_answered_without_being_read(limited: ServerProcess) -> None:
+    """The 413 comes at once and the server closes the connection, instead of waiting for
+    (or draining) the rest."""
+    head, body = declared_huge_post(limited.port)
+    assert head.startswith(b"HTTP/1.1 413"), head
     assert b"connection: close" in head.lower()
     assert b'"request_too_large"' in body
 
@@ -163,6 +170,9 @@ def test_router_refuses_a_body_over_its_limit_after_checking_the_key(router: Rou
         assert_too_large(post(router.url + "/generate", chunks(HUGE), declared, API_KEY))
         # The key is checked first: without it the answer is 401, and that needs no body either.
         assert post(router.url + "/generate", chunks(HUGE), declared).status_code == 401
+    # A keyless client cannot make the server drain a huge body either: 401, then close.
+    head, _ = declared_huge_post(router.port)
+    assert head.startswith(b"HTTP/1.1 401") and b"connection: close" in head.lower(), head
     # Under the limit the body reaches the routing, which finds its servers down.
     under = post(router.url + "/generate", json_of_size(LIMIT), LIMIT, API_KEY)
     assert under.status_code == 502, under.text
