@@ -4,10 +4,11 @@ full is refused at once (503, Retry-After), and nothing admitted or queued is af
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -151,17 +152,47 @@ class QueueSampler:
         self._thread.join(10)
 
 
+LONG_BODY = {"text": "A long one", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+
+
+def scheduler_holds(c: httpx.Client, running: int, queued: int) -> bool:
+    report = c.get("/server_info").json()["scheduler"]
+    return report is not None and (report["num_running_reqs"], report["num_queue_reqs"]) == (running, queued)
+
+
+def occupy(srv: ServerProcess, c: httpx.Client, pool: ThreadPoolExecutor, running: int, queued: int) -> list[Future[httpx.Response]]:
+    """Long requests that hold ``running`` slots, then ``queued`` places in the queue. In two
+    waves: sent at once, they could all reach the scheduler before its next step, and those
+    past the queue bound would be refused instead of admitted."""
+    def send(k: int) -> Future[httpx.Response]:
+        return pool.submit(lambda: srv.client().post("/generate", json={**LONG_BODY, "rid": f"long-{k}"}))
+
+    first = [send(k) for k in range(running)]
+    assert wait_until(lambda: scheduler_holds(c, running, 0), timeout=60, interval=0.1), "the long requests never ran"
+    second = [send(running + k) for k in range(queued)]
+    assert wait_until(lambda: scheduler_holds(c, running, queued), timeout=60, interval=0.1), "the long requests never queued"
+    return first + second
+
+
 def test_burst_beyond_the_queue_gets_503_and_prometheus_counts_them(metrics_server: ServerProcess, prometheus: str) -> None:  # noqa: F811
-    with QueueSampler(metrics_server) as sampler, ThreadPoolExecutor(BURST) as pool:
-        results = list(pool.map(lambda i: one_request(metrics_server, i), range(BURST)))
+    """Two long requests hold the running slots, then 32 concurrent requests arrive: the
+    first four to reach the scheduler queue and the other 28 get 503 at once, however fast the
+    machine. Once the long ones are aborted, the four run and finish with all their tokens."""
+    with QueueSampler(metrics_server) as sampler, ThreadPoolExecutor(BURST + RUNNING) as pool, metrics_server.client() as c:
+        blockers = occupy(metrics_server, c, pool, RUNNING, 0)
+        burst = [pool.submit(one_request, metrics_server, i) for i in range(BURST)]
+        assert wait_until(lambda: sum(f.done() for f in burst) == BURST - QUEUE, timeout=60, interval=0.05)
+        assert scheduler_holds(c, RUNNING, QUEUE) or wait_until(lambda: scheduler_holds(c, RUNNING, QUEUE), timeout=10)
+        for k in range(RUNNING):  # the long ones only (by rid): the queued four must run
+            assert c.post("/abort_request", json={"rid": f"long-{k}"}).status_code == 200
+        assert all(f.result(60).status_code == 200 for f in blockers)
+        results = [f.result(120) for f in burst]
     ok = [tokens for status, tokens in results if status == 200]
     refused = sum(1 for status, _ in results if status == 503)
-    assert len(ok) + refused == BURST
-    assert refused >= 1 and len(ok) >= RUNNING + QUEUE
-    assert ok == [GEN] * len(ok), "an admitted or queued request lost tokens"
+    assert (len(ok), refused) == (QUEUE, BURST - QUEUE), results
+    assert ok == [GEN] * QUEUE, "a queued request lost tokens"
     # The bound held at every report the scheduler made during the burst.
-    assert any(r["num_queue_reqs"] > 0 for r in sampler.reports), sampler.reports
-    assert max(r["num_queue_reqs"] for r in sampler.reports) <= QUEUE
+    assert max(r["num_queue_reqs"] for r in sampler.reports) == QUEUE
     assert max(r["live_reqs"] for r in sampler.reports) <= QUEUE + RUNNING
     expr = 'tokenpipe:num_rejected_requests_total{reason="queue_full"}'
     assert wait_until(lambda: scalar(prometheus, expr) == refused, timeout=30, interval=0.5), query(prometheus, expr)
@@ -173,16 +204,9 @@ def test_every_route_answers_a_full_queue_with_503(tmp_path: Path) -> None:
     The operator's abort_all (also a 503, but without retry_after) stays the long requests'
     output, a 200."""
     srv = ServerProcess(tmp_path / "tmp", LIMIT_ARGS).wait_ready()
-    long_body = {"text": "A long one", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     try:
         with ThreadPoolExecutor(RUNNING + QUEUE) as pool, srv.client() as c:
-            long = [pool.submit(lambda: srv.client().post("/generate", json=long_body)) for _ in range(RUNNING + QUEUE)]
-
-            def full() -> bool:
-                report = c.get("/server_info").json()["scheduler"]
-                return report is not None and report["num_queue_reqs"] == QUEUE
-
-            assert wait_until(full, timeout=60, interval=0.1)
+            long = occupy(srv, c, pool, RUNNING, QUEUE)
             prompt = {"model": "tokenpipe-tiny", "max_tokens": 4}
             chat = {"model": "tokenpipe-tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
             assert_queue_full(c.post("/generate", json={"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 4}}))
@@ -202,31 +226,23 @@ def test_refused_choice_aborts_its_siblings_and_a_queued_stream_that_disconnects
     refused, so the request is a 503 and the queued choice is aborted, not left to run. Then
     a stream that waits in the queue (no 200 yet) and whose client goes away is aborted."""
     srv = ServerProcess(tmp_path / "tmp", LIMIT_ARGS).wait_ready()
-    long_body = {"text": "A long one", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     try:
         with ThreadPoolExecutor(RUNNING + QUEUE + 1) as pool, srv.client() as c:
-
-            def scheduler_holds(running: int, queued: int) -> bool:
-                report = c.get("/server_info").json()["scheduler"]
-                return report is not None and (report["num_running_reqs"], report["num_queue_reqs"]) == (running, queued)
-
-            long = [pool.submit(lambda: srv.client().post("/generate", json=long_body)) for _ in range(RUNNING + QUEUE - 1)]
-            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE - 1), timeout=60, interval=0.1)
+            long = occupy(srv, c, pool, RUNNING, QUEUE - 1)
             body = {"model": "tokenpipe-tiny", "prompt": "two", "max_tokens": 4, "n": 2, "stream": True}
             assert_queue_full(c.post("/v1/completions", json=body))
             assert wait_until(lambda: c.get("/server_info").json()["live_requests"] == RUNNING + QUEUE - 1, timeout=10)
-            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE - 1), timeout=10), "the queued sibling was not aborted"
+            assert wait_until(lambda: scheduler_holds(c, RUNNING, QUEUE - 1), timeout=10), "the queued sibling was not aborted"
 
-            # A stream that queues: its client gives up before any output.
-            def impatient() -> None:
-                with httpx.Client(base_url=srv.url, timeout=3) as client:
-                    client.post("/generate", json={**long_body, "stream": True})
-
-            gone = pool.submit(impatient)
-            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE), timeout=2, interval=0.05), "the stream never queued"
-            with pytest.raises(httpx.ReadTimeout):
-                gone.result(30)
-            assert wait_until(lambda: scheduler_holds(RUNNING, QUEUE - 1), timeout=10), "the queued stream was not aborted"
+            # A stream that queues (so no answer has started), and whose client then leaves.
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+                payload = json.dumps({**LONG_BODY, "stream": True}).encode()
+                sock.sendall(
+                    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+                )
+                assert wait_until(lambda: scheduler_holds(c, RUNNING, QUEUE), timeout=30, interval=0.05), "the stream never queued"
+            assert wait_until(lambda: scheduler_holds(c, RUNNING, QUEUE - 1), timeout=30), "the queued stream was not aborted"
             assert c.get("/server_info").json()["live_requests"] == RUNNING + QUEUE - 1
             c.post("/abort_request", json={"abort_all": True})
             assert all(f.result().status_code == 200 for f in long)
