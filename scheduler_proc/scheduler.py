@@ -182,6 +182,8 @@ class Scheduler:
         # A generating request needs room for at least one new token; an embedding does not.
         if n > self.context_length or (n == self.context_length and not req.is_embedding):
             return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
+        if req.sampling.stop and not self.stop_checker.matches_stop_strings:
+            return "stop strings need a tokenizer, and this server runs with --skip-tokenizer-init: use stop_token_ids"
         return None
 
     def storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
