@@ -56,7 +56,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         info.update(
             model_name=tm.model_name,
             context_length=tm.context_length,
-            vocab_size=tm.tokenizer.vocab_size,
+            vocab_size=tm.vocab_size,
             live_requests=len(tm.states),
             aborted_requests=tm.num_aborted_requests,
             scheduler=msgspec.structs.asdict(tm.last_scheduler_report) if tm.last_scheduler_report else None,
@@ -76,7 +76,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             return model_not_found(obj.model)
         sampling = obj.sampling_params.to_wire()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
-        input_ids = expand_prompt(tm.tokenize(obj.text, obj.input_ids), media, tm.tokenizer.media_token_ids)
+        input_ids = expand_prompt(tm.tokenize(obj.text, obj.input_ids), media, tm.media_token_ids(media))
         state = tm.submit_generate(
             input_ids=input_ids,
             sampling=sampling,
@@ -100,14 +100,14 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         refused = refusal(state)
         if refused is not None:
             return refused
-        return JSONResponse({"text": state.text, "output_ids": state.output_ids, "meta_info": build_meta_info(state)})
+        return JSONResponse(_generate_body(tm, state.text, state.output_ids, build_meta_info(state)))
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
         sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        state = tm.submit_generate(
-            input_ids=tm.tokenizer.encode("ping")[:1] or [0], sampling=sampling, stream=False, rid=None, internal=True
-        )
+        # Token id 0 without a tokenizer, as SGLang's health check always sends.
+        ping = tm.tokenizer.encode("ping")[:1] if tm.tokenizer is not None else []
+        state = tm.submit_generate(input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True)
         try:
             await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
         except asyncio.TimeoutError:
@@ -144,6 +144,14 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     return app
 
 
+def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_info: dict[str, Any]) -> dict[str, Any]:
+    """A /generate answer or stream event. Under --skip-tokenizer-init there is no text, and
+    as SGLang does then, the answer has no ``text`` key at all, only ``output_ids``."""
+    if tm.tokenizer is None:
+        return {"output_ids": output_ids, "meta_info": meta_info}
+    return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
+
+
 async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
     try:
         # Not ``tm.wait``: it ends as soon as the state is finished, but rows and the finish
@@ -162,7 +170,7 @@ async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterat
                 final = finished and i == len(chunks) - 1  # the finish goes on the last event only
                 meta = build_meta_info(state, None if final else chunk.completion_tokens)
                 with sending([state]):
-                    yield sse({"text": chunk.text, "output_ids": chunk.ids, "meta_info": meta})
+                    yield sse(_generate_body(tm, chunk.text, chunk.ids, meta))
         yield b"data: [DONE]\n\n"
     finally:
         # Cancelled by a disconnect (or any other exit before the finish): stop the work.

@@ -4,6 +4,10 @@ request, updated from the detokenizer's frames.
 ``handle_output`` is the only function that loops over a frame's rows: stats, text and
 finish for every row are applied in that one pass. It is plain synchronous code, so the
 differential test drives it without an HTTP server.
+
+Under ``--skip-tokenizer-init`` there is no tokenizer (``tokenizer`` is None): prompts must
+be token ids, and whatever needs text (a text prompt, stop strings, media placeholders, chat
+templates, /tokenize) is refused with a 400 from ``without_tokenizer``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -39,7 +43,7 @@ from pipeline.io_struct import (
     TraceContext,
 )
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
-from pipeline.tokenizer_loader import LoadedTokenizer
+from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
@@ -56,7 +60,7 @@ class TokenizerManager:
     def __init__(
         self,
         config: ServerConfig,
-        tokenizer: LoadedTokenizer,
+        vocab: LoadedTokenizer | ModelVocab,
         *,
         context_length: int,
         worker_index: int = 0,
@@ -65,9 +69,11 @@ class TokenizerManager:
     ) -> None:
         self._clock = clock  # injectable, so the differential test is deterministic
         self.config = config
-        self.tokenizer = tokenizer
+        # None under --skip-tokenizer-init: the process then never loads one.
+        self.tokenizer = vocab if isinstance(vocab, LoadedTokenizer) else None
+        self.vocab_size = vocab.vocab_size
         self.context_length = context_length
-        self.model_name = config.served_model_name or tokenizer.name
+        self.model_name = config.served_model_name or vocab.name
         self.states: dict[int, ReqState] = {}
         self.rid_to_req_id: dict[str, int] = {}
         base = time.time_ns() // 1000 if req_id_base is None else req_id_base
@@ -127,16 +133,49 @@ class TokenizerManager:
 
     # --- requests ------------------------------------------------------------------------
 
+    def without_tokenizer(self, needs: str, param: str) -> RequestValidationError:
+        """The 400 for a request that needs what only a tokenizer gives, on a server that
+        runs with --skip-tokenizer-init. ``needs`` says what needed it and what to do instead."""
+        return RequestValidationError(f"this server runs with --skip-tokenizer-init and loads no tokenizer: {needs}", param)
+
+    def require_tokenizer(self, needs: str, param: str) -> LoadedTokenizer:
+        if self.tokenizer is None:
+            raise self.without_tokenizer(needs, param)
+        return self.tokenizer
+
     def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
         if (text is None) == (input_ids is None):
             raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
-        ids = self.tokenizer.encode(text) if text is not None else list(input_ids or [])
+        if text is not None:
+            ids = self.require_tokenizer("it takes prompts as token ids, not text", "text").encode(text)
+        else:
+            ids = list(input_ids or [])
         if not ids:
             raise RequestValidationError("the prompt is empty: `text` must encode to at least one token", "text")
-        vocab = self.tokenizer.vocab_size
+        vocab = self.vocab_size
         if input_ids is not None and max(ids) >= vocab:
             raise RequestValidationError(f"input_ids holds a token id >= the vocabulary size {vocab}", "input_ids")
         return ids
+
+    def media_token_ids(self, items: Sequence[MediaItem]) -> Mapping[str, int]:
+        """The placeholder token id of each media kind, for ``media.expand_prompt``. Without a
+        tokenizer there are none to know, so media is refused, naming its field."""
+        if self.tokenizer is not None:
+            return self.tokenizer.media_token_ids
+        if items:
+            kind = items[0].kind
+            raise self.without_tokenizer(
+                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request without media", f"{kind}_data"
+            )
+        return {}
+
+    def validate_sampling(self, prompt_len: int, sampling: SamplingParams) -> None:
+        """Everything a generate request is checked for before it is submitted."""
+        if sampling.stop and self.tokenizer is None:
+            raise self.without_tokenizer(
+                "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids", "sampling_params.stop"
+            )
+        self.validate_lengths(prompt_len, sampling)
 
     def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
         limit = self.config.max_new_tokens_limit
@@ -188,7 +227,7 @@ class TokenizerManager:
                 "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate", "model"
             )
         sampling, bootstrap = self._pd_half(sampling, bootstrap, internal)
-        self.validate_lengths(len(input_ids), sampling)
+        self.validate_sampling(len(input_ids), sampling)
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
         state.operation = operation
         state.internal = internal
