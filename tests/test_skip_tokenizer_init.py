@@ -215,6 +215,17 @@ def test_tokenize_routes_are_refused_naming_the_flag(skip: httpx.Client) -> None
     assert_refused(skip.post("/detokenize", json={"tokens": [5, 6]}), "tokens", "/detokenize")
 
 
+def test_embeddings_take_token_ids_and_refuse_text(tmp_path: Path) -> None:
+    srv = ServerProcess(tmp_path / "tmp", ["--mode", "embedding", FLAG]).wait_ready()
+    try:
+        with srv.client() as c:
+            out = c.post("/v1/embeddings", json={"input": [[5, 6, 7], [8]]}).json()
+            assert [len(d["embedding"]) for d in out["data"]] == [256, 256]
+            assert_refused(c.post("/v1/embeddings", json={"input": "hello"}), "input[0]", "token ids")
+    finally:
+        srv.stop()
+
+
 # --- no process loads a tokenizer -------------------------------------------------------------
 
 
