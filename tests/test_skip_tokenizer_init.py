@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,7 @@ from pipeline.tokenizer_loader import (
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.model import LlamaForCausalLM
 from scheduler_proc.model_config import ModelConfig
-from tests.server_harness import REPO, ServerProcess
+from tests.server_harness import REPO, ServerProcess, free_port, wait_until
 
 FLAG = "--skip-tokenizer-init"
 PROMPTS = [[17, 300, 1200, 45, 9], [2048, 77, 3001, 5, 5, 5, 400], [1000]]
@@ -229,23 +230,49 @@ def test_embeddings_take_token_ids_and_refuse_text(tmp_path: Path) -> None:
 # --- no process loads a tokenizer -------------------------------------------------------------
 
 
-def test_a_model_directory_without_tokenizer_files_serves_with_the_flag(ids_only_dir: Path, tmp_path: Path) -> None:
-    assert not [p.name for p in ids_only_dir.iterdir() if "token" in p.name]
-    srv = ServerProcess(tmp_path / "tmp", ["--model-path", str(ids_only_dir), FLAG]).wait_ready()
+@contextmanager
+def lone_processes(*args: str) -> Iterator[httpx.Client]:
+    """``tokenpipe scheduler``, ``detokenizer`` and ``api`` run one by one over tcp://, each
+    given ``args``, as deploy/supervisord.conf runs them; the client once /health_generate
+    got through."""
+    endpoints = []
+    for flag in ("--scheduler-input", "--detokenizer-input", "--tokenizer-input"):
+        endpoints += [flag, f"tcp://127.0.0.1:{free_port()}"]
+    port = free_port()
+    common = [*endpoints, "--port", str(port), "--log-level", "warning", "--max-total-tokens", "4096", *args]
+    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *common], cwd=REPO) for role in ("scheduler", "detokenizer", "api")]
     try:
-        with srv.client() as c:
-            body = {"input_ids": [1, 2, 3], "sampling_params": {**GREEDY, "ignore_eos": True}}
-            out = c.post("/generate", json=body).json()
-            assert len(out["output_ids"]) == 12 and all(0 <= t < DIR_VOCAB for t in out["output_ids"])
-            streamed = sse_payloads(c, "/generate", body)
-            assert [t for e in streamed for t in e["output_ids"]] == out["output_ids"]
-            info = c.get("/server_info").json()
-            assert info["vocab_size"] == DIR_VOCAB and info["model_name"] == ids_only_dir.name
-            # The vocabulary comes from config.json, so an id past it is refused.
-            resp = c.post("/generate", json={"input_ids": [DIR_VOCAB]})
-            assert resp.status_code == 400 and resp.json()["error"]["param"] == "input_ids"
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+
+            def healthy() -> bool:
+                assert all(p.poll() is None for p in procs), "a process exited"
+                try:
+                    return client.get("/health_generate").status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            assert wait_until(healthy, timeout=120, interval=0.2), "the three processes never served a request"
+            yield client
     finally:
-        srv.stop()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(15)
+
+
+def test_a_model_directory_without_tokenizer_files_serves_with_the_flag(ids_only_dir: Path) -> None:
+    assert not [p.name for p in ids_only_dir.iterdir() if "token" in p.name]
+    with lone_processes("--model-path", str(ids_only_dir), FLAG) as c:
+        body = {"input_ids": [1, 2, 3], "sampling_params": {**GREEDY, "ignore_eos": True}}
+        out = c.post("/generate", json=body).json()
+        assert len(out["output_ids"]) == 12 and all(0 <= t < DIR_VOCAB for t in out["output_ids"])
+        streamed = sse_payloads(c, "/generate", body)
+        assert [t for e in streamed for t in e["output_ids"]] == out["output_ids"]
+        info = c.get("/server_info").json()
+        assert info["vocab_size"] == DIR_VOCAB and info["model_name"] == ids_only_dir.name
+        # The vocabulary comes from config.json, so an id past it is refused.
+        resp = c.post("/generate", json={"input_ids": [DIR_VOCAB]})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "input_ids"
 
 
 def test_without_the_flag_that_directory_does_not_start(ids_only_dir: Path, tmp_path: Path) -> None:
