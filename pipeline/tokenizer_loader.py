@@ -23,6 +23,7 @@ __all__ = [
     "LoadedTokenizer",
     "TokenizerLoadError",
     "load_tokenizer",
+    "model_directory",
 ]
 
 DEFAULT_TOKENIZER_DIR: Path = Path(__file__).resolve().parent / "assets"
@@ -73,6 +74,12 @@ class LoadedTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def model_directory(model_path: str | os.PathLike[str] | None) -> Path:
+    """The absolute directory :func:`load_tokenizer` reads: ``--model-path``, or the shipped
+    tokenizer's for the built-in model."""
+    return DEFAULT_TOKENIZER_DIR if model_path is None else Path(model_path).expanduser().resolve()
 
 
 def load_tokenizer(model_path: str | os.PathLike[str] | None) -> LoadedTokenizer:

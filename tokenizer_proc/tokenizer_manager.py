@@ -172,6 +172,7 @@ class TokenizerManager:
             )
         state = self.open_state(sampling=SamplingParams(max_new_tokens=0), stream=False, rid=rid, created_time=created_time)
         state.operation = "embeddings"
+        state.prompt_tokens = len(input_ids)
         self._send_obj(TokenizedEmbeddingReqInput(rid=state.rid, req_id=state.req_id, input_ids=input_ids, arrival_time=state.created_time))
         return state
 
@@ -198,6 +199,7 @@ class TokenizerManager:
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
         state.operation = operation
         state.internal = internal
+        state.prompt_tokens = len(input_ids)
         self._send_obj(
             TokenizedGenerateReqInput(
                 rid=state.rid,
