@@ -17,6 +17,7 @@ from pipeline.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerInput,
+    FlushCacheResult,
     HiCacheStorageState,
     SchedulerStatsReport,
 )
@@ -63,7 +64,7 @@ def run_detokenizer(config: ServerConfig) -> None:
             continue
         frame = inbox.recv(copy=False)
         msg = decoder.decode(frame.buffer)
-        if isinstance(msg, (BatchEmbeddingOutput, HiCacheStorageState)):
+        if isinstance(msg, (BatchEmbeddingOutput, HiCacheStorageState, FlushCacheResult)):
             outbox.send(frame, copy=False)  # not ours to change: forward the frame as it came
         elif isinstance(msg, SchedulerStatsReport):
             # Forwarded with this process's own count of live decode states, so /server_info

@@ -31,6 +31,7 @@ __all__ = [
     "load_model_vocab",
     "load_tokenizer",
     "load_vocab",
+    "model_directory",
 ]
 
 DEFAULT_TOKENIZER_DIR: Path = Path(__file__).resolve().parent / "assets"
@@ -132,6 +133,10 @@ def load_model_vocab(model_path: str | os.PathLike[str] | None) -> ModelVocab:
     else:
         eos_ids = _id_list(generation_config, "eos_token_id", "generation_config.json", vocab_size)
     return ModelVocab(vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids), name=directory.name)
+def model_directory(model_path: str | os.PathLike[str] | None) -> Path:
+    """The absolute directory :func:`load_tokenizer` reads: ``--model-path``, or the shipped
+    tokenizer's for the built-in model."""
+    return DEFAULT_TOKENIZER_DIR if model_path is None else Path(model_path).expanduser().resolve()
 
 
 def load_tokenizer(model_path: str | os.PathLike[str] | None) -> LoadedTokenizer:

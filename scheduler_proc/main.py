@@ -13,6 +13,7 @@ import zmq
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     AbortReq,
+    FlushCacheControl,
     HiCacheStorageControl,
     SchedulerInput,
     TokenizedEmbeddingReqInput,
@@ -152,6 +153,11 @@ def run_scheduler(config: ServerConfig) -> None:
                 # Answered at once, before this step's frames: every row after the answer
                 # reflects the new storage state.
                 outbox.send(encoder.encode(scheduler.storage_control(msg)), copy=False)
+            elif isinstance(msg, FlushCacheControl):
+                outbox.send(encoder.encode(scheduler.flush_cache(msg)), copy=False)
+                # A report at once, so /server_info and /metrics show the emptied cache:
+                # an idle scheduler would send none until its next work.
+                outbox.send(encoder.encode(reporter.report(time.time())), copy=False)
         for out in scheduler.step():
             frame = encoder.encode(out)
             if not config.discard_output:

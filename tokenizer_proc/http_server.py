@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
+from collections.abc import AsyncIterator
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -26,6 +25,7 @@ from tokenizer_proc.openai_api import build_openai_router
 from tokenizer_proc.req_state import ReqState, sending
 from tokenizer_proc.tokenize_api import build_tokenize_router
 from tokenizer_proc.tokenizer_manager import TokenizerManager
+from tokenizer_proc.worker_api import build_worker_router
 
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -48,24 +48,6 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     async def metrics() -> Response:
         body = tm.metrics.render() if tm.metrics is not None else b""
         return Response(content=body, media_type=CONTENT_TYPE)
-
-    @app.get("/server_info")
-    async def server_info() -> dict[str, Any]:
-        info = msgspec.to_builtins(tm.config)
-        info.pop("api_key", None)
-        info.update(
-            model_name=tm.model_name,
-            context_length=tm.context_length,
-            vocab_size=tm.vocab_size,
-            live_requests=len(tm.states),
-            aborted_requests=tm.num_aborted_requests,
-            scheduler=msgspec.structs.asdict(tm.last_scheduler_report) if tm.last_scheduler_report else None,
-            engine_type=tm.config.engine_type,
-            disaggregation_bootstrap_endpoint=(
-                tm.config.bootstrap_endpoint() if tm.config.disaggregation_mode == "prefill" else None
-            ),
-        )
-        return info
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -134,6 +116,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     app.include_router(build_embeddings_router(tm))
     app.include_router(build_hicache_router(tm))
     app.include_router(build_tokenize_router(tm))
+    app.include_router(build_worker_router(tm))
 
     too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
     app.add_middleware(BodyLimit, max_bytes=tm.config.max_request_bytes, on_reject=too_large)

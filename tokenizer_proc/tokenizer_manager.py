@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -32,6 +32,8 @@ from pipeline.io_struct import (
     FinishAbort,
     FinishLength,
     FinishReason,
+    FlushCacheControl,
+    FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
     MediaItem,
@@ -54,6 +56,10 @@ logger = logging.getLogger("tokenpipe.tokenizer_manager")
 # Each start counts up from the current time in microseconds, so a restarted API process
 # never reuses an id a scheduler may still hold from before the restart.
 _WORKER_SHIFT = 56
+
+# The scheduler's answers to control messages, matched to their call by ``control_id``.
+ControlAnswer = HiCacheStorageState | FlushCacheResult
+_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult)
 
 
 class TokenizerManager:
@@ -92,7 +98,7 @@ class TokenizerManager:
         self._send: Any = None
         self._loop_task: asyncio.Task[None] | None = None
         self._next_control_id = itertools.count(1)
-        self._controls: dict[int, asyncio.Future[HiCacheStorageState]] = {}
+        self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}
 
     # --- sockets -------------------------------------------------------------------------
 
@@ -205,6 +211,7 @@ class TokenizerManager:
             )
         state = self.open_state(sampling=SamplingParams(max_new_tokens=0), stream=False, rid=rid, created_time=created_time)
         state.operation = "embeddings"
+        state.prompt_tokens = len(input_ids)
         self._send_obj(TokenizedEmbeddingReqInput(rid=state.rid, req_id=state.req_id, input_ids=input_ids, arrival_time=state.created_time))
         return state
 
@@ -231,6 +238,7 @@ class TokenizerManager:
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
         state.operation = operation
         state.internal = internal
+        state.prompt_tokens = len(input_ids)
         self._send_obj(
             TokenizedGenerateReqInput(
                 rid=state.rid,
@@ -308,15 +316,27 @@ class TokenizerManager:
         """Asks the scheduler to attach or detach HiCache storage and waits for its answer
         (it comes between two scheduler steps); None when none came within ``timeout``."""
         control_id = next(self._next_control_id)
-        future: asyncio.Future[HiCacheStorageState] = asyncio.get_running_loop().create_future()
+        msg = HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir)
+        return await self._round_trip(control_id, msg, HiCacheStorageState, timeout)
+
+    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheResult | None:
+        """Asks the scheduler to drop its prefix cache and waits for its answer; None when
+        none came within ``timeout``."""
+        control_id = next(self._next_control_id)
+        return await self._round_trip(control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout)
+
+    async def _round_trip(self, control_id: int, msg: object, answer: type[_Answer], timeout: float) -> _Answer | None:
+        """Sends one control message and waits for the scheduler's answer of the same id."""
+        future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
         self._controls[control_id] = future
         try:
-            self._send_obj(HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir))
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+            self._send_obj(msg)
+            got = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
             return None
         finally:
             self._controls.pop(control_id, None)
+        return got if isinstance(got, answer) else None
 
     async def wait(self, state: ReqState) -> AsyncIterator[ReqState]:
         """Yields whenever the state changed, until it is finished."""
@@ -338,7 +358,7 @@ class TokenizerManager:
             if self.metrics is not None:
                 self.metrics.scheduler.update(frame)
             return
-        if isinstance(frame, HiCacheStorageState):
+        if isinstance(frame, (HiCacheStorageState, FlushCacheResult)):
             future = self._controls.pop(frame.control_id, None)
             if future is not None and not future.done():
                 future.set_result(frame)
