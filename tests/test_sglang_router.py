@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,10 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SglangR
     try:
         for s in servers:
             s.wait_ready()
-        router = SglangRouter(["--worker-urls", *(s.url for s in servers)], base / "router.log").wait_ready(workers=2)
+        # Low balance thresholds: the cache-aware policy turns to the least loaded replica as
+        # soon as in-flight counts differ, so a burst spreads over both.
+        balance = ["--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"]
+        router = SglangRouter(["--worker-urls", *(s.url for s in servers), *balance], base / "router.log").wait_ready(workers=2)
         yield router, servers
     finally:
         if router is not None:
@@ -107,8 +111,10 @@ def test_both_replicas_serve_and_a_shared_prefix_is_cached(replicas: tuple[Sglan
     before = [_requests_served(s) for s in servers]
     prefix = "In a quiet harbour town there lived an old keeper who " * 8
     with router.client() as client:
-        for i in range(8):
-            _post(client, "/generate", {"text": f"{i} " * 40 + f"distinct prompt {i}", "sampling_params": {"max_new_tokens": 2}})
+        burst = {"sampling_params": {"max_new_tokens": 48, "ignore_eos": True}, "stream": True}
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: _post(client, "/generate", {"text": f"burst {i}", **burst}), range(16)))
+        assert all(a["meta_info"]["completion_tokens"] == 48 for a in answers)
         first = _post(client, "/generate", {"text": prefix + "first", "sampling_params": {"max_new_tokens": 2}})
         second = _post(client, "/generate", {"text": prefix + "second", "sampling_params": {"max_new_tokens": 2}})
         chat = _post(client, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prefix + "third"}], "max_tokens": 2})
