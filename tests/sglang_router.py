@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -38,44 +38,46 @@ class SglangRouter:
     ``["--worker-urls", url1, url2]`` or ``["--pd-disaggregation", "--prefill", url, port,
     "--decode", url]``. Its log goes to ``log_path``."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, *, policy: str = "cache_aware") -> None:
+    def __init__(
+        self, args: Sequence[str], log_path: Path, *, policy: str = "cache_aware", api_key: str | None = None, log_level: str = "warn"
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
         command = [
             router_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warn", *args,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", policy, "--log-level", log_level, *args,
         ]  # fmt: skip
+        if api_key is not None:
+            command += ["--api-key", api_key]  # required from clients, and sent to the workers
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
 
     def wait_ready(self, workers: int, timeout: float = 60.0) -> Self:
         """Until the router has registered ``workers`` healthy workers (its ``/workers``)."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(base_url=self.url, timeout=5.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    if self.healthy_workers(client) >= workers:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if sum(1 for w in self.workers() if w.get("is_healthy")) >= workers:
+                return self
+            time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"sglang-router did not register {workers} workers; log:\n{self.log_path.read_text()[-4000:]}")
+        raise RuntimeError(f"sglang-router did not register {workers} workers; log:\n{self.output()[-4000:]}")
 
-    @staticmethod
-    def healthy_workers(client: httpx.Client) -> int:
-        response = client.get("/workers")
-        if response.status_code != 200:
-            return 0
-        body = response.json()
-        workers = body.get("workers", body) if isinstance(body, dict) else body
-        return sum(1 for w in workers if w.get("is_healthy", True))
+    def workers(self) -> list[dict[str, Any]]:
+        """The router's ``/workers`` list; empty while it cannot answer."""
+        try:
+            with self.client() as c:
+                return c.get("/workers").json()["workers"]  # type: ignore[no-any-return]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=120.0, trust_env=False)
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120.0, trust_env=False)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

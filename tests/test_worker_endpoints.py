@@ -13,9 +13,6 @@ when it is not installed, except under CI=true, where that fails the test.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,8 +27,8 @@ from pipeline.io_struct import FlushCacheControl, FlushCacheResult
 from pipeline.tokenizer_loader import DEFAULT_MODEL_NAME, DEFAULT_TOKENIZER_DIR
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.radix_cache import Dropped, RadixCache
-from tests.server_harness import REPO, ServerProcess, free_port, wait_until
-from tests.test_deploy import require_tool
+from tests.server_harness import ServerProcess, wait_until
+from tests.sglang_router import SglangRouter
 from tests.test_hicache import PROMPTS, SUFFIX, hicache_scheduler, serve_one
 from tests.test_scheduler_steps import PROMPT, make, run_to_end, submit
 
@@ -265,53 +262,10 @@ def test_flush_cache_is_refused_while_a_request_runs(workers: list[ServerProcess
 # --- through sglang-router -------------------------------------------------------------
 
 
-class SglangRouter:
-    """``sglang-router launch`` in front of the workers, with their API key, on free ports
-    (its Prometheus port too: the default would clash between runs). Output in a log file."""
-
-    def __init__(self, log_dir: Path, worker_urls: list[str], policy: str) -> None:
-        binary = require_tool(Path(sys.executable).parent / "sglang-router", "sglang-router (pip install sglang-router==0.3.2)")
-        self.port = free_port()
-        self.log_path = log_dir / f"sglang-router-{self.port}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (open for the router's life: stop() closes it)
-        self.proc = subprocess.Popen(
-            [str(binary), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port()), "--worker-urls", *worker_urls, "--policy", policy,
-             "--api-key", API_KEY, "--log-level", "debug"],
-            cwd=REPO,
-            env={**os.environ, "NO_COLOR": "1", "RUST_LOG_STYLE": "never"},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=AUTH, timeout=120.0)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def workers(self) -> list[dict[str, Any]]:
-        try:
-            with self.client() as c:
-                return c.get("/workers").json()["workers"]  # type: ignore[no-any-return]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return []
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def sglang_router(workers: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
-    router = SglangRouter(tmp_path_factory.mktemp("sglang-router"), [w.url for w in workers], "cache_aware")
+    log = tmp_path_factory.mktemp("sglang-router") / "router.log"
+    router = SglangRouter(["--worker-urls", *(w.url for w in workers)], log, api_key=API_KEY, log_level="debug")
     try:
         # Registered: each worker's /server_info and /model_info read, its tokenizer loaded.
         registered = wait_until(
