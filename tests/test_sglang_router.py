@@ -126,6 +126,20 @@ def test_both_replicas_serve_and_a_shared_prefix_is_cached(replicas: tuple[Sglan
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_a_dp_aware_router_reaches_each_replicas_one_rank(replicas: tuple[SglangRouter, list[ServerProcess]], tmp_path: Path) -> None:
+    """``--dp-aware`` reads each replica's ``dp_size`` (1) and sends ``data_parallel_rank``
+    0 with every body: served like any other request."""
+    _, servers = replicas
+    router = SglangRouter(["--worker-urls", *(s.url for s in servers), "--dp-aware"], tmp_path / "router.log").wait_ready(workers=2)
+    try:
+        assert sorted(w["url"] for w in router.workers()) == sorted(f"{s.url}@0" for s in servers)
+        with router.client() as client:
+            for route, body in _bodies("A rank of its own", stream=False).items():
+                assert _post(client, route, body)
+    finally:
+        router.stop()
+
+
 # --- prefill/decode disaggregation -------------------------------------------------------------
 
 
