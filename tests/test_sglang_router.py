@@ -167,8 +167,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
 @pytest.mark.parametrize("stream", [False, True])
 def test_pd_through_the_router_equals_a_unified_server(pd: SglangRouter, server: ServerProcess, stream: bool) -> None:
     with pd.client() as via_router, server.client() as unified:
-        for route in ("/generate", "/v1/chat/completions"):
-            body = _bodies("The lighthouse keeper opened the door and", stream)[route]
+        for route, body in _bodies("The lighthouse keeper opened the door and", stream).items():
             got, want = _post(via_router, route, body), _post(unified, route, body)
             assert _text(route, got) == _text(route, want), route
             if route == "/generate":
