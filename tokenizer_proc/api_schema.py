@@ -11,18 +11,37 @@ import msgspec
 from msgspec import Meta
 
 from pipeline.io_struct import SamplingParams
+from tokenizer_proc.known_fields import Refusal, declare, neutral, refuse
+from tokenizer_proc.request_errors import RequestValidationError
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
 
 
-class RequestValidationError(ValueError):
-    """A request the server refuses with 400; ``param`` names the offending field."""
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+# SGLang's sampling parameters that tokenpipe does not implement, at the values that ask for
+# nothing (``known_fields``). They are declared as fields below too: a nested struct cannot be
+# extended the way ``declare`` extends a whole body.
+_SAMPLING_REFUSED: tuple[Refusal, ...] = tuple(
+    neutral(name, *values)
+    for name, values in (
+        ("stop_regex", ([], "")),
+        ("min_p", (0.0,)),
+        ("frequency_penalty", (0.0,)),
+        ("presence_penalty", (0.0,)),
+        ("repetition_penalty", (1.0,)),
+        ("n", (1,)),
+        ("json_schema", ()),
+        ("regex", ()),
+        ("ebnf", ()),
+        ("structural_tag", ()),
+        ("spaces_between_special_tokens", (True,)),
+        ("custom_params", ({},)),
+        ("logit_bias", ({},)),
+    )
+)
 
 
 class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -31,15 +50,31 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = -1
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    seed: Seed | None = None
+    sampling_seed: Seed | None = None  # SGLang's name for ``seed``
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream_interval: PositiveInt | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Known, not implemented: see _SAMPLING_REFUSED.
+    stop_regex: Any = None
+    min_p: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    n: Any = None
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    spaces_between_special_tokens: Any = None
+    custom_params: Any = None
+    logit_bias: Any = None
 
     def to_wire(self) -> SamplingParams:
+        refuse(self, _SAMPLING_REFUSED, where="sampling_params.")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stop):
             raise RequestValidationError("sampling_params.stop must not contain an empty string", "sampling_params.stop")
@@ -49,13 +84,17 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
             raise RequestValidationError(
                 "sampling_params.min_new_tokens must not exceed max_new_tokens", "sampling_params.min_new_tokens"
             )
+        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+            raise RequestValidationError(
+                "sampling_params.seed and sampling_params.sampling_seed name the same seed; they differ", "sampling_params.sampling_seed"
+            )
         return SamplingParams(
             max_new_tokens=self.max_new_tokens,
             min_new_tokens=self.min_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=self.seed if self.seed is not None else self.sampling_seed,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=tuple(stop),
             ignore_eos=self.ignore_eos,
@@ -79,9 +118,27 @@ class Bootstrap(msgspec.Struct, frozen=True):
     endpoint: str
 
 
-def bootstrap_of(room: int | None, endpoint: str | None, host: str | None, port: int | None) -> Bootstrap | None:
+# SGLang's router sends each bootstrap field as a scalar, or as a list with one entry per
+# prompt of a batch; tokenpipe's requests carry one prompt, so a list must have one entry.
+RoomField = Room | list[Room]
+HostField = str | list[str]
+PortField = Port | list[Port]
+
+
+def _single(value: Any, name: str) -> Any:
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1:
+        raise RequestValidationError(f"{name} has {len(value)} entries; a request here has one prompt, so give one", name)
+    return value[0]
+
+
+def bootstrap_of(
+    room: RoomField | None, endpoint: str | None, host: HostField | None, port: PortField | None
+) -> Bootstrap | None:
     """The bootstrap fields of a request body (SGLang's ``bootstrap_host``/``bootstrap_port``,
     or a ZeroMQ ``bootstrap_endpoint``), or None when it has none."""
+    room, host, port = _single(room, "bootstrap_room"), _single(host, "bootstrap_host"), _single(port, "bootstrap_port")
     if room is None and endpoint is None and host is None and port is None:
         return None
     if room is None:
@@ -106,14 +163,85 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     image_data: list[str] | str | None = None
     audio_data: list[str] | str | None = None
     video_data: list[str] | str | None = None
-    # PD disaggregation (set by `tokenpipe router`)
-    bootstrap_room: Room | None = None
+    # PD disaggregation (set by sglang-router)
+    bootstrap_room: RoomField | None = None
     bootstrap_endpoint: str | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: Port | None = None
+    bootstrap_host: HostField | None = None
+    bootstrap_port: PortField | None = None
+    model: str | None = None  # sglang-router sends null; a name must be the served model's
 
     def bootstrap(self) -> Bootstrap | None:
         return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
+
+    def refuse_unsupported(self) -> None:
+        refuse(self, _GENERATE_REFUSED)
+
+
+# The fields of SGLang's GenerateReqInput that tokenpipe does not implement, at the values
+# that ask for nothing. sglang-router sends several with every body.
+_GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
+    neutral(name, *values)
+    for name, values in (
+        ("session_id", ()),
+        ("input_embeds", ()),
+        ("mm_hashes", ()),
+        ("mm_content_hashes", ()),
+        ("use_audio_in_video", (False,)),
+        ("video_config", ()),
+        ("return_logprob", (False,)),
+        ("logprob_start_len", (-1,)),
+        ("top_logprobs_num", (0,)),
+        ("token_ids_logprob", ([],)),
+        ("return_sampling_mask", (False,)),
+        ("return_text_in_logprobs", (False,)),
+        ("return_flat_raw_top_logprobs", (False,)),
+        ("return_flat_raw_top_logprobs_b64", (False,)),
+        ("log_metrics", (True,)),
+        ("return_hidden_states", (False,)),
+        ("return_routed_experts", (False,)),
+        ("routed_experts_start_len", (0,)),
+        ("return_indexer_topk", (False,)),
+        ("modalities", ()),
+        ("session_params", ()),
+        ("lora_path", ()),
+        ("lora_id", ()),
+        ("custom_logit_processor", ()),
+        ("positional_embed_overrides", ()),
+        ("bootstrap_pair_key", ()),
+        ("decode_tp_size", ()),
+        ("routed_dp_rank", (0,)),  # one data-parallel rank here: rank 0 is every request's
+        ("data_parallel_rank", (0,)),
+        ("disagg_prefill_dp_rank", (0,)),
+        ("kv_router_hint", ()),
+        ("routing_key", ()),
+        ("conversation_id", ()),
+        ("http_worker_ipc", ()),
+        ("background", (False,)),
+        ("require_reasoning", (False,)),
+        ("max_thinking_tokens", ()),
+        ("priority", (0,)),
+        ("extra_key", ()),
+        ("no_logs", (False,)),
+        ("custom_labels", ()),
+        ("return_bytes", (False,)),
+        ("return_entropy", (False,)),
+        ("return_prompt_token_ids", (False,)),
+        ("external_trace_header", ()),
+        ("received_time", ()),
+        ("need_wait_for_mm_inputs", (False,)),
+        ("num_items_assigned", ()),
+        ("encoder_urls", ()),
+        ("max_dynamic_patch", ()),
+        ("min_dynamic_patch", ()),
+        ("image_max_dynamic_patch", ()),
+        ("video_max_dynamic_patch", ()),
+        ("images_config", ()),
+        ("multi_item_delimiter_indices", ()),
+        ("cache_salt", ()),
+    )
+)
+# What /generate decodes: GenerateRequest plus the known fields above.
+GenerateBody = declare(GenerateRequest, _GENERATE_REFUSED)
 
 
 class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

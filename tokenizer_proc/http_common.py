@@ -33,6 +33,11 @@ def trace_context(request: Request) -> TraceContext | None:
     return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
 
 
+def model_not_found(model: str) -> JSONResponse:
+    """A request for a model this server does not serve (one model, ``GET /v1/models``)."""
+    return error_response(404, f"the model {model!r} does not exist; see GET /v1/models", err_type="not_found_error", param="model")
+
+
 _ERROR_TYPES = {400: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable", 504: "gateway_timeout"}
 # Aborts that mean "this request could not run", answered as errors rather than as output
 # when they came before any: refused by the scheduler (400); a PD peer failed (502) or did

@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import BearerAuth, install_error_handlers
 from pipeline.io_struct import SamplingParams
-from tokenizer_proc.api_schema import AbortRequestBody, GenerateRequest, RequestValidationError, decode_body
+from tokenizer_proc.api_schema import AbortRequestBody, GenerateBody, GenerateRequest, RequestValidationError, decode_body
 from tokenizer_proc.embeddings_api import build_embeddings_router
 from tokenizer_proc.hicache_api import build_hicache_router
-from tokenizer_proc.http_common import ClientGone, error_response, refusal, sse, trace_context, wait_finished, wait_started
+from tokenizer_proc.http_common import ClientGone, error_response, model_not_found, refusal, sse, trace_context, wait_finished, wait_started
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
@@ -70,7 +70,10 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         arrived = time.time()
-        obj: GenerateRequest = decode_body(await request.body(), GenerateRequest)  # type: ignore[assignment]
+        obj: GenerateRequest = decode_body(await request.body(), GenerateBody)  # type: ignore[assignment]
+        obj.refuse_unsupported()
+        if obj.model is not None and obj.model != tm.model_name:
+            return model_not_found(obj.model)
         sampling = obj.sampling_params.to_wire()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
         input_ids = expand_prompt(tm.tokenize(obj.text, obj.input_ids), media, tm.tokenizer.media_token_ids)

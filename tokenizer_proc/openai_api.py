@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
 from typing import Any
@@ -46,13 +47,21 @@ from tokenizer_proc.http_common import (
     ClientGone,
     abort_unfinished,
     error_response,
+    model_not_found,
     refusal,
     sse,
     trace_context,
     wait_finished,
     wait_started,
 )
-from tokenizer_proc.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tokenizer_proc.openai_schema import (
+    MAX_CHOICES,
+    ChatCompletionBody,
+    ChatCompletionRequest,
+    CompletionBody,
+    CompletionRequest,
+    SamplingRequest,
+)
 from tokenizer_proc.req_state import ReqState, sending
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -81,16 +90,16 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
         if model != tm.model_name:
-            return _model_not_found(model)
+            return model_not_found(model)
         return JSONResponse(model_card())
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrived = time.time()
-        body: CompletionRequest = decode_body(await request.body(), CompletionRequest)  # type: ignore[assignment]
+        body: CompletionRequest = decode_body(await request.body(), CompletionBody)  # type: ignore[assignment]
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
-            return _model_not_found(body.model)
+            return model_not_found(body.model)
         prompts = body.prompts()
         if len(prompts) * body.choices > MAX_CHOICES:
             raise RequestValidationError(f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n")
@@ -104,10 +113,10 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrived = time.time()
-        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)  # type: ignore[assignment]
+        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)  # type: ignore[assignment]
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
-            return _model_not_found(body.model)
+            return model_not_found(body.model)
         try:
             prompt = template.render(body.template_messages())
         except ChatTemplateError as exc:
@@ -122,10 +131,6 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         return await _respond(tm, request, _CHAT, body, jobs, arrived)
 
     return router
-
-
-def _model_not_found(model: str) -> JSONResponse:
-    return error_response(404, f"the model {model!r} does not exist; see GET /v1/models", err_type="not_found_error", param="model")
 
 
 def _room_left(tm: TokenizerManager, prompt_len: int) -> int:
@@ -313,7 +318,8 @@ async def _respond(
         refused_state = await wait_started(tm, states, request)
         if refused_state is None and body.streaming:
             head["object"] = kind.chunk_object
-            stream = _stream(tm, kind, states, head, body.choices, body.include_usage)
+            usage = _StreamUsage(body.choices, body.include_usage, body.include_usage and body.continuous_usage)
+            stream = _stream(tm, kind, states, head, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
@@ -331,22 +337,50 @@ async def _respond(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _StreamUsage:
+    """What a stream says of usage. ``include_usage`` (OpenAI): every chunk carries
+    ``"usage": null`` and a last chunk carries the whole request's usage. ``continuous``
+    (vLLM's ``continuous_usage_stats``, which as in vLLM takes ``include_usage`` too): each
+    chunk carries its choice's usage so far instead of null."""
+
+    n: int  # choices per prompt
+    include_usage: bool
+    continuous: bool
+
+    def on_chunk(self, state: ReqState, completion_tokens: int) -> dict[str, Any]:
+        if self.continuous:
+            return {"usage": _choice_usage(state, completion_tokens)}
+        return {"usage": None} if self.include_usage else {}
+
+
+def _choice_usage(state: ReqState, completion_tokens: int) -> dict[str, Any]:
+    """One choice's usage after ``completion_tokens`` tokens. A streaming choice has its
+    stats from its first output on, and the stream starts after every first output."""
+    stats = state.request_stats
+    assert stats is not None, "a stream starts once every choice has its first output"
+    prompt = stats.prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": min(prompt, stats.cached_tokens)},
+    }
+
+
 async def _stream(
     tm: TokenizerManager,
     kind: _Completion | _Chat,
     states: list[ReqState],
     head: dict[str, Any],
-    n: int,
-    include_usage: bool,
+    usage: _StreamUsage,
 ) -> AsyncIterator[bytes]:
-    # With include_usage every chunk carries "usage": null but the last, as OpenAI sends it.
-    tail = {"usage": None} if include_usage else {}
     try:
         for index in range(len(states)):
             opening = kind.opening(index)
             if opening is not None:
                 with sending(states):
-                    yield sse({**head, "choices": [opening], **tail})
+                    yield sse({**head, "choices": [opening], **usage.on_chunk(states[index], 0)})
         async with aclosing(_changes(tm, states)) as changes:
             async for index in changes:
                 state = states[index]
@@ -364,10 +398,10 @@ async def _stream(
                     if chunk.text or final is not None:  # ids that decode to no text yet: nothing to show
                         delta = kind.delta(index, chunk.text, final, stop_reason if last else None)
                         with sending(states):
-                            yield sse({**head, "choices": [delta], **tail})
+                            yield sse({**head, "choices": [delta], **usage.on_chunk(state, chunk.completion_tokens)})
             else:
-                if include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(states, n)})
+                if usage.include_usage:
+                    yield sse({**head, "choices": [], "usage": _usage(states, usage.n)})
         yield _DONE
     finally:
         # A disconnect cancels this generator: stop every choice still running.

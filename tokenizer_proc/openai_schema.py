@@ -8,24 +8,38 @@ official client never trips on one. The fields this server cannot honour are ref
 400 naming them when they ask for something (``logprobs``, ``echo``, ``tools``, penalties, ...);
 the ones that ask for nothing here (``user``, ``store``, ``metadata``, ``service_tier``,
 ``prompt_cache_key``, ...) are accepted and ignored. Each request type lists its refusals in
-one table, ``_REFUSED``.
+one table, ``_REFUSED`` (plus ``_COMMON_REFUSED``).
 
 Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids`` and ``skip_special_tokens`` are accepted (``extra_body`` in the official
-client).
+``stop_token_ids``, ``skip_special_tokens``, ``no_stop_trim`` and
+``stream_options.continuous_usage_stats`` work
+(``extra_body`` in the official client). Every other field of SGLang's and vLLM's request
+schemas is known (``known_fields``): accepted at its neutral value, refused otherwise. The
+routes decode ``CompletionBody`` and ``ChatCompletionBody``: the request types with those
+known fields added.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
 
 from pipeline.io_struct import SamplingParams
-from tokenizer_proc.api_schema import Bootstrap, NonNegInt, Port, PositiveInt, RequestValidationError, Room, TokenId, bootstrap_of
+from tokenizer_proc.api_schema import (
+    Bootstrap,
+    HostField,
+    NonNegInt,
+    PortField,
+    PositiveInt,
+    RequestValidationError,
+    RoomField,
+    TokenId,
+    bootstrap_of,
+)
+from tokenizer_proc.known_fields import Refusal, declare, neutral, refuse
 
 MAX_CHOICES = 128
 """OpenAI's limit on ``n``; also the limit on prompts x n of one completions request."""
@@ -41,11 +55,9 @@ StopString = Annotated[str, Meta(min_length=1)]
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool = False
+    # vLLM's and SGLang's: usage (so far) on every chunk; guidellm counts tokens with it.
+    continuous_usage_stats: bool = False
     include_obfuscation: bool | None = None  # documented; this server never pads chunks
-
-
-# (field, is the value a request for something unsupported?, what to say)
-Refusal = tuple[str, Callable[[Any], bool], str]
 
 
 class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,11 +81,12 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
-    # PD disaggregation (set by `tokenpipe router`)
-    bootstrap_room: Room | None = None
+    no_stop_trim: bool | None = None  # SGLang's: the text is not cut at a stop string
+    # PD disaggregation (set by sglang-router)
+    bootstrap_room: RoomField | None = None
     bootstrap_endpoint: str | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: Port | None = None
+    bootstrap_host: HostField | None = None
+    bootstrap_port: PortField | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = ()  # each request type's own refusals
 
@@ -92,12 +105,14 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def refuse_unsupported(self) -> None:
         """Raises RequestValidationError for the first field that asks for a feature this
         server does not have."""
-        for name, asks, message in _COMMON_REFUSED + self._REFUSED:
-            if asks(getattr(self, name)):
-                raise RequestValidationError(message, name)
+        refuse(self, _COMMON_REFUSED + self._REFUSED)
         if self.stream_options is not None and not self.stream:
             raise RequestValidationError("stream_options is only allowed when stream is true", "stream_options")
         if self.top_k == 0:
@@ -120,13 +135,72 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             stop=tuple(stop),
             ignore_eos=bool(self.ignore_eos),
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            no_stop_trim=bool(self.no_stop_trim),
         )
 
 
+def _neutrals(*entries: tuple[str, tuple[object, ...]]) -> tuple[Refusal, ...]:
+    return tuple(neutral(name, *values) for name, values in entries)
+
+
+# Known to completions and chat alike (OpenAI's, SGLang's and vLLM's request fields) and not
+# implemented here: accepted at the values that ask for nothing (``known_fields``).
 _COMMON_REFUSED: tuple[Refusal, ...] = (
     ("frequency_penalty", bool, "frequency_penalty is not supported by this server (send 0 or leave it out)"),
     ("presence_penalty", bool, "presence_penalty is not supported by this server (send 0 or leave it out)"),
     ("logit_bias", bool, "logit_bias is not supported by this server"),
+) + _neutrals(
+    # SGLang
+    ("min_p", (0.0,)),
+    ("repetition_penalty", (1.0,)),
+    ("regex", ()),
+    ("ebnf", ()),
+    ("json_schema", ()),
+    ("stop_regex", ([], "")),
+    ("lora_path", ()),
+    ("session_id", ()),
+    ("session_params", ()),
+    ("custom_params", ()),
+    ("custom_logit_processor", ()),
+    ("images_config", ()),
+    ("routed_dp_rank", (0,)),  # one data-parallel rank here: rank 0 is every request's
+    ("disagg_prefill_dp_rank", (0,)),
+    ("data_parallel_rank", (0,)),
+    ("rid", ()),
+    ("extra_key", ()),
+    ("cache_salt", ()),
+    ("ngram_corpus_id", ()),
+    ("priority", (0,)),
+    ("custom_labels", ()),
+    ("return_hidden_states", (False,)),
+    ("return_routed_experts", (False,)),
+    ("routed_experts_start_len", (0,)),
+    ("return_cached_tokens_details", (False,)),
+    ("return_token_ids", (False,)),
+    # vLLM
+    ("use_beam_search", (False,)),
+    ("length_penalty", (1.0,)),
+    ("spaces_between_special_tokens", (True,)),
+    # Not no_stop_trim: vLLM cuts the text right after the stop string, SGLang keeps the
+    # whole token that completed it.
+    ("include_stop_str_in_output", (False,)),
+    ("truncate_prompt_tokens", ()),
+    ("allowed_token_ids", ()),
+    ("prompt_logprobs", ()),
+    ("bad_words", ([],)),
+    ("guided_json", ()),
+    ("guided_regex", ()),
+    ("guided_choice", ()),
+    ("guided_grammar", ()),
+    ("guided_decoding_backend", ()),
+    ("guided_whitespace_pattern", ()),
+    ("structured_outputs", ()),
+    ("structural_tag", ()),
+    ("logits_processors", ()),
+    ("return_tokens_as_token_ids", (False,)),
+    ("request_id", ()),
+    ("kv_transfer_params", ()),
+    ("vllm_xargs", ()),
 )
 
 
@@ -150,6 +224,10 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
         ("logprobs", lambda v: v is not None, "logprobs are not supported by this server"),
         ("suffix", bool, "suffix (insertion) is not supported by this server"),
         ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
+    ) + _neutrals(
+        ("response_format", ({"type": "text"},)),  # SGLang's
+        ("add_special_tokens", (True,)),  # vLLM's
+        ("prompt_embeds", ()),
     )
 
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
@@ -325,6 +403,28 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         ("modalities", lambda v: v is not None and "audio" in v, "audio output is not supported by this server"),
         ("audio", lambda v: v is not None, "audio output is not supported by this server"),
         ("web_search_options", lambda v: v is not None, "web search is not supported by this server"),
+    ) + _neutrals(
+        # SGLang
+        ("return_prompt_token_ids", (False,)),
+        ("return_meta_info", (False,)),
+        ("task", ()),
+        ("continue_final_message", (False,)),
+        # Reasoning output is only split out by a reasoning parser, which this server has not.
+        ("separate_reasoning", (True, False)),
+        ("stream_reasoning", (True, False)),
+        ("chat_template_kwargs", ({},)),
+        ("max_dynamic_patch", ()),
+        ("min_dynamic_patch", ()),
+        ("use_audio_in_video", (False,)),
+        ("input_ids", ()),
+        # vLLM
+        ("echo", (False,)),
+        ("add_generation_prompt", (True,)),
+        ("add_special_tokens", (False,)),
+        ("documents", ()),
+        ("chat_template", ()),
+        ("mm_processor_kwargs", ()),
+        ("include_reasoning", (True, False)),
     )
 
     def requested_max_tokens(self) -> int | None:
@@ -334,3 +434,8 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+
+# What the two routes decode: each request type plus the known fields of its refusals.
+CompletionBody = declare(CompletionRequest, _COMMON_REFUSED + CompletionRequest._REFUSED)
+ChatCompletionBody = declare(ChatCompletionRequest, _COMMON_REFUSED + ChatCompletionRequest._REFUSED)

@@ -21,7 +21,7 @@ from msgspec import Meta
 
 from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
-from tokenizer_proc.http_common import error_response
+from tokenizer_proc.http_common import error_response, model_not_found
 from tokenizer_proc.openai_schema import Message
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -58,7 +58,7 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
         body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)  # type: ignore[assignment]
         body.check_form()
         if body.model is not None and body.model != tm.model_name:
-            return _model_not_found(body.model)
+            return model_not_found(body.model)
         try:
             ids = _tokens(tm, template, body)
         except ChatTemplateUnavailable as exc:
@@ -72,7 +72,7 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
     async def detokenize(request: Request) -> Response:
         body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)  # type: ignore[assignment]
         if body.model is not None and body.model != tm.model_name:
-            return _model_not_found(body.model)
+            return model_not_found(body.model)
         vocab = tm.tokenizer.vocab_size
         for i, token in enumerate(body.tokens):
             if token >= vocab:
@@ -93,7 +93,3 @@ def _tokens(tm: TokenizerManager, template: ChatTemplate, body: TokenizeRequest)
     except ChatTemplateError as exc:
         raise RequestValidationError(str(exc), "messages") from exc
     return tm.tokenizer.encode(rendered, add_special_tokens=bool(body.add_special_tokens))
-
-
-def _model_not_found(model: str) -> JSONResponse:
-    return error_response(404, f"the model {model!r} does not exist; see GET /v1/models", err_type="not_found_error", param="model")
