@@ -47,9 +47,9 @@ def require_tool(path: Path | str | None, what: str) -> Path:
 class Supervisord:
     """``supervisord -n`` on one of the deploy configs, with TOKENPIPE_* pointing at a
     private temporary run directory and a free port (TOKENPIPE_PORT, plus one for each
-    variable in ``port_vars``: a PD deployment has three servers)."""
+    variable in ``port_vars``: a PD deployment has three servers), and ``env`` on top."""
 
-    def __init__(self, conf: str, port_vars: tuple[str, ...] = ()) -> None:
+    def __init__(self, conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.supervisord = require_tool(BIN / "supervisord", "supervisord (pip install supervisor)")
         self.supervisorctl = require_tool(BIN / "supervisorctl", "supervisorctl (pip install supervisor)")
         self.conf = DEPLOY / conf
@@ -64,7 +64,12 @@ class Supervisord:
             TOKENPIPE_PORT=str(self.port),
             TOKENPIPE_ARGS=shlex.join(SMALL_SERVER_ARGS),
             TOKENPIPE_ROUTER_ARGS="--request-timeout 120 --log-level warning",
+            # The tokenpipe script imports the installed package, which may be another checkout
+            # (an editable install shared by worktrees), while the children it starts run
+            # `python -m` from this directory: both run this checkout.
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             **{name: str(port) for name, port in self.ports.items()},
+            **(env or {}),
         )
         self._out = open(self.run_dir / "supervisord.out", "wb")
         self.proc = subprocess.Popen(
@@ -178,8 +183,8 @@ class Supervisord:
 def supervisord_factory():  # type: ignore[no-untyped-def]
     started: list[Supervisord] = []
 
-    def start(conf: str, port_vars: tuple[str, ...] = ()) -> Supervisord:
-        sd = Supervisord(conf, port_vars)
+    def start(conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Supervisord:
+        sd = Supervisord(conf, port_vars, env)
         started.append(sd)
         return sd
 
