@@ -1,6 +1,7 @@
 """The detokenizer process: turns each ``BatchTokenIDOutput`` into a ``BatchStrOutput``
 (columns and ``request_stats`` passed through untouched) and forwards embedding frames
-as they came."""
+as they came. Under ``--skip-tokenizer-init`` it loads no tokenizer and keeps no
+per-request state: every row passes on with its ids and an empty text delta."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import msgspec
 import zmq
 
 from pipeline.config import ServerConfig
-from pipeline.frame_checks import read_token_rows
+from pipeline.frame_checks import count_token_rows, read_token_rows
 from pipeline.io_struct import (
     BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerInput,
+    FlushCacheResult,
     HiCacheStorageState,
     SchedulerStatsReport,
 )
@@ -27,9 +29,14 @@ from detokenizer_proc.incremental import IncrementalDetokenizer
 logger = logging.getLogger("tokenpipe.detokenizer")
 
 
-def detokenize_frame(detok: IncrementalDetokenizer, frame: BatchTokenIDOutput) -> BatchStrOutput:
-    rows = read_token_rows(frame)  # ValueError when a column disagrees: the frame is dropped
-    deltas = detok.process(rows.req_ids, rows.tokens, frame.finished_reasons, frame.decode_options)
+def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOutput) -> BatchStrOutput:
+    """``detok`` None: --skip-tokenizer-init, the ids pass on without text. Raises
+    ValueError when a column disagrees (the caller drops the frame)."""
+    if detok is None:
+        deltas = [""] * count_token_rows(frame)
+    else:
+        rows = read_token_rows(frame)
+        deltas = detok.process(rows.req_ids, rows.tokens, frame.finished_reasons, frame.decode_options)
     return BatchStrOutput(
         req_ids=frame.req_ids,
         text_deltas=deltas,
@@ -43,8 +50,7 @@ def detokenize_frame(detok: IncrementalDetokenizer, frame: BatchTokenIDOutput) -
 
 def run_detokenizer(config: ServerConfig) -> None:
     shutdown = ShutdownFlag.install()
-    tokenizer = load_tokenizer(config.model_path)
-    detok = IncrementalDetokenizer(tokenizer.tokenizer)
+    detok = None if config.skip_tokenizer_init else IncrementalDetokenizer(load_tokenizer(config.model_path).tokenizer)
     ctx = zmq.Context()
     inbox = bind_pull(ctx, config.detokenizer_input)
     outbox = connect_push(ctx, config.tokenizer_input)
@@ -58,13 +64,14 @@ def run_detokenizer(config: ServerConfig) -> None:
             continue
         frame = inbox.recv(copy=False)
         msg = decoder.decode(frame.buffer)
-        if isinstance(msg, (BatchEmbeddingOutput, HiCacheStorageState)):
+        if isinstance(msg, (BatchEmbeddingOutput, HiCacheStorageState, FlushCacheResult)):
             outbox.send(frame, copy=False)  # not ours to change: forward the frame as it came
         elif isinstance(msg, SchedulerStatsReport):
             # Forwarded with this process's own count of live decode states, so /server_info
             # shows per-request state left behind here too (frames arrive in order, so every
             # row the scheduler sent before this report has been processed).
-            report = msgspec.structs.replace(msg, detokenizer_live_reqs=detok.num_live)
+            live = detok.num_live if detok is not None else 0
+            report = msgspec.structs.replace(msg, detokenizer_live_reqs=live)
             outbox.send(encoder.encode(report), copy=False)
         elif isinstance(msg, BatchTokenIDOutput):
             try:

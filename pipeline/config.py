@@ -30,6 +30,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     torch_threads: int | None = None  # None: all cores but two (the other processes need them)
     mode: Mode = "generate"
     context_length: int | None = None  # None: the model's max_position_embeddings
+    skip_tokenizer_init: bool = False  # token ids in, token ids out: no process loads a tokenizer
 
     # Scheduler
     max_total_tokens: int = 32768
@@ -163,6 +164,12 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
     g.add_argument("--torch-threads", type=int, default=d.torch_threads, help="CPU threads for the model (default: cores - 2, at least 1)")
     g.add_argument("--mode", choices=["generate", "embedding", "dllm"], default=d.mode)
     g.add_argument("--context-length", type=int, default=d.context_length)
+    g.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="token ids in, token ids out (SGLang's flag): no process loads a tokenizer; prompts are token ids and "
+        "answers carry output ids without text; text prompts, chat, stop strings and media get 400",
+    )
 
     g = parser.add_argument_group("scheduler")
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool capacity in tokens")
@@ -274,6 +281,7 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         torch_threads=args.torch_threads,
         mode=args.mode,
         context_length=args.context_length,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,

@@ -51,7 +51,22 @@ def read_token_rows(frame: BatchTokenIDOutput | BatchStrOutput) -> TokenRows:
     """The rows of a ``BatchTokenIDOutput`` or ``BatchStrOutput``; ValueError when any
     column's length disagrees with the number of ``req_ids``."""
     req_ids = _column(frame, "req_ids", REQ_ID_DTYPE)
-    n = len(req_ids)
+    _check_row_columns(frame, len(req_ids))
+    completion = _column(frame, "completion_tokens", COUNT_DTYPE)
+    tokens = split_token_rows(frame.output_ids, frame.output_counts)
+    return TokenRows(req_ids=req_ids.tolist(), tokens=tokens, completion_tokens=completion.tolist())
+
+
+def count_token_rows(frame: BatchTokenIDOutput) -> int:
+    """The number of rows of a token frame whose rows are passed on unread (the detokenizer
+    under ``--skip-tokenizer-init``), with every per-row column checked against it as
+    ``read_token_rows`` does; the flat token column is checked where the rows are read."""
+    n = len(_column(frame, "req_ids", REQ_ID_DTYPE))
+    _check_row_columns(frame, n)
+    return n
+
+
+def _check_row_columns(frame: BatchTokenIDOutput | BatchStrOutput, n: int) -> None:
     counts = _column(frame, "output_counts", COUNT_DTYPE)
     _expect_rows("output_counts", counts, n)
     completion = _column(frame, "completion_tokens", COUNT_DTYPE)
@@ -65,8 +80,6 @@ def read_token_rows(frame: BatchTokenIDOutput | BatchStrOutput) -> TokenRows:
         if frame.usage is not None:
             for name in frame.usage.__struct_fields__:
                 _expect_rows(f"usage.{name}", _column(frame.usage, name, COUNT_DTYPE), n)
-    tokens = split_token_rows(frame.output_ids, frame.output_counts)
-    return TokenRows(req_ids=req_ids.tolist(), tokens=tokens, completion_tokens=completion.tolist())
 
 
 def read_embedding_rows(frame: BatchEmbeddingOutput) -> tuple[list[int], np.ndarray]:

@@ -131,7 +131,14 @@ class HiCacheStorageControl(msgspec.Struct, tag="hicache_storage", array_like=Tr
     dir: str = ""
 
 
-SchedulerInput = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq, HiCacheStorageControl]
+class FlushCacheControl(msgspec.Struct, tag="flush_cache", array_like=True, omit_defaults=True, gc=False):
+    """API -> scheduler: drop the prefix cache, on every tier (``POST /flush_cache``). The
+    scheduler answers with a ``FlushCacheResult`` of the same ``control_id``."""
+
+    control_id: int
+
+
+SchedulerInput = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq, HiCacheStorageControl, FlushCacheControl]
 
 
 # --- finish reasons --------------------------------------------------------------------
@@ -312,8 +319,22 @@ class HiCacheStorageState(msgspec.Struct, tag="hicache_storage_state", array_lik
     dir: str | None = None
 
 
-DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState]
-TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState]
+class FlushCacheResult(msgspec.Struct, tag="flush_cache_result", array_like=True, omit_defaults=True, gc=False):
+    """Scheduler -> API (through the detokenizer, untouched): the answer to one
+    ``FlushCacheControl``. ``ok`` False (requests were running or waiting: nothing was
+    dropped) carries the reason in ``error``. The token counts are what the flush dropped
+    from each tier of the prefix cache."""
+
+    control_id: int
+    ok: bool
+    error: str = ""
+    device_tokens: int = 0
+    host_tokens: int = 0
+    storage_tokens: int = 0
+
+
+DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult]
+TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult]
 
 
 # --- PD disaggregation: KV transfer between a prefill and a decode scheduler -------------

@@ -2,7 +2,10 @@
 
 Every process (tokenizer manager, scheduler, detokenizer) must agree on which ids end a sequence
 and which are special, so they all go through :func:`load_tokenizer` rather than reading the
-files themselves. Only local directories are read: the servers never reach the network.
+files themselves. Under ``--skip-tokenizer-init`` no process loads a tokenizer:
+:func:`load_model_vocab` reads the vocabulary size and EOS ids from the model's own configs
+instead, and :func:`load_vocab` picks one of the two for a process. Only local directories are
+read: the servers never reach the network.
 """
 
 from __future__ import annotations
@@ -20,15 +23,27 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "DEFAULT_TOKENIZER_DIR",
     "MEDIA_TOKENS",
+    "SHIPPED_EOS_TOKEN_IDS",
+    "SHIPPED_VOCAB_SIZE",
     "LoadedTokenizer",
+    "ModelVocab",
     "TokenizerLoadError",
+    "load_model_vocab",
     "load_tokenizer",
+    "load_vocab",
+    "model_directory",
 ]
 
 DEFAULT_TOKENIZER_DIR: Path = Path(__file__).resolve().parent / "assets"
 """Where the shipped tokenizer lives (built by ``scripts/train_tokenizer.py``)."""
 
 DEFAULT_MODEL_NAME = "tokenpipe-tiny"
+
+# The shipped tokenizer's vocabulary size and EOS ids (<|endoftext|>), for the built-in model
+# under --skip-tokenizer-init, which must not open the tokenizer to learn them.
+# tests/test_skip_tokenizer_init.py pins them to what load_tokenizer(None) reads.
+SHIPPED_VOCAB_SIZE = 4096
+SHIPPED_EOS_TOKEN_IDS: frozenset[int] = frozenset({0})
 
 MEDIA_TOKENS: dict[str, str] = {"image": "<|image|>", "audio": "<|audio|>", "video": "<|video|>"}
 """Placeholder token per media kind; a tokenizer without one simply cannot take that kind."""
@@ -73,6 +88,55 @@ class LoadedTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@dataclass(frozen=True)
+class ModelVocab:
+    """What a process knows of the vocabulary under ``--skip-tokenizer-init``: the facts
+    that need no tokenizer, with the same names as ``LoadedTokenizer``'s, so code that needs
+    only these takes either."""
+
+    vocab_size: int
+    eos_token_ids: frozenset[int]  # may be empty: requests then stop on stop_token_ids or length
+    name: str
+
+
+def load_vocab(model_path: str | os.PathLike[str] | None, *, skip_tokenizer_init: bool) -> LoadedTokenizer | ModelVocab:
+    """The tokenizer, or under ``--skip-tokenizer-init`` only what the model's configs say."""
+    return load_model_vocab(model_path) if skip_tokenizer_init else load_tokenizer(model_path)
+
+
+def load_model_vocab(model_path: str | os.PathLike[str] | None) -> ModelVocab:
+    """The vocabulary without opening a tokenizer file: ``vocab_size`` from config.json, EOS
+    ids from generation_config.json's ``eos_token_id`` (config.json's when there is no
+    generation config), as :func:`load_tokenizer` reads them. Only tokenizer_config.json's
+    ``eos_token`` is left out: it is a token string, and only the tokenizer maps it to an id.
+    None -> the built-in model's shipped vocabulary.
+
+    Raises TokenizerLoadError naming the missing or bad file/field.
+    """
+    if model_path is None:
+        return ModelVocab(vocab_size=SHIPPED_VOCAB_SIZE, eos_token_ids=SHIPPED_EOS_TOKEN_IDS, name=DEFAULT_MODEL_NAME)
+    directory = Path(model_path).expanduser()
+    if not directory.is_dir():
+        raise TokenizerLoadError(f"model path {str(directory)!r} is not a directory")
+    directory = directory.resolve()
+    model_config = _read_json(directory / "config.json")
+    if model_config is None:
+        raise TokenizerLoadError(f"config.json not found in {directory}: --skip-tokenizer-init reads the vocabulary size there")
+    vocab_size = model_config.get("vocab_size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        raise TokenizerLoadError(f"config.json: 'vocab_size' must be a positive integer, got {vocab_size!r}")
+    generation_config = _read_json(directory / "generation_config.json")
+    if generation_config is None:
+        eos_ids = _id_list(model_config, "eos_token_id", "config.json", vocab_size)
+    else:
+        eos_ids = _id_list(generation_config, "eos_token_id", "generation_config.json", vocab_size)
+    return ModelVocab(vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids), name=directory.name)
+def model_directory(model_path: str | os.PathLike[str] | None) -> Path:
+    """The absolute directory :func:`load_tokenizer` reads: ``--model-path``, or the shipped
+    tokenizer's for the built-in model."""
+    return DEFAULT_TOKENIZER_DIR if model_path is None else Path(model_path).expanduser().resolve()
 
 
 def load_tokenizer(model_path: str | os.PathLike[str] | None) -> LoadedTokenizer:

@@ -13,6 +13,7 @@ import zmq
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     AbortReq,
+    FlushCacheControl,
     HiCacheStorageControl,
     SchedulerInput,
     TokenizedEmbeddingReqInput,
@@ -20,7 +21,7 @@ from pipeline.io_struct import (
 )
 from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
-from pipeline.tokenizer_loader import load_tokenizer
+from pipeline.tokenizer_loader import LoadedTokenizer, load_vocab
 from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.hicache import HiCache, StorageError
 from scheduler_proc.kv_transfer import KVFetchClient, KVFetchServer
@@ -36,10 +37,13 @@ logger = logging.getLogger("tokenpipe.scheduler")
 
 
 def build_scheduler(config: ServerConfig) -> Scheduler:
-    tokenizer = load_tokenizer(config.model_path)
-    runner = ModelRunner(config, tokenizer.vocab_size)
-    context_length = context_length_of(config, tokenizer.vocab_size)
-    stop_checker = StopChecker(tokenizer.eos_token_ids, tokenizer.decode, context_length)
+    # The tokenizer is here only to match stop strings; under --skip-tokenizer-init the API
+    # refuses those, and the EOS ids and vocabulary size come from the model's configs.
+    vocab = load_vocab(config.model_path, skip_tokenizer_init=config.skip_tokenizer_init)
+    runner = ModelRunner(config, vocab.vocab_size)
+    context_length = context_length_of(config, vocab.vocab_size)
+    decode = vocab.decode if isinstance(vocab, LoadedTokenizer) else None
+    stop_checker = StopChecker(vocab.eos_token_ids, decode, context_length)
     return Scheduler(
         runner,
         stop_checker,
@@ -51,15 +55,19 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         stream_interval=config.stream_interval,
         collect_time_stats=config.enable_metrics,
         dense_usage_columns=config.dense_usage_columns,
-        # The mask placeholder is the tokenizer's EOS id (<|endoftext|>, 0, for the shipped
-        # tokenizer): see scheduler_proc/dllm.py.
-        dllm=(
-            DllmConfig(config.dllm_block_size, config.dllm_steps, min(tokenizer.eos_token_ids))
-            if config.mode == "dllm"
-            else None
-        ),
+        dllm=dllm_config(config, vocab.eos_token_ids),
         hicache=build_hicache(config, runner),
     )
+
+
+def dllm_config(config: ServerConfig, eos_token_ids: frozenset[int]) -> DllmConfig | None:
+    """--mode dllm's settings, or None in another mode. The mask placeholder is the lowest EOS
+    id (<|endoftext|>, 0, for the shipped tokenizer): see scheduler_proc/dllm.py."""
+    if config.mode != "dllm":
+        return None
+    if not eos_token_ids:
+        raise SystemExit("--mode dllm masks with an EOS id, and the model's configs name none (generation_config.json eos_token_id)")
+    return DllmConfig(config.dllm_block_size, config.dllm_steps, min(eos_token_ids))
 
 
 def build_hicache(config: ServerConfig, runner: ModelRunner) -> HiCache | None:
@@ -145,6 +153,11 @@ def run_scheduler(config: ServerConfig) -> None:
                 # Answered at once, before this step's frames: every row after the answer
                 # reflects the new storage state.
                 outbox.send(encoder.encode(scheduler.storage_control(msg)), copy=False)
+            elif isinstance(msg, FlushCacheControl):
+                outbox.send(encoder.encode(scheduler.flush_cache(msg)), copy=False)
+                # A report at once, so /server_info and /metrics show the emptied cache:
+                # an idle scheduler would send none until its next work.
+                outbox.send(encoder.encode(reporter.report(time.time())), copy=False)
         for out in scheduler.step():
             frame = encoder.encode(out)
             if not config.discard_output:

@@ -13,7 +13,7 @@ import torch
 
 from scheduler_proc.hicache import Fetched, HiCache
 from scheduler_proc.kv_pool import KVPool
-from scheduler_proc.radix_cache import RadixCache
+from scheduler_proc.radix_cache import Dropped, RadixCache
 from scheduler_proc.req import Req
 
 
@@ -104,6 +104,11 @@ class PrefixKV:
         req.prefix_node = None
         req.kv_slots = None
         req.num_computed = 0
+
+    def flush(self) -> Dropped:
+        """Drops the prefix cache on every tier (``/flush_cache``). What requests hold
+        (locked prefixes, their own slots) stays."""
+        return self.cache.drop_unlocked()
 
     @property
     def held_by_requests(self) -> int:

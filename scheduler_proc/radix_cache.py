@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -72,6 +72,14 @@ class RadixNode:
 
     def __repr__(self) -> str:
         return f"RadixNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+
+
+class Dropped(NamedTuple):
+    """Tokens that ``RadixCache.drop_unlocked`` took out of the tree, per tier."""
+
+    device: int
+    host: int
+    storage: int
 
 
 class LowerTiers(Protocol):
@@ -304,6 +312,37 @@ class RadixCache:
             n.parent = None
             self._num_nodes -= 1
 
+    def drop_unlocked(self) -> Dropped:
+        """Takes every unlocked node out of the tree, whatever its tier: device slots go back
+        to the pool and lower-tier copies are released. Locked paths stay, slots and all: a
+        request reads them (a node's lock_ref counts its descendants' locks, so an unlocked
+        node has no locked node below it and its whole subtree can go)."""
+        device = host = storage = 0
+        freed: list[torch.Tensor] = []
+        stack = [self.root]
+        while stack:
+            for child in list(stack.pop().children.values()):
+                if child.lock_ref > 0:
+                    stack.append(child)
+                    continue
+                for node in _subtree(child):
+                    if node.value is not None:
+                        device += len(node)
+                        freed.append(node.value)
+                        node.value = None
+                    elif node.host_value is not None:
+                        host += len(node)
+                    else:
+                        storage += len(node)
+                self.remove_subtree(child)
+        self._evictable -= device
+        if freed:
+            self.kv.free(torch.cat(freed))
+        # Entries of removed nodes are stale already; dropping them keeps the heap small.
+        self._heap = [entry for entry in self._heap if self._is_evictable_leaf(entry[2])]
+        heapq.heapify(self._heap)
+        return Dropped(device, host, storage)
+
     def reset(self) -> None:
         """Frees everything unlocked (debug/tests). Locked paths survive."""
         self.evict(self._evictable)
@@ -340,3 +379,11 @@ class RadixCache:
                 live.append((node.last_access, next(self._seq), node))
         heapq.heapify(live)
         self._heap = live
+
+
+def _subtree(node: RadixNode) -> Iterator[RadixNode]:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        stack.extend(n.children.values())
+        yield n

@@ -35,6 +35,8 @@ from pipeline.io_struct import (
     BatchTokenIDOutput,
     FinishAbort,
     FinishLength,
+    FlushCacheControl,
+    FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
     KVFetch,
@@ -182,6 +184,8 @@ class Scheduler:
         # A generating request needs room for at least one new token; an embedding does not.
         if n > self.context_length or (n == self.context_length and not req.is_embedding):
             return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
+        if req.sampling.stop and not self.stop_checker.matches_stop_strings:
+            return "stop strings need a tokenizer, and this server runs with --skip-tokenizer-init: use stop_token_ids"
         return None
 
     def storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
@@ -196,6 +200,23 @@ class Scheduler:
                 if details != req.stats.cached_tokens_details:
                     req.update_stats(cached_tokens_details=details)
         return state
+
+    def flush_cache(self, msg: FlushCacheControl) -> FlushCacheResult:
+        """Drops the prefix cache between two steps, as SGLang's ``flush_cache`` does: only
+        when no request is live (waiting, running, or in a PD hand-over), else nothing
+        changes and the answer says why."""
+        if self.live:
+            error = (
+                "Cache not flushed because there are pending requests. "
+                f"#queue-req: {self.num_waiting}, #running-req: {self.num_running}"
+            )
+            logger.warning(error)
+            return FlushCacheResult(control_id=msg.control_id, ok=False, error=error)
+        dropped = self.prefix_kv.flush()
+        logger.info("cache flushed: %d device, %d host and %d storage tokens dropped", *dropped)
+        return FlushCacheResult(
+            control_id=msg.control_id, ok=True, device_tokens=dropped.device, host_tokens=dropped.host, storage_tokens=dropped.storage
+        )
 
     def abort(self, msg: AbortReq) -> None:
         targets = list(self.live.values()) if msg.abort_all else [self.live[msg.req_id]] if msg.req_id in self.live else []

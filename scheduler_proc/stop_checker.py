@@ -16,10 +16,15 @@ _REPLACEMENT = "\ufffd"
 
 
 class StopChecker:
-    def __init__(self, eos_token_ids: frozenset[int], decode: Decode, context_length: int) -> None:
+    def __init__(self, eos_token_ids: frozenset[int], decode: Decode | None, context_length: int) -> None:
+        """``decode`` None: no tokenizer (``--skip-tokenizer-init``), so no stop strings."""
         self._eos = eos_token_ids
         self._decode = decode
         self._context_length = context_length
+
+    @property
+    def matches_stop_strings(self) -> bool:
+        return self._decode is not None
 
     def check(self, req: Req) -> FinishReason | None:
         """Called right after ``req.output_ids`` grew by one token."""
@@ -49,6 +54,8 @@ class StopChecker:
         decoded as the client sees it (``skip_special_tokens``), so a stop string can
         match a special token's text."""
         stops = req.sampling.stop
+        # The scheduler admits no request with stop strings when there is no decoder.
+        assert self._decode is not None, "stop strings without a tokenizer"
         # An occurrence ends inside the newest token and every token is at least one byte,
         # so the last len(stop in bytes) tokens cover it; one more gives the decoder context.
         longest = max(len(stop.encode()) for stop in stops)

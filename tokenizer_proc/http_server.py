@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
+from collections.abc import AsyncIterator
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -26,6 +25,7 @@ from tokenizer_proc.openai_api import build_openai_router
 from tokenizer_proc.req_state import ReqState, sending
 from tokenizer_proc.tokenize_api import build_tokenize_router
 from tokenizer_proc.tokenizer_manager import TokenizerManager
+from tokenizer_proc.worker_api import build_worker_router
 
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -49,24 +49,6 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         body = tm.metrics.render() if tm.metrics is not None else b""
         return Response(content=body, media_type=CONTENT_TYPE)
 
-    @app.get("/server_info")
-    async def server_info() -> dict[str, Any]:
-        info = msgspec.to_builtins(tm.config)
-        info.pop("api_key", None)
-        info.update(
-            model_name=tm.model_name,
-            context_length=tm.context_length,
-            vocab_size=tm.tokenizer.vocab_size,
-            live_requests=len(tm.states),
-            aborted_requests=tm.num_aborted_requests,
-            scheduler=msgspec.structs.asdict(tm.last_scheduler_report) if tm.last_scheduler_report else None,
-            engine_type=tm.config.engine_type,
-            disaggregation_bootstrap_endpoint=(
-                tm.config.bootstrap_endpoint() if tm.config.disaggregation_mode == "prefill" else None
-            ),
-        )
-        return info
-
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         arrived = time.time()
@@ -76,7 +58,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             return model_not_found(obj.model)
         sampling = obj.sampling_params.to_wire()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
-        input_ids = expand_prompt(tm.tokenize(obj.text, obj.input_ids), media, tm.tokenizer.media_token_ids)
+        input_ids = expand_prompt(tm.tokenize(obj.text, obj.input_ids), media, tm.media_token_ids(media))
         state = tm.submit_generate(
             input_ids=input_ids,
             sampling=sampling,
@@ -100,14 +82,14 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         refused = refusal(state)
         if refused is not None:
             return refused
-        return JSONResponse({"text": state.text, "output_ids": state.output_ids, "meta_info": build_meta_info(state)})
+        return JSONResponse(_generate_body(tm, state.text, state.output_ids, build_meta_info(state)))
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
         sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        state = tm.submit_generate(
-            input_ids=tm.tokenizer.encode("ping")[:1] or [0], sampling=sampling, stream=False, rid=None, internal=True
-        )
+        # Token id 0 without a tokenizer, as SGLang's health check always sends.
+        ping = tm.tokenizer.encode("ping")[:1] if tm.tokenizer is not None else []
+        state = tm.submit_generate(input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True)
         try:
             await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
         except asyncio.TimeoutError:
@@ -134,6 +116,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     app.include_router(build_embeddings_router(tm))
     app.include_router(build_hicache_router(tm))
     app.include_router(build_tokenize_router(tm))
+    app.include_router(build_worker_router(tm))
 
     too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
     app.add_middleware(BodyLimit, max_bytes=tm.config.max_request_bytes, on_reject=too_large)
@@ -142,6 +125,14 @@ def build_app(tm: TokenizerManager) -> FastAPI:
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=_OPEN_PATHS)
     return app
+
+
+def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_info: dict[str, Any]) -> dict[str, Any]:
+    """A /generate answer or stream event. Under --skip-tokenizer-init there is no text, and
+    as SGLang does then, the answer has no ``text`` key at all, only ``output_ids``."""
+    if tm.tokenizer is None:
+        return {"output_ids": output_ids, "meta_info": meta_info}
+    return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
 
 
 async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
@@ -162,7 +153,7 @@ async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterat
                 final = finished and i == len(chunks) - 1  # the finish goes on the last event only
                 meta = build_meta_info(state, None if final else chunk.completion_tokens)
                 with sending([state]):
-                    yield sse({"text": chunk.text, "output_ids": chunk.ids, "meta_info": meta})
+                    yield sse(_generate_body(tm, chunk.text, chunk.ids, meta))
         yield b"data: [DONE]\n\n"
     finally:
         # Cancelled by a disconnect (or any other exit before the finish): stop the work.

@@ -10,7 +10,7 @@ import zmq
 from pipeline.config import ServerConfig
 from pipeline.http_edge import serve_http
 from pipeline.process_util import report_ready
-from pipeline.tokenizer_loader import load_tokenizer
+from pipeline.tokenizer_loader import load_vocab
 from scheduler_proc.model_limits import context_length_of
 from tokenizer_proc.http_server import build_app
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -19,8 +19,9 @@ logger = logging.getLogger("tokenpipe.api")
 
 
 async def _serve(config: ServerConfig) -> None:
-    tokenizer = load_tokenizer(config.model_path)
-    tm = TokenizerManager(config, tokenizer, context_length=context_length_of(config, tokenizer.vocab_size))
+    # Under --skip-tokenizer-init only the model's configs are read, never a tokenizer file.
+    vocab = load_vocab(config.model_path, skip_tokenizer_init=config.skip_tokenizer_init)
+    tm = TokenizerManager(config, vocab, context_length=context_length_of(config, vocab.vocab_size))
     await tm.start()
     app = build_app(tm)
 

@@ -25,6 +25,11 @@ choice has changed once, so a choice the scheduler refuses (400, a full waiting 
 with ``Retry-After``, a PD peer's 502/504) makes the whole request that error, streaming or
 not, with the other choices aborted; a refusal after the stream started (a PD failure) is an
 SSE ``error`` event.
+
+Under ``--skip-tokenizer-init`` a completions prompt must be token ids, and each choice (and
+each stream delta) also carries its ``token_ids``, the field SGLang and vLLM answer
+``return_token_ids`` with; its ``text`` is empty, as vLLM's is without a tokenizer. Chat needs a
+tokenizer and a chat template, so it is refused with a 400.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ _DONE = b"data: [DONE]\n\n"
 
 def build_openai_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
-    template = ChatTemplate.for_tokenizer(tm.tokenizer)
+    template = ChatTemplate.for_tokenizer(tm.tokenizer) if tm.tokenizer is not None else None
     started = int(time.time())
 
     def model_card() -> dict[str, Any]:
@@ -117,6 +122,8 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
+        if template is None:
+            raise tm.without_tokenizer("chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate", "messages")
         try:
             prompt = template.render(body.template_messages())
         except ChatTemplateError as exc:
@@ -156,14 +163,14 @@ def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_to
     """One (prompt, sampling) job per choice, validated against the server's limits first so
     that nothing is submitted for a request that will be refused."""
     jobs = [(ids, body.sampling(max_tokens, i)) for i in range(body.choices)]
-    tm.validate_lengths(len(ids), jobs[0][1])
+    tm.validate_sampling(len(ids), jobs[0][1])
     return jobs
 
 
 @contextmanager
 def _openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
-    """``tm.tokenize`` and ``tm.validate_lengths`` speak the native API's field names; an
-    OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``)."""
+    """``tm.tokenize`` and ``tm.validate_sampling`` speak the native API's field names; an
+    OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``, ``stop``)."""
     try:
         yield
     except RequestValidationError as exc:
@@ -173,11 +180,15 @@ def _openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
             ("max_new_tokens", max_param),
             ("`text`", f"`{prompt_param}`"),
             ("input_ids", prompt_param),
+            ("sampling_params.stop", "stop"),
         ):
             message = message.replace(native, ours)
-        param = {"sampling_params.max_new_tokens": max_param, "text": prompt_param, "input_ids": prompt_param}.get(
-            exc.param or "", exc.param
-        )
+        param = {
+            "sampling_params.max_new_tokens": max_param,
+            "text": prompt_param,
+            "input_ids": prompt_param,
+            "sampling_params.stop": "stop",
+        }.get(exc.param or "", exc.param)
         raise RequestValidationError(message, param) from exc
 
 
@@ -261,6 +272,13 @@ def _stop_reason(state: ReqState) -> int | str | None:
     return None
 
 
+def _with_ids(choice: dict[str, Any], ids: list[int], ids_out: bool) -> dict[str, Any]:
+    """A choice or delta, with its ``token_ids`` when the ids are the output (--skip-tokenizer-init)."""
+    if ids_out:
+        choice["token_ids"] = ids
+    return choice
+
+
 def _usage(states: list[ReqState], n: int) -> dict[str, Any]:
     """``states`` in choice order, ``n`` per prompt; see the module docstring."""
     prompt = cached = 0
@@ -332,9 +350,9 @@ async def _respond(
         refused = refusal(state)
         if refused is not None:
             return refused
-    return JSONResponse(
-        {**head, "choices": [kind.choice(i, s) for i, s in enumerate(states)], "usage": _usage(states, body.choices)}
-    )
+    ids_out = tm.tokenizer is None
+    choices = [_with_ids(kind.choice(i, s), s.output_ids, ids_out) for i, s in enumerate(states)]
+    return JSONResponse({**head, "choices": choices, "usage": _usage(states, body.choices)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +393,7 @@ async def _stream(
     head: dict[str, Any],
     usage: _StreamUsage,
 ) -> AsyncIterator[bytes]:
+    ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
     try:
         for index in range(len(states)):
             opening = kind.opening(index)
@@ -395,8 +414,9 @@ async def _stream(
                 for i, chunk in enumerate(chunks):
                     last = i == len(chunks) - 1  # the finish goes on the last event only
                     final = finish_reason if last else None
-                    if chunk.text or final is not None:  # ids that decode to no text yet: nothing to show
-                        delta = kind.delta(index, chunk.text, final, stop_reason if last else None)
+                    # Ids that decode to no text yet are nothing to show, unless the ids are the output.
+                    if chunk.text or final is not None or (ids_out and chunk.ids):
+                        delta = _with_ids(kind.delta(index, chunk.text, final, stop_reason if last else None), chunk.ids, ids_out)
                         with sending(states):
                             yield sse({**head, "choices": [delta], **usage.on_chunk(state, chunk.completion_tokens)})
             else:

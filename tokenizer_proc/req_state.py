@@ -47,6 +47,7 @@ class ReqState:
     operation: str = "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
     internal: bool = False  # a health probe: served, but kept out of metrics and traces
     tokenized_time: float | None = None  # when the request left for the scheduler
+    prompt_tokens: int = 0  # as sent to the scheduler; /get_load counts them until stats arrive
     request_stats: RequestOutputStats | None = None
     finished_reason: FinishReason | None = None
     completion_tokens: int = 0

@@ -7,7 +7,8 @@ there, so the ids are exactly the prompt a chat request would run). It answers
 ``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` on request). ``/detokenize``
 takes ``tokens`` and answers ``{"prompt"}``, special tokens included, as vLLM does.
 
-Neither touches the scheduler: they answer from the API process's own tokenizer.
+Neither touches the scheduler: they answer from the API process's own tokenizer. Under
+``--skip-tokenizer-init`` there is none, and both answer 400 saying so.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
 
+from pipeline.tokenizer_loader import LoadedTokenizer
 from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http_common import error_response, model_not_found
@@ -51,7 +53,8 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
-    template = ChatTemplate.for_tokenizer(tm.tokenizer)
+    # None under --skip-tokenizer-init: nothing to tokenize with.
+    tools = (tm.tokenizer, ChatTemplate.for_tokenizer(tm.tokenizer)) if tm.tokenizer is not None else None
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -59,13 +62,16 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
         body.check_form()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
+        if tools is None:
+            raise tm.without_tokenizer("/tokenize has nothing to encode text with", "prompt" if body.prompt is not None else "messages")
+        tokenizer, template = tools
         try:
-            ids = _tokens(tm, template, body)
+            ids = _tokens(tokenizer, template, body)
         except ChatTemplateUnavailable as exc:
             return error_response(500, str(exc), err_type="internal_error")
         out: dict[str, Any] = {"count": len(ids), "max_model_len": tm.context_length, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = [tm.tokenizer.tokenizer.id_to_token(i) for i in ids]
+            out["token_strs"] = [tokenizer.tokenizer.id_to_token(i) for i in ids]
         return JSONResponse(out)
 
     @router.post("/detokenize")
@@ -73,23 +79,24 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
         body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)  # type: ignore[assignment]
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
-        vocab = tm.tokenizer.vocab_size
+        tokenizer = tm.require_tokenizer("/detokenize has nothing to decode token ids with", "tokens")
+        vocab = tokenizer.vocab_size
         for i, token in enumerate(body.tokens):
             if token >= vocab:
                 raise RequestValidationError(f"tokens[{i}] is {token}, not below the vocabulary size {vocab}", f"tokens[{i}]")
-        return JSONResponse({"prompt": tm.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     return router
 
 
-def _tokens(tm: TokenizerManager, template: ChatTemplate, body: TokenizeRequest) -> list[int]:
+def _tokens(tokenizer: LoadedTokenizer, template: ChatTemplate, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        return tm.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+        return tokenizer.encode(body.prompt, add_special_tokens=add_special)
     assert body.messages is not None
     messages = [m.to_template(i) for i, m in enumerate(body.messages)]
     try:
         rendered = template.render(messages, add_generation_prompt=body.add_generation_prompt is not False)
     except ChatTemplateError as exc:
         raise RequestValidationError(str(exc), "messages") from exc
-    return tm.tokenizer.encode(rendered, add_special_tokens=bool(body.add_special_tokens))
+    return tokenizer.encode(rendered, add_special_tokens=bool(body.add_special_tokens))

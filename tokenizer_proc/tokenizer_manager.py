@@ -4,6 +4,10 @@ request, updated from the detokenizer's frames.
 ``handle_output`` is the only function that loops over a frame's rows: stats, text and
 finish for every row are applied in that one pass. It is plain synchronous code, so the
 differential test drives it without an HTTP server.
+
+Under ``--skip-tokenizer-init`` there is no tokenizer (``tokenizer`` is None): prompts must
+be token ids, and whatever needs text (a text prompt, stop strings, media placeholders, chat
+templates, /tokenize) is refused with a 400 from ``without_tokenizer``.
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -28,6 +32,8 @@ from pipeline.io_struct import (
     FinishAbort,
     FinishLength,
     FinishReason,
+    FlushCacheControl,
+    FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
     MediaItem,
@@ -39,7 +45,7 @@ from pipeline.io_struct import (
     TraceContext,
 )
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
-from pipeline.tokenizer_loader import LoadedTokenizer
+from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
@@ -51,12 +57,16 @@ logger = logging.getLogger("tokenpipe.tokenizer_manager")
 # never reuses an id a scheduler may still hold from before the restart.
 _WORKER_SHIFT = 56
 
+# The scheduler's answers to control messages, matched to their call by ``control_id``.
+ControlAnswer = HiCacheStorageState | FlushCacheResult
+_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult)
+
 
 class TokenizerManager:
     def __init__(
         self,
         config: ServerConfig,
-        tokenizer: LoadedTokenizer,
+        vocab: LoadedTokenizer | ModelVocab,
         *,
         context_length: int,
         worker_index: int = 0,
@@ -65,9 +75,11 @@ class TokenizerManager:
     ) -> None:
         self._clock = clock  # injectable, so the differential test is deterministic
         self.config = config
-        self.tokenizer = tokenizer
+        # None under --skip-tokenizer-init: the process then never loads one.
+        self.tokenizer = vocab if isinstance(vocab, LoadedTokenizer) else None
+        self.vocab_size = vocab.vocab_size
         self.context_length = context_length
-        self.model_name = config.served_model_name or tokenizer.name
+        self.model_name = config.served_model_name or vocab.name
         self.states: dict[int, ReqState] = {}
         self.rid_to_req_id: dict[str, int] = {}
         base = time.time_ns() // 1000 if req_id_base is None else req_id_base
@@ -86,7 +98,7 @@ class TokenizerManager:
         self._send: Any = None
         self._loop_task: asyncio.Task[None] | None = None
         self._next_control_id = itertools.count(1)
-        self._controls: dict[int, asyncio.Future[HiCacheStorageState]] = {}
+        self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}
 
     # --- sockets -------------------------------------------------------------------------
 
@@ -127,16 +139,49 @@ class TokenizerManager:
 
     # --- requests ------------------------------------------------------------------------
 
+    def without_tokenizer(self, needs: str, param: str) -> RequestValidationError:
+        """The 400 for a request that needs what only a tokenizer gives, on a server that
+        runs with --skip-tokenizer-init. ``needs`` says what needed it and what to do instead."""
+        return RequestValidationError(f"this server runs with --skip-tokenizer-init and loads no tokenizer: {needs}", param)
+
+    def require_tokenizer(self, needs: str, param: str) -> LoadedTokenizer:
+        if self.tokenizer is None:
+            raise self.without_tokenizer(needs, param)
+        return self.tokenizer
+
     def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
         if (text is None) == (input_ids is None):
             raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
-        ids = self.tokenizer.encode(text) if text is not None else list(input_ids or [])
+        if text is not None:
+            ids = self.require_tokenizer("it takes prompts as token ids, not text", "text").encode(text)
+        else:
+            ids = list(input_ids or [])
         if not ids:
             raise RequestValidationError("the prompt is empty: `text` must encode to at least one token", "text")
-        vocab = self.tokenizer.vocab_size
+        vocab = self.vocab_size
         if input_ids is not None and max(ids) >= vocab:
             raise RequestValidationError(f"input_ids holds a token id >= the vocabulary size {vocab}", "input_ids")
         return ids
+
+    def media_token_ids(self, items: Sequence[MediaItem]) -> Mapping[str, int]:
+        """The placeholder token id of each media kind, for ``media.expand_prompt``. Without a
+        tokenizer there are none to know, so media is refused, naming its field."""
+        if self.tokenizer is not None:
+            return self.tokenizer.media_token_ids
+        if items:
+            kind = items[0].kind
+            raise self.without_tokenizer(
+                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request without media", f"{kind}_data"
+            )
+        return {}
+
+    def validate_sampling(self, prompt_len: int, sampling: SamplingParams) -> None:
+        """Everything a generate request is checked for before it is submitted."""
+        if sampling.stop and self.tokenizer is None:
+            raise self.without_tokenizer(
+                "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids", "sampling_params.stop"
+            )
+        self.validate_lengths(prompt_len, sampling)
 
     def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
         limit = self.config.max_new_tokens_limit
@@ -166,6 +211,7 @@ class TokenizerManager:
             )
         state = self.open_state(sampling=SamplingParams(max_new_tokens=0), stream=False, rid=rid, created_time=created_time)
         state.operation = "embeddings"
+        state.prompt_tokens = len(input_ids)
         self._send_obj(TokenizedEmbeddingReqInput(rid=state.rid, req_id=state.req_id, input_ids=input_ids, arrival_time=state.created_time))
         return state
 
@@ -188,10 +234,11 @@ class TokenizerManager:
                 "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate", "model"
             )
         sampling, bootstrap = self._pd_half(sampling, bootstrap, internal)
-        self.validate_lengths(len(input_ids), sampling)
+        self.validate_sampling(len(input_ids), sampling)
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
         state.operation = operation
         state.internal = internal
+        state.prompt_tokens = len(input_ids)
         self._send_obj(
             TokenizedGenerateReqInput(
                 rid=state.rid,
@@ -269,15 +316,27 @@ class TokenizerManager:
         """Asks the scheduler to attach or detach HiCache storage and waits for its answer
         (it comes between two scheduler steps); None when none came within ``timeout``."""
         control_id = next(self._next_control_id)
-        future: asyncio.Future[HiCacheStorageState] = asyncio.get_running_loop().create_future()
+        msg = HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir)
+        return await self._round_trip(control_id, msg, HiCacheStorageState, timeout)
+
+    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheResult | None:
+        """Asks the scheduler to drop its prefix cache and waits for its answer; None when
+        none came within ``timeout``."""
+        control_id = next(self._next_control_id)
+        return await self._round_trip(control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout)
+
+    async def _round_trip(self, control_id: int, msg: object, answer: type[_Answer], timeout: float) -> _Answer | None:
+        """Sends one control message and waits for the scheduler's answer of the same id."""
+        future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
         self._controls[control_id] = future
         try:
-            self._send_obj(HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir))
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+            self._send_obj(msg)
+            got = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
             return None
         finally:
             self._controls.pop(control_id, None)
+        return got if isinstance(got, answer) else None
 
     async def wait(self, state: ReqState) -> AsyncIterator[ReqState]:
         """Yields whenever the state changed, until it is finished."""
@@ -299,7 +358,7 @@ class TokenizerManager:
             if self.metrics is not None:
                 self.metrics.scheduler.update(frame)
             return
-        if isinstance(frame, HiCacheStorageState):
+        if isinstance(frame, (HiCacheStorageState, FlushCacheResult)):
             future = self._controls.pop(frame.control_id, None)
             if future is not None and not future.done():
                 future.set_result(frame)

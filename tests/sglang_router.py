@@ -1,0 +1,89 @@
+"""Starts the real sglang-router (SGLang's gateway, PyPI ``sglang-router``; the wheel ships
+its binary) in front of tokenpipe servers, for tests. No imitation: the router's own binary,
+over real sockets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+import pytest
+
+from tests.server_harness import free_port
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+def router_binary() -> str:
+    """The sglang-router console script of this interpreter's environment. Skips the test
+    where it is not installed, except in CI (``make test`` installs it), where that fails."""
+    found = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which("sglang-router")
+    if found is None:
+        if IN_CI:
+            pytest.fail("sglang-router is required in CI (the test extra installs it)")
+        pytest.skip("sglang-router is not installed")
+    return found
+
+
+class SglangRouter:
+    """``sglang-router launch`` on free ports (its HTTP port and its Prometheus port: the
+    default 29000 would collide between routers) with ``args`` naming the workers, e.g.
+    ``["--worker-urls", url1, url2]`` or ``["--pd-disaggregation", "--prefill", url, port,
+    "--decode", url]``. Its log goes to ``log_path``."""
+
+    def __init__(
+        self, args: Sequence[str], log_path: Path, *, policy: str = "cache_aware", api_key: str | None = None, log_level: str = "warn"
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+        command = [
+            router_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", policy, "--log-level", log_level, *args,
+        ]  # fmt: skip
+        if api_key is not None:
+            command += ["--api-key", api_key]  # required from clients, and sent to the workers
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+
+    def wait_ready(self, workers: int, timeout: float = 60.0) -> Self:
+        """Until the router has registered ``workers`` healthy workers (its ``/workers``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if sum(1 for w in self.workers() if w.get("is_healthy")) >= workers:
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"sglang-router did not register {workers} workers; log:\n{self.output()[-4000:]}")
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The router's ``/workers`` list; empty while it cannot answer."""
+        try:
+            with self.client() as c:
+                return c.get("/workers").json()["workers"]  # type: ignore[no-any-return]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return []
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=120.0, trust_env=False)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

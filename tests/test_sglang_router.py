@@ -1,0 +1,171 @@
+"""Scale-out behind the real sglang-router (SGLang's gateway, PyPI ``sglang-router``): two
+data-parallel replicas with its cache-aware policy, and a prefill/decode pair with
+``--pd-disaggregation``. Every route, streamed and not, goes through the router's own binary,
+which re-serializes each body with its defaults and, in PD mode, adds the bootstrap fields."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess, free_port
+from tests.sglang_router import SglangRouter, router_binary
+
+MODEL = "tokenpipe-tiny"
+MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
+
+
+def _post(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A route's answer as one dict: the JSON answer, or the streamed events merged (the
+    text joined, the last event's metadata)."""
+    response = client.post(route, json=body)
+    assert response.status_code == 200, (route, response.text)
+    if not body.get("stream"):
+        return response.json()  # type: ignore[no-any-return]
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", response.text
+    events = [json.loads(line) for line in lines[:-1]]
+    if route == "/generate":
+        return {"text": "".join(e["text"] for e in events), "output_ids": [t for e in events for t in e["output_ids"]], "meta_info": events[-1]["meta_info"]}
+    key = "text" if route == "/v1/completions" else "delta"
+    parts = [c[key] if key == "text" else c["delta"].get("content") or "" for e in events for c in e["choices"]]
+    return {"text": "".join(parts), "usage": events[-1].get("usage")}
+
+
+def _text(route: str, answer: dict[str, Any]) -> str:
+    if route == "/generate" or "choices" not in answer:
+        return answer["text"]  # type: ignore[no-any-return]
+    choice = answer["choices"][0]
+    return choice["text"] if route == "/v1/completions" else choice["message"]["content"]  # type: ignore[no-any-return]
+
+
+def _bodies(prompt: str, stream: bool) -> dict[str, dict[str, Any]]:
+    greedy = {"temperature": 0, "ignore_eos": True}
+    options = {"stream_options": {"include_usage": True}} if stream else {}
+    return {
+        "/generate": {"text": prompt, "sampling_params": {"max_new_tokens": 8, **greedy}, "stream": stream},
+        "/v1/completions": {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": stream, **greedy, **options},
+        "/v1/chat/completions": {
+            "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "stream": stream, **greedy, **options,
+        },
+    }  # fmt: skip
+
+
+def _requests_served(server: ServerProcess) -> float:
+    with server.client() as c:
+        metrics = c.get("/metrics").text
+    return sum(float(v) for v in re.findall(r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", metrics, re.M))
+
+
+# --- data-parallel replicas ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SglangRouter, list[ServerProcess]]]:
+    router_binary()  # skip (or fail in CI) before starting anything
+    base = tmp_path_factory.mktemp("replicas")
+    servers = [ServerProcess(base / f"replica{i}" / "tmp") for i in range(2)]
+    router: SglangRouter | None = None
+    try:
+        for s in servers:
+            s.wait_ready()
+        # Low balance thresholds: the cache-aware policy turns to the least loaded replica as
+        # soon as in-flight counts differ, so a burst spreads over both.
+        balance = ["--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"]
+        router = SglangRouter(["--worker-urls", *(s.url for s in servers), *balance], base / "router.log").wait_ready(workers=2)
+        yield router, servers
+    finally:
+        if router is not None:
+            router.stop()
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_route_through_the_router_answers_as_a_replica_does(
+    replicas: tuple[SglangRouter, list[ServerProcess]], stream: bool
+) -> None:
+    router, servers = replicas
+    with router.client() as via_router, servers[0].client() as direct:
+        for i in range(3):
+            for route, body in _bodies(f"Story number {i} about a lighthouse", stream).items():
+                got, want = _post(via_router, route, body), _post(direct, route, body)
+                assert _text(route, got) == _text(route, want), route
+                if route == "/generate":
+                    assert got["output_ids"] == want["output_ids"] and got["meta_info"]["completion_tokens"] == 8
+                elif stream:
+                    assert got["usage"]["completion_tokens"] == 8
+                else:
+                    assert got["usage"]["completion_tokens"] == 8
+
+
+def test_both_replicas_serve_and_a_shared_prefix_is_cached(replicas: tuple[SglangRouter, list[ServerProcess]]) -> None:
+    router, servers = replicas
+    before = [_requests_served(s) for s in servers]
+    prefix = "In a quiet harbour town there lived an old keeper who " * 8
+    with router.client() as client:
+        burst = {"sampling_params": {"max_new_tokens": 48, "ignore_eos": True}, "stream": True}
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: _post(client, "/generate", {"text": f"burst {i}", **burst}), range(16)))
+        assert all(a["meta_info"]["completion_tokens"] == 48 for a in answers)
+        first = _post(client, "/generate", {"text": prefix + "first", "sampling_params": {"max_new_tokens": 2}})
+        second = _post(client, "/generate", {"text": prefix + "second", "sampling_params": {"max_new_tokens": 2}})
+        chat = _post(client, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prefix + "third"}], "max_tokens": 2})
+    served = [_requests_served(s) - b for s, b in zip(servers, before)]
+    assert all(n > 0 for n in served), served
+    # The cache-aware policy sends a prompt to the replica that holds its prefix.
+    assert first["meta_info"]["cached_tokens"] < second["meta_info"]["cached_tokens"]
+    assert second["meta_info"]["cached_tokens"] > second["meta_info"]["prompt_tokens"] // 2
+    assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+# --- prefill/decode disaggregation -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
+    router_binary()
+    base = tmp_path_factory.mktemp("pd")
+    bootstrap_port = free_port()
+    prefill = ServerProcess(base / "prefill" / "tmp", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)])
+    decode = ServerProcess(base / "decode" / "tmp", ["--disaggregation-mode", "decode"])
+    router: SglangRouter | None = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        args = ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
+        router = SglangRouter(args, base / "router.log").wait_ready(workers=2)
+        yield router
+    finally:
+        if router is not None:
+            router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_through_the_router_equals_a_unified_server(pd: SglangRouter, server: ServerProcess, stream: bool) -> None:
+    with pd.client() as via_router, server.client() as unified:
+        for route in ("/generate", "/v1/chat/completions"):
+            body = _bodies("The lighthouse keeper opened the door and", stream)[route]
+            got, want = _post(via_router, route, body), _post(unified, route, body)
+            assert _text(route, got) == _text(route, want), route
+            if route == "/generate":
+                assert got["output_ids"] == want["output_ids"]
+                assert got["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+            else:
+                assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == 8
+
+
+def test_the_router_log_names_no_refused_request(pd: SglangRouter, replicas: tuple[SglangRouter, list[ServerProcess]]) -> None:
+    """Every body the router re-serialized was accepted: no 4xx from a worker in its logs."""
+    for log in (pd.log_path, replicas[0].log_path):
+        text = Path(log).read_text()
+        assert " 400 " not in text and "Bad Request" not in text, text[-2000:]
