@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from tests.server_harness import SMALL_SERVER_ARGS, REPO, ServerProcess, descendants, free_port, pid_alive, wait_until
+from tests.sglang_router import router_binary
 
 DEPLOY = REPO / "deploy"
 BIN = Path(sys.executable).parent  # the venv's scripts: tokenpipe, supervisord, supervisorctl
@@ -378,11 +379,10 @@ def one_request_on_each_replica(sd: Supervisord) -> bool:
 def test_supervisord_replicas_behind_sglang_router_share_requests_survive_a_killed_replica_and_drain_on_shutdown(  # type: ignore[no-untyped-def]
     supervisord_factory,
 ) -> None:
-    router_bin = require_tool(BIN / "sglang-router", "sglang-router (pip install sglang-router)")
     sd = supervisord_factory(
         "supervisord-replicas.conf",
         REPLICA_PORTS,
-        {"TOKENPIPE_SGLANG_ROUTER_BIN": str(router_bin), "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn"},
+        {"TOKENPIPE_SGLANG_ROUTER_BIN": router_binary(), "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn"},
     )
     sd.wait_generate(180)
     assert wait_until(lambda: sd.states() == dict.fromkeys(REPLICA_PROGRAMS, "RUNNING"), 15, 0.2), f"{sd.states()}\n{sd.logs()}"
