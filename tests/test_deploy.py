@@ -1,11 +1,11 @@
 """The deploy/ kit against real components: supervisord (from PyPI) runs the real
-``tokenpipe`` console script from deploy/supervisord.conf, deploy/supervisord-serve.conf and
-deploy/supervisord-pd.conf in a private temporary run directory; promtool checks
-deploy/prometheus.yml and the dashboard's PromQL; the dashboard's metric names are checked
-against a live /metrics.
+``tokenpipe`` console script from deploy/supervisord.conf, deploy/supervisord-serve.conf,
+deploy/supervisord-pd.conf and deploy/supervisord-replicas.conf (with the real sglang-router
+in front) in a private temporary run directory; promtool checks deploy/prometheus.yml and the
+dashboard's PromQL; the dashboard's metric names are checked against a live /metrics.
 
-promtool and supervisord are skipped when missing, except under CI=true, where a missing
-tool fails the test instead."""
+promtool, supervisord and sglang-router are skipped when missing, except under CI=true, where
+a missing tool fails the test instead."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import pytest
 import yaml
 
 from tests.server_harness import SMALL_SERVER_ARGS, REPO, ServerProcess, descendants, free_port, pid_alive, wait_until
+from tests.sglang_router import router_binary
 
 DEPLOY = REPO / "deploy"
 BIN = Path(sys.executable).parent  # the venv's scripts: tokenpipe, supervisord, supervisorctl
@@ -47,9 +49,9 @@ def require_tool(path: Path | str | None, what: str) -> Path:
 class Supervisord:
     """``supervisord -n`` on one of the deploy configs, with TOKENPIPE_* pointing at a
     private temporary run directory and a free port (TOKENPIPE_PORT, plus one for each
-    variable in ``port_vars``: a PD deployment has three servers)."""
+    variable in ``port_vars``: a PD deployment has three servers), and ``env`` on top."""
 
-    def __init__(self, conf: str, port_vars: tuple[str, ...] = ()) -> None:
+    def __init__(self, conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.supervisord = require_tool(BIN / "supervisord", "supervisord (pip install supervisor)")
         self.supervisorctl = require_tool(BIN / "supervisorctl", "supervisorctl (pip install supervisor)")
         self.conf = DEPLOY / conf
@@ -64,7 +66,12 @@ class Supervisord:
             TOKENPIPE_PORT=str(self.port),
             TOKENPIPE_ARGS=shlex.join(SMALL_SERVER_ARGS),
             TOKENPIPE_ROUTER_ARGS="--request-timeout 120 --log-level warning",
+            # The tokenpipe script imports the installed package, which may be another checkout
+            # (an editable install shared by worktrees), while the children it starts run
+            # `python -m` from this directory: both run this checkout.
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             **{name: str(port) for name, port in self.ports.items()},
+            **(env or {}),
         )
         self._out = open(self.run_dir / "supervisord.out", "wb")
         self.proc = subprocess.Popen(
@@ -178,8 +185,8 @@ class Supervisord:
 def supervisord_factory():  # type: ignore[no-untyped-def]
     started: list[Supervisord] = []
 
-    def start(conf: str, port_vars: tuple[str, ...] = ()) -> Supervisord:
-        sd = Supervisord(conf, port_vars)
+    def start(conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Supervisord:
+        sd = Supervisord(conf, port_vars, env)
         started.append(sd)
         return sd
 
@@ -332,6 +339,107 @@ def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_pref
     assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
     assert sd.ctl("shutdown").returncode == 0
     assert sd.proc.wait(30) == 0
+
+
+REPLICA_PROGRAMS = ("tokenpipe-replica1", "tokenpipe-replica2", "sglang-router")
+REPLICA_PORTS = ("TOKENPIPE_REPLICA1_PORT", "TOKENPIPE_REPLICA2_PORT", "TOKENPIPE_ROUTER_METRICS_PORT")
+
+
+def replica_ports(sd: Supervisord) -> dict[str, int]:
+    return {"tokenpipe-replica1": sd.ports["TOKENPIPE_REPLICA1_PORT"], "tokenpipe-replica2": sd.ports["TOKENPIPE_REPLICA2_PORT"]}
+
+
+def requests_served(port: int) -> int:
+    """A replica's ``tokenpipe:num_requests_total``, streaming and not."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return int(sum(float(v) for v in re.findall(r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE)))
+
+
+def one_request_on_each_replica(sd: Supervisord) -> bool:
+    """Holds a stream open through the router while a second request goes through, and says
+    whether each replica served one of the two. Random prompts match nothing the router's
+    cache-aware map has seen, so it picks the replica with fewer requests in flight: with both
+    replicas in its rotation, the second request goes where the stream is not."""
+    ports = replica_ports(sd).values()
+    before = [requests_served(port) for port in ports]
+    held = {"text": uuid.uuid4().hex, "stream": True, "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    second = {"text": uuid.uuid4().hex, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    with httpx.stream("POST", sd.url + "/generate", json=held, timeout=60) as stream:
+        if stream.status_code != 200:
+            return False
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # in flight on its replica now
+        answered = httpx.post(sd.url + "/generate", json=second, timeout=60).status_code == 200
+        finished = "data: [DONE]" in list(lines)
+    after = [requests_served(port) for port in ports]
+    return answered and finished and all(a > b for a, b in zip(after, before))
+
+
+@pytest.mark.timeout(300)
+def test_supervisord_replicas_behind_sglang_router_share_requests_survive_a_killed_replica_and_drain_on_shutdown(  # type: ignore[no-untyped-def]
+    supervisord_factory,
+) -> None:
+    sd = supervisord_factory(
+        "supervisord-replicas.conf",
+        REPLICA_PORTS,
+        {"TOKENPIPE_SGLANG_ROUTER_BIN": router_binary(), "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn"},
+    )
+    sd.wait_generate(180)
+    assert wait_until(lambda: sd.states() == dict.fromkeys(REPLICA_PROGRAMS, "RUNNING"), 15, 0.2), f"{sd.states()}\n{sd.logs()}"
+    ports = replica_ports(sd)
+    # The model the replicas serve: the router passes the request's model on.
+    model = httpx.get(f"http://127.0.0.1:{ports['tokenpipe-replica1']}/v1/models", timeout=30).json()["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "replicas"}], "max_tokens": 5, "temperature": 0}
+    r = httpx.post(sd.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, f"{r.status_code} {r.text}\n{sd.logs()}"
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert wait_until(lambda: one_request_on_each_replica(sd), 30, 0.2), sd.logs()
+    pids = {name: sd.pid(name) for name in REPLICA_PROGRAMS}
+    assert all(pids.values()), pids
+
+    # SIGKILL the replica the router sends a lone request to (with nothing in flight it picks
+    # the same one each time): its children die with it, supervisord starts it again, and the
+    # router keeps serving. The first requests it still sends to the dead replica may fail
+    # (see the config's comments): wait_generate retries those; then requests in a row get
+    # through, and the restarted replica gets its share again.
+    before = {name: requests_served(port) for name, port in ports.items()}
+    sd.generate()
+    (favoured,) = [name for name, port in ports.items() if requests_served(port) > before[name]]
+    (other,) = set(ports) - {favoured}
+    children = [pid for pid, role in descendants(pids[favoured]).items() if role]
+    assert len(children) == 3, children
+    os.kill(pids[favoured], signal.SIGKILL)
+    assert wait_until(lambda: sd.pid(favoured) not in (0, pids[favoured]), 30, 0.2), sd.logs()
+    assert f"exited: {favoured} (terminated by SIGKILL; not expected)" in sd.logs()
+    assert wait_until(lambda: not any(pid_alive(pid) for pid in children), 10), children
+    sd.wait_generate(60)
+    for _ in range(5):
+        sd.generate()
+    assert sd.pid(other) == pids[other]
+    assert sd.pid("sglang-router") == pids["sglang-router"]
+    assert wait_until(lambda: one_request_on_each_replica(sd), 120, 1.0), sd.logs()
+
+    # SIGTERM to supervisord stops the router first, which lets a stream in flight finish,
+    # then the replicas; nothing is left behind.
+    body = {"text": uuid.uuid4().hex, "stream": True, "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}}
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", sd.url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                break
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                if len(events) == 1:
+                    sd.proc.send_signal(signal.SIGTERM)
+        else:
+            raise AssertionError(f"the stream ended without [DONE]\n{sd.logs()}")
+    assert events[-1]["meta_info"]["completion_tokens"] == 150
+    assert sd.proc.wait(90) == 0, sd.logs()
+    log = (sd.run_dir / "supervisord.log").read_text()
+    stopped = [log.index(f"stopped: {name}") for name in ("sglang-router", "tokenpipe-replica2", "tokenpipe-replica1")]
+    assert stopped == sorted(stopped), log
+    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
 
 
 def test_prometheus_config_passes_promtool() -> None:
