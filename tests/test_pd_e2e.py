@@ -1,7 +1,8 @@
 """PD disaggregation through real processes: a prefill server, a decode server whose KV pool
-is too small for the load (so it retracts and re-bootstraps), and ``tokenpipe router``.
-Every stream must equal the unified server's greedy output, and the first event after a
-re-bootstrap must show the prefill side's new cached tokens."""
+is too small for the load (so it retracts and re-bootstraps), and SGLang's router
+(sglang-router) in front of them, as the README deploys it. Every stream must equal the
+unified server's greedy output, the first event after a re-bootstrap must show the prefill
+side's new cached tokens, and a client that goes away must leave no request behind."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from tests.server_harness import ServerProcess, free_port, wait_until
-from tests.test_router import RouterProcess
+from tests.sglang_router import SglangRouter, router_binary
 
 PROMPTS = [f"{word} is the first word of request number {i}" for i, word in enumerate(["Apple", "Bridge", "Cloud", "Desert", "Engine", "Forest"])]
 MAX_NEW = 80
@@ -23,15 +24,19 @@ DECODE_POOL = 320  # six requests of ~90 tokens at their peak: retractions are c
 
 
 @pytest.fixture(scope="module")
-def pd_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess, RouterProcess]]:
+def pd_small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess, SglangRouter]]:
+    router_binary()  # skip (or fail in CI) before starting anything
     base = tmp_path_factory.mktemp("pd-small")
-    prefill = ServerProcess(base / "prefill", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(free_port())])
+    bootstrap_port = free_port()
+    prefill = ServerProcess(base / "prefill", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)])
     decode = ServerProcess(base / "decode", ["--disaggregation-mode", "decode", "--max-total-tokens", str(DECODE_POOL)])
-    router: RouterProcess | None = None
+    router: SglangRouter | None = None
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        router = RouterProcess(base, prefill.url, decode.url).wait_ready()
+        # No retries: a failed request reaches the test instead of being sent again.
+        args = ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url, "--disable-retries"]
+        router = SglangRouter(args, base / "router.log").wait_ready(workers=2)
         yield prefill, decode, router
     finally:
         if router is not None:
@@ -54,7 +59,7 @@ def _events(url: str, prompt: str) -> list[dict[str, object]]:
 
 @pytest.mark.timeout(600)
 def test_decode_retractions_rebootstrap_and_match_the_unified_server(
-    server: ServerProcess, pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]
+    server: ServerProcess, pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]
 ) -> None:
     _, decode, router = pd_small
     with server.client() as unified:
@@ -91,8 +96,28 @@ def test_decode_retractions_rebootstrap_and_match_the_unified_server(
     assert info["live_requests"] == 0 and info["engine_type"] == "decode"
 
 
+def _server_info(srv: ServerProcess) -> dict[str, object]:
+    return httpx.get(srv.url + "/server_info", timeout=10).json()  # type: ignore[no-any-return]
+
+
+def test_a_client_gone_mid_stream_is_aborted_on_the_decode_server(pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]) -> None:
+    """sglang-router closes its connection to the decode server when its client goes away,
+    and the decode server aborts the request on that disconnect instead of decoding on to
+    ``max_new_tokens``."""
+    prefill, decode, router = pd_small
+    aborted_before = _server_info(decode)["aborted_requests"]
+    body = {"text": "a long one", "stream": True, "sampling_params": {"max_new_tokens": DECODE_POOL - 50, "ignore_eos": True}}
+    with router.client() as client, client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200, response.read()
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert "output_ids" in first
+    assert wait_until(lambda: _server_info(decode)["live_requests"] == 0, 30, interval=0.1), decode.output()[-2000:]
+    assert _server_info(decode)["aborted_requests"] == aborted_before + 1  # type: ignore[operator]
+    assert _server_info(prefill)["live_requests"] == 0
+
+
 def test_decode_server_fails_fast_when_the_prefill_peer_is_unreachable(
-    pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]
+    pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]
 ) -> None:
     _, decode, _ = pd_small
     body = {**_body("hello", False), "bootstrap_room": 7, "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port()}
@@ -108,7 +133,7 @@ def test_decode_server_fails_fast_when_the_prefill_peer_is_unreachable(
     assert streamed.status_code == 502 and "cannot connect" in streamed.json()["error"]["message"]
 
 
-def test_decode_server_refuses_requests_without_bootstrap_fields(pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]) -> None:
+def test_decode_server_refuses_requests_without_bootstrap_fields(pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]) -> None:
     _, decode, _ = pd_small
     with decode.client() as client:
         missing = client.post("/generate", json=_body("hello", False))
@@ -119,7 +144,7 @@ def test_decode_server_refuses_requests_without_bootstrap_fields(pd_small: tuple
     assert health.status_code == 200  # its own 1-token check prefills locally
 
 
-def test_metrics_carry_the_engine_type(pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]) -> None:
+def test_metrics_carry_the_engine_type(pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]) -> None:
     prefill, decode, _ = pd_small
     for srv, engine in ((prefill, "prefill"), (decode, "decode")):
         text = httpx.get(srv.url + "/metrics").text
@@ -127,7 +152,7 @@ def test_metrics_carry_the_engine_type(pd_small: tuple[ServerProcess, ServerProc
 
 
 @pytest.mark.timeout(600)
-def test_clients_that_go_away_leave_nothing_behind(pd_small: tuple[ServerProcess, ServerProcess, RouterProcess]) -> None:
+def test_clients_that_go_away_leave_nothing_behind(pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]) -> None:
     """Streams cut at random points and impatient non-streaming clients, through the
     router, while others finish: afterwards neither server holds a request, the decode
     server's pool is empty, and the finished requests got all their tokens."""
