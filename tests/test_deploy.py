@@ -65,7 +65,6 @@ class Supervisord:
             TOKENPIPE_RUN_DIR=str(self.run_dir),
             TOKENPIPE_PORT=str(self.port),
             TOKENPIPE_ARGS=shlex.join(SMALL_SERVER_ARGS),
-            TOKENPIPE_ROUTER_ARGS="--request-timeout 120 --log-level warning",
             # The tokenpipe script imports the installed package, which may be another checkout
             # (an editable install shared by worktrees), while the children it starts run
             # `python -m` from this directory: both run this checkout.
@@ -301,15 +300,19 @@ def test_supervisord_serve_variant_restarts_when_a_child_dies_and_stops_clean(su
     assert sd.proc.wait(30) == 0
 
 
-PD_PROGRAMS = ("tokenpipe-prefill", "tokenpipe-decode", "tokenpipe-router")
-PD_PORTS = ("TOKENPIPE_PREFILL_PORT", "TOKENPIPE_DECODE_PORT", "TOKENPIPE_BOOTSTRAP_PORT")
+PD_PROGRAMS = ("tokenpipe-prefill", "tokenpipe-decode", "sglang-router")
+PD_PORTS = ("TOKENPIPE_PREFILL_PORT", "TOKENPIPE_DECODE_PORT", "TOKENPIPE_BOOTSTRAP_PORT", "TOKENPIPE_ROUTER_METRICS_PORT")
 
 
 @pytest.mark.timeout(300)
 def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_prefill_and_stops_clean(  # type: ignore[no-untyped-def]
     server: ServerProcess, supervisord_factory
 ) -> None:
-    sd = supervisord_factory("supervisord-pd.conf", PD_PORTS)
+    sd = supervisord_factory(
+        "supervisord-pd.conf",
+        PD_PORTS,
+        {"TOKENPIPE_SGLANG_ROUTER_BIN": router_binary(), "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn"},
+    )
     with server.client() as unified:
         expected = unified.post("/generate", json=GENERATE).json()["output_ids"]
     assert sd.wait_generate(180)["output_ids"] == expected
@@ -322,21 +325,24 @@ def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_pref
     assert len(ipc_dirs) == 2, "each serve makes its private ipc dir under TMPDIR (the run dir)"
 
     # SIGKILL the prefill server's `tokenpipe serve`: its children die with it, supervisord
-    # starts it again, and the router (and the decode server's KV fetches) find it again.
+    # starts it again, and sglang-router (and the decode server's KV fetches) reach it again.
     os.kill(pids["tokenpipe-prefill"], signal.SIGKILL)
     assert wait_until(lambda: sd.pid("tokenpipe-prefill") not in (0, pids["tokenpipe-prefill"]), 30, 0.2), sd.logs()
     assert "exited: tokenpipe-prefill (terminated by SIGKILL; not expected)" in sd.logs()
     assert wait_until(lambda: not any(pid_alive(pid) for pid in prefill_children), 10), prefill_children
     assert sd.wait_generate(60)["output_ids"] == expected
     assert sd.pid("tokenpipe-decode") == pids["tokenpipe-decode"]
-    assert sd.pid("tokenpipe-router") == pids["tokenpipe-router"]
+    assert sd.pid("sglang-router") == pids["sglang-router"]
     pids["tokenpipe-prefill"] = sd.pid("tokenpipe-prefill")
+    # sglang-router retitles itself ("sglang::router"), which overwrites the command line and
+    # environment that tokenpipe_processes() reads: it is followed by its pid instead.
+    router = pids.pop("sglang-router")
     every = sd.tokenpipe_processes()
-    assert set(pids.values()) <= set(every) and len(every) == 9, f"three programs, two with three children: {every}"
+    assert set(pids.values()) <= set(every) and len(every) == 8, f"two servers with three children each: {every}"
 
     stop = sd.ctl("stop", "all")
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    assert wait_until(lambda: not sd.tokenpipe_processes() and not pid_alive(router), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
     assert sd.ctl("shutdown").returncode == 0
     assert sd.proc.wait(30) == 0
 
