@@ -1,5 +1,5 @@
-"""The request-body limit of every HTTP server of tokenpipe (the API and the PD router),
-enforced while the body is read, so an oversized body never sits in memory.
+"""The request-body limit of tokenpipe's API server, enforced while the body is read, so an
+oversized body never sits in memory.
 
 A request whose ``Content-Length`` is over the limit gets 413 before any of its body is read.
 A body without one (chunked) is counted as its ``http.request`` messages arrive; the message

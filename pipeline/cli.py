@@ -1,6 +1,5 @@
 """``tokenpipe``: ``serve`` runs the whole service under the supervisor; ``scheduler``,
-``detokenizer`` and ``api`` run one process each, with explicit endpoints; ``router`` fronts
-a prefill server and a decode server (PD disaggregation)."""
+``detokenizer`` and ``api`` run one process each, with explicit endpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import sys
 
 from pipeline.config import ServerConfig, add_server_args, config_from_args, storage_dir_problem
 from pipeline.process_util import setup_logging
-from router_proc.config import add_router_args, router_config_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,7 +16,6 @@ def _parser() -> argparse.ArgumentParser:
     add_server_args(sub.add_parser("serve", help="run all three processes under a supervisor"), endpoints_required=False)
     for name, what in (("scheduler", "the scheduler process"), ("detokenizer", "the detokenizer process"), ("api", "the HTTP API process")):
         add_server_args(sub.add_parser(name, help=f"run {what} alone"), endpoints_required=False)
-    add_router_args(sub.add_parser("router", help="send each request to a prefill server and a decode server (PD disaggregation)"))
     return parser
 
 
@@ -31,8 +28,6 @@ def _require_endpoints(config: ServerConfig, parser: argparse.ArgumentParser) ->
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "router":
-        return _router(args, parser)
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -59,18 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     if config.ready_endpoint is not None:  # started by a supervisor
         die_with_parent()
     run(config)
-    return 0
-
-
-def _router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        config = router_config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    setup_logging(config.log_level, "router")
-    from router_proc.main import run_router
-
-    run_router(config)
     return 0
 
 

@@ -212,7 +212,7 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
         choices=["null", "prefill", "decode"],
         default=d.disaggregation_mode,
         help="prefill: compute KV and the first token, and send the KV to a decode server; decode: take requests "
-        "prebuilt from a prefill server (run both behind `tokenpipe router`); null: one unified server",
+        "prebuilt from a prefill server (run both behind sglang-router); null: one unified server",
     )
     g.add_argument(
         "--disaggregation-bootstrap-port",

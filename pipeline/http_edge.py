@@ -1,7 +1,7 @@
-"""What every HTTP server of tokenpipe (the API and the PD router) does the same way: the
-JSON error shape, Bearer API-key checking, noticing a client that went away, dropping a client
-too slow to send its request, and running on uvicorn with a graceful stop. Kept free of the
-tokenizer manager so the router can import it."""
+"""The HTTP edge of tokenpipe's API server: the JSON error shape, Bearer API-key checking,
+noticing a client that went away, dropping a client too slow to send its request, and
+running on uvicorn with a graceful stop. It imports nothing of ``tokenizer_proc``:
+``pipeline/`` is the ground floor."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class _GracefulServer(uvicorn.Server):
 
 
 class HttpSettings(Protocol):
-    """What serving needs of a config (``ServerConfig`` and ``RouterConfig`` both have it)."""
+    """What serving needs of a config (``ServerConfig`` has it)."""
 
     host: str
     port: int

@@ -1,4 +1,4 @@
-"""A bound on how slowly a client may send its request, for every HTTP server of tokenpipe
+"""A bound on how slowly a client may send its request, for tokenpipe's API server
 (``pipeline.http_edge.serve_http`` installs it): uvicorn's own ``timeout_keep_alive`` covers
 only an idle connection between requests, so without it a client that trickles its headers
 or body holds a connection (and its buffers) for as long as it likes."""

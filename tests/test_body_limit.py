@@ -1,8 +1,7 @@
-"""``--max-request-bytes`` against a real ``tokenpipe serve`` and a real ``tokenpipe router``:
-an oversized body gets 413 with the JSON error shape while it is being read, so the API
-process's memory never holds it, the connection is closed instead of drained, and the
-refusal is counted in /metrics. Bodies are streamed from generators, so this process never
-holds them either."""
+"""``--max-request-bytes`` against a real ``tokenpipe serve``: an oversized body gets 413
+with the JSON error shape while it is being read, so the API process's memory never holds
+it, the connection is closed instead of drained, and the refusal is counted in /metrics.
+Bodies are streamed from generators, so this process never holds them either."""
 
 from __future__ import annotations
 
@@ -18,13 +17,13 @@ import pytest
 
 from pipeline.config import ServerConfig
 from tests.server_harness import ServerProcess, descendants
-from tests.test_router import API_KEY, RouterProcess, _dead_url
 from tokenizer_proc.media import MAX_ITEM_BYTES
 
 MiB = 1024 * 1024
 LIMIT = MiB  # small, so a body at the limit is quick to send
 HUGE = 200 * MiB
 COUNTER = "tokenpipe:num_rejected_requests_total{"
+API_KEY = "tp-body-limit-Secret-0123456789"
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +34,11 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    # Its servers are down: a body under the limit gets 502, one over it 413 before any peer is asked.
-    args = ("--max-request-bytes", str(LIMIT), "--api-key", API_KEY)
-    proc = RouterProcess(tmp_path_factory.mktemp("body-limit-router"), _dead_url(), _dead_url(), *args)
-    yield proc.wait_ready()
-    proc.stop()
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = ["--max-request-bytes", str(LIMIT), "--api-key", API_KEY]
+    srv = ServerProcess(tmp_path_factory.mktemp("body-limit-keyed") / "tmp", args).wait_ready()
+    yield srv
+    srv.stop()
 
 
 def chunks(total: int, size: int = MiB) -> Iterator[bytes]:
@@ -165,14 +163,14 @@ def test_a_media_item_over_the_body_limit_is_refused_by_it_first(limited: Server
     assert_too_large(response)
 
 
-def test_router_refuses_a_body_over_its_limit_after_checking_the_key(router: RouterProcess) -> None:
+def test_a_keyed_server_checks_the_key_before_the_body_limit(keyed: ServerProcess) -> None:
     for declared in (None, HUGE):
-        assert_too_large(post(router.url + "/generate", chunks(HUGE), declared, API_KEY))
-        # The key is checked first: without it the answer is 401, and that needs no body either.
-        assert post(router.url + "/generate", chunks(HUGE), declared).status_code == 401
+        assert_too_large(post(keyed.url + "/generate", chunks(HUGE), declared, API_KEY))
+        # Without the key the answer is 401, and that needs no body either.
+        assert post(keyed.url + "/generate", chunks(HUGE), declared).status_code == 401
     # A keyless client cannot make the server drain a huge body either: 401, then close.
-    head, _ = declared_huge_post(router.port)
+    head, _ = declared_huge_post(keyed.port)
     assert head.startswith(b"HTTP/1.1 401") and b"connection: close" in head.lower(), head
-    # Under the limit the body reaches the routing, which finds its servers down.
-    under = post(router.url + "/generate", json_of_size(LIMIT), LIMIT, API_KEY)
-    assert under.status_code == 502, under.text
+    # Under the limit, with the key, the body is read and judged: its prompt is too long.
+    under = post(keyed.url + "/generate", json_of_size(LIMIT), LIMIT, API_KEY)
+    assert under.status_code == 400, under.text

@@ -266,7 +266,7 @@ class TokenizerManager:
             if bootstrap is None and not internal:
                 raise RequestValidationError(
                     "this server runs --disaggregation-mode decode: a request needs bootstrap_room and bootstrap_endpoint "
-                    "(or bootstrap_host and bootstrap_port); send requests through `tokenpipe router`",
+                    "(or bootstrap_host and bootstrap_port); send requests through sglang-router with --pd-disaggregation",
                     "bootstrap_room",
                 )
             return sampling, bootstrap
