@@ -1,7 +1,10 @@
 """End-to-end serving benchmark: N concurrent HTTP clients against a running server.
 
 ``--url`` drives a server that is already running; ``--launch`` starts ``tokenpipe serve``
-on a free port (extra flags through ``--server-args "..."``) and stops it at the end.
+on a free port (extra flags through ``--server-args "..."``) and stops it at the end. A
+router (sglang-router in front of a PD pair, say) serves no ``/server_info``: with
+``--url ROUTER --info-url SERVER`` the vocabulary size comes from a server behind it, and
+no step rate is measured.
 
 Each of ``--concurrency`` clients sends requests one after the other until ``--requests``
 have been sent: ``--prompt-len`` random token ids (different for every request, so the
@@ -266,19 +269,19 @@ def step_rate(readings: Sequence[tuple[float, int]], lo: float, hi: float) -> di
     return {"steps_per_s": (sb - sa) / (tb - ta), "steps": sb - sa, "window_s": [ta, tb]}
 
 
-async def prepare(url: str, discarding: bool = False) -> tuple[int, Settled | None]:
-    """The vocabulary size, and the scheduler's step count (None: the server has no
-    scheduler reports, as a PD router) after one short request, so the model's first
-    (slow) forward is not timed. A discarding server never answers that request: its
-    report says when it is done."""
+async def prepare(url: str, discarding: bool = False, info_url: str | None = None) -> tuple[int, Settled | None]:
+    """The vocabulary size, from the ``/server_info`` of ``info_url`` (a server behind the
+    router at ``url``: a router has none of its own) or else of ``url``; and the scheduler's
+    step count (None: ``url`` has no scheduler reports, as a router) after one short
+    request, so the model's first (slow) forward is not timed. A discarding server never
+    answers that request: its report says when it is done."""
     async with httpx.AsyncClient(timeout=120.0) as client:
-        resp = await client.get(f"{url}/server_info")
+        resp = await client.get(f"{info_url or url}/server_info")
         resp.raise_for_status()
         info = resp.json()
-        # A PD router answers with both servers' info; the decode server's is the one asked.
-        vocab = int(info["vocab_size"] if "vocab_size" in info else info["decode"]["vocab_size"])
-        reports = "scheduler" in info
-        older = int(info["scheduler"]["forward_steps_total"]) if info.get("scheduler") else 0
+        vocab = int(info["vocab_size"])
+        reports = info_url is None and "scheduler" in info
+        older = int(info["scheduler"]["forward_steps_total"]) if reports and info["scheduler"] else 0
         warm = {"input_ids": [16, 17, 18, 19], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
         if not discarding:
             (await client.post(f"{url}/generate", json=warm)).raise_for_status()
@@ -304,8 +307,8 @@ def run_step_rate(
 # --- the attached run -------------------------------------------------------------------------
 
 
-async def run_load(url: str, cfg: LoadConfig) -> dict[str, Any]:
-    vocab, start = await prepare(url)
+async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None) -> dict[str, Any]:
+    vocab, start = await prepare(url, info_url=info_url)
     rng = random.Random(cfg.seed)
     streams = [rng.random() < cfg.stream_ratio for _ in range(cfg.requests)]
     results: list[ReqResult] = []
@@ -570,6 +573,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     where.add_argument("--url", default="http://127.0.0.1:30000", help="a running server (default %(default)s)")
     where.add_argument("--launch", action="store_true", help="start `tokenpipe serve` on a free port and stop it at the end")
     p.add_argument("--server-args", default="", help="extra `tokenpipe serve` flags for --launch, as one string")
+    p.add_argument(
+        "--info-url", default=None, help="when --url is a router: a server behind it, for the vocabulary size (no step rate is measured then)"
+    )
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=None, help="total requests (default 4 x concurrency)")
     p.add_argument("--stream-ratio", type=float, default=0.5, help="fraction of streaming requests (default 0.5)")
@@ -583,6 +589,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compare_discard and not args.launch:
         p.error("--compare-discard needs --launch")
+    if args.info_url is not None and args.launch:
+        p.error("--info-url is for --url (a router); --launch starts a server of its own")
     if args.concurrency < 1 or not 0.0 <= args.stream_ratio <= 1.0:
         p.error("--concurrency must be >= 1 and --stream-ratio in [0, 1]")
     return args
@@ -604,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if server is not None:
             server.wait_ready()
-        report = run_async(run_load(server.url if server else args.url, cfg))
+        report = run_async(run_load(server.url if server else args.url, cfg, args.info_url))
     finally:
         if server is not None:
             server.stop()
