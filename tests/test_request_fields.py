@@ -12,9 +12,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tokenizer_proc.api_schema import _GENERATE_REFUSED, _SAMPLING_REFUSED, RequestValidationError, bootstrap_of
+from tokenizer_proc.api_schema import (
+    GENERATE_REFUSED,
+    SAMPLING_REFUSED,
+    RequestValidationError,
+    bootstrap_of,
+)
 from tokenizer_proc.known_fields import AsksUnlessNeutral, Refusal, is_neutral
-from tokenizer_proc.openai_schema import _COMMON_REFUSED, ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.openai_schema import (
+    COMMON_REFUSED,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 MODEL = "tokenpipe-tiny"
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
@@ -89,9 +98,9 @@ def _neutral(refusals: tuple[Refusal, ...]) -> list[tuple[str, tuple[object, ...
 
 
 NEUTRAL_CASES = (
-    [("generate", name, None, values) for name, values in _neutral(_GENERATE_REFUSED)]
-    + [("generate", name, "sampling_params", values) for name, values in _neutral(_SAMPLING_REFUSED)]
-    + [("completions", name, None, values) for name, values in _neutral(_COMMON_REFUSED + CompletionRequest._REFUSED)]
+    [("generate", name, None, values) for name, values in _neutral(GENERATE_REFUSED)]
+    + [("generate", name, "sampling_params", values) for name, values in _neutral(SAMPLING_REFUSED)]
+    + [("completions", name, None, values) for name, values in _neutral(COMMON_REFUSED + CompletionRequest._REFUSED)]
     + [("chat", name, None, values) for name, values in _neutral(ChatCompletionRequest._REFUSED)]
 )
 

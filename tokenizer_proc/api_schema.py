@@ -24,7 +24,7 @@ Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 # SGLang's sampling parameters that tokenpipe does not implement, at the values that ask for
 # nothing (``known_fields``). They are declared as fields below too: a nested struct cannot be
 # extended the way ``declare`` extends a whole body.
-_SAMPLING_REFUSED: tuple[Refusal, ...] = tuple(
+SAMPLING_REFUSED: tuple[Refusal, ...] = tuple(
     neutral(name, *values)
     for name, values in (
         ("stop_regex", ([], "")),
@@ -58,7 +58,7 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     stream_interval: PositiveInt | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    # Known, not implemented: see _SAMPLING_REFUSED.
+    # Known, not implemented: see SAMPLING_REFUSED.
     stop_regex: Any = None
     min_p: Any = None
     frequency_penalty: Any = None
@@ -74,7 +74,7 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     logit_bias: Any = None
 
     def to_wire(self) -> SamplingParams:
-        refuse(self, _SAMPLING_REFUSED, where="sampling_params.")
+        refuse(self, SAMPLING_REFUSED, where="sampling_params.")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stop):
             raise RequestValidationError("sampling_params.stop must not contain an empty string", "sampling_params.stop")
@@ -174,12 +174,12 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
 
     def refuse_unsupported(self) -> None:
-        refuse(self, _GENERATE_REFUSED)
+        refuse(self, GENERATE_REFUSED)
 
 
 # The fields of SGLang's GenerateReqInput that tokenpipe does not implement, at the values
 # that ask for nothing. sglang-router sends several with every body.
-_GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
+GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
     neutral(name, *values)
     for name, values in (
         ("session_id", ()),
@@ -241,7 +241,7 @@ _GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
     )
 )
 # What /generate decodes: GenerateRequest plus the known fields above.
-GenerateBody = declare(GenerateRequest, _GENERATE_REFUSED)
+GenerateBody = declare(GenerateRequest, GENERATE_REFUSED)
 
 
 class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -8,7 +8,7 @@ official client never trips on one. The fields this server cannot honour are ref
 400 naming them when they ask for something (``logprobs``, ``echo``, ``tools``, penalties, ...);
 the ones that ask for nothing here (``user``, ``store``, ``metadata``, ``service_tier``,
 ``prompt_cache_key``, ...) are accepted and ignored. Each request type lists its refusals in
-one table, ``_REFUSED`` (plus ``_COMMON_REFUSED``).
+one table, ``_REFUSED`` (plus ``COMMON_REFUSED``).
 
 Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``no_stop_trim`` and
@@ -112,7 +112,7 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def refuse_unsupported(self) -> None:
         """Raises RequestValidationError for the first field that asks for a feature this
         server does not have."""
-        refuse(self, _COMMON_REFUSED + self._REFUSED)
+        refuse(self, COMMON_REFUSED + self._REFUSED)
         if self.stream_options is not None and not self.stream:
             raise RequestValidationError("stream_options is only allowed when stream is true", "stream_options")
         if self.top_k == 0:
@@ -145,7 +145,7 @@ def _neutrals(*entries: tuple[str, tuple[object, ...]]) -> tuple[Refusal, ...]:
 
 # Known to completions and chat alike (OpenAI's, SGLang's and vLLM's request fields) and not
 # implemented here: accepted at the values that ask for nothing (``known_fields``).
-_COMMON_REFUSED: tuple[Refusal, ...] = (
+COMMON_REFUSED: tuple[Refusal, ...] = (
     ("frequency_penalty", bool, "frequency_penalty is not supported by this server (send 0 or leave it out)"),
     ("presence_penalty", bool, "presence_penalty is not supported by this server (send 0 or leave it out)"),
     ("logit_bias", bool, "logit_bias is not supported by this server"),
@@ -437,5 +437,5 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
 
 
 # What the two routes decode: each request type plus the known fields of its refusals.
-CompletionBody = declare(CompletionRequest, _COMMON_REFUSED + CompletionRequest._REFUSED)
-ChatCompletionBody = declare(ChatCompletionRequest, _COMMON_REFUSED + ChatCompletionRequest._REFUSED)
+CompletionBody = declare(CompletionRequest, COMMON_REFUSED + CompletionRequest._REFUSED)
+ChatCompletionBody = declare(ChatCompletionRequest, COMMON_REFUSED + ChatCompletionRequest._REFUSED)
