@@ -144,7 +144,7 @@ class Pipeline:
             chunks, finished = state.take_pending(), state.finished
             events = []
             for i, c in enumerate(chunks):
-                interim = None if finished and i == len(chunks) - 1 else c.completion_tokens
+                interim = None if finished and i == len(chunks) - 1 else c
                 events.append({"text": c.text, "output_ids": c.ids, "meta_info": build_meta_info(state, interim)})
             return {"events": events}
         if state.finished:

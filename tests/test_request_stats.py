@@ -19,6 +19,7 @@ from pipeline.io_struct import (
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import build_token_output
 from scheduler_proc.req import Req
+from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -173,6 +174,22 @@ def test_update_request_stats_keeps_latest(manager: TokenizerManager) -> None:
     manager.handle_output(_str_frame([req]))
     assert state.request_stats.num_retractions == 1
     assert state.completion_tokens == 3
+
+
+def test_events_taken_together_each_show_their_own_rows_stats(manager: TokenizerManager) -> None:
+    """Rows that pile up before the stream generator runs (a busy API process) become
+    several events sent at once: each event's meta_info shows the stats of its own row, not
+    the newest ones (a dLLM request's cached_tokens grows with each block)."""
+    state = _state(manager, 4)
+    req = make_req(4)
+    for block in range(3):
+        req.output_ids.append(100 + block)
+        req.update_stats(cached_tokens=10 * (block + 1))
+        manager.handle_output(_str_frame([req]))
+    chunks = state.take_pending()
+    assert [c.completion_tokens for c in chunks] == [1, 2, 3]
+    assert [build_meta_info(state, c)["cached_tokens"] for c in chunks] == [10, 20, 30]
+    assert build_meta_info(state)["cached_tokens"] == 30
 
 
 def test_row_without_state_is_dropped_with_warning(manager: TokenizerManager, caplog: pytest.LogCaptureFixture) -> None:

@@ -151,7 +151,7 @@ async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterat
             chunks, finished = state.take_pending(), state.finished
             for i, chunk in enumerate(chunks):
                 final = finished and i == len(chunks) - 1  # the finish goes on the last event only
-                meta = build_meta_info(state, None if final else chunk.completion_tokens)
+                meta = build_meta_info(state, None if final else chunk)
                 with sending([state]):
                     yield sse(_generate_body(tm, chunk.text, chunk.ids, meta))
         yield b"data: [DONE]\n\n"

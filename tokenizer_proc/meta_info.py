@@ -8,22 +8,22 @@ from typing import Any
 import msgspec
 
 from pipeline.io_struct import SchedulerTimeStats, finish_reason_to_dict
-from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.req_state import ReqState, StreamChunk
 
 
-def build_meta_info(state: ReqState, interim_tokens: int | None = None) -> dict[str, Any]:
-    """The request's meta_info now. ``interim_tokens``: that of a stream event before the
-    last one instead, with the completion count through that event and no finish (the
+def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict[str, Any]:
+    """The request's meta_info now. ``interim``: that of a stream event before the last one
+    instead, with the completion count and stats through that event and no finish (the
     finish goes on the last event only, even when several events are sent at once)."""
-    stats = state.request_stats
+    stats = state.request_stats if interim is None else interim.stats
     assert stats is not None, "meta_info is only built once the request has stats"
     details = stats.cached_tokens_details
-    finished = interim_tokens is None and state.finished_time is not None
+    finished = interim is None and state.finished_time is not None
     meta: dict[str, Any] = {
         "id": state.rid,
         "finish_reason": finish_reason_to_dict(state.finished_reason) if finished and state.finished_reason else None,
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": state.completion_tokens if interim_tokens is None else interim_tokens,
+        "completion_tokens": state.completion_tokens if interim is None else interim.completion_tokens,
         "cached_tokens": stats.cached_tokens,
         "cached_tokens_details": msgspec.to_builtins(details) if details is not None else None,
         "num_retractions": stats.num_retractions,

@@ -45,7 +45,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, SamplingParams
+from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats, SamplingParams
 from tokenizer_proc.api_schema import RequestValidationError, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http_common import (
@@ -366,16 +366,16 @@ class _StreamUsage:
     include_usage: bool
     continuous: bool
 
-    def on_chunk(self, state: ReqState, completion_tokens: int) -> dict[str, Any]:
+    def on_chunk(self, stats: RequestOutputStats | None, completion_tokens: int) -> dict[str, Any]:
+        """``stats`` and ``completion_tokens``: the choice's as of this chunk."""
         if self.continuous:
-            return {"usage": _choice_usage(state, completion_tokens)}
+            return {"usage": _choice_usage(stats, completion_tokens)}
         return {"usage": None} if self.include_usage else {}
 
 
-def _choice_usage(state: ReqState, completion_tokens: int) -> dict[str, Any]:
+def _choice_usage(stats: RequestOutputStats | None, completion_tokens: int) -> dict[str, Any]:
     """One choice's usage after ``completion_tokens`` tokens. A streaming choice has its
     stats from its first output on, and the stream starts after every first output."""
-    stats = state.request_stats
     assert stats is not None, "a stream starts once every choice has its first output"
     prompt = stats.prompt_tokens
     return {
@@ -399,7 +399,7 @@ async def _stream(
             opening = kind.opening(index)
             if opening is not None:
                 with sending(states):
-                    yield sse({**head, "choices": [opening], **usage.on_chunk(states[index], 0)})
+                    yield sse({**head, "choices": [opening], **usage.on_chunk(states[index].request_stats, 0)})
         async with aclosing(_changes(tm, states)) as changes:
             async for index in changes:
                 state = states[index]
@@ -418,7 +418,7 @@ async def _stream(
                     if chunk.text or final is not None or (ids_out and chunk.ids):
                         delta = _with_ids(kind.delta(index, chunk.text, final, stop_reason if last else None), chunk.ids, ids_out)
                         with sending(states):
-                            yield sse({**head, "choices": [delta], **usage.on_chunk(state, chunk.completion_tokens)})
+                            yield sse({**head, "choices": [delta], **usage.on_chunk(chunk.stats, chunk.completion_tokens)})
             else:
                 if usage.include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(states, usage.n)})

@@ -29,11 +29,14 @@ MAX_PENDING_CHUNKS = 256
 
 @dataclass
 class StreamChunk:
-    """The text and ids of one stream event, and the completion count through it."""
+    """The text and ids of one stream event, and the completion count and stats through it:
+    events sent together (several rows came while the stream generator was away) each show
+    the values of their own row, not the newest one."""
 
     text: str
     ids: list[int]
     completion_tokens: int
+    stats: RequestOutputStats | None
 
 
 @dataclass
@@ -99,15 +102,16 @@ class ReqState:
             last.text += text
             last.ids.extend(ids)
             last.completion_tokens = completion_tokens
+            last.stats = self.request_stats
         else:
-            self.pending.append(StreamChunk(text, list(ids), completion_tokens))
+            self.pending.append(StreamChunk(text, list(ids), completion_tokens, self.request_stats))
 
     def take_pending(self) -> list[StreamChunk]:
         """The unread chunks, oldest first. Once finished there is always at least one: the
         last chunk is the one the finish goes on."""
         chunks, self.pending = self.pending, []
         if not chunks and self.finished:
-            chunks.append(StreamChunk("", [], self.completion_tokens))
+            chunks.append(StreamChunk("", [], self.completion_tokens, self.request_stats))
         return chunks
 
 
