@@ -73,6 +73,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stream_interval: int | None = None  # None: the server's --stream-interval
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # SPEC section 10: min_p keeps tokens with p >= min_p * p_max; the penalties have
+    # OpenAI's (frequency, presence: over generated tokens) and SGLang/vLLM's (repetition:
+    # over prompt and generated tokens) meanings; logit_bias is (token id, bias) pairs,
+    # sorted by id, added to the logits before everything else.
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 MediaKind = Literal["image", "audio", "video"]
