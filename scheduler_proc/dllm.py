@@ -58,7 +58,6 @@ import torch
 from pipeline.io_struct import CachedTokensDetails
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.req import Req
-from scheduler_proc.sampler import sample
 from scheduler_proc.stop_checker import StopChecker
 
 
@@ -186,7 +185,7 @@ class DllmDecoder:
         logits = self.runner.logits_at(
             new_ids, prefixes, new_slots, torch.tensor(rows_of_masked, dtype=torch.long), block_start
         )
-        candidates = sample(logits, owners)
+        candidates = self.runner.sample(logits, owners)
         picked = torch.tensor(candidates, device=logits.device).unsqueeze(1)
         confidence = torch.softmax(logits, dim=-1).gather(1, picked).squeeze(1).tolist()
 

@@ -4,6 +4,7 @@ one batched forward pass. Nothing above this module touches torch devices."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -12,6 +13,8 @@ from scheduler_proc.forward_batch import ForwardBatch
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.model import LlamaForCausalLM
 from scheduler_proc.model_limits import load_model_config
+from scheduler_proc.req import Req
+from scheduler_proc.sampler import sample
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,3 +77,8 @@ class ModelRunner:
         with torch.inference_mode():
             h = self.model.hidden_states(batch, self.kv)
             return self.model.logits(h.index_select(0, rows.to(h.device)))
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
+        """One token per row of ``logits`` (the sampler's batched draw). Called through the
+        runner so that the sampling math, device work like the forward, is timed apart."""
+        return sample(logits, reqs)

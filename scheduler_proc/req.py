@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import random
 import time
 import weakref
 from typing import Any
@@ -51,6 +52,7 @@ class Req:
         "num_computed",
         "prefix_node",
         "generator",
+        "seed",
         "stats_epoch",
         "request_stats_retraction_count",
         "_stats_epoch_sent",
@@ -95,6 +97,9 @@ class Req:
         self.num_computed = 0
         self.prefix_node: Any = None  # radix-cache node locked for this request
         self.generator: torch.Generator | None = None
+        # The seed of every draw (SPEC section 10): the client's, or a random one fixed at
+        # arrival, so an unseeded request takes the same counter-based path as a seeded one.
+        self.seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
         self.is_embedding = is_embedding
         self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits

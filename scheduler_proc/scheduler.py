@@ -53,7 +53,7 @@ from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, instal
 from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
-from scheduler_proc.sampler import sample, skip_draw
+from scheduler_proc.sampler import skip_draw
 from scheduler_proc.stop_checker import StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")
@@ -330,7 +330,7 @@ class Scheduler:
         if self.dllm is not None:
             return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
-        return self._append_tokens(done, sample(picked, done), rows)
+        return self._append_tokens(done, self.runner.sample(picked, done), rows)
 
     def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
         """Stats of an admission: time spent reading HiCache storage (every admission), and
@@ -382,7 +382,7 @@ class Scheduler:
         for i, req in enumerate(reqs):
             req.kv_slots = torch.cat((req.kv_slots, slots[i : i + 1]))  # type: ignore[arg-type]
             req.num_computed += 1
-        self.running = self._append_tokens(reqs, sample(logits, reqs), rows)
+        self.running = self._append_tokens(reqs, self.runner.sample(logits, reqs), rows)
 
     def _append_tokens(self, reqs: list[Req], tokens: list[int], rows: list[Req]) -> list[Req]:
         """Appends one sampled token per request, checks stops, queues due rows; returns
