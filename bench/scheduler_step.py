@@ -1,14 +1,17 @@
 """Scheduler decode-step benchmark: the scheduler alone, no sockets.
 
-For each batch size B (``--batch-sizes``, default 1,16,64,256) a fresh scheduler is built
-with ``scheduler_proc.main.build_scheduler(ServerConfig(...))`` on the default model (the
+For each batch size B (``--batch-sizes``, default 1,16,64,256) and each sampling mode
+(``--sampling``, default greedy,sampled) a fresh scheduler is built with
+``scheduler_proc.main.build_scheduler(ServerConfig(...))`` on the default model (the
 built-in seeded model and the shipped tokenizer), with a KV pool sized to hold every
 request for the whole run. Then:
 
 1. B requests are submitted: ``--context`` (default 32) prompt tokens each, the first
-   token distinct per request so the prefix cache cannot share them; greedy
-   (temperature 0), ``ignore_eos``, streamed with stream_interval 1 (every step emits a
-   row per request), ``max_new_tokens`` large enough that none finishes during the run;
+   token distinct per request so the prefix cache cannot share them; ``ignore_eos``,
+   streamed with stream_interval 1 (every step emits a row per request),
+   ``max_new_tokens`` large enough that none finishes during the run; "greedy" asks for
+   temperature 0, "sampled" for temperature 0.7 and top_p 0.9 with a distinct seed per
+   request;
 2. warm-up: ``Scheduler.step()`` until every request is prefilled and decoding (no
    waiting or mid-chunk request), then ``--warmup`` (default 3) more decode steps;
 3. timed: ``--steps`` (default 50) calls of ``Scheduler.step()``, each one batched decode
@@ -16,18 +19,22 @@ request for the whole run. Then:
    ``--max-seconds`` (default 60) per batch size. Every step is checked to be a pure
    decode step that emitted one frame of B rows.
 
-``scheduler.runner.extend`` (ForwardBatch build + model forward) and
-``scheduler.runner.model.forward`` are wrapped with timers for the timed steps, so the
-table splits a step into the forward, the host-side batch build and everything outside
-``extend`` (retraction check, KV alloc, slot bookkeeping, sampling, stop checks, output
-frame build). On CUDA the wrappers synchronize before reading the clock, so kernel time
-is charged to the forward rather than to the ``.tolist()`` in the sampler.
+``scheduler.runner.extend`` (ForwardBatch build + model forward),
+``scheduler.runner.model.forward`` and ``scheduler.runner.sample`` (the sampler's tensor
+math over the [B, vocab] logits) are wrapped with timers for the timed steps, so the
+table splits a step into the forward, the host-side batch build, the sampler and the
+host work left (retraction check, scheduling, KV alloc, slot bookkeeping, stop checks,
+output frame build); ``outside`` is everything outside ``extend`` (sampler included).
+On CUDA the wrappers synchronize before reading the clock, so kernel time is charged to
+the call that launched it rather than to a later ``.tolist()``.
 
 ``--profile`` then runs ``--profile-steps`` more decode steps of the largest batch size
-under cProfile and prints the top entries (by own time and by cumulative time).
+(each sampling mode) under cProfile and prints the top entries (by own time and by
+cumulative time).
 
-Usage: ``python bench/scheduler_step.py [--batch-sizes 1,16,64,256] [--steps 50]
-[--context 32] [--torch-threads N] [--device auto] [--profile] [--json PATH]``.
+Usage: ``python bench/scheduler_step.py [--batch-sizes 1,16,64,256]
+[--sampling greedy,sampled] [--steps 50] [--context 32] [--torch-threads N]
+[--device auto] [--profile] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -66,14 +73,21 @@ COLUMNS = (
     "p50_ms",
     "fwd_ms",
     "build_ms",
+    "sample_ms",
+    "host_ms",
     "outside_ms",
     "outside_%",
 )
 COLUMN_HELP = (
     "steps: timed steps; ms/step: mean; p50_ms: median step; fwd_ms: model.forward; "
-    "build_ms: ForwardBatch build (extend minus forward); outside_ms / outside_%: step time "
-    "outside runner.extend (scheduling, sampling, stop checks, output frame)"
+    "build_ms: ForwardBatch build (extend minus forward); sample_ms: runner.sample (the sampler's "
+    "tensor math); host_ms: step time outside extend and sample (scheduling, slot bookkeeping, "
+    "stop checks, output frame); outside_ms / outside_%: step time outside runner.extend "
+    "(sample_ms + host_ms). Host time outside the forward is build_ms + host_ms."
 )
+SAMPLING_MODES = ("greedy", "sampled")
+SAMPLED_TEMPERATURE = 0.7
+SAMPLED_TOP_P = 0.9
 FIRST_TOKEN = 16  # prompt ids start above the tokenizer's special tokens
 
 
@@ -103,15 +117,18 @@ class _Timer:
         return total
 
 
-def _instrument(scheduler: Scheduler) -> tuple[_Timer, _Timer]:
-    """Instance attributes shadow the bound methods the scheduler and runner call."""
+def _instrument(scheduler: Scheduler) -> tuple[_Timer, _Timer, _Timer]:
+    """Instance attributes shadow the bound methods the scheduler and runner call: returns
+    the timers of extend, forward and sample."""
     runner = scheduler.runner
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
     extend = _Timer(runner.extend, sync)
     forward = _Timer(runner.model.forward, sync)
+    sample = _Timer(runner.sample, sync)
     runner.extend = extend  # type: ignore[method-assign]
     runner.model.forward = forward  # type: ignore[method-assign]
-    return extend, forward
+    runner.sample = sample  # type: ignore[method-assign]
+    return extend, forward, sample
 
 
 # --- set-up ------------------------------------------------------------------------------
@@ -143,10 +160,24 @@ def _build(
     return build_scheduler(config)
 
 
-def _submit(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int) -> None:
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+def _sampling_params(sampling: str, max_new_tokens: int, seed: int) -> SamplingParams:
+    if sampling == "greedy":
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    if sampling == "sampled":
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=SAMPLED_TEMPERATURE,
+            top_p=SAMPLED_TOP_P,
+            seed=seed,
+            ignore_eos=True,
+        )
+    raise ValueError(f"unknown sampling mode {sampling!r}; expected one of {', '.join(SAMPLING_MODES)}")
+
+
+def _submit(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int, sampling: str, seed: int) -> None:
     now = time.time()
     for i, ids in enumerate(prompts):
+        params = _sampling_params(sampling, max_new_tokens, seed * 1_000_003 + i)  # a distinct seed per request
         scheduler.add_request(
             TokenizedGenerateReqInput(
                 rid=f"bench-{i}", req_id=i, input_ids=ids, sampling_params=params, stream=True, arrival_time=now
@@ -169,6 +200,7 @@ def run_batch(
     *,
     steps: int,
     context: int,
+    sampling: str = "greedy",
     warmup: int = 3,
     max_seconds: float = 60.0,
     torch_threads: int | None = None,
@@ -194,7 +226,7 @@ def run_batch(
             f"context ({context}) + warm-up + steps + profile steps does not fit the model's "
             f"context length ({scheduler.context_length})"
         )
-    _submit(scheduler, _prompts(batch_size, context, scheduler.vocab_size, seed), max_new)
+    _submit(scheduler, _prompts(batch_size, context, scheduler.vocab_size, seed), max_new, sampling, seed)
     if len(scheduler.live) != batch_size:
         raise RuntimeError("the scheduler refused some benchmark requests")
 
@@ -209,7 +241,7 @@ def run_batch(
         _decode_step(scheduler, batch_size)
     warmup_s = time.perf_counter() - t0
 
-    extend, forward = _instrument(scheduler)
+    extend, forward, sample = _instrument(scheduler)
     gc.collect()
     step_ns: list[int] = []
     deadline = time.perf_counter() + max_seconds
@@ -225,9 +257,11 @@ def run_batch(
     total_s = sum(step_ns) / 1e9
     extend_s = extend.take() / 1e9
     forward_s = forward.take() / 1e9
+    sample_s = sample.take() / 1e9
     outside_s = total_s - extend_s
     result: dict[str, Any] = {
         "batch_size": batch_size,
+        "sampling": sampling,
         "steps": n,
         "steps/s": n / total_s,
         "tokens/s": batch_size * n / total_s,
@@ -235,6 +269,8 @@ def run_batch(
         "p50_ms": statistics.median(step_ns) / 1e6,
         "fwd_ms": forward_s * 1e3 / n,
         "build_ms": (extend_s - forward_s) * 1e3 / n,
+        "sample_ms": sample_s * 1e3 / n,
+        "host_ms": (outside_s - sample_s) * 1e3 / n,
         "outside_ms": outside_s * 1e3 / n,
         "outside_%": 100.0 * outside_s / total_s,
         "prefill_steps": prefill_steps,
@@ -303,6 +339,7 @@ def machine_info(device: str = "auto") -> dict[str, Any]:
 def run(
     batch_sizes: Sequence[int] = (1, 16, 64, 256),
     *,
+    samplings: Sequence[str] = SAMPLING_MODES,
     steps: int = 50,
     context: int = 32,
     warmup: int = 3,
@@ -319,19 +356,21 @@ def run(
     machine: dict[str, Any] = {}
     model: dict[str, Any] = {}
     for b in batch_sizes:
-        row = run_batch(
-            b,
-            steps=steps,
-            context=context,
-            warmup=warmup,
-            max_seconds=max_seconds,
-            torch_threads=torch_threads,
-            device=device,
-            profile_steps=profile_steps if b == profiled else 0,
-            profile_top=profile_top,
-            seed=seed,
-        )
-        results.append(row)
+        for sampling in samplings:  # the modes of one batch size run back to back
+            row = run_batch(
+                b,
+                steps=steps,
+                context=context,
+                sampling=sampling,
+                warmup=warmup,
+                max_seconds=max_seconds,
+                torch_threads=torch_threads,
+                device=device,
+                profile_steps=profile_steps if b == profiled else 0,
+                profile_top=profile_top,
+                seed=seed,
+            )
+            results.append(row)
         if not machine:  # after the first build: build_scheduler sets the torch threads
             from scheduler_proc.model_runner import resolve_device
 
@@ -340,6 +379,8 @@ def run(
     return {
         "config": {
             "batch_sizes": list(batch_sizes),
+            "samplings": list(samplings),
+            "sampled_params": {"temperature": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P, "seeded": True},
             "steps": steps,
             "context": context,
             "warmup": warmup,
@@ -378,20 +419,22 @@ def format_report(report: dict[str, Any]) -> str:
         f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, heads {model['heads']}, "
         f"vocab {model['vocab']}",
         f"scheduler decode step: prompt {cfg['context']} tokens, {cfg['warmup']} warm-up + up to {cfg['steps']} "
-        f"timed steps per batch size (at most {cfg['max_seconds']:g} s), greedy, stream_interval 1",
+        f"timed steps per batch size and sampling (at most {cfg['max_seconds']:g} s), stream_interval 1; "
+        f"sampled: temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}, a seed per request",
         "",
-        "batch".rjust(6) + "".join(f"{c:>12}" for c in COLUMNS),
+        "batch".rjust(6) + f"{'sampling':>10}" + "".join(f"{c:>12}" for c in COLUMNS),
     ]
     for row in report["results"]:
         cells = [f"{row['steps']:>12d}"] + [f"{row[c]:>12.{_digits(c)}f}" for c in COLUMNS[1:]]
-        lines.append(f"{row['batch_size']:>6d}" + "".join(cells))
+        lines.append(f"{row['batch_size']:>6d}{row['sampling']:>10}" + "".join(cells))
     lines += ["", COLUMN_HELP]
     for row in report["results"]:
         prof = row.get("profile")
         if prof:
-            lines += ["", f"cProfile, B={row['batch_size']}: top entries by own time", prof["tottime"].strip()]
-            lines += ["", f"cProfile, B={row['batch_size']}: top entries by cumulative time", prof["cumulative"].strip()]
-            lines += ["", f"cProfile, B={row['batch_size']}: callees of the step's own functions", prof["callees"].strip()]
+            which = f"B={row['batch_size']} {row['sampling']}"
+            lines += ["", f"cProfile, {which}: top entries by own time", prof["tottime"].strip()]
+            lines += ["", f"cProfile, {which}: top entries by cumulative time", prof["cumulative"].strip()]
+            lines += ["", f"cProfile, {which}: callees of the step's own functions", prof["callees"].strip()]
     return "\n".join(lines)
 
 
@@ -409,9 +452,26 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _samplings(text: str) -> list[str]:
+    modes = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [m for m in modes if m not in SAMPLING_MODES]
+    if not modes or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(SAMPLING_MODES)}; got {text!r}"
+        )
+    return list(dict.fromkeys(modes))  # in the order given, each once
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 16, 64, 256], help="default 1,16,64,256")
+    parser.add_argument(
+        "--sampling",
+        type=_samplings,
+        default=list(SAMPLING_MODES),
+        help=f"comma list of greedy (temperature 0) and sampled (temperature {SAMPLED_TEMPERATURE}, "
+        f"top_p {SAMPLED_TOP_P}, a seed per request); default greedy,sampled",
+    )
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size (default 50)")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="stop timing a batch size after this (default 60)")
     parser.add_argument("--warmup", type=int, default=3, help="decode steps after every request is decoding (default 3)")
@@ -426,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = run(
         args.batch_sizes,
+        samplings=args.sampling,
         steps=args.steps,
         context=args.context,
         warmup=args.warmup,
