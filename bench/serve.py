@@ -8,8 +8,10 @@ no step rate is measured.
 
 Each of ``--concurrency`` clients sends requests one after the other until ``--requests``
 have been sent: ``--prompt-len`` random token ids (different for every request, so the
-prefix cache cannot share them), ``--max-new-tokens`` with ``ignore_eos``, temperature 0.7
-with a per-request seed; a ``--stream-ratio`` fraction of them streaming. Per request it
+prefix cache cannot share them), ``--max-new-tokens`` with ``ignore_eos``, ``--temperature``
+(default 0.7), ``--top-p`` (default: not sent, the server's 1.0) and, unless
+``--no-seeded``, a distinct seed per request (``--seed`` plus its index); a
+``--stream-ratio`` fraction of them streaming. Per request it
 measures (client side) TTFT (send to the first SSE event with tokens; a non-streaming
 request's whole response), ITL (the gap before each later event divided by the tokens in
 it), end-to-end latency and the tokens received. A request whose ``output_ids`` (summed
@@ -35,9 +37,20 @@ the work, the step rate is taken the same way (the run ends at the abort), the h
 clients are cancelled and the server is stopped. The ratio of the two step rates is what
 the output path costs the scheduler; the target is >= 0.95x at 256 streams.
 
+``--compare-sampling`` (with ``--launch``) then runs the same workload on the same server
+greedy (temperature 0, no seed) and sampled (temperature 0.7, top_p 0.9, seeded; a
+``--temperature``, ``--top-p`` or ``--[no-]seeded`` given replaces its part), in
+``--sampling-rounds`` (default 2) rounds of one run each, the order swapped from one round
+to the next so neither always goes first. Every run has its own prompts, so none finds
+another's in the prefix cache; the main run before them warms the server up. It reports
+the output tokens/s of each and the ratio sampled/greedy, medians over the rounds; the
+target is >= 0.9x at 256 streams.
+
 Usage: ``python bench/serve.py --launch [--concurrency 64] [--requests N]
-[--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32] [--compare-discard]
-[--json PATH] [--plot PATH.png] [--no-progress] [--server-args "..."]``.
+[--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32] [--temperature 0.7]
+[--top-p P] [--[no-]seeded] [--compare-discard] [--compare-sampling]
+[--sampling-rounds 2] [--json PATH] [--plot PATH.png] [--no-progress]
+[--server-args "..."]``.
 """
 
 from __future__ import annotations
@@ -45,14 +58,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import json
 import math
 import random
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,8 +82,11 @@ from bench.launch import LaunchedServer  # noqa: E402
 
 POLL_INTERVAL = 0.1  # /server_info sampling; the scheduler reports about every 0.5 s
 SETTLE_TIMEOUT = 5.0  # for the report the scheduler sends once a run's work is done
-TARGET_RATIO = 0.95
+TARGET_RATIO = 0.95  # attached/discarded scheduler steps/s
+TARGET_SAMPLING_RATIO = 0.9  # sampled/greedy output tokens/s
 TARGET_STREAMS = 256
+DEFAULT_TEMPERATURE = 0.7
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seeded": True}  # --compare-sampling's, unless given
 T = TypeVar("T")
 
 
@@ -81,6 +99,10 @@ class LoadConfig:
     prompt_len: int = 32
     seed: int = 0
     progress: bool = True
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float | None = None  # None: not sent (the server's default, 1.0)
+    seeded: bool = True  # a distinct seed per request: seed + its index
+    prompt_set: int = 0  # runs on one server with different sets share no prompt
 
 
 @dataclass
@@ -122,9 +144,13 @@ class Settled:
 
 
 def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
-    rng = random.Random(cfg.seed * 1_000_003 + i)
+    rng = random.Random(f"{cfg.seed}/{cfg.prompt_set}/{i}")
     ids = [rng.randrange(16, vocab) for _ in range(cfg.prompt_len)]  # low ids hold the special tokens
-    sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": 0.7, "seed": cfg.seed + i, "ignore_eos": True}
+    sampling: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
+    if cfg.top_p is not None:
+        sampling["top_p"] = cfg.top_p
+    if cfg.seeded:
+        sampling["seed"] = cfg.seed + i
     return {"input_ids": ids, "sampling_params": sampling, "stream": stream}
 
 
@@ -470,6 +496,63 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
     return {"requests_sent": len(tasks), "window_s": window_s, "scheduler_steps": rate, "samples": [asdict(s) for s in samples]}
 
 
+# --- greedy against sampled ------------------------------------------------------------------
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den``; None when either is missing or ``den`` is not positive."""
+    return num / den if num is not None and den is not None and den > 0 else None
+
+
+def sampling_variants(cfg: LoadConfig, temperature: float | None, top_p: float | None, seeded: bool | None) -> dict[str, LoadConfig]:
+    """The workload of ``cfg`` greedy and sampled; the sampled one takes ``SAMPLED`` for
+    each parameter not given (None)."""
+    return {
+        "greedy": replace(cfg, temperature=0.0, top_p=None, seeded=False),
+        "sampled": replace(
+            cfg,
+            temperature=SAMPLED["temperature"] if temperature is None else temperature,
+            top_p=SAMPLED["top_p"] if top_p is None else top_p,
+            seeded=SAMPLED["seeded"] if seeded is None else seeded,
+        ),
+    }
+
+
+BRIEF_KEYS = ("requests", "completed", "duration_s", "requests_per_s", "output_tokens", "output_tokens_per_s")
+BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "tokens_lost", "scheduler_steps")
+
+
+def brief(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's summary without its per-request and per-sample detail."""
+    return {k: run[k] for k in BRIEF_KEYS}
+
+
+async def run_sampling(url: str, variants: dict[str, LoadConfig], rounds: int) -> dict[str, Any]:
+    """``rounds`` rounds on the server at ``url``, each one run of the greedy and one of the
+    sampled workload, the order swapped from round to round; every run has prompts of its
+    own (``prompt_set``). Output tokens/s of each and the ratio are medians over rounds."""
+    runs: list[dict[str, Any]] = []
+    prompt_set = 1  # the main run had set 0
+    for r in range(rounds):
+        order = ("greedy", "sampled") if r % 2 == 0 else ("sampled", "greedy")
+        row: dict[str, Any] = {"first": order[0]}
+        for name in order:
+            row[name] = brief(await run_load(url, replace(variants[name], prompt_set=prompt_set)))
+            prompt_set += 1
+        row["ratio"] = ratio(row["sampled"]["output_tokens_per_s"], row["greedy"]["output_tokens_per_s"])
+        runs.append(row)
+    ratios = [row["ratio"] for row in runs]
+    return {
+        "rounds": runs,
+        "params": {name: {k: getattr(v, k) for k in ("temperature", "top_p", "seeded")} for name, v in variants.items()},
+        "greedy_output_tokens_per_s": statistics.median([row["greedy"]["output_tokens_per_s"] for row in runs]),
+        "sampled_output_tokens_per_s": statistics.median([row["sampled"]["output_tokens_per_s"] for row in runs]),
+        "ratio": statistics.median(ratios) if None not in ratios else None,
+        "errors": sum(row[name]["errors"] for row in runs for name in variants),
+        "tokens_lost": sum(row[name]["tokens_lost"] for row in runs for name in variants),
+    }
+
+
 # --- launching servers ------------------------------------------------------------------------
 
 
@@ -490,11 +573,44 @@ def fmt_rate(label: str, rate: dict[str, Any] | None, extra: str = "") -> str:
     return line
 
 
+def fmt_target(label: str, value: float | None, target: float, c: dict[str, Any]) -> str:
+    """A ratio against its target, set at ``TARGET_STREAMS`` streaming clients."""
+    if value is None:
+        return f"  {label:<20}{'n/a':>10}"
+    verdict = "PASS" if value >= target else "MISS"
+    note = "" if c["concurrency"] == TARGET_STREAMS and c["stream_ratio"] == 1.0 else f"; target is set at {TARGET_STREAMS} streams"
+    return f"  {label:<20}{value:10.3f}x  target >= {target}x: {verdict}{note}"
+
+
+def fmt_params(p: dict[str, Any]) -> str:
+    if p["temperature"] == 0.0:
+        return "temperature 0"
+    return f"temperature {p['temperature']:g}" + (f", top_p {p['top_p']:g}" if p["top_p"] is not None else "") + (", seeded" if p["seeded"] else "")
+
+
+def fmt_sampling(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
+    lines = [
+        f"  greedy against sampled, same server, {len(s['rounds'])} rounds (order swapped each round): "
+        f"greedy = {fmt_params(s['params']['greedy'])}; sampled = {fmt_params(s['params']['sampled'])}",
+        f"  {'round':<8}{'first':<10}{'greedy tok/s':>14}{'sampled tok/s':>15}{'sampled/greedy':>16}",
+    ]
+    for i, row in enumerate(s["rounds"], 1):
+        value = f"{row['ratio']:15.3f}x" if row["ratio"] is not None else f"{'n/a':>16}"
+        lines.append(
+            f"  {i:<8d}{row['first']:<10}{row['greedy']['output_tokens_per_s']:14.1f}{row['sampled']['output_tokens_per_s']:15.1f}{value}"
+        )
+    value = f"{s['ratio']:15.3f}x" if s["ratio"] is not None else f"{'n/a':>16}"
+    lines.append(f"  {'median':<18}{s['greedy_output_tokens_per_s']:14.1f}{s['sampled_output_tokens_per_s']:15.1f}{value}")
+    lines.append(f"  errors {s['errors']}, tokens lost {s['tokens_lost']} over the comparison's runs")
+    lines.append(fmt_target("sampled/greedy", s["ratio"], TARGET_SAMPLING_RATIO, c))
+    return lines
+
+
 def format_report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
         f"bench/serve  {r['url']}  concurrency {c['concurrency']}, {r['requests']} requests ({r['streaming']} streaming), "
-        f"prompt {c['prompt_len']}, max_new_tokens {c['max_new_tokens']}",
+        f"prompt {c['prompt_len']}, max_new_tokens {c['max_new_tokens']}, {fmt_params(c)}",
         f"  duration            {r['duration_s']:10.2f} s",
         f"  requests/s          {r['requests_per_s']:10.2f}",
         f"  output tokens/s     {r['output_tokens_per_s']:10.1f}",
@@ -508,13 +624,10 @@ def format_report(r: dict[str, Any]) -> str:
     d = r.get("discard")
     if d is not None:
         lines.append(fmt_rate("discarded steps/s", d["scheduler_steps"], f", {d['requests_sent']} requests sent"))
-        ratio = r.get("steps_ratio")
-        if ratio is not None:
-            verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
-            note = "" if c["concurrency"] == TARGET_STREAMS and c["stream_ratio"] == 1.0 else f"; target is set at {TARGET_STREAMS} streams"
-            lines.append(f"  attached/discarded  {ratio:10.3f}x  target >= {TARGET_RATIO}x: {verdict}{note}")
-        else:
-            lines.append("  attached/discarded         n/a")
+        lines.append(fmt_target("attached/discarded", r.get("steps_ratio"), TARGET_RATIO, c))
+    s = r.get("sampling")
+    if s is not None:
+        lines += fmt_sampling(s, c)
     return "\n".join(lines)
 
 
@@ -582,13 +695,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None, help=f"default {DEFAULT_TEMPERATURE} ({SAMPLED['temperature']} for --compare-sampling's sampled runs)")
+    p.add_argument("--top-p", type=float, default=None, help=f"default: not sent ({SAMPLED['top_p']} for --compare-sampling's sampled runs)")
+    p.add_argument(
+        "--seeded",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a distinct seed per request, --seed plus its index (default on)",
+    )
     p.add_argument("--compare-discard", action="store_true", help="with --launch: also measure a --discard-output server")
+    p.add_argument(
+        "--compare-sampling", action="store_true", help="with --launch: also run the workload greedy and sampled on the same server, in alternating rounds"
+    )
+    p.add_argument("--sampling-rounds", type=int, default=2, help="rounds of --compare-sampling (default 2, at least 2)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.compare_discard and not args.launch:
         p.error("--compare-discard needs --launch")
+    if args.compare_sampling and not args.launch:
+        p.error("--compare-sampling needs --launch")
+    if args.compare_sampling and args.temperature == 0.0:
+        p.error("--compare-sampling compares with sampled runs: --temperature must be > 0")
+    if args.sampling_rounds < 2:
+        p.error("--sampling-rounds must be >= 2")
+    if args.temperature is not None and args.temperature < 0.0:
+        p.error("--temperature must be >= 0")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        p.error("--top-p must be in (0, 1]")
     if args.info_url is not None and args.launch:
         p.error("--info-url is for --url (a router); --launch starts a server of its own")
     if args.concurrency < 1 or not 0.0 <= args.stream_ratio <= 1.0:
@@ -606,26 +741,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt_len=args.prompt_len,
         seed=args.seed,
         progress=not args.no_progress,
+        temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE,
+        top_p=args.top_p,
+        seeded=args.seeded if args.seeded is not None else True,
     )
     server_args = shlex.split(args.server_args)
-    server = LaunchedServer(["--log-level", "warning", *server_args]) if args.launch else None
-    try:
-        if server is not None:
-            server.wait_ready()
-        report = run_async(run_load(server.url if server else args.url, cfg, args.info_url))
-    finally:
-        if server is not None:
-            server.stop()
+    launched = LaunchedServer(["--log-level", "warning", *server_args]) if args.launch else contextlib.nullcontext(None)
+    with launched as server:
+        url = server.url if server is not None else args.url
+        report = run_async(run_load(url, cfg, args.info_url))
+        if args.compare_sampling:
+            variants = sampling_variants(cfg, args.temperature, args.top_p, args.seeded)
+            report["sampling"] = run_async(run_sampling(url, variants, args.sampling_rounds))
     if args.compare_discard:
         lo, hi = report["steady_s"]
-        discard = LaunchedServer(["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"])
-        try:
-            discard.wait_ready()
+        with LaunchedServer(["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"]) as discard:
             report["discard"] = run_async(run_discard(discard.url, cfg, max(2.0, hi - lo)))
-        finally:
-            discard.stop()
         a, d = report.get("scheduler_steps"), report["discard"]["scheduler_steps"]
-        report["steps_ratio"] = a["steps_per_s"] / d["steps_per_s"] if a and d and d["steps_per_s"] > 0 else None
+        report["steps_ratio"] = ratio(a["steps_per_s"] if a else None, d["steps_per_s"] if d else None)
     results: list[ReqResult] = report.pop("_results")
     print(format_report(report))
     if args.json is not None:
@@ -634,7 +767,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_plot(args.plot, report, results)
-    ok = report["errors"] == 0 and report["tokens_lost"] == 0
+    runs = [report, *([report["sampling"]] if "sampling" in report else [])]
+    ok = all(run["errors"] == 0 and run["tokens_lost"] == 0 for run in runs)
     return 0 if ok else 1
 
 

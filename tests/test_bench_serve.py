@@ -4,8 +4,10 @@ judge the timings (a shared CI machine says nothing about them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
+import math
 from pathlib import Path
 from types import ModuleType
 
@@ -76,4 +78,76 @@ def test_compare_discard_reports_a_ratio(bench: ModuleType, tmp_path: Path, caps
     assert r["steps_ratio"] > 0
     table = capsys.readouterr().out
     assert "discarded steps/s" in table and "attached/discarded" in table
+    assert "PASS" in table or "MISS" in table
+
+
+def test_request_options_reach_the_request_body(bench: ModuleType) -> None:
+    """Today's body by default (temperature 0.7, a seed per request, no top_p); the options
+    replace their parts; --compare-sampling's greedy runs send temperature 0 and no seed,
+    its sampled runs temperature 0.7, top_p 0.9 and a seed unless told otherwise."""
+    cfg = bench.LoadConfig(seed=5)
+    default = {"max_new_tokens": 64, "temperature": 0.7, "ignore_eos": True, "seed": 8}
+    assert bench.make_body(3, cfg, 4096, True)["sampling_params"] == default
+    args = bench.parse_args(["--temperature", "0.5", "--top-p", "0.8", "--no-seeded"])
+    assert (args.temperature, args.top_p, args.seeded) == (0.5, 0.8, False)
+    custom = bench.LoadConfig(temperature=0.5, top_p=0.8, seeded=False)
+    given = {"max_new_tokens": 64, "temperature": 0.5, "ignore_eos": True, "top_p": 0.8}
+    assert bench.make_body(0, custom, 4096, False)["sampling_params"] == given
+
+    variants = bench.sampling_variants(cfg, None, None, None)
+    seeds = set()
+    for i in range(4):
+        greedy, sampled = (bench.make_body(i, variants[k], 4096, True)["sampling_params"] for k in ("greedy", "sampled"))
+        assert greedy["temperature"] == 0.0 and "seed" not in greedy and "top_p" not in greedy
+        assert (sampled["temperature"], sampled["top_p"]) == (0.7, 0.9)
+        seeds.add(sampled["seed"])
+    assert len(seeds) == 4  # a distinct seed per request
+    sampled_given = bench.sampling_variants(cfg, 1.0, 0.5, False)["sampled"]
+    assert (sampled_given.temperature, sampled_given.top_p, sampled_given.seeded) == (1.0, 0.5, False)
+    # Runs with different prompt sets share no prompt (the prefix cache serves neither).
+    other_set = dataclasses.replace(cfg, prompt_set=1)
+    assert bench.make_body(0, cfg, 4096, True)["input_ids"] != bench.make_body(0, other_set, 4096, True)["input_ids"]
+
+    refused = (
+        ["--compare-sampling"],  # needs --launch
+        ["--launch", "--compare-sampling", "--temperature", "0"],  # nothing sampled to compare
+        ["--launch", "--compare-sampling", "--sampling-rounds", "1"],
+        ["--top-p", "0"],
+    )
+    for argv in refused:
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+
+
+@pytest.mark.timeout(60)
+def test_compare_sampling_reports_a_ratio(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Greedy and sampled runs alternate on the one launched server; each completes every
+    request with no token lost, and the medians and their ratio are there. The ratio's
+    value is not judged (a shared CI machine says nothing about it)."""
+    out = tmp_path / "r.json"
+    argv = ["--launch", "--compare-sampling", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--top-p", "0.95"]
+    assert bench.main([*argv, "--no-progress", "--json", str(out), "--server-args", "--max-total-tokens 4096"]) == 0
+
+    r = json.loads(out.read_text())
+    assert r["errors"] == 0 and r["tokens_lost"] == 0 and r["config"]["top_p"] == 0.95
+    s = r["sampling"]
+    assert s["params"] == {
+        "greedy": {"temperature": 0.0, "top_p": None, "seeded": False},
+        "sampled": {"temperature": 0.7, "top_p": 0.95, "seeded": True},  # the --top-p given replaces 0.9
+    }
+    assert [row["first"] for row in s["rounds"]] == ["greedy", "sampled"]
+    for row in s["rounds"]:
+        for name in ("greedy", "sampled"):
+            run = row[name]
+            assert run["completed"] == 8 and run["output_tokens"] == 8 * 8, run
+            assert run["errors"] == 0 and run["tokens_lost"] == 0
+            assert 0 < run["output_tokens_per_s"] < math.inf
+        assert 0 < row["ratio"] < math.inf
+    assert s["errors"] == 0 and s["tokens_lost"] == 0
+    for key in ("greedy_output_tokens_per_s", "sampled_output_tokens_per_s", "ratio"):
+        assert 0 < s[key] < math.inf, key
+    assert s["ratio"] == pytest.approx(sum(row["ratio"] for row in s["rounds"]) / 2)  # the median of two
+
+    table = capsys.readouterr().out
+    assert "greedy tok/s" in table and "sampled tok/s" in table and "sampled/greedy" in table
     assert "PASS" in table or "MISS" in table
