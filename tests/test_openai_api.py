@@ -282,7 +282,8 @@ TABLE: list[tuple[str, str, Any, str]] = [
     ("completions", "logprobs", {**COMPLETION_OK, "logprobs": 1}, "logprobs"),
     ("completions", "suffix", {**COMPLETION_OK, "suffix": "x"}, "suffix"),
     ("completions", "best_of", {**COMPLETION_OK, "best_of": 3}, "best_of"),
-    ("completions", "frequency_penalty", {**COMPLETION_OK, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", "frequency_penalty out of range", {**COMPLETION_OK, "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completions", "logit_bias key not a token id", {**COMPLETION_OK, "logit_bias": {"hello": 1}}, "logit_bias"),
     ("completions", "stream_options without stream", {**COMPLETION_OK, "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", "unknown stream option", {**COMPLETION_OK, "stream": True, "stream_options": {"x": 1}}, "x"),
     ("completions", "seed too big", {**COMPLETION_OK, "seed": 2**64}, "seed"),
@@ -365,8 +366,11 @@ SHARED_BAD: dict[str, st.SearchStrategy[Any]] = {
     "seed": st.integers(min_value=2**63) | not_int.filter(lambda v: v is not None),
     "stop": st.just("") | st.lists(st.just(""), min_size=1, max_size=2) | st.integers() | st.lists(st.integers(), min_size=1),
     "stream": not_bool_or_null,
-    "frequency_penalty": st.floats(min_value=0.01, max_value=2) | st.floats(min_value=2.01, allow_infinity=False) | st.text(),
-    "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(-100, 100), min_size=1, max_size=2) | st.integers(),
+    "frequency_penalty": st.floats(min_value=2.01, allow_infinity=False) | st.floats(max_value=-2.01, allow_infinity=False) | st.text(),
+    # A key that is not a token id written in digits, a bias out of range, or not an object.
+    "logit_bias": st.dictionaries(st.text(max_size=4).filter(lambda k: not k.isascii() or not k.isdigit()), st.floats(-100, 100), min_size=1, max_size=2)
+    | st.dictionaries(st.sampled_from(["1", "2"]), st.floats(min_value=100.01, allow_infinity=False), min_size=1, max_size=2)
+    | st.integers(),
     "model": st.text(max_size=12).filter(lambda v: v != MODEL) | st.integers(),
     "stream_options": st.builds(lambda v: {"include_usage": v}, st.booleans()),  # without stream: refused
 }

@@ -10,18 +10,26 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
+from pipeline.io_struct import SamplingParams
 from tokenizer_proc.api_schema import (
     GENERATE_REFUSED,
+    MAX_LOGIT_BIAS,
     SAMPLING_REFUSED,
+    GenerateBody,
+    GenerateRequest,
     RequestValidationError,
     bootstrap_of,
+    decode_body,
 )
 from tokenizer_proc.known_fields import AsksUnlessNeutral, Refusal, is_neutral
 from tokenizer_proc.openai_schema import (
     COMMON_REFUSED,
+    ChatCompletionBody,
     ChatCompletionRequest,
+    CompletionBody,
     CompletionRequest,
 )
 
@@ -196,6 +204,136 @@ def test_generate_takes_the_served_model_name_or_null(http: httpx.Client) -> Non
     assert http.post("/generate", json={**_base("generate"), "model": MODEL}).status_code == 200
     response = http.post("/generate", json={**_base("generate"), "model": "another-model"})
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
+
+
+# --- the sampling parameters of SPEC section 10 ----------------------------------------------
+
+# A value of each that asks for something. /generate takes them all in sampling_params
+# (SGLang's names); the official client takes OpenAI's names as its own arguments and vLLM's
+# (top_k, min_p, repetition_penalty) in extra_body.
+ASKING: dict[str, Any] = {
+    "min_p": 0.05,
+    "frequency_penalty": 0.5,
+    "presence_penalty": -0.5,
+    "repetition_penalty": 1.3,
+    "logit_bias": {"17": 3.0, "5": -2.0},
+    "top_k": 20,
+}
+OPENAI_OWN = {"frequency_penalty", "presence_penalty", "logit_bias", "temperature", "top_p"}
+# The fields that were neutral-only before the sampler implemented them; null is their neutral value.
+NULLABLE = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+
+# Values every route refuses with a 400 naming the field.
+REFUSED_VALUES: list[tuple[str, Any]] = [
+    ("min_p", -0.1),
+    ("min_p", 1.01),
+    ("frequency_penalty", -2.01),
+    ("frequency_penalty", 2.5),
+    ("presence_penalty", -2.5),
+    ("presence_penalty", 2.01),
+    ("repetition_penalty", 0),  # a positive logit is divided by it
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", 2.01),
+    ("temperature", -0.1),
+    ("top_p", 0),
+    ("top_p", 1.01),
+    ("top_k", 0),
+    ("top_k", -2),
+    ("logit_bias", {"1": 100.5}),
+    ("logit_bias", {"1": -101}),
+    ("logit_bias", {"1": "strong"}),
+    ("logit_bias", {"hello": 1}),
+    ("logit_bias", {"1.5": 1}),
+    ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"": 1}),
+    ("logit_bias", {"1": 1, "001": 1}),  # one token id twice
+    ("logit_bias", {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}),
+    ("logit_bias", [[1, 5.0]]),
+]
+
+
+def _refused_id(case: object) -> str:
+    name, value = case  # type: ignore[misc]
+    shown = json.dumps(value)
+    return f"{name}={shown if len(shown) < 30 else f'{len(value)} entries'}"
+
+
+def _generate(http: httpx.Client, fields: dict[str, Any]) -> httpx.Response:
+    return http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, **fields}})
+
+
+def _openai(oai: openai.OpenAI, route: str, fields: dict[str, Any]) -> Any:
+    """A request through the official client: OpenAI's names as its own arguments, the rest
+    in extra_body."""
+    kwargs: dict[str, Any] = {k: v for k, v in fields.items() if k in OPENAI_OWN}
+    extra = {k: v for k, v in fields.items() if k not in OPENAI_OWN}
+    if extra:
+        kwargs["extra_body"] = extra
+    if route == "completions":
+        return oai.completions.create(model=MODEL, prompt="hi", max_tokens=2, **kwargs)
+    return oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fields", [{name: value} for name, value in ASKING.items()] + [ASKING], ids=[*ASKING, "all"])
+def test_the_sampling_parameters_are_served_on_every_route(http: httpx.Client, oai: openai.OpenAI, fields: dict[str, Any]) -> None:
+    response = _generate(http, fields)
+    assert response.status_code == 200, response.text
+    assert response.json()["meta_info"]["completion_tokens"] >= 1
+    assert _openai(oai, "completions", fields).usage.completion_tokens >= 1
+    assert _openai(oai, "chat", fields).usage.completion_tokens >= 1
+
+
+def test_null_is_each_sampling_parameters_neutral_value(http: httpx.Client, oai: openai.OpenAI) -> None:
+    nulls = dict.fromkeys(NULLABLE)
+    assert _generate(http, nulls).status_code == 200
+    assert _openai(oai, "completions", nulls).choices and _openai(oai, "chat", nulls).choices
+    neutral = SamplingParams()
+    expected = tuple(getattr(neutral, name) for name in NULLABLE)
+    generate: GenerateRequest = decode_body(json.dumps({"text": "hi", "sampling_params": nulls}).encode(), GenerateBody)  # type: ignore[assignment]
+    completion: CompletionRequest = decode_body(json.dumps({"prompt": "hi", **nulls}).encode(), CompletionBody)  # type: ignore[assignment]
+    for wire in (generate.sampling_params.to_wire(), completion.sampling(4)[0]):
+        assert tuple(getattr(wire, name) for name in NULLABLE) == expected == (0.0, 0.0, 0.0, 1.0, ())
+
+
+def test_the_sampling_parameters_reach_the_wire_with_logit_bias_sorted_by_id() -> None:
+    values = {name: ASKING[name] for name in NULLABLE}
+    expected = (0.05, 0.5, -0.5, 1.3, ((5, -2.0), (17, 3.0)))
+    generate: GenerateRequest = decode_body(json.dumps({"text": "hi", "sampling_params": values}).encode(), GenerateBody)  # type: ignore[assignment]
+    wire = generate.sampling_params.to_wire()
+    assert tuple(getattr(wire, name) for name in NULLABLE) == expected
+    chat: ChatCompletionRequest = decode_body(
+        json.dumps({"messages": MESSAGES, "n": 3, "seed": 7, **values}).encode(), ChatCompletionBody
+    )  # type: ignore[assignment]
+    choices = chat.sampling(4)
+    assert [c.seed for c in choices] == [7, 8, 9]
+    assert all(tuple(getattr(c, name) for name in NULLABLE) == expected for c in choices)
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED_VALUES, ids=[_refused_id(c) for c in REFUSED_VALUES])
+def test_an_out_of_range_sampling_parameter_is_refused_by_name(
+    http: httpx.Client, oai: openai.OpenAI, name: str, value: Any
+) -> None:
+    error = _error(_generate(http, {name: value}))
+    assert error["param"] == f"sampling_params.{name}" and name in error["message"], error
+    for route in ("completions", "chat"):
+        with pytest.raises(openai.BadRequestError) as info:
+            _openai(oai, route, {name: value})
+        error = info.value.body  # type: ignore[assignment]
+        assert error["param"] == name and name in error["message"], (route, error)
+
+
+def test_logit_bias_ids_must_be_below_the_vocabulary_size(http: httpx.Client, oai: openai.OpenAI) -> None:
+    vocab = http.get("/model_info").json()["vocab_size"]
+    last, beyond = {str(vocab - 1): 1.0, "0": -1.0}, {"3": 1.0, str(vocab): 1.0}
+    assert _generate(http, {"logit_bias": last}).status_code == 200
+    error = _error(_generate(http, {"logit_bias": beyond}))
+    assert error["param"] == "sampling_params.logit_bias" and f"token id {vocab}," in error["message"], error
+    for route in ("completions", "chat"):
+        assert _openai(oai, route, {"logit_bias": last}).choices
+        with pytest.raises(openai.BadRequestError) as info:
+            _openai(oai, route, {"logit_bias": beyond})
+        error = info.value.body  # type: ignore[assignment]
+        assert error["param"] == "logit_bias" and error["message"].startswith("logit_bias names token id"), (route, error)
 
 
 def test_bootstrap_fields_come_as_scalars_or_one_entry_lists() -> None:

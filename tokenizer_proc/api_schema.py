@@ -21,6 +21,43 @@ TokenId = Annotated[int, Meta(ge=0)]
 
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
+# The sampling parameters of SPEC section 10 beyond temperature/top_p/top_k, with the ranges
+# all three APIs share. Null is the neutral value (0, or 1 for repetition_penalty).
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's frequency and presence range
+# SGLang allows [0, 2], vLLM anything above 0: a positive logit is divided by it, so not 0.
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
+MAX_LOGIT_BIAS = 1024
+"""Entries of one request's ``logit_bias``: vLLM v1's limit (OpenAI documents none)."""
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# Token id -> bias, the id written as a string (JSON object keys are strings). The keys and
+# values are checked by ``logit_bias_pairs`` so that the message can name the bad entry; the
+# ids against the vocabulary by ``TokenizerManager.validate_sampling``.
+LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")
+
+
+def logit_bias_pairs(bias: dict[str, float] | None, param: str) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as the wire carries it: (token id, bias) pairs sorted by id. ``param``
+    is the field's path in the body, for the messages."""
+    if not bias:
+        return ()
+    low, high = LOGIT_BIAS_RANGE
+    pairs: dict[int, float] = {}
+    for key, value in bias.items():
+        if _TOKEN_ID_KEY.fullmatch(key) is None:
+            raise RequestValidationError(
+                f"{param} key {key[:40]!r} is not a token id: keys are non-negative integers written as strings", param
+            )
+        if not low <= value <= high:
+            raise RequestValidationError(f"{param}[{key!r}] is {value}; a bias must be in [{low:g}, {high:g}]", param)
+        token = int(key)
+        if token in pairs:  # "7" and "007"
+            raise RequestValidationError(f"{param} names token id {token} twice", param)
+        pairs[token] = value
+    return tuple(sorted(pairs.items()))
+
+
 # SGLang's sampling parameters that tokenpipe does not implement, at the values that ask for
 # nothing (``known_fields``). They are declared as fields below too: a nested struct cannot be
 # extended the way ``declare`` extends a whole body.
@@ -28,10 +65,6 @@ SAMPLING_REFUSED: tuple[Refusal, ...] = tuple(
     neutral(name, *values)
     for name, values in (
         ("stop_regex", ([], "")),
-        ("min_p", (0.0,)),
-        ("frequency_penalty", (0.0,)),
-        ("presence_penalty", (0.0,)),
-        ("repetition_penalty", (1.0,)),
         ("n", (1,)),
         ("json_schema", ()),
         ("regex", ()),
@@ -39,7 +72,6 @@ SAMPLING_REFUSED: tuple[Refusal, ...] = tuple(
         ("structural_tag", ()),
         ("spaces_between_special_tokens", (True,)),
         ("custom_params", ({},)),
-        ("logit_bias", ({},)),
     )
 )
 
@@ -58,12 +90,13 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     stream_interval: PositiveInt | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
     # Known, not implemented: see SAMPLING_REFUSED.
     stop_regex: Any = None
-    min_p: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
     n: Any = None
     json_schema: Any = None
     regex: Any = None
@@ -71,7 +104,6 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     structural_tag: Any = None
     spaces_between_special_tokens: Any = None
     custom_params: Any = None
-    logit_bias: Any = None
 
     def to_wire(self) -> SamplingParams:
         refuse(self, SAMPLING_REFUSED, where="sampling_params.")
@@ -101,6 +133,11 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
             stream_interval=self.stream_interval,
             skip_special_tokens=self.skip_special_tokens,
             no_stop_trim=self.no_stop_trim,
+            min_p=self.min_p or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=logit_bias_pairs(self.logit_bias, "sampling_params.logit_bias"),
         )
 
 
@@ -302,10 +339,11 @@ def _int_out_of_range(obj: Any) -> str | None:
 
 def _param_of(message: str) -> str | None:
     """``... - at `$.sampling_params.top_p``` -> ``sampling_params.top_p``; an unknown key
-    names itself: ``Object contains unknown field `foo` - at `$.x``` -> ``x.foo``."""
+    names itself: ``Object contains unknown field `foo` - at `$.x``` -> ``x.foo``; a value of
+    an object names the object: ``- at `$.logit_bias[...]``` -> ``logit_bias``."""
     marker = "- at `$."
     at = message.rfind(marker)
-    where = message[at + len(marker) :].rstrip("`") if at >= 0 else None
+    where = message[at + len(marker) :].rstrip("`").removesuffix("[...]") if at >= 0 else None
     unknown = "unknown field `"
     if message.startswith("Object contains " + unknown):
         name = message[len("Object contains " + unknown) :].split("`", 1)[0]

@@ -162,7 +162,7 @@ def _completion_max_tokens(tm: TokenizerManager, body: CompletionRequest, prompt
 def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
     """One (prompt, sampling) job per choice, validated against the server's limits first so
     that nothing is submitted for a request that will be refused."""
-    jobs = [(ids, body.sampling(max_tokens, i)) for i in range(body.choices)]
+    jobs = [(ids, sampling) for sampling in body.sampling(max_tokens)]
     tm.validate_sampling(len(ids), jobs[0][1])
     return jobs
 
@@ -181,6 +181,7 @@ def _openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
             ("`text`", f"`{prompt_param}`"),
             ("input_ids", prompt_param),
             ("sampling_params.stop", "stop"),
+            ("sampling_params.logit_bias", "logit_bias"),
         ):
             message = message.replace(native, ours)
         param = {
@@ -188,6 +189,7 @@ def _openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
             "text": prompt_param,
             "input_ids": prompt_param,
             "sampling_params.stop": "stop",
+            "sampling_params.logit_bias": "logit_bias",
         }.get(exc.param or "", exc.param)
         raise RequestValidationError(message, param) from exc
 

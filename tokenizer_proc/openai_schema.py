@@ -5,14 +5,15 @@ Decoding with msgspec (``api_schema.decode_body``) is the validation of types an
 wrong type, a value out of range or a field that OpenAI does not document fails with a 400
 that names the field. Every field OpenAI documents for these two endpoints is accepted, so an
 official client never trips on one. The fields this server cannot honour are refused with a
-400 naming them when they ask for something (``logprobs``, ``echo``, ``tools``, penalties, ...);
+400 naming them when they ask for something (``logprobs``, ``echo``, ``tools``, ...);
 the ones that ask for nothing here (``user``, ``store``, ``metadata``, ``service_tier``,
 ``prompt_cache_key``, ...) are accepted and ignored. Each request type lists its refusals in
 one table, ``_REFUSED`` (plus ``COMMON_REFUSED``).
 
-Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``no_stop_trim`` and
-``stream_options.continuous_usage_stats`` work
+OpenAI's ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` work (SPEC section 10).
+Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``no_stop_trim`` and ``stream_options.continuous_usage_stats`` work
 (``extra_body`` in the official client). Every other field of SGLang's and vLLM's request
 schemas is known (``known_fields``): accepted at its neutral value, refused otherwise. The
 routes decode ``CompletionBody`` and ``ChatCompletionBody``: the request types with those
@@ -31,13 +32,18 @@ from pipeline.io_struct import SamplingParams
 from tokenizer_proc.api_schema import (
     Bootstrap,
     HostField,
+    LogitBias,
+    MinP,
     NonNegInt,
+    Penalty,
     PortField,
     PositiveInt,
+    RepetitionPenalty,
     RequestValidationError,
     RoomField,
     TokenId,
     bootstrap_of,
+    logit_bias_pairs,
 )
 from tokenizer_proc.known_fields import Refusal, declare, neutral, refuse
 
@@ -46,7 +52,6 @@ MAX_CHOICES = 128
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 # int64, so that seed + choice index (< MAX_CHOICES) still fits the wire's and torch's range.
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
@@ -73,10 +78,12 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None  # ignored
     # SGLang/vLLM extensions
     top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     min_tokens: NonNegInt | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -118,25 +125,32 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.top_k == 0:
             raise RequestValidationError("top_k must be -1 (off) or at least 1", "top_k")
 
-    def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
-        """The wire sampling params of choice ``choice`` (0-based): a seeded request gives
-        choice i the seed ``seed + i``, so its choices differ and each is reproducible."""
+    def sampling(self, max_tokens: int) -> list[SamplingParams]:
+        """The wire sampling params of each choice: a seeded request gives choice i the seed
+        ``seed + i``, so its choices differ and each is reproducible."""
         if self.min_tokens is not None and self.min_tokens > max_tokens:
             raise RequestValidationError("min_tokens must not exceed max_tokens", "min_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        return SamplingParams(
+        first = SamplingParams(
             max_new_tokens=max_tokens,
             min_new_tokens=self.min_tokens or 0,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
-            seed=None if self.seed is None else self.seed + choice,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=tuple(stop),
             ignore_eos=bool(self.ignore_eos),
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             no_stop_trim=bool(self.no_stop_trim),
+            min_p=self.min_p or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=logit_bias_pairs(self.logit_bias, "logit_bias"),
         )
+        if self.seed is None:
+            return [first] * self.choices
+        return [msgspec.structs.replace(first, seed=self.seed + i) for i in range(self.choices)]
 
 
 def _neutrals(*entries: tuple[str, tuple[object, ...]]) -> tuple[Refusal, ...]:
@@ -145,14 +159,8 @@ def _neutrals(*entries: tuple[str, tuple[object, ...]]) -> tuple[Refusal, ...]:
 
 # Known to completions and chat alike (OpenAI's, SGLang's and vLLM's request fields) and not
 # implemented here: accepted at the values that ask for nothing (``known_fields``).
-COMMON_REFUSED: tuple[Refusal, ...] = (
-    ("frequency_penalty", bool, "frequency_penalty is not supported by this server (send 0 or leave it out)"),
-    ("presence_penalty", bool, "presence_penalty is not supported by this server (send 0 or leave it out)"),
-    ("logit_bias", bool, "logit_bias is not supported by this server"),
-) + _neutrals(
+COMMON_REFUSED: tuple[Refusal, ...] = _neutrals(
     # SGLang
-    ("min_p", (0.0,)),
-    ("repetition_penalty", (1.0,)),
     ("regex", ()),
     ("ebnf", ()),
     ("json_schema", ()),

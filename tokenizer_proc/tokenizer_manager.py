@@ -181,6 +181,13 @@ class TokenizerManager:
             raise self.without_tokenizer(
                 "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids", "sampling_params.stop"
             )
+        # Sorted by id: the last is the largest.
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
+            raise RequestValidationError(
+                f"sampling_params.logit_bias names token id {sampling.logit_bias[-1][0]}, not below the vocabulary "
+                f"size {self.vocab_size}",
+                "sampling_params.logit_bias",
+            )
         self.validate_lengths(prompt_len, sampling)
 
     def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
