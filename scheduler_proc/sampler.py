@@ -191,12 +191,12 @@ def _argmax(logits: torch.Tensor) -> np.ndarray:
 
 def _draw_full(x: torch.Tensor, r: _Rows) -> np.ndarray:
     e = _weights(x, r.temperature)
-    nucleus = np.flatnonzero(r.top_p < 1.0)
-    cut_min_p = r.min_p > 0
+    cut_top_p, cut_min_p = r.top_p < 1.0, r.min_p > 0
+    nucleus = np.flatnonzero(cut_top_p)
     # top_p is taken on the distribution before the min_p cut: keep the total of the rows
     # with both, computed as the draw computes it for the others (the same row then gets
     # the same total whatever its neighbours ask).
-    both = np.flatnonzero((r.top_p < 1.0) & cut_min_p)
+    both = np.flatnonzero(cut_top_p & cut_min_p)
     total_before_min_p = np.cumsum(_block_sums(e[both]), axis=1, dtype=np.float64)[:, -1] if both.size else None
     if cut_min_p.any():
         np.multiply(e, e >= r.min_p[:, None], out=e)  # e * True is e: rows without min_p keep theirs
