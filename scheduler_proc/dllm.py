@@ -16,9 +16,10 @@ decodes block by block instead of token by token:
   is exactly greedy/sampled autoregressive decoding, which a test pins. Logits are taken
   only at the rows that predict still-masked positions (``ModelRunner.logits_at``).
 - Unmasking: a candidate token per masked position by the sampler's rules (``sample``:
-  argmax at temperature 0; otherwise temperature, top-k, top-p and the request's own seeded
-  generator, drawn in position order, so a seeded request is reproducible whatever it is
-  batched with). Its confidence is the model's softmax probability of that token. Pass p of
+  argmax at temperature 0; otherwise bias, penalties, temperature and cuts, then a draw
+  whose counter is ``draw_counter(len(output_ids) + position, pass)``, so a seeded request
+  is reproducible whatever it is batched with, and a restarted block draws the same numbers
+  again). Its confidence is the model's softmax probability of that token. Pass p of
   ``steps`` (S) commits the ``B // S + (p < B % S)`` most confident masked positions (ties
   go to the earlier position); the last pass commits all that remain.
 - After the S-th pass the block is committed: its tokens are appended one by one through
@@ -53,11 +54,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipeline.io_struct import CachedTokensDetails
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.req import Req
+from scheduler_proc.sampler import SamplingColumns, draw_counter
 from scheduler_proc.stop_checker import StopChecker
 
 
@@ -71,17 +74,15 @@ class DllmConfig:
 class Block:
     """The block a request is refining: its tokens (the mask token where still masked),
     which positions are still masked (a committed token may equal the mask id), the pool
-    slots its positions are written to, passes done, and the request's generator state at
-    the block's start (a restarted block draws the same numbers again)."""
+    slots its positions are written to, and passes done."""
 
-    __slots__ = ("tokens", "masked", "slots", "passes", "rng_state")
+    __slots__ = ("masked", "passes", "slots", "tokens")
 
-    def __init__(self, size: int, mask_token_id: int, slots: torch.Tensor, generator: torch.Generator | None) -> None:
+    def __init__(self, size: int, mask_token_id: int, slots: torch.Tensor) -> None:
         self.tokens = [mask_token_id] * size
         self.masked = [True] * size
         self.slots = slots
         self.passes = 0
-        self.rng_state = None if generator is None else generator.get_state()
 
     def masked_positions(self) -> list[int]:
         return [j for j, m in enumerate(self.masked) if m]
@@ -119,16 +120,10 @@ class DllmDecoder:
 
     def drop_block(self, req: Req) -> None:
         """Drops the block in progress (retraction: it restarts later, drawing what it drew
-        before, so a seeded request samples the same tokens; finish; abort)."""
-        block = req.dllm_block
-        if block is None:
-            return
-        self._free(req)
-        if block.rng_state is None:
-            req.generator = None  # made again from the seed at the next draw
-        else:
-            assert req.generator is not None
-            req.generator.set_state(block.rng_state)
+        before, as the draws' counters depend on the output length and the pass only;
+        finish; abort)."""
+        if req.dllm_block is not None:
+            self._free(req)
 
     def _free(self, req: Req) -> None:
         self.runner.kv.free(req.dllm_block.slots)
@@ -152,6 +147,7 @@ class DllmDecoder:
         masked: list[list[int]] = []  # per request: its masked block positions
         rows_of_masked: list[int] = []  # the rows predicting them among the pass's new tokens, flat
         owners: list[Req] = []  # and their requests
+        counters: list[np.uint64] = []  # and their draws' counters
         offset = 0
         for req in reqs:
             kv_slots = req.kv_slots
@@ -163,7 +159,7 @@ class DllmDecoder:
                 slots = self._alloc(stale + size)
                 assert slots is not None, "the scheduler made room for every block"
                 fresh = slots[:stale]
-                block = req.dllm_block = Block(size, self.config.mask_token_id, slots[stale:], req.generator)
+                block = req.dllm_block = Block(size, self.config.mask_token_id, slots[stale:])
             # The head: tokens before the block that this pass writes. At least the anchor
             # (the last committed token, rewritten with the causal KV it already had), as
             # its hidden state predicts the block's first position.
@@ -180,14 +176,26 @@ class DllmDecoder:
             anchor_row = offset + len(head) - 1
             rows_of_masked.extend(anchor_row + j for j in positions)
             owners.extend([req] * len(positions))
+            emitted = len(req.output_ids)
+            counters.extend(draw_counter(emitted + j, block.passes) for j in positions)
             offset += len(head) + len(block.tokens)
 
         logits = self.runner.logits_at(
             new_ids, prefixes, new_slots, torch.tensor(rows_of_masked, dtype=torch.long), block_start
         )
-        candidates = self.runner.sample(logits, owners)
-        picked = torch.tensor(candidates, device=logits.device).unsqueeze(1)
+        cols = SamplingColumns.from_requests(
+            [r.sampling for r in owners],
+            [r.seed for r in owners],
+            counters,
+            [r.origin_input_ids for r in owners],
+            [r.output_ids for r in owners],
+            logits.shape[-1],
+            logits.device,
+        )
+        drawn = self.runner.sample(logits, cols)
+        picked = torch.from_numpy(drawn).to(logits.device).unsqueeze(1)
         confidence = torch.softmax(logits, dim=-1).gather(1, picked).squeeze(1).tolist()
+        candidates = drawn.tolist()
 
         still_running: list[Req] = []
         committed = 0

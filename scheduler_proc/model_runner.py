@@ -4,8 +4,8 @@ one batched forward pass. Nothing above this module touches torch devices."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pipeline.config import ServerConfig
@@ -13,8 +13,7 @@ from scheduler_proc.forward_batch import ForwardBatch
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.model import LlamaForCausalLM
 from scheduler_proc.model_limits import load_model_config
-from scheduler_proc.req import Req
-from scheduler_proc.sampler import sample
+from scheduler_proc.sampler import SamplingColumns, sample
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,7 +77,8 @@ class ModelRunner:
             h = self.model.hidden_states(batch, self.kv)
             return self.model.logits(h.index_select(0, rows.to(h.device)))
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
-        """One token per row of ``logits`` (the sampler's batched draw). Called through the
-        runner so that the sampling math, device work like the forward, is timed apart."""
-        return sample(logits, reqs)
+    def sample(self, logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
+        """One token id per row of ``logits`` (the sampler's batched draw), int64. Called
+        through the runner so that the sampling math, device work like the forward, is
+        timed apart."""
+        return sample(logits, cols)

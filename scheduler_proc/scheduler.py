@@ -53,7 +53,7 @@ from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, instal
 from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
-from scheduler_proc.sampler import skip_draw
+from scheduler_proc.sampler import SamplingColumns, draw_counter
 from scheduler_proc.stop_checker import StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")
@@ -330,7 +330,11 @@ class Scheduler:
         if self.dllm is not None:
             return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
-        return self._append_tokens(done, self.runner.sample(picked, done), rows)
+        cols = SamplingColumns.from_requests(
+            [r.sampling for r in done], [r.seed for r in done], [draw_counter(len(r.output_ids)) for r in done],
+            [r.origin_input_ids for r in done], [r.output_ids for r in done], picked.shape[-1], picked.device,
+        )  # fmt: skip
+        return self._append_tokens(done, self.runner.sample(picked, cols).tolist(), rows)
 
     def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
         """Stats of an admission: time spent reading HiCache storage (every admission), and
@@ -382,7 +386,11 @@ class Scheduler:
         for i, req in enumerate(reqs):
             req.kv_slots = torch.cat((req.kv_slots, slots[i : i + 1]))  # type: ignore[arg-type]
             req.num_computed += 1
-        self.running = self._append_tokens(reqs, self.runner.sample(logits, reqs), rows)
+        cols = SamplingColumns.from_requests(
+            [r.sampling for r in reqs], [r.seed for r in reqs], [draw_counter(len(r.output_ids)) for r in reqs],
+            [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs], logits.shape[-1], logits.device,
+        )  # fmt: skip
+        self.running = self._append_tokens(reqs, self.runner.sample(logits, cols).tolist(), rows)
 
     def _append_tokens(self, reqs: list[Req], tokens: list[int], rows: list[Req]) -> list[Req]:
         """Appends one sampled token per request, checks stops, queues due rows; returns
@@ -473,7 +481,6 @@ class Scheduler:
             if req.output_ids:  # re-bootstrapped: its last token is the next decode step's input
                 joined.append(req)
             else:  # the prefill server's first token is this request's first output
-                skip_draw(req, self.vocab_size, self.runner.device)
                 joined.extend(self._append_tokens([req], [header.first_token], rows))  # type: ignore[list-item]
         return joined
 
