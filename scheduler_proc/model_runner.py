@@ -4,8 +4,8 @@ one batched forward pass. Nothing above this module touches torch devices."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pipeline.config import ServerConfig
@@ -13,8 +13,7 @@ from scheduler_proc.forward_batch import ForwardBatch
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.model import LlamaForCausalLM
 from scheduler_proc.model_limits import load_model_config
-from scheduler_proc.req import Req
-from scheduler_proc.sampler import sample
+from scheduler_proc.sampler import SamplingColumns, sample
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,6 +60,17 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.forward(batch, self.kv, return_hidden=return_hidden)
 
+    def decode(self, last_tokens: np.ndarray, seq_lens: np.ndarray, kv_slot_table: torch.Tensor) -> torch.Tensor:
+        """One decode pass over the running batch (``RunningBatch``'s columns): row b's last
+        token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``.
+        Returns last-token logits [B, V]."""
+        batch = ForwardBatch.decode(
+            torch.from_numpy(last_tokens.astype(np.int64)), torch.from_numpy(seq_lens), kv_slot_table, self.device
+        )
+        with torch.inference_mode():
+            logits, _ = self.model.forward(batch, self.kv)
+            return logits
+
     def logits_at(
         self,
         new_token_ids: list[list[int]],
@@ -78,7 +88,7 @@ class ModelRunner:
             h = self.model.hidden_states(batch, self.kv)
             return self.model.logits(h.index_select(0, rows.to(h.device)))
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> list[int]:
+    def sample(self, logits: torch.Tensor, columns: SamplingColumns) -> np.ndarray:
         """One token per row of ``logits`` (the sampler's batched draw). Called through the
         runner so that the sampling math, device work like the forward, is timed apart."""
-        return sample(logits, reqs)
+        return sample(logits, columns)
