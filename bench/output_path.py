@@ -5,9 +5,11 @@ emitted before (their stats and decode options were already sent, so
 ``take_request_stats_due`` returns None for every row), one new token each.
 
 Timed with ``time.perf_counter_ns`` in interleaved rounds (each round runs every variant
-once, in a rotating order), minimum over rounds (``--rounds``, default 200):
+once, in a shuffled order), minimum over rounds (``--rounds``, default 200):
 
-- ``tokenpipe``: the scheduler's real ``build_token_output`` (build), the real encoder of
+- ``tokenpipe``: the scheduler's real steady-step frame build (build): the running batch's
+  due rows (``RunningBatch.due``), their columns (``RunningBatch.take_steady``) and
+  ``build_token_output`` over them, as ``Scheduler._decode`` does; the real encoder of
   ``pipeline.sockets.make_encoder`` (encode), and the detokenizer's real typed decoder
   (``FrameDecoder(DetokenizerInput)``, as ``detokenizer_proc.main`` uses) plus reading the
   four columns back as arrays with ``from_column`` (decode).
@@ -17,7 +19,8 @@ once, in a rotating order), minimum over rounds (``--rounds``, default 200):
   (decode), as SGLang's default IPC does.
 
 Both run with metrics on (``Req(collect_time_stats=True)``; the baseline carries the time
-stats lists) and off. Appending this step's token to every request is set-up, not timed.
+stats lists) and off. Appending this step's token to every request is set-up, not timed
+(``RunningBatch.append_tokens`` for tokenpipe, a list append per request for the baseline).
 ``build+encode`` is the minimum over rounds of the per-round sum, not the sum of minima.
 
 Usage: ``python bench/output_path.py [--requests 512] [--rounds 200] [--json PATH]``.
@@ -41,6 +44,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
 from pipeline.io_struct import (  # noqa: E402
     COUNT_DTYPE,
     REQ_ID_DTYPE,
@@ -56,6 +62,7 @@ from pipeline.io_struct import (  # noqa: E402
 from pipeline.sockets import FrameDecoder, make_encoder  # noqa: E402
 from scheduler_proc.output_builder import build_token_output  # noqa: E402
 from scheduler_proc.req import Req  # noqa: E402
+from scheduler_proc.running_batch import RunningBatch  # noqa: E402
 
 logger = logging.getLogger("tokenpipe.bench.output_path")
 
@@ -206,6 +213,17 @@ def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0) -> list[Req]:
     return reqs
 
 
+def running_batch_of(reqs: list[Req]) -> RunningBatch:
+    """The requests as the scheduler's running batch holds them after their first row."""
+    longest = max(r.seq_len for r in reqs)
+    batch = RunningBatch(context_length=longest + 4096, vocab_size=32000)
+    for req in reqs:
+        req.num_computed = req.seq_len - 1
+        req.kv_slots = torch.arange(req.num_computed)  # where the KV lives does not matter here
+        batch.append(req)
+    return batch
+
+
 def _append_one_token(reqs: Sequence[Req], token: int) -> None:
     for req in reqs:
         req.output_ids.append(token)
@@ -218,11 +236,14 @@ def _tokenpipe_variant(reqs: list[Req]) -> Callable[[int], Timings]:
     encoder = make_encoder()
     decoder: FrameDecoder[Any] = FrameDecoder(DetokenizerInput, logger, "bench frame")
     clock = time.perf_counter_ns
+    batch = running_batch_of(reqs)
+    none_finished = np.zeros(len(reqs), dtype=bool)
 
     def step(token: int) -> Timings:
-        _append_one_token(reqs, token)  # set-up, not timed
+        batch.append_tokens(np.full(len(reqs), token, dtype=np.int64))  # set-up, not timed
         t0 = clock()
-        frame = build_token_output(reqs)
+        steady = batch.take_steady(np.flatnonzero(batch.due(none_finished)))
+        frame = build_token_output([], steady=steady)
         t1 = clock()
         data = encoder.encode(frame)
         t2 = clock()
@@ -271,13 +292,12 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
     if requests < 1 or rounds < 1:
         raise ValueError("requests and rounds must be >= 1")
     warmup = min(10, rounds) if warmup is None else warmup
-    reqs_on = make_steady_reqs(requests, metrics=True, seed=seed)
-    reqs_off = make_steady_reqs(requests, metrics=False, seed=seed)
+    # The same requests twice over: the running batch holds its requests' tokens itself.
     variants: dict[str, Callable[[int], Timings]] = {
-        ROWS[0]: _tokenpipe_variant(reqs_on),
-        ROWS[1]: _tokenpipe_variant(reqs_off),
-        ROWS[2]: _baseline_variant(reqs_on, metrics=True),
-        ROWS[3]: _baseline_variant(reqs_off, metrics=False),
+        ROWS[0]: _tokenpipe_variant(make_steady_reqs(requests, metrics=True, seed=seed)),
+        ROWS[1]: _tokenpipe_variant(make_steady_reqs(requests, metrics=False, seed=seed)),
+        ROWS[2]: _baseline_variant(make_steady_reqs(requests, metrics=True, seed=seed), metrics=True),
+        ROWS[3]: _baseline_variant(make_steady_reqs(requests, metrics=False, seed=seed), metrics=False),
     }
     names = list(variants)
     best: dict[str, list[float]] = {name: [float("inf")] * 4 for name in names}
@@ -285,8 +305,11 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
     rng = random.Random(seed + 1)
     for rnd in range(warmup + rounds):
         token = rng.randrange(32000)
-        shift = rnd % len(names)
-        for name in names[shift:] + names[:shift]:
+        # A fresh order each round: in a rotation each variant always follows the same one,
+        # and the one after the baseline (which churns the caches) paid for it every round.
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
             build, encode, decode, nbytes = variants[name](token)
             size[name] = nbytes
             if rnd < warmup:

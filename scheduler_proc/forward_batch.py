@@ -92,6 +92,25 @@ class ForwardBatch:
         )
 
 
+    @classmethod
+    def decode(
+        cls, last_tokens: torch.Tensor, seq_lens: torch.Tensor, kv_slot_table: torch.Tensor, device: torch.device | str
+    ) -> ForwardBatch:
+        """A decode pass from the running batch's columns: one new token per sequence (its
+        last), whose KV slot is already in ``kv_slot_table`` at column ``seq_lens - 1``.
+        Nothing here is per sequence: the table is a slice of the request-to-token table."""
+        positions = seq_lens - 1
+        out_slots = kv_slot_table.gather(1, positions.unsqueeze(1)).squeeze(1)
+        return cls(
+            input_ids=last_tokens.to(device),
+            positions=positions.to(device),
+            new_lens=torch.ones_like(seq_lens).to(device),
+            out_slots=out_slots.to(device),
+            kv_slot_table=kv_slot_table.to(device),
+            kv_lens=seq_lens.to(device),
+        )
+
+
 def _cat_cpu(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One CPU int64 tensor of all the slots. Slot tensors are 1-D CPU int64 already (a
     KVPool invariant), so one ``cat`` does it: converting each of 512 tensors first took

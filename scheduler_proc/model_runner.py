@@ -60,6 +60,17 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.forward(batch, self.kv, return_hidden=return_hidden)
 
+    def decode(self, last_tokens: np.ndarray, seq_lens: np.ndarray, kv_slot_table: torch.Tensor) -> torch.Tensor:
+        """One decode pass over the running batch (``RunningBatch``'s columns): row b's last
+        token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``.
+        Returns last-token logits [B, V]."""
+        batch = ForwardBatch.decode(
+            torch.from_numpy(last_tokens.astype(np.int64)), torch.from_numpy(seq_lens), kv_slot_table, self.device
+        )
+        with torch.inference_mode():
+            logits, _ = self.model.forward(batch, self.kv)
+            return logits
+
     def logits_at(
         self,
         new_token_ids: list[list[int]],
@@ -77,8 +88,7 @@ class ModelRunner:
             h = self.model.hidden_states(batch, self.kv)
             return self.model.logits(h.index_select(0, rows.to(h.device)))
 
-    def sample(self, logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
-        """One token id per row of ``logits`` (the sampler's batched draw), int64. Called
-        through the runner so that the sampling math, device work like the forward, is
-        timed apart."""
-        return sample(logits, cols)
+    def sample(self, logits: torch.Tensor, columns: SamplingColumns) -> np.ndarray:
+        """One token per row of ``logits`` (the sampler's batched draw). Called through the
+        runner so that the sampling math, device work like the forward, is timed apart."""
+        return sample(logits, columns)

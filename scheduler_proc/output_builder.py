@@ -14,7 +14,9 @@ state. Off, nothing of it runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -52,13 +54,74 @@ def build_usage_columns(reqs: Sequence[Req]) -> UsageColumns:
     return UsageColumns(prompt_tokens=prompt, cached_tokens=cached, image_tokens=image, audio_tokens=audio, video_tokens=video)
 
 
-def build_token_output(reqs: Sequence[Req], *, dense_usage: bool = False) -> BatchTokenIDOutput:
-    """One row per request: the tokens generated since its last row.
+@dataclass(frozen=True, slots=True)
+class SteadyRows:
+    """Rows of a decode step that had no event (the running batch's columns): no stats,
+    no finish, no decode options, so only ids and tokens go out. ``reqs`` holds their
+    requests for ``--dense-usage-columns`` only (else it is empty)."""
+
+    req_ids: np.ndarray
+    tokens: np.ndarray
+    counts: np.ndarray
+    completion: np.ndarray
+    reqs: list[Req]
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+def build_token_output(
+    reqs: Sequence[Req], *, steady: SteadyRows | None = None, dense_usage: bool = False
+) -> BatchTokenIDOutput:
+    """One row per request: the tokens generated since its last row; the ``steady`` rows
+    (already columns) follow the ``reqs`` rows.
 
     The stats, decode-option and finish columns are asked of each request only while some
     request has stats pending (``PENDING_STATS``): a first row, a finished row and a row
     after a stats change are all pending, so a steady decode step skips those calls.
     ``dense_usage`` adds ``UsageColumns`` on every row (``--dense-usage-columns``)."""
+    if steady is None or not len(steady):
+        return _build_request_rows(reqs, dense_usage)
+    if not reqs:
+        return _steady_frame(steady, dense_usage)
+    return _concat(_build_request_rows(reqs, dense_usage), _steady_frame(steady, dense_usage))
+
+
+def _steady_frame(steady: SteadyRows, dense_usage: bool) -> BatchTokenIDOutput:
+    return BatchTokenIDOutput(
+        req_ids=steady.req_ids.astype(REQ_ID_DTYPE, copy=False).tobytes(),
+        output_ids=steady.tokens.astype(TOKEN_DTYPE, copy=False).tobytes(),
+        output_counts=steady.counts.astype(COUNT_DTYPE).tobytes(),
+        completion_tokens=steady.completion.astype(COUNT_DTYPE).tobytes(),
+        usage=build_usage_columns(steady.reqs) if dense_usage else None,
+    )
+
+
+def _concat(first: BatchTokenIDOutput, second: BatchTokenIDOutput) -> BatchTokenIDOutput:
+    """``first``'s rows then ``second``'s (whose per-row lists are all None)."""
+    n = len(second.req_ids) // REQ_ID_DTYPE.itemsize
+
+    def pad(column: list[Any] | None) -> list[Any] | None:
+        return None if column is None else column + [None] * n
+
+    usage = None
+    if first.usage is not None and second.usage is not None:
+        usage = UsageColumns(
+            **{f: getattr(first.usage, f) + getattr(second.usage, f) for f in UsageColumns.__struct_fields__}
+        )
+    return BatchTokenIDOutput(
+        req_ids=first.req_ids + second.req_ids,
+        output_ids=first.output_ids + second.output_ids,
+        output_counts=first.output_counts + second.output_counts,
+        completion_tokens=first.completion_tokens + second.completion_tokens,
+        finished_reasons=pad(first.finished_reasons),
+        request_stats=pad(first.request_stats),
+        decode_options=pad(first.decode_options),
+        usage=usage,
+    )
+
+
+def _build_request_rows(reqs: Sequence[Req], dense_usage: bool) -> BatchTokenIDOutput:
     n = len(reqs)
     outputs = [r.output_ids for r in reqs]
     completion = np.array([len(o) for o in outputs], dtype=COUNT_DTYPE)

@@ -51,7 +51,6 @@ class Req:
         "kv_slots",
         "num_computed",
         "prefix_node",
-        "generator",
         "seed",
         "stats_epoch",
         "request_stats_retraction_count",
@@ -96,7 +95,6 @@ class Req:
         self.kv_slots: torch.Tensor | None = None
         self.num_computed = 0
         self.prefix_node: Any = None  # radix-cache node locked for this request
-        self.generator: torch.Generator | None = None
         # The seed of every draw (SPEC section 10): the client's, or a random one fixed at
         # arrival, so an unseeded request takes the same counter-based path as a seeded one.
         self.seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)

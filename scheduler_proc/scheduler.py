@@ -35,6 +35,8 @@ from pipeline.io_struct import (
     BatchTokenIDOutput,
     FinishAbort,
     FinishLength,
+    FinishReason,
+    FinishStop,
     FlushCacheControl,
     FlushCacheResult,
     HiCacheStorageControl,
@@ -48,13 +50,14 @@ from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
 from scheduler_proc.hicache import Fetched, HiCache, apply_storage_control, cached_details
 from scheduler_proc.model_runner import ModelRunner
-from scheduler_proc.output_builder import build_embedding_output, build_token_output
+from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, install_prebuilt
 from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
 from scheduler_proc.prefix_kv import PrefixKV
-from scheduler_proc.req import Req
+from scheduler_proc.req import PENDING_STATS, Req
+from scheduler_proc.running_batch import RunningBatch
 from scheduler_proc.sampler import SamplingColumns, draw_counter
-from scheduler_proc.stop_checker import StopChecker
+from scheduler_proc.stop_checker import CONTEXT, LENGTH, RUNNING, STOP_TOKEN, StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
@@ -102,7 +105,9 @@ class Scheduler:
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
-        self.running: list[Req] = []
+        # Generate mode: the running requests as columns (a steady decode step is column
+        # work). dLLM mode refines blocks request by request and keeps a plain list.
+        self.running: RunningBatch | list[Req] = RunningBatch(context_length, runner.model_config.vocab_size) if dllm is None else []
         self.live: dict[int, Req] = {}
         self._rows_due: list[Req] = []  # rows produced outside a step (aborts, rejections)
         self.num_retracted_total = 0
@@ -184,6 +189,9 @@ class Scheduler:
         # A generating request needs room for at least one new token; an embedding does not.
         if n > self.context_length or (n == self.context_length and not req.is_embedding):
             return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
+        bias_ids = [token for token, _ in req.sampling.logit_bias]
+        if bias_ids and (min(bias_ids) < 0 or max(bias_ids) >= self.runner.model_config.vocab_size):
+            return f"logit_bias holds a token id outside the vocabulary [0, {self.runner.model_config.vocab_size})"
         if req.sampling.stop and not self.stop_checker.matches_stop_strings:
             return "stop strings need a tokenizer, and this server runs with --skip-tokenizer-init: use stop_token_ids"
         return None
@@ -238,22 +246,24 @@ class Scheduler:
         rows, self._rows_due = self._rows_due, []
         prebuilt = self._take_pd_inputs(rows)
         newly_running = self._prefill(rows)
-        self._decode(rows)
-        self.running.extend(prebuilt)
-        self.running.extend(newly_running)
-        if not rows:
-            return []
+        steady = self._decode(rows)
         frames: list[BatchTokenIDOutput | BatchEmbeddingOutput] = []
         embedded = [r for r in rows if r.is_embedding]
         if embedded:
             rows = [r for r in rows if not r.is_embedding]
             size = self.runner.model_config.hidden_size
             frames.append(build_embedding_output(embedded, np.stack([pooled_embedding(r, size) for r in embedded])))
-        if rows:
-            frames.append(build_token_output(rows, dense_usage=self.dense_usage_columns))
+        if rows or steady is not None:
+            frames.append(build_token_output(rows, steady=steady, dense_usage=self.dense_usage_columns))
+        batch = self.running if isinstance(self.running, RunningBatch) else None
         for req in rows + embedded:
             if req.finished:
                 self._release(req)
+            elif batch is not None and req in batch:
+                batch.note_sent(req)  # an event row of a running request went out
+        # New requests join after their first row is built, which records what it sent.
+        self.running.extend(prebuilt)
+        self.running.extend(newly_running)
         return frames
 
     def _prefill(self, rows: list[Req]) -> list[Req]:
@@ -330,11 +340,21 @@ class Scheduler:
         if self.dllm is not None:
             return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
-        cols = SamplingColumns.from_requests(
-            [r.sampling for r in done], [r.seed for r in done], [draw_counter(len(r.output_ids)) for r in done],
-            [r.origin_input_ids for r in done], [r.output_ids for r in done], picked.shape[-1], picked.device,
-        )  # fmt: skip
-        return self._append_tokens(done, self.runner.sample(picked, cols).tolist(), rows)
+        return self._append_tokens(done, self._sample(picked, done), rows)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        """The next token of each of these requests (not in the running batch: a first token
+        after a prefill), each drawn at its output index."""
+        columns = SamplingColumns.from_requests(
+            [r.sampling for r in reqs],
+            [r.seed for r in reqs],
+            [draw_counter(len(r.output_ids)) for r in reqs],
+            [r.origin_input_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            logits.shape[-1],
+            logits.device,
+        )
+        return self.runner.sample(logits, columns).tolist()  # type: ignore[no-any-return]
 
     def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
         """Stats of an admission: time spent reading HiCache storage (every admission), and
@@ -365,32 +385,69 @@ class Scheduler:
         if req.num_computed > 0:
             self.prefilling.append(req)
 
-    def _decode(self, rows: list[Req]) -> None:
+    def _decode(self, rows: list[Req]) -> SteadyRows | None:
+        """One decode step over every running request. Rows with an event (finished, a
+        stop string to check, stats due) are queued in ``rows`` as requests; the other due
+        rows come back as columns."""
         if not self.running:
-            return
+            return None
         self._retract_until_fits()
-        if self.dllm is not None:
+        if isinstance(self.running, list):
+            assert self.dllm is not None
             self.running, committed = self.dllm.step(self.running, rows)
             self.forward_steps += 1
             self.generated_tokens_total += committed
-            return
-        reqs = self.running
-        slots = self.prefix_kv.alloc(len(reqs))
+            return None
+        batch = self.running
+        n = len(batch)
+        slots = self.prefix_kv.alloc(n)
         assert slots is not None, "retraction left too few KV slots"
-        logits, _ = self.runner.extend(
-            [[r.output_ids[-1]] for r in reqs],
-            [r.kv_slots for r in reqs],  # type: ignore[misc]
-            list(slots.split(1)),
-        )
+        logits = self.runner.decode(batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots))
         self.forward_steps += 1
-        for i, req in enumerate(reqs):
-            req.kv_slots = torch.cat((req.kv_slots, slots[i : i + 1]))  # type: ignore[arg-type]
-            req.num_computed += 1
-        cols = SamplingColumns.from_requests(
-            [r.sampling for r in reqs], [r.seed for r in reqs], [draw_counter(len(r.output_ids)) for r in reqs],
-            [r.origin_input_ids for r in reqs], [r.output_ids for r in reqs], logits.shape[-1], logits.device,
+        new = self.runner.sample(logits, batch.sampling_columns())
+        batch.append_tokens(new)
+        self.generated_tokens_total += n
+        out_len = batch.output_len()
+        code, check_strings = self.stop_checker.check_columns(
+            new, out_len, batch.seq_len[:n], batch.min_new[:n], batch.max_new[:n],
+            batch.ignore_eos[:n], batch.stop_ids[:n], batch.has_stop_strings[:n],
         )  # fmt: skip
-        self.running = self._append_tokens(reqs, self.runner.sample(logits, cols).tolist(), rows)
+        due = batch.due(code != RUNNING)
+        event = (code != RUNNING) | check_strings
+        if PENDING_STATS:  # stats changed since their last row: that row goes the per-request way
+            for req in list(PENDING_STATS):
+                if req in batch:
+                    row = batch.row_of(req)
+                    event[row] |= due[row]
+        steady_rows = np.flatnonzero(due & ~event)
+        steady = batch.take_steady(steady_rows, with_reqs=self.dense_usage_columns) if steady_rows.size else None
+        event_rows = np.flatnonzero(event)
+        if event_rows.size:
+            self._decode_events(batch, event_rows, code, new, out_len, rows)
+        return steady
+
+    def _decode_events(
+        self, batch: RunningBatch, event_rows: np.ndarray, code: np.ndarray, new: np.ndarray, out_len: np.ndarray, rows: list[Req]
+    ) -> None:
+        """The rows of a decode step that need their request: a finish (the request leaves
+        the batch), a stop string to check, stats due. Per-row work, for these rows only."""
+        events = [(batch.reqs[i], int(code[i]), int(new[i]), int(out_len[i])) for i in event_rows.tolist()]
+        for req, outcome, token, length in events:
+            batch.sync(req)
+            reason: FinishReason | None = None
+            if req.sampling.stop and outcome != STOP_TOKEN and length >= req.sampling.min_new_tokens:
+                reason = self.stop_checker.check(req)  # the text decides; its order of checks wins
+            elif outcome == STOP_TOKEN:
+                reason = FinishStop(matched=token)
+            elif outcome == LENGTH:
+                reason = FinishLength(length=req.sampling.max_new_tokens)
+            elif outcome == CONTEXT:
+                reason = FinishLength(length=length)
+            if reason is not None:
+                req.finish(reason)
+                batch.remove(req)
+            if req.output_due():
+                rows.append(req)
 
     def _append_tokens(self, reqs: list[Req], tokens: list[int], rows: list[Req]) -> list[Req]:
         """Appends one sampled token per request, checks stops, queues due rows; returns
@@ -420,7 +477,10 @@ class Scheduler:
             if self.prefilling:
                 victim = self.prefilling.pop()
             elif len(self.running) > 1:
-                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+                if isinstance(self.running, RunningBatch):
+                    victim = self.running.retraction_victim()
+                else:
+                    victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
                 self.running.remove(victim)
             else:
                 raise RuntimeError("a single request does not fit the KV pool; admission should have refused it")

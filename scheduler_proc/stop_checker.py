@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from pipeline.io_struct import FinishLength, FinishReason, FinishStop
 from scheduler_proc.req import Req
 
@@ -14,11 +16,15 @@ Decode = Callable[[Sequence[int], bool], str]
 
 _REPLACEMENT = "\ufffd"
 
+# What ``check_columns`` says of each row.
+RUNNING, STOP_TOKEN, LENGTH, CONTEXT = 0, 1, 2, 3
+
 
 class StopChecker:
     def __init__(self, eos_token_ids: frozenset[int], decode: Decode | None, context_length: int) -> None:
         """``decode`` None: no tokenizer (``--skip-tokenizer-init``), so no stop strings."""
         self._eos = eos_token_ids
+        self._eos_ids = np.array(sorted(eos_token_ids), dtype=np.int64)
         self._decode = decode
         self._context_length = context_length
 
@@ -45,6 +51,29 @@ class StopChecker:
         if req.seq_len >= self._context_length:
             return FinishLength(length=n)
         return None
+
+    def check_columns(
+        self,
+        new: np.ndarray,
+        out_len: np.ndarray,
+        seq_len: np.ndarray,
+        min_new: np.ndarray,
+        max_new: np.ndarray,
+        ignore_eos: np.ndarray,
+        stop_ids: np.ndarray,
+        has_stop_strings: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``check`` for a whole decode step at once, on the running batch's columns (after
+        the new token was appended). Returns each row's outcome (RUNNING, STOP_TOKEN,
+        LENGTH, CONTEXT) and the rows whose stop strings must still be checked: those go
+        through ``check`` one by one, since only text can tell, and its answer wins."""
+        may_stop = out_len >= min_new
+        hit = (stop_ids == new[:, None]).any(axis=1) if stop_ids.shape[1] else np.zeros(len(new), dtype=bool)
+        if self._eos_ids.size:
+            hit |= np.isin(new, self._eos_ids) & ~ignore_eos
+        hit &= may_stop
+        code = np.where(hit, STOP_TOKEN, np.where(out_len >= max_new, LENGTH, np.where(seq_len >= self._context_length, CONTEXT, RUNNING)))
+        return code, has_stop_strings & may_stop & ~hit
 
     def _match_stop_string(self, req: Req) -> str | None:
         """The stop string that the newest token completes, if any: of the occurrences

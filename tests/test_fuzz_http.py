@@ -557,16 +557,15 @@ def test_fuzzed_gets_with_junk_query_strings(urls: dict[str, str]) -> None:
 
 
 def test_top_p_that_rounds_to_zero_in_float32_still_samples_the_top_token() -> None:
-    from types import SimpleNamespace
-
     import torch
 
     from pipeline.io_struct import SamplingParams
-    from scheduler_proc.sampler import sample
+    from scheduler_proc.sampler import SamplingColumns, draw_counter, sample
 
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
-    reqs = [SimpleNamespace(sampling=SamplingParams(temperature=1.0, top_p=top_p), generator=None) for top_p in (5e-324, 1e-46)]
-    assert sample(logits, reqs) == torch.argmax(logits, dim=-1).tolist()  # the first token always survives
+    params = [SamplingParams(temperature=1.0, top_p=top_p) for top_p in (5e-324, 1e-46)]
+    cols = SamplingColumns.from_requests(params, [0, 0], [draw_counter(0)] * 2, [[], []], [[], []], 64, "cpu")
+    assert sample(logits, cols).tolist() == torch.argmax(logits, dim=-1).tolist()  # the first token always survives
 
 
 def test_an_embedding_input_of_exactly_the_context_length_is_embedded_or_refused(embedding_server: ServerProcess) -> None:

@@ -28,6 +28,7 @@ from pipeline.io_struct import (
     split_token_rows,
 )
 from scheduler_proc.main import attach_pd, build_scheduler
+from scheduler_proc.running_batch import RunningBatch
 from scheduler_proc.scheduler import Scheduler
 
 PROMPTS = [[(7 * i + 3 * j) % 3000 + 60 for i in range(24 + 5 * j)] for j in range(4)]
@@ -182,9 +183,11 @@ def test_forced_retraction_rebootstraps_and_finishes_the_same(
 
     def retract_once() -> None:
         # Once every request decodes, retract the one with the most output, as a full pool would.
-        if not forced and len(decode.running) == len(PROMPTS) and all(len(r.output_ids) >= 5 for r in decode.running):
-            victim = max(decode.running, key=lambda r: len(r.output_ids))
-            decode.running.remove(victim)
+        batch = decode.running
+        assert isinstance(batch, RunningBatch)
+        if not forced and len(batch) == len(PROMPTS) and batch.output_len().min() >= 5:
+            victim = batch.reqs[int(batch.output_len().argmax())]
+            batch.remove(victim)
             decode._retract(victim, time.time())
             forced.append(victim.req_id)
 
