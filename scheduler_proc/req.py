@@ -28,6 +28,7 @@ from pipeline.io_struct import (
 )
 
 _replace = msgspec.structs.replace
+_SEED_MASK = (1 << 64) - 1
 
 # Requests whose next row is due to carry stats: added by the stats setter, at creation and
 # at the finish; removed by take_request_stats_due when it records a send. While it is empty
@@ -97,7 +98,8 @@ class Req:
         self.prefix_node: Any = None  # radix-cache node locked for this request
         # The seed of every draw (SPEC section 10): the client's, or a random one fixed at
         # arrival, so an unseeded request takes the same counter-based path as a seeded one.
-        self.seed = sampling.seed if sampling.seed is not None else random.getrandbits(63)
+        # Any integer a client sends is a seed: the draws read its low 64 bits.
+        self.seed = (sampling.seed if sampling.seed is not None else random.getrandbits(64)) & _SEED_MASK
         self.is_embedding = is_embedding
         self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits

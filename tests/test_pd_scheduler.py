@@ -155,8 +155,9 @@ def test_decode_output_equals_unified_and_carries_prefill_stats(tmp_path: Path, 
 
 
 def test_seeded_sampling_through_pd_equals_unified(tmp_path: Path) -> None:
-    """The prefill server draws the first token; the decode side's generator then skips
-    that draw, so every later token is the one a unified server draws with the same seed."""
+    """The prefill server draws the first token; the decode side draws the rest, each at
+    its output index with the request's seed, so every token is the one a unified server
+    draws."""
     expected = unified_outputs(SEEDED)
     prefill, _ = make("prefill", tmp_path)
     decode, _ = make("decode", tmp_path)

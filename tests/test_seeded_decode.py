@@ -183,3 +183,14 @@ def test_a_steady_decode_step_asks_no_request_anything(monkeypatch: pytest.Monke
     assert calls == []
     run(s)
     assert calls.count("sync") >= 6  # the finish is an event: each request is synced as it leaves
+
+
+def test_any_integer_is_a_seed() -> None:
+    """A negative seed or one past 64 bits (both arrive from clients) is read by its low
+    64 bits, never a crash: the fuzz test once found -1 killing the scheduler."""
+    s = make()
+    submit(s, 0, PROMPTS[0], SamplingParams(temperature=0.9, seed=-1))
+    submit(s, 1, PROMPTS[0], SamplingParams(temperature=0.9, seed=(1 << 64) - 1))
+    submit(s, 2, PROMPTS[0], SamplingParams(temperature=0.9, seed=(1 << 63) + 5))
+    got = run(s)
+    assert got[0] == got[1] and len(got[2]) == MAX_NEW
