@@ -78,7 +78,10 @@ class RunningBatch:
         return iter(self.reqs)
 
     def __contains__(self, req: object) -> bool:
-        return isinstance(req, Req) and self._row_of.get(req.req_id) is not None and self.reqs[self._row_of[req.req_id]] is req
+        if not isinstance(req, Req):
+            return False
+        row = self._row_of.get(req.req_id)
+        return row is not None and self.reqs[row] is req
 
     def row_of(self, req: Req) -> int:
         return self._row_of[req.req_id]
@@ -275,9 +278,10 @@ class RunningBatch:
             if self.seen is not None:
                 self.seen[index] = True
 
-    def output_len(self, rows: slice | np.ndarray = slice(None)) -> np.ndarray:
+    def output_len(self) -> np.ndarray:
+        """Output tokens so far, per row."""
         n = self._n
-        return (self.seq_len[:n] - self.prompt_len[:n])[rows]
+        return self.seq_len[:n] - self.prompt_len[:n]
 
     def due(self, finished: np.ndarray) -> np.ndarray:
         """Which rows go out this step (SPEC section 4): finished ones, and streaming ones
