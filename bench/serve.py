@@ -519,7 +519,7 @@ def sampling_variants(cfg: LoadConfig, temperature: float | None, top_p: float |
 
 
 BRIEF_KEYS = ("requests", "completed", "duration_s", "requests_per_s", "output_tokens", "output_tokens_per_s")
-BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "tokens_lost", "scheduler_steps")
+BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "error_examples", "tokens_lost", "scheduler_steps")
 
 
 def brief(run: dict[str, Any]) -> dict[str, Any]:
