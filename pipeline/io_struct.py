@@ -99,6 +99,18 @@ class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     tracestate: str | None = None
 
 
+class LogprobParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """The logprobs a request asks for (SPEC section 11): the chosen token's always, the
+    ``top_logprobs_num`` most likely tokens at each position (0..20), the logprobs of the
+    ``token_ids_logprob`` ids at each position, and from ``logprob_start_len`` (-1: none)
+    the prompt's. Values are the model's raw log-softmax, before bias, penalties,
+    temperature and cuts."""
+
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    token_ids_logprob: tuple[int, ...] = ()
+
+
 class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True, gc=False):
     rid: str
     req_id: int
@@ -112,6 +124,7 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit
     # server fetches the KV from the prefill scheduler at ``bootstrap_endpoint``.
     bootstrap_endpoint: str | None = None
     bootstrap_room: int | None = None
+    logprobs: LogprobParams | None = None  # None: no logprobs asked
 
 
 class TokenizedEmbeddingReqInput(msgspec.Struct, tag="emb", array_like=True, omit_defaults=True, gc=False):
@@ -255,6 +268,28 @@ class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
     decode_options: list[DecodeOptions | None] | None = None
     # --dense-usage-columns only; appended last so older decoders ignore it.
     usage: UsageColumns | None = None
+    # Logprobs of the rows that asked; nil when no row of the frame did.
+    logprobs: OutputLogprobs | None = None
+
+
+class OutputLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """The logprobs of a frame's rows that asked for them, as columns (docs/wire.md).
+
+    ``rows`` (int32, ascending) are indices into the frame's rows; for each such row there
+    is one entry per new token of that row (its output count), in token order:
+    ``token_logprobs`` (float32, the chosen token's), then ``top_k[i]`` (int32 per listed
+    row) pairs of ``top_ids`` (int32) and ``top_logprobs`` (float32), most likely first,
+    then ``ids_count[i]`` values of ``ids_logprobs`` (float32), one per id of the request's
+    ``token_ids_logprob`` in its order. The flat blocks are laid out row by row, token by
+    token: row i, token j holds ``top_k[i]`` entries of the top block."""
+
+    rows: bytes
+    token_logprobs: bytes
+    top_k: bytes
+    top_ids: bytes
+    top_logprobs: bytes
+    ids_count: bytes
+    ids_logprobs: bytes
 
 
 class DecodeOptions(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -277,6 +312,7 @@ class BatchStrOutput(msgspec.Struct, tag="str", array_like=True, gc=False):
     completion_tokens: bytes
     finished_reasons: list[FinishReason | None] | None = None
     request_stats: list[RequestOutputStats | None] | None = None
+    logprobs: OutputLogprobs | None = None  # passed through from BatchTokenIDOutput
 
 
 class BatchEmbeddingOutput(msgspec.Struct, tag="emb_out", array_like=True, gc=False):

@@ -14,7 +14,7 @@ state. Off, nothing of it runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -32,6 +32,7 @@ from pipeline.io_struct import (
     RequestOutputStats,
     UsageColumns,
 )
+from pipeline.logprob_columns import TokenLogprobs, build_output_logprobs
 from scheduler_proc.req import PENDING_STATS, Req
 
 
@@ -65,6 +66,8 @@ class SteadyRows:
     counts: np.ndarray
     completion: np.ndarray
     reqs: list[Req]
+    # (index among these rows, its logprobs) for the rows whose requests asked.
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -80,11 +83,19 @@ def build_token_output(
     request has stats pending (``PENDING_STATS``): a first row, a finished row and a row
     after a stats change are all pending, so a steady decode step skips those calls.
     ``dense_usage`` adds ``UsageColumns`` on every row (``--dense-usage-columns``)."""
+    # Logprobs first: taking them is what marks them sent, whichever rows exist.
+    logprobs = [(i, part) for i, part in ((i, r.take_pending_logprobs()) for i, r in enumerate(reqs) if r.pending_logprobs) if part]
     if steady is None or not len(steady):
-        return _build_request_rows(reqs, dense_usage)
-    if not reqs:
-        return _steady_frame(steady, dense_usage)
-    return _concat(_build_request_rows(reqs, dense_usage), _steady_frame(steady, dense_usage))
+        frame = _build_request_rows(reqs, dense_usage)
+    elif not reqs:
+        frame = _steady_frame(steady, dense_usage)
+    else:
+        frame = _concat(_build_request_rows(reqs, dense_usage), _steady_frame(steady, dense_usage))
+    if steady is not None:
+        logprobs += [(len(reqs) + j, part) for j, part in steady.logprobs]
+    if logprobs:
+        frame.logprobs = build_output_logprobs([i for i, _ in logprobs], [part for _, part in logprobs])
+    return frame
 
 
 def _steady_frame(steady: SteadyRows, dense_usage: bool) -> BatchTokenIDOutput:

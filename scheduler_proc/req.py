@@ -20,12 +20,14 @@ import torch
 
 from pipeline.io_struct import (
     DecodeOptions,
+    LogprobParams,
     FinishReason,
     MediaItem,
     RequestOutputStats,
     SamplingParams,
     SchedulerTimeStats,
 )
+from pipeline.logprob_columns import TokenLogprobs
 
 _replace = msgspec.structs.replace
 _SEED_MASK = (1 << 64) - 1
@@ -53,6 +55,8 @@ class Req:
         "num_computed",
         "prefix_node",
         "seed",
+        "logprob",
+        "pending_logprobs",
         "stats_epoch",
         "request_stats_retraction_count",
         "_stats_epoch_sent",
@@ -81,6 +85,7 @@ class Req:
         media: tuple[MediaItem, ...] = (),
         collect_time_stats: bool = True,
         is_embedding: bool = False,
+        logprob: LogprobParams | None = None,
     ) -> None:
         self.rid = rid
         self.req_id = req_id
@@ -99,6 +104,9 @@ class Req:
         # The seed of every draw (SPEC section 10): the client's, or a random one fixed at
         # arrival, so an unseeded request takes the same counter-based path as a seeded one.
         # Any integer a client sends is a seed: the draws read its low 64 bits.
+        # Logprobs asked (None: none), and those of generated tokens not yet in a row.
+        self.logprob: LogprobParams | None = logprob
+        self.pending_logprobs: list[TokenLogprobs] = []
         self.seed = (sampling.seed if sampling.seed is not None else random.getrandbits(64)) & _SEED_MASK
         self.is_embedding = is_embedding
         self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
@@ -165,6 +173,15 @@ class Req:
         self._stats_epoch_sent = self.stats_epoch
         PENDING_STATS.discard(self)
         return self._stats
+
+    def take_pending_logprobs(self) -> TokenLogprobs | None:
+        """The logprobs of the tokens this row carries (all generated since the last row),
+        handed over once: a retraction never resends or recomputes them."""
+        if not self.pending_logprobs:
+            return None
+        part = TokenLogprobs.join(self.pending_logprobs)
+        self.pending_logprobs = []
+        return part
 
     def take_decode_options_due(self) -> DecodeOptions | None:
         """The detokenizer's per-request options, on the request's first row only."""

@@ -64,6 +64,7 @@ class RunningBatch:
         self.presence_penalty = np.zeros(cap, dtype=np.float32)
         self.repetition_penalty = np.ones(cap, dtype=np.float32)
         self.has_bias = np.zeros(cap, dtype=bool)
+        self.wants_logprobs = np.zeros(cap, dtype=bool)
         # [cap, vocab] penalty state, made when the first request that needs it joins.
         self.output_counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
@@ -134,6 +135,7 @@ class RunningBatch:
         self.presence_penalty[row] = s.presence_penalty
         self.repetition_penalty[row] = s.repetition_penalty
         self.has_bias[row] = bool(s.logit_bias)
+        self.wants_logprobs[row] = req.logprob is not None
         self._set_penalty_rows(row, req)
         req.kv_slots = None  # the row holds them now (see the module docstring)
 
@@ -205,7 +207,7 @@ class RunningBatch:
             self.req_id, self.prompt_len, self.seq_len, self.sent, self.joined, self.max_new, self.min_new,
             self.ignore_eos, self.stream, self.interval, self.has_stop_strings, self.stop_ids, self.seed,
             self.temperature, self.top_k, self.top_p, self.min_p, self.frequency_penalty, self.presence_penalty,
-            self.repetition_penalty, self.has_bias,
+            self.repetition_penalty, self.has_bias, self.wants_logprobs,
         )  # fmt: skip
 
     def _grow(self) -> None:
@@ -213,7 +215,7 @@ class RunningBatch:
         for name in (
             "req_id", "prompt_len", "seq_len", "sent", "joined", "max_new", "min_new", "ignore_eos", "stream",
             "interval", "has_stop_strings", "stop_ids", "seed", "temperature", "top_k", "top_p", "min_p",
-            "frequency_penalty", "presence_penalty", "repetition_penalty", "has_bias", "tokens",
+            "frequency_penalty", "presence_penalty", "repetition_penalty", "has_bias", "wants_logprobs", "tokens",
         ):  # fmt: skip
             old = getattr(self, name)
             new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
@@ -307,4 +309,10 @@ class RunningBatch:
             tokens = self.tokens[np.repeat(rows, counts), np.repeat(starts, counts) + offsets]
         self.sent[rows] = completion
         reqs = [self.reqs[i] for i in rows.tolist()] if with_reqs else []
-        return SteadyRows(self.req_id[rows], tokens, counts, completion, reqs)
+        # Rows that asked for logprobs hand theirs over (per row: only those rows).
+        logprobs = []
+        for j in np.flatnonzero(self.wants_logprobs[rows]).tolist():
+            part = self.reqs[int(rows[j])].take_pending_logprobs()
+            if part is not None:
+                logprobs.append((j, part))
+        return SteadyRows(self.req_id[rows], tokens, counts, completion, reqs, logprobs)

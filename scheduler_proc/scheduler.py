@@ -53,6 +53,7 @@ from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, install_prebuilt
 from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
+from scheduler_proc.logprobs import step_logprobs
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import PENDING_STATS, Req
 from scheduler_proc.running_batch import RunningBatch
@@ -138,6 +139,7 @@ class Scheduler:
             media=msg.media,
             collect_time_stats=self.collect_time_stats,
             is_embedding=embedding,
+            logprob=None if embedding else msg.logprobs,  # type: ignore[union-attr]
         )
         room = None if embedding else msg.bootstrap_room  # type: ignore[union-attr]
         if room is not None and self.pd_prefill is not None:
@@ -354,7 +356,19 @@ class Scheduler:
             logits.shape[-1],
             logits.device,
         )
-        return self.runner.sample(logits, columns).tolist()  # type: ignore[no-any-return]
+        tokens = self.runner.sample(logits, columns)
+        asking = [i for i, r in enumerate(reqs) if r.logprob is not None]
+        if asking:
+            self._keep_logprobs(logits, np.array(asking), tokens, [reqs[i] for i in asking])
+        return tokens.tolist()  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _keep_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, reqs: list[Req]) -> None:
+        """The logprobs of this step's token of each request that asked (one batched
+        computation), kept on the request until its row goes out."""
+        parts = step_logprobs(logits, rows, tokens[rows], [r.logprob for r in reqs])  # type: ignore[misc]
+        for req, part in zip(reqs, parts):
+            req.pending_logprobs.append(part)
 
     def _record_admission(self, req: Req, fetched: Fetched | None) -> None:
         """Stats of an admission: time spent reading HiCache storage (every admission), and
@@ -406,6 +420,9 @@ class Scheduler:
         self.forward_steps += 1
         new = self.runner.sample(logits, batch.sampling_columns())
         batch.append_tokens(new)
+        asking = np.flatnonzero(batch.wants_logprobs[:n])
+        if asking.size:
+            self._keep_logprobs(logits, asking, new, [batch.reqs[i] for i in asking.tolist()])
         self.generated_tokens_total += n
         out_len = batch.output_len()
         code, check_strings = self.stop_checker.check_columns(

@@ -1,0 +1,91 @@
+"""A frame's logprob columns (``OutputLogprobs``, SPEC section 11): laid out from each
+row's logprobs by the scheduler, read back per row by the tokenizer manager."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.io_struct import OutputLogprobs
+
+LOGPROB_DTYPE = np.dtype("<f4")
+LOGPROB_ID_DTYPE = np.dtype("<i4")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The logprobs of consecutive output tokens of one request, one entry per token."""
+
+    chosen: np.ndarray  # float32 [t]
+    top_ids: np.ndarray  # int32 [t, k]
+    top_values: np.ndarray  # float32 [t, k]
+    ids_values: np.ndarray  # float32 [t, m]
+
+    @staticmethod
+    def join(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
+        if len(parts) == 1:
+            return parts[0]
+        return TokenLogprobs(
+            np.concatenate([p.chosen for p in parts]),
+            np.concatenate([p.top_ids for p in parts]),
+            np.concatenate([p.top_values for p in parts]),
+            np.concatenate([p.ids_values for p in parts]),
+        )
+
+
+def build_output_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> OutputLogprobs | None:
+    """The frame's logprob columns: ``rows`` are frame row indices (ascending), ``parts``
+    each row's logprobs for exactly the tokens it carries."""
+    if not rows:
+        return None
+    return OutputLogprobs(
+        rows=np.asarray(rows, dtype=np.int32).tobytes(),
+        token_logprobs=np.concatenate([p.chosen for p in parts]).astype(LOGPROB_DTYPE, copy=False).tobytes(),
+        top_k=np.array([p.top_ids.shape[1] for p in parts], dtype=np.int32).tobytes(),
+        top_ids=np.concatenate([p.top_ids.reshape(-1) for p in parts]).astype(LOGPROB_ID_DTYPE, copy=False).tobytes(),
+        top_logprobs=np.concatenate([p.top_values.reshape(-1) for p in parts]).astype(LOGPROB_DTYPE, copy=False).tobytes(),
+        ids_count=np.array([p.ids_values.shape[1] for p in parts], dtype=np.int32).tobytes(),
+        ids_logprobs=np.concatenate([p.ids_values.reshape(-1) for p in parts]).astype(LOGPROB_DTYPE, copy=False).tobytes(),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RowLogprobs:
+    """One frame row's logprobs read back from ``OutputLogprobs`` (the API's view)."""
+
+    chosen: list[float]
+    top: list[list[tuple[float, int]]]  # per token: (logprob, id), most likely first
+    ids: list[list[float]]  # per token: one value per asked id
+
+
+def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, RowLogprobs]:
+    """Frame row index -> its logprobs; ``counts`` are the frame's output counts per row.
+    Raises ValueError when the columns do not add up (a malformed frame)."""
+    rows = np.frombuffer(lp.rows, dtype=np.int32)
+    chosen = np.frombuffer(lp.token_logprobs, dtype=LOGPROB_DTYPE)
+    top_k = np.frombuffer(lp.top_k, dtype=np.int32)
+    top_ids = np.frombuffer(lp.top_ids, dtype=LOGPROB_ID_DTYPE)
+    top_values = np.frombuffer(lp.top_logprobs, dtype=LOGPROB_DTYPE)
+    ids_count = np.frombuffer(lp.ids_count, dtype=np.int32)
+    ids_values = np.frombuffer(lp.ids_logprobs, dtype=LOGPROB_DTYPE)
+    if not (len(rows) == len(top_k) == len(ids_count)) or (len(rows) and (rows.min() < 0 or rows.max() >= len(counts))):
+        raise ValueError("logprob columns do not match the frame's rows")
+    tokens = np.asarray(counts, dtype=np.int64)[rows] if len(rows) else np.zeros(0, dtype=np.int64)
+    if len(chosen) != tokens.sum() or len(top_ids) != len(top_values) or len(top_ids) != (tokens * top_k).sum():
+        raise ValueError("logprob columns do not match the frame's token counts")
+    if len(ids_values) != (tokens * ids_count).sum():
+        raise ValueError("token_ids_logprob columns do not match the frame's token counts")
+    out: dict[int, RowLogprobs] = {}
+    c = t = v = 0
+    for row, n, k, m in zip(rows.tolist(), tokens.tolist(), top_k.tolist(), ids_count.tolist()):
+        ids_block = top_ids[t : t + n * k].reshape(n, k).tolist()
+        vals_block = top_values[t : t + n * k].reshape(n, k).tolist()
+        out[row] = RowLogprobs(
+            chosen=chosen[c : c + n].tolist(),
+            top=[list(zip(vs, ids)) for vs, ids in zip(vals_block, ids_block)],
+            ids=ids_values[v : v + n * m].reshape(n, m).tolist(),
+        )
+        c, t, v = c + n, t + n * k, v + n * m
+    return out

@@ -1,0 +1,46 @@
+"""Output-token logprobs (SPEC section 11), computed in a step's batched pass for the rows
+that asked; each request keeps them (``Req.pending_logprobs``) until its row goes out.
+
+Values are the model's raw distribution, ``log_softmax`` of the logits before bias,
+penalties, temperature and cuts (vLLM's default). A step in which no row asked computes
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pipeline.io_struct import LogprobParams
+from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
+
+
+def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams]) -> list[TokenLogprobs]:
+    """The logprobs of this step's token for each of ``rows`` (indices into ``logits``,
+    whose requests ask ``asks``): one log-softmax over those rows only, one gather of the
+    chosen tokens, one top-k of the largest k asked, one gather of the asked ids. The
+    per-request results are views of those batched arrays."""
+    lp = torch.log_softmax(logits.index_select(0, torch.from_numpy(rows).to(logits.device)).float(), dim=-1)
+    chosen = lp.gather(1, torch.from_numpy(tokens.astype(np.int64)).to(lp.device).unsqueeze(1)).squeeze(1)
+    ks = [a.top_logprobs_num for a in asks]
+    k = max(ks)
+    if k:
+        top_values, top_ids = lp.topk(k, dim=1)  # sorted, most likely first
+        top_v, top_i = top_values.cpu().numpy(), top_ids.cpu().numpy().astype(LOGPROB_ID_DTYPE)
+    else:
+        top_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
+        top_i = np.empty((len(rows), 0), dtype=LOGPROB_ID_DTYPE)
+    ms = [len(a.token_ids_logprob) for a in asks]
+    m = max(ms)
+    if m:
+        ids = torch.tensor([list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks], dtype=torch.long)
+        ids_v = lp.gather(1, ids.to(lp.device)).cpu().numpy()
+    else:
+        ids_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
+    chosen_v = chosen.cpu().numpy()
+    return [
+        TokenLogprobs(chosen_v[i : i + 1], top_i[i : i + 1, : ks[i]], top_v[i : i + 1, : ks[i]], ids_v[i : i + 1, : ms[i]])
+        for i in range(len(rows))
+    ]
