@@ -45,6 +45,7 @@ def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOu
         completion_tokens=frame.completion_tokens,
         finished_reasons=frame.finished_reasons,
         request_stats=frame.request_stats,
+        logprobs=frame.logprobs,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pipeline.io_struct import SamplingParams
+from pipeline.io_struct import LogprobParams, SamplingParams
 from tokenizer_proc.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.request_errors import RequestValidationError
 
@@ -27,6 +27,8 @@ MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's frequency and presence range
 # SGLang allows [0, 2], vLLM anything above 0: a positive logit is divided by it, so not 0.
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num, as OpenAI's top_logprobs
+MAX_TOKEN_IDS_LOGPROB = 128  # token_ids_logprob entries: each costs a float per token on the wire
 MAX_LOGIT_BIAS = 1024
 """Entries of one request's ``logit_bias``: vLLM v1's limit (OpenAI documents none)."""
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -206,6 +208,22 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bootstrap_host: HostField | None = None
     bootstrap_port: PortField | None = None
     model: str | None = None  # sglang-router sends null; a name must be the served model's
+    # Logprobs (SPEC section 11), SGLang's names.
+    return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
+    token_ids_logprob: Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
+    return_text_in_logprobs: bool = False
+
+    def logprob_params(self) -> LogprobParams | None:
+        """What the scheduler computes; None when no logprobs are asked."""
+        if not self.return_logprob:
+            return None
+        if self.logprob_start_len != -1:
+            raise RequestValidationError(
+                "logprob_start_len: prompt logprobs are not served yet; send -1 (output tokens only)", "logprob_start_len"
+            )
+        return LogprobParams(top_logprobs_num=self.top_logprobs_num, token_ids_logprob=tuple(self.token_ids_logprob or ()))
 
     def bootstrap(self) -> Bootstrap | None:
         return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
@@ -225,12 +243,7 @@ GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
         ("mm_content_hashes", ()),
         ("use_audio_in_video", (False,)),
         ("video_config", ()),
-        ("return_logprob", (False,)),
-        ("logprob_start_len", (-1,)),
-        ("top_logprobs_num", (0,)),
-        ("token_ids_logprob", ([],)),
         ("return_sampling_mask", (False,)),
-        ("return_text_in_logprobs", (False,)),
         ("return_flat_raw_top_logprobs", (False,)),
         ("return_flat_raw_top_logprobs_b64", (False,)),
         ("log_metrics", (True,)),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -14,10 +14,26 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import BearerAuth, install_error_handlers
 from pipeline.io_struct import SamplingParams
-from tokenizer_proc.api_schema import AbortRequestBody, GenerateBody, GenerateRequest, RequestValidationError, decode_body
+from tokenizer_proc.api_schema import (
+    AbortRequestBody,
+    GenerateBody,
+    GenerateRequest,
+    RequestValidationError,
+    decode_body,
+)
 from tokenizer_proc.embeddings_api import build_embeddings_router
 from tokenizer_proc.hicache_api import build_hicache_router
-from tokenizer_proc.http_common import ClientGone, error_response, model_not_found, refusal, sse, trace_context, wait_finished, wait_started
+from tokenizer_proc.http_common import (
+    ClientGone,
+    error_response,
+    model_not_found,
+    refusal,
+    sse,
+    trace_context,
+    wait_finished,
+    wait_started,
+)
+from tokenizer_proc.logprob_meta import TokenText, logprob_meta
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
@@ -68,13 +84,15 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             trace=trace_context(request),
             created_time=arrived,
             bootstrap=obj.bootstrap(),
+            logprobs=obj.logprob_params(),
         )
+        text_of = _token_text(tm) if obj.return_text_in_logprobs else None
         try:
             if obj.stream:
                 # A refusal (full queue, scheduler's check, PD failure) is the first change
                 # when it comes: answer it with its status rather than a 200 stream.
                 if await wait_started(tm, [state], request) is None:
-                    return StreamingResponse(_stream_generate(tm, state), media_type="text/event-stream")
+                    return StreamingResponse(_stream_generate(tm, state, text_of), media_type="text/event-stream")
             else:
                 await wait_finished(tm, state, request)
         except ClientGone:
@@ -82,7 +100,10 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         refused = refusal(state)
         if refused is not None:
             return refused
-        return JSONResponse(_generate_body(tm, state.text, state.output_ids, build_meta_info(state)))
+        meta = build_meta_info(state)
+        if state.logprob is not None:
+            meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
+        return JSONResponse(_generate_body(tm, state.text, state.output_ids, meta))
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -135,7 +156,16 @@ def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_
     return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
 
 
-async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterator[bytes]:
+def _token_text(tm: TokenizerManager) -> TokenText | None:
+    """One token's text for ``return_text_in_logprobs`` (special tokens shown); None
+    without a tokenizer, so the texts are null."""
+    tokenizer = tm.tokenizer
+    if tokenizer is None:
+        return None
+    return lambda token: tokenizer.decode([token], skip_special_tokens=False)
+
+
+async def _stream_generate(tm: TokenizerManager, state: ReqState, text_of: TokenText | None = None) -> AsyncIterator[bytes]:
     try:
         # Not ``tm.wait``: it ends as soon as the state is finished, but rows and the finish
         # that come while events are being sent must still go out after them.
@@ -152,6 +182,8 @@ async def _stream_generate(tm: TokenizerManager, state: ReqState) -> AsyncIterat
             for i, chunk in enumerate(chunks):
                 final = finished and i == len(chunks) - 1  # the finish goes on the last event only
                 meta = build_meta_info(state, None if final else chunk)
+                if state.logprob is not None:
+                    meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, text_of))
                 with sending([state]):
                     yield sse(_generate_body(tm, chunk.text, chunk.ids, meta))
         yield b"data: [DONE]\n\n"

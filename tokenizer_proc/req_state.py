@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.io_struct import FinishReason, RequestOutputStats, SamplingParams, TraceContext
+from pipeline.io_struct import FinishReason, LogprobParams, RequestOutputStats, SamplingParams, TraceContext
+from pipeline.logprob_columns import RowLogprobs
 
 # Beyond this many unread chunks every row merges into the last: a defensive bound for a
 # reader that is slow without ever blocking a send (the merge while sending is the usual one).
@@ -37,6 +38,22 @@ class StreamChunk:
     ids: list[int]
     completion_tokens: int
     stats: RequestOutputStats | None
+    logprobs: LogprobEntries | None = None  # the logprobs of ``ids``, when the request asked
+
+
+@dataclass
+class LogprobEntries:
+    """Output-token logprobs, one entry per token: the chosen token's, the top ones
+    ((logprob, id), most likely first) and those of the asked ids, in their order."""
+
+    chosen: list[float] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] = field(default_factory=list)
+    ids: list[list[float]] = field(default_factory=list)
+
+    def extend(self, row: RowLogprobs) -> None:
+        self.chosen.extend(row.chosen)
+        self.top.extend(row.top)
+        self.ids.extend(row.ids)
 
 
 @dataclass
@@ -46,6 +63,7 @@ class ReqState:
     stream: bool
     sampling: SamplingParams
     created_time: float  # time.time() when the HTTP request arrived
+    logprob: LogprobParams | None = None  # the logprobs asked; None: none
     trace: TraceContext | None = None
     operation: str = "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
     internal: bool = False  # a health probe: served, but kept out of metrics and traces
@@ -60,6 +78,7 @@ class ReqState:
     # Non-streaming requests accumulate here; streaming ones only keep what is unread.
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
+    logprobs: LogprobEntries = field(default_factory=LogprobEntries)  # non-streaming, when asked
     pending: list[StreamChunk] = field(default_factory=list)
     sending: bool = False  # a stream event is being sent: new rows merge into the last chunk
     embedding: np.ndarray | None = None  # embedding requests: the pooled vector
@@ -82,19 +101,21 @@ class ReqState:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def add_output(self, text: str, ids: list[int], completion_tokens: int, now: float) -> None:
+    def add_output(self, text: str, ids: list[int], completion_tokens: int, now: float, logprobs: RowLogprobs | None = None) -> None:
         if ids:
             if self.first_token_time is None:
                 self.first_token_time = now
             self.last_token_time = now
         self.completion_tokens = completion_tokens
         if self.stream:
-            self._queue(text, ids, completion_tokens)
+            self._queue(text, ids, completion_tokens, logprobs)
         else:
             self.text += text
             self.output_ids.extend(ids)
+            if logprobs is not None:
+                self.logprobs.extend(logprobs)
 
-    def _queue(self, text: str, ids: list[int], completion_tokens: int) -> None:
+    def _queue(self, text: str, ids: list[int], completion_tokens: int, logprobs: RowLogprobs | None) -> None:
         if not text and not ids:
             return  # nothing to show: a finish without output gets its event from take_pending
         if self.pending and (self.sending or len(self.pending) >= MAX_PENDING_CHUNKS):
@@ -104,7 +125,12 @@ class ReqState:
             last.completion_tokens = completion_tokens
             last.stats = self.request_stats
         else:
-            self.pending.append(StreamChunk(text, list(ids), completion_tokens, self.request_stats))
+            last = StreamChunk(text, list(ids), completion_tokens, self.request_stats)
+            self.pending.append(last)
+        if logprobs is not None:
+            if last.logprobs is None:
+                last.logprobs = LogprobEntries()
+            last.logprobs.extend(logprobs)
 
     def take_pending(self) -> list[StreamChunk]:
         """The unread chunks, oldest first. Once finished there is always at least one: the

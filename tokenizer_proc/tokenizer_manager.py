@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from pipeline.config import ServerConfig
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
+from pipeline.logprob_columns import read_output_logprobs
 from pipeline.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
@@ -36,6 +37,7 @@ from pipeline.io_struct import (
     FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
+    LogprobParams,
     MediaItem,
     SamplingParams,
     SchedulerStatsReport,
@@ -235,6 +237,7 @@ class TokenizerManager:
         operation: str = "generate",
         internal: bool = False,
         bootstrap: Bootstrap | None = None,
+        logprobs: LogprobParams | None = None,
     ) -> ReqState:
         if self.config.mode == "embedding" and not internal:
             raise RequestValidationError(
@@ -242,7 +245,13 @@ class TokenizerManager:
             )
         sampling, bootstrap = self._pd_half(sampling, bootstrap, internal)
         self.validate_sampling(len(input_ids), sampling)
+        if logprobs is not None and logprobs.token_ids_logprob and max(logprobs.token_ids_logprob) >= self.vocab_size:
+            raise RequestValidationError(
+                f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below the vocabulary size {self.vocab_size}",
+                "token_ids_logprob",
+            )
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
+        state.logprob = logprobs
         state.operation = operation
         state.internal = internal
         state.prompt_tokens = len(input_ids)
@@ -258,6 +267,7 @@ class TokenizerManager:
                 trace=trace,
                 bootstrap_endpoint=bootstrap.endpoint if bootstrap is not None else None,
                 bootstrap_room=bootstrap.room if bootstrap is not None else None,
+                logprobs=logprobs,
             )
         )
         return state
@@ -380,6 +390,8 @@ class TokenizerManager:
         columns = read_token_rows(frame)  # ValueError when a column disagrees: nothing applied
         req_ids, rows, completion = columns.req_ids, columns.tokens, columns.completion_tokens
         n = len(req_ids)
+        # Also a ValueError (nothing applied) when the logprob columns disagree with the rows.
+        logprobs = read_output_logprobs(frame.logprobs, [len(r) for r in rows]) if frame.logprobs is not None else {}
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
         metrics = self.metrics.requests if self.metrics is not None else None
@@ -394,7 +406,7 @@ class TokenizerManager:
                 )
                 continue
             previous_token_time = state.last_token_time
-            state.add_output(frame.text_deltas[i], rows[i], completion[i], now)
+            state.add_output(frame.text_deltas[i], rows[i], completion[i], now, logprobs.get(i))
             if metrics is not None and rows[i] and not state.internal:
                 metrics.on_tokens(state, len(rows[i]), previous_token_time, now)
             reason = finished_col[i] if finished_col is not None else None

@@ -1,0 +1,131 @@
+"""/generate logprobs against Hugging Face transformers on a checkpoint the test writes:
+the chosen token's, the top ones and those of asked ids are transformers' log-softmax of
+the logits that predicted each token (within 1e-4), greedy and sampled, streamed (the
+events' entries join to the whole answer's) and not."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from bench.small_checkpoint import write
+from tests.server_harness import ServerProcess
+
+PROMPT = "The quick brown fox jumps over"
+TOP = 3
+ASKED_IDS = [5, 77, 1000]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("logprob-ckpt")
+    write(directory, layers=2, hidden=64, seed=11)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint: Path):  # type: ignore[no-untyped-def]
+    if importlib.util.find_spec("transformers") is None:
+        message = "transformers is not installed (make test installs it)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + "; CI=true: a missing reference is a failure")
+        pytest.skip(message)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("logprob-server") / "tmp", ["--model-path", str(checkpoint)]).wait_ready()
+    yield srv
+    srv.stop()
+
+
+def reference(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """transformers' log-softmax of the logits that predicted each output token."""
+    ids = torch.tensor([prompt_ids + output_ids[:-1]])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt_ids) - 1 :]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def body(sampling: dict[str, object], stream: bool) -> dict[str, object]:
+    return {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": 12, "ignore_eos": True, **sampling},
+        "stream": stream,
+        "return_logprob": True,
+        "top_logprobs_num": TOP,
+        "token_ids_logprob": ASKED_IDS,
+        "return_text_in_logprobs": True,
+    }
+
+
+def streamed(server: ServerProcess, payload: dict[str, object]) -> tuple[list[int], dict[str, list[object]]]:
+    ids: list[int] = []
+    joined: dict[str, list[object]] = {"output_token_logprobs": [], "output_top_logprobs": [], "output_token_ids_logprobs": []}
+    with httpx.stream("POST", server.url + "/generate", json=payload, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            ids += event["output_ids"]
+            for key in joined:
+                assert len(event["meta_info"][key]) == len(event["output_ids"]), "an event's entries are its own tokens'"
+                joined[key] += event["meta_info"][key]
+    return ids, joined
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}], ids=["greedy", "sampled"]
+)
+def test_generate_logprobs_equal_transformers(server: ServerProcess, hf_model, sampling: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
+    whole = httpx.post(server.url + "/generate", json=body(sampling, stream=False), timeout=60).json()
+    meta = whole["meta_info"]
+    out = whole["output_ids"]
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    ref = reference(hf_model, prompt_ids, out)
+    assert len(meta["output_token_logprobs"]) == len(out) == 12
+    for j, (lp, token, text) in enumerate(meta["output_token_logprobs"]):
+        assert token == out[j] and isinstance(text, str)
+        assert lp == pytest.approx(float(ref[j, token]), abs=1e-4)
+        values, top_ids = ref[j].topk(TOP)
+        assert [e[1] for e in meta["output_top_logprobs"][j]] == top_ids.tolist()
+        assert [e[0] for e in meta["output_top_logprobs"][j]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [e[1] for e in meta["output_token_ids_logprobs"][j]] == ASKED_IDS
+        assert [e[0] for e in meta["output_token_ids_logprobs"][j]] == pytest.approx([float(ref[j, t]) for t in ASKED_IDS], abs=1e-4)
+    if sampling.get("temperature"):
+        assert any(e[1] != t[0][1] for e, t in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])), "sampling never left the top token"
+    ids, joined = streamed(server, body(sampling, stream=True))
+    assert ids == out
+    # Equal up to float rounding: the two requests ran in different batches.
+    assert [e[1:] for e in joined["output_token_logprobs"]] == [e[1:] for e in meta["output_token_logprobs"]]
+    assert [e[0] for e in joined["output_token_logprobs"]] == pytest.approx([e[0] for e in meta["output_token_logprobs"]], abs=1e-5)
+    for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+        assert [[e[1:] for e in pos] for pos in joined[key]] == [[e[1:] for e in pos] for pos in meta[key]], key
+        flat = [e[0] for pos in joined[key] for e in pos]
+        assert flat == pytest.approx([e[0] for pos in meta[key] for e in pos], abs=1e-5), key
+
+
+def test_logprob_fields_are_checked(server: ServerProcess) -> None:
+    def post(extra: dict[str, object]) -> httpx.Response:
+        return httpx.post(server.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}, **extra}, timeout=30)
+
+    for extra, param in (
+        ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        ({"return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
+        ({"return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+    ):
+        r = post(extra)
+        assert r.status_code == 400 and param in r.json()["error"]["message"], (extra, r.text)
+    plain = post({"return_logprob": False, "top_logprobs_num": 5}).json()["meta_info"]
+    assert "output_token_logprobs" not in plain

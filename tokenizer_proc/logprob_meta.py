@@ -1,0 +1,30 @@
+"""The logprob keys of a /generate answer or stream event (SGLang's names, SPEC section 11):
+each entry ``[logprob, token_id, text|null]``; a stream event carries its own tokens'
+entries only, as its text and ids are deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pipeline.io_struct import LogprobParams
+from tokenizer_proc.req_state import LogprobEntries
+
+TokenText = Callable[[int], str]
+
+
+def logprob_meta(asked: LogprobParams, ids: list[int], entries: LogprobEntries | None, text_of: TokenText | None) -> dict[str, Any]:
+    """``ids`` are the tokens the entries belong to; ``text_of`` None: texts are null (not
+    asked, or no tokenizer)."""
+    entries = entries if entries is not None else LogprobEntries()
+
+    def text(token: int) -> str | None:
+        return text_of(token) if text_of is not None else None
+
+    meta: dict[str, Any] = {"output_token_logprobs": [[lp, t, text(t)] for lp, t in zip(entries.chosen, ids)]}
+    if asked.top_logprobs_num:
+        meta["output_top_logprobs"] = [[[lp, t, text(t)] for lp, t in top] for top in entries.top]
+    if asked.token_ids_logprob:
+        asked_ids = asked.token_ids_logprob
+        meta["output_token_ids_logprobs"] = [[[lp, t, text(t)] for lp, t in zip(values, asked_ids)] for values in entries.ids]
+    return meta
