@@ -129,3 +129,54 @@ def test_logprob_fields_are_checked(server: ServerProcess) -> None:
         assert r.status_code == 400 and param in r.json()["error"]["message"], (extra, r.text)
     plain = post({"return_logprob": False, "top_logprobs_num": 5}).json()["meta_info"]
     assert "output_token_logprobs" not in plain
+
+
+def test_openai_completions_logprobs_equal_transformers(server: ServerProcess, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """The official client reads OpenAI's completions shape: tokens, token_logprobs, the
+    top ones (N plus the chosen token) and text offsets into the text."""
+    with server.openai_client() as client:
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+        streamed_chunks = list(
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True, extra_body={"ignore_eos": True})
+        )
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    generated = httpx.post(server.url + "/generate", json=body({"temperature": 0}, stream=False) | {"sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}}, timeout=60).json()["output_ids"]
+    ref = reference(hf_model, prompt_ids, generated)
+    for j, token in enumerate(generated):
+        assert lp.token_logprobs[j] == pytest.approx(float(ref[j, token]), abs=1e-4)
+        top = lp.top_logprobs[j]
+        assert lp.tokens[j] in top and 2 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(float(ref[j].max()), abs=1e-4)
+    chunked = [c.choices[0].logprobs for c in streamed_chunks if c.choices and c.choices[0].logprobs is not None]
+    assert [t for c in chunked for t in c.tokens] == lp.tokens
+    assert [o for c in chunked for o in c.text_offset] == lp.text_offset
+    assert [v for c in chunked for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_openai_chat_logprobs(server: ServerProcess) -> None:
+    """Chat's shape: content entries of token, logprob, bytes and top_logprobs; greedy, so
+    the chosen token is the most likely one; the same values as a completion of the same
+    templated prompt."""
+    messages = [{"role": "user", "content": "Say something"}]
+    with server.openai_client() as client:
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}  # type: ignore[arg-type]
+        )
+        prompt_ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        same = client.completions.create(model=model, prompt=prompt_ids, max_tokens=6, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+        bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "top_logprobs": 2}, timeout=30)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 6
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
+    assert [e.logprob for e in content] == pytest.approx(same.choices[0].logprobs.token_logprobs, abs=1e-5)  # type: ignore[union-attr]
+    assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]["message"]

@@ -37,9 +37,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -59,6 +59,7 @@ from tokenizer_proc.http_common import (
     wait_finished,
     wait_started,
 )
+from tokenizer_proc.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, token_text_of
 from tokenizer_proc.openai_schema import (
     MAX_CHOICES,
     ChatCompletionBody,
@@ -67,7 +68,7 @@ from tokenizer_proc.openai_schema import (
     CompletionRequest,
     SamplingRequest,
 )
-from tokenizer_proc.req_state import ReqState, sending
+from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk, sending
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
@@ -204,11 +205,11 @@ class _Completion:
     chunk_object = "text_completion"
 
     @staticmethod
-    def choice(index: int, state: ReqState) -> dict[str, Any]:
+    def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
         return {
             "index": index,
             "text": state.text,
-            "logprobs": None,
+            "logprobs": completion_logprobs(state.logprobs, state.output_ids, text_of) if state.logprob is not None else None,
             "finish_reason": _finish_reason(state),
             "stop_reason": _stop_reason(state),
         }
@@ -218,8 +219,12 @@ class _Completion:
         return None
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    @staticmethod
+    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int) -> dict[str, Any]:
+        return completion_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of, offset)
 
 
 class _Chat:
@@ -229,11 +234,11 @@ class _Chat:
     chunk_object = "chat.completion.chunk"
 
     @staticmethod
-    def choice(index: int, state: ReqState) -> dict[str, Any]:
+    def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
         return {
             "index": index,
             "message": {"role": "assistant", "content": state.text},
-            "logprobs": None,
+            "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of) if state.logprob is not None else None,
             "finish_reason": _finish_reason(state),
             "stop_reason": _stop_reason(state),
         }
@@ -244,18 +249,28 @@ class _Chat:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "index": index,
             "delta": {"content": text} if text else {},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
 
 
+    @staticmethod
+    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int) -> dict[str, Any]:
+        return chat_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of)
+
+
 _COMPLETION = _Completion()
 _CHAT = _Chat()
+
+
+def _token_text(tm: TokenizerManager) -> TokenText:
+    tokenizer = tm.tokenizer
+    return token_text_of(None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def _finish_reason(state: ReqState) -> str | None:
@@ -326,6 +341,7 @@ async def _respond(
                     created_time=arrived,
                     operation=kind.operation,
                     bootstrap=bootstrap,
+                    logprobs=body.logprob_params(),
                 )
             )
     except BaseException:
@@ -353,7 +369,8 @@ async def _respond(
         if refused is not None:
             return refused
     ids_out = tm.tokenizer is None
-    choices = [_with_ids(kind.choice(i, s), s.output_ids, ids_out) for i, s in enumerate(states)]
+    text_of = _token_text(tm)
+    choices = [_with_ids(kind.choice(i, s, text_of), s.output_ids, ids_out) for i, s in enumerate(states)]
     return JSONResponse({**head, "choices": choices, "usage": _usage(states, body.choices)})
 
 
@@ -396,6 +413,8 @@ async def _stream(
     usage: _StreamUsage,
 ) -> AsyncIterator[bytes]:
     ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
+    text_of = _token_text(tm)
+    offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
     try:
         for index in range(len(states)):
             opening = kind.opening(index)
@@ -417,8 +436,12 @@ async def _stream(
                     last = i == len(chunks) - 1  # the finish goes on the last event only
                     final = finish_reason if last else None
                     # Ids that decode to no text yet are nothing to show, unless the ids are the output.
-                    if chunk.text or final is not None or (ids_out and chunk.ids):
-                        delta = _with_ids(kind.delta(index, chunk.text, final, stop_reason if last else None), chunk.ids, ids_out)
+                    if chunk.text or final is not None or (ids_out and chunk.ids) or (state.logprob is not None and chunk.ids):
+                        logprobs = None
+                        if state.logprob is not None:
+                            logprobs = kind.chunk_logprobs(chunk, text_of, offsets[index])
+                            offsets[index] += sum(len(text_of(t)) for t in chunk.ids)
+                        delta = _with_ids(kind.delta(index, chunk.text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
                         with sending(states):
                             yield sse({**head, "choices": [delta], **usage.on_chunk(chunk.stats, chunk.completion_tokens)})
             else:

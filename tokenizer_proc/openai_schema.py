@@ -28,7 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from pipeline.io_struct import SamplingParams
+from pipeline.io_struct import LogprobParams, SamplingParams
 from tokenizer_proc.api_schema import (
     Bootstrap,
     HostField,
@@ -96,6 +96,10 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bootstrap_port: PortField | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = ()  # each request type's own refusals
+
+    def logprob_params(self) -> LogprobParams | None:
+        """The logprobs each choice asks of the scheduler; None: none."""
+        return None
 
     def bootstrap(self) -> Bootstrap | None:
         return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
@@ -223,13 +227,12 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     prompt: str | list[PromptItem]
     max_tokens: PositiveInt | None = None  # None: OpenAI's default, 16
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None
     best_of: int | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("echo", bool, "echo is not supported by this server"),
-        ("logprobs", lambda v: v is not None, "logprobs are not supported by this server"),
         ("suffix", bool, "suffix (insertion) is not supported by this server"),
         ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
     ) + _neutrals(
@@ -239,6 +242,9 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     )
 
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+
+    def logprob_params(self) -> LogprobParams | None:
+        return None if self.logprobs is None else LogprobParams(top_logprobs_num=self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt as a string or as token ids."""
@@ -397,8 +403,6 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     safety_identifier: str | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
-        ("logprobs", bool, "logprobs are not supported by this server"),
-        ("top_logprobs", bool, "top_logprobs (logprobs) are not supported by this server (send 0 or leave it out)"),
         ("tools", bool, "tools (function calling) are not supported by this server"),
         ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported by this server"),
         ("functions", bool, "functions (function calling) are not supported by this server"),
@@ -434,6 +438,11 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         ("mm_processor_kwargs", ()),
         ("include_reasoning", (True, False)),
     )
+
+    def logprob_params(self) -> LogprobParams | None:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
+        return LogprobParams(top_logprobs_num=self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over ``max_tokens`` (deprecated);

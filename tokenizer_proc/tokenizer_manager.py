@@ -25,7 +25,6 @@ import zmq.asyncio
 
 from pipeline.config import ServerConfig
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
-from pipeline.logprob_columns import read_output_logprobs
 from pipeline.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
@@ -46,6 +45,7 @@ from pipeline.io_struct import (
     TokenizerManagerInput,
     TraceContext,
 )
+from pipeline.logprob_columns import read_output_logprobs
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError

@@ -1,0 +1,56 @@
+"""OpenAI's logprob shapes (SPEC section 11), from a choice's ``LogprobEntries``:
+
+- completions (``logprobs: N``): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``,
+  each ``top_logprobs`` entry a token -> logprob object of the N most likely tokens plus the
+  chosen one (OpenAI: "up to logprobs+1 elements"), ``text_offset`` each token's character
+  offset in the choice's text;
+- chat (``logprobs: true, top_logprobs: N``): ``{"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
+
+A token's text is its own decoding (special tokens shown). Without a tokenizer
+(``--skip-tokenizer-init``) it is ``token_id:N``, as vLLM's ``return_tokens_as_token_ids``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tokenizer_proc.req_state import LogprobEntries
+
+TokenText = Callable[[int], str]
+
+
+def token_text_of(decode: Callable[[list[int]], str] | None) -> TokenText:
+    if decode is None:
+        return lambda token: f"token_id:{token}"
+    return lambda token: decode([token])
+
+
+def completion_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText, offset: int = 0) -> dict[str, Any]:
+    """``offset``: the character offset of the first of ``ids`` in the choice's text (a
+    stream chunk continues where the previous one ended)."""
+    tokens = [text_of(t) for t in ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    top = [
+        {**{text_of(t): lp for lp, t in entry}, token: chosen}
+        for entry, token, chosen in zip(entries.top or [[] for _ in ids], tokens, entries.chosen)
+    ]
+    return {"tokens": tokens, "token_logprobs": list(entries.chosen), "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText) -> dict[str, Any]:
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    tops = entries.top or [[] for _ in ids]
+    return {
+        "content": [
+            {**item(token, chosen), "top_logprobs": [item(t, lp) for lp, t in top]}
+            for token, chosen, top in zip(ids, entries.chosen, tops)
+        ]
+    }
