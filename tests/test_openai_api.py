@@ -115,7 +115,7 @@ def test_completion_refusals_name_the_field(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="echo"):
         oai.completions.create(model=MODEL, prompt="a", echo=True)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oai.completions.create(model=MODEL, prompt="a", logprobs=2)
+        oai.completions.create(model=MODEL, prompt="a", logprobs=21)
     with pytest.raises(openai.NotFoundError, match="gpt-nope"):
         oai.completions.create(model="gpt-nope", prompt="a")
     # Documented fields that ask for nothing here are accepted.
@@ -182,8 +182,8 @@ def test_chat_refusals(oai: openai.OpenAI) -> None:
     tool: Any = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError, match="tools"):
         oai.chat.completions.create(model=MODEL, messages=user, tools=tool)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oai.chat.completions.create(model=MODEL, messages=user, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oai.chat.completions.create(model=MODEL, messages=user, top_logprobs=2)
 
 
 # --- disconnects ----------------------------------------------------------------------------
@@ -279,7 +279,7 @@ TABLE: list[tuple[str, str, Any, str]] = [
     ("completions", "empty stop", {**COMPLETION_OK, "stop": ""}, "stop"),
     ("completions", "stop not a string", {**COMPLETION_OK, "stop": 5}, "stop"),
     ("completions", "echo", {**COMPLETION_OK, "echo": True}, "echo"),
-    ("completions", "logprobs", {**COMPLETION_OK, "logprobs": 1}, "logprobs"),
+    ("completions", "logprobs over 20", {**COMPLETION_OK, "logprobs": 21}, "logprobs"),
     ("completions", "suffix", {**COMPLETION_OK, "suffix": "x"}, "suffix"),
     ("completions", "best_of", {**COMPLETION_OK, "best_of": 3}, "best_of"),
     ("completions", "frequency_penalty out of range", {**COMPLETION_OK, "frequency_penalty": 2.5}, "frequency_penalty"),
@@ -308,8 +308,9 @@ TABLE: list[tuple[str, str, Any, str]] = [
     ("chat", "unknown message field", {**CHAT_OK, "messages": [{"role": "user", "content": "x", "mood": 1}]}, "mood"),
     ("chat", "tools", {**CHAT_OK, "tools": [{"type": "function"}]}, "tools"),
     ("chat", "tool_choice", {**CHAT_OK, "tool_choice": "auto"}, "tool_choice"),
-    ("chat", "logprobs", {**CHAT_OK, "logprobs": True}, "logprobs"),
-    ("chat", "top_logprobs", {**CHAT_OK, "top_logprobs": 2}, "logprobs"),
+    ("chat", "logprobs not a bool", {**CHAT_OK, "logprobs": 3}, "logprobs"),
+    ("chat", "top_logprobs without logprobs", {**CHAT_OK, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", "top_logprobs over 20", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat", "json mode", {**CHAT_OK, "response_format": {"type": "json_object"}}, "response_format"),
     ("chat", "max_completion_tokens zero", {**CHAT_OK, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", "max_tokens over context", {**CHAT_OK, "max_tokens": 2047}, "max_tokens"),
@@ -384,7 +385,7 @@ COMPLETION_BAD = {
     | st.lists(st.integers(min_value=4096, max_value=2**40), min_size=1, max_size=3)
     | st.tuples(st.text(max_size=3), st.integers(0, 10)).map(list),
     "echo": st.just(True),
-    "logprobs": st.integers(0, 5),
+    "logprobs": st.integers(min_value=21) | st.integers(max_value=-1),
     "best_of": st.integers(min_value=2, max_value=20),
 }
 message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=10)})
@@ -399,7 +400,7 @@ CHAT_BAD = {
     )
     | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.integers() | st.just([{"type": "nope"}])}), min_size=1, max_size=2),
     "tools": st.lists(json_values, min_size=1, max_size=2),
-    "logprobs": st.just(True),
+    "logprobs": st.integers(min_value=2) | st.just("yes"),
     "response_format": st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}, {"type": "x"}, 3]),
     "max_completion_tokens": st.integers(max_value=0) | st.integers(min_value=2100),
 }
