@@ -270,6 +270,8 @@ class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
     usage: UsageColumns | None = None
     # Logprobs of the rows that asked; nil when no row of the frame did.
     logprobs: OutputLogprobs | None = None
+    # Prompt logprobs, on the first row of each request that asked; nil when none.
+    input_logprobs: InputLogprobs | None = None
 
 
 class OutputLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -290,6 +292,16 @@ class OutputLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: bytes
     ids_count: bytes
     ids_logprobs: bytes
+
+
+class InputLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Prompt logprobs (``logprob_start_len`` s >= 0), on a request's first row: those of
+    prompt positions max(s, 1) to the end, each from the logits of the position before
+    (position 0 has none: the API shows it as null). ``counts`` (int32) gives the positions
+    of each row listed in ``logprobs.rows``; the columns are laid out as ``OutputLogprobs``."""
+
+    counts: bytes
+    logprobs: OutputLogprobs
 
 
 class DecodeOptions(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -313,6 +325,7 @@ class BatchStrOutput(msgspec.Struct, tag="str", array_like=True, gc=False):
     finished_reasons: list[FinishReason | None] | None = None
     request_stats: list[RequestOutputStats | None] | None = None
     logprobs: OutputLogprobs | None = None  # passed through from BatchTokenIDOutput
+    input_logprobs: InputLogprobs | None = None  # passed through too
 
 
 class BatchEmbeddingOutput(msgspec.Struct, tag="emb_out", array_like=True, gc=False):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.io_struct import OutputLogprobs
+from pipeline.io_struct import InputLogprobs, OutputLogprobs
 
 LOGPROB_DTYPE = np.dtype("<f4")
 LOGPROB_ID_DTYPE = np.dtype("<i4")
@@ -89,3 +89,22 @@ def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int,
         )
         c, t, v = c + n, t + n * k, v + n * m
     return out
+
+
+def build_input_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> InputLogprobs | None:
+    block = build_output_logprobs(rows, parts)
+    if block is None:
+        return None
+    return InputLogprobs(counts=np.array([len(p.chosen) for p in parts], dtype=np.int32).tobytes(), logprobs=block)
+
+
+def read_input_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, RowLogprobs]:
+    """Frame row index -> its prompt logprobs. Raises ValueError on a malformed frame."""
+    rows = np.frombuffer(lp.logprobs.rows, dtype=np.int32)
+    counts = np.frombuffer(lp.counts, dtype=np.int32)
+    if len(rows) != len(counts) or (len(rows) and (rows.min() < 0 or rows.max() >= num_rows or counts.min() < 0)):
+        raise ValueError("prompt logprob columns do not match the frame's rows")
+    per_row = [0] * num_rows
+    for row, count in zip(rows.tolist(), counts.tolist()):
+        per_row[row] = count
+    return read_output_logprobs(lp.logprobs, per_row)

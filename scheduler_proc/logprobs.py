@@ -8,13 +8,14 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from pipeline.io_struct import LogprobParams
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
+from scheduler_proc.req import Req
 
 
 def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams]) -> list[TokenLogprobs]:
@@ -44,3 +45,38 @@ def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, as
         TokenLogprobs(chosen_v[i : i + 1], top_i[i : i + 1, : ks[i]], top_v[i : i + 1, : ks[i]], ids_v[i : i + 1, : ms[i]])
         for i in range(len(rows))
     ]
+
+
+def keep_prompt_logprobs(
+    batch: Sequence[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Prompt logprobs from a prefill pass's hidden states (``hidden``: every new token of
+    ``batch`` in order): for each request still computing them, the positions of this chunk
+    that predict a prompt token, all requests' rows through one ``logits_of`` and one
+    ``step_logprobs``. A position computed before (a re-prefill after a retraction) is not
+    computed again."""
+    rows: list[int] = []
+    targets: list[int] = []
+    asks: list[LogprobParams] = []
+    spans: list[tuple[Req, int, int]] = []  # (request, first of its rows, count)
+    offset = 0
+    for req, toks, _ in batch:
+        start = req.num_computed  # before this chunk (the caller has not advanced it yet)
+        nxt = req.prompt_logprobs_next
+        if nxt is not None and req.logprob is not None:
+            prompt = req.origin_input_ids
+            first, end = max(nxt, start), min(start + len(toks), len(prompt) - 1)
+            if first < end:
+                spans.append((req, len(rows), end - first))
+                rows.extend(offset + p - start for p in range(first, end))
+                targets.extend(prompt[p + 1] for p in range(first, end))
+                asks.extend([req.logprob] * (end - first))
+                req.prompt_logprobs_next = None if end == len(prompt) - 1 else end
+        offset += len(toks)
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+    logits = logits_of(hidden.index_select(0, index))
+    parts = step_logprobs(logits, np.arange(len(rows)), np.array(targets, dtype=np.int64), asks)
+    for req, first, count in spans:
+        req.prompt_logprobs.append(TokenLogprobs.join(parts[first : first + count]))

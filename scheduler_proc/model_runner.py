@@ -88,6 +88,11 @@ class ModelRunner:
             h = self.model.hidden_states(batch, self.kv)
             return self.model.logits(h.index_select(0, rows.to(h.device)))
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states (rows of an ``extend(..., return_hidden=True)``)."""
+        with torch.inference_mode():
+            return self.model.logits(hidden)
+
     def sample(self, logits: torch.Tensor, columns: SamplingColumns) -> np.ndarray:
         """One token per row of ``logits`` (the sampler's batched draw). Called through the
         runner so that the sampling math, device work like the forward, is timed apart."""

@@ -32,7 +32,7 @@ from pipeline.io_struct import (
     RequestOutputStats,
     UsageColumns,
 )
-from pipeline.logprob_columns import TokenLogprobs, build_output_logprobs
+from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs
 from scheduler_proc.req import PENDING_STATS, Req
 
 
@@ -95,6 +95,10 @@ def build_token_output(
         logprobs += [(len(reqs) + j, part) for j, part in steady.logprobs]
     if logprobs:
         frame.logprobs = build_output_logprobs([i for i, _ in logprobs], [part for _, part in logprobs])
+    # A request's first row is always a per-request row (its stats are due).
+    prompt = [(i, part) for i, part in ((i, r.take_prompt_logprobs()) for i, r in enumerate(reqs) if r.prompt_logprobs) if part]
+    if prompt:
+        frame.input_logprobs = build_input_logprobs([i for i, _ in prompt], [part for _, part in prompt])
     return frame
 
 

@@ -41,7 +41,7 @@ class PrefixKV:
         fill = req.fill_ids
         lower = []
         if match:
-            key = fill[: len(fill) - 1]
+            key = fill[: min(len(fill) - 1, req.cache_match_limit)]
             slots, node = self.cache.match_prefix(key)
             self.cache.inc_lock(node)
             req.prefix_node = node

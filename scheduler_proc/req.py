@@ -57,6 +57,8 @@ class Req:
         "seed",
         "logprob",
         "pending_logprobs",
+        "prompt_logprobs",
+        "prompt_logprobs_next",
         "stats_epoch",
         "request_stats_retraction_count",
         "_stats_epoch_sent",
@@ -107,6 +109,12 @@ class Req:
         # Logprobs asked (None: none), and those of generated tokens not yet in a row.
         self.logprob: LogprobParams | None = logprob
         self.pending_logprobs: list[TokenLogprobs] = []
+        # Prompt logprobs (logprob_start_len s >= 0): those of prompt positions max(s, 1)
+        # on, each predicted by the position before it; ``prompt_logprobs_next`` is the next
+        # predicting position to compute (None: none asked, or all computed).
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        start = logprob.logprob_start_len if logprob is not None else -1
+        self.prompt_logprobs_next: int | None = max(start, 1) - 1 if 0 <= start and max(start, 1) < len(input_ids) else None
         self.seed = (sampling.seed if sampling.seed is not None else random.getrandbits(64)) & _SEED_MASK
         self.is_embedding = is_embedding
         self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
@@ -181,6 +189,22 @@ class Req:
             return None
         part = TokenLogprobs.join(self.pending_logprobs)
         self.pending_logprobs = []
+        return part
+
+    @property
+    def cache_match_limit(self) -> int:
+        """How many leading tokens may come from the prefix cache: the positions whose
+        logits prompt logprobs need are computed, never cached."""
+        if self.prompt_logprobs_next is None:
+            return len(self.origin_input_ids) + len(self.output_ids)
+        return self.prompt_logprobs_next
+
+    def take_prompt_logprobs(self) -> TokenLogprobs | None:
+        """The prompt logprobs, on the request's first row (once all are computed)."""
+        if not self.prompt_logprobs or self.prompt_logprobs_next is not None:
+            return None
+        part = TokenLogprobs.join(self.prompt_logprobs)
+        self.prompt_logprobs = []
         return part
 
     def take_decode_options_due(self) -> DecodeOptions | None:

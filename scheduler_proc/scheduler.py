@@ -53,7 +53,7 @@ from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, install_prebuilt
 from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
-from scheduler_proc.logprobs import step_logprobs
+from scheduler_proc.logprobs import keep_prompt_logprobs, step_logprobs
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import PENDING_STATS, Req
 from scheduler_proc.running_batch import RunningBatch
@@ -304,15 +304,18 @@ class Scheduler:
             return []
 
         embeds = any(req.is_embedding for req, _, _ in batch)
+        prompt_logprobs = any(req.prompt_logprobs_next is not None for req, _, _ in batch)
         logits, hidden = self.runner.extend(
             [toks for _, toks, _ in batch],
             [req.kv_slots if req.kv_slots is not None else _EMPTY_SLOTS for req, _, _ in batch],
             [slots for _, _, slots in batch],
-            return_hidden=embeds,
+            return_hidden=embeds or prompt_logprobs,
         )
         self.forward_steps += 1
-        if hidden is not None:
-            accumulate_hidden(batch, hidden)
+        if embeds:
+            accumulate_hidden(batch, hidden)  # type: ignore[arg-type]
+        if prompt_logprobs:
+            keep_prompt_logprobs(batch, hidden, self.runner.logits)  # type: ignore[arg-type]
         done_rows: list[int] = []
         for i, (req, toks, slots) in enumerate(batch):
             req.kv_slots = slots if req.kv_slots is None else torch.cat((req.kv_slots, slots))

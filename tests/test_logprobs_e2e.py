@@ -123,7 +123,7 @@ def test_logprob_fields_are_checked(server: ServerProcess) -> None:
     for extra, param in (
         ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
         ({"return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob"),
-        ({"return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+        ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
     ):
         r = post(extra)
         assert r.status_code == 400 and param in r.json()["error"]["message"], (extra, r.text)
@@ -180,3 +180,49 @@ def test_openai_chat_logprobs(server: ServerProcess) -> None:
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
     assert [e.logprob for e in content] == pytest.approx(same.choices[0].logprobs.token_logprobs, abs=1e-5)  # type: ignore[union-attr]
     assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]["message"]
+
+
+def prompt_reference(hf_model, prompt_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Row q - 1: transformers' log-softmax of the logits that predict prompt token q."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def chunked_server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = ["--model-path", str(checkpoint), "--chunked-prefill-size", "3"]
+    srv = ServerProcess(tmp_path_factory.mktemp("logprob-chunked") / "tmp", args).wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("start", [0, 3])
+@pytest.mark.parametrize("which", ["whole", "chunked"])
+def test_prompt_logprobs_equal_transformers(server: ServerProcess, chunked_server: ServerProcess, hf_model, start: int, which: str) -> None:  # type: ignore[no-untyped-def]
+    """From logprob_start_len on, each prompt position's logprob (null at position 0), top
+    and asked ids; prefilled at once or in chunks of 3, and again once the prompt is in the
+    prefix cache (the positions prompt logprobs need are computed, not taken from it)."""
+    srv = server if which == "whole" else chunked_server
+    payload = body({"temperature": 0}, stream=False) | {"logprob_start_len": start}
+    prompt_ids = httpx.post(srv.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    ref = prompt_reference(hf_model, prompt_ids)
+    for attempt in range(2):  # the second finds the prompt cached
+        meta = httpx.post(srv.url + "/generate", json=payload, timeout=60).json()["meta_info"]
+        entries = meta["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompt_ids[start:]
+        for q, (lp, token, _) in zip(range(start, len(prompt_ids)), entries):
+            if q == 0:
+                assert lp is None and meta["input_top_logprobs"][0] is None
+                continue
+            assert lp == pytest.approx(float(ref[q - 1, token]), abs=1e-4), (attempt, q)
+            top = meta["input_top_logprobs"][q - start]
+            assert [e[1] for e in top] == ref[q - 1].topk(TOP).indices.tolist()
+            assert [e[0] for e in meta["input_token_ids_logprobs"][q - start]] == pytest.approx([float(ref[q - 1, t]) for t in ASKED_IDS], abs=1e-4)
+    streamed_meta = []
+    with httpx.stream("POST", srv.url + "/generate", json=payload | {"stream": True}, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                streamed_meta.append(json.loads(line[6:])["meta_info"])
+    assert [e[1] for e in streamed_meta[0]["input_token_logprobs"]] == prompt_ids[start:]
+    assert all("input_token_logprobs" not in m for m in streamed_meta[1:]), "prompt logprobs are sent once"

@@ -219,11 +219,11 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """What the scheduler computes; None when no logprobs are asked."""
         if not self.return_logprob:
             return None
-        if self.logprob_start_len != -1:
-            raise RequestValidationError(
-                "logprob_start_len: prompt logprobs are not served yet; send -1 (output tokens only)", "logprob_start_len"
-            )
-        return LogprobParams(top_logprobs_num=self.top_logprobs_num, token_ids_logprob=tuple(self.token_ids_logprob or ()))
+        return LogprobParams(
+            top_logprobs_num=self.top_logprobs_num,
+            logprob_start_len=self.logprob_start_len,
+            token_ids_logprob=tuple(self.token_ids_logprob or ()),
+        )
 
     def bootstrap(self) -> Bootstrap | None:
         return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)

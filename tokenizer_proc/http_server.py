@@ -33,7 +33,7 @@ from tokenizer_proc.http_common import (
     wait_finished,
     wait_started,
 )
-from tokenizer_proc.logprob_meta import TokenText, logprob_meta
+from tokenizer_proc.logprob_meta import TokenText, logprob_meta, prompt_logprob_meta
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
@@ -103,6 +103,8 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         meta = build_meta_info(state)
         if state.logprob is not None:
             meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
+            if state.logprob.logprob_start_len >= 0:
+                meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
         return JSONResponse(_generate_body(tm, state.text, state.output_ids, meta))
 
     @app.get("/health_generate")
@@ -170,6 +172,7 @@ async def _stream_generate(tm: TokenizerManager, state: ReqState, text_of: Token
         # Not ``tm.wait``: it ends as soon as the state is finished, but rows and the finish
         # that come while events are being sent must still go out after them.
         finished = False
+        first_event = True  # the prompt logprobs go on it
         while not finished:
             await state.event.wait()
             state.event.clear()
@@ -184,6 +187,9 @@ async def _stream_generate(tm: TokenizerManager, state: ReqState, text_of: Token
                 meta = build_meta_info(state, None if final else chunk)
                 if state.logprob is not None:
                     meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, text_of))
+                    if state.logprob.logprob_start_len >= 0 and first_event:
+                        meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
+                first_event = False
                 with sending([state]):
                     yield sse(_generate_body(tm, chunk.text, chunk.ids, meta))
         yield b"data: [DONE]\n\n"

@@ -79,6 +79,10 @@ class ReqState:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: LogprobEntries = field(default_factory=LogprobEntries)  # non-streaming, when asked
+    # Prompt logprobs (logprob_start_len >= 0): the prompt's ids and the entries of its
+    # positions max(start, 1) on, from the request's first row.
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: LogprobEntries = field(default_factory=LogprobEntries)
     pending: list[StreamChunk] = field(default_factory=list)
     sending: bool = False  # a stream event is being sent: new rows merge into the last chunk
     embedding: np.ndarray | None = None  # embedding requests: the pooled vector

@@ -45,7 +45,7 @@ from pipeline.io_struct import (
     TokenizerManagerInput,
     TraceContext,
 )
-from pipeline.logprob_columns import read_output_logprobs
+from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
@@ -252,6 +252,8 @@ class TokenizerManager:
             )
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
         state.logprob = logprobs
+        if logprobs is not None and logprobs.logprob_start_len >= 0:
+            state.prompt_ids = input_ids  # the tokens the prompt logprobs belong to
         state.operation = operation
         state.internal = internal
         state.prompt_tokens = len(input_ids)
@@ -392,6 +394,7 @@ class TokenizerManager:
         n = len(req_ids)
         # Also a ValueError (nothing applied) when the logprob columns disagree with the rows.
         logprobs = read_output_logprobs(frame.logprobs, [len(r) for r in rows]) if frame.logprobs is not None else {}
+        prompt_logprobs = read_input_logprobs(frame.input_logprobs, n) if frame.input_logprobs is not None else {}
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
         metrics = self.metrics.requests if self.metrics is not None else None
@@ -405,6 +408,8 @@ class TokenizerManager:
                     "dropped an output row for req_id %d: %s", req_ids[i], "no live request" if state is None else "no stats yet"
                 )
                 continue
+            if i in prompt_logprobs:
+                state.prompt_logprobs.extend(prompt_logprobs[i])
             previous_token_time = state.last_token_time
             state.add_output(frame.text_deltas[i], rows[i], completion[i], now, logprobs.get(i))
             if metrics is not None and rows[i] and not state.internal:
