@@ -59,7 +59,7 @@ from tokenizer_proc.http_common import (
     wait_finished,
     wait_started,
 )
-from tokenizer_proc.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, token_text_of
+from tokenizer_proc.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, echoed_completion_logprobs, token_text_of
 from tokenizer_proc.openai_schema import (
     MAX_CHOICES,
     ChatCompletionBody,
@@ -206,10 +206,15 @@ class _Completion:
 
     @staticmethod
     def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
+        logprobs = None
+        if state.logprob is not None and state.echo:
+            logprobs = echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, state.logprobs, state.output_ids, text_of)
+        elif state.logprob is not None:
+            logprobs = completion_logprobs(state.logprobs, state.output_ids, text_of)
         return {
             "index": index,
-            "text": state.text,
-            "logprobs": completion_logprobs(state.logprobs, state.output_ids, text_of) if state.logprob is not None else None,
+            "text": _Completion.echoed_text(state, text_of) + state.text,
+            "logprobs": logprobs,
             "finish_reason": _finish_reason(state),
             "stop_reason": _stop_reason(state),
         }
@@ -223,8 +228,17 @@ class _Completion:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     @staticmethod
-    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int) -> dict[str, Any]:
-        return completion_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of, offset)
+    def echoed_text(state: ReqState, text_of: TokenText) -> str:
+        """The prompt's text, for ``echo`` (nothing otherwise)."""
+        return "".join(text_of(t) for t in state.prompt_ids) if state.echo else ""
+
+    @staticmethod
+    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None) -> dict[str, Any]:
+        """``state``: on a choice's first chunk, whose logprobs lead with the echoed prompt's."""
+        entries = chunk.logprobs or LogprobEntries()
+        if state is not None and state.echo:
+            return echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, entries, chunk.ids, text_of)
+        return completion_logprobs(entries, chunk.ids, text_of, offset)
 
 
 class _Chat:
@@ -260,7 +274,11 @@ class _Chat:
 
 
     @staticmethod
-    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int) -> dict[str, Any]:
+    def echoed_text(state: ReqState, text_of: TokenText) -> str:
+        return ""
+
+    @staticmethod
+    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None) -> dict[str, Any]:
         return chat_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of)
 
 
@@ -344,6 +362,8 @@ async def _respond(
                     logprobs=body.logprob_params(),
                 )
             )
+            if isinstance(body, CompletionRequest) and body.echo:
+                states[-1].echo, states[-1].prompt_ids = True, ids
     except BaseException:
         abort_unfinished(tm, states)
         raise
@@ -415,6 +435,7 @@ async def _stream(
     ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
     text_of = _token_text(tm)
     offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
+    leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
     try:
         for index in range(len(states)):
             opening = kind.opening(index)
@@ -437,11 +458,14 @@ async def _stream(
                     final = finish_reason if last else None
                     # Ids that decode to no text yet are nothing to show, unless the ids are the output.
                     if chunk.text or final is not None or (ids_out and chunk.ids) or (state.logprob is not None and chunk.ids):
+                        lead = leading[index]
+                        leading[index] = False
+                        text = kind.echoed_text(state, text_of) + chunk.text if lead else chunk.text
                         logprobs = None
                         if state.logprob is not None:
-                            logprobs = kind.chunk_logprobs(chunk, text_of, offsets[index])
-                            offsets[index] += sum(len(text_of(t)) for t in chunk.ids)
-                        delta = _with_ids(kind.delta(index, chunk.text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
+                            logprobs = kind.chunk_logprobs(chunk, text_of, offsets[index], state if lead else None)
+                            offsets[index] += sum(len(text_of(t)) for t in (state.prompt_ids if lead and state.echo else []) + chunk.ids)
+                        delta = _with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
                         with sending(states):
                             yield sse({**head, "choices": [delta], **usage.on_chunk(chunk.stats, chunk.completion_tokens)})
             else:

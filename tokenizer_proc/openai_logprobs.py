@@ -54,3 +54,18 @@ def chat_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText) -
             for token, chosen, top in zip(ids, entries.chosen, tops)
         ]
     }
+
+
+def echoed_completion_logprobs(
+    prompt_ids: list[int], prompt: LogprobEntries, entries: LogprobEntries, ids: list[int], text_of: TokenText
+) -> dict[str, Any]:
+    """``echo``: the prompt's tokens first (the first one's logprob and top entry null, as
+    OpenAI's), then the completion's, the text offsets running through both."""
+    head = completion_logprobs(prompt, prompt_ids[1:], text_of, len(text_of(prompt_ids[0])) if prompt_ids else 0)
+    tail = completion_logprobs(entries, ids, text_of, sum(len(text_of(t)) for t in prompt_ids))
+    first: dict[str, Any] = (
+        {"tokens": [text_of(prompt_ids[0])], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        if prompt_ids
+        else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    )
+    return {key: first[key] + head[key] + tail[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

@@ -232,7 +232,6 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     best_of: int | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
-        ("echo", bool, "echo is not supported by this server"),
         ("suffix", bool, "suffix (insertion) is not supported by this server"),
         ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
     ) + _neutrals(
@@ -244,7 +243,10 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
 
     def logprob_params(self) -> LogprobParams | None:
-        return None if self.logprobs is None else LogprobParams(top_logprobs_num=self.logprobs)
+        """With ``echo`` the prompt's logprobs too (from position 0, whose is null)."""
+        if self.logprobs is None:
+            return None
+        return LogprobParams(top_logprobs_num=self.logprobs, logprob_start_len=0 if self.echo else -1)
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt as a string or as token ids."""

@@ -82,6 +82,7 @@ class ReqState:
     # Prompt logprobs (logprob_start_len >= 0): the prompt's ids and the entries of its
     # positions max(start, 1) on, from the request's first row.
     prompt_ids: list[int] = field(default_factory=list)
+    echo: bool = False  # /v1/completions echo: the prompt's text (and logprobs) lead the answer
     prompt_logprobs: LogprobEntries = field(default_factory=LogprobEntries)
     pending: list[StreamChunk] = field(default_factory=list)
     sending: bool = False  # a stream event is being sent: new rows merge into the last chunk
