@@ -226,3 +226,16 @@ def test_prompt_logprobs_equal_transformers(server: ServerProcess, chunked_serve
                 streamed_meta.append(json.loads(line[6:])["meta_info"])
     assert [e[1] for e in streamed_meta[0]["input_token_logprobs"]] == prompt_ids[start:]
     assert all("input_token_logprobs" not in m for m in streamed_meta[1:]), "prompt logprobs are sent once"
+
+
+def test_modes_without_a_logprob_path_refuse_them(tmp_path: Path) -> None:
+    """A dLLM block's tokens (and a PD pair's first token) have no logprobs yet: a clear 400
+    rather than fewer entries than tokens."""
+    srv = ServerProcess(tmp_path / "tmp", ["--mode", "dllm"]).wait_ready()
+    try:
+        r = httpx.post(srv.url + "/generate", json={"text": "a", "return_logprob": True, "sampling_params": {"max_new_tokens": 4}}, timeout=30)
+        plain = httpx.post(srv.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 4}}, timeout=30)
+    finally:
+        srv.stop()
+    assert r.status_code == 400 and "dllm" in r.json()["error"]["message"]
+    assert plain.status_code == 200
