@@ -46,7 +46,6 @@ def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOu
         finished_reasons=frame.finished_reasons,
         request_stats=frame.request_stats,
         logprobs=frame.logprobs,
-        input_logprobs=frame.input_logprobs,
     )
 
 

@@ -268,10 +268,8 @@ class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
     decode_options: list[DecodeOptions | None] | None = None
     # --dense-usage-columns only; appended last so older decoders ignore it.
     usage: UsageColumns | None = None
-    # Logprobs of the rows that asked; nil when no row of the frame did.
-    logprobs: OutputLogprobs | None = None
-    # Prompt logprobs, on the first row of each request that asked; nil when none.
-    input_logprobs: InputLogprobs | None = None
+    # Logprobs of the rows that asked (output and prompt); one nil when no row did.
+    logprobs: FrameLogprobs | None = None
 
 
 class OutputLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -304,6 +302,14 @@ class InputLogprobs(msgspec.Struct, array_like=True, gc=False):
     logprobs: OutputLogprobs
 
 
+class FrameLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """A frame's logprobs: of its rows' output tokens, and prompt logprobs on requests'
+    first rows; each nil when no row has any."""
+
+    output: OutputLogprobs | None = None
+    input: InputLogprobs | None = None
+
+
 class DecodeOptions(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """What the detokenizer needs to know about a request; sent on its first row."""
 
@@ -324,8 +330,7 @@ class BatchStrOutput(msgspec.Struct, tag="str", array_like=True, gc=False):
     completion_tokens: bytes
     finished_reasons: list[FinishReason | None] | None = None
     request_stats: list[RequestOutputStats | None] | None = None
-    logprobs: OutputLogprobs | None = None  # passed through from BatchTokenIDOutput
-    input_logprobs: InputLogprobs | None = None  # passed through too
+    logprobs: FrameLogprobs | None = None  # passed through from BatchTokenIDOutput
 
 
 class BatchEmbeddingOutput(msgspec.Struct, tag="emb_out", array_like=True, gc=False):

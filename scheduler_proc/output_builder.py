@@ -28,6 +28,7 @@ from pipeline.io_struct import (
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     DecodeOptions,
+    FrameLogprobs,
     FinishReason,
     RequestOutputStats,
     UsageColumns,
@@ -93,12 +94,13 @@ def build_token_output(
         frame = _concat(_build_request_rows(reqs, dense_usage), _steady_frame(steady, dense_usage))
     if steady is not None:
         logprobs += [(len(reqs) + j, part) for j, part in steady.logprobs]
-    if logprobs:
-        frame.logprobs = build_output_logprobs([i for i, _ in logprobs], [part for _, part in logprobs])
     # A request's first row is always a per-request row (its stats are due).
     prompt = [(i, part) for i, part in ((i, r.take_prompt_logprobs()) for i, r in enumerate(reqs) if r.prompt_logprobs) if part]
-    if prompt:
-        frame.input_logprobs = build_input_logprobs([i for i, _ in prompt], [part for _, part in prompt])
+    if logprobs or prompt:
+        frame.logprobs = FrameLogprobs(
+            output=build_output_logprobs([i for i, _ in logprobs], [part for _, part in logprobs]),
+            input=build_input_logprobs([i for i, _ in prompt], [part for _, part in prompt]),
+        )
     return frame
 
 

@@ -313,7 +313,7 @@ class _TokFrameBefore(msgspec.Struct, tag="tok", array_like=True, gc=False):
 def test_flag_off_leaves_usage_none_and_adds_one_nil_byte() -> None:
     """msgspec writes every field of an array_like struct (``omit_defaults`` does not drop
     trailing defaults there), so the appended field costs exactly its ``nil`` byte when the
-    flag is off. Every other byte matches the frame from before the field existed, which
+    flag is off (and so does the logprobs field after it, when no row asked). Every other byte matches the frame from before the field existed, which
     decodes with the new type as usage=None. A new frame decodes with the old type, which
     ignores the extra element."""
     reqs = [_req(i, [200 + i] * (3 + i)) for i in range(1, 65)]
@@ -333,9 +333,9 @@ def test_flag_off_leaves_usage_none_and_adds_one_nil_byte() -> None:
             completion_tokens=steady.completion_tokens,
         )
     )
-    assert before[0] == 0x98 and new[0] == 0x99  # fixarray of 8, then of 9
-    assert new == b"\x99" + before[1:] + b"\xc0"
-    assert len(new) == len(before) + 1
+    assert before[0] == 0x98 and new[0] == 0x9A  # fixarray of 8, then of 10 (usage, then logprobs)
+    assert new == b"\x9a" + before[1:] + b"\xc0\xc0"
+    assert len(new) == len(before) + 2
     assert msgspec.msgpack.decode(before, type=BatchTokenIDOutput) == steady
     assert msgspec.msgpack.decode(new, type=_TokFrameBefore).req_ids == steady.req_ids
     on = build_token_output(reqs, dense_usage=True)

@@ -59,7 +59,8 @@ def run(s: Scheduler) -> tuple[dict[int, list[int]], dict[int, list[tuple[float,
             frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=BatchTokenIDOutput)
             ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
             rows = split_token_rows(frame.output_ids, frame.output_counts)
-            per_row = read_output_logprobs(frame.logprobs, [len(r) for r in rows]) if frame.logprobs is not None else {}
+            lp = frame.logprobs.output if frame.logprobs is not None else None
+            per_row = read_output_logprobs(lp, [len(r) for r in rows]) if lp is not None else {}
             without += frame.logprobs is None
             for i, (req_id, row) in enumerate(zip(ids, rows)):
                 tokens.setdefault(req_id, []).extend(row)

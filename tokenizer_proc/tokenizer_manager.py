@@ -398,8 +398,9 @@ class TokenizerManager:
         req_ids, rows, completion = columns.req_ids, columns.tokens, columns.completion_tokens
         n = len(req_ids)
         # Also a ValueError (nothing applied) when the logprob columns disagree with the rows.
-        logprobs = read_output_logprobs(frame.logprobs, [len(r) for r in rows]) if frame.logprobs is not None else {}
-        prompt_logprobs = read_input_logprobs(frame.input_logprobs, n) if frame.input_logprobs is not None else {}
+        lp = frame.logprobs
+        logprobs = read_output_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
+        prompt_logprobs = read_input_logprobs(lp.input, n) if lp is not None and lp.input is not None else {}
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
         metrics = self.metrics.requests if self.metrics is not None else None
