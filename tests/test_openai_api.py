@@ -112,8 +112,8 @@ def test_completion_stop_string(oai: openai.OpenAI) -> None:
 
 
 def test_completion_refusals_name_the_field(oai: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        oai.completions.create(model=MODEL, prompt="a", echo=True)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        oai.completions.create(model=MODEL, prompt="a", suffix="b")
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         oai.completions.create(model=MODEL, prompt="a", logprobs=21)
     with pytest.raises(openai.NotFoundError, match="gpt-nope"):
@@ -278,7 +278,7 @@ TABLE: list[tuple[str, str, Any, str]] = [
     ("completions", "too many prompts x n", {**COMPLETION_OK, "prompt": ["a"] * 10, "n": 20}, "n"),
     ("completions", "empty stop", {**COMPLETION_OK, "stop": ""}, "stop"),
     ("completions", "stop not a string", {**COMPLETION_OK, "stop": 5}, "stop"),
-    ("completions", "echo", {**COMPLETION_OK, "echo": True}, "echo"),
+    ("completions", "echo not a bool", {**COMPLETION_OK, "echo": 3}, "echo"),
     ("completions", "logprobs over 20", {**COMPLETION_OK, "logprobs": 21}, "logprobs"),
     ("completions", "suffix", {**COMPLETION_OK, "suffix": "x"}, "suffix"),
     ("completions", "best_of", {**COMPLETION_OK, "best_of": 3}, "best_of"),
@@ -384,7 +384,7 @@ COMPLETION_BAD = {
     | st.lists(st.integers(max_value=-1), min_size=1, max_size=3)
     | st.lists(st.integers(min_value=4096, max_value=2**40), min_size=1, max_size=3)
     | st.tuples(st.text(max_size=3), st.integers(0, 10)).map(list),
-    "echo": st.just(True),
+    "echo": st.integers() | st.text(max_size=3),
     "logprobs": st.integers(min_value=21) | st.integers(max_value=-1),
     "best_of": st.integers(min_value=2, max_value=20),
 }
