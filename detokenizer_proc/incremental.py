@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from pipeline.io_struct import DecodeOptions, FinishReason, FinishStop
@@ -78,6 +79,17 @@ class IncrementalDetokenizer:
     @property
     def num_live(self) -> int:
         return len(self._states)
+
+    def shows_logprob_texts(self, req_ids: Sequence[int], options: Sequence[DecodeOptions | None] | None) -> np.ndarray:
+        """Per row, whether its request asked for its logprob tokens' texts (a first row
+        says so in its options, later rows by the state kept). Called before ``process``,
+        which drops the state of the requests that finish."""
+        shows = np.zeros(len(req_ids), dtype=bool)
+        for i, rid in enumerate(req_ids):
+            state = self._states.get(rid)
+            opt = state.options if state is not None else options[i] if options is not None else None
+            shows[i] = opt is not None and opt.logprob_texts
+        return shows
 
     def process(
         self,

@@ -109,6 +109,8 @@ class LogprobParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     token_ids_logprob: tuple[int, ...] = ()
+    # The answer shows each entry's token text: the detokenizer sends the texts with the frame.
+    return_text: bool = False
 
 
 class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True, gc=False):
@@ -317,6 +319,16 @@ class DecodeOptions(msgspec.Struct, array_like=True, gc=False, frozen=True):
     stop: tuple[str, ...] = ()
     no_stop_trim: bool = False
     stream: bool = True
+    logprob_texts: bool = False  # send the texts of this request's logprob tokens
+
+
+class TokenTexts(msgspec.Struct, array_like=True, gc=False):
+    """Single-token texts (each token decoded on its own, special tokens shown) for the
+    ids in a frame's logprob columns: ``ids`` (int32, ascending, each once) and their
+    texts in that order."""
+
+    ids: bytes
+    texts: list[str]
 
 
 class BatchStrOutput(msgspec.Struct, tag="str", array_like=True, gc=False):
@@ -331,6 +343,8 @@ class BatchStrOutput(msgspec.Struct, tag="str", array_like=True, gc=False):
     finished_reasons: list[FinishReason | None] | None = None
     request_stats: list[RequestOutputStats | None] | None = None
     logprobs: FrameLogprobs | None = None  # passed through from BatchTokenIDOutput
+    # The texts of the tokens in ``logprobs`` of the rows whose requests show them.
+    token_texts: TokenTexts | None = None
 
 
 class BatchEmbeddingOutput(msgspec.Struct, tag="emb_out", array_like=True, gc=False):

@@ -214,7 +214,11 @@ class Req:
         self._decode_options_sent = True
         s = self.sampling
         return DecodeOptions(
-            skip_special_tokens=s.skip_special_tokens, stop=s.stop, no_stop_trim=s.no_stop_trim, stream=self.stream
+            skip_special_tokens=s.skip_special_tokens,
+            stop=s.stop,
+            no_stop_trim=s.no_stop_trim,
+            stream=self.stream,
+            logprob_texts=self.logprob is not None and self.logprob.return_text,
         )
 
     # --- lifecycle events ----------------------------------------------------------------

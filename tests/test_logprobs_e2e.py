@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from bench.small_checkpoint import write
 from tests.server_harness import ServerProcess
@@ -88,15 +89,17 @@ def streamed(server: ServerProcess, payload: dict[str, object]) -> tuple[list[in
 @pytest.mark.parametrize(
     "sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}], ids=["greedy", "sampled"]
 )
-def test_generate_logprobs_equal_transformers(server: ServerProcess, hf_model, sampling: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
+def test_generate_logprobs_equal_transformers(server: ServerProcess, hf_model, checkpoint: Path, sampling: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
     whole = httpx.post(server.url + "/generate", json=body(sampling, stream=False), timeout=60).json()
     meta = whole["meta_info"]
     out = whole["output_ids"]
     prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
     ref = reference(hf_model, prompt_ids, out)
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     assert len(meta["output_token_logprobs"]) == len(out) == 12
     for j, (lp, token, text) in enumerate(meta["output_token_logprobs"]):
-        assert token == out[j] and isinstance(text, str)
+        assert token == out[j] and text == tokenizer.decode([token], skip_special_tokens=False)
+        assert all(e[2] == tokenizer.decode([e[1]], skip_special_tokens=False) for e in meta["output_top_logprobs"][j])
         assert lp == pytest.approx(float(ref[j, token]), abs=1e-4)
         values, top_ids = ref[j].topk(TOP)
         assert [e[1] for e in meta["output_top_logprobs"][j]] == top_ids.tolist()

@@ -223,6 +223,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             top_logprobs_num=self.top_logprobs_num,
             logprob_start_len=self.logprob_start_len,
             token_ids_logprob=tuple(self.token_ids_logprob or ()),
+            return_text=self.return_text_in_logprobs,
         )
 
     def bootstrap(self) -> Bootstrap | None:

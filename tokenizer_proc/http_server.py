@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import BearerAuth, install_error_handlers
 from pipeline.io_struct import SamplingParams
+from pipeline.token_texts import TokenText
 from tokenizer_proc.api_schema import (
     AbortRequestBody,
     GenerateBody,
@@ -33,7 +34,7 @@ from tokenizer_proc.http_common import (
     wait_finished,
     wait_started,
 )
-from tokenizer_proc.logprob_meta import TokenText, logprob_meta, prompt_logprob_meta
+from tokenizer_proc.logprob_meta import logprob_meta, prompt_logprob_meta
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
@@ -86,7 +87,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             bootstrap=obj.bootstrap(),
             logprobs=obj.logprob_params(),
         )
-        text_of = _token_text(tm) if obj.return_text_in_logprobs else None
+        text_of = tm.token_texts if obj.return_text_in_logprobs else None  # None without a tokenizer: null texts
         try:
             if obj.stream:
                 # A refusal (full queue, scheduler's check, PD failure) is the first change
@@ -156,15 +157,6 @@ def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_
     if tm.tokenizer is None:
         return {"output_ids": output_ids, "meta_info": meta_info}
     return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
-
-
-def _token_text(tm: TokenizerManager) -> TokenText | None:
-    """One token's text for ``return_text_in_logprobs`` (special tokens shown); None
-    without a tokenizer, so the texts are null."""
-    tokenizer = tm.tokenizer
-    if tokenizer is None:
-        return None
-    return lambda token: tokenizer.decode([token], skip_special_tokens=False)
 
 
 async def _stream_generate(tm: TokenizerManager, state: ReqState, text_of: TokenText | None = None) -> AsyncIterator[bytes]:

@@ -4,13 +4,11 @@ entries only, as its text and ids are deltas."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from pipeline.io_struct import LogprobParams
+from pipeline.token_texts import TokenText
 from tokenizer_proc.req_state import LogprobEntries
-
-TokenText = Callable[[int], str]
 
 
 def logprob_meta(asked: LogprobParams, ids: list[int], entries: LogprobEntries | None, text_of: TokenText | None) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats, SamplingParams
+from pipeline.token_texts import TokenText
 from tokenizer_proc.api_schema import RequestValidationError, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http_common import (
@@ -59,7 +60,7 @@ from tokenizer_proc.http_common import (
     wait_finished,
     wait_started,
 )
-from tokenizer_proc.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, echoed_completion_logprobs, token_text_of
+from tokenizer_proc.openai_logprobs import chat_logprobs, completion_logprobs, echoed_completion_logprobs, openai_token_text
 from tokenizer_proc.openai_schema import (
     MAX_CHOICES,
     ChatCompletionBody,
@@ -286,11 +287,6 @@ _COMPLETION = _Completion()
 _CHAT = _Chat()
 
 
-def _token_text(tm: TokenizerManager) -> TokenText:
-    tokenizer = tm.tokenizer
-    return token_text_of(None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-
-
 def _finish_reason(state: ReqState) -> str | None:
     reason = state.finished_reason
     return None if reason is None else _FINISH_REASONS[type(reason)]
@@ -389,7 +385,7 @@ async def _respond(
         if refused is not None:
             return refused
     ids_out = tm.tokenizer is None
-    text_of = _token_text(tm)
+    text_of = openai_token_text(tm.token_texts)
     choices = [_with_ids(kind.choice(i, s, text_of), s.output_ids, ids_out) for i, s in enumerate(states)]
     return JSONResponse({**head, "choices": choices, "usage": _usage(states, body.choices)})
 
@@ -433,7 +429,7 @@ async def _stream(
     usage: _StreamUsage,
 ) -> AsyncIterator[bytes]:
     ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
-    text_of = _token_text(tm)
+    text_of = openai_token_text(tm.token_texts)
     offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
     leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
     try:

@@ -13,18 +13,13 @@ A token's text is its own decoding (special tokens shown). Without a tokenizer
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from pipeline.token_texts import TokenText, TokenTextCache
 from tokenizer_proc.req_state import LogprobEntries
 
-TokenText = Callable[[int], str]
-
-
-def token_text_of(decode: Callable[[list[int]], str] | None) -> TokenText:
-    if decode is None:
-        return lambda token: f"token_id:{token}"
-    return lambda token: decode([token])
+def openai_token_text(texts: TokenTextCache | None) -> TokenText:
+    return texts if texts is not None else lambda token: f"token_id:{token}"
 
 
 def completion_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText, offset: int = 0) -> dict[str, Any]:

@@ -246,7 +246,7 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
         """With ``echo`` the prompt's logprobs too (from position 0, whose is null)."""
         if self.logprobs is None:
             return None
-        return LogprobParams(top_logprobs_num=self.logprobs, logprob_start_len=0 if self.echo else -1)
+        return LogprobParams(top_logprobs_num=self.logprobs, logprob_start_len=0 if self.echo else -1, return_text=True)
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt as a string or as token ids."""
@@ -444,7 +444,7 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     def logprob_params(self) -> LogprobParams | None:
         if self.top_logprobs and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
-        return LogprobParams(top_logprobs_num=self.top_logprobs or 0) if self.logprobs else None
+        return LogprobParams(top_logprobs_num=self.top_logprobs or 0, return_text=True) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over ``max_tokens`` (deprecated);

@@ -46,6 +46,7 @@ from pipeline.io_struct import (
     TraceContext,
 )
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
+from pipeline.token_texts import TokenTextCache
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
@@ -79,6 +80,8 @@ class TokenizerManager:
         self.config = config
         # None under --skip-tokenizer-init: the process then never loads one.
         self.tokenizer = vocab if isinstance(vocab, LoadedTokenizer) else None
+        # Logprob entries' token texts, mostly sent by the detokenizer with each frame.
+        self.token_texts = TokenTextCache(self.tokenizer.tokenizer) if self.tokenizer is not None else None
         self.vocab_size = vocab.vocab_size
         self.context_length = context_length
         self.model_name = config.served_model_name or vocab.name
@@ -259,6 +262,8 @@ class TokenizerManager:
         state.logprob = logprobs
         if logprobs is not None and logprobs.logprob_start_len >= 0:
             state.prompt_ids = input_ids  # the tokens the prompt logprobs belong to
+            if logprobs.return_text and self.token_texts is not None:
+                self.token_texts.fill(input_ids[logprobs.logprob_start_len :])  # one batch; the frames bring the rest
         state.operation = operation
         state.internal = internal
         state.prompt_tokens = len(input_ids)
@@ -401,6 +406,8 @@ class TokenizerManager:
         lp = frame.logprobs
         logprobs = read_output_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
         prompt_logprobs = read_input_logprobs(lp.input, n) if lp is not None and lp.input is not None else {}
+        if frame.token_texts is not None and self.token_texts is not None:
+            self.token_texts.add(frame.token_texts)  # ValueError when its columns disagree
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
         metrics = self.metrics.requests if self.metrics is not None else None
