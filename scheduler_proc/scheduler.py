@@ -333,12 +333,14 @@ class Scheduler:
             if ts is not None and ts.prefill_finished_time is None:
                 req.update_time_stats(prefill_finished_time=finished_at)
         for req in done:
-            if req.is_embedding:
+            if isinstance(req.pd, KVFetchJob):
+                self._release(req)  # a re-bootstrap wanted only the KV: sent on release
+            elif req.is_embedding or req.sampling.max_new_tokens == 0:
+                # An embedding, or a prompt scored without a completion (its prompt
+                # logprobs are on the request): done with the prefill.
                 req.finish(FinishLength(length=0), finished_at)
                 rows.append(req)
-            elif isinstance(req.pd, KVFetchJob):
-                self._release(req)  # a re-bootstrap wanted only the KV: sent on release
-        generating = [i for i in done_rows if not batch[i][0].is_embedding and not isinstance(batch[i][0].pd, KVFetchJob)]
+        generating = [i for i in done_rows if not batch[i][0].finished and not isinstance(batch[i][0].pd, KVFetchJob)]
         if not generating:
             return []
         done = [batch[i][0] for i in generating]

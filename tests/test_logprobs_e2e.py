@@ -185,6 +185,56 @@ def test_openai_chat_logprobs(server: ServerProcess) -> None:
     assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_scores_the_prompt_with_max_tokens_0(server: ServerProcess, hf_model, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """``echo`` with ``max_tokens`` 0 (OpenAI's legacy scoring): the prompt comes back as the
+    text with a logprob per prompt token (the first null) and its top ones, no completion;
+    ``max_tokens`` 0 without echo is refused."""
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    ref = prompt_reference(hf_model, prompt_ids)
+    with server.openai_client() as client:
+        model = client.models.list().data[0].id
+        if stream:
+            chunks = list(client.completions.create(model=model, prompt=prompt_ids, max_tokens=0, echo=True, logprobs=2, stream=True))
+            choices = [c.choices[0] for c in chunks if c.choices]
+            text = "".join(c.text for c in choices)
+            tokens = [t for c in choices if c.logprobs is not None for t in c.logprobs.tokens]
+            values = [v for c in choices if c.logprobs is not None for v in c.logprobs.token_logprobs]
+            finish = choices[-1].finish_reason
+        else:
+            out = client.completions.create(model=model, prompt=prompt_ids, max_tokens=0, echo=True, logprobs=2)
+            lp = out.choices[0].logprobs
+            assert lp is not None and out.usage is not None and out.usage.completion_tokens == 0
+            text, tokens, values, finish = out.choices[0].text, lp.tokens, lp.token_logprobs, out.choices[0].finish_reason
+            assert lp.top_logprobs[0] is None and all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert finish == "length"
+    assert text == "".join(tokens) and len(tokens) == len(prompt_ids)
+    assert values[0] is None
+    assert values[1:] == pytest.approx([float(ref[q - 1, t]) for q, t in enumerate(prompt_ids) if q], abs=1e-4)
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0}, timeout=30)
+    assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
+
+
+def test_each_choice_has_its_own_logprobs(server: ServerProcess, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """``n`` > 1 with sampling: each choice's logprobs are those of its own tokens. Choice i
+    draws with seed + i, so /generate with that seed gives its token ids."""
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    with server.openai_client() as client:
+        model = client.models.list().data[0].id
+        out = client.completions.create(
+            model=model, prompt=prompt_ids, max_tokens=5, n=3, temperature=1.0, seed=5, logprobs=1, extra_body={"ignore_eos": True}
+        )
+    drawn = []
+    for choice in out.choices:
+        sampling = {"max_new_tokens": 5, "ignore_eos": True, "temperature": 1.0, "seed": 5 + choice.index}
+        ids = httpx.post(server.url + "/generate", json={"input_ids": prompt_ids, "sampling_params": sampling}, timeout=60).json()["output_ids"]
+        ref = reference(hf_model, prompt_ids, ids)
+        lp = choice.logprobs
+        assert lp is not None and lp.token_logprobs == pytest.approx([float(ref[j, t]) for j, t in enumerate(ids)], abs=1e-4)
+        drawn.append(tuple(ids))
+    assert len(set(drawn)) > 1, "the seeded choices all drew the same tokens"
+
+
 def prompt_reference(hf_model, prompt_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Row q - 1: transformers' log-softmax of the logits that predict prompt token q."""
     with torch.no_grad():

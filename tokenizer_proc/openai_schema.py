@@ -225,7 +225,7 @@ PromptItem = str | TokenId | list[TokenId]
 
 class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[PromptItem]
-    max_tokens: PositiveInt | None = None  # None: OpenAI's default, 16
+    max_tokens: NonNegInt | None = None  # None: OpenAI's default, 16; 0 only with echo
     echo: bool | None = None
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None
@@ -241,6 +241,13 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     )
 
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            # With echo, 0 scores the prompt (its logprobs, no completion), as OpenAI's legacy
+            # API and vLLM allow; without it there would be nothing to answer.
+            raise RequestValidationError("max_tokens 0 is only allowed with echo: true", "max_tokens")
 
     def logprob_params(self) -> LogprobParams | None:
         """With ``echo`` the prompt's logprobs too (from position 0, whose is null)."""
