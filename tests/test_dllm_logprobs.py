@@ -86,7 +86,7 @@ def run(s: Scheduler) -> tuple[dict[int, list[int]], dict[int, list[Entry]], dic
 
 
 def reference_decode(
-    runner: ModelRunner, prompt: list[int], params: SamplingParams, seed: int, steps: int
+    runner: ModelRunner, prompt: list[int], params: SamplingParams, seed: int, steps: int, max_new: int = MAX_NEW
 ) -> tuple[list[int], list[torch.Tensor]]:
     """What a dLLM request commits, and per token the log-softmax of the logits of the pass
     that committed it, by a plain loop: each pass is a full forward of prompt + committed
@@ -95,7 +95,7 @@ def reference_decode(
     confident ``B // steps (+1)`` positions commit, all that remain on the last pass."""
     out: list[int] = []
     logprobs: list[torch.Tensor] = []
-    while len(out) < MAX_NEW:
+    while len(out) < max_new:
         seq = prompt + out
         block, by_position = [MASK] * B, [torch.empty(0)] * B
         masked = [True] * B
@@ -118,14 +118,14 @@ def reference_decode(
             for i in sorted(range(n), key=lambda i: (-confidence[i], positions[i]))[:take]:
                 block[positions[i]], masked[positions[i]] = drawn[i], False
                 by_position[positions[i]] = torch.log_softmax(logits[i].float(), dim=-1)
-        keep = min(B, MAX_NEW - len(out))
+        keep = min(B, max_new - len(out))
         out += block[:keep]
         logprobs += by_position[:keep]
     return out, logprobs
 
 
 def assert_entries_match(entries: list[Entry], out: list[int], ref: list[torch.Tensor], ask: LogprobParams) -> None:
-    assert len(entries) == len(out) == MAX_NEW, "a token without its logprobs, or one sent twice"
+    assert len(entries) == len(out) == len(ref), "a token without its logprobs, or one sent twice"
     for j, (chosen, top, ids) in enumerate(entries):
         assert chosen == pytest.approx(float(ref[j][out[j]]), abs=1e-4), j
         k = ask.top_logprobs_num
