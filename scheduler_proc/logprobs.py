@@ -3,7 +3,9 @@ that asked; each request keeps them (``Req.pending_logprobs``) until its row goe
 
 Values are the model's raw distribution, ``log_softmax`` of the logits before bias,
 penalties, temperature and cuts (vLLM's default). A step in which no row asked computes
-nothing.
+nothing. ``step_logprobs`` serves one token per request (decode, a first token, prompt
+positions), ``span_logprobs`` several (a dLLM pass's committed positions): one batched
+computation either way.
 """
 
 from __future__ import annotations
