@@ -7,6 +7,7 @@ and prompt logprobs from the prefill. The end-to-end check is in tests/test_dllm
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -26,6 +27,7 @@ from pipeline.io_struct import (
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.req import Req
 from scheduler_proc.sampler import SamplingColumns, draw_counter, sample
 from scheduler_proc.scheduler import Scheduler
 
@@ -56,15 +58,20 @@ def submit(s: Scheduler, req_id: int, params: SamplingParams, ask: LogprobParams
     )
 
 
-def run(s: Scheduler) -> tuple[dict[int, list[int]], dict[int, list[Entry]], dict[int, list[Entry]], int]:
+def run(
+    s: Scheduler, arrivals: list[Callable[[], None]] | None = None
+) -> tuple[dict[int, list[int]], dict[int, list[Entry]], dict[int, list[Entry]], int]:
     """Tokens, output and prompt logprob entries per request, read back from encoded
     frames (a row's output entries are exactly its tokens'); and how many frames carried no
-    logprob columns."""
+    logprob columns. ``arrivals`` run one before each step."""
     tokens: dict[int, list[int]] = {}
     entries: dict[int, list[Entry]] = {}
     prompt: dict[int, list[Entry]] = {}
     without = 0
-    while s.has_work():
+    pending = list(arrivals or [])
+    while s.has_work() or pending:
+        if pending:
+            pending.pop(0)()
         for frame in s.step():
             assert isinstance(frame, BatchTokenIDOutput)
             frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=BatchTokenIDOutput)
@@ -146,7 +153,7 @@ REQUESTS: list[tuple[SamplingParams, LogprobParams | None, bool]] = [
 
 
 @pytest.mark.parametrize(
-    ("steps", "pool"), [(2, 8192), (3, 8192), (3, sum(len(p) for p in PROMPTS) + 24)], ids=["2-passes", "3-passes", "retracting"]
+    ("steps", "pool"), [(2, 8192), (3, 8192), (3, sum(len(p) for p in PROMPTS) + 32)], ids=["2-passes", "3-passes", "retracting"]
 )
 def test_each_committed_token_has_the_logprobs_of_the_pass_that_committed_it(steps: int, pool: int) -> None:
     s = make(steps, pool)
@@ -157,15 +164,25 @@ def test_each_committed_token_has_the_logprobs_of_the_pass_that_committed_it(ste
         calls.append(len(args[3]))
         return batched(*args, **kwargs)
 
+    dropped_with_logprobs = 0  # blocks dropped mid-way (retraction) holding committed positions' logprobs
+    drop = s.dllm.drop_block  # type: ignore[union-attr]
+
+    def counting_drop(req: Req) -> None:
+        nonlocal dropped_with_logprobs
+        block = req.dllm_block
+        dropped_with_logprobs += block is not None and block.logprobs is not None and not all(block.masked)
+        drop(req)
+
+    s.dllm.drop_block = counting_drop  # type: ignore[union-attr,method-assign]
     dllm_module.span_logprobs = counting  # type: ignore[assignment]
     try:
-        for req_id, (params, ask, stream) in enumerate(REQUESTS):
-            submit(s, req_id, params, ask, stream=stream)
-        tokens, entries, _, _ = run(s)
+        # One arrival per step, so that passes mix block starts and blocks mid-way.
+        arrivals = [lambda i=i, r=r: submit(s, i, r[0], r[1], stream=r[2]) for i, r in enumerate(REQUESTS)]
+        tokens, entries, _, _ = run(s, arrivals)  # type: ignore[arg-type]
     finally:
         dllm_module.span_logprobs = batched  # type: ignore[assignment]
     if pool < 8192:
-        assert s.num_retracted_total > 0, "the small pool forced no retraction"
+        assert s.num_retracted_total > 0 and dropped_with_logprobs > 0, "no retraction dropped a block holding logprobs"
     assert 2 not in entries
     assert max(calls) > 1, "one batched computation per pass covers every request that asked"
     runner = make(steps).runner  # the same model, with room for the reference's forwards
