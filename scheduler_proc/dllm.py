@@ -47,6 +47,17 @@ follows); its row carries stats because it is finished.
 
 Rows: a streaming request emits one row per committed block (the block is the unit of
 streaming, whatever the stream interval); a non-streaming one emits only its finished row.
+
+Logprobs (SPEC section 11): a committed token's are those of the pass that committed it,
+the raw log-softmax of that pass's logits at its position (before bias, penalties,
+temperature and cuts; the confidence that chose it is not part of them). Each pass computes
+them in one batched ``span_logprobs`` over the positions it commits of the requests that
+asked (nothing when none asked), and the block keeps them by position
+(``BlockLogprobs``); at commit those of the appended tokens, in output order, join the
+request's pending logprobs, so the block's row carries one entry per token. A block that is
+dropped (retraction) drops its logprobs with it: its tokens were never sent, and the
+restarted block computes them again. Prompt logprobs come from the prefill, as in generate
+mode.
 """
 
 from __future__ import annotations
@@ -57,7 +68,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.io_struct import CachedTokensDetails
+from pipeline.io_struct import CachedTokensDetails, LogprobParams
+from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
+from scheduler_proc.logprobs import span_logprobs
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import SamplingColumns, draw_counter
@@ -71,18 +84,50 @@ class DllmConfig:
     mask_token_id: int
 
 
+class BlockLogprobs:
+    """The logprobs of a block's committed positions, by position (rows of positions still
+    masked are not yet meaningful), as the pass that committed each computed them."""
+
+    __slots__ = ("ask", "values")
+
+    def __init__(self, size: int, ask: LogprobParams) -> None:
+        self.ask = ask
+        k, m = ask.top_logprobs_num, len(ask.token_ids_logprob)
+        self.values = TokenLogprobs(
+            np.zeros(size, dtype=LOGPROB_DTYPE),
+            np.zeros((size, k), dtype=LOGPROB_ID_DTYPE),
+            np.zeros((size, k), dtype=LOGPROB_DTYPE),
+            np.zeros((size, m), dtype=LOGPROB_DTYPE),
+        )
+
+    def keep(self, positions: list[int], part: TokenLogprobs) -> None:
+        """``part``: one entry per position of ``positions``, in that order."""
+        v = self.values
+        v.chosen[positions] = part.chosen
+        v.top_ids[positions] = part.top_ids
+        v.top_values[positions] = part.top_values
+        v.ids_values[positions] = part.ids_values
+
+    def first(self, n: int) -> TokenLogprobs:
+        """Those of the first ``n`` positions (the tokens a commit appended)."""
+        v = self.values
+        return TokenLogprobs(v.chosen[:n], v.top_ids[:n], v.top_values[:n], v.ids_values[:n])
+
+
 class Block:
     """The block a request is refining: its tokens (the mask token where still masked),
     which positions are still masked (a committed token may equal the mask id), the pool
-    slots its positions are written to, and passes done."""
+    slots its positions are written to, passes done, and the committed positions' logprobs
+    when the request asked."""
 
-    __slots__ = ("masked", "passes", "slots", "tokens")
+    __slots__ = ("logprobs", "masked", "passes", "slots", "tokens")
 
-    def __init__(self, size: int, mask_token_id: int, slots: torch.Tensor) -> None:
+    def __init__(self, size: int, mask_token_id: int, slots: torch.Tensor, ask: LogprobParams | None) -> None:
         self.tokens = [mask_token_id] * size
         self.masked = [True] * size
         self.slots = slots
         self.passes = 0
+        self.logprobs = None if ask is None else BlockLogprobs(size, ask)
 
     def masked_positions(self) -> list[int]:
         return [j for j, m in enumerate(self.masked) if m]
@@ -159,7 +204,7 @@ class DllmDecoder:
                 slots = self._alloc(stale + size)
                 assert slots is not None, "the scheduler made room for every block"
                 fresh = slots[:stale]
-                block = req.dllm_block = Block(size, self.config.mask_token_id, slots[stale:])
+                block = req.dllm_block = Block(size, self.config.mask_token_id, slots[stale:], req.logprob)
             # The head: tokens before the block that this pass writes. At least the anchor
             # (the last committed token, rewritten with the causal KV it already had), as
             # its hidden state predicts the block's first position.
@@ -197,16 +242,29 @@ class DllmDecoder:
         confidence = torch.softmax(logits, dim=-1).gather(1, picked).squeeze(1).tolist()
         candidates = drawn.tolist()
 
-        still_running: list[Req] = []
-        committed = 0
+        lp_rows: list[int] = []  # rows of ``logits`` whose positions this pass commits, of requests that asked
+        lp_where: list[tuple[BlockLogprobs, list[int]]] = []  # per such request: those positions, in that order
         first = 0
         for req, fresh, positions in zip(reqs, fresh_slots, masked):
             if fresh is not None and fresh.numel():  # their KV is final now: they join the request's KV
                 req.kv_slots = torch.cat((req.kv_slots, fresh))  # type: ignore[arg-type]
                 req.num_computed += fresh.numel()
             last = first + len(positions)
-            self._unmask(req.dllm_block, positions, candidates[first:last], confidence[first:last])
+            block = req.dllm_block
+            chosen = self._unmask(block, positions, candidates[first:last], confidence[first:last])
+            if block.logprobs is not None and chosen:
+                lp_rows.extend(first + i for i in chosen)
+                lp_where.append((block.logprobs, [positions[i] for i in chosen]))
             first = last
+        if lp_rows:
+            index = np.array(lp_rows, dtype=np.int64)
+            spans = [(kept.ask, len(where)) for kept, where in lp_where]
+            for (kept, where), part in zip(lp_where, span_logprobs(logits, index, drawn[index], spans)):
+                kept.keep(where, part)
+
+        still_running: list[Req] = []
+        committed = 0
+        for req in reqs:
             if req.dllm_block.passes < self.config.steps:
                 still_running.append(req)
                 continue
@@ -215,9 +273,10 @@ class DllmDecoder:
                 still_running.append(req)
         return still_running, committed
 
-    def _unmask(self, block: Block, positions: list[int], candidates: list[int], confidence: list[float]) -> None:
+    def _unmask(self, block: Block, positions: list[int], candidates: list[int], confidence: list[float]) -> list[int]:
         """Commits this pass's share of the masked positions: the most confident ones
-        (ties to the earlier position), and all that remain on the last pass."""
+        (ties to the earlier position), and all that remain on the last pass. Returns the
+        indices into ``positions`` it committed."""
         steps, p, size = self.config.steps, block.passes, len(block.tokens)
         take = size // steps + (p < size % steps) if p < steps - 1 else size
         best = sorted(range(len(positions)), key=lambda i: (-confidence[i], positions[i]))[:take]
@@ -225,11 +284,13 @@ class DllmDecoder:
             block.tokens[positions[i]] = candidates[i]
             block.masked[positions[i]] = False
         block.passes += 1
+        return best
 
     def _commit(self, req: Req, rows: list[Req]) -> int:
         """Appends the block's tokens through the stop checks, queues the row, frees the
         block's slots; returns the number of tokens appended."""
-        tokens = req.dllm_block.tokens
+        block = req.dllm_block
+        tokens = block.tokens
         self._free(req)
         appended = 0
         for token in tokens:
@@ -239,6 +300,8 @@ class DllmDecoder:
             if reason is not None:
                 req.finish(reason)
                 break
+        if block.logprobs is not None:
+            req.pending_logprobs.append(block.logprobs.first(appended))
         if not req.finished:
             cached = req.seq_len
             req.update_stats(cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0))

@@ -3,7 +3,9 @@ that asked; each request keeps them (``Req.pending_logprobs``) until its row goe
 
 Values are the model's raw distribution, ``log_softmax`` of the logits before bias,
 penalties, temperature and cuts (vLLM's default). A step in which no row asked computes
-nothing.
+nothing. ``step_logprobs`` serves one token per request (decode, a first token, prompt
+positions), ``span_logprobs`` several (a dLLM pass's committed positions): one batched
+computation either way.
 """
 
 from __future__ import annotations
@@ -23,28 +25,57 @@ def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, as
     whose requests ask ``asks``): one log-softmax over those rows only, one gather of the
     chosen tokens, one top-k of the largest k asked, one gather of the asked ids. The
     per-request results are views of those batched arrays."""
+    chosen_v, top_i, top_v, ids_v = _batched(logits, rows, tokens, asks, None)
+    ks = [a.top_logprobs_num for a in asks]
+    ms = [len(a.token_ids_logprob) for a in asks]
+    return [
+        TokenLogprobs(chosen_v[i : i + 1], top_i[i : i + 1, : ks[i]], top_v[i : i + 1, : ks[i]], ids_v[i : i + 1, : ms[i]])
+        for i in range(len(rows))
+    ]
+
+
+def span_logprobs(
+    logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, spans: Sequence[tuple[LogprobParams, int]]
+) -> list[TokenLogprobs]:
+    """As ``step_logprobs`` where a request has several tokens in one pass (a dLLM block's
+    positions): ``spans`` are (ask, count) per request, its ``count`` rows consecutive in
+    ``rows``. The same batched computation; one view per request, not per token."""
+    asks = [a for a, _ in spans]
+    counts = [n for _, n in spans]
+    chosen_v, top_i, top_v, ids_v = _batched(logits, rows, tokens, asks, counts)
+    out: list[TokenLogprobs] = []
+    first = 0
+    for ask, n in spans:
+        k, m, last = ask.top_logprobs_num, len(ask.token_ids_logprob), first + n
+        out.append(TokenLogprobs(chosen_v[first:last], top_i[first:last, :k], top_v[first:last, :k], ids_v[first:last, :m]))
+        first = last
+    return out
+
+
+def _batched(
+    logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams], counts: Sequence[int] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Chosen [R], top ids and values [R, k] and asked ids' values [R, m] for ``rows``, k
+    and m the largest asked (a row's own are its first columns). ``asks[j]`` covers
+    ``counts[j]`` consecutive rows (one each when ``counts`` is None)."""
     lp = torch.log_softmax(logits.index_select(0, torch.from_numpy(rows).to(logits.device)).float(), dim=-1)
     chosen = lp.gather(1, torch.from_numpy(tokens.astype(np.int64)).to(lp.device).unsqueeze(1)).squeeze(1)
-    ks = [a.top_logprobs_num for a in asks]
-    k = max(ks)
+    k = max(a.top_logprobs_num for a in asks)
     if k:
         top_values, top_ids = lp.topk(k, dim=1)  # sorted, most likely first
         top_v, top_i = top_values.cpu().numpy(), top_ids.cpu().numpy().astype(LOGPROB_ID_DTYPE)
     else:
         top_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
         top_i = np.empty((len(rows), 0), dtype=LOGPROB_ID_DTYPE)
-    ms = [len(a.token_ids_logprob) for a in asks]
-    m = max(ms)
+    m = max(len(a.token_ids_logprob) for a in asks)
     if m:
         ids = torch.tensor([list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks], dtype=torch.long)
+        if counts is not None:
+            ids = ids.repeat_interleave(torch.tensor(counts, dtype=torch.long), dim=0)
         ids_v = lp.gather(1, ids.to(lp.device)).cpu().numpy()
     else:
         ids_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
-    chosen_v = chosen.cpu().numpy()
-    return [
-        TokenLogprobs(chosen_v[i : i + 1], top_i[i : i + 1, : ks[i]], top_v[i : i + 1, : ks[i]], ids_v[i : i + 1, : ms[i]])
-        for i in range(len(rows))
-    ]
+    return chosen.cpu().numpy(), top_i, top_v, ids_v
 
 
 def keep_prompt_logprobs(

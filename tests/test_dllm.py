@@ -30,6 +30,7 @@ from scheduler_proc.main import build_scheduler
 from scheduler_proc.req import Req
 from scheduler_proc.scheduler import Scheduler
 from tests.server_harness import ServerProcess
+from tests.test_dllm_logprobs import reference_decode
 
 B, S = 4, 2  # block size, refinement passes per block
 PROMPTS = [[(13 * i + 7 * k + 5) % 4000 + 50 for i in range(12 + 5 * k)] for k in range(6)]
@@ -355,3 +356,52 @@ def test_serve_streams_one_event_per_block(dllm_server: ServerProcess) -> None:
     with dllm_server.client() as c:
         whole = c.post("/generate", json=body).json()
     assert whole["output_ids"] == [t for e in events for t in e["output_ids"]]
+
+
+def test_serve_logprobs_of_each_block_token(dllm_server: ServerProcess) -> None:
+    """/generate return_logprob in --mode dllm: one entry per token of each block, equal to
+    the reference loop's (tests/test_dllm_logprobs.py: the pass that committed each token),
+    prompt logprobs from the prefill on the first event, and streamed events' entries
+    joining to the whole answer's."""
+    prompt = PROMPTS[1]
+    sampling = {"max_new_tokens": 10, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+    body = {
+        "input_ids": prompt,
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": [5, 77],
+        "logprob_start_len": 0,
+    }
+    with dllm_server.client() as c:
+        whole = c.post("/generate", json=body).json()
+    meta, out = whole["meta_info"], whole["output_ids"]
+    runner = make().runner  # the server's model (the default seed), block size and passes
+    expected, ref = reference_decode(runner, prompt, SamplingParams(**sampling), 5, S, max_new=10)  # type: ignore[arg-type]
+    assert out == expected
+    assert [e[1] for e in meta["output_token_logprobs"]] == out
+    for j, token in enumerate(out):
+        assert meta["output_token_logprobs"][j][0] == pytest.approx(float(ref[j][token]), abs=1e-4)
+        values, ids = ref[j].topk(3)
+        assert [e[1] for e in meta["output_top_logprobs"][j]] == ids.tolist()
+        assert [e[0] for e in meta["output_top_logprobs"][j]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [e[0] for e in meta["output_token_ids_logprobs"][j]] == pytest.approx([float(ref[j][t]) for t in (5, 77)], abs=1e-4)
+    assert [e[1] for e in meta["input_token_logprobs"]] == prompt and meta["input_token_logprobs"][0][0] is None
+    events = _stream(dllm_server, body)
+    keys = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+    for e in events:
+        for key in keys:
+            assert len(e["meta_info"][key]) == len(e["output_ids"]), "an event's entries are its own tokens'"
+    assert [e[1] for e in events[0]["meta_info"]["input_token_logprobs"]] == prompt
+    assert all("input_token_logprobs" not in e["meta_info"] for e in events[1:]), "prompt logprobs are sent once"
+    for key in keys:
+        # Per token: one [logprob, id, text] entry (chosen) or a list of them (top, ids).
+        joined = _flat([entry for e in events for entry in e["meta_info"][key]])
+        alone = _flat(meta[key])
+        assert [x[1:] for x in joined] == [x[1:] for x in alone], key
+        # Equal up to float rounding: the two requests ran in different batches.
+        assert [x[0] for x in joined] == pytest.approx([x[0] for x in alone], abs=1e-5), key
+
+
+def _flat(per_token: list[list]) -> list[list]:  # type: ignore[type-arg]
+    return [x for entry in per_token for x in (entry if entry and isinstance(entry[0], list) else [entry])]

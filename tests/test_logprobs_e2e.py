@@ -281,14 +281,16 @@ def test_prompt_logprobs_equal_transformers(server: ServerProcess, chunked_serve
     assert all("input_token_logprobs" not in m for m in streamed_meta[1:]), "prompt logprobs are sent once"
 
 
-def test_modes_without_a_logprob_path_refuse_them(tmp_path: Path) -> None:
-    """A dLLM block's tokens (and a PD pair's first token) have no logprobs yet: a clear 400
-    rather than fewer entries than tokens."""
+def test_dllm_mode_serves_logprobs(tmp_path: Path) -> None:
+    """--mode dllm serves logprobs: one entry per token of each block, and the prompt's
+    (tests/test_dllm_logprobs.py and tests/test_dllm.py check the values)."""
     srv = ServerProcess(tmp_path / "tmp", ["--mode", "dllm"]).wait_ready()
     try:
-        r = httpx.post(srv.url + "/generate", json={"text": "a", "return_logprob": True, "sampling_params": {"max_new_tokens": 4}}, timeout=30)
-        plain = httpx.post(srv.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 4}}, timeout=30)
+        body = {"text": "a b", "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 6}}
+        r = httpx.post(srv.url + "/generate", json=body, timeout=30)
     finally:
         srv.stop()
-    assert r.status_code == 400 and "dllm" in r.json()["error"]["message"]
-    assert plain.status_code == 200
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] > 0
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]

@@ -248,11 +248,10 @@ class TokenizerManager:
             )
         sampling, bootstrap = self._pd_half(sampling, bootstrap, internal)
         self.validate_sampling(len(input_ids), sampling)
-        if logprobs is not None and (self.config.disaggregation_mode != "null" or self.config.mode == "dllm"):
-            # The first token of a PD pair and a dLLM block's tokens have no logprobs path
-            # yet: refuse rather than answer with fewer entries than tokens.
-            where = "through PD disaggregation" if self.config.disaggregation_mode != "null" else "in --mode dllm"
-            raise RequestValidationError(f"logprobs are not served {where} yet", "logprobs")
+        if logprobs is not None and self.config.disaggregation_mode != "null":
+            # The first token of a PD pair has no logprobs path yet: refuse rather than
+            # answer with fewer entries than tokens.
+            raise RequestValidationError("logprobs are not served through PD disaggregation yet", "logprobs")
         if logprobs is not None and logprobs.token_ids_logprob and max(logprobs.token_ids_logprob) >= self.vocab_size:
             raise RequestValidationError(
                 f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below the vocabulary size {self.vocab_size}",
