@@ -10,20 +10,61 @@ them in a ``TokenTextCache``, which the vocabulary bounds: a token's text never 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from pipeline.io_struct import TokenTexts
 
-TokenText = Callable[[int], str]
+
+class TokenText(Protocol):
+    """A token's text, and its raw bytes (OpenAI's ``bytes``: a token that holds part of a
+    UTF-8 character has bytes that its text, U+FFFD, does not show)."""
+
+    def __call__(self, token: int) -> str: ...
+
+    def raw(self, token: int) -> bytes: ...
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's vocabulary spells byte b as one printable character: b itself for
+    the printable ranges, 256 + n for the n-th other byte (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    chars.update({chr(256 + n): b for n, b in enumerate(others)})
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenTextCache:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._raw: dict[int, bytes] = {}
+        self._alphabet = _byte_level_alphabet() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+
+    def raw(self, token: int) -> bytes:
+        """The token's bytes from its vocabulary entry: byte-level BPE spells them out, a
+        byte-fallback token is ``<0xNN>``; any other token's bytes are its text's."""
+        raw = self._raw.get(token)
+        if raw is None:
+            piece = self._tokenizer.id_to_token(token) or ""
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            alphabet = self._alphabet
+            if fallback is not None:
+                raw = bytes([int(fallback.group(1), 16)])
+            elif alphabet is not None and piece and all(c in alphabet for c in piece):
+                raw = bytes(alphabet[c] for c in piece)
+            else:
+                raw = self(token).encode("utf-8")
+            self._raw[token] = raw
+        return raw
 
     def __call__(self, token: int) -> str:
         text = self._texts.get(token)

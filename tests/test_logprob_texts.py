@@ -76,3 +76,14 @@ def test_a_cache_answers_from_frames_and_refuses_a_disagreeing_one() -> None:
     assert cache(11) == loaded.tokenizer.decode([11], skip_special_tokens=False)  # a miss is decoded
     with pytest.raises(ValueError):
         cache.add(TokenTexts(ids=np.array([1, 2], dtype=np.int32).tobytes(), texts=["one"]))
+
+
+def test_raw_bytes_spell_out_the_tokens_that_split_a_character() -> None:
+    """OpenAI's ``bytes``: joined, the tokens' bytes are the text, also where a character is
+    split over tokens whose own texts are U+FFFD."""
+    loaded = load_tokenizer(None)
+    cache = TokenTextCache(loaded.tokenizer)
+    ids = loaded.tokenizer.encode("naïve café ☕ 日本語", add_special_tokens=False).ids
+    assert any("\ufffd" in cache(t) for t in ids), "no token splits a character: pick another text"
+    assert b"".join(cache.raw(t) for t in ids).decode("utf-8") == "naïve café ☕ 日本語"
+    assert all(cache.raw(t).decode("utf-8", errors="replace") == cache(t) for t in range(loaded.vocab_size))

@@ -177,8 +177,10 @@ def test_openai_chat_logprobs(server: ServerProcess) -> None:
         bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "top_logprobs": 2}, timeout=30)
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 6
+    joined = bytes(b for entry in content for b in entry.bytes or []).decode("utf-8", errors="replace")
+    assert joined.rstrip("\ufffd") == (chat.choices[0].message.content or "").rstrip("\ufffd"), "the bytes spell the text"
     for entry in content:
-        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert bytes(entry.bytes or []).decode("utf-8", errors="replace") == entry.token
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
     assert [e.logprob for e in content] == pytest.approx(same.choices[0].logprobs.token_logprobs, abs=1e-5)  # type: ignore[union-attr]

@@ -7,8 +7,10 @@
 - chat (``logprobs: true, top_logprobs: N``): ``{"content": [{"token", "logprob", "bytes",
   "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
 
-A token's text is its own decoding (special tokens shown). Without a tokenizer
-(``--skip-tokenizer-init``) it is ``token_id:N``, as vLLM's ``return_tokens_as_token_ids``.
+A token's text is its own decoding (special tokens shown); chat's ``bytes`` are the
+token's raw bytes, so a character split over tokens (each shown as U+FFFD) can be put back
+together. Without a tokenizer (``--skip-tokenizer-init``) a text is ``token_id:N``, as
+vLLM's ``return_tokens_as_token_ids``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,18 @@ from typing import Any
 from pipeline.token_texts import TokenText, TokenTextCache
 from tokenizer_proc.req_state import LogprobEntries
 
+class TokenIdText:
+    """A token's text without a tokenizer (--skip-tokenizer-init): ``token_id:N``."""
+
+    def __call__(self, token: int) -> str:
+        return f"token_id:{token}"
+
+    def raw(self, token: int) -> bytes:
+        return self(token).encode("ascii")
+
+
 def openai_token_text(texts: TokenTextCache | None) -> TokenText:
-    return texts if texts is not None else lambda token: f"token_id:{token}"
+    return texts if texts is not None else TokenIdText()
 
 
 def completion_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText, offset: int = 0) -> dict[str, Any]:
@@ -40,7 +52,7 @@ def completion_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenT
 def chat_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText) -> dict[str, Any]:
     def item(token: int, logprob: float) -> dict[str, Any]:
         text = text_of(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(text_of.raw(token))}
 
     tops = entries.top or [[] for _ in ids]
     return {
