@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -281,6 +282,31 @@ def test_prompt_logprobs_equal_transformers(server: ServerProcess, chunked_serve
                 streamed_meta.append(json.loads(line[6:])["meta_info"])
     assert [e[1] for e in streamed_meta[0]["input_token_logprobs"]] == prompt_ids[start:]
     assert all("input_token_logprobs" not in m for m in streamed_meta[1:]), "prompt logprobs are sent once"
+
+
+def test_retracted_requests_logprobs_equal_transformers(checkpoint: Path, hf_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Six requests in a KV pool too small for all: the retracted ones re-prefill, and
+    their logprobs are still one entry per token, each transformers' value."""
+    prompts = [f"{PROMPT} {word}" for word in ("one", "two", "three", "four", "five", "six")]
+    args = ["--model-path", str(checkpoint), "--max-total-tokens", "64"]
+    srv = ServerProcess(tmp_path / "tmp", args).wait_ready()
+    try:
+        payloads = [
+            {"text": p, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0}, "return_logprob": True, "top_logprobs_num": 2}
+            for p in prompts
+        ]
+        with ThreadPoolExecutor(len(payloads)) as pool:
+            answers = list(pool.map(lambda body: httpx.post(srv.url + "/generate", json=body, timeout=120).json(), payloads))
+        prompt_ids = [httpx.post(srv.url + "/tokenize", json={"prompt": p}, timeout=30).json()["tokens"] for p in prompts]
+    finally:
+        srv.stop()
+    assert sum(a["meta_info"]["num_retractions"] for a in answers) > 0, "the small pool forced no retraction"
+    for answer, ids in zip(answers, prompt_ids):
+        out, meta = answer["output_ids"], answer["meta_info"]
+        ref = reference(hf_model, ids, out)
+        assert [e[1] for e in meta["output_token_logprobs"]] == out, "an entry lost or sent twice"
+        assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx([float(ref[j, t]) for j, t in enumerate(out)], abs=1e-4)
+        assert [[e[1] for e in top] for top in meta["output_top_logprobs"]] == [ref[j].topk(2).indices.tolist() for j in range(len(out))]
 
 
 def test_dllm_mode_serves_logprobs(tmp_path: Path) -> None:
