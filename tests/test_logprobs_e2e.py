@@ -175,8 +175,16 @@ def test_openai_chat_logprobs(server: ServerProcess) -> None:
         )
         prompt_ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
         same = client.completions.create(model=model, prompt=prompt_ids, max_tokens=6, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True, extra_body={"ignore_eos": True}  # type: ignore[arg-type]
+            )
+        )
         bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "top_logprobs": 2}, timeout=30)
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in streamed] == [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in content or []]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content or []], abs=1e-5)
     assert content is not None and len(content) == 6
     joined = bytes(b for entry in content for b in entry.bytes or []).decode("utf-8", errors="replace")
     assert joined.rstrip("\ufffd") == (chat.choices[0].message.content or "").rstrip("\ufffd"), "the bytes spell the text"
