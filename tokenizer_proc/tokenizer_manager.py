@@ -289,8 +289,8 @@ class TokenizerManager:
         requests it can fetch KV for (its own health check prefills locally)."""
         mode = self.config.disaggregation_mode
         if mode != "null" and sampling.max_new_tokens == 0:
-            # The pair always hands over a first token: a prompt scored without a completion
-            # is a unified server's (or the prefill server's) work.
+            # The pair always hands over a first token, so a prompt scored without a
+            # completion is a unified server's work.
             raise RequestValidationError("max_tokens 0 (echo scoring) is not served through PD disaggregation", "max_tokens")
         if mode == "prefill":
             return msgspec.structs.replace(sampling, max_new_tokens=1, min_new_tokens=0), bootstrap
