@@ -6,9 +6,10 @@ A request with a bootstrap room never prefills here. ``start`` sends a ``KVFetch
 requests to ``ready``, where the scheduler installs the KV into its pool and the request
 joins the running batch. A request that asked for logprobs gets its first token's and its
 prompt's from the first transfer (the prefill server computed them; nothing is computed
-twice), and its first row carries them. A retraction frees the KV and calls ``start`` again (a
-re-bootstrap): the prefill server recomputes the prompt plus the generated tokens, mostly
-from its prefix cache, and reports its new cached tokens.
+twice), and its first row carries them. A retraction frees the KV and calls ``start``
+again (a re-bootstrap): the prefill server recomputes the prompt plus the generated
+tokens, mostly from its prefix cache, and reports its new cached tokens; that transfer
+carries no logprobs, as none are sent twice.
 
 Nothing waits forever. A fetch out to a peer whose connection drops, or to one that has
 refused connections for ``connect_grace`` seconds, fails with a 502 (the grace lets a
