@@ -456,6 +456,10 @@ class KVTransferHeader(msgspec.Struct, tag="kv_header", array_like=True, gc=Fals
     cached_tokens: int = 0  # of the prompt, served from the prefill server's cache
     cached_tokens_details: CachedTokensDetails | None = None
     prefill_finished_time: float | None = None
+    # Attempt 0 of a request that asked for logprobs: its first token's (``output``) and its
+    # prompt's (``input``, from ``logprob_start_len``) as the prefill server computed them,
+    # one row each (row 0); a re-bootstrap carries none (nothing is sent twice).
+    logprobs: FrameLogprobs | None = None
 
 
 # --- control ---------------------------------------------------------------------------

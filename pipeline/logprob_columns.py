@@ -1,5 +1,6 @@
 """A frame's logprob columns (``OutputLogprobs``, SPEC section 11): laid out from each
-row's logprobs by the scheduler, read back per row by the tokenizer manager."""
+row's logprobs by the scheduler, read back per row by the tokenizer manager (and, one row
+of a PD KV header, by a decode server's scheduler)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ class RowLogprobs:
 def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, RowLogprobs]:
     """Frame row index -> its logprobs; ``counts`` are the frame's output counts per row.
     Raises ValueError when the columns do not add up (a malformed frame)."""
+    return {row: _row_view(part) for row, part in read_token_logprobs(lp, counts).items()}
+
+
+def read_token_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, TokenLogprobs]:
+    """Frame row index -> its logprobs as arrays (views of the frame's bytes, read-only):
+    the checked read that ``read_output_logprobs`` lists, and that a PD decode server takes
+    the prefill server's first-token logprobs with. Raises ValueError when the columns do
+    not add up (a malformed frame)."""
     rows = np.frombuffer(lp.rows, dtype=np.int32)
     chosen = np.frombuffer(lp.token_logprobs, dtype=LOGPROB_DTYPE)
     top_k = np.frombuffer(lp.top_k, dtype=np.int32)
@@ -72,23 +81,28 @@ def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int,
     ids_values = np.frombuffer(lp.ids_logprobs, dtype=LOGPROB_DTYPE)
     if not (len(rows) == len(top_k) == len(ids_count)) or (len(rows) and (rows.min() < 0 or rows.max() >= len(counts))):
         raise ValueError("logprob columns do not match the frame's rows")
+    if len(rows) and (top_k.min() < 0 or ids_count.min() < 0):
+        raise ValueError("logprob columns give a negative top_k or ids_count")
     tokens = np.asarray(counts, dtype=np.int64)[rows] if len(rows) else np.zeros(0, dtype=np.int64)
     if len(chosen) != tokens.sum() or len(top_ids) != len(top_values) or len(top_ids) != (tokens * top_k).sum():
         raise ValueError("logprob columns do not match the frame's token counts")
     if len(ids_values) != (tokens * ids_count).sum():
         raise ValueError("token_ids_logprob columns do not match the frame's token counts")
-    out: dict[int, RowLogprobs] = {}
+    out: dict[int, TokenLogprobs] = {}
     c = t = v = 0
     for row, n, k, m in zip(rows.tolist(), tokens.tolist(), top_k.tolist(), ids_count.tolist()):
-        ids_block = top_ids[t : t + n * k].reshape(n, k).tolist()
-        vals_block = top_values[t : t + n * k].reshape(n, k).tolist()
-        out[row] = RowLogprobs(
-            chosen=chosen[c : c + n].tolist(),
-            top=[list(zip(vs, ids)) for vs, ids in zip(vals_block, ids_block)],
-            ids=ids_values[v : v + n * m].reshape(n, m).tolist(),
-        )
+        top = slice(t, t + n * k)
+        out[row] = TokenLogprobs(chosen[c : c + n], top_ids[top].reshape(n, k), top_values[top].reshape(n, k), ids_values[v : v + n * m].reshape(n, m))
         c, t, v = c + n, t + n * k, v + n * m
     return out
+
+
+def _row_view(part: TokenLogprobs) -> RowLogprobs:
+    return RowLogprobs(
+        chosen=part.chosen.tolist(),
+        top=[list(zip(vs, ids)) for vs, ids in zip(part.top_values.tolist(), part.top_ids.tolist())],
+        ids=part.ids_values.tolist(),
+    )
 
 
 def build_input_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> InputLogprobs | None:
@@ -100,6 +114,12 @@ def build_input_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) ->
 
 def read_input_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, RowLogprobs]:
     """Frame row index -> its prompt logprobs. Raises ValueError on a malformed frame."""
+    return {row: _row_view(part) for row, part in read_input_token_logprobs(lp, num_rows).items()}
+
+
+def read_input_token_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, TokenLogprobs]:
+    """Frame row index -> its prompt logprobs as arrays (``read_token_logprobs``'s view).
+    Raises ValueError on a malformed frame."""
     rows = np.frombuffer(lp.logprobs.rows, dtype=np.int32)
     counts = np.frombuffer(lp.counts, dtype=np.int32)
     if len(rows) != len(counts) or (len(rows) and (rows.min() < 0 or rows.max() >= num_rows or counts.min() < 0)):
@@ -107,4 +127,4 @@ def read_input_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, RowLogpro
     per_row = [0] * num_rows
     for row, count in zip(rows.tolist(), counts.tolist()):
         per_row[row] = count
-    return read_output_logprobs(lp.logprobs, per_row)
+    return read_token_logprobs(lp.logprobs, per_row)

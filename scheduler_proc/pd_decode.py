@@ -4,9 +4,12 @@ hands the scheduler requests that arrive "prebuilt".
 A request with a bootstrap room never prefills here. ``start`` sends a ``KVFetch``
 (attempt 0: the prompt); ``poll`` takes the transfers that arrived and moves their
 requests to ``ready``, where the scheduler installs the KV into its pool and the request
-joins the running batch. A retraction frees the KV and calls ``start`` again (a
-re-bootstrap): the prefill server recomputes the prompt plus the generated tokens, mostly
-from its prefix cache, and reports its new cached tokens.
+joins the running batch. A request that asked for logprobs gets its first token's and its
+prompt's from the first transfer (the prefill server computed them; nothing is computed
+twice), and its first row carries them. A retraction frees the KV and calls ``start``
+again (a re-bootstrap): the prefill server recomputes the prompt plus the generated
+tokens, mostly from its prefix cache, and reports its new cached tokens; that transfer
+carries no logprobs, as none are sent twice.
 
 Nothing waits forever. A fetch out to a peer whose connection drops, or to one that has
 refused connections for ``connect_grace`` seconds, fails with a 502 (the grace lets a
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.io_struct import FinishAbort, KVFetch, KVTransferHeader
+from pipeline.logprob_columns import TokenLogprobs, read_input_token_logprobs, read_token_logprobs
 from pipeline.sockets import RateLimitedWarning
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.kv_transfer import KVFetchClient, KVTransferError, pool_layout, scatter_kv, tensors_from_frames
@@ -40,6 +44,9 @@ class Prebuilt:
     k: torch.Tensor
     v: torch.Tensor
     received_time: float
+    # The first transfer of a request that asked: its first token's and prompt's logprobs.
+    first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -56,7 +63,8 @@ class DecodeBootstrap:
 
 def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> None:
     """Writes req's arrived KV into ``slots`` and records the bootstrap in its stats. The
-    first token, when the transfer has one, is for the scheduler to append."""
+    first token, when the transfer has one, is for the scheduler to append; its logprobs
+    and the prompt's wait on the request for its first row."""
     pd = req.pd
     assert isinstance(pd, DecodeBootstrap) and pd.prebuilt is not None
     prebuilt, pd.prebuilt = pd.prebuilt, None
@@ -64,6 +72,11 @@ def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> N
     scatter_kv(kv, slots, prebuilt.k, prebuilt.v)
     req.kv_slots = slots
     req.num_computed = header.num_tokens
+    if prebuilt.first_logprobs is not None:
+        req.pending_logprobs.append(prebuilt.first_logprobs)
+    if prebuilt.prompt_logprobs is not None:
+        req.prompt_logprobs.append(prebuilt.prompt_logprobs)
+    req.prompt_logprobs_next = None  # a decode server never computes prompt logprobs itself
     req.leave_waiting_queue(now)
     # A re-bootstrap's new cached tokens show on the request's next row (the epoch).
     req.update_stats(cached_tokens=header.cached_tokens, cached_tokens_details=header.cached_tokens_details)
@@ -181,8 +194,42 @@ class DecodeBootstrapper:
             raise KVTransferError(f"the first transfer must carry a first token in [0, {self.vocab_size}), got {header.first_token}")
         if not 0 <= header.cached_tokens <= prompt:
             raise KVTransferError(f"cached_tokens {header.cached_tokens} is outside [0, {prompt}], the prompt")
+        first, prompt_lp = self._logprobs(header, req)
         k, v = tensors_from_frames(header, frames[0], frames[1], self.layout)
-        return Prebuilt(header, k, v, now)
+        return Prebuilt(header, k, v, now, first, prompt_lp)
+
+    def _logprobs(self, header: KVTransferHeader, req: Req) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
+        """The first token's and the prompt's logprobs a first transfer carries for a
+        request that asked, checked as the tokenizer manager checks a frame's, and against
+        what this request asked: one token, then the prompt positions it still needs
+        (``prompt_logprobs_next`` on), each with its top_logprobs_num and token ids."""
+        lp = header.logprobs
+        if req.output_ids:
+            if lp is not None:
+                raise KVTransferError("a re-bootstrap carries no logprobs: the first transfer sent them")
+            return None, None
+        ask = req.logprob
+        if ask is None:
+            return None, None  # the prefill side's request asked, this one did not: answer as asked
+        if lp is None or lp.output is None:
+            raise KVTransferError("the request asks for logprobs and the transfer carries none for its first token (did the prefill server's request ask too?)")
+        nxt = req.prompt_logprobs_next
+        want_prompt = 0 if nxt is None else len(req.origin_input_ids) - 1 - nxt
+        try:
+            first = read_token_logprobs(lp.output, [1]).get(0)
+            prompt = read_input_token_logprobs(lp.input, 1).get(0) if lp.input is not None else None
+        except ValueError as exc:
+            raise KVTransferError(f"malformed logprobs: {exc}") from None
+        got_prompt = 0 if prompt is None else len(prompt.chosen)
+        if first is None or got_prompt != want_prompt:
+            raise KVTransferError(f"asked for the logprobs of 1 first token and {want_prompt} prompt positions, got {0 if first is None else 1} and {got_prompt}")
+        k, m = ask.top_logprobs_num, len(ask.token_ids_logprob)
+        for part in (first, prompt) if prompt is not None else (first,):
+            if part.top_ids.shape[1] != k or part.ids_values.shape[1] != m:
+                raise KVTransferError(f"asked for {k} top logprobs and {m} token ids per position, got {part.top_ids.shape[1]} and {part.ids_values.shape[1]}")
+            if part.top_ids.size and not (0 <= part.top_ids.min() and part.top_ids.max() < self.vocab_size):
+                raise KVTransferError(f"a top logprob names a token id outside [0, {self.vocab_size})")
+        return first, prompt if got_prompt else None
 
     def discard(self, req: Req) -> None:
         """Forgets an aborted request wherever it is (a transfer arriving later is dropped)."""

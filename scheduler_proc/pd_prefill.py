@@ -5,7 +5,9 @@ Two kinds of requests carry a ``Req.pd`` here:
 - ``PrefillHalf``: a request this server's API received with a bootstrap room. It runs
   as usual (its API clamps it to one new token). When it is released, its prompt KV and
   first token go to the decode server's fetch for the same room: at once if the fetch has
-  arrived, else kept until it does (at most ``timeout`` seconds).
+  arrived, else kept until it does (at most ``timeout`` seconds). When it asked for
+  logprobs, its first token's and its prompt's go too (``keep_first_logprobs``): the
+  decode server's first row carries them.
 - ``KVFetchJob``: a re-bootstrap. A decode server retracted the request and asks again,
   for the prompt plus the tokens it generated. The scheduler computes that KV as an
   internal prefill that emits no rows (the prompt mostly comes from the prefix cache),
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.io_struct import CachedTokensDetails, FinishAbort, KVFetch, KVTransferHeader, SamplingParams
+from pipeline.io_struct import CachedTokensDetails, FinishAbort, FrameLogprobs, KVFetch, KVTransferHeader, SamplingParams
+from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.kv_transfer import KVFetchServer, gather_kv, pool_layout
 from scheduler_proc.req import Req
@@ -30,6 +33,26 @@ logger = logging.getLogger("tokenpipe.pd_prefill")
 @dataclass
 class PrefillHalf:
     room: int
+    # Its first token's and its prompt's logprobs, for the KV header (keep_first_logprobs).
+    logprobs: FrameLogprobs | None = None
+
+
+def keep_first_logprobs(req: Req) -> None:
+    """Called once a prefill half's first token is sampled: puts its logprobs into one-row
+    columns for the KV header. The first token's are copied (its own row still lists them:
+    ``Req.take_pending_logprobs`` hands them over then); the prompt's are taken, so only the
+    decode server's answer lists them (sglang-router joins the prefill answer's
+    ``input_token_logprobs`` to the decode answer's: see
+    ``TokenizerManager.answered_logprobs``). No-op for a request that did not ask."""
+    pd = req.pd
+    if not isinstance(pd, PrefillHalf) or req.logprob is None or not req.pending_logprobs:
+        return
+    assert req.prompt_logprobs_next is None, "a prefill half samples its first token after its whole prompt"
+    prompt = req.take_prompt_logprobs()
+    pd.logprobs = FrameLogprobs(
+        output=build_output_logprobs([0], [TokenLogprobs.join(req.pending_logprobs)]),
+        input=build_input_logprobs([0], [prompt]) if prompt is not None else None,
+    )
 
 
 @dataclass
@@ -118,11 +141,12 @@ class PrefillKVSender:
         """Called just before a PD request's KV is released: package it and send or keep it."""
         pd = req.pd
         if isinstance(pd, KVFetchJob):
+            # A re-bootstrap's header carries no logprobs: the first transfer sent them.
             header, k, v = self._package(req, pd.fetch.room, pd.fetch.attempt, len(pd.fetch.token_ids), pd.fetch.prompt_tokens)
             self.server.send(pd.identity, header, k, v)
             return
         assert isinstance(pd, PrefillHalf)
-        header, k, v = self._package(req, pd.room, 0, len(req.origin_input_ids), len(req.origin_input_ids))
+        header, k, v = self._package(req, pd.room, 0, len(req.origin_input_ids), len(req.origin_input_ids), pd.logprobs)
         waiting = self._waiting.pop(pd.room, None)
         if waiting is not None:
             self.server.send(waiting.identity, header, k, v)
@@ -146,7 +170,7 @@ class PrefillKVSender:
         return stashed
 
     def _package(
-        self, req: Req, room: int, attempt: int, num_tokens: int, prompt_tokens: int
+        self, req: Req, room: int, attempt: int, num_tokens: int, prompt_tokens: int, logprobs: FrameLogprobs | None = None
     ) -> tuple[KVTransferHeader, torch.Tensor | None, torch.Tensor | None]:
         reason = req.finished_reason
         if req.kv_slots is None or req.num_computed < num_tokens:
@@ -165,6 +189,7 @@ class PrefillKVSender:
             cached_tokens=cached,
             cached_tokens_details=_capped(stats.cached_tokens_details, stats.cached_tokens - cached),
             prefill_finished_time=stats.time_stats.prefill_finished_time if stats.time_stats is not None else None,
+            logprobs=logprobs,
         )
         return header, k, v
 

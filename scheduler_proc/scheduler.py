@@ -52,7 +52,7 @@ from scheduler_proc.hicache import Fetched, HiCache, apply_storage_control, cach
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, install_prebuilt
-from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, kv_job_request
+from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, keep_first_logprobs, kv_job_request
 from scheduler_proc.logprobs import keep_prompt_logprobs, step_logprobs
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import PENDING_STATS, Req
@@ -347,7 +347,11 @@ class Scheduler:
         if self.dllm is not None:
             return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
-        return self._append_tokens(done, self._sample(picked, done), rows)
+        tokens = self._sample(picked, done)
+        if self.pd_prefill is not None:
+            for req in done:
+                keep_first_logprobs(req)  # for the KV header, before its own row takes them
+        return self._append_tokens(done, tokens, rows)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         """The next token of each of these requests (not in the running batch: a first token

@@ -1,7 +1,8 @@
 """/generate logprobs against Hugging Face transformers on a checkpoint the test writes:
 the chosen token's, the top ones and those of asked ids are transformers' log-softmax of
 the logits that predicted each token (within 1e-4), greedy and sampled, streamed (the
-events' entries join to the whole answer's) and not."""
+events' entries join to the whole answer's) and not, on a unified server and through a PD
+prefill/decode pair."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from bench.small_checkpoint import write
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, free_port
 
 PROMPT = "The quick brown fox jumps over"
 TOP = 3
@@ -290,6 +292,91 @@ def test_prompt_logprobs_equal_transformers(server: ServerProcess, chunked_serve
                 streamed_meta.append(json.loads(line[6:])["meta_info"])
     assert [e[1] for e in streamed_meta[0]["input_token_logprobs"]] == prompt_ids[start:]
     assert all("input_token_logprobs" not in m for m in streamed_meta[1:]), "prompt logprobs are sent once"
+
+
+@pytest.fixture(scope="module")
+def pd_pair(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess, int]]:
+    """A prefill and a decode server on the checkpoint, and the prefill side's KV port."""
+    base = tmp_path_factory.mktemp("logprob-pd")
+    port = free_port()
+    model = ["--model-path", str(checkpoint)]
+    prefill = ServerProcess(base / "prefill" / "tmp", [*model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)])
+    decode = ServerProcess(base / "decode" / "tmp", [*model, "--disaggregation-mode", "decode"])
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode, port
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def pd_generate(pair: tuple[ServerProcess, ServerProcess, int], payload: dict[str, object], room: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One request through the pair as sglang-router sends it (the same body to both, with
+    the bootstrap fields): the prefill server's answer, and the decode server's answer (one
+    item) or stream events."""
+    prefill, decode, port = pair
+    bootstrapped = payload | {"bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+
+    def decode_side() -> list[dict[str, Any]]:
+        if not payload["stream"]:
+            response = httpx.post(decode.url + "/generate", json=bootstrapped, timeout=60)
+            assert response.status_code == 200, response.text
+            return [response.json()]
+        with httpx.stream("POST", decode.url + "/generate", json=bootstrapped, timeout=60) as resp:
+            assert resp.status_code == 200, resp.read()
+            return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+    with ThreadPoolExecutor(1) as pool:
+        decoded = pool.submit(decode_side)
+        first = httpx.post(prefill.url + "/generate", json=bootstrapped | {"stream": False}, timeout=60)
+        assert first.status_code == 200, first.text
+        return first.json(), decoded.result()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "start"), [({"temperature": 0}, 0), ({"temperature": 0.9, "top_p": 0.9, "seed": 7}, 3)], ids=["greedy", "sampled"]
+)
+def test_pd_logprobs_equal_transformers(pd_pair: tuple[ServerProcess, ServerProcess, int], hf_model, sampling: dict[str, object], start: int) -> None:  # type: ignore[no-untyped-def]
+    """Through PD the prefill server computes the prompt's and the first token's logprobs
+    and sends them with the KV; the decode server's answer lists every entry, equal to
+    transformers' (the prefill server's own answer lists the first token's only: see
+    ``TokenizerManager.answered_logprobs``). Streamed, the prompt's come on the first event
+    and each event lists its own tokens'."""
+    prefill_answer, (whole,) = pd_generate(pd_pair, body(sampling, stream=False) | {"logprob_start_len": start}, room=501 + start)
+    meta, out = whole["meta_info"], whole["output_ids"]
+    prompt_ids = httpx.post(pd_pair[1].url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    ref = reference(hf_model, prompt_ids, out)
+    assert len(meta["output_token_logprobs"]) == len(out) == 12 and out[0] == prefill_answer["output_ids"][0]
+    for j, (lp, token, _) in enumerate(meta["output_token_logprobs"]):
+        assert token == out[j] and lp == pytest.approx(float(ref[j, token]), abs=1e-4), j
+        values, top_ids = ref[j].topk(TOP)
+        assert [e[1] for e in meta["output_top_logprobs"][j]] == top_ids.tolist()
+        assert [e[0] for e in meta["output_top_logprobs"][j]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [e[0] for e in meta["output_token_ids_logprobs"][j]] == pytest.approx([float(ref[j, t]) for t in ASKED_IDS], abs=1e-4)
+    if sampling.get("temperature"):
+        assert any(e[1] != t[0][1] for e, t in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])), "sampling never left the top token"
+    prompt_ref = prompt_reference(hf_model, prompt_ids)
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == prompt_ids[start:]
+    for q, (lp, token, _) in zip(range(start, len(prompt_ids)), entries):
+        if q == 0:
+            assert lp is None and meta["input_top_logprobs"][0] is None
+            continue
+        assert lp == pytest.approx(float(prompt_ref[q - 1, token]), abs=1e-4), q
+        assert [e[1] for e in meta["input_top_logprobs"][q - start]] == prompt_ref[q - 1].topk(TOP).indices.tolist()
+        assert [e[0] for e in meta["input_token_ids_logprobs"][q - start]] == pytest.approx([float(prompt_ref[q - 1, t]) for t in ASKED_IDS], abs=1e-4)
+    first = prefill_answer["meta_info"]
+    assert len(first["output_token_logprobs"]) == 1 and "input_token_logprobs" not in first
+
+    _, events = pd_generate(pd_pair, body(sampling, stream=True) | {"logprob_start_len": start}, room=601 + start)
+    assert [t for e in events for t in e["output_ids"]] == out
+    assert [e[1] for e in events[0]["meta_info"]["input_token_logprobs"]] == prompt_ids[start:]
+    assert all("input_token_logprobs" not in e["meta_info"] for e in events[1:]), "prompt logprobs are sent once"
+    for e in events:
+        assert len(e["meta_info"]["output_token_logprobs"]) == len(e["output_ids"]), "an event's entries are its own tokens'"
+    joined = [entry for e in events for entry in e["meta_info"]["output_token_logprobs"]]
+    assert [e[0] for e in joined] == pytest.approx([e[0] for e in meta["output_token_logprobs"]], abs=1e-5)
 
 
 def test_retracted_requests_logprobs_equal_transformers(checkpoint: Path, hf_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -19,14 +20,17 @@ from pipeline.io_struct import (
     REQ_ID_DTYPE,
     BatchTokenIDOutput,
     FinishAbort,
+    FrameLogprobs,
     KVFetch,
     KVTransferHeader,
+    LogprobParams,
     RequestOutputStats,
     SamplingParams,
     TokenizedGenerateReqInput,
     from_column,
     split_token_rows,
 )
+from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs, read_input_token_logprobs, read_token_logprobs
 from scheduler_proc.main import attach_pd, build_scheduler
 from scheduler_proc.running_batch import RunningBatch
 from scheduler_proc.scheduler import Scheduler
@@ -39,6 +43,8 @@ class Row(msgspec.Struct):
     tokens: list[int]
     stats: RequestOutputStats | None
     finished: object
+    logprobs: TokenLogprobs | None = None  # of this row's tokens
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 def make(mode: str, tmp: Path, *, pool: int = 4096, timeout: float = 10.0) -> tuple[Scheduler, zmq.Context]:  # type: ignore[type-arg]
@@ -69,6 +75,7 @@ def submit(
     endpoint: str | None = None,
     max_new: int = MAX_NEW,
     sampling: SamplingParams = GREEDY,
+    logprobs: LogprobParams | None = None,
 ) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
@@ -80,6 +87,7 @@ def submit(
             arrival_time=time.time(),
             bootstrap_room=room,
             bootstrap_endpoint=endpoint,
+            logprobs=logprobs,
         )
     )
 
@@ -90,10 +98,13 @@ def collect(frames: list[object], into: dict[int, list[Row]]) -> None:
         frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=BatchTokenIDOutput)
         ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
         rows = split_token_rows(frame.output_ids, frame.output_counts)
+        lp = frame.logprobs
+        output = read_token_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
+        prompt = read_input_token_logprobs(lp.input, len(ids)) if lp is not None and lp.input is not None else {}
         for i, req_id in enumerate(ids):
             stats = frame.request_stats[i] if frame.request_stats is not None else None
             finished = frame.finished_reasons[i] if frame.finished_reasons is not None else None
-            into.setdefault(req_id, []).append(Row(rows[i], stats, finished))
+            into.setdefault(req_id, []).append(Row(rows[i], stats, finished, output.get(i), prompt.get(i)))
 
 
 def run(schedulers: list[Scheduler], out: dict[int, list[Row]], until: float = 60.0, on_step=None) -> None:  # type: ignore[no-untyped-def]
@@ -210,6 +221,70 @@ def test_forced_retraction_rebootstraps_and_finishes_the_same(
     assert decode.kv.num_used == 0
 
 
+ASKED = LogprobParams(top_logprobs_num=3, logprob_start_len=2, token_ids_logprob=(5, 77, 1000))
+
+
+def joined_logprobs(rows: list[Row]) -> tuple[TokenLogprobs, TokenLogprobs]:
+    """A request's output logprobs joined over its rows (each row's cover exactly its own
+    tokens), and its prompt logprobs (on exactly one row: its first)."""
+    for row in rows:
+        assert (row.logprobs is None) == (not row.tokens), "a row's logprobs are its own tokens'"
+        assert row.logprobs is None or len(row.logprobs.chosen) == len(row.tokens)
+    prompts = [row.prompt_logprobs for row in rows if row.prompt_logprobs is not None]
+    assert len(prompts) == 1 and rows[0].prompt_logprobs is not None, "prompt logprobs are sent once, on the first row"
+    return TokenLogprobs.join([row.logprobs for row in rows if row.logprobs is not None]), prompts[0]
+
+
+def assert_same_logprobs(got: TokenLogprobs, want: TokenLogprobs) -> None:
+    assert len(got.chosen) == len(want.chosen)
+    assert got.top_ids.tolist() == want.top_ids.tolist()
+    for column in ("chosen", "top_values", "ids_values"):
+        assert getattr(got, column) == pytest.approx(getattr(want, column), abs=1e-4), column
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_logprobs_through_pd_equal_unified_across_a_rebootstrap(tmp_path: Path, sampling: SamplingParams) -> None:
+    """The prefill side computes the prompt's and the first token's logprobs and sends them
+    with the KV; the decode side's first row carries them. A forced decode-side retraction
+    re-bootstraps (attempt 1, no logprobs in its transfer): every request still lists one
+    entry per token and its prompt once, equal to a unified scheduler's."""
+    unified = build_scheduler(ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1))
+    for j, ids in enumerate(PROMPTS):
+        submit(unified, j + 1, ids, sampling=sampling, logprobs=ASKED)
+    want: dict[int, list[Row]] = {}
+    while unified.has_work():
+        collect(unified.step(), want)
+
+    prefill, _ = make("prefill", tmp_path)
+    decode, _ = make("decode", tmp_path)
+    endpoint = f"ipc://{tmp_path / 'kv'}"
+    for j, ids in enumerate(PROMPTS):
+        submit(prefill, j + 1, ids, room=4000 + j, max_new=1, sampling=sampling, logprobs=ASKED)
+        submit(decode, j + 1, ids, room=4000 + j, endpoint=endpoint, sampling=sampling, logprobs=ASKED)
+    forced: list[int] = []
+
+    def retract_once() -> None:
+        batch = decode.running
+        assert isinstance(batch, RunningBatch)
+        if not forced and len(batch) == len(PROMPTS) and batch.output_len().min() >= 5:
+            victim = batch.reqs[int(batch.output_len().argmax())]
+            batch.remove(victim)
+            decode._retract(victim, time.time())
+            forced.append(victim.req_id)
+
+    got: dict[int, list[Row]] = {}
+    run([prefill, decode], got, on_step=retract_once)
+    assert forced, "the retraction was never forced"
+    assert got[forced[0]][-1].stats.num_retractions == 1  # type: ignore[union-attr]
+    for j, ids in enumerate(PROMPTS):
+        assert [t for row in got[j + 1] for t in row.tokens] == [t for row in want[j + 1] for t in row.tokens]
+        (out, prompt), (want_out, want_prompt) = joined_logprobs(got[j + 1]), joined_logprobs(want[j + 1])
+        assert len(out.chosen) == MAX_NEW and len(prompt.chosen) == len(ids) - ASKED.logprob_start_len
+        assert_same_logprobs(out, want_out)
+        assert_same_logprobs(prompt, want_prompt)
+    assert decode.kv.num_used == 0 and prefill.pd_prefill.num_held == 0  # type: ignore[union-attr]
+
+
 def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> None:
     """Nothing listening: 502 after the connect grace. A peer that takes the fetch and never
     answers: 504 after the timeout. A peer that dies holding the fetch: 502 when the
@@ -300,6 +375,57 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     assert isinstance(third, FinishAbort) and third.status_code == 400 and "already in use" in third.message
     assert decode.kv.num_used == 0
     ctx.destroy(linger=0)
+
+
+def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Path) -> None:
+    """A request that asked for logprobs: a first transfer without them, with columns that
+    do not add up, or with other counts than asked fails it with a 502 (never a crash, never
+    fewer entries than tokens); a well-formed one is served."""
+    decode, _ = make("decode", tmp_path)
+    ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
+    peer = ctx.socket(zmq.ROUTER)
+    endpoint = f"ipc://{tmp_path / 'hostile'}"
+    peer.bind(endpoint)
+    asked = LogprobParams(top_logprobs_num=2)
+    ids = PROMPTS[0]
+    first = TokenLogprobs(np.array([-1.0], np.float32), np.array([[5, 6]], np.int32), np.array([[-1.0, -2.0]], np.float32), np.zeros((1, 0), np.float32))
+    good = FrameLogprobs(output=build_output_logprobs([0], [first]))
+    three_top = build_output_logprobs([0], [TokenLogprobs(first.chosen, np.array([[5, 6, 7]], np.int32), np.zeros((1, 3), np.float32), first.ids_values)])
+    short = msgspec.structs.replace(good.output, token_logprobs=b"")  # type: ignore[type-var]
+    answers = {
+        20: good,
+        21: None,
+        22: FrameLogprobs(output=short),
+        23: FrameLogprobs(output=three_top),
+        24: FrameLogprobs(output=good.output, input=build_input_logprobs([0], [first])),  # no prompt logprobs were asked
+    }
+    for room in answers:
+        submit(decode, room, ids, room=room, endpoint=endpoint, max_new=3, logprobs=asked)
+    enc = msgspec.msgpack.Encoder()
+    layout = decode.pd_decode.layout  # type: ignore[union-attr]
+    size = layout.num_layers * len(ids) * layout.num_kv_heads * layout.head_dim * 4
+    out: dict[int, list[Row]] = {}
+    answered = 0
+    deadline = time.monotonic() + 10
+    while answered < len(answers) and time.monotonic() < deadline:
+        collect(decode.step(), out)
+        try:
+            identity, raw = peer.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+        room = msgspec.msgpack.decode(raw)[1]
+        header = KVTransferHeader(room=room, attempt=0, ok=True, num_tokens=len(ids), layout=layout, first_token=5, logprobs=answers[room])
+        peer.send_multipart([identity, enc.encode(header), bytes(size), bytes(size)])
+        answered += 1
+    run([decode], out, until=10)
+    ctx.destroy(linger=0)
+    served = out[20]
+    assert served[-1].finished is not None and not isinstance(served[-1].finished, FinishAbort)
+    assert served[0].logprobs is not None and served[0].logprobs.top_ids.tolist()[0] == [5, 6]  # the prefill side's, as sent
+    for room, why in ((21, "carries none"), (22, "malformed"), (23, "2 top logprobs"), (24, "0 prompt positions")):
+        finished = out[room][-1].finished
+        assert isinstance(finished, FinishAbort) and finished.status_code == 502 and why in finished.message, (room, finished)
+    assert decode.kv.num_used == 0
 
 
 def test_prefill_side_survives_malformed_and_hostile_fetches(tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture) -> None:

@@ -177,6 +177,64 @@ def test_pd_through_the_router_equals_a_unified_server(pd: SglangRouter, server:
                 assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == 8
 
 
+def _logprob_entries(route_answer: dict[str, Any], events: list[dict[str, Any]] | None = None) -> dict[str, list[Any]]:
+    """The logprob keys of a /generate answer, or of its stream events joined: the output
+    keys over every event, the prompt keys from the first (the only one that has them)."""
+    if events is None:
+        return {k: v for k, v in route_answer["meta_info"].items() if k.endswith("_logprobs")}
+    assert all(not any(k.startswith("input_") for k in e["meta_info"]) for e in events[1:]), "prompt logprobs are sent once"
+    joined: dict[str, list[Any]] = {k: list(v) for k, v in events[0]["meta_info"].items() if k.startswith("input_") and k.endswith("_logprobs")}
+    for e in events:
+        for k, v in e["meta_info"].items():
+            if k.startswith("output_") and k.endswith("_logprobs"):
+                joined.setdefault(k, []).extend(v)
+    return joined
+
+
+def _values(entries: Any) -> list[float]:
+    """Every logprob in a nested list of ``[logprob, id, text]`` entries (None: position 0)."""
+    if entries is None:
+        return []
+    if len(entries) == 3 and not isinstance(entries[0], list) and isinstance(entries[1], int):
+        return [] if entries[0] is None else [entries[0]]
+    return [x for e in entries for x in _values(e)]
+
+
+def _strip_values(entries: Any) -> Any:
+    if entries is None or (len(entries) == 3 and not isinstance(entries[0], list) and isinstance(entries[1], int)):
+        return entries if entries is None else entries[1:]
+    return [_strip_values(e) for e in entries]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_logprobs_through_the_router_equal_a_unified_server(pd: SglangRouter, server: ServerProcess, stream: bool) -> None:
+    """sglang-router, in PD mode, joins the prefill answer's ``input_token_logprobs`` in
+    front of the decode answer's; tokenpipe's prefill half lists none (the decode side
+    does), so the router's answer lists each prompt position once, and every key equals a
+    unified server's: no entry twice, none missing."""
+    body = {
+        "text": "The lighthouse keeper opened the door and",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "stream": stream,
+    }  # fmt: skip
+    with pd.client() as via_router, server.client() as unified:
+        want = unified.post("/generate", json={**body, "stream": False}).json()
+        response = via_router.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        got = _logprob_entries({}, [json.loads(line) for line in lines[:-1]])
+    else:
+        got = _logprob_entries(response.json())
+    expected = _logprob_entries(want)
+    assert sorted(got) == sorted(expected) == sorted(f"{side}_{k}_logprobs" for side in ("input", "output") for k in ("token", "top"))
+    assert len(expected["input_token_logprobs"]) == want["meta_info"]["prompt_tokens"]
+    assert len(expected["output_token_logprobs"]) == 8
+    for key in expected:
+        assert _strip_values(got[key]) == _strip_values(expected[key]), key
+        assert _values(got[key]) == pytest.approx(_values(expected[key]), abs=1e-5), key
+
+
 def test_the_router_log_names_no_refused_request(pd: SglangRouter, replicas: tuple[SglangRouter, list[ServerProcess]]) -> None:
     """Every body the router re-serialized was accepted: no 4xx from a worker in its logs."""
     for log in (pd.log_path, replicas[0].log_path):

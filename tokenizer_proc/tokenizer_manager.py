@@ -248,21 +248,17 @@ class TokenizerManager:
             )
         sampling, bootstrap = self._pd_half(sampling, bootstrap, internal)
         self.validate_sampling(len(input_ids), sampling)
-        if logprobs is not None and self.config.disaggregation_mode != "null":
-            # The first token of a PD pair has no logprobs path yet: refuse rather than
-            # answer with fewer entries than tokens.
-            raise RequestValidationError("logprobs are not served through PD disaggregation yet", "logprobs")
         if logprobs is not None and logprobs.token_ids_logprob and max(logprobs.token_ids_logprob) >= self.vocab_size:
             raise RequestValidationError(
                 f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below the vocabulary size {self.vocab_size}",
                 "token_ids_logprob",
             )
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
-        state.logprob = logprobs
-        if logprobs is not None and logprobs.logprob_start_len >= 0:
+        state.logprob = self.answered_logprobs(logprobs, bootstrap)
+        if state.logprob is not None and state.logprob.logprob_start_len >= 0:
             state.prompt_ids = input_ids  # the tokens the prompt logprobs belong to
-            if logprobs.return_text and self.token_texts is not None:
-                self.token_texts.fill(input_ids[logprobs.logprob_start_len :])  # one batch; the frames bring the rest
+            if state.logprob.return_text and self.token_texts is not None:
+                self.token_texts.fill(input_ids[state.logprob.logprob_start_len :])  # one batch; the frames bring the rest
         state.operation = operation
         state.internal = internal
         state.prompt_tokens = len(input_ids)
@@ -282,6 +278,22 @@ class TokenizerManager:
             )
         )
         return state
+
+    def answered_logprobs(self, logprobs: LogprobParams | None, bootstrap: Bootstrap | None) -> LogprobParams | None:
+        """The logprobs a request's own answer lists: those it asked, except on a PD prefill
+        half (a prefill server's request with a bootstrap room), whose answer lists its
+        first token's only. Its scheduler still computes the prompt's, and they travel with
+        the KV to the decode server, whose first row carries them (SPEC section 11).
+
+        Why not both: sglang-router, in PD mode, puts the prefill answer's
+        ``input_token_logprobs`` in front of the decode answer's (non-streaming /generate),
+        so a prompt listed by both would show every position twice, and a prompt listed by
+        the prefill side only would be missing from a stream (the router streams the decode
+        side's events). The decode answer is the one every client reads, so it lists them;
+        the router then has nothing to join, and its answer equals a unified server's."""
+        if logprobs is None or bootstrap is None or self.config.disaggregation_mode != "prefill":
+            return logprobs
+        return msgspec.structs.replace(logprobs, logprob_start_len=-1)
 
     def _pd_half(self, sampling: SamplingParams, bootstrap: Bootstrap | None, internal: bool) -> tuple[SamplingParams, Bootstrap | None]:
         """A prefill server computes the prompt's KV and the first token only, whatever the
