@@ -32,6 +32,7 @@ all computed, even when a retraction or an abort came before the prefill's end).
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -291,7 +292,7 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Admission:
     # scheduler retracts when the KV pool runs short.
     chunks = rng.randint(0, 3)
     cuts = [start, *sorted(rng.randint(start, req.seq_len) for _ in range(chunks)), req.seq_len]
-    for lo, hi in zip(cuts[:-2], cuts[1:-1]):
+    for lo, hi in itertools.pairwise(cuts[:-1]):
         world.prefill(req, lo, hi)
         yield
         if kind == "unified" and rng.random() < 0.05:

@@ -37,9 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import pytest
-
 import numpy as np
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from detokenizer_proc.incremental import IncrementalDetokenizer
@@ -56,8 +55,22 @@ from pipeline.io_struct import (
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import build_embedding_output, build_token_output
 from scheduler_proc.req import Req
-from tests.lifecycle_sim import SimWorld, embedding_lifecycle, expected_text, lifecycle, make_req, make_sampling, pick_kind
-from tests.sim_logprobs import LogprobTruth, TokenText, expected_meta, make_logprob_params, prompt_positions
+from tests.lifecycle_sim import (
+    SimWorld,
+    embedding_lifecycle,
+    expected_text,
+    lifecycle,
+    make_req,
+    make_sampling,
+    pick_kind,
+)
+from tests.sim_logprobs import (
+    LogprobTruth,
+    TokenText,
+    expected_meta,
+    make_logprob_params,
+    prompt_positions,
+)
 from tokenizer_proc.logprob_meta import logprob_meta, prompt_logprob_meta
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import LogprobEntries, ReqState
@@ -74,7 +87,7 @@ LOGPROB_SHARE = 0.3  # of the unified generation requests
 NO_ENTRIES = LogprobEntries()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def token_text(token: int) -> str:
     """``return_text_in_logprobs``: one token's text, special tokens shown (as /generate);
     kept, as the test asks for the same few thousand tokens' texts again and again."""
