@@ -55,8 +55,8 @@ from pipeline.io_struct import (
     TokenizerManagerInput,
 )
 from pipeline.tokenizer_loader import load_tokenizer
-from scheduler_proc.output_builder import build_embedding_output, build_token_output
-from scheduler_proc.req import Req
+from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
+from scheduler_proc.req import PENDING_STATS, Req
 from tests.lifecycle_sim import (
     SimWorld,
     embedding_lifecycle,
@@ -321,7 +321,10 @@ def compare_frame(
     prompt_sent: set[int],
     truth: LogprobTruth,
 ) -> int:
-    rows = world.rows
+    # Rows without an event (not finished, no stats due, no stop strings to check) may come
+    # as the running batch's columns (``SteadyRows``), after the per-request rows.
+    steady = [r for r in world.rows if not r.finished and r not in PENDING_STATS and not r.sampling.stop and world.rng.random() < 0.5]
+    rows = [r for r in world.rows if r not in steady] + steady if steady else world.rows
     # The rows whose logprobs this frame must list: those that asked and carry tokens, and
     # for prompt logprobs the first row of an asking request once its prompt was computed.
     want_output = [i for i, r in enumerate(rows) if r.logprob is not None and len(r.output_ids) > r.num_sent_tokens]
@@ -331,7 +334,7 @@ def compare_frame(
         if r.req_id in world.prompt_computed and r.req_id not in prompt_sent and prompt_positions(r.logprob, len(r.origin_input_ids))
     ]
     prompt_sent.update(rows[i].req_id for i in want_prompt)
-    frame = build_token_output(rows)
+    frame = build_token_output(rows[: len(rows) - len(steady)], steady=steady_rows(steady))
     check_frame_logprobs(frame, want_output, want_prompt, seed)
     reference = msgspec.structs.replace(frame, request_stats=[r.stats for r in rows])
     log_mark = (len(opt.metrics_log), len(ref.metrics_log))
@@ -366,6 +369,20 @@ def compare_frame(
     if new_opt != new_ref:
         pytest.fail(f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}")
     return len(rows)
+
+
+def steady_rows(reqs: list[Req]) -> SteadyRows | None:
+    """These requests' rows as ``RunningBatch.take_steady`` hands them over: columns of
+    their unsent tokens, and the logprobs of those that asked; marks the tokens sent."""
+    if not reqs:
+        return None
+    sent = np.array([r.num_sent_tokens for r in reqs], dtype=np.int64)
+    completion = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
+    tokens = np.array([t for r in reqs for t in r.output_ids[r.num_sent_tokens :]], dtype=np.int64)
+    logprobs = [(j, part) for j, r in enumerate(reqs) if r.logprob is not None and (part := r.take_pending_logprobs()) is not None]
+    for r in reqs:
+        r.num_sent_tokens = len(r.output_ids)
+    return SteadyRows(np.array([r.req_id for r in reqs], dtype=np.int64), tokens, completion - sent, completion, [], logprobs)
 
 
 def check_against_truth(world: SimWorld, req: Req, got: Delivered, seed: int) -> None:
