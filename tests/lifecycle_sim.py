@@ -270,8 +270,10 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Admission:
     rng = world.rng
     world.leave_queue(req)
     # Where the (re-)prefill starts: the prefix cache never covers a position whose
-    # logits prompt logprobs still need (``Req.cache_match_limit``).
-    start = rng.randint(0, min(req.cache_match_limit, req.seq_len - 1))
+    # logits prompt logprobs still need (``Req.cache_match_limit``), nor the last token,
+    # whose logits give the next one.
+    limit = min(req.cache_match_limit, req.seq_len - 1)
+    start = rng.randint(0, limit)
     if kind == "pd_decode":
         # Prebuilt: the KV arrives from the prefill server, which reports its cached tokens.
         world.set_cached(req, rng.randint(0, len(req.origin_input_ids) - 1))
@@ -280,8 +282,8 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Admission:
         device = rng.randint(0, len(req.origin_input_ids) - 1) if rng.random() < 0.5 else 0
         host = rng.randint(0, 8) if device and rng.random() < 0.3 else 0
         storage = rng.randint(0, 8) if device and world.storage_backend and rng.random() < 0.3 else 0
-        if device + host + storage > req.cache_match_limit:
-            device, host, storage = min(device, req.cache_match_limit), 0, 0
+        if device + host + storage > limit:
+            device, host, storage = min(device, limit), 0, 0
         if storage:  # read from storage files before the prefill
             ts = req.stats.time_stats
             if ts is not None:

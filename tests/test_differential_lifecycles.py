@@ -2,7 +2,8 @@
 client, the metrics and the spans exactly what full stats on every row would give.
 
 Two pipelines see the same frames. The optimized one is the real path: rows built by
-``build_token_output`` (so ``take_request_stats_due`` decides), msgpack encode and typed
+``build_token_output`` (so ``take_request_stats_due`` decides; rows without an event
+sometimes as the running batch's ``SteadyRows``), msgpack encode and typed
 decode, the real detokenizer, another encode/decode, and the real
 ``TokenizerManager.handle_output``. The reference frame is the same frame with the current
 stats on every row. After every frame, every row's client-visible output (text and ids
