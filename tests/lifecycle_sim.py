@@ -164,13 +164,14 @@ def make_req(
     embedding: bool = False,
     logprob: LogprobParams | None = None,
 ) -> Req:
+    # Prompt logprobs cost one entry per prompt position: their prompts are kept short.
+    short = logprob is not None and logprob.logprob_start_len >= 0
     media = []
     if rng.random() < 0.2:
         for kind in ("image", "audio", "video"):
             if rng.random() < 0.5:
-                media.append(MediaItem(kind=kind, num_tokens=rng.randint(1, 64)))  # type: ignore[arg-type]
-    # Prompt logprobs cost one entry per prompt position: their prompts are kept short.
-    longest = 48 if logprob is not None and logprob.logprob_start_len >= 0 else 300
+                media.append(MediaItem(kind=kind, num_tokens=rng.randint(1, 12 if short else 64)))  # type: ignore[arg-type]
+    longest = 48 if short else 300
     prompt_len = rng.randint(1, longest) + sum(m.num_tokens for m in media)
     return Req(
         rid=f"sim-{req_id}",

@@ -86,7 +86,7 @@ TO_DETOKENIZER = msgspec.msgpack.Decoder(DetokenizerInput)
 TO_MANAGER = msgspec.msgpack.Decoder(TokenizerManagerInput)
 MAX_ACTIVE = 12
 SPAN_BATCH = 200  # finished requests between span comparisons (the exporter queue holds 2048 spans)
-LOGPROB_SHARE = 0.3  # of the unified generation requests
+LOGPROB_SHARE = 0.25  # of the unified generation requests
 NO_ENTRIES = LogprobEntries()
 
 
