@@ -15,14 +15,24 @@ finishes by length, stop token and stop strings (decided by the real ``StopCheck
 ``min_new_tokens`` and several stop strings, over tokens drawn so that stop strings do
 occur), and embedding requests (one finished row each, through ``build_embedding_output``).
 
+Logprobs (``tests.sim_logprobs``): a share of unified requests ask for them (PD-decode and
+dLLM requests cannot: the server refuses them). Each generated token's logprobs go to
+``Req.pending_logprobs`` as the scheduler's sampling step puts them there, and each prefill
+chunk computes the prompt positions not computed before (``Req.prompt_logprobs_next``), so
+a re-prefill after a retraction (a running request's, or one retracted mid-prefill, as the
+scheduler retracts prefilling requests first) adds nothing.
+
 The world also keeps what the client must see, worked out without the pipeline's code:
 each request's true tokens (``Req.output_ids``) and its time in the waiting queue, summed
-from the clock at each entry and exit (``SimWorld.queue_time``). ``expected_text`` gives
-the text a finished request must show.
+from the clock at each entry and exit (``SimWorld.queue_time``), and which requests had their
+prompt computed up to its last token (``SimWorld.prompt_computed``: their prompt logprobs are
+all computed, even when a retraction or an abort came before the prefill's end).
+``expected_text`` gives the text a finished request must show.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -33,6 +43,7 @@ from pipeline.io_struct import (
     FinishLength,
     FinishReason,
     FinishStop,
+    LogprobParams,
     MediaItem,
     SamplingParams,
 )
@@ -40,8 +51,10 @@ from pipeline.tokenizer_loader import LoadedTokenizer
 from scheduler_proc.hicache import cached_details
 from scheduler_proc.req import Req
 from scheduler_proc.stop_checker import StopChecker
+from tests.sim_logprobs import OUTPUT, prefill_chunk, token_logprobs
 
 Step = Generator[None, None, None]
+Admission = Generator[None, None, bool]  # a Step that says whether the request got through
 # Sets of stop strings a request may carry; several per request, some that one token can
 # complete together (" sources" completes both "es" and "sou").
 STOP_STRING_SETS = (("END", "\n\n"), ("es", "sou"), ("15",), ("sou", "es", " 15"))
@@ -63,10 +76,12 @@ class SimWorld:
     live: set[Req] = field(default_factory=set)
     queue_time: dict[int, float] = field(default_factory=dict)  # req_id -> expected queue_time
     _queue_entry: dict[int, float] = field(default_factory=dict)  # req_id -> open stay's entry
+    prompt_computed: set[int] = field(default_factory=set)  # req_ids prefilled up to the prompt's last token
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.tokenizer.eos_token_ids, self.tokenizer.decode, context_length=1 << 20)
         self.stop_pieces = self.tokenizer.encode(STOP_TEXT)
+        self.vocab_size = self.tokenizer.vocab_size
 
     def enter_queue(self, req: Req) -> None:
         req.enter_waiting_queue(self.now)
@@ -89,6 +104,12 @@ class SimWorld:
         entered = self._queue_entry.pop(req.req_id, None)
         if entered is not None:
             self.queue_time[req.req_id] += self.now - entered
+
+    def prefill(self, req: Req, lo: int, hi: int) -> None:
+        """One prefill chunk: tokens [lo, hi) of ``req.fill_ids``."""
+        prefill_chunk(req, lo, hi, self.vocab_size)
+        if hi >= len(req.origin_input_ids) - 1:
+            self.prompt_computed.add(req.req_id)
 
     def emit_if_due(self, req: Req) -> None:
         if req.output_due() and req not in self.rows:
@@ -128,15 +149,30 @@ def make_sampling(rng: random.Random, stream: bool) -> tuple[SamplingParams, int
     return sampling, max_new
 
 
+def pick_kind(rng: random.Random) -> str:
+    """How a generation request is served: unified prefill, PD-decode prebuilt, or dLLM."""
+    return rng.choices(["unified", "pd_decode", "dllm"], weights=[6, 2, 2])[0]
+
+
 def make_req(
-    rng: random.Random, req_id: int, sampling: SamplingParams, stream: bool, metrics: bool, now: float, embedding: bool = False
+    rng: random.Random,
+    req_id: int,
+    sampling: SamplingParams,
+    stream: bool,
+    metrics: bool,
+    now: float,
+    embedding: bool = False,
+    logprob: LogprobParams | None = None,
 ) -> Req:
+    # Prompt logprobs cost one entry per prompt position: their prompts are kept short.
+    short = logprob is not None and logprob.logprob_start_len >= 0
     media = []
     if rng.random() < 0.2:
         for kind in ("image", "audio", "video"):
             if rng.random() < 0.5:
-                media.append(MediaItem(kind=kind, num_tokens=rng.randint(1, 64)))  # type: ignore[arg-type]
-    prompt_len = rng.randint(1, 300) + sum(m.num_tokens for m in media)
+                media.append(MediaItem(kind=kind, num_tokens=rng.randint(1, 12 if short else 64)))  # type: ignore[arg-type]
+    longest = 48 if short else 300
+    prompt_len = rng.randint(1, longest) + sum(m.num_tokens for m in media)
     return Req(
         rid=f"sim-{req_id}",
         req_id=req_id,
@@ -148,12 +184,12 @@ def make_req(
         media=tuple(media),
         collect_time_stats=metrics,
         is_embedding=embedding,
+        logprob=logprob,
     )
 
 
-def lifecycle(world: SimWorld, req: Req, stop_token: int) -> Step:
+def lifecycle(world: SimWorld, req: Req, stop_token: int, kind: str) -> Step:
     rng = world.rng
-    kind = rng.choices(["unified", "pd_decode", "dllm"], weights=[6, 2, 2])[0]
     block = rng.randint(2, 4) if kind == "dllm" else 1
     world.live.add(req)
     world.enter_queue(req)
@@ -162,19 +198,16 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int) -> Step:
     if rng.random() < 0.04:  # aborted before admission: a row with no tokens
         yield from abort_waiting(world, req)
         return
-    yield from admit(world, req, kind, first=True)
+    if not (yield from admit(world, req, kind, first=True)) and not (yield from readmit(world, req, kind)):
+        return
     while True:
         roll = rng.random()
         if roll < 0.04:
             world.finish(req, FinishAbort(message="aborted by client", status_code=499))
         elif roll < 0.10 and len(req.output_ids) > 0:
             world.retract(req)
-            for _ in range(rng.randint(1, 3)):
-                yield
-            if rng.random() < 0.15:  # aborted while it waits to re-prefill
-                yield from abort_waiting(world, req)
+            if not (yield from readmit(world, req, kind)):
                 return
-            yield from admit(world, req, kind, first=False)
         elif roll < 0.13:
             ts = req.stats.time_stats
             if ts is not None:
@@ -191,6 +224,20 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int) -> Step:
             world.live.discard(req)
             return
         yield
+
+
+def readmit(world: SimWorld, req: Req, kind: str) -> Admission:
+    """A retracted request waits, then re-prefills (and again when retracted mid-prefill
+    once more); False when it was aborted while it waited."""
+    rng = world.rng
+    while True:
+        for _ in range(rng.randint(1, 3)):
+            yield
+        if rng.random() < 0.15:  # aborted while it waits to re-prefill
+            yield from abort_waiting(world, req)
+            return False
+        if (yield from admit(world, req, kind, first=False)):
+            return True
 
 
 def abort_waiting(world: SimWorld, req: Req) -> Step:
@@ -218,10 +265,16 @@ def embedding_lifecycle(world: SimWorld, req: Req) -> Step:
     world.embedding_rows.append(req)
 
 
-def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Step:
-    """Queue exit, (re-)prefill in chunks without rows, then the step that emits."""
+def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Admission:
+    """Queue exit, (re-)prefill in chunks without rows, then the step that emits. False
+    when the request was retracted mid-prefill (it is back in the waiting queue)."""
     rng = world.rng
     world.leave_queue(req)
+    # Where the (re-)prefill starts: the prefix cache never covers a position whose
+    # logits prompt logprobs still need (``Req.cache_match_limit``), nor the last token,
+    # whose logits give the next one.
+    limit = min(req.cache_match_limit, req.seq_len - 1)
+    start = rng.randint(0, limit)
     if kind == "pd_decode":
         # Prebuilt: the KV arrives from the prefill server, which reports its cached tokens.
         world.set_cached(req, rng.randint(0, len(req.origin_input_ids) - 1))
@@ -230,16 +283,29 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Step:
         device = rng.randint(0, len(req.origin_input_ids) - 1) if rng.random() < 0.5 else 0
         host = rng.randint(0, 8) if device and rng.random() < 0.3 else 0
         storage = rng.randint(0, 8) if device and world.storage_backend and rng.random() < 0.3 else 0
+        if device + host + storage > limit:
+            device, host, storage = min(device, limit), 0, 0
         if storage:  # read from storage files before the prefill
             ts = req.stats.time_stats
             if ts is not None:
                 req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + rng.random() / 100)
         world.set_cached(req, device, host, storage)
-    for _ in range(rng.randint(0, 3)):  # chunked prefill: no row until the last chunk
+        start = device + host + storage
+    # Chunked prefill: no row until the last chunk. A prefilling request is the first a
+    # scheduler retracts when the KV pool runs short.
+    chunks = rng.randint(0, 3)
+    cuts = [start, *sorted(rng.randint(start, req.seq_len) for _ in range(chunks)), req.seq_len]
+    for lo, hi in itertools.pairwise(cuts[:-1]):
+        world.prefill(req, lo, hi)
         yield
+        if kind == "unified" and rng.random() < 0.05:
+            world.retract(req)
+            return False
+    world.prefill(req, cuts[-2], cuts[-1])
     ts = req.stats.time_stats
     if ts is not None and ts.prefill_finished_time is None:
         req.update_time_stats(prefill_finished_time=world.now)
+    return True
 
 
 def append_token(world: SimWorld, req: Req, stop_token: int) -> bool:
@@ -253,6 +319,8 @@ def append_token(world: SimWorld, req: Req, stop_token: int) -> bool:
     else:
         token = rng.randint(6, 4095)
     req.output_ids.append(token)
+    if req.logprob is not None:  # as the sampling step keeps them, one entry per token
+        req.pending_logprobs.append(token_logprobs(req.req_id, OUTPUT, [len(req.output_ids) - 1], req.logprob, world.vocab_size))
     reason = world.stop_checker.check(req)
     if reason is not None:
         world.finish(req, reason)

@@ -2,7 +2,8 @@
 client, the metrics and the spans exactly what full stats on every row would give.
 
 Two pipelines see the same frames. The optimized one is the real path: rows built by
-``build_token_output`` (so ``take_request_stats_due`` decides), msgpack encode and typed
+``build_token_output`` (so ``take_request_stats_due`` decides; rows without an event
+sometimes as the running batch's ``SteadyRows``), msgpack encode and typed
 decode, the real detokenizer, another encode/decode, and the real
 ``TokenizerManager.handle_output``. The reference frame is the same frame with the current
 stats on every row. After every frame, every row's client-visible output (text and ids
@@ -16,32 +17,66 @@ tokens and stop strings trimmed by plain decodes, ``min_new_tokens`` and several
 strings included); its ``queue_time`` is the time the simulation kept it waiting (aborts
 in the queue included).
 
+Logprobs (SPEC section 11): a share of requests ask for them, with values the simulation
+derives from (request, position) (``tests.sim_logprobs``), so after every output each
+request's entries at the tokenizer manager (``ReqState.logprobs``, or the stream chunks'
+for a streaming request, and ``ReqState.prompt_logprobs``) and the /generate logprob keys
+of its ``meta_info`` must equal those values exactly, float32-rounded: one entry per token
+delivered, none lost, none sent twice across retractions and re-prefills. Each frame lists
+exactly the rows that asked and carry tokens (and the first rows with prompt logprobs), and
+a frame in which no row has any carries ``logprobs`` None. Streaming clients sometimes skip
+a read, so rows wait as several chunks or merge into one while an event is being sent, and
+their logprobs must follow.
+
 Run more lifecycles than the suite's default with
 ``python -m pytest tests/test_differential_lifecycles.py --lifecycles 20000``.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import pytest
-
 import numpy as np
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from detokenizer_proc.incremental import IncrementalDetokenizer
 from detokenizer_proc.main import detokenize_frame
 from pipeline.config import ServerConfig
-from pipeline.io_struct import BatchEmbeddingOutput, BatchTokenIDOutput, DetokenizerInput, SamplingParams, TokenizerManagerInput
+from pipeline.io_struct import (
+    BatchEmbeddingOutput,
+    BatchTokenIDOutput,
+    DetokenizerInput,
+    OutputLogprobs,
+    SamplingParams,
+    TokenizerManagerInput,
+)
 from pipeline.tokenizer_loader import load_tokenizer
-from scheduler_proc.output_builder import build_embedding_output, build_token_output
-from scheduler_proc.req import Req
-from tests.lifecycle_sim import SimWorld, embedding_lifecycle, expected_text, lifecycle, make_req, make_sampling
+from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
+from scheduler_proc.req import PENDING_STATS, Req
+from tests.lifecycle_sim import (
+    SimWorld,
+    embedding_lifecycle,
+    expected_text,
+    lifecycle,
+    make_req,
+    make_sampling,
+    pick_kind,
+)
+from tests.sim_logprobs import (
+    LogprobTruth,
+    TokenText,
+    expected_meta,
+    make_logprob_params,
+    prompt_positions,
+)
+from tokenizer_proc.logprob_meta import logprob_meta, prompt_logprob_meta
 from tokenizer_proc.meta_info import build_meta_info
-from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.req_state import LogprobEntries, ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 from tokenizer_proc.tracing import RequestTracer
 
@@ -51,6 +86,15 @@ TO_DETOKENIZER = msgspec.msgpack.Decoder(DetokenizerInput)
 TO_MANAGER = msgspec.msgpack.Decoder(TokenizerManagerInput)
 MAX_ACTIVE = 12
 SPAN_BATCH = 200  # finished requests between span comparisons (the exporter queue holds 2048 spans)
+LOGPROB_SHARE = 0.25  # of the unified generation requests
+NO_ENTRIES = LogprobEntries()
+
+
+@functools.cache
+def token_text(token: int) -> str:
+    """``return_text_in_logprobs``: one token's text, special tokens shown (as /generate);
+    kept, as the test asks for the same few thousand tokens' texts again and again."""
+    return TOKENIZER.decode([token], skip_special_tokens=False)
 
 
 class Recorder:
@@ -83,21 +127,31 @@ def record_metrics(tm: TokenizerManager) -> list[tuple[str, str, float]]:
 
 @dataclass
 class Delivered:
-    """What the client of one request has received so far, joined."""
+    """What the client of one request has received so far, joined (text, ids, and the
+    tokenizer manager's logprob entries behind them), the last ``meta_info`` and the
+    number of events."""
 
     text: str = ""
     ids: list[int] = field(default_factory=list)
     meta_info: dict[str, Any] | None = None
+    logprobs: LogprobEntries = field(default_factory=LogprobEntries)
+    events: int = 0
 
     def add(self, output: dict[str, Any]) -> None:
         for event in output.get("events", [output]):
             if "embedding" in event:
                 continue
             if "events" not in output:  # a non-streaming answer is the whole output
-                self.text, self.ids = "", []
+                self.text, self.ids, self.logprobs = "", [], LogprobEntries()
             self.text += event["text"]
             self.ids += event["output_ids"]
             self.meta_info = event["meta_info"]
+            self.events += 1
+            entries = event["logprobs"]
+            if entries is not None:
+                self.logprobs.chosen += entries.chosen
+                self.logprobs.top += entries.top
+                self.logprobs.ids += entries.ids
 
 
 @dataclass
@@ -107,12 +161,18 @@ class Pipeline:
     metrics_log: list[tuple[str, str, float]]
     spans: InMemorySpanExporter
     states: dict[int, ReqState] = field(default_factory=dict)
+    text_of: dict[int, TokenText | None] = field(default_factory=dict)  # req_id -> return_text_in_logprobs
+    first_event_sent: set[int] = field(default_factory=set)  # streaming req_ids past their first event
 
     def feed(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput) -> None:
         wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
         # The detokenizer passes embedding frames on untouched.
         out = wire if isinstance(wire, BatchEmbeddingOutput) else detokenize_frame(self.detok, wire)  # type: ignore[arg-type]
-        self.tm.handle_output(TO_MANAGER.decode(ENCODER.encode(out)))
+        received = TO_MANAGER.decode(ENCODER.encode(out))
+        if isinstance(frame, BatchTokenIDOutput):
+            # The logprob columns pass through the detokenizer unchanged; none stays none.
+            assert received.logprobs == wire.logprobs and (received.logprobs is None) == (frame.logprobs is None)  # type: ignore[union-attr]
+        self.tm.handle_output(received)
 
     def finished_spans(self) -> list[dict[str, Any]]:
         """Exported spans without their random ids: name, kind, times, parent link,
@@ -145,7 +205,10 @@ class Pipeline:
             events = []
             for i, c in enumerate(chunks):
                 interim = None if finished and i == len(chunks) - 1 else c
-                events.append({"text": c.text, "output_ids": c.ids, "meta_info": build_meta_info(state, interim)})
+                meta = build_meta_info(state, interim)
+                self.add_logprob_meta(meta, state, c.ids, c.logprobs, first_event=req_id not in self.first_event_sent)
+                self.first_event_sent.add(req_id)
+                events.append({"text": c.text, "output_ids": c.ids, "meta_info": meta, "logprobs": c.logprobs})
             return {"events": events}
         if state.finished:
             text, ids = state.text, state.output_ids
@@ -153,7 +216,22 @@ class Pipeline:
             return None
         if state.embedding is not None:
             return {"embedding": state.embedding.tolist(), "meta_info": build_meta_info(state)}
-        return {"text": text, "output_ids": ids, "meta_info": build_meta_info(state)}
+        meta = build_meta_info(state)
+        self.add_logprob_meta(meta, state, ids, state.logprobs, first_event=True)
+        return {"text": text, "output_ids": ids, "meta_info": meta, "logprobs": state.logprobs if state.logprob else None}
+
+    def add_logprob_meta(
+        self, meta: dict[str, Any], state: ReqState, ids: list[int], entries: LogprobEntries | None, *, first_event: bool
+    ) -> None:
+        """The logprob keys as /generate adds them (``tokenizer_proc.http_server``): the
+        output ones of these ids, the prompt's on the first event only."""
+        asked = state.logprob
+        if asked is None:
+            return
+        text_of = self.text_of[state.req_id]
+        meta.update(logprob_meta(asked, ids, entries, text_of))
+        if asked.logprob_start_len >= 0 and first_event:
+            meta.update(prompt_logprob_meta(asked, state.prompt_ids, state.prompt_logprobs, text_of))
 
 
 def make_pipeline(metrics: bool, clock: Any) -> Pipeline:
@@ -181,12 +259,18 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
     stop_token = next(iter(TOKENIZER.eos_token_ids))
     active: list[tuple[Req, Any]] = []
     delivered: dict[int, Delivered] = {}
+    prompt_sent: set[int] = set()  # req_ids whose prompt logprobs went out
+    truth = LogprobTruth(world.vocab_size)
     started = compared = finished_since_spans = spans = 0
     while started < lifecycles or active:
         while started < lifecycles and len(active) < MAX_ACTIVE and rng.random() < 0.5:
             embedding = rng.random() < 0.08
             stream = not embedding and rng.random() < 0.6
             sampling = SamplingParams(max_new_tokens=0) if embedding else make_sampling(rng, stream)[0]
+            kind = "embedding" if embedding else pick_kind(rng)
+            # The server refuses logprobs through PD and in --mode dllm.
+            asked = make_logprob_params(rng, world.vocab_size) if kind == "unified" and rng.random() < LOGPROB_SHARE else None
+            text_of = token_text if asked is not None and rng.random() < 0.5 else None
             rid = f"sim-{seed}-{started}"
             s_opt = opt.tm.open_state(sampling=sampling, stream=stream, rid=rid)
             s_ref = ref.tm.open_state(sampling=sampling, stream=stream, rid=rid)
@@ -194,8 +278,13 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
             if embedding:
                 s_opt.operation = s_ref.operation = "embeddings"
             opt.states[s_opt.req_id], ref.states[s_ref.req_id] = s_opt, s_ref
-            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now, embedding=embedding)
-            active.append((req, embedding_lifecycle(world, req) if embedding else lifecycle(world, req, stop_token)))
+            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now, embedding=embedding, logprob=asked)
+            for pipeline, state in ((opt, s_opt), (ref, s_ref)):
+                pipeline.text_of[req.req_id] = text_of
+                state.logprob = asked  # as TokenizerManager.submit_generate records them
+                if asked is not None and asked.logprob_start_len >= 0:
+                    state.prompt_ids = req.origin_input_ids
+            active.append((req, embedding_lifecycle(world, req) if embedding else lifecycle(world, req, stop_token, kind)))
             started += 1
         if rng.random() < 0.01:
             world.toggle_storage()
@@ -210,7 +299,7 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
                 pass
         active = still
         if world.rows:
-            compared += compare_frame(world, opt, ref, seed, delivered)
+            compared += compare_frame(world, opt, ref, seed, delivered, prompt_sent, truth)
             finished_since_spans += sum(r.finished for r in world.rows)
         if world.embedding_rows:
             compared += compare_embedding_frame(world, opt, ref, seed)
@@ -224,25 +313,77 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
     return compared
 
 
-def compare_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int, delivered: dict[int, Delivered]) -> int:
-    rows = world.rows
-    frame = build_token_output(rows)
+def compare_frame(
+    world: SimWorld,
+    opt: Pipeline,
+    ref: Pipeline,
+    seed: int,
+    delivered: dict[int, Delivered],
+    prompt_sent: set[int],
+    truth: LogprobTruth,
+) -> int:
+    # Rows without an event (not finished, no stats due, no stop strings to check) may come
+    # as the running batch's columns (``SteadyRows``), after the per-request rows.
+    steady = [r for r in world.rows if not r.finished and r not in PENDING_STATS and not r.sampling.stop and world.rng.random() < 0.5]
+    rows = [r for r in world.rows if r not in steady] + steady if steady else world.rows
+    # The rows whose logprobs this frame must list: those that asked and carry tokens, and
+    # for prompt logprobs the first row of an asking request once its prompt was computed.
+    want_output = [i for i, r in enumerate(rows) if r.logprob is not None and len(r.output_ids) > r.num_sent_tokens]
+    want_prompt = [
+        i
+        for i, r in enumerate(rows)
+        if r.req_id in world.prompt_computed and r.req_id not in prompt_sent and prompt_positions(r.logprob, len(r.origin_input_ids))
+    ]
+    prompt_sent.update(rows[i].req_id for i in want_prompt)
+    frame = build_token_output(rows[: len(rows) - len(steady)], steady=steady_rows(steady))
+    check_frame_logprobs(frame, want_output, want_prompt, seed)
     reference = msgspec.structs.replace(frame, request_stats=[r.stats for r in rows])
     log_mark = (len(opt.metrics_log), len(ref.metrics_log))
+    # A streaming client that does not read this step (a finished row is always read): its
+    # rows wait as chunks, or merge into the last one while an event is being sent
+    # (``ReqState.sending``); its next read gets them all, as several events.
+    unread = [r.req_id for r in rows if r.stream and not r.finished and world.rng.random() < 0.2]
+    sending = [opt.states[i] for i in unread if world.rng.random() < 0.5]
+    sending += [ref.states[s.req_id] for s in sending]
+    for state in sending:
+        state.sending = True
     opt.feed(frame)
     ref.feed(reference)
+    for state in sending:
+        state.sending = False
     for req in rows:
+        if req.req_id in unread:
+            check_logprobs(world, req, opt, delivered.setdefault(req.req_id, Delivered()), truth, seed)
+            continue
         got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
         if got != want:
             pytest.fail(f"seed {seed}: output of {req.rid} differs at t={world.now:.3f}\n optimized: {got}\n reference: {want}")
+        got_so_far = delivered.setdefault(req.req_id, Delivered())
         if got is not None:
-            delivered.setdefault(req.req_id, Delivered()).add(got)
+            check_logprob_meta(world, req, opt, got, got_so_far, truth, seed)
+            got_so_far.add(got)
+        check_logprobs(world, req, opt, got_so_far, truth, seed)
         if req.finished:
-            check_against_truth(world, req, delivered.pop(req.req_id, Delivered()), seed)
+            check_against_truth(world, req, delivered.pop(req.req_id), seed)
+            truth.forget(req.req_id)
     new_opt, new_ref = opt.metrics_log[log_mark[0] :], ref.metrics_log[log_mark[1] :]
     if new_opt != new_ref:
         pytest.fail(f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}")
     return len(rows)
+
+
+def steady_rows(reqs: list[Req]) -> SteadyRows | None:
+    """These requests' rows as ``RunningBatch.take_steady`` hands them over: columns of
+    their unsent tokens, and the logprobs of those that asked; marks the tokens sent."""
+    if not reqs:
+        return None
+    sent = np.array([r.num_sent_tokens for r in reqs], dtype=np.int64)
+    completion = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
+    tokens = np.array([t for r in reqs for t in r.output_ids[r.num_sent_tokens :]], dtype=np.int64)
+    logprobs = [(j, part) for j, r in enumerate(reqs) if r.logprob is not None and (part := r.take_pending_logprobs()) is not None]
+    for r in reqs:
+        r.num_sent_tokens = len(r.output_ids)
+    return SteadyRows(np.array([r.req_id for r in reqs], dtype=np.int64), tokens, completion - sent, completion, [], logprobs)
 
 
 def check_against_truth(world: SimWorld, req: Req, got: Delivered, seed: int) -> None:
@@ -255,6 +396,68 @@ def check_against_truth(world: SimWorld, req: Req, got: Delivered, seed: int) ->
     assert got.meta_info is not None and got.meta_info["completion_tokens"] == len(req.output_ids), where
     if "queue_time" in got.meta_info:  # metrics on
         assert got.meta_info["queue_time"] == pytest.approx(world.queue_time[req.req_id], rel=1e-9, abs=1e-9), where
+
+
+def frame_rows(block: OutputLogprobs | None) -> list[int]:
+    return [] if block is None else np.frombuffer(block.rows, dtype=np.int32).tolist()
+
+
+def check_frame_logprobs(frame: BatchTokenIDOutput, want_output: list[int], want_prompt: list[int], seed: int) -> None:
+    """The frame lists exactly the rows that have logprobs; one nil when none has any."""
+    lp = frame.logprobs
+    if not want_output and not want_prompt:
+        assert lp is None, f"seed {seed}: a frame in which no row has logprobs carries {lp}"
+        return
+    assert lp is not None, f"seed {seed}: rows {want_output} (prompt: {want_prompt}) have logprobs, the frame none"
+    assert frame_rows(lp.output) == want_output, f"seed {seed}: output logprob rows {frame_rows(lp.output)}, expected {want_output}"
+    got_prompt = frame_rows(lp.input.logprobs) if lp.input is not None else []
+    assert got_prompt == want_prompt, f"seed {seed}: prompt logprob rows {got_prompt}, expected {want_prompt}"
+
+
+def check_logprobs(world: SimWorld, req: Req, pipe: Pipeline, got: Delivered, truth: LogprobTruth, seed: int) -> None:
+    """After each of a request's outputs: the tokenizer manager's entries are exactly the
+    simulation's values of every token delivered so far (and of every prompt position,
+    once the prompt was computed), whatever retractions came."""
+    state, asked = pipe.states[req.req_id], req.logprob
+    where = f"seed {seed}: {req.rid} ({asked}) after {len(got.ids)} tokens delivered"
+    if asked is None:
+        assert not state.logprobs.chosen and not state.prompt_logprobs.chosen and not got.logprobs.chosen, where
+        return
+    if state.stream:
+        assert not state.logprobs.chosen, f"{where}: a streaming request's entries go to its chunks only"
+        want = truth.output(req.req_id, asked, len(got.ids))
+        assert got.logprobs == want, f"{where}: output logprobs\n got:  {got.logprobs}\n want: {want}"
+    else:
+        want = truth.output(req.req_id, asked, len(state.output_ids))
+        assert state.logprobs == want, f"{where}: output logprobs\n got:  {state.logprobs}\n want: {want}"
+    want_prompt = truth.prompt(req.req_id, asked, len(req.origin_input_ids)) if req.req_id in world.prompt_computed else NO_ENTRIES
+    assert state.prompt_logprobs == want_prompt, f"{where}: prompt logprobs\n got:  {state.prompt_logprobs}\n want: {want_prompt}"
+
+
+def check_logprob_meta(
+    world: SimWorld, req: Req, pipe: Pipeline, now: dict[str, Any], before: Delivered, truth: LogprobTruth, seed: int
+) -> None:
+    """The logprob keys of each event of this output (``before``: what the client had):
+    the entries of that event's tokens, and the prompt's on the request's first event
+    only (a streaming request's first, or the whole answer)."""
+    asked = req.logprob
+    events = now.get("events", [now])
+    if asked is None:
+        for event in events:
+            assert not any("logprobs" in k for k in event["meta_info"]), f"seed {seed}: {req.rid} asked no logprobs"
+        return
+    offset = len(before.ids) if "events" in now else 0
+    computed = req.req_id in world.prompt_computed
+    want_prompt = truth.prompt(req.req_id, asked, len(req.origin_input_ids)) if computed else NO_ENTRIES
+    for n, event in enumerate(events):
+        ids, first = event["output_ids"], before.events + n == 0 or "events" not in now
+        prompt_ids = req.origin_input_ids if first and asked.logprob_start_len >= 0 else None
+        want_out = truth.between(req.req_id, asked, offset, offset + len(ids))
+        want = expected_meta(asked, ids, want_out, prompt_ids, want_prompt, pipe.text_of[req.req_id])
+        got = {k: v for k, v in event["meta_info"].items() if "logprobs" in k}
+        if got != want:
+            pytest.fail(f"seed {seed}: {req.rid} ({asked}), event at token {offset}: logprob keys\n got:  {got}\n want: {want}")
+        offset += len(ids)
 
 
 def compare_embedding_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed: int) -> int:
