@@ -30,7 +30,6 @@ from tokenizer_proc.req_state import LogprobEntries
 OUTPUT, PROMPT = 1, 2  # which positions a value belongs to: generated tokens or the prompt
 _MASK = (1 << 32) - 1
 
-TokenText = Callable[[int], str]
 
 
 def make_logprob_params(rng: random.Random, vocab_size: int) -> LogprobParams:
@@ -150,7 +149,7 @@ def prefill_chunk(req: Req, lo: int, hi: int, vocab_size: int) -> None:
 
 def expected_meta(
     ask: LogprobParams, ids: Sequence[int], out: LogprobEntries, prompt_ids: Sequence[int] | None, prompt: LogprobEntries | None,
-    text_of: TokenText | None,
+    text_of: Callable[[int], str] | None,
 ) -> dict[str, Any]:
     """The /generate logprob keys (SPEC section 11) for output tokens ``ids`` with entries
     ``out``, and, when ``prompt_ids`` is given, the prompt's from ``logprob_start_len``

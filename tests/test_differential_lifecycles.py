@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,7 @@ from pipeline.io_struct import (
     SamplingParams,
     TokenizerManagerInput,
 )
+from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.req import PENDING_STATS, Req
@@ -69,7 +71,6 @@ from tests.lifecycle_sim import (
 )
 from tests.sim_logprobs import (
     LogprobTruth,
-    TokenText,
     expected_meta,
     make_logprob_params,
     prompt_positions,
@@ -161,13 +162,14 @@ class Pipeline:
     metrics_log: list[tuple[str, str, float]]
     spans: InMemorySpanExporter
     states: dict[int, ReqState] = field(default_factory=dict)
-    text_of: dict[int, TokenText | None] = field(default_factory=dict)  # req_id -> return_text_in_logprobs
+    texts: TokenTextCache | None = None  # the detokenizer's logprob token texts
+    text_of: dict[int, Callable[[int], str] | None] = field(default_factory=dict)  # req_id -> return_text_in_logprobs
     first_event_sent: set[int] = field(default_factory=set)  # streaming req_ids past their first event
 
     def feed(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput) -> None:
         wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
         # The detokenizer passes embedding frames on untouched.
-        out = wire if isinstance(wire, BatchEmbeddingOutput) else detokenize_frame(self.detok, wire)  # type: ignore[arg-type]
+        out = wire if isinstance(wire, BatchEmbeddingOutput) else detokenize_frame(self.detok, wire, self.texts)  # type: ignore[arg-type]
         received = TO_MANAGER.decode(ENCODER.encode(out))
         if isinstance(frame, BatchTokenIDOutput):
             # The logprob columns pass through the detokenizer unchanged; none stays none.
@@ -239,7 +241,7 @@ def make_pipeline(metrics: bool, clock: Any) -> Pipeline:
     tm = TokenizerManager(config, TOKENIZER, context_length=2048, clock=clock, req_id_base=1)
     spans = InMemorySpanExporter()
     tm.tracer = RequestTracer(config, tm.model_name, exporter=spans)
-    return Pipeline(tm, IncrementalDetokenizer(TOKENIZER.tokenizer), record_metrics(tm), spans)
+    return Pipeline(tm, IncrementalDetokenizer(TOKENIZER.tokenizer), record_metrics(tm), spans, texts=TokenTextCache(TOKENIZER.tokenizer))
 
 
 def compare_spans(opt: Pipeline, ref: Pipeline, seed: int) -> int:
@@ -270,7 +272,8 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
             kind = "embedding" if embedding else pick_kind(rng)
             # The server refuses logprobs through PD and in --mode dllm.
             asked = make_logprob_params(rng, world.vocab_size) if kind == "unified" and rng.random() < LOGPROB_SHARE else None
-            text_of = token_text if asked is not None and rng.random() < 0.5 else None
+            if asked is not None and rng.random() < 0.5:
+                asked = msgspec.structs.replace(asked, return_text=True)
             rid = f"sim-{seed}-{started}"
             s_opt = opt.tm.open_state(sampling=sampling, stream=stream, rid=rid)
             s_ref = ref.tm.open_state(sampling=sampling, stream=stream, rid=rid)
@@ -279,11 +282,17 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
                 s_opt.operation = s_ref.operation = "embeddings"
             opt.states[s_opt.req_id], ref.states[s_ref.req_id] = s_opt, s_ref
             req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now, embedding=embedding, logprob=asked)
-            for pipeline, state in ((opt, s_opt), (ref, s_ref)):
-                pipeline.text_of[req.req_id] = text_of
+            # The reference decodes each token; the optimized side answers from the texts
+            # the detokenizer sent with the frames (the prompt's decoded on arrival).
+            shown = asked is not None and asked.return_text
+            opt.text_of[req.req_id] = opt.tm.token_texts if shown else None
+            ref.text_of[req.req_id] = token_text if shown else None
+            for state in (s_opt, s_ref):
                 state.logprob = asked  # as TokenizerManager.submit_generate records them
                 if asked is not None and asked.logprob_start_len >= 0:
                     state.prompt_ids = req.origin_input_ids
+            if shown and asked.logprob_start_len >= 0 and opt.tm.token_texts is not None:  # type: ignore[union-attr]
+                opt.tm.token_texts.fill(req.origin_input_ids[asked.logprob_start_len :])  # type: ignore[union-attr]
             active.append((req, embedding_lifecycle(world, req) if embedding else lifecycle(world, req, stop_token, kind)))
             started += 1
         if rng.random() < 0.01:
