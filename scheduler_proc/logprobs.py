@@ -9,6 +9,7 @@ nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ import torch
 from pipeline.io_struct import LogprobParams
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
 from scheduler_proc.req import Req
+
+if TYPE_CHECKING:
+    from scheduler_proc.running_batch import RunningBatch
 
 
 def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams]) -> list[TokenLogprobs]:
@@ -45,6 +49,15 @@ def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, as
         TokenLogprobs(chosen_v[i : i + 1], top_i[i : i + 1, : ks[i]], top_v[i : i + 1, : ks[i]], ids_v[i : i + 1, : ms[i]])
         for i in range(len(rows))
     ]
+
+
+def keep_decode_logprobs(batch: RunningBatch, logits: torch.Tensor, rows: np.ndarray, new: np.ndarray) -> None:
+    """The logprobs of a decode step's token for the running batch's ``rows`` that asked
+    (``new``: the step's token of every row), kept until each row goes out."""
+    reqs = [batch.reqs[i] for i in rows.tolist()]
+    parts = step_logprobs(logits, rows, new[rows], [r.logprob for r in reqs])  # type: ignore[misc]
+    for req, part in zip(reqs, parts):
+        req.pending_logprobs.append(part)
 
 
 def keep_prompt_logprobs(
