@@ -465,8 +465,10 @@ class Scheduler:
                 reason = FinishLength(length=length)
             if reason is not None:
                 req.finish(reason)
-                batch.remove(req)
+                batch.remove(req)  # its pending logprobs go back to it
             if req.output_due():
+                if reason is None:
+                    batch.hand_over_logprobs(req)  # this row goes out the per-request way
                 rows.append(req)
 
     def _append_tokens(self, reqs: list[Req], tokens: list[int], rows: list[Req]) -> list[Req]:
