@@ -72,9 +72,10 @@ class RunningBatch:
         self.repetition_penalty = np.ones(cap, dtype=np.float32)
         self.has_bias = np.zeros(cap, dtype=bool)
         self.wants_logprobs = np.zeros(cap, dtype=bool)
-        self.top_k_asked = np.zeros(cap, dtype=np.int64)  # top_logprobs_num
+        # int32 as on the wire, so the frame's columns need no conversion.
+        self.top_k_asked = np.zeros(cap, dtype=np.int32)  # top_logprobs_num
         self.ids_asked = np.zeros((cap, 0), dtype=np.int64)  # token_ids_logprob, padded with 0
-        self.ids_count = np.zeros(cap, dtype=np.int64)
+        self.ids_count = np.zeros(cap, dtype=np.int32)
         # Pending logprobs: of each row's first ``lp_count`` unsent tokens, in order.
         self.lp_count = np.zeros(cap, dtype=np.int64)
         self.lp_chosen = np.zeros((cap, _FIRST_PENDING), dtype=LOGPROB_DTYPE)
@@ -431,32 +432,32 @@ class RunningBatch:
 
     def _take_logprobs(self, rows: np.ndarray) -> LogprobBlock | None:
         """The pending logprobs of those of ``rows`` that have some, as frame columns (one
-        gather per column), and marks them sent."""
-        held = np.flatnonzero(self.lp_count[rows])  # indices among ``rows``
-        if not held.size:
+        gather per column), and marks them sent. Cold caches after the step's forward make
+        each numpy call cost microseconds, so the common case (every row holds one token,
+        no ids asked) takes the fewest."""
+        counts = self.lp_count[rows]
+        most = int(counts.max()) if counts.size else 0
+        if not most:
             return None
-        r = rows[held]
-        counts = self.lp_count[r]
+        if int(counts.min()):
+            held, r = np.arange(len(rows), dtype=np.int32), rows
+        else:  # rows that asked nothing (or hold nothing) carry no entry
+            held = np.flatnonzero(counts)
+            r, counts = rows[held], counts[held]
         self.lp_count[r] = 0
-        if int(counts.max()) == 1:  # one token each (the steady case): column 0
+        k, m = self.top_k_asked[r], self.ids_count[r]
+        if most == 1:  # one token each (the steady case): column 0
             at: np.ndarray | int = 0
-            per_token = r
-            k, m = self.top_k_asked[r], self.ids_count[r]
+            per_token, token_k, token_m = r, k, m
         else:
             at = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            per_token = np.repeat(r, counts)
-            k, m = self.top_k_asked[per_token], self.ids_count[per_token]
-        top = _ragged(k, self.lp_top_ids, self.lp_top_values, per_token, at)
-        ids = _ragged(m, self.lp_ids_values, None, per_token, at)
-        return LogprobBlock(
-            rows=held,
-            chosen=self.lp_chosen[per_token, at],
-            top_k=self.top_k_asked[r],
-            top_ids=top[0],
-            top_values=top[1],
-            ids_count=self.ids_count[r],
-            ids_values=ids[0],
-        )
+            per_token, token_k, token_m = np.repeat(r, counts), np.repeat(k, counts), np.repeat(m, counts)
+        top_ids, top_values = _ragged(token_k, self.lp_top_ids, self.lp_top_values, per_token, at)
+        if self.lp_ids_values.shape[2]:
+            ids_values = _ragged(token_m, self.lp_ids_values, None, per_token, at)[0]
+        else:  # no running request ever asked for ids
+            ids_values = self.lp_ids_values[:0, 0, :0].reshape(0)
+        return LogprobBlock(held, self.lp_chosen[per_token, at], k, top_ids, top_values, m, ids_values)
 
 
 def _ragged(width: np.ndarray, a: np.ndarray, b: np.ndarray | None, rows: np.ndarray, at: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
