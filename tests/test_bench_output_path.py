@@ -28,7 +28,7 @@ def test_run_returns_every_row_and_column(bench: ModuleType) -> None:
         assert all(value > 0 for value in report["ratios"][key].values())
     assert all(value > 0 for value in report["logprobs_cost"]["metrics=off"].values())
     assert report["metrics_on_off"] > 0
-    assert len(report["targets"]) == 9 and all(isinstance(t["pass"], bool) for t in report["targets"])
+    assert len(report["targets"]) == 7 and all(isinstance(t["pass"], bool) for t in report["targets"])
     results = report["results"]
     # Sizes are deterministic: columnar frames do not grow with metrics on (no stats in a
     # steady step), the baseline's time stats lists do.
@@ -59,7 +59,7 @@ def test_main_prints_table_and_writes_json(
         assert len(row[len(key) :].split()) == len(bench.COLUMNS)
     cost = lines.index(next(line for line in lines if line.startswith("tokenpipe top5 / without")))
     assert lines[cost + 1].startswith("metrics=off") and all(float(v.rstrip("x")) > 0 for v in lines[cost + 1].split()[1:])
-    assert sum(("PASS" in line) or ("MISS" in line) for line in lines) == 9
+    assert sum(("PASS" in line) or ("MISS" in line) for line in lines) == 7
     assert "707" in text and "38.3" in text and "492" in text and "22.3" in text
     data = json.loads(out.read_text())
     assert data["config"] == {**data["config"], "requests": 8, "rounds": 2}
