@@ -498,10 +498,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["", "tokenpipe top5 / without".ljust(width) + "".join(f"{c:>17}" for c in COLUMNS)]
     for key, row in report["logprobs_cost"].items():
         lines.append(key.ljust(width) + "".join(f"{row[c]:>16.3f}x" for c in COLUMNS))
-    lines += ["", f"{'target':<52}{'measured':>10}{'limit':>10}  result"]
+    lines += ["", f"{'target':<46}{'measured':>10}{'limit':>10}  result"]
     for t in report["targets"]:
         lines.append(
-            f"{t['name']:<52}{t['value']:>9.3f}x{'<= ' + format(t['limit'], '.2f') + 'x':>10}  {'PASS' if t['pass'] else 'MISS'}"
+            f"{t['name']:<46}{t['value']:>9.3f}x{'<= ' + format(t['limit'], '.2f') + 'x':>10}  {'PASS' if t['pass'] else 'MISS'}"
         )
     ref = report["sglang_reference"]
     lines += [
