@@ -40,7 +40,7 @@ the output path costs the scheduler; the target is >= 0.95x at 256 streams.
 ``--compare-sampling`` (with ``--launch``) then runs the same workload on the same server
 greedy (temperature 0, no seed) and sampled (temperature 0.7, top_p 0.9, seeded; a
 ``--temperature``, ``--top-p`` or ``--[no-]seeded`` given replaces its part), in
-``--sampling-rounds`` (default 2) rounds of one run each, the order swapped from one round
+``--rounds`` (default 2; ``--sampling-rounds`` is the same flag) rounds of one run each, the order swapped from one round
 to the next so neither always goes first. Every run has its own prompts, so none finds
 another's in the prefix cache; the main run before them warms the server up. It reports
 the output tokens/s of each and the ratio sampled/greedy, medians over the rounds; the
