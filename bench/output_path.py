@@ -23,6 +23,23 @@ stats lists) and off. Appending this step's token to every request is set-up, no
 (``RunningBatch.append_tokens`` for tokenpipe, a list append per request for the baseline).
 ``build+encode`` is the minimum over rounds of the per-round sum, not the sum of minima.
 
+The ``top5 logprobs`` variants (metrics off) are the same step with every request asking
+for logprobs with the top 5 (``LogprobParams(top_logprobs_num=5)``): each row carries its
+new token's logprob and the top-5 ids and values.
+
+- ``tokenpipe top5 logprobs``: set-up keeps the step's logprobs as the scheduler does
+  (``keep_decode_logprobs`` over one ``[requests, vocab]`` logits block); the timed build
+  is the same ``due`` / ``take_steady`` / ``build_token_output``, which now also hand over
+  and lay out the logprob columns (``OutputLogprobs``); decode also reads those seven
+  columns back as arrays.
+- ``baseline(pickle) top5 logprobs``: SGLang's layout, per-row Python lists appended each
+  step in set-up (``output_token_logprobs_val/idx``, ``output_top_logprobs_val/idx`` per
+  request, from the same batched values turned into lists), and the build slices each
+  row's unsent part into the output's per-row lists, as SGLang's ``stream_output`` does.
+
+Their ratios print against the baseline and against the same step without logprobs
+(``tokenpipe metrics=off``).
+
 Usage: ``python bench/output_path.py [--requests 512] [--rounds 200] [--json PATH]``.
 """
 
@@ -54,12 +71,15 @@ from pipeline.io_struct import (  # noqa: E402
     BatchTokenIDOutput,
     CachedTokensDetails,
     DetokenizerInput,
+    LogprobParams,
     MediaItem,
     SamplingParams,
     finish_reason_to_dict,
     from_column,
 )
+from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE  # noqa: E402
 from pipeline.sockets import FrameDecoder, make_encoder  # noqa: E402
+from scheduler_proc.logprobs import keep_decode_logprobs  # noqa: E402
 from scheduler_proc.output_builder import build_token_output  # noqa: E402
 from scheduler_proc.req import Req  # noqa: E402
 from scheduler_proc.running_batch import RunningBatch  # noqa: E402
@@ -72,8 +92,14 @@ ROWS = (
     "tokenpipe metrics=off",
     "baseline(pickle) metrics=on",
     "baseline(pickle) metrics=off",
+    "tokenpipe top5 logprobs",
+    "baseline(pickle) top5 logprobs",
 )
+TOP_K = 5  # the logprobs variants' top_logprobs_num
+VOCAB = 32000
 # Targets on tokenpipe / baseline (same metrics setting), and on tokenpipe on / off.
+# The top5 logprobs rows have no targets (SPEC section 9 sets them for the plain step):
+# their ratios are printed.
 TARGETS = {"build+encode_us": 0.10, "decode_us": 0.20, "msg_KB": 0.40}
 METRICS_OVERHEAD_TARGET = 1.05
 SGLANG_REFERENCE = {
@@ -105,6 +131,23 @@ class BaselineBatchTokenIDOutput:
     forward_entry_time: list[float | None] | None = None
     prefill_finished_time: list[float | None] | None = None
     queue_time: list[float] | None = None
+    # Logprob lists (per row: this row's new tokens'), None when no request asked.
+    output_token_logprobs_val: list[list[float]] | None = None
+    output_token_logprobs_idx: list[list[int]] | None = None
+    output_top_logprobs_val: list[list[list[float]]] | None = None
+    output_top_logprobs_idx: list[list[list[int]]] | None = None
+
+
+@dataclass
+class BaselineLogprobs:
+    """One request's logprobs as SGLang keeps them on its ``Req``: per-row lists, one
+    entry appended per generated token."""
+
+    token_val: list[float]
+    token_idx: list[int]
+    top_val: list[list[float]]
+    top_idx: list[list[int]]
+    sent: int = 0  # entries already in an output (SGLang's send offset)
 
 
 def _details_dict(details: CachedTokensDetails | None) -> dict[str, Any] | None:
@@ -117,8 +160,11 @@ def _details_dict(details: CachedTokensDetails | None) -> dict[str, Any] | None:
     return out
 
 
-def build_baseline_output(reqs: Sequence[Req], metrics: bool) -> BaselineBatchTokenIDOutput:
-    """A per-row loop over the requests, as SGLang's output processor does."""
+def build_baseline_output(
+    reqs: Sequence[Req], metrics: bool, logprobs: Sequence[BaselineLogprobs] | None = None
+) -> BaselineBatchTokenIDOutput:
+    """A per-row loop over the requests, as SGLang's output processor does; ``logprobs``
+    (one per request): each row also carries its unsent part of the request's lists."""
     rids: list[str] = []
     output_ids: list[list[int]] = []
     completion_tokens: list[int] = []
@@ -134,8 +180,19 @@ def build_baseline_output(reqs: Sequence[Req], metrics: bool) -> BaselineBatchTo
     forward_entry_time: list[float | None] = []
     prefill_finished_time: list[float | None] = []
     queue_time: list[float] = []
-    for req in reqs:
+    token_val: list[list[float]] = []
+    token_idx: list[list[int]] = []
+    top_val: list[list[list[float]]] = []
+    top_idx: list[list[list[int]]] = []
+    for i, req in enumerate(reqs):
         rids.append(req.rid)
+        if logprobs is not None:
+            lp = logprobs[i]
+            start, lp.sent = lp.sent, len(lp.token_val)
+            token_val.append(lp.token_val[start:])
+            token_idx.append(lp.token_idx[start:])
+            top_val.append(lp.top_val[start:])
+            top_idx.append(lp.top_idx[start:])
         output_ids.append(req.output_ids[req.num_sent_tokens :])
         req.num_sent_tokens = len(req.output_ids)
         completion_tokens.append(len(req.output_ids))
@@ -169,6 +226,11 @@ def build_baseline_output(reqs: Sequence[Req], metrics: bool) -> BaselineBatchTo
         audio_tokens=audio_tokens,
         video_tokens=video_tokens,
     )
+    if logprobs is not None:
+        out.output_token_logprobs_val = token_val
+        out.output_token_logprobs_idx = token_idx
+        out.output_top_logprobs_val = top_val
+        out.output_top_logprobs_idx = top_idx
     if metrics:
         out.wait_queue_entry_time = wait_queue_entry_time
         out.forward_entry_time = forward_entry_time
@@ -180,10 +242,11 @@ def build_baseline_output(reqs: Sequence[Req], metrics: bool) -> BaselineBatchTo
 # --- the steady decode step ------------------------------------------------------------
 
 
-def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0) -> list[Req]:
+def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0, logprob: LogprobParams | None = None) -> list[Req]:
     """``n`` running requests that have all emitted before: prefilled (with prefix-cache
     hits, a few media items, time stats when metrics are on), a few tokens generated and
-    sent through the real ``build_token_output``, so stats and decode options are sent."""
+    sent through the real ``build_token_output``, so stats and decode options are sent.
+    ``logprob``: what each of them asks for (their logprobs are kept from the next step)."""
     rng = random.Random(seed)
     now = time.time()
     reqs: list[Req] = []
@@ -200,6 +263,7 @@ def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0) -> list[Req]:
             arrival_time=now - 1.0,
             media=media,
             collect_time_stats=metrics,
+            logprob=logprob,
         )
         req.enter_waiting_queue(now - 0.9)
         req.leave_waiting_queue(now - 0.8)
@@ -216,7 +280,7 @@ def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0) -> list[Req]:
 def running_batch_of(reqs: list[Req]) -> RunningBatch:
     """The requests as the scheduler's running batch holds them after their first row."""
     longest = max(r.seq_len for r in reqs)
-    batch = RunningBatch(context_length=longest + 4096, vocab_size=32000)
+    batch = RunningBatch(context_length=longest + 4096, vocab_size=VOCAB)
     for req in reqs:
         req.num_computed = req.seq_len - 1
         req.kv_slots = torch.arange(req.num_computed)  # where the KV lives does not matter here
@@ -232,7 +296,13 @@ def _append_one_token(reqs: Sequence[Req], token: int) -> None:
 Timings = tuple[int, int, int, int]  # build, encode, decode (ns), message bytes
 
 
-def _tokenpipe_variant(reqs: list[Req]) -> Callable[[int], Timings]:
+def step_logits(n: int, seed: int) -> torch.Tensor:
+    """One decode step's ``[n, VOCAB]`` logits (the logprobs variants' source)."""
+    return torch.randn((n, VOCAB), generator=torch.Generator().manual_seed(seed)) * 4
+
+
+def _tokenpipe_variant(reqs: list[Req], logits: torch.Tensor | None = None) -> Callable[[int], Timings]:
+    """``logits``: every request asked for logprobs; the step keeps them from these."""
     encoder = make_encoder()
     decoder: FrameDecoder[Any] = FrameDecoder(DetokenizerInput, logger, "bench frame")
     clock = time.perf_counter_ns
@@ -240,7 +310,10 @@ def _tokenpipe_variant(reqs: list[Req]) -> Callable[[int], Timings]:
     none_finished = np.zeros(len(reqs), dtype=bool)
 
     def step(token: int) -> Timings:
-        batch.append_tokens(np.full(len(reqs), token, dtype=np.int64))  # set-up, not timed
+        new = np.full(len(reqs), token, dtype=np.int64)
+        batch.append_tokens(new)  # set-up, not timed
+        if logits is not None:  # set-up, not timed: as Scheduler._decode keeps them
+            keep_decode_logprobs(batch, logits, np.flatnonzero(batch.wants_logprobs[: len(batch)]), new)
         t0 = clock()
         steady = batch.take_steady(np.flatnonzero(batch.due(none_finished)))
         frame = build_token_output([], steady=steady)
@@ -252,25 +325,57 @@ def _tokenpipe_variant(reqs: list[Req]) -> Callable[[int], Timings]:
         tokens = from_column(msg.output_ids, TOKEN_DTYPE)
         counts = from_column(msg.output_counts, COUNT_DTYPE)
         completion = from_column(msg.completion_tokens, COUNT_DTYPE)
+        if logits is not None:
+            lp = msg.logprobs.output
+            lp_rows = from_column(lp.rows, np.dtype("<i4"))
+            chosen = from_column(lp.token_logprobs, LOGPROB_DTYPE)
+            top_k = from_column(lp.top_k, np.dtype("<i4"))
+            top_ids = from_column(lp.top_ids, LOGPROB_ID_DTYPE)
+            top_values = from_column(lp.top_logprobs, LOGPROB_DTYPE)
+            from_column(lp.ids_count, np.dtype("<i4"))
+            from_column(lp.ids_logprobs, LOGPROB_DTYPE)
         t3 = clock()
         # Checks, not timed: a steady step, decoded intact.
         assert isinstance(msg, BatchTokenIDOutput)
         assert msg.request_stats is None and msg.decode_options is None and msg.finished_reasons is None
         assert len(req_ids) == len(tokens) == len(counts) == len(completion) == len(reqs)
         assert int(tokens[-1]) == token and int(counts.max()) == 1
+        if logits is None:
+            assert msg.logprobs is None
+        else:
+            assert len(lp_rows) == len(chosen) == len(reqs) and int(top_k.min()) == int(top_k.max()) == TOP_K
+            assert len(top_ids) == len(top_values) == TOP_K * len(reqs) and float(chosen.max()) <= 0.0
         return t1 - t0, t2 - t1, t3 - t2, len(data)
 
     return step
 
 
-def _baseline_variant(reqs: list[Req], metrics: bool) -> Callable[[int], Timings]:
+def _keep_baseline_logprobs(logprobs: Sequence[BaselineLogprobs], logits: torch.Tensor, token: int) -> None:
+    """SGLang's decode output processing: the batched values as lists, then one append per
+    request and list."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp[:, token].tolist()
+    top_values, top_ids = lp.topk(TOP_K, dim=1)
+    top_val, top_idx = top_values.tolist(), top_ids.tolist()
+    for i, row in enumerate(logprobs):
+        row.token_val.append(chosen[i])
+        row.token_idx.append(token)
+        row.top_val.append(top_val[i])
+        row.top_idx.append(top_idx[i])
+
+
+def _baseline_variant(reqs: list[Req], metrics: bool, logits: torch.Tensor | None = None) -> Callable[[int], Timings]:
+    """``logits``: every request asked for logprobs (top 5), kept as SGLang keeps them."""
     clock = time.perf_counter_ns
     dumps, loads, protocol = pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL
+    logprobs = None if logits is None else [BaselineLogprobs([], [], [], []) for _ in reqs]
 
     def step(token: int) -> Timings:
         _append_one_token(reqs, token)  # set-up, not timed
+        if logprobs is not None:
+            _keep_baseline_logprobs(logprobs, logits, token)  # type: ignore[arg-type]
         t0 = clock()
-        out = build_baseline_output(reqs, metrics)
+        out = build_baseline_output(reqs, metrics, logprobs)
         t1 = clock()
         data = dumps(out, protocol=protocol)
         t2 = clock()
@@ -278,6 +383,9 @@ def _baseline_variant(reqs: list[Req], metrics: bool) -> Callable[[int], Timings
         t3 = clock()
         assert len(msg.rids) == len(reqs) and msg.output_ids[-1] == [token]
         assert (msg.queue_time is not None) == metrics
+        if logprobs is not None:
+            assert len(msg.output_top_logprobs_idx) == len(reqs) and len(msg.output_top_logprobs_idx[-1][0]) == TOP_K
+            assert all(len(v) == 1 for v in msg.output_token_logprobs_val)
         return t1 - t0, t2 - t1, t3 - t2, len(data)
 
     return step
@@ -299,6 +407,10 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
         ROWS[2]: _baseline_variant(make_steady_reqs(requests, metrics=True, seed=seed), metrics=True),
         ROWS[3]: _baseline_variant(make_steady_reqs(requests, metrics=False, seed=seed), metrics=False),
     }
+    logits = step_logits(requests, seed)
+    top5 = LogprobParams(top_logprobs_num=TOP_K)
+    variants[ROWS[4]] = _tokenpipe_variant(make_steady_reqs(requests, metrics=False, seed=seed, logprob=top5), logits)
+    variants[ROWS[5]] = _baseline_variant(make_steady_reqs(requests, metrics=False, seed=seed, logprob=top5), False, logits)
     names = list(variants)
     best: dict[str, list[float]] = {name: [float("inf")] * 4 for name in names}
     size: dict[str, int] = {}
@@ -337,14 +449,15 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
         }
         for m in ("on", "off")
     }
+    ratios["top5 logprobs"] = {col: _ratio(results[ROWS[4]][col], results[ROWS[5]][col]) for col in COLUMNS}
+    # What top-5 logprobs on every row add to tokenpipe's step (the same step without them).
+    logprobs_cost = {"metrics=off": {col: _ratio(results[ROWS[4]][col], results[ROWS[1]][col]) for col in COLUMNS}}
     on_off = _ratio(results[ROWS[0]]["build+encode_us"], results[ROWS[1]]["build+encode_us"])
     targets = []
     for col, limit in TARGETS.items():
-        for m in ("on", "off"):
-            value = ratios[f"metrics={m}"][col]
-            targets.append(
-                {"name": f"{col} tokenpipe/baseline metrics={m}", "value": value, "limit": limit, "pass": value <= limit}
-            )
+        for key in ("metrics=on", "metrics=off"):
+            value = ratios[key][col]
+            targets.append({"name": f"{col} tokenpipe/baseline {key}", "value": value, "limit": limit, "pass": value <= limit})
     targets.append(
         {
             "name": "tokenpipe build+encode_us metrics on/off",
@@ -357,6 +470,7 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
         "config": {"requests": requests, "rounds": rounds, "warmup": warmup, "seed": seed, "python": sys.version.split()[0]},
         "results": results,
         "ratios": ratios,
+        "logprobs_cost": logprobs_cost,
         "metrics_on_off": on_off,
         "targets": targets,
         "sglang_reference": SGLANG_REFERENCE,
@@ -380,6 +494,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(name.ljust(width) + "".join(f"{row[c]:>17.2f}" for c in COLUMNS))
     lines += ["", "tokenpipe / baseline".ljust(width) + "".join(f"{c:>17}" for c in COLUMNS)]
     for key, row in report["ratios"].items():
+        lines.append(key.ljust(width) + "".join(f"{row[c]:>16.3f}x" for c in COLUMNS))
+    lines += ["", "tokenpipe top5 / without".ljust(width) + "".join(f"{c:>17}" for c in COLUMNS)]
+    for key, row in report["logprobs_cost"].items():
         lines.append(key.ljust(width) + "".join(f"{row[c]:>16.3f}x" for c in COLUMNS))
     lines += ["", f"{'target':<46}{'measured':>10}{'limit':>10}  result"]
     for t in report["targets"]:

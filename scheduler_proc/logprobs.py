@@ -1,5 +1,7 @@
 """Output-token logprobs (SPEC section 11), computed in a step's batched pass for the rows
-that asked; each request keeps them (``Req.pending_logprobs``) until its row goes out.
+that asked, and kept until each row goes out: by the running batch for its rows, as columns
+(``RunningBatch.keep_logprobs``), so a decode step does no per-row work for them; by the
+request itself (``Req.pending_logprobs``) otherwise (a first token after a prefill).
 
 Values are the model's raw distribution, ``log_softmax`` of the logits before bias,
 penalties, temperature and cuts (vLLM's default). A step in which no row asked computes
@@ -11,6 +13,7 @@ computation either way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,15 +22,44 @@ from pipeline.io_struct import LogprobParams
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
 from scheduler_proc.req import Req
 
+if TYPE_CHECKING:
+    from scheduler_proc.running_batch import RunningBatch
+
+
+StepLogprobs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # chosen [r], top ids, top values [r, k], ids values [r, m]
+
+
+def batched_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, k: int, ids: np.ndarray) -> StepLogprobs:
+    """The logprobs of ``tokens`` at ``rows`` (indices into ``logits``, in any order): one
+    log-softmax over those rows only, one gather of the chosen tokens, one top-``k`` (sorted,
+    most likely first), one gather of ``ids`` (``[rows, m]``, padded with 0)."""
+    if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all():  # every row in order: no copy
+        lp = torch.log_softmax(logits.float(), dim=-1)
+    else:
+        lp = torch.log_softmax(logits.index_select(0, torch.from_numpy(rows).to(logits.device)).float(), dim=-1)
+    chosen = lp.gather(1, torch.from_numpy(tokens.astype(np.int64)).to(lp.device).unsqueeze(1)).squeeze(1)
+    if k:
+        top_values, top_ids = lp.topk(k, dim=1)
+        top_v, top_i = top_values.cpu().numpy(), top_ids.cpu().numpy().astype(LOGPROB_ID_DTYPE)
+    else:
+        top_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
+        top_i = np.empty((len(rows), 0), dtype=LOGPROB_ID_DTYPE)
+    if ids.shape[1]:
+        ids_v = lp.gather(1, torch.from_numpy(ids.astype(np.int64)).to(lp.device)).cpu().numpy()
+    else:
+        ids_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
+    return chosen.cpu().numpy(), top_i, top_v, ids_v
+
 
 def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams]) -> list[TokenLogprobs]:
     """The logprobs of this step's token for each of ``rows`` (indices into ``logits``,
-    whose requests ask ``asks``): one log-softmax over those rows only, one gather of the
-    chosen tokens, one top-k of the largest k asked, one gather of the asked ids. The
-    per-request results are views of those batched arrays."""
-    chosen_v, top_i, top_v, ids_v = _batched(logits, rows, tokens, asks, None)
+    whose requests ask ``asks``), from one ``batched_logprobs`` over the largest k and all
+    the asked ids; the per-request results are views of those batched arrays."""
     ks = [a.top_logprobs_num for a in asks]
     ms = [len(a.token_ids_logprob) for a in asks]
+    m = max(ms)
+    ids = np.array([list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks], dtype=np.int64)
+    chosen_v, top_i, top_v, ids_v = batched_logprobs(logits, rows, tokens, max(ks), ids.reshape(len(asks), m))
     return [
         TokenLogprobs(chosen_v[i : i + 1], top_i[i : i + 1, : ks[i]], top_v[i : i + 1, : ks[i]], ids_v[i : i + 1, : ms[i]])
         for i in range(len(rows))
@@ -42,7 +74,10 @@ def span_logprobs(
     ``rows``. The same batched computation; one view per request, not per token."""
     asks = [a for a, _ in spans]
     counts = [n for _, n in spans]
-    chosen_v, top_i, top_v, ids_v = _batched(logits, rows, tokens, asks, counts)
+    m = max(len(a.token_ids_logprob) for a in asks)
+    ids = np.array([list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks], dtype=np.int64)
+    ids = np.repeat(ids.reshape(len(asks), m), counts, axis=0)
+    chosen_v, top_i, top_v, ids_v = batched_logprobs(logits, rows, tokens, max(a.top_logprobs_num for a in asks), ids)
     out: list[TokenLogprobs] = []
     first = 0
     for ask, n in spans:
@@ -52,30 +87,12 @@ def span_logprobs(
     return out
 
 
-def _batched(
-    logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams], counts: Sequence[int] | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Chosen [R], top ids and values [R, k] and asked ids' values [R, m] for ``rows``, k
-    and m the largest asked (a row's own are its first columns). ``asks[j]`` covers
-    ``counts[j]`` consecutive rows (one each when ``counts`` is None)."""
-    lp = torch.log_softmax(logits.index_select(0, torch.from_numpy(rows).to(logits.device)).float(), dim=-1)
-    chosen = lp.gather(1, torch.from_numpy(tokens.astype(np.int64)).to(lp.device).unsqueeze(1)).squeeze(1)
-    k = max(a.top_logprobs_num for a in asks)
-    if k:
-        top_values, top_ids = lp.topk(k, dim=1)  # sorted, most likely first
-        top_v, top_i = top_values.cpu().numpy(), top_ids.cpu().numpy().astype(LOGPROB_ID_DTYPE)
-    else:
-        top_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
-        top_i = np.empty((len(rows), 0), dtype=LOGPROB_ID_DTYPE)
-    m = max(len(a.token_ids_logprob) for a in asks)
-    if m:
-        ids = torch.tensor([list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks], dtype=torch.long)
-        if counts is not None:
-            ids = ids.repeat_interleave(torch.tensor(counts, dtype=torch.long), dim=0)
-        ids_v = lp.gather(1, ids.to(lp.device)).cpu().numpy()
-    else:
-        ids_v = np.empty((len(rows), 0), dtype=LOGPROB_DTYPE)
-    return chosen.cpu().numpy(), top_i, top_v, ids_v
+def keep_decode_logprobs(batch: RunningBatch, logits: torch.Tensor, rows: np.ndarray, new: np.ndarray) -> None:
+    """The logprobs of a decode step's token for the running batch's ``rows`` that asked
+    (``new``: the step's token of every row), kept in the batch's columns until each row
+    goes out: what the rows ask is read from the batch's columns too, so no ``Req`` is read."""
+    k, ids = batch.logprob_asks(rows)
+    batch.keep_logprobs(rows, batched_logprobs(logits, rows, new[rows], k, ids))
 
 
 def keep_prompt_logprobs(

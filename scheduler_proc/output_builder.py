@@ -14,7 +14,7 @@ state. Off, nothing of it runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -30,10 +30,11 @@ from pipeline.io_struct import (
     DecodeOptions,
     FrameLogprobs,
     FinishReason,
+    OutputLogprobs,
     RequestOutputStats,
     UsageColumns,
 )
-from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs
+from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs, build_input_logprobs
 from scheduler_proc.req import PENDING_STATS, Req
 
 
@@ -57,6 +58,58 @@ def build_usage_columns(reqs: Sequence[Req]) -> UsageColumns:
 
 
 @dataclass(frozen=True, slots=True)
+class LogprobBlock:
+    """The output logprobs of some of a frame's rows as arrays (``OutputLogprobs`` before it
+    is bytes): ``rows`` index those rows (ascending), ``top_k`` and ``ids_count`` are per
+    row, ``chosen`` per token, and the flat ``top_ids`` / ``top_values`` / ``ids_values``
+    blocks are laid out row by row, token by token, as on the wire."""
+
+    rows: np.ndarray
+    chosen: np.ndarray
+    top_k: np.ndarray
+    top_ids: np.ndarray
+    top_values: np.ndarray
+    ids_count: np.ndarray
+    ids_values: np.ndarray
+
+    @staticmethod
+    def of_parts(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> LogprobBlock:
+        """From per-request parts (the per-request rows' ``Req.take_pending_logprobs``)."""
+        return LogprobBlock(
+            rows=np.asarray(rows, dtype=np.int32),
+            chosen=np.concatenate([p.chosen for p in parts]),
+            top_k=np.array([p.top_ids.shape[1] for p in parts], dtype=np.int32),
+            top_ids=np.concatenate([p.top_ids.reshape(-1) for p in parts]),
+            top_values=np.concatenate([p.top_values.reshape(-1) for p in parts]),
+            ids_count=np.array([p.ids_values.shape[1] for p in parts], dtype=np.int32),
+            ids_values=np.concatenate([p.ids_values.reshape(-1) for p in parts]),
+        )
+
+    def then(self, later: LogprobBlock, offset: int) -> LogprobBlock:
+        """These rows, then ``later``'s, whose row indices start at ``offset``."""
+        return LogprobBlock(*(np.concatenate((a, b)) for a, b in zip(self._arrays(), later.shifted(offset)._arrays())))
+
+    def shifted(self, offset: int) -> LogprobBlock:
+        if not offset:
+            return self
+        return LogprobBlock(self.rows + offset, *self._arrays()[1:])
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.rows, self.chosen, self.top_k, self.top_ids, self.top_values, self.ids_count, self.ids_values)
+
+    def columns(self) -> OutputLogprobs:
+        return OutputLogprobs(
+            rows=self.rows.astype(np.int32, copy=False).tobytes(),
+            token_logprobs=self.chosen.astype(LOGPROB_DTYPE, copy=False).tobytes(),
+            top_k=self.top_k.astype(np.int32, copy=False).tobytes(),
+            top_ids=self.top_ids.astype(LOGPROB_ID_DTYPE, copy=False).tobytes(),
+            top_logprobs=self.top_values.astype(LOGPROB_DTYPE, copy=False).tobytes(),
+            ids_count=self.ids_count.astype(np.int32, copy=False).tobytes(),
+            ids_logprobs=self.ids_values.astype(LOGPROB_DTYPE, copy=False).tobytes(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SteadyRows:
     """Rows of a decode step that had no event (the running batch's columns): no stats,
     no finish, no decode options, so only ids and tokens go out. ``reqs`` holds their
@@ -67,8 +120,8 @@ class SteadyRows:
     counts: np.ndarray
     completion: np.ndarray
     reqs: list[Req]
-    # (index among these rows, its logprobs) for the rows whose requests asked.
-    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    # The logprobs of the rows that carry some (rows: indices among these rows).
+    logprobs: LogprobBlock | None = None
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -92,13 +145,14 @@ def build_token_output(
         frame = _steady_frame(steady, dense_usage)
     else:
         frame = _concat(_build_request_rows(reqs, dense_usage), _steady_frame(steady, dense_usage))
-    if steady is not None:
-        logprobs += [(len(reqs) + j, part) for j, part in steady.logprobs]
+    block = LogprobBlock.of_parts([i for i, _ in logprobs], [part for _, part in logprobs]) if logprobs else None
+    if steady is not None and steady.logprobs is not None:
+        block = steady.logprobs.shifted(len(reqs)) if block is None else block.then(steady.logprobs, len(reqs))
     # A request's first row is always a per-request row (its stats are due).
     prompt = [(i, part) for i, part in ((i, r.take_prompt_logprobs()) for i, r in enumerate(reqs) if r.prompt_logprobs) if part]
-    if logprobs or prompt:
+    if block is not None or prompt:
         frame.logprobs = FrameLogprobs(
-            output=build_output_logprobs([i for i, _ in logprobs], [part for _, part in logprobs]),
+            output=block.columns() if block is not None else None,
             input=build_input_logprobs([i for i, _ in prompt], [part for _, part in prompt]),
         )
     return frame

@@ -106,7 +106,8 @@ class Req:
         # The seed of every draw (SPEC section 10): the client's, or a random one fixed at
         # arrival, so an unseeded request takes the same counter-based path as a seeded one.
         # Any integer a client sends is a seed: the draws read its low 64 bits.
-        # Logprobs asked (None: none), and those of generated tokens not yet in a row.
+        # Logprobs asked (None: none), and those of generated tokens not yet in a row (while
+        # the request is in the running batch, its row holds them: running_batch.py).
         self.logprob: LogprobParams | None = logprob
         self.pending_logprobs: list[TokenLogprobs] = []
         # Prompt logprobs (logprob_start_len s >= 0): those of prompt positions max(s, 1)

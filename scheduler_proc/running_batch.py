@@ -4,7 +4,9 @@ join and leave (vLLM's InputBatch is the model), so a steady decode step is colu
 Row ``i`` in ``[0, len(self))`` holds one running request. Per row it keeps the request's
 tokens (prompt then output) in a token table, the pool slot of each token's KV in a
 request-to-token table (SGLang's req_to_token), the counts the stop checks and the stream
-interval read, the sampling parameters, and the penalty state the sampler reads.
+interval read, the sampling parameters, the penalty state the sampler reads, and the
+logprobs a row asked for together with those of its tokens not yet sent (a pending table:
+``[rows, tokens, k]``, widened when a row needs more room).
 
 Invariants:
 - A request in the batch has its KV for every token but the last (``seq_len - 1``
@@ -13,6 +15,9 @@ Invariants:
   ``num_sent_tokens``, ``num_computed`` and ``kv_slots`` are brought up to date only by
   ``sync`` (an event: a finish, a stop string to check, stats due, a retraction, an abort),
   and ``Req.kv_slots`` is None in between, so a stale read fails loudly.
+- A request in the batch has its pending output logprobs in its row, none in
+  ``Req.pending_logprobs``: they move into the row when it joins, and back to the request
+  (``hand_over_logprobs``) when its row goes out the per-request way or it leaves.
 - Rows are dense: a leaving request's row is filled by the last row (swap-remove), so the
   step reads ``[:n]`` slices, never a gather.
 """
@@ -25,11 +30,13 @@ import numpy as np
 import torch
 
 from pipeline.io_struct import TOKEN_DTYPE
-from scheduler_proc.output_builder import SteadyRows
+from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
+from scheduler_proc.output_builder import LogprobBlock, SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import SamplingColumns, draw_counter
 
 _FIRST_ROWS = 64  # rows allocated up front; the tables double when more requests run
+_FIRST_PENDING = 4  # tokens of pending logprobs a row holds at first; doubled when one needs more
 
 
 class RunningBatch:
@@ -65,6 +72,16 @@ class RunningBatch:
         self.repetition_penalty = np.ones(cap, dtype=np.float32)
         self.has_bias = np.zeros(cap, dtype=bool)
         self.wants_logprobs = np.zeros(cap, dtype=bool)
+        # int32 as on the wire, so the frame's columns need no conversion.
+        self.top_k_asked = np.zeros(cap, dtype=np.int32)  # top_logprobs_num
+        self.ids_asked = np.zeros((cap, 0), dtype=np.int64)  # token_ids_logprob, padded with 0
+        self.ids_count = np.zeros(cap, dtype=np.int32)
+        # Pending logprobs: of each row's first ``lp_count`` unsent tokens, in order.
+        self.lp_count = np.zeros(cap, dtype=np.int64)
+        self.lp_chosen = np.zeros((cap, _FIRST_PENDING), dtype=LOGPROB_DTYPE)
+        self.lp_top_ids = np.zeros((cap, _FIRST_PENDING, 0), dtype=LOGPROB_ID_DTYPE)
+        self.lp_top_values = np.zeros((cap, _FIRST_PENDING, 0), dtype=LOGPROB_DTYPE)
+        self.lp_ids_values = np.zeros((cap, _FIRST_PENDING, 0), dtype=LOGPROB_DTYPE)
         # [cap, vocab] penalty state, made when the first request that needs it joins.
         self.output_counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
@@ -135,9 +152,54 @@ class RunningBatch:
         self.presence_penalty[row] = s.presence_penalty
         self.repetition_penalty[row] = s.repetition_penalty
         self.has_bias[row] = bool(s.logit_bias)
-        self.wants_logprobs[row] = req.logprob is not None
+        self._set_logprob_row(row, req)
         self._set_penalty_rows(row, req)
         req.kv_slots = None  # the row holds them now (see the module docstring)
+
+    def _set_logprob_row(self, row: int, req: Req) -> None:
+        """What the request asks, and its pending logprobs (a first token not sent yet,
+        tokens left unsent at a retraction) moved into the row."""
+        asked = req.logprob
+        self.wants_logprobs[row] = asked is not None
+        self.lp_count[row] = 0
+        if asked is None:
+            return
+        ids = asked.token_ids_logprob
+        self._widen_logprobs(k=asked.top_logprobs_num, m=len(ids))
+        self.top_k_asked[row] = asked.top_logprobs_num
+        self.ids_count[row] = len(ids)
+        self.ids_asked[row] = 0
+        self.ids_asked[row, : len(ids)] = ids
+        part = req.take_pending_logprobs()
+        if part is not None:
+            t, k, m = len(part.chosen), part.top_ids.shape[1], part.ids_values.shape[1]
+            self._widen_logprobs(t=t)
+            self.lp_chosen[row, :t] = part.chosen
+            self.lp_top_ids[row, :t, :k] = part.top_ids
+            self.lp_top_values[row, :t, :k] = part.top_values
+            self.lp_ids_values[row, :t, :m] = part.ids_values
+            self.lp_count[row] = t
+
+    def _widen_logprobs(self, *, t: int = 0, k: int = 0, m: int = 0) -> None:
+        """Room for ``t`` pending tokens a row (doubling), ``k`` top entries and ``m``
+        asked ids a token; the columns only grow."""
+        have_t, have_k, have_m = self.lp_chosen.shape[1], self.lp_top_ids.shape[2], self.lp_ids_values.shape[2]
+        if t <= have_t and k <= have_k and m <= have_m:
+            return
+        new_t = max(have_t, 1) if t <= have_t else max(t, 2 * have_t)
+        new_k, new_m = max(k, have_k), max(m, have_m)
+        cap = len(self.req_id)
+        for name, shape in (
+            ("lp_chosen", (cap, new_t)),
+            ("lp_top_ids", (cap, new_t, new_k)),
+            ("lp_top_values", (cap, new_t, new_k)),
+            ("lp_ids_values", (cap, new_t, new_m)),
+            ("ids_asked", (cap, new_m)),
+        ):
+            old = getattr(self, name)
+            new = np.zeros(shape, dtype=old.dtype)
+            new[tuple(slice(0, d) for d in old.shape)] = old
+            setattr(self, name, new)
 
     def _set_penalty_rows(self, row: int, req: Req) -> None:
         s = req.sampling
@@ -169,6 +231,7 @@ class RunningBatch:
         all its tokens and its KV slots again, then the last row moves into its place."""
         row = self._row_of[req.req_id]
         self.sync(req)
+        self.hand_over_logprobs(req)
         req.kv_slots = self.req_to_token[row, : int(self.seq_len[row]) - 1].clone()
         del self._row_of[req.req_id]
         last = self._n - 1
@@ -186,6 +249,15 @@ class RunningBatch:
                     table[row] = table[last]
         self.reqs.pop()
         self._n = last
+        if not last and self.lp_chosen.shape[1] > _FIRST_PENDING:
+            self._shrink_pending()  # long unsent runs (non-streaming requests) are over: free their room
+
+    def _shrink_pending(self) -> None:
+        cap, k, m = len(self.req_id), self.lp_top_ids.shape[2], self.lp_ids_values.shape[2]
+        self.lp_chosen = np.zeros((cap, _FIRST_PENDING), dtype=LOGPROB_DTYPE)
+        self.lp_top_ids = np.zeros((cap, _FIRST_PENDING, k), dtype=LOGPROB_ID_DTYPE)
+        self.lp_top_values = np.zeros((cap, _FIRST_PENDING, k), dtype=LOGPROB_DTYPE)
+        self.lp_ids_values = np.zeros((cap, _FIRST_PENDING, m), dtype=LOGPROB_DTYPE)
 
     def sync(self, req: Req) -> None:
         """Brings the Req's own token list, sent count and computed count up to date with
@@ -198,6 +270,24 @@ class RunningBatch:
         req.num_sent_tokens = int(self.sent[row])
         req.num_computed = seq_len - 1
 
+    def hand_over_logprobs(self, req: Req) -> None:
+        """The row's pending logprobs go back to the request (``Req.pending_logprobs``):
+        its row goes out the per-request way, or it leaves the batch."""
+        row = self._row_of[req.req_id]
+        t = int(self.lp_count[row])
+        if not t:
+            return
+        k, m = int(self.top_k_asked[row]), int(self.ids_count[row])
+        req.pending_logprobs.append(
+            TokenLogprobs(
+                self.lp_chosen[row, :t].copy(),
+                self.lp_top_ids[row, :t, :k].copy(),
+                self.lp_top_values[row, :t, :k].copy(),
+                self.lp_ids_values[row, :t, :m].copy(),
+            )
+        )
+        self.lp_count[row] = 0
+
     def note_sent(self, req: Req) -> None:
         """A row of this request went out through the per-request path (an event row)."""
         self.sent[self._row_of[req.req_id]] = req.num_sent_tokens
@@ -207,7 +297,8 @@ class RunningBatch:
             self.req_id, self.prompt_len, self.seq_len, self.sent, self.joined, self.max_new, self.min_new,
             self.ignore_eos, self.stream, self.interval, self.has_stop_strings, self.stop_ids, self.seed,
             self.temperature, self.top_k, self.top_p, self.min_p, self.frequency_penalty, self.presence_penalty,
-            self.repetition_penalty, self.has_bias, self.wants_logprobs,
+            self.repetition_penalty, self.has_bias, self.wants_logprobs, self.top_k_asked, self.ids_asked,
+            self.ids_count, self.lp_count, self.lp_chosen, self.lp_top_ids, self.lp_top_values, self.lp_ids_values,
         )  # fmt: skip
 
     def _grow(self) -> None:
@@ -216,6 +307,8 @@ class RunningBatch:
             "req_id", "prompt_len", "seq_len", "sent", "joined", "max_new", "min_new", "ignore_eos", "stream",
             "interval", "has_stop_strings", "stop_ids", "seed", "temperature", "top_k", "top_p", "min_p",
             "frequency_penalty", "presence_penalty", "repetition_penalty", "has_bias", "wants_logprobs", "tokens",
+            "top_k_asked", "ids_asked", "ids_count", "lp_count", "lp_chosen", "lp_top_ids", "lp_top_values",
+            "lp_ids_values",
         ):  # fmt: skip
             old = getattr(self, name)
             new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
@@ -309,10 +402,71 @@ class RunningBatch:
             tokens = self.tokens[np.repeat(rows, counts), np.repeat(starts, counts) + offsets]
         self.sent[rows] = completion
         reqs = [self.reqs[i] for i in rows.tolist()] if with_reqs else []
-        # Rows that asked for logprobs hand theirs over (per row: only those rows).
-        logprobs = []
-        for j in np.flatnonzero(self.wants_logprobs[rows]).tolist():
-            part = self.reqs[int(rows[j])].take_pending_logprobs()
-            if part is not None:
-                logprobs.append((j, part))
-        return SteadyRows(self.req_id[rows], tokens, counts, completion, reqs, logprobs)
+        return SteadyRows(self.req_id[rows], tokens, counts, completion, reqs, self._take_logprobs(rows))
+
+    # --- logprobs --------------------------------------------------------------------------
+
+    def logprob_asks(self, rows: np.ndarray) -> tuple[int, np.ndarray]:
+        """What these rows ask for: the largest top-k, and the asked ids (``[rows, m]``,
+        padded with 0, m the most any of them asks)."""
+        if not rows.size:
+            return 0, self.ids_asked[rows, :0]
+        return int(self.top_k_asked[rows].max()), self.ids_asked[rows, : int(self.ids_count[rows].max())]
+
+    def keep_logprobs(self, rows: np.ndarray, step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """One new token's logprobs for each of ``rows`` (chosen ``[r]``, top ids and values
+        ``[r, k]``, ids values ``[r, m]``, as ``logprobs.batched_logprobs`` makes them),
+        appended to their pending ones: one write per column."""
+        chosen, top_ids, top_values, ids_values = step
+        at = self.lp_count[rows]
+        if at.size and int(at.max()) >= self.lp_chosen.shape[1]:
+            self._widen_logprobs(t=int(at.max()) + 1)
+        k, m = top_ids.shape[1], ids_values.shape[1]
+        self.lp_chosen[rows, at] = chosen
+        if k:
+            self.lp_top_ids[rows, at, :k] = top_ids
+            self.lp_top_values[rows, at, :k] = top_values
+        if m:
+            self.lp_ids_values[rows, at, :m] = ids_values
+        self.lp_count[rows] = at + 1
+
+    def _take_logprobs(self, rows: np.ndarray) -> LogprobBlock | None:
+        """The pending logprobs of those of ``rows`` that have some, as frame columns (one
+        gather per column), and marks them sent. Cold caches after the step's forward make
+        each numpy call cost microseconds, so the common case (every row holds one token,
+        no ids asked) takes the fewest."""
+        counts = self.lp_count[rows]
+        most = int(counts.max()) if counts.size else 0
+        if not most:
+            return None
+        if int(counts.min()):
+            held, r = np.arange(len(rows), dtype=np.int32), rows
+        else:  # rows that asked nothing (or hold nothing) carry no entry
+            held = np.flatnonzero(counts)
+            r, counts = rows[held], counts[held]
+        self.lp_count[r] = 0
+        k, m = self.top_k_asked[r], self.ids_count[r]
+        if most == 1:  # one token each (the steady case): column 0
+            at: np.ndarray | int = 0
+            per_token, token_k, token_m = r, k, m
+        else:
+            at = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            per_token, token_k, token_m = np.repeat(r, counts), np.repeat(k, counts), np.repeat(m, counts)
+        top_ids, top_values = _ragged(token_k, self.lp_top_ids, self.lp_top_values, per_token, at)
+        if self.lp_ids_values.shape[2]:
+            ids_values = _ragged(token_m, self.lp_ids_values, None, per_token, at)[0]
+        else:  # no running request ever asked for ids
+            ids_values = self.lp_ids_values[:0, 0, :0].reshape(0)
+        return LogprobBlock(held, self.lp_chosen[per_token, at], k, top_ids, top_values, m, ids_values)
+
+
+def _ragged(width: np.ndarray, a: np.ndarray, b: np.ndarray | None, rows: np.ndarray, at: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``width[i]`` entries of ``a[rows[i], at[i]]`` (and of ``b``'s), flat, row
+    after row: one gather, then a mask only where widths differ."""
+    most = int(width.max())
+    block_a = a[rows, at, :most]
+    block_b = b[rows, at, :most] if b is not None else block_a
+    if int(width.min()) == most:
+        return block_a.reshape(-1), block_b.reshape(-1)
+    keep = np.arange(most) < width[:, None]
+    return block_a[keep], block_b[keep]

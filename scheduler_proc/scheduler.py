@@ -53,7 +53,7 @@ from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd_decode import DecodeBootstrap, DecodeBootstrapper, install_prebuilt
 from scheduler_proc.pd_prefill import KVFetchJob, PrefillHalf, PrefillKVSender, keep_first_logprobs, kv_job_request
-from scheduler_proc.logprobs import keep_prompt_logprobs, step_logprobs
+from scheduler_proc.logprobs import keep_decode_logprobs, keep_prompt_logprobs, step_logprobs
 from scheduler_proc.prefix_kv import PrefixKV
 from scheduler_proc.req import PENDING_STATS, Req
 from scheduler_proc.running_batch import RunningBatch
@@ -431,7 +431,7 @@ class Scheduler:
         batch.append_tokens(new)
         asking = np.flatnonzero(batch.wants_logprobs[:n])
         if asking.size:
-            self._keep_logprobs(logits, asking, new, [batch.reqs[i] for i in asking.tolist()])
+            keep_decode_logprobs(batch, logits, asking, new)
         self.generated_tokens_total += n
         out_len = batch.output_len()
         code, check_strings = self.stop_checker.check_columns(
@@ -471,8 +471,10 @@ class Scheduler:
                 reason = FinishLength(length=length)
             if reason is not None:
                 req.finish(reason)
-                batch.remove(req)
+                batch.remove(req)  # its pending logprobs go back to it
             if req.output_due():
+                if reason is None:
+                    batch.hand_over_logprobs(req)  # this row goes out the per-request way
                 rows.append(req)
 
     def _append_tokens(self, reqs: list[Req], tokens: list[int], rows: list[Req]) -> list[Req]:

@@ -151,3 +151,28 @@ def test_compare_sampling_reports_a_ratio(bench: ModuleType, tmp_path: Path, cap
     table = capsys.readouterr().out
     assert "greedy tok/s" in table and "sampled tok/s" in table and "sampled/greedy" in table
     assert "PASS" in table or "MISS" in table
+
+
+@pytest.mark.timeout(60)
+def test_top_logprobs_reports_both_arms_and_a_ratio(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Runs without and with top-5 logprobs alternate on the one launched server; every
+    request of the logprobs arm gets one logprob entry per token, and the medians and
+    their ratio are there (its value is not judged)."""
+    out = tmp_path / "r.json"
+    argv = ["--launch", "--top-logprobs", "5", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--no-progress"]
+    assert bench.main([*argv, "--json", str(out), "--server-args", "--max-total-tokens 4096"]) == 0
+
+    lp = json.loads(out.read_text())["logprobs"]
+    assert lp["top_logprobs"] == 5 and [row["first"] for row in lp["rounds"]] == ["without", "logprobs"]
+    for row in lp["rounds"]:
+        for name in ("without", "logprobs"):
+            assert row[name]["completed"] == 8 and row[name]["output_tokens"] == 8 * 8, row[name]
+            assert row[name]["errors"] == row[name]["tokens_lost"] == row[name]["logprobs_lost"] == 0
+        assert 0 < row["ratio"] < math.inf
+    for key in ("without_output_tokens_per_s", "logprobs_output_tokens_per_s", "ratio"):
+        assert 0 < lp[key] < math.inf, key
+    table = capsys.readouterr().out
+    assert "without tok/s" in table and "logprobs tok/s" in table and "logprobs/without" in table
+    assert bench.make_body(0, bench.logprobs_variants(bench.LoadConfig(), 5)["logprobs"], 4096, True)["top_logprobs_num"] == 5
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--top-logprobs", "5"])  # needs --launch

@@ -58,7 +58,7 @@ from pipeline.io_struct import (
 )
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
-from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
+from scheduler_proc.output_builder import LogprobBlock, SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.req import PENDING_STATS, Req
 from tests.lifecycle_sim import (
     SimWorld,
@@ -389,7 +389,8 @@ def steady_rows(reqs: list[Req]) -> SteadyRows | None:
     sent = np.array([r.num_sent_tokens for r in reqs], dtype=np.int64)
     completion = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
     tokens = np.array([t for r in reqs for t in r.output_ids[r.num_sent_tokens :]], dtype=np.int64)
-    logprobs = [(j, part) for j, r in enumerate(reqs) if r.logprob is not None and (part := r.take_pending_logprobs()) is not None]
+    listed = [(j, part) for j, r in enumerate(reqs) if r.logprob is not None and (part := r.take_pending_logprobs()) is not None]
+    logprobs = LogprobBlock.of_parts([j for j, _ in listed], [part for _, part in listed]) if listed else None
     for r in reqs:
         r.num_sent_tokens = len(r.output_ids)
     return SteadyRows(np.array([r.req_id for r in reqs], dtype=np.int64), tokens, completion - sent, completion, [], logprobs)
