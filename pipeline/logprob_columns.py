@@ -4,7 +4,7 @@ of a PD KV header, by a decode server's scheduler)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,15 +63,59 @@ class RowLogprobs:
 
 def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, RowLogprobs]:
     """Frame row index -> its logprobs; ``counts`` are the frame's output counts per row.
-    Raises ValueError when the columns do not add up (a malformed frame)."""
-    return {row: _row_view(part) for row, part in read_token_logprobs(lp, counts).items()}
+    Raises ValueError when the columns do not add up (a malformed frame). Each column
+    becomes a list once, and the rows are slices of those lists (the API process reads
+    every frame: no per-row numpy calls)."""
+    block = _checked(lp, counts)
+    chosen, top_ids, top_values, ids_values = (a.tolist() for a in (block.chosen, block.top_ids, block.top_values, block.ids_values))
+    out: dict[int, RowLogprobs] = {}
+    c = t = v = 0
+    for row, n, k, m in block.rows():
+        top = list(zip(top_values[t : t + n * k], top_ids[t : t + n * k]))
+        out[row] = RowLogprobs(
+            chosen=chosen[c : c + n],
+            top=[top] if n == 1 else [top[j * k : (j + 1) * k] for j in range(n)],
+            ids=[ids_values[v + j * m : v + (j + 1) * m] for j in range(n)],
+        )
+        c, t, v = c + n, t + n * k, v + n * m
+    return out
 
 
 def read_token_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, TokenLogprobs]:
     """Frame row index -> its logprobs as arrays (views of the frame's bytes, read-only):
-    the checked read that ``read_output_logprobs`` lists, and that a PD decode server takes
-    the prefill server's first-token logprobs with. Raises ValueError when the columns do
-    not add up (a malformed frame)."""
+    the checked read that a PD decode server takes the prefill server's first-token
+    logprobs with. Raises ValueError when the columns do not add up (a malformed frame)."""
+    block = _checked(lp, counts)
+    out: dict[int, TokenLogprobs] = {}
+    c = t = v = 0
+    for row, n, k, m in block.rows():
+        top = slice(t, t + n * k)
+        out[row] = TokenLogprobs(
+            block.chosen[c : c + n], block.top_ids[top].reshape(n, k), block.top_values[top].reshape(n, k), block.ids_values[v : v + n * m].reshape(n, m)
+        )
+        c, t, v = c + n, t + n * k, v + n * m
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """A logprob block's columns as arrays, checked against the frame's rows."""
+
+    listed: np.ndarray  # frame row indices
+    tokens: np.ndarray  # tokens of each listed row
+    top_k: np.ndarray
+    ids_count: np.ndarray
+    chosen: np.ndarray
+    top_ids: np.ndarray
+    top_values: np.ndarray
+    ids_values: np.ndarray
+
+    def rows(self) -> Iterator[tuple[int, int, int, int]]:
+        """(frame row, tokens, k, m) of each listed row, in order."""
+        return zip(self.listed.tolist(), self.tokens.tolist(), self.top_k.tolist(), self.ids_count.tolist())
+
+
+def _checked(lp: OutputLogprobs, counts: Sequence[int]) -> _Block:
     rows = np.frombuffer(lp.rows, dtype=np.int32)
     chosen = np.frombuffer(lp.token_logprobs, dtype=LOGPROB_DTYPE)
     top_k = np.frombuffer(lp.top_k, dtype=np.int32)
@@ -88,21 +132,7 @@ def read_token_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, 
         raise ValueError("logprob columns do not match the frame's token counts")
     if len(ids_values) != (tokens * ids_count).sum():
         raise ValueError("token_ids_logprob columns do not match the frame's token counts")
-    out: dict[int, TokenLogprobs] = {}
-    c = t = v = 0
-    for row, n, k, m in zip(rows.tolist(), tokens.tolist(), top_k.tolist(), ids_count.tolist()):
-        top = slice(t, t + n * k)
-        out[row] = TokenLogprobs(chosen[c : c + n], top_ids[top].reshape(n, k), top_values[top].reshape(n, k), ids_values[v : v + n * m].reshape(n, m))
-        c, t, v = c + n, t + n * k, v + n * m
-    return out
-
-
-def _row_view(part: TokenLogprobs) -> RowLogprobs:
-    return RowLogprobs(
-        chosen=part.chosen.tolist(),
-        top=[list(zip(vs, ids)) for vs, ids in zip(part.top_values.tolist(), part.top_ids.tolist())],
-        ids=part.ids_values.tolist(),
-    )
+    return _Block(rows, tokens, top_k, ids_count, chosen, top_ids, top_values, ids_values)
 
 
 def build_input_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> InputLogprobs | None:
@@ -114,12 +144,17 @@ def build_input_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) ->
 
 def read_input_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, RowLogprobs]:
     """Frame row index -> its prompt logprobs. Raises ValueError on a malformed frame."""
-    return {row: _row_view(part) for row, part in read_input_token_logprobs(lp, num_rows).items()}
+    return read_output_logprobs(lp.logprobs, _prompt_counts(lp, num_rows))
 
 
 def read_input_token_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, TokenLogprobs]:
     """Frame row index -> its prompt logprobs as arrays (``read_token_logprobs``'s view).
     Raises ValueError on a malformed frame."""
+    return read_token_logprobs(lp.logprobs, _prompt_counts(lp, num_rows))
+
+
+def _prompt_counts(lp: InputLogprobs, num_rows: int) -> list[int]:
+    """The prompt positions of each frame row (0 for the rows not listed)."""
     rows = np.frombuffer(lp.logprobs.rows, dtype=np.int32)
     counts = np.frombuffer(lp.counts, dtype=np.int32)
     if len(rows) != len(counts) or (len(rows) and (rows.min() < 0 or rows.max() >= num_rows or counts.min() < 0)):
@@ -127,4 +162,4 @@ def read_input_token_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, Tok
     per_row = [0] * num_rows
     for row, count in zip(rows.tolist(), counts.tolist()):
         per_row[row] = count
-    return read_token_logprobs(lp.logprobs, per_row)
+    return per_row
