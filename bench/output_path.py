@@ -1,4 +1,4 @@
-"""Output-path micro benchmark (SPEC section 9).
+"""Output-path micro benchmark (docs/design.md section 9).
 
 A steady decode step on the CPU only: ``--requests`` (default 512) requests that have all
 emitted before (their stats and decode options were already sent, so
@@ -98,7 +98,7 @@ ROWS = (
 TOP_K = 5  # the logprobs variants' top_logprobs_num
 VOCAB = 32000
 # Targets on tokenpipe / baseline (same metrics setting), and on tokenpipe on / off.
-# The top5 logprobs rows have no targets (SPEC section 9 sets them for the plain step):
+# The top5 logprobs rows have no targets (docs/design.md section 9 sets them for the plain step):
 # their ratios are printed.
 TARGETS = {"build+encode_us": 0.10, "decode_us": 0.20, "msg_KB": 0.40}
 METRICS_OVERHEAD_TARGET = 1.05
@@ -506,7 +506,7 @@ def format_report(report: dict[str, Any]) -> str:
     ref = report["sglang_reference"]
     lines += [
         "",
-        "reference (SGLang, SPEC section 9): build+pickle "
+        "reference (SGLang, docs/design.md section 9): build+pickle "
         f"{ref['per_row_stats_lists']['build+encode_us']:.0f} us / {ref['per_row_stats_lists']['msg_KB']} KB "
         "with per-row stats lists, "
         f"{ref['request_output_stats']['build+encode_us']:.0f} us / {ref['request_output_stats']['msg_KB']} KB "

@@ -10,7 +10,7 @@ columnar: per-row numbers travel as little-endian ``bytes`` columns (see ``Colum
 so one decode step of 512 rows costs a handful of buffers, not 512 small objects.
 
 Per-request values that change only at a few points of a request's life travel together
-in one ``RequestOutputStats``, on the rows that need it (SPEC section 3); there are no
+in one ``RequestOutputStats``, on the rows that need it (docs/design.md section 3); there are no
 per-row lists of them anywhere in this module.
 """
 
@@ -73,7 +73,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stream_interval: int | None = None  # None: the server's --stream-interval
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    # SPEC section 10: min_p keeps tokens with p >= min_p * p_max; the penalties have
+    # docs/design.md section 10: min_p keeps tokens with p >= min_p * p_max; the penalties have
     # OpenAI's (frequency, presence: over generated tokens) and SGLang/vLLM's (repetition:
     # over prompt and generated tokens) meanings; logit_bias is (token id, bias) pairs,
     # sorted by id, added to the logits before everything else.
@@ -100,7 +100,7 @@ class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class LogprobParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    """The logprobs a request asks for (SPEC section 11): the chosen token's always, the
+    """The logprobs a request asks for (docs/design.md section 11): the chosen token's always, the
     ``top_logprobs_num`` most likely tokens at each position (0..20), the logprobs of the
     ``token_ids_logprob`` ids at each position, and from ``logprob_start_len`` (-1: none)
     the prompt's. Values are the model's raw log-softmax, before bias, penalties,
@@ -188,11 +188,11 @@ FinishReason = Union[FinishStop, FinishLength, FinishAbort]
 
 
 def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
-    """The SPEC's edge form: ``{"type": "stop", "matched": ...}`` and so on."""
+    """The HTTP form (docs/design.md section 2): ``{"type": "stop", "matched": ...}`` and so on."""
     out: dict[str, object] = {"type": type(reason).__struct_config__.tag}
     for field in reason.__struct_fields__:
         value = getattr(reason, field)
-        if value is not None:  # an optional field left unset (retry_after) is not part of the SPEC's form
+        if value is not None:  # an optional field left unset (retry_after) is not part of that form
             out[field] = value
     return out
 
@@ -244,7 +244,7 @@ class UsageColumns(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """``--dense-usage-columns``: five COUNT_DTYPE columns, one value on every row of a
     ``BatchTokenIDOutput``, read from the row's current ``Req.stats`` when the row is built.
     For a consumer that keeps no per-request state (a gateway in another language); the
-    same values also travel in ``request_stats`` on the rows that are due (SPEC section 3).
+    same values also travel in ``request_stats`` on the rows that are due (docs/design.md section 3).
     Schema for such a consumer: docs/wire.md."""
 
     prompt_tokens: bytes

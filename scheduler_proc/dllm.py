@@ -1,4 +1,4 @@
-"""Block diffusion decoding (``--mode dllm``, SPEC section 4).
+"""Block diffusion decoding (``--mode dllm``, docs/design.md section 4).
 
 A dLLM request prefills its prompt like any other (chunked, from the prefix cache), then
 decodes block by block instead of token by token:
@@ -48,7 +48,7 @@ follows); its row carries stats because it is finished.
 Rows: a streaming request emits one row per committed block (the block is the unit of
 streaming, whatever the stream interval); a non-streaming one emits only its finished row.
 
-Logprobs (SPEC section 11): a committed token's are those of the pass that committed it,
+Logprobs (docs/design.md section 11): a committed token's are those of the pass that committed it,
 the raw log-softmax of that pass's logits at its position (before bias, penalties,
 temperature and cuts; the confidence that chose it is not part of them). Each pass computes
 them in one batched ``span_logprobs`` over the positions it commits of the requests that

@@ -1,4 +1,4 @@
-"""Output-token logprobs (SPEC section 11), computed in a step's batched pass for the rows
+"""Output-token logprobs (docs/design.md section 11), computed in a step's batched pass for the rows
 that asked, and kept until each row goes out: by the running batch for its rows, as columns
 (``RunningBatch.keep_logprobs``), so a decode step does no per-row work for them; by the
 request itself (``Req.pending_logprobs``) otherwise (a first token after a prefill).

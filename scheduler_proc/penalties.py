@@ -1,4 +1,4 @@
-"""logit_bias and the repetition penalties (SPEC section 10), applied before temperature.
+"""logit_bias and the repetition penalties (docs/design.md section 10), applied before temperature.
 
 Per row, in order: the bias is added; ``frequency_penalty * count + presence_penalty *
 (count > 0)`` is subtracted (OpenAI: counts of generated tokens); then repetition_penalty

@@ -103,7 +103,7 @@ class Req:
         self.kv_slots: torch.Tensor | None = None
         self.num_computed = 0
         self.prefix_node: Any = None  # radix-cache node locked for this request
-        # The seed of every draw (SPEC section 10): the client's, or a random one fixed at
+        # The seed of every draw (docs/design.md section 10): the client's, or a random one fixed at
         # arrival, so an unseeded request takes the same counter-based path as a seeded one.
         # Any integer a client sends is a seed: the draws read its low 64 bits.
         # Logprobs asked (None: none), and those of generated tokens not yet in a row (while
@@ -274,7 +274,7 @@ class Req:
         return self.finished_reason is not None
 
     def output_due(self) -> bool:
-        """Whether this step's tokens go out now (SPEC section 4, stream interval)."""
+        """Whether this step's tokens go out now (docs/design.md section 4, stream interval)."""
         if self.finished_reason is not None:
             return True
         if not self.stream:

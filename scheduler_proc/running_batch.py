@@ -379,7 +379,7 @@ class RunningBatch:
         return self.seq_len[:n] - self.prompt_len[:n]
 
     def due(self, finished: np.ndarray) -> np.ndarray:
-        """Which rows go out this step (SPEC section 4): finished ones, and streaming ones
+        """Which rows go out this step (docs/design.md section 4): finished ones, and streaming ones
         on their first token or once ``stream_interval`` tokens are unsent."""
         n = self._n
         sent = self.sent[:n]

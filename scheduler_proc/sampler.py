@@ -1,4 +1,4 @@
-"""Batched sampling (SPEC section 10): one draw per row from counter-based randomness.
+"""Batched sampling (docs/design.md section 10): one draw per row from counter-based randomness.
 
 A row's token is a function of its logits row, its parameters, its seed and its counter
 only: never of its neighbours, of the batch size or of which path the batch took. So a

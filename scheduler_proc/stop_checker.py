@@ -1,5 +1,5 @@
 """Decides whether a request is finished after a token was appended: max_new_tokens,
-EOS (unless ignore_eos), stop token ids and stop strings (SPEC section 4)."""
+EOS (unless ignore_eos), stop token ids and stop strings (docs/design.md section 4)."""
 
 from __future__ import annotations
 

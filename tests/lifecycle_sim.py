@@ -1,4 +1,4 @@
-"""Random request lifecycles for the differential test (SPEC section 9).
+"""Random request lifecycles for the differential test (docs/design.md section 9).
 
 Each lifecycle is a generator that changes one ``Req`` exactly the way the scheduler's
 code paths do (the same ``Req`` methods: queue entry and exit, the one stats setter,

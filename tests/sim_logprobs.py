@@ -1,4 +1,4 @@
-"""Synthetic logprobs for the differential test (SPEC sections 9 and 11).
+"""Synthetic logprobs for the differential test (docs/design.md sections 9 and 11).
 
 The simulated scheduler gives each generated token, and each prompt position a request
 asked for, a ``TokenLogprobs`` shaped as ``step_logprobs`` makes them (float32 chosen
@@ -7,7 +7,7 @@ asked for, a ``TokenLogprobs`` shaped as ``step_logprobs`` makes them (float32 c
 So the test knows every value a client must see, whatever the pipeline did with them:
 ``expected_entries`` builds them again, rounded to float32 as the wire carries them (and
 ``LogprobTruth`` keeps them per request, built once), and ``expected_meta`` the /generate
-``meta_info`` keys built from them (SPEC section 11).
+``meta_info`` keys built from them (docs/design.md section 11).
 
 ``prefill_chunk`` is the simulated half of ``scheduler_proc.logprobs.keep_prompt_logprobs``:
 the positions of one prefill chunk that predict a prompt token and were not computed
@@ -151,7 +151,7 @@ def expected_meta(
     ask: LogprobParams, ids: Sequence[int], out: LogprobEntries, prompt_ids: Sequence[int] | None, prompt: LogprobEntries | None,
     text_of: Callable[[int], str] | None,
 ) -> dict[str, Any]:
-    """The /generate logprob keys (SPEC section 11) for output tokens ``ids`` with entries
+    """The /generate logprob keys (docs/design.md section 11) for output tokens ``ids`` with entries
     ``out``, and, when ``prompt_ids`` is given, the prompt's from ``logprob_start_len``
     (position 0 null), worked out from the expected entries alone."""
 

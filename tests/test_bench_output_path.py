@@ -1,4 +1,4 @@
-"""Smoke test of the output-path micro benchmark (bench/output_path.py, SPEC section 9):
+"""Smoke test of the output-path micro benchmark (bench/output_path.py, docs/design.md section 9):
 tiny rounds, checks the shape of the table and that every number is positive. It does
 not check the targets (timings on a shared CI machine say nothing)."""
 

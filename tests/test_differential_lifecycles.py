@@ -1,4 +1,4 @@
-"""Differential lifecycle test (SPEC section 9): stats sent only when due must give the
+"""Differential lifecycle test (docs/design.md section 9): stats sent only when due must give the
 client, the metrics and the spans exactly what full stats on every row would give.
 
 Two pipelines see the same frames. The optimized one is the real path: rows built by
@@ -17,7 +17,7 @@ tokens and stop strings trimmed by plain decodes, ``min_new_tokens`` and several
 strings included); its ``queue_time`` is the time the simulation kept it waiting (aborts
 in the queue included).
 
-Logprobs (SPEC section 11): a share of requests ask for them, with values the simulation
+Logprobs (docs/design.md section 11): a share of requests ask for them, with values the simulation
 derives from (request, position) (``tests.sim_logprobs``), so after every output each
 request's entries at the tokenizer manager (``ReqState.logprobs``, or the stream chunks'
 for a streaming request, and ``ReqState.prompt_logprobs``) and the /generate logprob keys

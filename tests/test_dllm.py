@@ -98,7 +98,7 @@ def assert_no_kv_leak(s: Scheduler) -> None:
 
 def assert_stats_exactly_when_changed(rows: list[Row]) -> None:
     """A row carries stats iff it is the first, the finished one, or a stats value changed
-    since the last stats sent (SPEC section 3). In dLLM every committed block changes
+    since the last stats sent (docs/design.md section 3). In dLLM every committed block changes
     ``cached_tokens``, so every streamed row must carry stats, and never a stale value."""
     sent: RequestOutputStats | None = None
     for i, row in enumerate(rows):

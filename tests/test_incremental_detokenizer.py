@@ -1,4 +1,4 @@
-"""Incremental detokenization (SPEC section 5) with the shipped tokenizer."""
+"""Incremental detokenization (docs/design.md section 5) with the shipped tokenizer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Malformed ZeroMQ frames are dropped with a rate-limited warning, and real requests keep
-flowing (SPEC section 1: a frame is data, never code)."""
+flowing (docs/design.md section 1: a frame is data, never code)."""
 
 from __future__ import annotations
 

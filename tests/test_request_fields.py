@@ -2,7 +2,7 @@
 ChatCompletionRequest, OpenAI's requests, vLLM's extra sampling parameters) against a real
 server: implemented fields work, known but unimplemented ones are accepted at their neutral
 value and refused with a 400 naming them otherwise, and a field in none of the schemas is
-still refused (SPEC section 12)."""
+still refused (docs/design.md section 12)."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_generate_takes_the_served_model_name_or_null(http: httpx.Client) -> Non
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
 
 
-# --- the sampling parameters of SPEC section 10 ----------------------------------------------
+# --- the sampling parameters of docs/design.md section 10 ----------------------------------------------
 
 # A value of each that asks for something. /generate takes them all in sampling_params
 # (SGLang's names); the official client takes OpenAI's names as its own arguments and vLLM's

@@ -1,4 +1,4 @@
-"""When stats travel (SPEC section 3): ``take_request_stats_due`` on the Req, and
+"""When stats travel (docs/design.md section 3): ``take_request_stats_due`` on the Req, and
 ``update_request_stats`` / row dropping on the tokenizer manager side."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tracing (SPEC section 8): the span tree of a finished request, its attributes, and that
+"""Tracing (docs/design.md section 8): the span tree of a finished request, its attributes, and that
 export never slows the request path.
 
 Unit tests feed ``RequestTracer`` hand-built ``ReqState``s; the end-to-end tests run a real

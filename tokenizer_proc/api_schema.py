@@ -21,7 +21,7 @@ TokenId = Annotated[int, Meta(ge=0)]
 
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
-# The sampling parameters of SPEC section 10 beyond temperature/top_p/top_k, with the ranges
+# The sampling parameters of docs/design.md section 10 beyond temperature/top_p/top_k, with the ranges
 # all three APIs share. Null is the neutral value (0, or 1 for repetition_penalty).
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # OpenAI's frequency and presence range
@@ -208,7 +208,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bootstrap_host: HostField | None = None
     bootstrap_port: PortField | None = None
     model: str | None = None  # sglang-router sends null; a name must be the served model's
-    # Logprobs (SPEC section 11), SGLang's names.
+    # Logprobs (docs/design.md section 11), SGLang's names.
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     logprob_start_len: Annotated[int, Meta(ge=-1)] = -1

@@ -1,4 +1,4 @@
-"""Request fields tokenpipe knows but does not implement (SPEC section 12).
+"""Request fields tokenpipe knows but does not implement (docs/design.md section 12).
 
 Clients and routers send the fields of their own schemas: SGLang's router re-serializes every
 body with its defaults (``"return_hidden_states": false``, ``"log_metrics": true``...), vLLM's

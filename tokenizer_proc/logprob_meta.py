@@ -1,4 +1,4 @@
-"""The logprob keys of a /generate answer or stream event (SGLang's names, SPEC section 11):
+"""The logprob keys of a /generate answer or stream event (SGLang's names, docs/design.md section 11):
 each entry ``[logprob, token_id, text|null]``; a stream event carries its own tokens'
 entries only, as its text and ids are deltas."""
 

@@ -2,7 +2,7 @@
 
 The scheduler's gauges arrive as ``SchedulerStatsReport`` frames and are set here, so one
 endpoint covers every process without a multiprocess directory. Names carry the
-``tokenpipe:`` prefix and the ``model_name`` / ``engine_type`` labels (SPEC section 7).
+``tokenpipe:`` prefix and the ``model_name`` / ``engine_type`` labels (docs/design.md section 7).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class SchedulerGauges:
-    """The scheduler metrics of SPEC section 4."""
+    """The scheduler metrics of docs/design.md section 4."""
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         names = list(labels)
@@ -70,7 +70,7 @@ TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
 
 
 class RequestMetrics:
-    """Request-level metrics of SPEC section 7. Every value comes from the ReqState: its
+    """Request-level metrics of docs/design.md section 7. Every value comes from the ReqState: its
     ``request_stats`` (the scheduler's numbers) and its own timing."""
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:

@@ -1,4 +1,4 @@
-"""OpenAI's logprob shapes (SPEC section 11), from a choice's ``LogprobEntries``:
+"""OpenAI's logprob shapes (docs/design.md section 11), from a choice's ``LogprobEntries``:
 
 - completions (``logprobs: N``): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``,
   each ``top_logprobs`` entry a token -> logprob object of the N most likely tokens plus the

@@ -10,7 +10,7 @@ the ones that ask for nothing here (``user``, ``store``, ``metadata``, ``service
 ``prompt_cache_key``, ...) are accepted and ignored. Each request type lists its refusals in
 one table, ``_REFUSED`` (plus ``COMMON_REFUSED``).
 
-OpenAI's ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` work (SPEC section 10).
+OpenAI's ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` work (docs/design.md section 10).
 Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``no_stop_trim`` and ``stream_options.continuous_usage_stats`` work

@@ -283,7 +283,7 @@ class TokenizerManager:
         """The logprobs a request's own answer lists: those it asked, except on a PD prefill
         half (a prefill server's request with a bootstrap room), whose answer lists its
         first token's only. Its scheduler still computes the prompt's, and they travel with
-        the KV to the decode server, whose first row carries them (SPEC section 11).
+        the KV to the decode server, whose first row carries them (docs/design.md section 11).
 
         Why not both: sglang-router, in PD mode, puts the prefill answer's
         ``input_token_logprobs`` in front of the decode answer's (non-streaming /generate),

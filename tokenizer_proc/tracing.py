@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing of finished requests (SPEC section 8).
+"""OpenTelemetry tracing of finished requests (docs/design.md section 8).
 
 One SERVER span per request, named ``{gen_ai.operation.name} {model}`` and a child of the
 incoming W3C ``traceparent`` when there is one. Spans are not opened while a request runs:
