@@ -255,6 +255,20 @@ def prompt_reference(hf_model, prompt_ids: list[int]) -> torch.Tensor:  # type: 
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def assert_prompt_entries(meta: dict[str, Any], prompt_ids: list[int], start: int, ref: torch.Tensor) -> None:
+    """``meta_info``'s input_* keys from ``start`` on equal ``ref`` (``prompt_reference``):
+    position 0 null, then each position's logprob, top ids and asked ids' logprobs."""
+    entries = meta["input_token_logprobs"]
+    assert [e[1] for e in entries] == prompt_ids[start:]
+    for q, (lp, token, _) in zip(range(start, len(prompt_ids)), entries):
+        if q == 0:
+            assert lp is None and meta["input_top_logprobs"][0] is None
+            continue
+        assert lp == pytest.approx(float(ref[q - 1, token]), abs=1e-4), q
+        assert [e[1] for e in meta["input_top_logprobs"][q - start]] == ref[q - 1].topk(TOP).indices.tolist()
+        assert [e[0] for e in meta["input_token_ids_logprobs"][q - start]] == pytest.approx([float(ref[q - 1, t]) for t in ASKED_IDS], abs=1e-4)
+
+
 @pytest.fixture(scope="module")
 def chunked_server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--model-path", str(checkpoint), "--chunked-prefill-size", "3"]
@@ -273,18 +287,9 @@ def test_prompt_logprobs_equal_transformers(server: ServerProcess, chunked_serve
     payload = body({"temperature": 0}, stream=False) | {"logprob_start_len": start}
     prompt_ids = httpx.post(srv.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
     ref = prompt_reference(hf_model, prompt_ids)
-    for attempt in range(2):  # the second finds the prompt cached
+    for _ in range(2):  # the second finds the prompt cached
         meta = httpx.post(srv.url + "/generate", json=payload, timeout=60).json()["meta_info"]
-        entries = meta["input_token_logprobs"]
-        assert [e[1] for e in entries] == prompt_ids[start:]
-        for q, (lp, token, _) in zip(range(start, len(prompt_ids)), entries):
-            if q == 0:
-                assert lp is None and meta["input_top_logprobs"][0] is None
-                continue
-            assert lp == pytest.approx(float(ref[q - 1, token]), abs=1e-4), (attempt, q)
-            top = meta["input_top_logprobs"][q - start]
-            assert [e[1] for e in top] == ref[q - 1].topk(TOP).indices.tolist()
-            assert [e[0] for e in meta["input_token_ids_logprobs"][q - start]] == pytest.approx([float(ref[q - 1, t]) for t in ASKED_IDS], abs=1e-4)
+        assert_prompt_entries(meta, prompt_ids, start, ref)
     streamed_meta = []
     with httpx.stream("POST", srv.url + "/generate", json=payload | {"stream": True}, timeout=60) as resp:
         for line in resp.iter_lines():
@@ -356,16 +361,7 @@ def test_pd_logprobs_equal_transformers(pd_pair: tuple[ServerProcess, ServerProc
         assert [e[0] for e in meta["output_token_ids_logprobs"][j]] == pytest.approx([float(ref[j, t]) for t in ASKED_IDS], abs=1e-4)
     if sampling.get("temperature"):
         assert any(e[1] != t[0][1] for e, t in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])), "sampling never left the top token"
-    prompt_ref = prompt_reference(hf_model, prompt_ids)
-    entries = meta["input_token_logprobs"]
-    assert [e[1] for e in entries] == prompt_ids[start:]
-    for q, (lp, token, _) in zip(range(start, len(prompt_ids)), entries):
-        if q == 0:
-            assert lp is None and meta["input_top_logprobs"][0] is None
-            continue
-        assert lp == pytest.approx(float(prompt_ref[q - 1, token]), abs=1e-4), q
-        assert [e[1] for e in meta["input_top_logprobs"][q - start]] == prompt_ref[q - 1].topk(TOP).indices.tolist()
-        assert [e[0] for e in meta["input_token_ids_logprobs"][q - start]] == pytest.approx([float(prompt_ref[q - 1, t]) for t in ASKED_IDS], abs=1e-4)
+    assert_prompt_entries(meta, prompt_ids, start, prompt_reference(hf_model, prompt_ids))
     first = prefill_answer["meta_info"]
     assert len(first["output_token_logprobs"]) == 1 and "input_token_logprobs" not in first
 

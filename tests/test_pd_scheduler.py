@@ -181,6 +181,18 @@ def test_seeded_sampling_through_pd_equals_unified(tmp_path: Path) -> None:
     assert expected != unified_outputs(GREEDY)  # the seed mattered
 
 
+def retract_once(decode: Scheduler, forced: list[int]) -> None:
+    """Once every request decodes, retracts the one with the most output, as a full pool
+    would (once: ``forced`` records it)."""
+    batch = decode.running
+    assert isinstance(batch, RunningBatch)
+    if not forced and len(batch) == len(PROMPTS) and batch.output_len().min() >= 5:
+        victim = batch.reqs[int(batch.output_len().argmax())]
+        batch.remove(victim)
+        decode._retract(victim, time.time())
+        forced.append(victim.req_id)
+
+
 def test_forced_retraction_rebootstraps_and_finishes_the_same(
     tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -192,19 +204,8 @@ def test_forced_retraction_rebootstraps_and_finishes_the_same(
         submit(prefill, j + 1, ids, room=2000 + j, max_new=1)
         submit(decode, j + 1, ids, room=2000 + j, endpoint=endpoint)
     forced: list[int] = []
-
-    def retract_once() -> None:
-        # Once every request decodes, retract the one with the most output, as a full pool would.
-        batch = decode.running
-        assert isinstance(batch, RunningBatch)
-        if not forced and len(batch) == len(PROMPTS) and batch.output_len().min() >= 5:
-            victim = batch.reqs[int(batch.output_len().argmax())]
-            batch.remove(victim)
-            decode._retract(victim, time.time())
-            forced.append(victim.req_id)
-
     with caplog.at_level(logging.WARNING, logger="tokenpipe.scheduler"):
-        run([prefill, decode], out, on_step=retract_once)
+        run([prefill, decode], out, on_step=lambda: retract_once(decode, forced))
     assert forced, "the retraction was never forced"
     victim = forced[0]
     for j in range(len(PROMPTS)):
@@ -262,18 +263,8 @@ def test_logprobs_through_pd_equal_unified_across_a_rebootstrap(tmp_path: Path, 
         submit(prefill, j + 1, ids, room=4000 + j, max_new=1, sampling=sampling, logprobs=ASKED)
         submit(decode, j + 1, ids, room=4000 + j, endpoint=endpoint, sampling=sampling, logprobs=ASKED)
     forced: list[int] = []
-
-    def retract_once() -> None:
-        batch = decode.running
-        assert isinstance(batch, RunningBatch)
-        if not forced and len(batch) == len(PROMPTS) and batch.output_len().min() >= 5:
-            victim = batch.reqs[int(batch.output_len().argmax())]
-            batch.remove(victim)
-            decode._retract(victim, time.time())
-            forced.append(victim.req_id)
-
     got: dict[int, list[Row]] = {}
-    run([prefill, decode], got, on_step=retract_once)
+    run([prefill, decode], got, on_step=lambda: retract_once(decode, forced))
     assert forced, "the retraction was never forced"
     assert got[forced[0]][-1].stats.num_retractions == 1  # type: ignore[union-attr]
     for j, ids in enumerate(PROMPTS):
