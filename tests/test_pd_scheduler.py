@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -181,6 +182,22 @@ def test_seeded_sampling_through_pd_equals_unified(tmp_path: Path) -> None:
     assert expected != unified_outputs(GREEDY)  # the seed mattered
 
 
+def fake_prefill_fetches(decode: Scheduler, peer: zmq.Socket, count: int, out: dict[int, list[Row]]) -> Iterator[tuple[bytes, int]]:  # type: ignore[type-arg]
+    """The first ``count`` KV fetches the decode scheduler sends, as a fake prefill peer
+    (a ROUTER) receives them: (identity, room), for the caller to answer; the decode
+    scheduler steps (its rows into ``out``) meanwhile, for at most 10 s."""
+    answered = 0
+    deadline = time.monotonic() + 10
+    while answered < count and time.monotonic() < deadline:
+        collect(decode.step(), out)
+        try:
+            identity, raw = peer.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
+        answered += 1
+        yield identity, msgspec.msgpack.decode(raw)[1]
+
+
 def retract_once(decode: Scheduler, forced: list[int]) -> None:
     """Once every request decodes, retracts the one with the most output, as a full pool
     would (once: ``forced`` records it)."""
@@ -335,15 +352,7 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     submit(decode, 3, PROMPTS[2], room=8, endpoint=endpoint)  # a room already waiting: refused
     submit(decode, 4, PROMPTS[3], room=9, endpoint=endpoint)
     enc = msgspec.msgpack.Encoder()
-    answered = 0
-    deadline = time.monotonic() + 10
-    while answered < 3 and time.monotonic() < deadline:
-        collect(decode.step(), out)
-        try:
-            identity, raw = peer.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            continue
-        room = msgspec.msgpack.decode(raw)[1]
+    for identity, room in fake_prefill_fetches(decode, peer, 3, out):
         peer.send_multipart([identity, b"\xc1garbage"])  # dropped with a warning
         if room == 7:
             peer.send_multipart([identity, enc.encode(KVTransferHeader(room=7, attempt=0, ok=False, error="out of memory"))])
@@ -355,7 +364,6 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
         else:  # says 24 tokens, sends 3 bytes
             header = KVTransferHeader(room=8, attempt=0, ok=True, num_tokens=len(PROMPTS[1]), layout=decode.pd_decode.layout, first_token=5)  # type: ignore[union-attr]
             peer.send_multipart([identity, enc.encode(header), b"abc", b"def"])
-        answered += 1
     run([decode], out, until=10)
     first, second = out[1][-1].finished, out[2][-1].finished
     assert isinstance(first, FinishAbort) and first.status_code == 502 and "out of memory" in first.message
@@ -396,18 +404,9 @@ def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Pat
     layout = decode.pd_decode.layout  # type: ignore[union-attr]
     size = layout.num_layers * len(ids) * layout.num_kv_heads * layout.head_dim * 4
     out: dict[int, list[Row]] = {}
-    answered = 0
-    deadline = time.monotonic() + 10
-    while answered < len(answers) and time.monotonic() < deadline:
-        collect(decode.step(), out)
-        try:
-            identity, raw = peer.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            continue
-        room = msgspec.msgpack.decode(raw)[1]
+    for identity, room in fake_prefill_fetches(decode, peer, len(answers), out):
         header = KVTransferHeader(room=room, attempt=0, ok=True, num_tokens=len(ids), layout=layout, first_token=5, logprobs=answers[room])
         peer.send_multipart([identity, enc.encode(header), bytes(size), bytes(size)])
-        answered += 1
     run([decode], out, until=10)
     ctx.destroy(linger=0)
     served = out[20]
