@@ -39,6 +39,17 @@ _FIRST_ROWS = 64  # rows allocated up front; the tables double when more request
 _FIRST_PENDING = 4  # tokens of pending logprobs a row holds at first; doubled when one needs more
 
 
+
+# The numpy columns with one entry (or one fixed-width block) per row: a swap-remove moves
+# each, and growing doubles each.
+_ROW_COLUMNS = (
+    "req_id", "prompt_len", "seq_len", "sent", "joined", "max_new", "min_new", "ignore_eos", "stream",
+    "interval", "has_stop_strings", "stop_ids", "seed", "temperature", "top_k", "top_p", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "has_bias", "wants_logprobs",
+    "top_k_asked", "ids_asked", "ids_count", "lp_count", "lp_chosen", "lp_top_ids", "lp_top_values",
+    "lp_ids_values",
+)  # fmt: skip
+
 class RunningBatch:
     def __init__(self, context_length: int, vocab_size: int) -> None:
         self._context_length = context_length
@@ -293,23 +304,11 @@ class RunningBatch:
         self.sent[self._row_of[req.req_id]] = req.num_sent_tokens
 
     def _row_columns(self) -> tuple[np.ndarray, ...]:
-        return (
-            self.req_id, self.prompt_len, self.seq_len, self.sent, self.joined, self.max_new, self.min_new,
-            self.ignore_eos, self.stream, self.interval, self.has_stop_strings, self.stop_ids, self.seed,
-            self.temperature, self.top_k, self.top_p, self.min_p, self.frequency_penalty, self.presence_penalty,
-            self.repetition_penalty, self.has_bias, self.wants_logprobs, self.top_k_asked, self.ids_asked,
-            self.ids_count, self.lp_count, self.lp_chosen, self.lp_top_ids, self.lp_top_values, self.lp_ids_values,
-        )  # fmt: skip
+        return tuple(getattr(self, name) for name in _ROW_COLUMNS)
 
     def _grow(self) -> None:
         cap = 2 * len(self.req_id)
-        for name in (
-            "req_id", "prompt_len", "seq_len", "sent", "joined", "max_new", "min_new", "ignore_eos", "stream",
-            "interval", "has_stop_strings", "stop_ids", "seed", "temperature", "top_k", "top_p", "min_p",
-            "frequency_penalty", "presence_penalty", "repetition_penalty", "has_bias", "wants_logprobs", "tokens",
-            "top_k_asked", "ids_asked", "ids_count", "lp_count", "lp_chosen", "lp_top_ids", "lp_top_values",
-            "lp_ids_values",
-        ):  # fmt: skip
+        for name in (*_ROW_COLUMNS, "tokens"):  # ``tokens`` moves by its width, not whole
             old = getattr(self, name)
             new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
             new[: len(old)] = old
