@@ -39,7 +39,6 @@ _FIRST_ROWS = 64  # rows allocated up front; the tables double when more request
 _FIRST_PENDING = 4  # tokens of pending logprobs a row holds at first; doubled when one needs more
 
 
-
 # The numpy columns with one entry (or one fixed-width block) per row: a swap-remove moves
 # each, and growing doubles each.
 _ROW_COLUMNS = (
@@ -49,6 +48,7 @@ _ROW_COLUMNS = (
     "top_k_asked", "ids_asked", "ids_count", "lp_count", "lp_chosen", "lp_top_ids", "lp_top_values",
     "lp_ids_values",
 )  # fmt: skip
+
 
 class RunningBatch:
     def __init__(self, context_length: int, vocab_size: int) -> None:
