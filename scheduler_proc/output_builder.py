@@ -30,11 +30,10 @@ from pipeline.io_struct import (
     DecodeOptions,
     FrameLogprobs,
     FinishReason,
-    OutputLogprobs,
     RequestOutputStats,
     UsageColumns,
 )
-from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs, build_input_logprobs
+from pipeline.logprob_columns import LogprobBlock, build_input_logprobs
 from scheduler_proc.req import PENDING_STATS, Req
 
 
@@ -55,58 +54,6 @@ def build_usage_columns(reqs: Sequence[Req]) -> UsageColumns:
     ).reshape(5, len(stats))
     prompt, cached, image, audio, video = (column.tobytes() for column in matrix)
     return UsageColumns(prompt_tokens=prompt, cached_tokens=cached, image_tokens=image, audio_tokens=audio, video_tokens=video)
-
-
-@dataclass(frozen=True, slots=True)
-class LogprobBlock:
-    """The output logprobs of some of a frame's rows as arrays (``OutputLogprobs`` before it
-    is bytes): ``rows`` index those rows (ascending), ``top_k`` and ``ids_count`` are per
-    row, ``chosen`` per token, and the flat ``top_ids`` / ``top_values`` / ``ids_values``
-    blocks are laid out row by row, token by token, as on the wire."""
-
-    rows: np.ndarray
-    chosen: np.ndarray
-    top_k: np.ndarray
-    top_ids: np.ndarray
-    top_values: np.ndarray
-    ids_count: np.ndarray
-    ids_values: np.ndarray
-
-    @staticmethod
-    def of_parts(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> LogprobBlock:
-        """From per-request parts (the per-request rows' ``Req.take_pending_logprobs``)."""
-        return LogprobBlock(
-            rows=np.asarray(rows, dtype=np.int32),
-            chosen=np.concatenate([p.chosen for p in parts]),
-            top_k=np.array([p.top_ids.shape[1] for p in parts], dtype=np.int32),
-            top_ids=np.concatenate([p.top_ids.reshape(-1) for p in parts]),
-            top_values=np.concatenate([p.top_values.reshape(-1) for p in parts]),
-            ids_count=np.array([p.ids_values.shape[1] for p in parts], dtype=np.int32),
-            ids_values=np.concatenate([p.ids_values.reshape(-1) for p in parts]),
-        )
-
-    def then(self, later: LogprobBlock, offset: int) -> LogprobBlock:
-        """These rows, then ``later``'s, whose row indices start at ``offset``."""
-        return LogprobBlock(*(np.concatenate((a, b)) for a, b in zip(self._arrays(), later.shifted(offset)._arrays())))
-
-    def shifted(self, offset: int) -> LogprobBlock:
-        if not offset:
-            return self
-        return LogprobBlock(self.rows + offset, *self._arrays()[1:])
-
-    def _arrays(self) -> tuple[np.ndarray, ...]:
-        return (self.rows, self.chosen, self.top_k, self.top_ids, self.top_values, self.ids_count, self.ids_values)
-
-    def columns(self) -> OutputLogprobs:
-        return OutputLogprobs(
-            rows=self.rows.astype(np.int32, copy=False).tobytes(),
-            token_logprobs=self.chosen.astype(LOGPROB_DTYPE, copy=False).tobytes(),
-            top_k=self.top_k.astype(np.int32, copy=False).tobytes(),
-            top_ids=self.top_ids.astype(LOGPROB_ID_DTYPE, copy=False).tobytes(),
-            top_logprobs=self.top_values.astype(LOGPROB_DTYPE, copy=False).tobytes(),
-            ids_count=self.ids_count.astype(np.int32, copy=False).tobytes(),
-            ids_logprobs=self.ids_values.astype(LOGPROB_DTYPE, copy=False).tobytes(),
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from pipeline.io_struct import TOKEN_DTYPE
-from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
-from scheduler_proc.output_builder import LogprobBlock, SteadyRows
+from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, LogprobBlock, TokenLogprobs
+from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampler import SamplingColumns, draw_counter
 

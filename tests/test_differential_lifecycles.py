@@ -56,9 +56,10 @@ from pipeline.io_struct import (
     SamplingParams,
     TokenizerManagerInput,
 )
+from pipeline.logprob_columns import LogprobBlock
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
-from scheduler_proc.output_builder import LogprobBlock, SteadyRows, build_embedding_output, build_token_output
+from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.req import PENDING_STATS, Req
 from tests.lifecycle_sim import (
     SimWorld,
