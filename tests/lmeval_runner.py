@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.server_harness import offline_hub_env
+
 LM_EVAL_VERSION = "0.4.13"  # its request body and samples file are what we read: keep in step with pyproject
 TASK_DIR = Path(__file__).resolve().parent / "lmeval_task"
 TASK = "tokenpipe_mc"
@@ -115,14 +117,7 @@ def _run(model: str, model_args: str, workdir: Path, extra_args: list[str], env:
         "--output_path", str(output),
         *extra_args,
     ]  # fmt: skip
-    full_env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        HF_HOME=str(workdir / "hf"),
-        **env,
-    )
+    full_env = offline_hub_env(workdir, **env)
     run = subprocess.run(command, check=False, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f"lm-eval exited with {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     return read_output(output)

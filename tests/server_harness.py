@@ -3,6 +3,7 @@ server is the console entry point in a subprocess, over real sockets."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -56,3 +57,17 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # ty
             return True
         time.sleep(interval)
     return predicate()
+
+
+def offline_hub_env(workdir: Path, **extra: str) -> dict[str, str]:
+    """The environment for a third-party client run as a subprocess (lm-eval, guidellm):
+    this one, with the Hugging Face libraries offline (no hub can be reached) and their
+    cache in ``workdir``."""
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(workdir / "hf"),
+        **extra,
+    )

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.server_harness import REPO, ServerProcess
+from tests.server_harness import REPO, ServerProcess, offline_hub_env
 
 GUIDELLM_VERSION = "0.8.1"  # the CLI's syntax changes between releases: keep in step with pyproject
 TOKENIZER_DIR = REPO / "pipeline" / "assets"  # the server's default tokenizer, for the synthetic prompts
@@ -60,12 +60,8 @@ def run_guidellm(server: ServerProcess, request_format: str, workdir: Path) -> d
         "--output", f"kind=json,path={report}",
         "--disable-console-interactive",
     ]  # fmt: skip
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        HF_HOME=str(workdir / "hf"),
+    env = offline_hub_env(
+        workdir,
         GUIDELLM__MAX_WORKER_PROCESSES="2",  # its default, 10, is for a big client machine
         GUIDELLM__DEFAULT_RESULTS_DIR=str(workdir),
     )
