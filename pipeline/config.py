@@ -14,6 +14,8 @@ from typing import Literal
 
 import msgspec
 
+from pipeline.io_struct import MAX_API_WORKERS
+
 Mode = Literal["generate", "embedding", "dllm"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
 
@@ -62,6 +64,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_request_bytes: int = 64 * 1024 * 1024  # a larger body gets 413, read no further
     max_queued_requests: int | None = None  # None: no bound; else a request beyond N waiting gets 503
     request_read_timeout: float = 30.0  # a client slower than this sending headers or body is dropped
+    api_workers: int = 1  # API processes sharing the HTTP port (SO_REUSEPORT)
+    api_worker_index: int = 0  # which of them this process is (the supervisor sets it per child)
 
     # Observability
     enable_metrics: bool = True
@@ -93,6 +97,22 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             return self.disaggregation_bootstrap_endpoint
         return f"tcp://{self.host}:{self.disaggregation_bootstrap_port}"
 
+    @property
+    def api_name(self) -> str:
+        """The API process's name in logs and ready reports: ``api``, or ``api-I`` of several."""
+        return "api" if self.api_workers == 1 else f"api-{self.api_worker_index}"
+
+    def tokenizer_endpoint(self, worker: int) -> str:
+        """Where API worker ``worker`` receives its frames: ``tokenizer_input`` itself when
+        there is one worker; of several, ``tokenizer_input`` with ``-I`` appended (ipc), or
+        its port plus I (tcp)."""
+        if self.api_workers == 1:
+            return self.tokenizer_input
+        if self.tokenizer_input.startswith("tcp://"):
+            address, port = self.tokenizer_input.rsplit(":", 1)
+            return f"{address}:{int(port) + worker}"
+        return f"{self.tokenizer_input}-{worker}"
+
     def kv_tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """KV slots one request may hold at its peak. A dLLM request refines whole blocks,
         so its last block takes ``dllm_block_size`` slots even when the output stops short."""
@@ -113,6 +133,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--max-request-bytes and --request-read-timeout must be positive")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             problems.append("--max-queued-requests must be 0 or more (leave it out for no bound)")
+        if not 1 <= self.api_workers < MAX_API_WORKERS:
+            problems.append(f"--api-workers must be between 1 and {MAX_API_WORKERS - 1}")
+        elif not 0 <= self.api_worker_index < self.api_workers:
+            problems.append("--api-worker-index must be below --api-workers")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
         if self.dllm_block_size < 1:
@@ -254,6 +278,19 @@ def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool
         help="seconds a client may take to send its request headers, and between parts of its body",
     )
 
+    g.add_argument(
+        "--api-workers",
+        type=int,
+        default=d.api_workers,
+        help="API processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections over them)",
+    )
+    g.add_argument(
+        "--api-worker-index",
+        type=int,
+        default=d.api_worker_index,
+        help="`tokenpipe api` run alone: which of the --api-workers this process is (serve sets it)",
+    )
+
     g = parser.add_argument_group("observability")
     g.add_argument("--disable-metrics", action="store_true")
     g.add_argument("--otlp-traces-endpoint", default=None)
@@ -305,6 +342,8 @@ def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[
         max_request_bytes=args.max_request_bytes,
         max_queued_requests=args.max_queued_requests,
         request_read_timeout=args.request_read_timeout,
+        api_workers=args.api_workers,
+        api_worker_index=args.api_worker_index,
         enable_metrics=not args.disable_metrics,
         otlp_traces_endpoint=args.otlp_traces_endpoint or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
         otlp_traces_protocol=environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hmac
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -103,8 +104,28 @@ class HttpSettings(Protocol):
     request_read_timeout: float
 
 
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with SO_REUSEPORT, for one of several API workers: the
+    kernel spreads incoming connections over every worker's socket. SystemExit when the port
+    cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"the HTTP server could not start on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
 async def serve_http(
-    app: FastAPI, settings: HttpSettings, on_started: Callable[[], None], on_read_timeout: Callable[[], None] | None = None
+    app: FastAPI,
+    settings: HttpSettings,
+    on_started: Callable[[], None],
+    on_read_timeout: Callable[[], None] | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Runs ``app`` on uvicorn (on the running loop) until SIGTERM/SIGINT, then drains
     requests in flight for up to ``graceful_timeout`` seconds. ``on_started`` runs once the
@@ -112,7 +133,9 @@ async def serve_http(
 
     A client slower than ``request_read_timeout`` (default 30 s) sending its request headers,
     or between two parts of its body (and ten times that for the whole body), is
-    disconnected and ``on_read_timeout`` runs; see ``_ReadTimeoutProtocol``."""
+    disconnected and ``on_read_timeout`` runs; see ``_ReadTimeoutProtocol``.
+
+    ``reuse_port``: bind with SO_REUSEPORT, so several API workers share the port."""
     host, port = settings.host, settings.port
     server = _GracefulServer(
         uvicorn.Config(
@@ -126,7 +149,8 @@ async def serve_http(
             timeout_graceful_shutdown=int(settings.graceful_timeout) or None,
         )
     )
-    serving = asyncio.create_task(server.serve())
+    sockets = [reuse_port_socket(host, port)] if reuse_port else None
+    serving = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
     if server.started:

@@ -28,6 +28,18 @@ TOKEN_DTYPE = np.dtype("<i4")
 COUNT_DTYPE = np.dtype("<i4")
 EMBEDDING_DTYPE = np.dtype("<f4")
 
+# A req_id (and a control message's control_id) carries the index of the API worker that
+# made it in these high bits, so ids of several workers never meet and every output row or
+# control answer finds its way back to its worker (``--api-workers``). int64 ids leave room
+# for indices below 128.
+WORKER_SHIFT = 56
+MAX_API_WORKERS = 1 << (63 - WORKER_SHIFT)
+
+
+def worker_of(req_id: int) -> int:
+    """The API worker a req_id or control_id belongs to (negative: scheduler-internal)."""
+    return req_id >> WORKER_SHIFT
+
 
 def to_column(values: np.ndarray | list[int], dtype: np.dtype) -> bytes:
     """Pack a 1-D sequence into a wire column."""
@@ -139,9 +151,16 @@ class TokenizedEmbeddingReqInput(msgspec.Struct, tag="emb", array_like=True, omi
 
 
 class AbortReq(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):
+    """Stops one request (``req_id``, or ``rid`` when the asking API worker does not hold
+    it), or with ``abort_all`` every request, or only ``worker``'s. A non-zero
+    ``control_id`` asks for an ``AbortResult`` of the same id."""
+
     req_id: int | None = None
     abort_all: bool = False
     reason: str = "aborted by client"
+    rid: str | None = None
+    worker: int | None = None  # with abort_all: only the requests of this API worker
+    control_id: int = 0
 
 
 class HiCacheStorageControl(msgspec.Struct, tag="hicache_storage", array_like=True, omit_defaults=True, gc=False):
@@ -410,8 +429,19 @@ class FlushCacheResult(msgspec.Struct, tag="flush_cache_result", array_like=True
     storage_tokens: int = 0
 
 
-DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult]
-TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult]
+class AbortResult(msgspec.Struct, tag="abort_result", array_like=True, gc=False):
+    """Scheduler -> API (through the detokenizer, untouched): the answer to an ``AbortReq``
+    with a ``control_id``: how many requests it stopped."""
+
+    control_id: int
+    aborted: int
+
+
+# The scheduler's answers to control messages: each goes back to the API worker whose
+# index its control_id carries.
+ControlAnswer = Union[HiCacheStorageState, FlushCacheResult, AbortResult]
+DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult, AbortResult]
+TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult, AbortResult]
 
 
 # --- PD disaggregation: KV transfer between a prefill and a decode scheduler -------------

@@ -22,6 +22,8 @@ logger = logging.getLogger("tokenpipe.process")
 # children remove when it dies without removing it itself (SIGKILL).
 SUPERVISOR_PID_ENV = "TOKENPIPE_SUPERVISOR_PID"
 IPC_DIR_ENV = "TOKENPIPE_IPC_DIR"
+# prometheus-client's multiprocess directory: several API workers share their metrics there.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _PARENT_POLL = 0.2  # seconds between two looks at the parent
 _ORPHAN_GRACE = 3.0  # seconds an orphan's own shutdown may take before it exits hard
 

@@ -1,6 +1,13 @@
 """``tokenpipe serve``: starts the three processes, waits until each reports ready, and keeps
 the service whole.
 
+- With ``--api-workers N`` there are N API processes (``api-0`` ... ``api-{N-1}``), each with
+  its own index and frame socket, sharing the HTTP port through SO_REUSEPORT. Before
+  starting them the supervisor binds the port once without SO_REUSEPORT, so a port that
+  another server holds fails here rather than being silently shared. They share Prometheus
+  metrics through a ``metrics`` directory inside the private ipc directory
+  (``PROMETHEUS_MULTIPROC_DIR``), so any of them serves the totals of all.
+
 - Any child exiting stops the others and the supervisor exits non-zero, with a log line
   naming the child and its exit code: the service is never left half alive.
 - SIGTERM/SIGINT: the API process is asked to stop first (uvicorn stops accepting and lets
@@ -18,21 +25,23 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import msgspec
 import zmq
 
 from pipeline.config import CONFIG_ENV, ServerConfig
 from pipeline.io_struct import ProcessReady
-from pipeline.process_util import IPC_DIR_ENV, SUPERVISOR_PID_ENV
+from pipeline.process_util import IPC_DIR_ENV, METRICS_DIR_ENV, SUPERVISOR_PID_ENV
 from pipeline.sockets import FrameDecoder, PrivateIpcDir, bind_pull
 
 logger = logging.getLogger("tokenpipe.supervisor")
 
-CHILDREN = ("scheduler", "detokenizer", "api")
+BACKENDS = ("scheduler", "detokenizer")
 _STARTUP_TIMEOUT = 600.0
 _STOP_TIMEOUT = 3.0
 
@@ -47,6 +56,7 @@ class Supervisor:
             tokenizer_input=config.tokenizer_input or self.ipc.endpoint("tokenizer"),
             ready_endpoint=self.ipc.endpoint("ready"),
         )
+        self.api_names = ["api"] if config.api_workers == 1 else [f"api-{i}" for i in range(config.api_workers)]
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         # A plain flag: setting a threading.Event from a signal handler can deadlock.
         self._stopping = False
@@ -69,9 +79,8 @@ class Supervisor:
                     return self._fail(*dead)
                 time.sleep(0.1)
             logger.info("shutting down: letting in-flight requests finish (up to %.0f s)", self.config.graceful_timeout)
-            self._stop_child("api", self.config.graceful_timeout + _STOP_TIMEOUT)
-            for name in ("scheduler", "detokenizer"):
-                self._stop_child(name, _STOP_TIMEOUT)
+            self._stop_children(self.api_names, self.config.graceful_timeout + _STOP_TIMEOUT)
+            self._stop_children(BACKENDS, _STOP_TIMEOUT)
             logger.info("stopped")
             return 0
         finally:
@@ -90,12 +99,23 @@ class Supervisor:
             os.environ,
             **{CONFIG_ENV: self.config.encode(), SUPERVISOR_PID_ENV: str(os.getpid()), IPC_DIR_ENV: str(self.ipc.path)},
         )
-        for name in CHILDREN:
+        if len(self.api_names) > 1:
+            ensure_port_free(self.config.host, self.config.port)
+        for name in BACKENDS:
             self.children[name] = subprocess.Popen([sys.executable, "-m", "pipeline.cli", name], env=env, process_group=0)
+        api_env = dict(env)
+        if len(self.api_names) > 1:
+            if self.config.enable_metrics:
+                metrics_dir = self.ipc.path / "metrics"
+                metrics_dir.mkdir(mode=0o700)
+                api_env[METRICS_DIR_ENV] = str(metrics_dir)
+        for index, name in enumerate(self.api_names):
+            api_env[CONFIG_ENV] = msgspec.structs.replace(self.config, api_worker_index=index).encode()
+            self.children[name] = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "api"], env=api_env, process_group=0)
 
     def _wait_ready(self, sock: zmq.Socket) -> int | None:  # type: ignore[type-arg]
         decoder: FrameDecoder[ProcessReady] = FrameDecoder(ProcessReady, logger, "ready")
-        pending = set(CHILDREN)
+        pending = set(self.children)
         deadline = time.monotonic() + _STARTUP_TIMEOUT
         while pending:
             if self._stopping:
@@ -135,16 +155,20 @@ class Supervisor:
         logger.error("child process %s (pid %d) %s; stopping the service", name, self.children[name].pid, how)
         return 1
 
-    def _stop_child(self, name: str, timeout: float) -> None:
-        proc = self.children[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0f s; killing it", name, timeout)
-            proc.kill()
-            proc.wait()
+    def _stop_children(self, names: Sequence[str], timeout: float) -> None:
+        """SIGTERM to all of them at once (API workers drain together), then a shared deadline."""
+        for name in names:
+            if self.children[name].poll() is None:
+                self.children[name].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for name in names:
+            proc = self.children[name]
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", name, timeout)
+                proc.kill()
+                proc.wait()
 
     def _kill_all(self) -> None:
         """Every exit path: SIGTERM what is still alive, then SIGKILL after a short wait."""
@@ -158,6 +182,17 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    """SystemExit when ``host:port`` is taken. The API workers bind it with SO_REUSEPORT,
+    which another process of this user listening there with SO_REUSEPORT would not stop."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"the HTTP server could not start on {host}:{port}: {exc.strerror}") from None
 
 
 def serve(config: ServerConfig) -> int:

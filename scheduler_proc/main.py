@@ -146,7 +146,9 @@ def run_scheduler(config: ServerConfig) -> None:
                 break
             msg = decoder.decode(frame.buffer)
             if isinstance(msg, AbortReq):
-                scheduler.abort(msg)
+                answer = scheduler.abort(msg)
+                if answer is not None:
+                    outbox.send(encoder.encode(answer), copy=False)
             elif isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
                 scheduler.add_request(msg)
             elif isinstance(msg, HiCacheStorageControl):

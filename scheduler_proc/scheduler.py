@@ -31,6 +31,7 @@ import numpy as np
 
 from pipeline.io_struct import (
     AbortReq,
+    AbortResult,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     FinishAbort,
@@ -45,6 +46,7 @@ from pipeline.io_struct import (
     SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    worker_of,
 )
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import accumulate_hidden, pooled_embedding
@@ -228,8 +230,14 @@ class Scheduler:
             control_id=msg.control_id, ok=True, device_tokens=dropped.device, host_tokens=dropped.host, storage_tokens=dropped.storage
         )
 
-    def abort(self, msg: AbortReq) -> None:
-        targets = list(self.live.values()) if msg.abort_all else [self.live[msg.req_id]] if msg.req_id in self.live else []
+    def abort(self, msg: AbortReq) -> AbortResult | None:
+        """Stops the requests ``msg`` names; the ``AbortResult`` when it asked for one."""
+        if msg.abort_all:
+            targets = [r for r in self.live.values() if msg.worker is None or worker_of(r.req_id) == msg.worker]
+        elif msg.rid is not None:  # from an API worker that does not hold the request
+            targets = [r for r in self.live.values() if r.rid == msg.rid and r.req_id >= 0]
+        else:
+            targets = [self.live[msg.req_id]] if msg.req_id in self.live else []
         now = time.time()
         for req in targets:
             self._remove(req)
@@ -237,6 +245,7 @@ class Scheduler:
             self._release(req)
             if not isinstance(req.pd, KVFetchJob):  # internal: no client waits for a row
                 self._rows_due.append(req)
+        return AbortResult(control_id=msg.control_id, aborted=len(targets)) if msg.control_id else None
 
     # --- the step ------------------------------------------------------------------------
 

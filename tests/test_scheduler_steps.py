@@ -11,7 +11,9 @@ from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     EMBEDDING_DTYPE,
     REQ_ID_DTYPE,
+    WORKER_SHIFT,
     AbortReq,
+    AbortResult,
     BatchEmbeddingOutput,
     FinishAbort,
     SamplingParams,
@@ -168,3 +170,31 @@ def test_a_request_aborted_while_it_waits_keeps_its_queue_time() -> None:
     ts = stats[2].time_stats  # type: ignore[attr-defined]
     assert 0.05 <= ts.queue_time <= waited + 0.01
     assert ts.forward_entry_time is None, "it never left the queue for a forward pass"
+
+
+def test_abort_by_rid_and_by_worker_stop_only_what_they_name() -> None:
+    """--api-workers: a worker aborts another worker's request by rid (with an answer), and
+    a restarting worker aborts only its own requests."""
+    s = make(chunk=64)
+    w0, w1 = 7, (1 << WORKER_SHIFT) + 7  # the same counter value in workers 0 and 1
+    for req_id in (w0, w0 + 1, w1, w1 + 1):
+        submit(s, req_id, PROMPT[:20], max_new=50)
+    s.step()
+
+    answer = s.abort(AbortReq(rid=f"r{w1}", reason="by rid", control_id=(1 << WORKER_SHIFT) + 3))
+    assert answer == AbortResult(control_id=(1 << WORKER_SHIFT) + 3, aborted=1)
+    assert s.abort(AbortReq(rid="no-such-rid", control_id=9)) == AbortResult(control_id=9, aborted=0)
+    assert s.abort(AbortReq(abort_all=True, worker=0, reason="restart")) is None
+    assert sorted(s.live) == [w1 + 1]
+
+    finished: dict[int, str] = {}
+    for frame in s.step():
+        reasons = frame.finished_reasons or []
+        for req_id, reason in zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), reasons):
+            if isinstance(reason, FinishAbort):
+                finished[req_id] = reason.message
+    assert finished == {w1: "by rid", w0: "restart", w0 + 1: "restart"}
+    s.abort(AbortReq(abort_all=True))
+    s.step()
+    assert not s.has_work()
+    assert_no_kv_leak(s)

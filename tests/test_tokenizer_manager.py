@@ -6,6 +6,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 
@@ -55,3 +56,19 @@ def test_req_ids_are_never_reused_and_carry_the_worker_index(tmp_path: Path) -> 
     tm = TokenizerManager(config, load_tokenizer(None), context_length=2048, worker_index=3)
     ids = [next(tm._next_req_id) for _ in range(1000)]
     assert len(set(ids)) == 1000 and all(i >> 56 == 3 for i in ids)
+
+
+def test_each_api_worker_has_its_own_endpoint_and_ids() -> None:
+    config = ServerConfig(scheduler_input="ipc:///s", tokenizer_input="ipc:///d/tokenizer", api_workers=3, api_worker_index=2)
+    config.validate()
+    assert [config.tokenizer_endpoint(i) for i in range(3)] == ["ipc:///d/tokenizer-0", "ipc:///d/tokenizer-1", "ipc:///d/tokenizer-2"]
+    tcp = msgspec.structs.replace(config, tokenizer_input="tcp://10.0.0.2:5600")
+    assert [tcp.tokenizer_endpoint(i) for i in range(3)] == ["tcp://10.0.0.2:5600", "tcp://10.0.0.2:5601", "tcp://10.0.0.2:5602"]
+    single = ServerConfig(tokenizer_input="ipc:///d/tokenizer")
+    assert single.tokenizer_endpoint(0) == "ipc:///d/tokenizer" and single.api_name == "api"
+    assert config.api_name == "api-2"
+    tm = TokenizerManager(config, load_tokenizer(None), context_length=2048)
+    assert next(tm._next_req_id) >> 56 == 2 and next(tm._next_control_id) >> 56 == 2
+    for bad in ({"api_workers": 0}, {"api_workers": 128}, {"api_workers": 2, "api_worker_index": 2}):
+        with pytest.raises(ValueError, match="api-worker"):
+            msgspec.structs.replace(config, **bad).validate()

@@ -130,10 +130,8 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             return JSONResponse({"aborted": "all"})
         if obj.rid is None:
             raise RequestValidationError("give `rid` or `abort_all: true`", "rid")
-        req_id = tm.rid_to_req_id.get(obj.rid)
-        if req_id is None:
+        if not await tm.abort_rid(obj.rid, "aborted by /abort_request"):
             return error_response(404, f"no running request with rid {obj.rid!r}", err_type="not_found_error", param="rid")
-        tm.abort(req_id, "aborted by /abort_request")
         return JSONResponse({"aborted": obj.rid})
 
     app.include_router(build_openai_router(tm))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import uvloop
 import zmq
 
 from pipeline.config import ServerConfig
 from pipeline.http_edge import serve_http
-from pipeline.process_util import report_ready
+from pipeline.process_util import METRICS_DIR_ENV, report_ready
 from pipeline.tokenizer_loader import load_vocab
 from scheduler_proc.model_limits import context_length_of
 from tokenizer_proc.http_server import build_app
@@ -19,6 +20,10 @@ logger = logging.getLogger("tokenpipe.api")
 
 
 async def _serve(config: ServerConfig) -> None:
+    several = config.api_workers > 1
+    if several and config.enable_metrics and METRICS_DIR_ENV not in os.environ:
+        # prometheus-client reads it when it is imported; `tokenpipe serve` sets it.
+        raise SystemExit(f"--api-workers {config.api_workers} with metrics on: set {METRICS_DIR_ENV} to a directory the workers share")
     # Under --skip-tokenizer-init only the model's configs are read, never a tokenizer file.
     vocab = load_vocab(config.model_path, skip_tokenizer_init=config.skip_tokenizer_init)
     tm = TokenizerManager(config, vocab, context_length=context_length_of(config, vocab.vocab_size))
@@ -27,14 +32,14 @@ async def _serve(config: ServerConfig) -> None:
 
     def started() -> None:
         ctx = zmq.Context()
-        report_ready(ctx, config, "api")
+        report_ready(ctx, config, config.api_name)
         ctx.destroy(linger=0)
-        logger.info("serving %s on http://%s:%d", tm.model_name, config.host, config.port)
+        logger.info("%s serving %s on http://%s:%d", config.api_name, tm.model_name, config.host, config.port)
 
     # The counter of clients dropped for sending their request too slowly (None: metrics off).
     on_read_timeout = tm.metrics.requests.num_rejected["read_timeout"].inc if tm.metrics is not None else None
     try:
-        await serve_http(app, config, on_started=started, on_read_timeout=on_read_timeout)
+        await serve_http(app, config, on_started=started, on_read_timeout=on_read_timeout, reuse_port=several)
     finally:
         await tm.close()
 

@@ -1,13 +1,17 @@
 """Prometheus metrics of the whole service, served by the API process on ``/metrics``.
 
 The scheduler's gauges arrive as ``SchedulerStatsReport`` frames and are set here, so one
-endpoint covers every process without a multiprocess directory. Names carry the
+endpoint covers every process. With several API workers (``--api-workers``) each keeps its
+values in prometheus-client's multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, which the
+supervisor sets) and any of them renders the sum of all: counters and histograms add up over
+the workers, and the scheduler's gauges are set by worker 0 alone ("mostrecent"). Names carry the
 ``tokenpipe:`` prefix and the ``model_name`` / ``engine_type`` labels (docs/design.md section 7).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from pipeline.io_struct import FinishAbort, SchedulerStatsReport
 from tokenizer_proc.meta_info import time_per_output_token
@@ -27,7 +31,7 @@ class SchedulerGauges:
         names = list(labels)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, names, registry=registry).labels(**labels)
+            return Gauge(PREFIX + name, doc, names, registry=registry, multiprocess_mode="mostrecent").labels(**labels)
 
         self.num_running_reqs = gauge("num_running_reqs", "Requests admitted to the running batch (decoding or mid-prefill).")
         self.num_queue_reqs = gauge("num_queue_reqs", "Requests waiting for admission.")
@@ -154,11 +158,20 @@ REJECTION_REASONS = ("body_too_large", "queue_full", "read_timeout")
 
 
 class ServiceMetrics:
-    def __init__(self, model_name: str, engine_type: str = "unified", registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model_name: str, engine_type: str = "unified", registry: CollectorRegistry | None = None, *, multiprocess: bool = False
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.multiprocess = multiprocess
         self.labels = {"model_name": model_name, "engine_type": engine_type}
         self.scheduler = SchedulerGauges(self.registry, self.labels)
         self.requests = RequestMetrics(self.registry, self.labels)
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            # Read afresh from every worker's files on each scrape, as prometheus-client's
+            # multiprocess mode asks.
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

@@ -26,7 +26,10 @@ import zmq.asyncio
 from pipeline.config import ServerConfig
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
 from pipeline.io_struct import (
+    WORKER_SHIFT,
     AbortReq,
+    AbortResult,
+    ControlAnswer,
     BatchEmbeddingOutput,
     BatchStrOutput,
     FinishAbort,
@@ -55,14 +58,8 @@ from tokenizer_proc.req_state import ReqState
 
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
 
-# Worker index lives in the high bits, so req_ids of several tokenizer workers never meet.
-# Each start counts up from the current time in microseconds, so a restarted API process
-# never reuses an id a scheduler may still hold from before the restart.
-_WORKER_SHIFT = 56
-
-# The scheduler's answers to control messages, matched to their call by ``control_id``.
-ControlAnswer = HiCacheStorageState | FlushCacheResult
-_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult)
+# The scheduler's answers to control messages are matched to their call by ``control_id``.
+_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult)
 
 
 class TokenizerManager:
@@ -72,7 +69,7 @@ class TokenizerManager:
         vocab: LoadedTokenizer | ModelVocab,
         *,
         context_length: int,
-        worker_index: int = 0,
+        worker_index: int | None = None,
         clock: Callable[[], float] = time.time,
         req_id_base: int | None = None,
     ) -> None:
@@ -87,11 +84,16 @@ class TokenizerManager:
         self.model_name = config.served_model_name or vocab.name
         self.states: dict[int, ReqState] = {}
         self.rid_to_req_id: dict[str, int] = {}
+        # Of several API workers (--api-workers), this one's index: it lives in the high bits
+        # of every req_id and control_id this manager makes (``io_struct.WORKER_SHIFT``).
+        self.worker_index = config.api_worker_index if worker_index is None else worker_index
+        # Each start counts up from the current time in microseconds, so a restarted API
+        # process never reuses an id a scheduler may still hold from before the restart.
         base = time.time_ns() // 1000 if req_id_base is None else req_id_base
-        self._next_req_id = itertools.count((worker_index << _WORKER_SHIFT) + base)
+        self._next_req_id = itertools.count((self.worker_index << WORKER_SHIFT) + base)
         self._dropped_rows = RateLimitedWarning(logger)
         self.num_aborted_requests = 0
-        self.metrics = ServiceMetrics(self.model_name, config.engine_type) if config.enable_metrics else None
+        self.metrics = ServiceMetrics(self.model_name, config.engine_type, multiprocess=config.api_workers > 1) if config.enable_metrics else None
         self.last_scheduler_report: SchedulerStatsReport | None = None
         self.tracer: Any = None
         if config.otlp_traces_endpoint:
@@ -102,7 +104,7 @@ class TokenizerManager:
         self._ctx: zmq.asyncio.Context | None = None
         self._send: Any = None
         self._loop_task: asyncio.Task[None] | None = None
-        self._next_control_id = itertools.count(1)
+        self._next_control_id = itertools.count((self.worker_index << WORKER_SHIFT) + 1)
         self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}
 
     # --- sockets -------------------------------------------------------------------------
@@ -110,11 +112,12 @@ class TokenizerManager:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._send = connect_push(self._ctx, self.config.scheduler_input)
-        recv = bind_pull(self._ctx, self.config.tokenizer_input)
+        recv = bind_pull(self._ctx, self.config.tokenizer_endpoint(self.worker_index))
         self._loop_task = asyncio.create_task(self._receive_loop(recv))
         # Requests a previous incarnation of this process left in the scheduler have no
-        # client any more: stop them rather than let them run to completion.
-        self.abort_all("the API process restarted")
+        # client any more: stop them rather than let them run to completion. Only this
+        # worker's: the other API workers' clients are still there.
+        self._send_obj(AbortReq(abort_all=True, worker=self.worker_index, reason="the API process restarted"))
 
     async def close(self) -> None:
         if self.tracer is not None:
@@ -349,7 +352,22 @@ class TokenizerManager:
             self._send_obj(AbortReq(req_id=req_id, reason=reason))
 
     def abort_all(self, reason: str) -> None:
+        """Every request of every API worker."""
         self._send_obj(AbortReq(abort_all=True, reason=reason))
+
+    async def abort_rid(self, rid: str, reason: str, timeout: float = 10.0) -> bool:
+        """Stops the running request ``rid``; False when none is running. A request of
+        another API worker (--api-workers) is stopped by the scheduler, which finds it by
+        rid and answers how many it stopped; its finished row goes to its own worker."""
+        req_id = self.rid_to_req_id.get(rid)
+        if req_id is not None:
+            self.abort(req_id, reason)
+            return True
+        if self.config.api_workers == 1:
+            return False
+        control_id = next(self._next_control_id)
+        answer = await self._round_trip(control_id, AbortReq(rid=rid, reason=reason, control_id=control_id), AbortResult, timeout)
+        return answer is not None and answer.aborted > 0
 
     def forget(self, state: ReqState) -> None:
         self.states.pop(state.req_id, None)
@@ -399,10 +417,12 @@ class TokenizerManager:
             if last is not None and last.instance != frame.instance:
                 self._fail_in_flight("the scheduler restarted and lost this request; send it again", 503)
             self.last_scheduler_report = frame
-            if self.metrics is not None:
+            # Every worker gets the reports; one sets the gauges, or a multiprocess /metrics
+            # would count the retraction total once per worker.
+            if self.metrics is not None and self.worker_index == 0:
                 self.metrics.scheduler.update(frame)
             return
-        if isinstance(frame, (HiCacheStorageState, FlushCacheResult)):
+        if isinstance(frame, (HiCacheStorageState, FlushCacheResult, AbortResult)):
             future = self._controls.pop(frame.control_id, None)
             if future is not None and not future.done():
                 future.set_result(frame)

@@ -140,12 +140,16 @@ def load_of(tm: TokenizerManager) -> dict[str, int]:
     while it works; it reports once more when it goes idle).
 
     - ``num_reqs``: the live requests (waiting, running, or on their way to the scheduler);
+      with several API workers, each knows only its own, so the scheduler's count of the
+      requests it holds (every worker's) is taken when it is larger;
     - ``num_waiting_reqs``: those the scheduler was not running at its report;
     - ``num_tokens``: as SGLang counts it, the KV tokens requests hold (at the report; not
       the evictable cache) plus the prompt tokens of the requests not prefilled yet.
     """
     report = tm.last_scheduler_report
     num_reqs = len(tm.states)
+    if tm.config.api_workers > 1 and report is not None:
+        num_reqs = max(num_reqs, report.live_reqs)
     running = min(report.num_running_reqs, num_reqs) if report is not None else 0
     held = round(report.token_usage * report.kv_capacity) if report is not None else 0
     # A request's stats come with its first row, after its prefill: until then its prompt waits.
