@@ -29,18 +29,18 @@ not their text.) A non-streaming completion has only its usage: nothing is lost 
 measure there.
 
 **CPU per process.** With ``--launch`` the server's processes are its supervisor's
-children, named by role from /proc/PID/cmdline: scheduler, detokenizer, api (api-0,
-api-1, ... in start order when ``--api-workers`` runs several). With ``--url``,
-``--pids`` names them (a supervisor's pid stands for its children); without it only the
-client is measured. Each process's utime + stime (/proc/PID/stat, all threads, in clock
-ticks, 1/SC_CLK_TCK s: 10 ms on Linux) and the client's own (getrusage) are read at the two moments that bound
-the steady part of the run (below: every client has a request in flight, then the first
-client runs out of work), in the client's event loop between two events. The report gives
-each one's CPU-seconds and cores (CPU-s / window-s), and **tokens per API CPU-second**:
-the output tokens the clients received in that window (by each event's arrival time)
-over the CPU-seconds of all API processes together in it. Arrival is when the client
-parsed the event, a little after the API sent it, which matters only at the window's
-edges. CPU-seconds are much steadier than wall-clock rates on a shared machine.
+children, named by role from /proc/PID/cmdline: scheduler, detokenizer, api (api-0, api-1,
+... in start order when ``--api-workers`` runs several). With ``--url``, ``--pids`` names
+them (a supervisor's pid stands for its children); without it only the client is measured.
+Each process's utime + stime (/proc/PID/stat, all threads, in clock ticks, 1/SC_CLK_TCK s:
+10 ms on Linux) and the client's own (getrusage) are read at the two moments that bound the
+steady part of the run (below: every client has a request in flight, then the first client
+runs out of work), in the client's event loop between two events. The report gives each
+one's CPU-seconds and cores (CPU-s / window-s), and **tokens per API CPU-second**: the
+output tokens the clients received in that window (by each event's arrival time) over the
+CPU-seconds of all API processes together in it. Arrival is when the client parsed the
+event, a little after the API sent it, which matters only at the window's edges.
+CPU-seconds are much steadier than wall-clock rates on a shared machine.
 
 The scheduler step rate comes from ``scheduler.forward_steps_total`` in ``/server_info``
 (the scheduler's stats report: about every 0.5 s while it works, and one when it runs out
