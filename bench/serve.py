@@ -528,7 +528,7 @@ def read_cpu(procs: dict[str, int], t0: float) -> CpuReading:
         try:
             used[name] = cpu_seconds(pid)
         except (OSError, ValueError, IndexError):
-            pass
+            pass  # exited: left out of this reading, so out of the window's figures
     return CpuReading(at, client_cpu_seconds(), used)
 
 
