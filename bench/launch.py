@@ -129,11 +129,17 @@ def descendants(pid: int) -> dict[int, str | None]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
-        role = None
-        if b"pipeline.cli" in args:
-            role = next((name for name in ("scheduler", "detokenizer", "api") if name.encode() in args), None)
-        found[int(entry.name)] = role
+        found[int(entry.name)] = cmdline_role(args)
     return found
+
+
+def cmdline_role(args: Sequence[bytes]) -> str | None:
+    """The tokenpipe role of a process from its argv (/proc/PID/cmdline split at NULs):
+    "scheduler", "detokenizer" or "api" for ``python -m pipeline.cli ROLE``; None for
+    anything else."""
+    if b"pipeline.cli" not in args:
+        return None
+    return next((name for name in ("scheduler", "detokenizer", "api") if name.encode() in args), None)
 
 
 def child_roles(supervisor_pid: int) -> dict[str, int]:

@@ -18,6 +18,30 @@ it), end-to-end latency and the tokens received. A request whose ``output_ids`` 
 over the events of a stream) differ from its final ``meta_info.completion_tokens`` counts
 as tokens lost.
 
+``--api completions`` sends the same workload to ``/v1/completions`` instead (default
+``generate``): the prompt as token ids, ``max_tokens``, ``ignore_eos``, ``temperature``,
+``top_p`` and ``seed`` as above, and on streams ``stream_options: {"include_usage": true,
+"continuous_usage_stats": true}``. A chunk's text holds one or more tokens (or none yet)
+and the server sends no token ids in completions chunks, so an event's tokens are its
+``usage.completion_tokens`` less the previous event's; a stream whose final usage chunk
+disagrees with their sum counts as tokens lost. (That checks the count the chunks carry,
+not their text.) A non-streaming completion has only its usage: nothing is lost by this
+measure there.
+
+**CPU per process.** With ``--launch`` the server's processes are its supervisor's
+children, named by role from /proc/PID/cmdline: scheduler, detokenizer, api (api-0, api-1,
+... in start order when ``--api-workers`` runs several). With ``--url``, ``--pids`` names
+them (a supervisor's pid stands for its children); without it only the client is measured.
+Each process's utime + stime (/proc/PID/stat, all threads, in clock ticks, 1/SC_CLK_TCK s:
+10 ms on Linux) and the client's own (getrusage) are read at the two moments that bound the
+steady part of the run (below: every client has a request in flight, then the first client
+runs out of work), in the client's event loop between two events. The report gives each
+one's CPU-seconds and cores (CPU-s / window-s), and **tokens per API CPU-second**: the
+output tokens the clients received in that window (by each event's arrival time) over the
+CPU-seconds of all API processes together in it. Arrival is when the client parsed the
+event, a little after the API sent it, which matters only at the window's edges.
+CPU-seconds are much steadier than wall-clock rates on a shared machine.
+
 The scheduler step rate comes from ``scheduler.forward_steps_total`` in ``/server_info``
 (the scheduler's stats report: about every 0.5 s while it works, and one when it runs out
 of work). The counter is cumulative, so readings at two moments give the steps between
@@ -53,10 +77,22 @@ the ratio logprobs/without of output tokens/s (target >= 0.9x at 256 streams wit
 vLLM measured 0.73x). A logprobs request whose ``output_token_logprobs`` (summed over its
 events) do not number its tokens counts as logprobs lost.
 
-Usage: ``python bench/serve.py --launch [--concurrency 64] [--requests N]
-[--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32] [--temperature 0.7]
-[--top-p P] [--[no-]seeded] [--compare-discard] [--compare-sampling] [--top-logprobs K]
-[--rounds 2] [--json PATH] [--plot PATH.png] [--no-progress] [--server-args "..."]``.
+``--compare-api-workers N`` (with ``--launch``) then starts a second server with the same
+flags plus ``--api-workers N`` (N API processes sharing the port; with N = 1 no flag is
+passed, one API process being the default) while the main one stays up: both on their own
+ports, and an idle server takes next to no CPU, so the rounds alternate between them
+without a restart (``--rounds`` of one run on each, order swapped each round, prompts of
+their own). It reports each server's output tokens/s and the ratio multi/single (medians),
+and each server's per-API-process cores and tokens per API CPU-second (medians over
+rounds). ``--server-args`` must not hold ``--api-workers`` then: the main server is the
+one-process arm.
+
+Usage: ``python bench/serve.py --launch [--api generate|completions] [--concurrency 64]
+[--requests N] [--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32]
+[--temperature 0.7] [--top-p P] [--[no-]seeded] [--compare-discard] [--compare-sampling]
+[--top-logprobs K] [--compare-api-workers N] [--rounds 2] [--json PATH] [--plot PATH.png]
+[--no-progress] [--server-args "..."]``, or ``--url URL [--pids PID,...]`` for a running
+server.
 """
 
 from __future__ import annotations
@@ -67,7 +103,9 @@ import bisect
 import contextlib
 import json
 import math
+import os
 import random
+import resource
 import shlex
 import statistics
 import sys
@@ -84,7 +122,7 @@ from tqdm import tqdm
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.launch import LaunchedServer  # noqa: E402
+from bench.launch import LaunchedServer, cmdline_role, descendants  # noqa: E402
 
 POLL_INTERVAL = 0.1  # /server_info sampling; the scheduler reports about every 0.5 s
 SETTLE_TIMEOUT = 5.0  # for the report the scheduler sends once a run's work is done
@@ -95,6 +133,11 @@ MAX_TOP_LOGPROBS = 20  # the server's limit on top_logprobs_num
 TARGET_STREAMS = 256
 DEFAULT_TEMPERATURE = 0.7
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seeded": True}  # --compare-sampling's, unless given
+ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}  # --api
+# Usage so far on every chunk: a chunk's text holds one or more tokens (or none yet), and
+# the default server sends no token ids in completions chunks, so this is how to count them.
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's CPU times are in these ticks
 T = TypeVar("T")
 
 
@@ -112,6 +155,7 @@ class LoadConfig:
     seeded: bool = True  # a distinct seed per request: seed + its index
     prompt_set: int = 0  # runs on one server with different sets share no prompt
     top_logprobs: int | None = None  # None: no logprobs asked; K: return_logprob, top_logprobs_num K
+    api: str = "generate"  # a key of ENDPOINTS
 
 
 @dataclass
@@ -156,6 +200,8 @@ class Settled:
 def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
     rng = random.Random(f"{cfg.seed}/{cfg.prompt_set}/{i}")
     ids = [rng.randrange(16, vocab) for _ in range(cfg.prompt_len)]  # low ids hold the special tokens
+    if cfg.api == "completions":
+        return completions_body(i, cfg, ids, stream)
     sampling: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
     if cfg.top_p is not None:
         sampling["top_p"] = cfg.top_p
@@ -167,32 +213,83 @@ def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, An
     return body
 
 
+def completions_body(i: int, cfg: LoadConfig, ids: list[int], stream: bool) -> dict[str, Any]:
+    """The same request as ``make_body``'s /generate one, as a /v1/completions body."""
+    assert cfg.top_logprobs is None, "logprobs are measured through /generate"
+    body: dict[str, Any] = {"prompt": ids, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
+    if cfg.top_p is not None:
+        body["top_p"] = cfg.top_p
+    if cfg.seeded:
+        body["seed"] = cfg.seed + i
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = dict(CONTINUOUS_USAGE)
+    return body
+
+
+def generate_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
+    """A /generate event's tokens (its ``output_ids`` are the ones since the last event);
+    keeps its ``meta_info`` count so far and its logprob entries."""
+    res.completion_tokens = event["meta_info"]["completion_tokens"]
+    if res.logprobs is not None:
+        res.logprobs += len(event["meta_info"].get("output_token_logprobs") or ())
+    return len(event["output_ids"])
+
+
+def completions_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
+    """A /v1/completions chunk's tokens: its usage so far (``continuous_usage_stats``) less
+    the tokens counted before it. The last chunk (no choices) carries the request's usage:
+    its ``completion_tokens`` is the final count, checked against the sum."""
+    usage = event.get("usage")
+    if usage is None:
+        raise ValueError("a chunk without usage: the server does not honour stream_options.continuous_usage_stats")
+    if not event["choices"]:
+        res.completion_tokens = int(usage["completion_tokens"])
+        return 0
+    return int(usage["completion_tokens"]) - res.tokens
+
+
+def whole_response_tokens(api: str, data: dict[str, Any], res: ReqResult) -> None:
+    """A non-streaming answer's tokens. /v1/completions gives only its usage count (the text
+    is not countable in tokens), so nothing can be lost there by this measure."""
+    if api == "completions":
+        res.tokens = res.completion_tokens = int(data["usage"]["completion_tokens"])
+        return
+    res.tokens = len(data["output_ids"])
+    res.completion_tokens = data["meta_info"]["completion_tokens"]
+    if res.logprobs is not None:
+        res.logprobs = len(data["meta_info"].get("output_token_logprobs") or ())
+
+
 async def send_one(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], t0: float, on_headers: Callable[[], None] | None = None
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    t0: float,
+    on_headers: Callable[[], None] | None = None,
+    api: str = "generate",
 ) -> ReqResult:
-    """One request. ``on_headers`` is called when a stream's headers arrive: the server has
-    then already handed the request to the scheduler."""
+    """One request to ``api``'s endpoint. ``on_headers`` is called when a stream's headers
+    arrive: the server has then already handed the request to the scheduler."""
     res = ReqResult(stream=bool(body["stream"]), logprobs=0 if body.get("return_logprob") else None)
+    endpoint = f"{url}{ENDPOINTS[api]}"
+    event_tokens = completions_event_tokens if api == "completions" else generate_event_tokens
     start = time.perf_counter()
     res.sent = start - t0
     try:
         if not res.stream:
-            resp = await client.post(f"{url}/generate", json=body)
+            resp = await client.post(endpoint, json=body)
             now = time.perf_counter()
             res.status = resp.status_code
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 return res
-            data = resp.json()
-            res.tokens = len(data["output_ids"])
-            res.completion_tokens = data["meta_info"]["completion_tokens"]
-            if res.logprobs is not None:
-                res.logprobs = len(data["meta_info"].get("output_token_logprobs") or ())
+            whole_response_tokens(api, resp.json(), res)
             res.ttft = res.e2e = now - start
             res.arrivals.append((now - t0, res.tokens))
             res.ok = True
             return res
-        async with client.stream("POST", f"{url}/generate", json=body) as resp:
+        async with client.stream("POST", endpoint, json=body) as resp:
             res.status = resp.status_code
             if on_headers is not None:
                 on_headers()
@@ -213,10 +310,7 @@ async def send_one(
                 if "error" in event:
                     res.error = f"stream error: {event['error'].get('message')}"
                     return res
-                n = len(event["output_ids"])
-                res.completion_tokens = event["meta_info"]["completion_tokens"]
-                if res.logprobs is not None:
-                    res.logprobs += len(event["meta_info"].get("output_token_logprobs") or ())
+                n = event_tokens(event, res)
                 if n == 0:
                     continue
                 if res.ttft is None:
@@ -229,6 +323,9 @@ async def send_one(
             res.e2e = time.perf_counter() - start
             if not done:
                 res.error = "stream ended without [DONE]"
+                return res
+            if api == "completions" and res.completion_tokens is None:
+                res.error = "stream ended without its usage chunk"
                 return res
             res.ok = True
     except Exception as exc:  # noqa: BLE001 - every failure is a counted error
@@ -347,10 +444,130 @@ def run_step_rate(
     return rate
 
 
+# --- CPU per process --------------------------------------------------------------------------
+
+ROLE_ORDER = ("scheduler", "detokenizer", "api")
+
+
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the third (state) on; the name before them may hold
+    spaces and parentheses, so the split is after its last ")"."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process: /proc/PID/stat counts all its threads."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15, in clock ticks
+
+
+def client_cpu_seconds() -> float:
+    """This benchmark client's own CPU (user + system, all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def name_processes(roles: dict[int, str | None]) -> dict[str, int]:
+    """{name: pid} of the processes with a tokenpipe role, in ``ROLE_ORDER``. A role held by
+    several processes (``--api-workers N``: N API processes) names them role-0, role-1, ...
+    in the order they started (their start time in /proc/PID/stat, then pid), which is the
+    order the supervisor spawned them; a role held by one is its plain name."""
+    held: dict[str, list[tuple[int, int]]] = {}
+    for pid, role in roles.items():
+        if role is None:
+            continue
+        try:
+            started = int(stat_fields(pid)[19])  # field 22
+        except (OSError, ValueError, IndexError):
+            continue  # gone already
+        held.setdefault(role, []).append((started, pid))
+    names: dict[str, int] = {}
+    for role in sorted(held, key=lambda r: (ROLE_ORDER.index(r) if r in ROLE_ORDER else len(ROLE_ORDER), r)):
+        ordered = sorted(held[role])
+        for i, (_, pid) in enumerate(ordered):
+            names[role if len(ordered) == 1 else f"{role}-{i}"] = pid
+    return names
+
+
+def server_processes(supervisor_pid: int) -> dict[str, int]:
+    """The processes of a ``tokenpipe serve`` supervisor (its children), by name."""
+    return name_processes(descendants(supervisor_pid))
+
+
+def given_processes(pids: Sequence[int]) -> dict[str, int]:
+    """``--pids``: a process with tokenpipe children (a ``tokenpipe serve`` supervisor)
+    stands for them; any other is named by the role in its command line, or ``pid-N``."""
+    roles: dict[int, str | None] = {}
+    others: dict[str, int] = {}
+    for pid in pids:
+        children = {child: role for child, role in descendants(pid).items() if role}
+        if children:
+            roles.update(children)
+            continue
+        role = cmdline_role(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))  # a pid not there stops the run
+        if role is None:
+            others[f"pid-{pid}"] = pid
+        else:
+            roles[pid] = role
+    return {**name_processes(roles), **others}
+
+
+@dataclass
+class CpuReading:
+    """CPU-seconds used so far, read at ``at`` (seconds since the run's start)."""
+
+    at: float
+    client: float
+    procs: dict[str, float]  # by name; a process gone is left out
+
+
+def read_cpu(procs: dict[str, int], t0: float) -> CpuReading:
+    at = time.perf_counter() - t0
+    used: dict[str, float] = {}
+    for name, pid in procs.items():
+        try:
+            used[name] = cpu_seconds(pid)
+        except (OSError, ValueError, IndexError):
+            pass  # exited: left out of this reading, so out of the window's figures
+    return CpuReading(at, client_cpu_seconds(), used)
+
+
+def is_api(name: str) -> bool:
+    return name == "api" or name.startswith("api-")
+
+
+def window_cpu(a: CpuReading, b: CpuReading, procs: dict[str, int], results: Sequence[ReqResult]) -> dict[str, Any]:
+    """Each process's CPU-seconds and cores (CPU-s / window-s) between the readings ``a``
+    and ``b``, and the output tokens the clients received between them (by each event's
+    arrival time) per CPU-second of all the API processes together."""
+    span = b.at - a.at
+    per = {
+        name: {"pid": pid, "cpu_s": b.procs[name] - a.procs[name], "cores": ratio(b.procs[name] - a.procs[name], span)}
+        for name, pid in procs.items()
+        if name in a.procs and name in b.procs
+    }
+    tokens = sum(n for r in results for t, n in r.arrivals if a.at <= t <= b.at)
+    api = [p["cpu_s"] for name, p in per.items() if is_api(name)]
+    api_cpu = sum(api) if api else None
+    client = b.client - a.client
+    return {
+        "window_s": [a.at, b.at],
+        "processes": per,
+        "client": {"cpu_s": client, "cores": ratio(client, span)},
+        "tokens_in_window": tokens,
+        "api_cpu_s": api_cpu,
+        # None: no API process measured, or not one clock tick of API CPU in the window.
+        "tokens_per_api_cpu_s": ratio(tokens, api_cpu),
+        "clock_tick_s": 1.0 / CLK_TCK,
+    }
+
+
 # --- the attached run -------------------------------------------------------------------------
 
 
-async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None) -> dict[str, Any]:
+async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None, procs: dict[str, int] | None = None) -> dict[str, Any]:
+    """The workload ``cfg`` against ``url``; with ``procs`` (the server's processes by name)
+    their CPU over the steady part too (``window_cpu``)."""
     vocab, start = await prepare(url, info_url=info_url)
     rng = random.Random(cfg.seed)
     streams = [rng.random() < cfg.stream_ratio for _ in range(cfg.requests)]
@@ -361,6 +578,9 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None) -> di
     full_at: float | None = None  # every client has a request in flight
     dry_at: float | None = None  # the first client found no work left
     last_sent = 0.0
+    cpu_full: CpuReading | None = None  # read when full_at is set, and cpu_dry when dry_at is
+    cpu_dry: CpuReading | None = None
+    watched = procs or {}
     target = min(cfg.concurrency, cfg.requests)
     limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8)
     bar = tqdm(total=cfg.requests, file=sys.stderr, disable=not cfg.progress, desc="requests", unit="req")
@@ -368,7 +588,7 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None) -> di
     t0 = time.perf_counter()
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        nonlocal next_i, in_flight, full_at, dry_at, last_sent
+        nonlocal next_i, in_flight, full_at, dry_at, last_sent, cpu_full, cpu_dry
         while next_i < cfg.requests:
             i = next_i
             next_i += 1
@@ -376,12 +596,14 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None) -> di
             last_sent = time.perf_counter() - t0
             if full_at is None and in_flight >= target:
                 full_at = last_sent
-            res = await send_one(client, url, make_body(i, cfg, vocab, streams[i]), t0)
+                cpu_full = read_cpu(watched, t0)  # no event is handled in between: one thread
+            res = await send_one(client, url, make_body(i, cfg, vocab, streams[i]), t0, api=cfg.api)
             in_flight -= 1
             results.append(res)
             bar.update(1)
         if dry_at is None:
             dry_at = time.perf_counter() - t0
+            cpu_dry = read_cpu(watched, t0)
 
     sampler = asyncio.create_task(sample_loop(url, t0, samples, stop))
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
@@ -397,11 +619,15 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None) -> di
     summary = summarize(results, duration)
     lo, hi = full_at or 0.0, dry_at or duration
     rate = run_step_rate(start, samples, end, duration, lo, hi)
+    cpu = window_cpu(cpu_full, cpu_dry, watched, results) if cpu_full is not None and cpu_dry is not None else None
+    if cpu is not None and procs is None:
+        cpu["note"] = "server processes not measured: give --pids (or use --launch)"
     summary.update(
         config=asdict(cfg),
         url=url,
         steady_s=[lo, hi],
         scheduler_steps=rate,
+        cpu=cpu,
         samples=[asdict(s) for s in samples],
         requests_detail=[{k: v for k, v in asdict(r).items() if k not in ("itl", "arrivals")} for r in results],
     )
@@ -538,7 +764,7 @@ def sampling_variants(cfg: LoadConfig, temperature: float | None, top_p: float |
 
 
 BRIEF_KEYS = ("requests", "completed", "duration_s", "requests_per_s", "output_tokens", "output_tokens_per_s")
-BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "error_examples", "tokens_lost", "logprobs_lost", "scheduler_steps")
+BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "error_examples", "tokens_lost", "logprobs_lost", "scheduler_steps", "cpu")
 
 
 def brief(run: dict[str, Any]) -> dict[str, Any]:
@@ -546,36 +772,50 @@ def brief(run: dict[str, Any]) -> dict[str, Any]:
     return {k: run[k] for k in BRIEF_KEYS}
 
 
-async def run_rounds(url: str, variants: dict[str, LoadConfig], rounds: int, prompt_set: int) -> dict[str, Any]:
-    """``rounds`` rounds on the server at ``url``, each one run of each of the two workloads
-    (``variants``: the base one first, then the one compared with it), the order swapped
-    from round to round; every run has prompts of its own (``prompt_set`` on). Output
-    tokens/s of each (``<name>_output_tokens_per_s``) and the ratio compared/base are
-    medians over rounds."""
-    base, other = variants
+@dataclass(frozen=True)
+class Arm:
+    """One side of a comparison: a workload, the server it runs on and that server's
+    processes by name (None: not measured)."""
+
+    cfg: LoadConfig
+    url: str
+    procs: dict[str, int] | None = None
+
+
+def same_server(variants: dict[str, LoadConfig], url: str, procs: dict[str, int] | None) -> dict[str, Arm]:
+    return {name: Arm(cfg, url, procs) for name, cfg in variants.items()}
+
+
+async def run_rounds(arms: dict[str, Arm], rounds: int, prompt_set: int) -> dict[str, Any]:
+    """``rounds`` rounds, each one run of each of the two ``arms`` (the base one first, then
+    the one compared with it), the order swapped from round to round; every run has prompts
+    of its own (``prompt_set`` on). Output tokens/s of each (``<name>_output_tokens_per_s``)
+    and the ratio compared/base are medians over rounds."""
+    base, other = arms
     runs: list[dict[str, Any]] = []
     for r in range(rounds):
         order = (base, other) if r % 2 == 0 else (other, base)
         row: dict[str, Any] = {"first": order[0]}
         for name in order:
-            row[name] = brief(await run_load(url, replace(variants[name], prompt_set=prompt_set)))
+            arm = arms[name]
+            row[name] = brief(await run_load(arm.url, replace(arm.cfg, prompt_set=prompt_set), procs=arm.procs))
             prompt_set += 1
         row["ratio"] = ratio(row[other]["output_tokens_per_s"], row[base]["output_tokens_per_s"])
         runs.append(row)
     ratios = [row["ratio"] for row in runs]
     return {
         "rounds": runs,
-        **{f"{name}_output_tokens_per_s": statistics.median([row[name]["output_tokens_per_s"] for row in runs]) for name in variants},
+        **{f"{name}_output_tokens_per_s": statistics.median([row[name]["output_tokens_per_s"] for row in runs]) for name in arms},
         "ratio": statistics.median(ratios) if None not in ratios else None,
-        "errors": sum(row[name]["errors"] for row in runs for name in variants),
-        "tokens_lost": sum(row[name]["tokens_lost"] for row in runs for name in variants),
-        "logprobs_lost": sum(row[name]["logprobs_lost"] for row in runs for name in variants),
+        "errors": sum(row[name]["errors"] for row in runs for name in arms),
+        "tokens_lost": sum(row[name]["tokens_lost"] for row in runs for name in arms),
+        "logprobs_lost": sum(row[name]["logprobs_lost"] for row in runs for name in arms),
     }
 
 
-async def run_sampling(url: str, variants: dict[str, LoadConfig], rounds: int) -> dict[str, Any]:
+async def run_sampling(url: str, variants: dict[str, LoadConfig], rounds: int, procs: dict[str, int] | None = None) -> dict[str, Any]:
     """Greedy against sampled (``sampling_variants``), in ``run_rounds``."""
-    result = await run_rounds(url, variants, rounds, prompt_set=1)  # the main run had set 0
+    result = await run_rounds(same_server(variants, url, procs), rounds, prompt_set=1)  # the main run had set 0
     params = {name: {k: getattr(v, k) for k in ("temperature", "top_p", "seeded")} for name, v in variants.items()}
     return {"params": params, **result}
 
@@ -585,10 +825,48 @@ def logprobs_variants(cfg: LoadConfig, top_logprobs: int) -> dict[str, LoadConfi
     return {"without": replace(cfg, top_logprobs=None), "logprobs": replace(cfg, top_logprobs=top_logprobs)}
 
 
-async def run_logprobs(url: str, cfg: LoadConfig, top_logprobs: int, rounds: int, prompt_set: int) -> dict[str, Any]:
+async def run_logprobs(
+    url: str, cfg: LoadConfig, top_logprobs: int, rounds: int, prompt_set: int, procs: dict[str, int] | None = None
+) -> dict[str, Any]:
     """Without logprobs against with top ``top_logprobs`` on every request, in ``run_rounds``."""
-    result = await run_rounds(url, logprobs_variants(cfg, top_logprobs), rounds, prompt_set)
+    result = await run_rounds(same_server(logprobs_variants(cfg, top_logprobs), url, procs), rounds, prompt_set)
     return {"top_logprobs": top_logprobs, **result}
+
+
+# --- one API process against N ---------------------------------------------------------------
+
+# The arms of --compare-api-workers: the main server (one API process) and one with N.
+SINGLE, MULTI = "single", "multi"
+
+
+def api_workers_flags(workers: int) -> list[str]:
+    """The extra ``tokenpipe serve`` flags of the N-worker server. With N = 1 none: one API
+    process is the default, and a server without the flag can run this comparison (two
+    alike servers) to check the machinery."""
+    return ["--api-workers", str(workers)] if workers > 1 else []
+
+
+def median_cpu(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per process, the median over ``runs`` of its cores in each run's steady window, and
+    the median of the runs' tokens per API CPU-second."""
+    cpus = [run["cpu"] for run in runs if run.get("cpu")]
+    names = [name for name in (cpus[0]["processes"] if cpus else {}) if all(name in c["processes"] for c in cpus)]
+    cores = {name: [c["processes"][name]["cores"] for c in cpus] for name in names}
+    per_token = [c["tokens_per_api_cpu_s"] for c in cpus]
+    client = [c["client"]["cores"] for c in cpus]
+    return {
+        "cores": {name: statistics.median(v) if None not in v else None for name, v in cores.items()},
+        "client_cores": statistics.median(client) if cpus and None not in client else None,
+        "tokens_per_api_cpu_s": statistics.median(per_token) if cpus and None not in per_token else None,
+    }
+
+
+async def run_api_workers(arms: dict[str, Arm], workers: int, rounds: int, prompt_set: int) -> dict[str, Any]:
+    """The same workload on the one-API-process server and the ``workers`` one, in
+    ``run_rounds``, with each arm's per-process CPU (``median_cpu``)."""
+    result = await run_rounds(arms, rounds, prompt_set)
+    cpu = {name: median_cpu([row[name] for row in result["rounds"]]) for name in arms}
+    return {"workers": workers, "flags": api_workers_flags(workers), **result, "cpu": cpu}
 
 
 # --- launching servers ------------------------------------------------------------------------
@@ -626,12 +904,15 @@ def fmt_params(p: dict[str, Any]) -> str:
     return f"temperature {p['temperature']:g}" + (f", top_p {p['top_p']:g}" if p["top_p"] is not None else "") + (", seeded" if p["seeded"] else "")
 
 
-def fmt_rounds(s: dict[str, Any], c: dict[str, Any], title: str, base: str, other: str, target: float) -> list[str]:
-    """A ``run_rounds`` result: each round's output tokens/s and ratio, then the medians."""
+def fmt_rounds(
+    s: dict[str, Any], c: dict[str, Any], title: str, base: str, other: str, target: float | None, where: str = "same server"
+) -> list[str]:
+    """A ``run_rounds`` result: each round's output tokens/s and ratio, then the medians;
+    the ratio against its target, if it has one."""
     label = f"{other}/{base}"
     w = max(16, len(label) + 2)
     lines = [
-        f"  {title}, same server, {len(s['rounds'])} rounds (order swapped each round)",
+        f"  {title}, {where}, {len(s['rounds'])} rounds (order swapped each round)",
         f"  {'round':<8}{'first':<10}{base + ' tok/s':>14}{other + ' tok/s':>15}{label:>{w}}",
     ]
     for i, row in enumerate(s["rounds"], 1):
@@ -643,7 +924,47 @@ def fmt_rounds(s: dict[str, Any], c: dict[str, Any], title: str, base: str, othe
     lines.append(f"  {'median':<18}{s[base + '_output_tokens_per_s']:14.1f}{s[other + '_output_tokens_per_s']:15.1f}{value}")
     lost = f", logprobs lost {s['logprobs_lost']}" if s["logprobs_lost"] else ""
     lines.append(f"  errors {s['errors']}, tokens lost {s['tokens_lost']}{lost} over the comparison's runs")
-    lines.append(fmt_target(label, s["ratio"], target, c))
+    if target is not None:
+        lines.append(fmt_target(label, s["ratio"], target, c))
+    return lines
+
+
+def fmt_num(value: float | None, width: int, digits: int) -> str:
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
+
+
+def fmt_cpu(cpu: dict[str, Any] | None) -> list[str]:
+    """Each process's CPU over the steady window, the client's, and tokens per API CPU-s."""
+    if cpu is None:
+        return [f"  {'CPU':<20}{'n/a':>10}   (no steady window)"]
+    lo, hi = cpu["window_s"]
+    lines = [f"  CPU, steady window  {'CPU-s':>10}{'cores':>10}   ({lo:.1f}-{hi:.1f} s; cores = CPU-s / {hi - lo:.1f} s)"]
+    for name, p in cpu["processes"].items():
+        lines.append(f"    {name:<18}{p['cpu_s']:10.2f}{fmt_num(p['cores'], 10, 3)}   (pid {p['pid']})")
+    lines.append(f"    {'bench client':<18}{cpu['client']['cpu_s']:10.2f}{fmt_num(cpu['client']['cores'], 10, 3)}")
+    if "note" in cpu:
+        lines.append(f"    {cpu['note']}")
+    api = f"{cpu['api_cpu_s']:.2f}" if cpu["api_cpu_s"] is not None else "n/a"
+    lines.append(
+        f"  {'tokens/API CPU-s':<20}{fmt_num(cpu['tokens_per_api_cpu_s'], 10, 1)}   "
+        f"({cpu['tokens_in_window']} output tokens received in the window / {api} API CPU-s)"
+    )
+    return lines
+
+
+def fmt_api_workers(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
+    n = s["workers"]
+    flags = f"plus {' '.join(s['flags'])}" if s["flags"] else "(N = 1: no --api-workers flag, one API process as the default)"
+    title = f"one API process against {n}: {SINGLE} = the main server; {MULTI} = a second one, the same flags {flags}"
+    lines = fmt_rounds(s, c, title, SINGLE, MULTI, None, where="two servers up at once")
+    for name in (SINGLE, MULTI):
+        m = s["cpu"][name]
+        api = "  ".join(f"{k} {fmt_num(v, 0, 3)}" for k, v in m["cores"].items() if is_api(k)) or "n/a"
+        lines.append(
+            f"  {name:<8}API cores: {api}; tokens/API CPU-s {fmt_num(m['tokens_per_api_cpu_s'], 0, 1)} "
+            f"(medians over rounds; " + ", ".join(f"{k} {fmt_num(v, 0, 3)}" for k, v in m["cores"].items() if not is_api(k))
+            + f", client {fmt_num(m['client_cores'], 0, 3)} cores)"
+        )
     return lines
 
 
@@ -661,7 +982,8 @@ def format_report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
         f"bench/serve  {r['url']}  concurrency {c['concurrency']}, {r['requests']} requests ({r['streaming']} streaming), "
-        f"prompt {c['prompt_len']}, max_new_tokens {c['max_new_tokens']}, {fmt_params(c)}",
+        f"prompt {c['prompt_len']}, max_new_tokens {c['max_new_tokens']}, {fmt_params(c)}"
+        + (f", through {ENDPOINTS[c['api']]}" if c["api"] != "generate" else ""),
         f"  duration            {r['duration_s']:10.2f} s",
         f"  requests/s          {r['requests_per_s']:10.2f}",
         f"  output tokens/s     {r['output_tokens_per_s']:10.1f}",
@@ -672,6 +994,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"  tokens lost         {r['tokens_lost']:10d}   ({r['requests_with_lost_tokens']} requests)",
     ]
     lines.append(fmt_rate("scheduler steps/s", r.get("scheduler_steps")))
+    lines += fmt_cpu(r.get("cpu"))
     d = r.get("discard")
     if d is not None:
         lines.append(fmt_rate("discarded steps/s", d["scheduler_steps"], f", {d['requests_sent']} requests sent"))
@@ -682,6 +1005,9 @@ def format_report(r: dict[str, Any]) -> str:
     lp = r.get("logprobs")
     if lp is not None:
         lines += fmt_logprobs(lp, c)
+    w = r.get("api_workers")
+    if w is not None:
+        lines += fmt_api_workers(w, c)
     return "\n".join(lines)
 
 
@@ -743,6 +1069,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--info-url", default=None, help="when --url is a router: a server behind it, for the vocabulary size (no step rate is measured then)"
     )
+    p.add_argument(
+        "--pids",
+        default=None,
+        metavar="PID[,PID...]",
+        help="with --url: the server's processes whose CPU to measure (a `tokenpipe serve` supervisor's pid stands for its children)",
+    )
+    p.add_argument(
+        "--api",
+        choices=sorted(ENDPOINTS),
+        default="generate",
+        help="generate: SGLang's /generate (default); completions: /v1/completions with token-id prompts and usage on every chunk",
+    )
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=None, help="total requests (default 4 x concurrency)")
     p.add_argument("--stream-ratio", type=float, default=0.5, help="fraction of streaming requests (default 0.5)")
@@ -769,7 +1107,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="with --launch: also run the workload without and with top-K logprobs on every request, in alternating rounds",
     )
     p.add_argument(
-        "--rounds", "--sampling-rounds", type=int, default=2, help="rounds of --compare-sampling and of --top-logprobs (default 2, at least 2)"
+        "--compare-api-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --launch: also run the workload on the main server and on one with --api-workers N (both up at once), in alternating rounds",
+    )
+    p.add_argument(
+        "--rounds",
+        "--sampling-rounds",
+        type=int,
+        default=2,
+        help="rounds of --compare-sampling, --top-logprobs and --compare-api-workers (default 2, at least 2)",
     )
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
@@ -785,6 +1134,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--top-logprobs needs --launch")
     if args.top_logprobs is not None and not 0 <= args.top_logprobs <= MAX_TOP_LOGPROBS:
         p.error(f"--top-logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+    if args.pids is not None and args.launch:
+        p.error("--pids is for --url: --launch knows its server's processes")
+    if args.pids is not None:
+        try:
+            args.pids = [int(x) for x in args.pids.split(",") if x.strip()]
+        except ValueError:
+            p.error("--pids takes comma-separated process ids")
+    if args.api == "completions" and args.top_logprobs is not None:
+        p.error("--top-logprobs measures /generate's logprobs: use --api generate")
+    if args.api == "completions" and args.compare_discard:
+        # /v1/completions answers a stream's headers after its first output, which a
+        # discarding server never sends: the top-up could not count requests taken in.
+        p.error("--compare-discard drives /generate: use --api generate")
+    if args.compare_api_workers is not None:
+        if not args.launch:
+            p.error("--compare-api-workers needs --launch")
+        if args.compare_api_workers < 1:
+            p.error("--compare-api-workers must be >= 1")
+        if "--api-workers" in shlex.split(args.server_args):
+            p.error("--compare-api-workers runs the main server with one API process: leave --api-workers out of --server-args")
     if args.rounds < 2:
         p.error("--rounds must be >= 2")
     if args.temperature is not None and args.temperature < 0.0:
@@ -811,18 +1180,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         temperature=args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE,
         top_p=args.top_p,
         seeded=args.seeded if args.seeded is not None else True,
+        api=args.api,
     )
     server_args = shlex.split(args.server_args)
     launched = LaunchedServer(["--log-level", "warning", *server_args]) if args.launch else contextlib.nullcontext(None)
     with launched as server:
         url = server.url if server is not None else args.url
-        report = run_async(run_load(url, cfg, args.info_url))
+        procs = server_processes(server.proc.pid) if server is not None else given_processes(args.pids) if args.pids else None
+        report = run_async(run_load(url, cfg, args.info_url, procs))
+        next_set = 1  # every run has prompts of its own: the main run had set 0
         if args.compare_sampling:
             variants = sampling_variants(cfg, args.temperature, args.top_p, args.seeded)
-            report["sampling"] = run_async(run_sampling(url, variants, args.rounds))
+            report["sampling"] = run_async(run_sampling(url, variants, args.rounds, procs))
+            next_set += 2 * args.rounds
         if args.top_logprobs is not None:
-            first_set = 1 + (2 * args.rounds if args.compare_sampling else 0)  # no prompt shared with earlier runs
-            report["logprobs"] = run_async(run_logprobs(url, cfg, args.top_logprobs, args.rounds, first_set))
+            report["logprobs"] = run_async(run_logprobs(url, cfg, args.top_logprobs, args.rounds, next_set, procs))
+            next_set += 2 * args.rounds
+        if args.compare_api_workers is not None:
+            flags = api_workers_flags(args.compare_api_workers)
+            # Both servers stay up, on their own ports, so the rounds alternate without a
+            # restart; the idle one waits on its sockets meanwhile.
+            with LaunchedServer(["--log-level", "warning", *server_args, *flags]) as multi:
+                arms = {SINGLE: Arm(cfg, url, procs), MULTI: Arm(cfg, multi.url, server_processes(multi.proc.pid))}
+                report["api_workers"] = run_async(run_api_workers(arms, args.compare_api_workers, args.rounds, next_set))
     if args.compare_discard:
         lo, hi = report["steady_s"]
         with LaunchedServer(["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"]) as discard:
@@ -837,7 +1217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_plot(args.plot, report, results)
-    runs = [report, *(report[k] for k in ("sampling", "logprobs") if k in report)]
+    runs = [report, *(report[k] for k in ("sampling", "logprobs", "api_workers") if k in report)]
     ok = all(run["errors"] == 0 and run["tokens_lost"] == 0 and run["logprobs_lost"] == 0 for run in runs)
     return 0 if ok else 1
 

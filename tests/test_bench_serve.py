@@ -8,6 +8,10 @@ import dataclasses
 import importlib
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -176,3 +180,97 @@ def test_top_logprobs_reports_both_arms_and_a_ratio(bench: ModuleType, tmp_path:
     assert bench.make_body(0, bench.logprobs_variants(bench.LoadConfig(), 5)["logprobs"], 4096, True)["top_logprobs_num"] == 5
     with pytest.raises(SystemExit):
         bench.parse_args(["--top-logprobs", "5"])  # needs --launch
+
+
+@pytest.mark.timeout(90)
+def test_completions_run_reports_cpu_per_process(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Streaming /v1/completions on a launched server, then the same workload on it and on a
+    second server (--compare-api-workers 1: no --api-workers flag, so it runs on a server
+    without it too). Every run has each process's CPU over its steady window, named by
+    role, and tokens per API CPU-second; their values are not judged, only that they were
+    measured (about 0.1 s of API CPU a run: ten clock ticks or more)."""
+    out = tmp_path / "r.json"
+    argv = ["--launch", "--api", "completions", "--stream-ratio", "1", "--concurrency", "8", "--requests", "16", "--max-new-tokens", "32"]
+    argv += ["--compare-api-workers", "1", "--no-progress", "--json", str(out), "--server-args", "--max-total-tokens 4096"]
+    assert bench.main(argv) == 0
+
+    r = json.loads(out.read_text())
+    assert r["config"]["api"] == "completions" and r["streaming"] == 16
+    assert r["errors"] == 0 and r["tokens_lost"] == 0 and r["output_tokens"] == 16 * 32
+    runs = [r] + [row[name] for row in r["api_workers"]["rounds"] for name in ("single", "multi")]
+    for run in runs:
+        cpu = run["cpu"]
+        assert set(cpu["processes"]) == {"scheduler", "detokenizer", "api"}, cpu
+        lo, hi = cpu["window_s"]
+        assert 0 <= lo < hi <= run["duration_s"]
+        for p in [*cpu["processes"].values(), cpu["client"]]:
+            assert p["cpu_s"] > 0 and 0 < p["cores"] < math.inf, cpu
+        assert 0 < cpu["tokens_in_window"] <= run["output_tokens"]
+        assert cpu["api_cpu_s"] == cpu["processes"]["api"]["cpu_s"]
+        assert 0 < cpu["tokens_per_api_cpu_s"] < math.inf
+    w = r["api_workers"]
+    assert w["workers"] == 1 and w["flags"] == [] and w["errors"] == 0 and w["tokens_lost"] == 0
+    assert [row["first"] for row in w["rounds"]] == ["single", "multi"]
+    pids = {name: {row[name]["cpu"]["processes"]["api"]["pid"] for row in w["rounds"]} for name in ("single", "multi")}
+    assert len(pids["single"]) == len(pids["multi"]) == 1 and pids["single"] != pids["multi"]  # two servers
+    for name in ("single", "multi"):
+        assert 0 < w[f"{name}_output_tokens_per_s"] < math.inf
+        assert 0 < w["cpu"][name]["cores"]["api"] < math.inf and 0 < w["cpu"][name]["tokens_per_api_cpu_s"] < math.inf
+
+    table = capsys.readouterr().out
+    for label in ("through /v1/completions", "CPU, steady window", "scheduler", "detokenizer", "bench client", "tokens/API CPU-s"):
+        assert label in table
+    assert "single tok/s" in table and "multi/single" in table and "API cores: api" in table
+
+
+def test_completions_bodies_and_chunk_counts(bench: ModuleType) -> None:
+    """--api completions sends the /generate workload as a completions body (token-id
+    prompt, usage on every chunk), and counts each chunk's tokens from the usage so far."""
+    cfg = bench.LoadConfig(seed=5, api="completions", max_new_tokens=16)
+    body = bench.make_body(3, cfg, 4096, True)
+    assert body["prompt"] == bench.make_body(3, dataclasses.replace(cfg, api="generate"), 4096, True)["input_ids"]
+    assert {k: body[k] for k in ("max_tokens", "temperature", "ignore_eos", "seed", "stream")} == {
+        "max_tokens": 16, "temperature": 0.7, "ignore_eos": True, "seed": 8, "stream": True
+    }
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert "stream_options" not in bench.make_body(3, cfg, 4096, False)
+
+    res = bench.ReqResult(stream=True)
+    for so_far in (1, 3, 3, 4):  # a chunk may carry several tokens, or none yet
+        res.tokens += bench.completions_event_tokens({"choices": [{"text": "x"}], "usage": {"completion_tokens": so_far}}, res)
+    assert res.tokens == 4 and res.completion_tokens is None
+    assert bench.completions_event_tokens({"choices": [], "usage": {"completion_tokens": 5}}, res) == 0
+    assert res.completion_tokens == 5  # the final usage: one token more than the chunks said, so lost
+    with pytest.raises(ValueError):
+        bench.completions_event_tokens({"choices": [{"text": "x"}], "usage": None}, res)
+
+    for argv in (
+        ["--api", "completions", "--launch", "--top-logprobs", "5"],
+        ["--api", "completions", "--launch", "--compare-discard"],
+        ["--compare-api-workers", "2"],  # needs --launch
+        ["--launch", "--compare-api-workers", "2", "--server-args", "--api-workers 2"],
+        ["--launch", "--pids", "1"],
+        ["--pids", "x"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+    assert bench.parse_args(["--pids", "12,34"]).pids == [12, 34]
+
+
+def test_several_processes_of_a_role_are_numbered_by_start(bench: ModuleType) -> None:
+    """--api-workers N gives N API processes: api-0, api-1, ... in the order they started;
+    one process of a role keeps its plain name."""
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.05)  # a later start time (clock ticks), not only a higher pid
+        second = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            roles = {second.pid: "api", os.getpid(): "scheduler", first.pid: "api", 1: None}
+            assert bench.name_processes(roles) == {"scheduler": os.getpid(), "api-0": first.pid, "api-1": second.pid}
+            assert bench.cpu_seconds(os.getpid()) > 0
+        finally:
+            second.kill()
+            second.wait()
+    finally:
+        first.kill()
+        first.wait()
