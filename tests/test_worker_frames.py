@@ -302,7 +302,7 @@ def test_each_worker_gets_its_rows_and_ends_where_the_whole_frame_leads(pool: in
     run = start(SCENARIO, pool)
     seen = drive(run, abort_after=4)
     assert seen["several"] > 5 and seen["prompt"] and seen["output"] > 3 and seen["texts"] > 3 and seen["stats"] > 3
-    assert seen["finished"] and seen["embedding"]
+    assert seen["finished"] and seen["embedding"] and seen["whole"]
     if pool < 8192:
         assert run.scheduler.num_retracted_total > 0, "the small pool forced no retraction"
     for req_id, state in run.split.items():
