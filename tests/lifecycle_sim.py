@@ -60,6 +60,7 @@ Admission = Generator[None, None, bool]  # a Step that says whether the request 
 STOP_STRING_SETS = (("END", "\n\n"), ("es", "sou"), ("15",), ("sou", "es", " 15"))
 # Text whose tokens the lifecycles draw often, so that the stop strings above do occur.
 STOP_TEXT = " END of the sources\n\nes sou 15 wanting sources 15"
+TOKEN_POOL = range(6, 4096)  # the ids random tokens are drawn from
 
 
 @dataclass
@@ -176,7 +177,7 @@ def make_req(
     return Req(
         rid=f"sim-{req_id}",
         req_id=req_id,
-        input_ids=[rng.randint(6, 4095) for _ in range(prompt_len)],
+        input_ids=rng.choices(TOKEN_POOL, k=prompt_len),  # one call: prompts are most of the draws
         sampling=sampling,
         stream=stream,
         stream_interval=rng.randint(1, 3),

@@ -4,11 +4,15 @@ client, the metrics and the spans exactly what full stats on every row would giv
 Two pipelines see the same frames. The optimized one is the real path: rows built by
 ``build_token_output`` (so ``take_request_stats_due`` decides; rows without an event
 sometimes as the running batch's ``SteadyRows``), msgpack encode and typed
-decode, the real detokenizer, another encode/decode, and the real
-``TokenizerManager.handle_output``. The reference frame is the same frame with the current
-stats on every row. After every frame, every row's client-visible output (text and ids
-since the last output, and ``meta_info``), every metrics observation and, per finished
-request, every span attribute must be equal.
+decode, the real detokenizer, the split by API worker (``pipeline.worker_frames``: each
+request goes to one of ``WORKERS`` tokenizer managers at random, and each worker gets its
+own part of each frame), another encode/decode per part, and the real
+``TokenizerManager.handle_output`` of that worker. The reference frame is the same frame
+with the current stats on every row, unsplit: every worker's manager gets it whole and
+drops the rows that are not its own (exactly those: the test counts the drops). After
+every frame, every row's client-visible output (text and ids since the last output, and
+``meta_info``), every metrics observation and, per finished request, every span attribute
+must be equal, each worker's against the same worker's.
 
 Both pipelines share the code between the frame and the client, so each finished request
 is also checked against the truth the simulation keeps (``tests.lifecycle_sim``): the ids
@@ -49,16 +53,20 @@ from detokenizer_proc.incremental import IncrementalDetokenizer
 from detokenizer_proc.main import detokenize_frame
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
+    REQ_ID_DTYPE,
     BatchEmbeddingOutput,
+    BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerInput,
     OutputLogprobs,
     SamplingParams,
     TokenizerManagerInput,
+    from_column,
 )
 from pipeline.logprob_columns import LogprobBlock
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
+from pipeline.worker_frames import split_embedding_output, split_str_output, workers_of
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.req import PENDING_STATS, Req
 from tests.lifecycle_sim import (
@@ -87,6 +95,7 @@ ENCODER = msgspec.msgpack.Encoder()
 TO_DETOKENIZER = msgspec.msgpack.Decoder(DetokenizerInput)
 TO_MANAGER = msgspec.msgpack.Decoder(TokenizerManagerInput)
 MAX_ACTIVE = 12
+WORKERS = 3  # API workers (tokenizer managers); each request is placed on one at random
 SPAN_BATCH = 200  # finished requests between span comparisons (the exporter queue holds 2048 spans)
 LOGPROB_SHARE = 0.25  # of the unified generation requests
 NO_ENTRIES = LogprobEntries()
@@ -97,6 +106,25 @@ def token_text(token: int) -> str:
     """``return_text_in_logprobs``: one token's text, special tokens shown (as /generate);
     kept, as the test asks for the same few thousand tokens' texts again and again."""
     return TOKENIZER.decode([token], skip_special_tokens=False)
+
+
+class FramesOnly:
+    """The tokenizer behind an optimized worker's token-text cache: it decodes only while a
+    request arrives (its prompt, as ``TokenizerManager.submit_generate`` does, and, here
+    only, its ``token_ids_logprob``, which no frame carries), so every other text a worker
+    shows must have come with its part of a frame."""
+
+    def __init__(self, real: Any) -> None:
+        self.decoder = real.decoder
+        self._real = real
+        self.arriving = False
+
+    def id_to_token(self, token: int) -> str | None:
+        return self._real.id_to_token(token)
+
+    def decode_batch(self, ids: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        assert self.arriving, f"a worker had to decode {ids[:4]}: its frames did not bring their texts"
+        return self._real.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
 
 class Recorder:
@@ -158,29 +186,65 @@ class Delivered:
 
 @dataclass
 class Pipeline:
-    tm: TokenizerManager
+    tms: list[TokenizerManager]  # one per API worker, by worker index
     detok: IncrementalDetokenizer
-    metrics_log: list[tuple[str, str, float]]
-    spans: InMemorySpanExporter
+    metrics_logs: list[list[tuple[str, str, float]]]  # per worker
+    spans: list[InMemorySpanExporter]  # per worker
+    split: bool  # True: each worker gets its part of each frame; False: every worker gets every frame whole
     states: dict[int, ReqState] = field(default_factory=dict)
     texts: TokenTextCache | None = None  # the detokenizer's logprob token texts
     text_of: dict[int, Callable[[int], str] | None] = field(default_factory=dict)  # req_id -> return_text_in_logprobs
     first_event_sent: set[int] = field(default_factory=set)  # streaming req_ids past their first event
+    dropped: list[int] = field(default_factory=lambda: [0] * WORKERS)  # rows each worker must have dropped so far
+    decoders: list[FramesOnly | None] = field(default_factory=lambda: [None] * WORKERS)  # the split side's text-cache tokenizers, by worker
 
     def feed(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput) -> None:
         wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
-        # The detokenizer passes embedding frames on untouched.
+        # The detokenizer passes embedding frames on as they came (split by worker on the split side).
         out = wire if isinstance(wire, BatchEmbeddingOutput) else detokenize_frame(self.detok, wire, self.texts)  # type: ignore[arg-type]
-        received = TO_MANAGER.decode(ENCODER.encode(out))
-        if isinstance(frame, BatchTokenIDOutput):
-            # The logprob columns pass through the detokenizer unchanged; none stays none.
-            assert received.logprobs == wire.logprobs and (received.logprobs is None) == (frame.logprobs is None)  # type: ignore[union-attr]
-        self.tm.handle_output(received)
+        owners = workers_of(from_column(out.req_ids, REQ_ID_DTYPE))
+        if self.split:
+            self.feed_parts(frame, out)
+        else:
+            received = TO_MANAGER.decode(ENCODER.encode(out))
+            if isinstance(frame, BatchTokenIDOutput):
+                # The logprob columns pass through the detokenizer unchanged; none stays none.
+                assert received.logprobs == wire.logprobs and (received.logprobs is None) == (frame.logprobs is None)  # type: ignore[union-attr]
+            for w, tm in enumerate(self.tms):
+                tm.handle_output(received)
+                self.dropped[w] += int((owners != w).sum())  # the rows of the other workers
+        # Each worker dropped exactly the rows that are not its own (the split: none), so
+        # the reference's drops change nothing the comparison sees.
+        for w, tm in enumerate(self.tms):
+            assert tm._dropped_rows.total == self.dropped[w], f"worker {w} dropped {tm._dropped_rows.total} rows, expected {self.dropped[w]}"
 
-    def finished_spans(self) -> list[dict[str, Any]]:
-        """Exported spans without their random ids: name, kind, times, parent link,
-        attributes, events and status must all be equal."""
-        self.tm.tracer.force_flush()
+    def feed_parts(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput, out: BatchStrOutput | BatchEmbeddingOutput) -> None:
+        """As the detokenizer sends them: one part per worker with rows, each through that
+        worker's socket (encode, typed decode) to that worker's manager."""
+        split = split_embedding_output(out, WORKERS) if isinstance(out, BatchEmbeddingOutput) else split_str_output(out, WORKERS)
+        assert not split.stray and split.parts, "every row belongs to an existing worker"
+        for w, part in split.parts:
+            received = TO_MANAGER.decode(ENCODER.encode(part))
+            self.tms[w].handle_output(received)
+        if isinstance(frame, BatchTokenIDOutput):
+            # The logprob columns pass through the detokenizer; none stays none in every part.
+            assert (frame.logprobs is None) == all(part.logprobs is None for _, part in split.parts)  # type: ignore[union-attr]
+
+    def finished_spans(self) -> list[list[dict[str, Any]]]:
+        """Per worker, the exported spans without their random ids: name, kind, times,
+        parent link, attributes, events and status must all be equal."""
+        return [self.worker_spans(tm, spans) for tm, spans in zip(self.tms, self.spans)]
+
+    def metrics_marks(self) -> list[int]:
+        return [len(log) for log in self.metrics_logs]
+
+    def metrics_since(self, marks: list[int]) -> list[list[tuple[str, str, float]]]:
+        """Each worker's metrics observations since ``marks``, in worker order."""
+        return [log[mark:] for log, mark in zip(self.metrics_logs, marks)]
+
+    @staticmethod
+    def worker_spans(tm: TokenizerManager, spans: InMemorySpanExporter) -> list[dict[str, Any]]:
+        tm.tracer.force_flush()
         out = [
             {
                 "name": sp.name,
@@ -192,9 +256,9 @@ class Pipeline:
                 "events": [(e.name, e.timestamp) for e in sp.events],
                 "status": (sp.status.status_code, sp.status.description),
             }
-            for sp in self.spans.get_finished_spans()
+            for sp in spans.get_finished_spans()
         ]
-        self.spans.clear()
+        spans.clear()
         return out
 
     def client_output(self, req_id: int) -> dict[str, Any] | None:
@@ -237,28 +301,40 @@ class Pipeline:
             meta.update(prompt_logprob_meta(asked, state.prompt_ids, state.prompt_logprobs, text_of))
 
 
-def make_pipeline(metrics: bool, clock: Any) -> Pipeline:
+def make_pipeline(metrics: bool, clock: Any, split: bool) -> Pipeline:
     config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=metrics)
-    tm = TokenizerManager(config, TOKENIZER, context_length=2048, clock=clock, req_id_base=1)
-    spans = InMemorySpanExporter()
-    tm.tracer = RequestTracer(config, tm.model_name, exporter=spans)
-    return Pipeline(tm, IncrementalDetokenizer(TOKENIZER.tokenizer), record_metrics(tm), spans, texts=TokenTextCache(TOKENIZER.tokenizer))
+    tms = [TokenizerManager(config, TOKENIZER, context_length=2048, worker_index=w, clock=clock, req_id_base=1) for w in range(WORKERS)]
+    spans = [InMemorySpanExporter() for _ in tms]
+    for tm, exporter in zip(tms, spans):
+        tm.tracer = RequestTracer(config, tm.model_name, exporter=exporter)
+    detok = IncrementalDetokenizer(TOKENIZER.tokenizer)
+    pipe = Pipeline(tms, detok, [record_metrics(tm) for tm in tms], spans, split, texts=TokenTextCache(TOKENIZER.tokenizer))
+    if split:
+        pipe.decoders = [FramesOnly(TOKENIZER.tokenizer) for _ in tms]
+        for tm, decoder in zip(tms, pipe.decoders):
+            tm.token_texts = TokenTextCache(decoder)  # type: ignore[arg-type]
+    return pipe
 
 
 def compare_spans(opt: Pipeline, ref: Pipeline, seed: int) -> int:
-    got, want = opt.finished_spans(), ref.finished_spans()
-    for a, b in zip(got, want):
-        if a != b:
-            pytest.fail(f"seed {seed}: span differs\n optimized: {a}\n reference: {b}")
-    assert len(got) == len(want), f"seed {seed}: {len(got)} spans against {len(want)}"
-    return len(got)
+    """Each worker's spans against the same worker's, in worker order."""
+    compared = 0
+    for w, (got, want) in enumerate(zip(opt.finished_spans(), ref.finished_spans())):
+        for a, b in zip(got, want):
+            if a != b:
+                pytest.fail(f"seed {seed}: span of worker {w} differs\n optimized: {a}\n reference: {b}")
+        assert len(got) == len(want), f"seed {seed}: worker {w} exported {len(got)} spans against {len(want)}"
+        compared += len(got)
+    return compared
 
 
 def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
     """Drives ``lifecycles`` random lifecycles; returns the number of rows compared."""
     rng = random.Random(seed)
     world = SimWorld(rng, TOKENIZER)
-    opt, ref = make_pipeline(metrics, lambda: world.now), make_pipeline(metrics, lambda: world.now)
+    opt, ref = make_pipeline(metrics, lambda: world.now, split=True), make_pipeline(metrics, lambda: world.now, split=False)
+    # Its own generator, so the lifecycles drawn for a seed are those drawn without workers.
+    placement = random.Random(f"workers-{seed}")
     stop_token = next(iter(TOKENIZER.eos_token_ids))
     active: list[tuple[Req, Any]] = []
     delivered: dict[int, Delivered] = {}
@@ -276,8 +352,9 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
             if asked is not None and rng.random() < 0.5:
                 asked = msgspec.structs.replace(asked, return_text=True)
             rid = f"sim-{seed}-{started}"
-            s_opt = opt.tm.open_state(sampling=sampling, stream=stream, rid=rid)
-            s_ref = ref.tm.open_state(sampling=sampling, stream=stream, rid=rid)
+            worker = placement.randrange(WORKERS)
+            s_opt = opt.tms[worker].open_state(sampling=sampling, stream=stream, rid=rid)
+            s_ref = ref.tms[worker].open_state(sampling=sampling, stream=stream, rid=rid)
             assert s_opt.req_id == s_ref.req_id
             if embedding:
                 s_opt.operation = s_ref.operation = "embeddings"
@@ -286,14 +363,19 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
             # The reference decodes each token; the optimized side answers from the texts
             # the detokenizer sent with the frames (the prompt's decoded on arrival).
             shown = asked is not None and asked.return_text
-            opt.text_of[req.req_id] = opt.tm.token_texts if shown else None
+            opt.text_of[req.req_id] = opt.tms[worker].token_texts if shown else None
             ref.text_of[req.req_id] = token_text if shown else None
             for state in (s_opt, s_ref):
                 state.logprob = asked  # as TokenizerManager.submit_generate records them
                 if asked is not None and asked.logprob_start_len >= 0:
                     state.prompt_ids = req.origin_input_ids
-            if shown and asked.logprob_start_len >= 0 and opt.tm.token_texts is not None:  # type: ignore[union-attr]
-                opt.tm.token_texts.fill(req.origin_input_ids[asked.logprob_start_len :])  # type: ignore[union-attr]
+            texts, decoder = opt.tms[worker].token_texts, opt.decoders[worker]
+            if shown and texts is not None and decoder is not None:
+                decoder.arriving = True
+                if asked.logprob_start_len >= 0:  # type: ignore[union-attr]
+                    texts.fill(req.origin_input_ids[asked.logprob_start_len :])  # type: ignore[union-attr]
+                texts.fill(asked.token_ids_logprob)  # type: ignore[union-attr]
+                decoder.arriving = False
             active.append((req, embedding_lifecycle(world, req) if embedding else lifecycle(world, req, stop_token, kind)))
             started += 1
         if rng.random() < 0.01:
@@ -320,6 +402,8 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
         world.now += 0.01 + rng.random() / 1000
     spans += compare_spans(opt, ref, seed)
     assert spans >= 2 * lifecycles, "every request should have exported a span and its stages"
+    for tm in opt.tms + ref.tms:
+        tm.tracer.shutdown()  # ends its exporter thread
     return compared
 
 
@@ -348,7 +432,7 @@ def compare_frame(
     frame = build_token_output(rows[: len(rows) - len(steady)], steady=steady_rows(steady))
     check_frame_logprobs(frame, want_output, want_prompt, seed)
     reference = msgspec.structs.replace(frame, request_stats=[r.stats for r in rows])
-    log_mark = (len(opt.metrics_log), len(ref.metrics_log))
+    marks = (opt.metrics_marks(), ref.metrics_marks())
     # A streaming client that does not read this step (a finished row is always read): its
     # rows wait as chunks, or merge into the last one while an event is being sent
     # (``ReqState.sending``); its next read gets them all, as several events.
@@ -376,10 +460,19 @@ def compare_frame(
         if req.finished:
             check_against_truth(world, req, delivered.pop(req.req_id), seed)
             truth.forget(req.req_id)
-    new_opt, new_ref = opt.metrics_log[log_mark[0] :], ref.metrics_log[log_mark[1] :]
+    same_states(opt, ref, seed)
+    new_opt, new_ref = opt.metrics_since(marks[0]), ref.metrics_since(marks[1])
     if new_opt != new_ref:
         pytest.fail(f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}")
     return len(rows)
+
+
+def same_states(opt: Pipeline, ref: Pipeline, seed: int) -> None:
+    """Each worker holds the same live requests on both sides: the split sent none of its
+    rows elsewhere, and the reference's dropped rows touched no request."""
+    for w, (a, b) in enumerate(zip(opt.tms, ref.tms)):
+        if a.states.keys() != b.states.keys():
+            pytest.fail(f"seed {seed}: worker {w} holds {sorted(a.states)} against {sorted(b.states)}")
 
 
 def steady_rows(reqs: list[Req]) -> SteadyRows | None:
@@ -475,14 +568,15 @@ def compare_embedding_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed:
     rows = world.embedding_rows
     vectors = np.asarray([[world.rng.random() for _ in range(4)] for _ in rows], dtype=np.float32)
     frame = build_embedding_output(rows, vectors)
-    log_mark = (len(opt.metrics_log), len(ref.metrics_log))
+    marks = (opt.metrics_marks(), ref.metrics_marks())
     opt.feed(frame)
     ref.feed(msgspec.structs.replace(frame, request_stats=[r.stats for r in rows]))
     for req in rows:
         got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
         if got != want or got is None:
             pytest.fail(f"seed {seed}: embedding output of {req.rid} differs\n optimized: {got}\n reference: {want}")
-    if opt.metrics_log[log_mark[0] :] != ref.metrics_log[log_mark[1] :]:
+    same_states(opt, ref, seed)
+    if opt.metrics_since(marks[0]) != ref.metrics_since(marks[1]):
         pytest.fail(f"seed {seed}: metrics observations of an embedding frame differ")
     return len(rows)
 
