@@ -57,7 +57,7 @@ def read_token_rows(frame: BatchTokenIDOutput | BatchStrOutput) -> TokenRows:
     return TokenRows(req_ids=req_ids.tolist(), tokens=tokens, completion_tokens=completion.tolist())
 
 
-def count_token_rows(frame: BatchTokenIDOutput) -> int:
+def count_token_rows(frame: BatchTokenIDOutput | BatchStrOutput) -> int:
     """The number of rows of a token frame whose rows are passed on unread (the detokenizer
     under ``--skip-tokenizer-init``), with every per-row column checked against it as
     ``read_token_rows`` does; the flat token column is checked where the rows are read."""

@@ -28,6 +28,7 @@ from pipeline.io_struct import (
     COUNT_DTYPE,
     REQ_ID_DTYPE,
     TOKEN_DTYPE,
+    WORKER_SHIFT,
     BatchEmbeddingOutput,
     BatchStrOutput,
     FrameLogprobs,
@@ -38,27 +39,14 @@ from pipeline.io_struct import (
 )
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE
 
-# The high byte of an int64 id: up to 127 workers, each with 2**56 ids of its own.
-WORKER_SHIFT = 56
-
 Frame = TypeVar("Frame", BatchStrOutput, BatchEmbeddingOutput)
 T = TypeVar("T")
-
-
-def worker_of(req_id: int) -> int:
-    """The index of the API worker that assigned ``req_id``."""
-    return req_id >> WORKER_SHIFT
 
 
 def workers_of(req_ids: np.ndarray) -> np.ndarray:
     """``worker_of`` over a req_ids column (int64: an arithmetic shift, so a negative id
     gives a negative index, a worker that does not exist)."""
     return req_ids >> WORKER_SHIFT
-
-
-def control_worker(control_id: int) -> int:
-    """The index of the API worker that sent the control a ``control_id`` answers."""
-    return control_id >> WORKER_SHIFT
 
 
 class WorkerSplit(NamedTuple, Generic[Frame]):
@@ -126,7 +114,7 @@ def split_str_output(frame: BatchStrOutput, workers: int) -> WorkerSplit[BatchSt
     whole = _whole(req_ids, workers)
     if whole is not None:
         return WorkerSplit([(whole, frame)], [])
-    n = count_token_rows(frame)  # type: ignore[arg-type]  # it checks a BatchStrOutput's columns too
+    n = count_token_rows(frame)
     counts = from_column(frame.output_counts, COUNT_DTYPE).astype(np.int64)
     tokens = from_column(frame.output_ids, TOKEN_DTYPE)
     if (len(counts) and counts.min() < 0) or int(counts.sum()) != len(tokens):

@@ -28,6 +28,7 @@ from pipeline.io_struct import (
     COUNT_DTYPE,
     REQ_ID_DTYPE,
     TOKEN_DTYPE,
+    WORKER_SHIFT,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
@@ -40,21 +41,15 @@ from pipeline.io_struct import (
     TokenizerManagerInput,
     TokenTexts,
     from_column,
+    worker_of,
 )
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
-from pipeline.worker_frames import (
-    WORKER_SHIFT,
-    control_worker,
-    split_embedding_output,
-    split_str_output,
-    worker_of,
-    workers_of,
-)
+from pipeline.worker_frames import split_embedding_output, split_str_output, workers_of
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler
 from tokenizer_proc.req_state import ReqState
-from tokenizer_proc.tokenizer_manager import _WORKER_SHIFT, TokenizerManager
+from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 TOKENIZER = load_tokenizer(None)
 ENCODER = msgspec.msgpack.Encoder()
@@ -418,13 +413,13 @@ def test_rows_of_a_worker_that_does_not_exist_are_returned_apart() -> None:
 
 
 def test_worker_index_arithmetic() -> None:
-    assert WORKER_SHIFT == _WORKER_SHIFT  # the tokenizer manager assigns ids with the same shift
     ids = [(w << WORKER_SHIFT) + k for w in (0, 1, 2, 126) for k in (0, 1, (1 << WORKER_SHIFT) - 1)]
     assert [worker_of(i) for i in ids] == workers_of(np.array(ids, dtype=np.int64)).tolist() == [w for w in (0, 1, 2, 126) for _ in range(3)]
-    assert control_worker((2 << WORKER_SHIFT) + 17) == 2 and control_worker(17) == 0
+    assert worker_of((2 << WORKER_SHIFT) + 17) == 2 and worker_of(17) == 0  # control_ids alike
     assert worker_of(-1) < 0 and workers_of(np.array([-1], dtype=np.int64)).tolist() == [-1]
     tm = manager(2)
     assert worker_of(tm.open_state(sampling=SamplingParams(), stream=False, rid="x").req_id) == 2
+    assert worker_of(next(tm._next_control_id)) == 2
 
 
 def test_an_empty_frame_has_no_parts() -> None:
