@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import BearerAuth, install_error_handlers
-from pipeline.io_struct import SamplingParams
+from pipeline.io_struct import RequestOutputStats, SamplingParams
 from pipeline.token_texts import TokenText
 from tokenizer_proc.api_schema import (
     AbortRequestBody,
@@ -39,7 +38,9 @@ from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.openai_api import build_openai_router
-from tokenizer_proc.req_state import ReqState, sending
+from tokenizer_proc.req_state import ReqState, StreamChunk
+from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError
+from tokenizer_proc.sse_stream import SseResponse
 from tokenizer_proc.tokenize_api import build_tokenize_router
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 from tokenizer_proc.worker_api import build_worker_router
@@ -93,7 +94,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
                 # A refusal (full queue, scheduler's check, PD failure) is the first change
                 # when it comes: answer it with its status rather than a 200 stream.
                 if await wait_started(tm, [state], request) is None:
-                    return StreamingResponse(_stream_generate(tm, state, text_of), media_type="text/event-stream")
+                    return SseResponse(_GenerateEvents(tm, state, text_of))
             else:
                 await wait_finished(tm, state, request)
         except ClientGone:
@@ -159,33 +160,69 @@ def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_
     return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
 
 
-async def _stream_generate(tm: TokenizerManager, state: ReqState, text_of: TokenText | None = None) -> AsyncIterator[bytes]:
-    try:
-        # Not ``tm.wait``: it ends as soon as the state is finished, but rows and the finish
-        # that come while events are being sent must still go out after them.
-        finished = False
-        first_event = True  # the prompt logprobs go on it
-        while not finished:
-            await state.event.wait()
-            state.event.clear()
-            refused = refusal(state) if state.finished else None
-            if refused is not None:
-                yield b"data: " + bytes(refused.body) + b"\n\n"
-                break
-            # Finished or not as taken: what comes while these events are sent is the next take's.
-            chunks, finished = state.take_pending(), state.finished
-            for i, chunk in enumerate(chunks):
-                final = finished and i == len(chunks) - 1  # the finish goes on the last event only
-                meta = build_meta_info(state, None if final else chunk)
-                if state.logprob is not None:
-                    meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, text_of))
-                    if state.logprob.logprob_start_len >= 0 and first_event:
-                        meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
-                first_event = False
-                with sending([state]):
-                    yield sse(_generate_body(tm, chunk.text, chunk.ids, meta))
-        yield b"data: [DONE]\n\n"
-    finally:
-        # Cancelled by a disconnect (or any other exit before the finish): stop the work.
-        if not state.finished:
-            tm.abort(state.req_id)
+class _GenerateEvents:
+    """A /generate stream's events (an ``EventSource``): each carries only what is new in
+    ``text`` and ``output_ids``, with counts through it in ``meta_info``; the finish goes on
+    the last. An event before the last is the stream's template for its stats, filled with
+    the chunk's text, ids and count: its meta_info depends on nothing else."""
+
+    def __init__(self, tm: TokenizerManager, state: ReqState, text_of: TokenText | None) -> None:
+        self.states = (state,)
+        self.ended = False
+        self._tm = tm
+        self._state = state
+        self._text_of = text_of
+        self._first_event = True  # the prompt logprobs go on it
+        self._stats: RequestOutputStats | None = None  # the stats self._template was built from
+        self._template: EventTemplate | None = None
+
+    def opening(self) -> bytes:
+        return b""
+
+    def events(self, index: int) -> bytes:
+        state = self._state
+        refused = refusal(state) if state.finished else None
+        if refused is not None:
+            self.ended = True
+            return b"data: " + bytes(refused.body) + b"\n\n"
+        chunks, finished = state.take_pending(), state.finished
+        out = []
+        for i, chunk in enumerate(chunks):
+            final = finished and i == len(chunks) - 1  # the finish goes on the last event only
+            template = self._interim_template(chunk) if not final and state.logprob is None else None
+            if template is not None:
+                values = (chunk.ids, chunk.completion_tokens) if self._tm.tokenizer is None else (chunk.text, chunk.ids, chunk.completion_tokens)
+                out.append(template.fill(*values))
+                continue
+            meta = build_meta_info(state, None if final else chunk)
+            if state.logprob is not None:
+                meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, self._text_of))
+                if state.logprob.logprob_start_len >= 0 and self._first_event:
+                    meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, self._text_of))
+            self._first_event = False
+            out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta)))
+        return b"".join(out)
+
+    def _interim_template(self, chunk: StreamChunk) -> EventTemplate | None:
+        """The template of an event before the last, for this chunk's stats (None: a rid
+        that holds a hole's marker; such events are encoded whole)."""
+        if chunk.stats is not self._stats or self._template is None:
+            self._stats = chunk.stats
+            meta = build_meta_info(self._state, chunk)
+            meta["completion_tokens"] = _COUNT
+            try:
+                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta))  # type: ignore[arg-type]
+            except TemplateError:
+                self._template = None
+        return self._template
+
+    def closing(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def close(self) -> None:
+        # A disconnect (or any other exit before the finish): stop the work.
+        if not self._state.finished:
+            self._tm.abort(self._state.req_id)
+
+
+_TEXT, _IDS, _COUNT = Hole(), Hole(), Hole()
