@@ -57,7 +57,7 @@ class BodyLimit:
 
 def _declared_length(scope: Any) -> int:
     """The Content-Length, or -1 when there is none. A malformed one is left to the server
-    (h11 refuses it before the app is called)."""
+    (its parser refuses it before the app is called)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:
