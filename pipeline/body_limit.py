@@ -38,8 +38,15 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if _declared_length(scope) > self.max_bytes:
+        declared = _declared_length(scope)
+        if declared > self.max_bytes:
             await self.refuse(scope, send)
+            return
+        if declared >= 0:
+            # The server reads exactly the declared length (any more is the next request),
+            # so the body cannot outgrow the limit: nothing to count, and no wrapper for a
+            # stream's every send.
+            await self.app(scope, receive, send)
             return
         await _LimitedRequest(self, scope, receive, send).run()
 

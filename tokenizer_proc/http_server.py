@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
 from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import BearerAuth, install_error_handlers
@@ -22,6 +23,7 @@ from tokenizer_proc.api_schema import (
     decode_body,
 )
 from tokenizer_proc.embeddings_api import build_embeddings_router
+from tokenizer_proc.hot_routes import HotRoutes, post_endpoints
 from tokenizer_proc.hicache_api import build_hicache_router
 from tokenizer_proc.http_common import (
     ClientGone,
@@ -48,7 +50,9 @@ from tokenizer_proc.worker_api import build_worker_router
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
-def build_app(tm: TokenizerManager) -> FastAPI:
+def build_app(tm: TokenizerManager) -> ASGIApp:
+    """The API's ASGI app: FastAPI's routes behind the key check and the body limit, with the
+    generation routes served in front of FastAPI's stack (``HotRoutes``)."""
     app = FastAPI(title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None)
     api_key = tm.config.api_key
 
@@ -137,19 +141,22 @@ def build_app(tm: TokenizerManager) -> FastAPI:
         tm.abort(req_id, "aborted by /abort_request")
         return JSONResponse({"aborted": obj.rid})
 
-    app.include_router(build_openai_router(tm))
+    openai_router = build_openai_router(tm)
+    app.include_router(openai_router)
     app.include_router(build_embeddings_router(tm))
     app.include_router(build_hicache_router(tm))
     app.include_router(build_tokenize_router(tm))
     app.include_router(build_worker_router(tm))
 
+    hot = {"/generate": generate, **post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions"))}
     too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
-    app.add_middleware(BodyLimit, max_bytes=tm.config.max_request_bytes, on_reject=too_large)
-    # Added last, so outermost: the key is checked first. Neither reads the body before its
-    # answer, but a client without the key gets its 401 and learns nothing of the limit.
+    # In front of FastAPI's own stack, so the generation routes (HotRoutes) are under them too.
+    edge: ASGIApp = BodyLimit(HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large)
+    # Outermost: the key is checked first. Neither reads the body before its answer, but a
+    # client without the key gets its 401 and learns nothing of the limit.
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key, open_paths=_OPEN_PATHS)
-    return app
+        edge = BearerAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
+    return edge
 
 
 def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_info: dict[str, Any]) -> dict[str, Any]:
