@@ -193,13 +193,16 @@ class _GenerateEvents:
             self.ended = True
             return b"data: " + bytes(refused.body) + b"\n\n"
         chunks, finished = state.take_pending(), state.finished
+        if not finished and state.logprob is None:
+            fills = [self._interim(chunk) for chunk in chunks]
+            if None not in fills:
+                return b"".join(fills)  # type: ignore[arg-type]
         out = []
         for i, chunk in enumerate(chunks):
             final = finished and i == len(chunks) - 1  # the finish goes on the last event only
-            template = self._interim_template(chunk) if not final and state.logprob is None else None
-            if template is not None:
-                values = (chunk.ids, chunk.completion_tokens) if self._tm.tokenizer is None else (chunk.text, chunk.ids, chunk.completion_tokens)
-                out.append(template.fill(*values))
+            event = self._interim(chunk) if not final and state.logprob is None else None
+            if event is not None:
+                out.append(event)
                 continue
             meta = build_meta_info(state, None if final else chunk)
             if state.logprob is not None:
@@ -209,6 +212,15 @@ class _GenerateEvents:
             self._first_event = False
             out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta)))
         return b"".join(out)
+
+    def _interim(self, chunk: StreamChunk) -> bytes | None:
+        """The event of a chunk before the last, filled into its template (None: no template)."""
+        template = self._interim_template(chunk)
+        if template is None:
+            return None
+        if self._tm.tokenizer is None:
+            return template.fill(chunk.ids, chunk.completion_tokens)
+        return template.fill(chunk.text, chunk.ids, chunk.completion_tokens)
 
     def _interim_template(self, chunk: StreamChunk) -> EventTemplate | None:
         """The template of an event before the last, for this chunk's stats (None: a rid

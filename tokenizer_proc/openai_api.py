@@ -438,6 +438,8 @@ class _ChoiceEvents:
         self._offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
         self._leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
         self._templates: list[EventTemplate | None] = [None] * len(states)
+        # Every content chunk before a choice's finish is its template filled with the text.
+        self._plain = not self._ids_out and not usage.continuous and all(s.logprob is None and not s.echo for s in states)
 
     def opening(self) -> bytes:
         head, usage = self._head, self._usage
@@ -450,6 +452,13 @@ class _ChoiceEvents:
 
     def events(self, index: int) -> bytes:
         state = self.states[index]
+        if self._plain and not state.finished:
+            template = self._templates[index]
+            if template is None:
+                template = self._templates[index] = self._text_template(index)
+            if template is not None:
+                # Ids that decode to no text yet are nothing to show.
+                return b"".join([template.fill(chunk.text) for chunk in state.take_pending() if chunk.text])
         refused = refusal(state) if state.finished else None
         if refused is not None:
             self.ended = True
@@ -458,7 +467,6 @@ class _ChoiceEvents:
         # Finished or not as taken: what comes while these events are sent is the next take's.
         chunks, finish_reason = state.take_pending(), _finish_reason(state)
         stop_reason = _stop_reason(state)
-        plain = state.logprob is None and not ids_out and not self._usage.continuous
         out = []
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1  # the finish goes on the last event only
@@ -468,7 +476,7 @@ class _ChoiceEvents:
                 continue
             lead = self._leading[index]
             self._leading[index] = False
-            if plain and final is None and not (lead and state.echo):
+            if self._plain and final is None:
                 template = self._templates[index]
                 if template is None:
                     template = self._templates[index] = self._text_template(index)

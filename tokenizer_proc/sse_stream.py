@@ -152,7 +152,13 @@ class SseResponse(Response):
                 if not left or source.ended:
                     break
                 if body:
-                    await _send_events(send, states, body)
+                    # The send only waits while the client's socket is full: rows that come
+                    # meanwhile merge into their last chunk. (If it raises, the stream is over.)
+                    for state in states:
+                        state.sending = True
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    for state in states:
+                        state.sending = False
                     body = b""
                 await changes.wait()
                 if changes.closed:
@@ -161,17 +167,6 @@ class SseResponse(Response):
         finally:
             gone.cancel()
             source.close()
-
-
-async def _send_events(send: Any, states: Sequence[ReqState], body: bytes) -> None:
-    # The send only waits while the client's socket is full: what comes meanwhile merges.
-    for state in states:
-        state.sending = True
-    try:
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-    finally:
-        for state in states:
-            state.sending = False
 
 
 async def _until_disconnected(receive: Any) -> None:
