@@ -38,8 +38,15 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if _declared_length(scope) > self.max_bytes:
+        declared = _declared_length(scope)
+        if declared > self.max_bytes:
             await self.refuse(scope, send)
+            return
+        if declared >= 0:
+            # The server reads exactly the declared length (any more is the next request),
+            # so the body cannot outgrow the limit: nothing to count, and no wrapper for a
+            # stream's every send.
+            await self.app(scope, receive, send)
             return
         await _LimitedRequest(self, scope, receive, send).run()
 
@@ -57,7 +64,7 @@ class BodyLimit:
 
 def _declared_length(scope: Any) -> int:
     """The Content-Length, or -1 when there is none. A malformed one is left to the server
-    (h11 refuses it before the app is called)."""
+    (its parser refuses it before the app is called)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:

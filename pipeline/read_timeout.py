@@ -10,8 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger("tokenpipe.http")
 
@@ -20,9 +19,11 @@ logger = logging.getLogger("tokenpipe.http")
 _BODY_TIMEOUTS = 10
 
 
-class _ReadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, plus a bound on how slowly a client may send its request
-    (uvicorn's own ``timeout_keep_alive`` covers only an idle connection between requests).
+class _ReadTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (its fast one: llhttp parses in C, and a response body
+    is one transport write with no per-message state machine in Python), plus a bound on
+    how slowly a client may send its request (uvicorn's own ``timeout_keep_alive`` covers
+    only an idle connection between requests).
 
     - Headers: all of them must arrive within ``read_timeout`` of the request's start: the
       connection being made, or the first byte of the next request on a kept-alive one (the
@@ -43,6 +44,7 @@ class _ReadTimeoutProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
         self._reading: str | None = None  # "headers", "body" or None (not reading a request)
+        self._began = False  # a byte of the request being read has come
         self._body_deadline = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -54,26 +56,27 @@ class _ReadTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._reading is None and self.conn.their_state is h11.IDLE:
-            self._start_reading("headers")  # the first byte of the next request
-        elif self._reading == "body":
+        if self._reading == "body":
             self._arm(min(self.read_timeout, self._body_deadline - self.loop.time()))
         super().data_received(data)
-        self._follow_request()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._follow_request()  # a pipelined request may have started
+    # llhttp's callbacks, as the parser reaches each part of a request.
 
-    def _follow_request(self) -> None:
-        state = self.conn.their_state
-        if state is h11.SEND_BODY and self._reading != "body":
-            self._body_deadline = self.loop.time() + _BODY_TIMEOUTS * self.read_timeout
-            self._start_reading("body")
-        elif state is not h11.IDLE and state is not h11.SEND_BODY:
-            self._stop_reading()  # fully read (or the connection is done for)
-        elif state is h11.IDLE and self._reading == "body":
-            self._stop_reading()  # between requests: the keep-alive timeout's turn
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._began = True
+        if self._reading is None:
+            self._start_reading("headers")  # the first byte of the next request
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._body_deadline = self.loop.time() + _BODY_TIMEOUTS * self.read_timeout
+        self._start_reading("body")  # a request without one completes at once
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._began = False
+        self._stop_reading()  # fully read
 
     def _start_reading(self, what: str) -> None:
         self._reading = what
@@ -99,7 +102,7 @@ class _ReadTimeoutProtocol(H11Protocol):
             return
         # A connection that never sent a byte (a browser's preconnect, say) is closed like
         # uvicorn closes an idle kept-alive one: silently, and not counted as a request.
-        began = self._reading == "body" or bool(self.conn.trailing_data[0])
+        began = self._began
         if began:
             logger.info("dropped a client too slow sending its request %s (%s)", self._reading, self.client)
         self._stop_reading()
@@ -108,11 +111,11 @@ class _ReadTimeoutProtocol(H11Protocol):
             self.on_read_timeout()
 
 
-def read_timeout_protocol(read_timeout: float, on_read_timeout: Callable[[], None] | None) -> type[H11Protocol]:
+def read_timeout_protocol(read_timeout: float, on_read_timeout: Callable[[], None] | None) -> type[HttpToolsProtocol]:
     """The uvicorn ``http`` protocol class for one server: a subclass per server, so the
     settings live on it and nothing is shared between servers."""
     return type(
-        "ReadTimeoutH11Protocol",
+        "ReadTimeoutHttpToolsProtocol",
         (_ReadTimeoutProtocol,),
         {"read_timeout": read_timeout, "on_read_timeout": staticmethod(on_read_timeout) if on_read_timeout else None},
     )

@@ -141,6 +141,11 @@ class Recorder:
         self._log.append((self._name, "observe", value))
         self._child.observe(value)
 
+    def observe_many(self, value: float, count: int) -> None:
+        # Recorded as the ``count`` observations it stands for.
+        self._log.extend([(self._name, "observe", value)] * count)
+        self._child.observe_many(value, count)
+
 
 def record_metrics(tm: TokenizerManager) -> list[tuple[str, str, float]]:
     log: list[tuple[str, str, float]] = []

@@ -6,38 +6,19 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from typing import Any
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pipeline.http_edge import error_response, until_disconnected
 from pipeline.io_struct import FinishAbort, TraceContext
 from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.sse_events import sse as sse  # the routes' SSE framing, shared from here
 from tokenizer_proc.tokenizer_manager import TokenizerManager
-
-_json = msgspec.json.Encoder()
 
 
 class ClientGone(Exception):
     """The client disconnected before its request finished."""
-
-
-# Characters that JSON leaves as they are but that str.splitlines() ends a line at (NEL,
-# LINE SEPARATOR, PARAGRAPH SEPARATOR, in UTF-8). SSE ends lines at CR and LF only, yet
-# common clients read the stream with splitlines (httpx's aiter_lines, requests'
-# iter_lines) and would cut an event whose text holds one; escaped, the JSON is the same.
-_LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
-
-
-def sse(payload: Any) -> bytes:
-    data = _json.encode(payload)
-    # Two byte scans when (as nearly always) neither lead byte occurs.
-    if b"\xc2" in data or b"\xe2" in data:
-        for raw, escaped in _LINE_BREAKERS:
-            data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"
 
 
 def trace_context(request: Request) -> TraceContext | None:

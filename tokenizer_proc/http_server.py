@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
 from pipeline.body_limit import BodyLimit
 from pipeline.http_edge import BearerAuth, install_error_handlers
-from pipeline.io_struct import SamplingParams
+from pipeline.io_struct import RequestOutputStats, SamplingParams
 from pipeline.token_texts import TokenText
 from tokenizer_proc.api_schema import (
     AbortRequestBody,
@@ -23,6 +23,7 @@ from tokenizer_proc.api_schema import (
     decode_body,
 )
 from tokenizer_proc.embeddings_api import build_embeddings_router
+from tokenizer_proc.hot_routes import HotRoutes, post_endpoints
 from tokenizer_proc.hicache_api import build_hicache_router
 from tokenizer_proc.http_common import (
     ClientGone,
@@ -39,7 +40,9 @@ from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.openai_api import build_openai_router
-from tokenizer_proc.req_state import ReqState, sending
+from tokenizer_proc.req_state import ReqState, StreamChunk
+from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError
+from tokenizer_proc.sse_stream import SseResponse
 from tokenizer_proc.tokenize_api import build_tokenize_router
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 from tokenizer_proc.worker_api import build_worker_router
@@ -47,7 +50,9 @@ from tokenizer_proc.worker_api import build_worker_router
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
-def build_app(tm: TokenizerManager) -> FastAPI:
+def build_app(tm: TokenizerManager) -> ASGIApp:
+    """The API's ASGI app: FastAPI's routes behind the key check and the body limit, with the
+    generation routes served in front of FastAPI's stack (``HotRoutes``)."""
     app = FastAPI(title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None)
     api_key = tm.config.api_key
 
@@ -93,7 +98,7 @@ def build_app(tm: TokenizerManager) -> FastAPI:
                 # A refusal (full queue, scheduler's check, PD failure) is the first change
                 # when it comes: answer it with its status rather than a 200 stream.
                 if await wait_started(tm, [state], request) is None:
-                    return StreamingResponse(_stream_generate(tm, state, text_of), media_type="text/event-stream")
+                    return SseResponse(_GenerateEvents(tm, state, text_of))
             else:
                 await wait_finished(tm, state, request)
         except ClientGone:
@@ -134,19 +139,22 @@ def build_app(tm: TokenizerManager) -> FastAPI:
             return error_response(404, f"no running request with rid {obj.rid!r}", err_type="not_found_error", param="rid")
         return JSONResponse({"aborted": obj.rid})
 
-    app.include_router(build_openai_router(tm))
+    openai_router = build_openai_router(tm)
+    app.include_router(openai_router)
     app.include_router(build_embeddings_router(tm))
     app.include_router(build_hicache_router(tm))
     app.include_router(build_tokenize_router(tm))
     app.include_router(build_worker_router(tm))
 
+    hot = {"/generate": generate, **post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions"))}
     too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
-    app.add_middleware(BodyLimit, max_bytes=tm.config.max_request_bytes, on_reject=too_large)
-    # Added last, so outermost: the key is checked first. Neither reads the body before its
-    # answer, but a client without the key gets its 401 and learns nothing of the limit.
+    # In front of FastAPI's own stack, so the generation routes (HotRoutes) are under them too.
+    edge: ASGIApp = BodyLimit(HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large)
+    # Outermost: the key is checked first. Neither reads the body before its answer, but a
+    # client without the key gets its 401 and learns nothing of the limit.
     if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key, open_paths=_OPEN_PATHS)
-    return app
+        edge = BearerAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
+    return edge
 
 
 def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_info: dict[str, Any]) -> dict[str, Any]:
@@ -157,33 +165,81 @@ def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_
     return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
 
 
-async def _stream_generate(tm: TokenizerManager, state: ReqState, text_of: TokenText | None = None) -> AsyncIterator[bytes]:
-    try:
-        # Not ``tm.wait``: it ends as soon as the state is finished, but rows and the finish
-        # that come while events are being sent must still go out after them.
-        finished = False
-        first_event = True  # the prompt logprobs go on it
-        while not finished:
-            await state.event.wait()
-            state.event.clear()
-            refused = refusal(state) if state.finished else None
-            if refused is not None:
-                yield b"data: " + bytes(refused.body) + b"\n\n"
-                break
-            # Finished or not as taken: what comes while these events are sent is the next take's.
-            chunks, finished = state.take_pending(), state.finished
-            for i, chunk in enumerate(chunks):
-                final = finished and i == len(chunks) - 1  # the finish goes on the last event only
-                meta = build_meta_info(state, None if final else chunk)
-                if state.logprob is not None:
-                    meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, text_of))
-                    if state.logprob.logprob_start_len >= 0 and first_event:
-                        meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
-                first_event = False
-                with sending([state]):
-                    yield sse(_generate_body(tm, chunk.text, chunk.ids, meta))
-        yield b"data: [DONE]\n\n"
-    finally:
-        # Cancelled by a disconnect (or any other exit before the finish): stop the work.
-        if not state.finished:
-            tm.abort(state.req_id)
+class _GenerateEvents:
+    """A /generate stream's events (an ``EventSource``): each carries only what is new in
+    ``text`` and ``output_ids``, with counts through it in ``meta_info``; the finish goes on
+    the last. An event before the last is the stream's template for its stats, filled with
+    the chunk's text, ids and count: its meta_info depends on nothing else."""
+
+    def __init__(self, tm: TokenizerManager, state: ReqState, text_of: TokenText | None) -> None:
+        self.states = (state,)
+        self.ended = False
+        self._tm = tm
+        self._state = state
+        self._text_of = text_of
+        self._first_event = True  # the prompt logprobs go on it
+        self._stats: RequestOutputStats | None = None  # the stats self._template was built from
+        self._template: EventTemplate | None = None
+
+    def opening(self) -> bytes:
+        return b""
+
+    def events(self, index: int) -> bytes:
+        state = self._state
+        refused = refusal(state) if state.finished else None
+        if refused is not None:
+            self.ended = True
+            return b"data: " + bytes(refused.body) + b"\n\n"
+        chunks, finished = state.take_pending(), state.finished
+        if not finished and state.logprob is None:
+            fills = [self._interim(chunk) for chunk in chunks]
+            if None not in fills:
+                return b"".join(fills)  # type: ignore[arg-type]
+        out = []
+        for i, chunk in enumerate(chunks):
+            final = finished and i == len(chunks) - 1  # the finish goes on the last event only
+            event = self._interim(chunk) if not final and state.logprob is None else None
+            if event is not None:
+                out.append(event)
+                continue
+            meta = build_meta_info(state, None if final else chunk)
+            if state.logprob is not None:
+                meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, self._text_of))
+                if state.logprob.logprob_start_len >= 0 and self._first_event:
+                    meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, self._text_of))
+            self._first_event = False
+            out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta)))
+        return b"".join(out)
+
+    def _interim(self, chunk: StreamChunk) -> bytes | None:
+        """The event of a chunk before the last, filled into its template (None: no template)."""
+        template = self._interim_template(chunk)
+        if template is None:
+            return None
+        if self._tm.tokenizer is None:
+            return template.fill(chunk.ids, chunk.completion_tokens)
+        return template.fill(chunk.text, chunk.ids, chunk.completion_tokens)
+
+    def _interim_template(self, chunk: StreamChunk) -> EventTemplate | None:
+        """The template of an event before the last, for this chunk's stats (None: a rid
+        that holds a hole's marker; such events are encoded whole)."""
+        if chunk.stats is not self._stats or self._template is None:
+            self._stats = chunk.stats
+            meta = build_meta_info(self._state, chunk)
+            meta["completion_tokens"] = _COUNT
+            try:
+                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta))  # type: ignore[arg-type]
+            except TemplateError:
+                self._template = None
+        return self._template
+
+    def closing(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def close(self) -> None:
+        # A disconnect (or any other exit before the finish): stop the work.
+        if not self._state.finished:
+            self._tm.abort(self._state.req_id)
+
+
+_TEXT, _IDS, _COUNT = Hole(), Hole(), Hole()

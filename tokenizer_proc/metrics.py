@@ -73,6 +73,21 @@ RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50)
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
 
 
+class _TallyHistogram(Histogram):
+    """A Histogram that takes one value many times in one update of its sum and bucket:
+    Prometheus's ``observe`` takes one at a time, under a lock each, and a frame brings one
+    inter-token gap per row, most of them the same (every row of one decode step)."""
+
+    def observe_many(self, amount: float, count: int) -> None:
+        """``observe(amount)`` ``count`` times over; the bucket as ``observe`` picks it."""
+        self._raise_if_not_observable()
+        self._sum.inc(amount * count)
+        for i, bound in enumerate(self._upper_bounds):
+            if amount <= bound:
+                self._buckets[i].inc(count)
+                break
+
+
 class RequestMetrics:
     """Request-level metrics of docs/design.md section 7. Every value comes from the ReqState: its
     ``request_stats`` (the scheduler's numbers) and its own timing."""
@@ -99,7 +114,10 @@ class RequestMetrics:
         self.num_rejected = {r: rejected.labels(**labels, reason=r) for r in REJECTION_REASONS}
         ttft = histogram("time_to_first_token_seconds", "Arrival to the first token at the API.", TTFT_BUCKETS, ("is_streaming",))
         self.ttft = {s: ttft.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
-        self.itl = histogram("inter_token_latency_seconds", "Time between tokens as the API sees them, per token.", ITL_BUCKETS).labels(**labels)
+        self.itl = _TallyHistogram(
+            PREFIX + "inter_token_latency_seconds", "Time between tokens as the API sees them, per token.", names, buckets=ITL_BUCKETS, registry=registry
+        ).labels(**labels)
+        self._itl_tally: dict[float, int] = {}  # this frame's per-token gaps, and how many tokens had each
         e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS, ("is_streaming",))
         self.e2e = {s: e2e.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
         self.tpot = histogram(
@@ -113,13 +131,20 @@ class RequestMetrics:
         ).labels(**labels)
 
     def on_tokens(self, state: ReqState, num_tokens: int, previous_token_time: float | None, now: float) -> None:
-        """A row with tokens reached the API: TTFT on the first, ITL per token after."""
+        """A row with tokens reached the API: TTFT on the first, ITL per token after (tallied
+        for ``end_frame``)."""
         if previous_token_time is None:
             self.ttft[state.stream].observe(now - state.created_time)
         elif num_tokens:
             per_token = (now - previous_token_time) / num_tokens
-            for _ in range(num_tokens):
-                self.itl.observe(per_token)
+            tally = self._itl_tally
+            tally[per_token] = tally.get(per_token, 0) + num_tokens
+
+    def end_frame(self) -> None:
+        """The frame's rows are all applied: observe its ITL tally, one update per gap."""
+        tally, self._itl_tally = self._itl_tally, {}
+        for per_token, count in tally.items():
+            self.itl.observe_many(per_token, count)
 
     def on_lost(self, state: ReqState) -> None:
         """A request that ended before the scheduler reported on it (a restarted scheduler

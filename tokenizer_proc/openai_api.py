@@ -34,16 +34,15 @@ tokenizer and a chat template, so it is refused with a 400.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats, SamplingParams
 from pipeline.token_texts import TokenText
@@ -69,7 +68,9 @@ from tokenizer_proc.openai_schema import (
     CompletionRequest,
     SamplingRequest,
 )
-from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk, sending
+from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
+from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError
+from tokenizer_proc.sse_stream import SseResponse
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
@@ -371,8 +372,7 @@ async def _respond(
         if refused_state is None and body.streaming:
             head["object"] = kind.chunk_object
             usage = _StreamUsage(body.choices, body.include_usage, body.include_usage and body.continuous_usage)
-            stream = _stream(tm, kind, states, head, usage)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return SseResponse(_ChoiceEvents(tm, kind, states, head, usage))
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
         for state in states if refused_state is None else ():
@@ -421,88 +421,93 @@ def _choice_usage(stats: RequestOutputStats | None, completion_tokens: int) -> d
     }
 
 
-async def _stream(
-    tm: TokenizerManager,
-    kind: _Completion | _Chat,
-    states: list[ReqState],
-    head: dict[str, Any],
-    usage: _StreamUsage,
-) -> AsyncIterator[bytes]:
-    ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
-    text_of = openai_token_text(tm.token_texts)
-    offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
-    leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
-    try:
-        for index in range(len(states)):
-            opening = kind.opening(index)
+class _ChoiceEvents:
+    """A completions or chat stream's events (an ``EventSource``). A content chunk with
+    nothing but text (no finish, logprobs, echo, ids or per-chunk usage) is the choice's
+    template filled with the text; every other chunk is encoded whole."""
+
+    def __init__(self, tm: TokenizerManager, kind: _Completion | _Chat, states: list[ReqState], head: dict[str, Any], usage: _StreamUsage) -> None:
+        self.states = states
+        self.ended = False
+        self._tm = tm
+        self._kind = kind
+        self._head = head
+        self._usage = usage
+        self._ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
+        self._text_of = openai_token_text(tm.token_texts)
+        self._offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
+        self._leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
+        self._templates: list[EventTemplate | None] = [None] * len(states)
+        # Every content chunk before a choice's finish is its template filled with the text.
+        self._plain = not self._ids_out and not usage.continuous and all(s.logprob is None and not s.echo for s in states)
+
+    def opening(self) -> bytes:
+        head, usage = self._head, self._usage
+        out = b""
+        for index, state in enumerate(self.states):
+            opening = self._kind.opening(index)
             if opening is not None:
-                with sending(states):
-                    yield sse({**head, "choices": [opening], **usage.on_chunk(states[index].request_stats, 0)})
-        async with aclosing(_changes(tm, states)) as changes:
-            async for index in changes:
-                state = states[index]
-                refused = refusal(state) if state.finished else None
-                if refused is not None:
-                    yield b"data: " + bytes(refused.body) + b"\n\n"
-                    break
-                # Finished or not as taken: what comes while these events are sent is the
-                # next take's (``_changes`` marks the state again).
-                chunks, finish_reason = state.take_pending(), _finish_reason(state)
-                stop_reason = _stop_reason(state)
-                for i, chunk in enumerate(chunks):
-                    last = i == len(chunks) - 1  # the finish goes on the last event only
-                    final = finish_reason if last else None
-                    # Ids that decode to no text yet are nothing to show, unless the ids are the output.
-                    if chunk.text or final is not None or (ids_out and chunk.ids) or (state.logprob is not None and chunk.ids):
-                        lead = leading[index]
-                        leading[index] = False
-                        text = kind.echoed_text(state, text_of) + chunk.text if lead else chunk.text
-                        logprobs = None
-                        if state.logprob is not None:
-                            logprobs = kind.chunk_logprobs(chunk, text_of, offsets[index], state if lead else None)
-                            offsets[index] += sum(len(text_of(t)) for t in (state.prompt_ids if lead and state.echo else []) + chunk.ids)
-                        delta = _with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
-                        with sending(states):
-                            yield sse({**head, "choices": [delta], **usage.on_chunk(chunk.stats, chunk.completion_tokens)})
-            else:
-                if usage.include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(states, usage.n)})
-        yield _DONE
-    finally:
-        # A disconnect cancels this generator: stop every choice still running.
-        abort_unfinished(tm, states)
+                out += sse({**head, "choices": [opening], **usage.on_chunk(state.request_stats, 0)})
+        return out
 
-
-async def _changes(tm: TokenizerManager, states: list[ReqState]) -> AsyncIterator[int]:
-    """Yields the index of each state that changed, each finished state exactly once, until
-    all are finished. One task per state follows it through ``tm.wait``; changes that come
-    while the consumer is busy (a slow client) collapse into one mark per state, so nothing
-    queues up beyond ``len(states)`` marks: the output itself waits in the state's pending
-    chunks. A state is reported finished only once the consumer has been told of a change
-    after its finish, so output that came while the consumer was sending is never left
-    behind."""
-    changed: dict[int, None] = {}  # an ordered set
-    wake = asyncio.Event()
-
-    async def follow(index: int) -> None:
-        async for _ in tm.wait(states[index]):
-            changed[index] = None
-            wake.set()
-
-    followers = [asyncio.ensure_future(follow(i)) for i in range(len(states))]
-    reported: set[int] = set()
-    try:
-        while len(reported) < len(states):
-            await wake.wait()
-            wake.clear()
-            while changed:
-                index = next(iter(changed))
-                del changed[index]
-                if index in reported:
+    def events(self, index: int) -> bytes:
+        state = self.states[index]
+        if self._plain and not state.finished:
+            template = self._templates[index]
+            if template is None:
+                template = self._templates[index] = self._text_template(index)
+            if template is not None:
+                # Ids that decode to no text yet are nothing to show.
+                return b"".join([template.fill(chunk.text) for chunk in state.take_pending() if chunk.text])
+        refused = refusal(state) if state.finished else None
+        if refused is not None:
+            self.ended = True
+            return b"data: " + bytes(refused.body) + b"\n\n"
+        kind, text_of, ids_out = self._kind, self._text_of, self._ids_out
+        # Finished or not as taken: what comes while these events are sent is the next take's.
+        chunks, finish_reason = state.take_pending(), _finish_reason(state)
+        stop_reason = _stop_reason(state)
+        out = []
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1  # the finish goes on the last event only
+            final = finish_reason if last else None
+            # Ids that decode to no text yet are nothing to show, unless the ids are the output.
+            if not (chunk.text or final is not None or (ids_out and chunk.ids) or (state.logprob is not None and chunk.ids)):
+                continue
+            lead = self._leading[index]
+            self._leading[index] = False
+            if self._plain and final is None:
+                template = self._templates[index]
+                if template is None:
+                    template = self._templates[index] = self._text_template(index)
+                if template is not None:
+                    out.append(template.fill(chunk.text))
                     continue
-                if states[index].finished:
-                    reported.add(index)
-                yield index
-    finally:
-        for task in followers:
-            task.cancel()
+            text = kind.echoed_text(state, text_of) + chunk.text if lead else chunk.text
+            logprobs = None
+            if state.logprob is not None:
+                logprobs = kind.chunk_logprobs(chunk, text_of, self._offsets[index], state if lead else None)
+                self._offsets[index] += sum(len(text_of(t)) for t in (state.prompt_ids if lead and state.echo else []) + chunk.ids)
+            delta = _with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
+            out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
+        return b"".join(out)
+
+    def _text_template(self, index: int) -> EventTemplate | None:
+        """None: the model name holds a hole's marker; such chunks are encoded whole."""
+        # Not continuous: on_chunk is the same for every chunk ({"usage": null} or nothing).
+        payload = {**self._head, "choices": [self._kind.delta(index, _TEXT, None, None)], **self._usage.on_chunk(None, 0)}  # type: ignore[arg-type]
+        try:
+            return EventTemplate(payload)
+        except TemplateError:
+            return None
+
+    def closing(self) -> bytes:
+        usage = sse({**self._head, "choices": [], "usage": _usage(self.states, self._usage.n)}) if self._usage.include_usage and not self.ended else b""
+        return usage + _DONE
+
+    def close(self) -> None:
+        # A disconnect ends the stream early: stop every choice still running.
+        abort_unfinished(self._tm, self.states)
+
+
+_TEXT = Hole()

@@ -5,17 +5,15 @@ metrics and span attributes are all built from it.
 
 A streaming request keeps its unread output as pending chunks, one per output row, so a
 client that keeps up gets one event per row (benchmark clients time each event: merged
-rows would hide inter-token latency). Rows that arrive while the previous event is still
-being sent (the client's socket is not writable: the stream generator is suspended in the
-ASGI send) merge into the last chunk, and beyond ``MAX_PENDING_CHUNKS`` every row merges,
+rows would hide inter-token latency). Rows that arrive while the previous events are still
+being sent (the client's socket is not writable: the stream waits in the ASGI send,
+``sse_stream``) merge into the last chunk, and beyond ``MAX_PENDING_CHUNKS`` every row merges,
 so a slow reader costs memory linear in its unread text, never an ever-growing queue.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,19 +142,3 @@ class ReqState:
         if not chunks and self.finished:
             chunks.append(StreamChunk("", [], self.completion_tokens, self.request_stats))
         return chunks
-
-
-@contextmanager
-def sending(states: Iterable[ReqState]) -> Iterator[None]:
-    """Wraps a stream generator's ``yield``: the generator stays suspended there while the
-    ASGI server sends the event, which only takes a while when the client's socket applies
-    back-pressure. Rows that arrive meanwhile merge, so a slow reader gets fewer, larger
-    events; a reader that keeps up gets one per row."""
-    marked = list(states)
-    for state in marked:
-        state.sending = True
-    try:
-        yield
-    finally:
-        for state in marked:
-            state.sending = False

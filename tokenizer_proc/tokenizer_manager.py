@@ -466,6 +466,8 @@ class TokenizerManager:
             if reason is not None:
                 self._finish(state, reason, now)
             state.event.set()
+        if metrics is not None:
+            metrics.end_frame()
 
     def _handle_embedding_output(self, frame: BatchEmbeddingOutput) -> None:
         now = self._clock()

@@ -1,0 +1,175 @@
+"""The streaming half of a streamed request: from the frames that change its states to the
+SSE bytes on the client's socket, with as little Python per event as the output allows.
+
+- **One wake per frame.** When the stream starts, each state's ``event`` is replaced with a
+  ``_Mark``: ``handle_output``'s ``event.set()`` then records the state in the stream's
+  ``Changes`` (an ordered set, so the states are taken in the order they changed) and wakes
+  the stream's one task. No task or asyncio.Event per state, however many choices.
+- **One write per wake.** Everything the states' pending output makes (one event per
+  pending chunk: ``ReqState`` keeps a client that keeps up at one event per row) is joined
+  into one ``bytes`` and sent with one ASGI send; the events stay separate SSE events.
+  While that send waits on a full socket, the states are marked ``sending``, so rows that
+  come meanwhile merge into their last chunk (``ReqState._queue``): a slow reader gets
+  fewer, larger events, never an unbounded queue.
+- **Plain ASGI.** ``SseResponse`` sends straight to the server, without a task group or a
+  middleware's per-message wrapper. A task waits for the client's disconnect, which ends
+  the stream, and the source then aborts whatever has not finished.
+
+What the events say is the ``EventSource``'s business (``http_server`` for /generate,
+``openai_api`` for completions and chat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from starlette.responses import Response
+
+from tokenizer_proc.req_state import ReqState
+
+
+class EventSource(Protocol):
+    """The events of one stream. ``events`` is called at most once per change of a state,
+    and never again for a state after the call that found it finished."""
+
+    @property
+    def states(self) -> Sequence[ReqState]: ...
+
+    @property
+    def ended(self) -> bool:
+        """The stream ends now, whatever is still running (a refusal after it started)."""
+        ...
+
+    def opening(self) -> bytes:
+        """Events before any output (chat's role chunks)."""
+        ...
+
+    def events(self, index: int) -> bytes:
+        """The events of state ``index``'s pending output (its finish included)."""
+        ...
+
+    def closing(self) -> bytes:
+        """The events after the last one (usage, ``[DONE]``)."""
+        ...
+
+    def close(self) -> None:
+        """The stream is over, finished or not: abort whatever still runs."""
+        ...
+
+
+class Changes:
+    """Which of a stream's states changed since the stream last took them, in the order
+    they changed (a state that changes again keeps its place), and the one waiter to wake."""
+
+    def __init__(self, states: Sequence[ReqState]) -> None:
+        self._marked: dict[int, None] = {}
+        self._waiter: asyncio.Future[None] | None = None
+        self.closed = False
+        for index, state in enumerate(states):
+            # wait_started leaves a state's first change set: the stream's first take sees it.
+            seen = state.event.is_set()
+            state.event = _Mark(self, index)
+            if seen:
+                self._marked[index] = None
+
+    def mark(self, index: int) -> None:
+        self._marked[index] = None
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def close(self) -> None:
+        """The client went away: wake the stream for good."""
+        self.closed = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> list[int]:
+        marked = list(self._marked)
+        self._marked.clear()
+        return marked
+
+    async def wait(self) -> None:
+        """Returns once a state is marked or the stream is closed."""
+        if self._marked or self.closed:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+
+class _Mark(asyncio.Event):
+    """A streamed state's ``event`` once its stream runs: ``set`` (all that
+    ``TokenizerManager`` calls) marks the state in its stream's ``Changes``."""
+
+    def __init__(self, changes: Changes, index: int) -> None:
+        super().__init__()
+        self._changes = changes
+        self._index = index
+
+    def set(self) -> None:
+        self._changes.mark(self._index)
+
+
+class SseResponse(Response):
+    """A 200 ``text/event-stream`` answer whose events come from ``source``; see the
+    module docstring."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, source: EventSource) -> None:
+        self.source = source
+        self.status_code = 200
+        self.background = None
+        self.init_headers()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        source = self.source
+        states = source.states
+        changes = Changes(states)
+        gone = asyncio.ensure_future(_until_disconnected(receive))
+        gone.add_done_callback(lambda _: changes.close())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            body = source.opening()
+            reported = [False] * len(states)
+            left = len(states)
+            while True:
+                for index in changes.take():
+                    if reported[index]:
+                        continue
+                    if states[index].finished:  # finishes come last: this take is its last
+                        reported[index] = True
+                        left -= 1
+                    body += source.events(index)
+                    if source.ended:
+                        break
+                if not left or source.ended:
+                    break
+                if body:
+                    # The send only waits while the client's socket is full: rows that come
+                    # meanwhile merge into their last chunk. (If it raises, the stream is over.)
+                    for state in states:
+                        state.sending = True
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    for state in states:
+                        state.sending = False
+                    body = b""
+                await changes.wait()
+                if changes.closed:
+                    return
+            await send({"type": "http.response.body", "body": body + source.closing(), "more_body": False})
+        finally:
+            gone.cancel()
+            source.close()
+
+
+async def _until_disconnected(receive: Any) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
