@@ -43,13 +43,12 @@ class Hole:
     for msgspec is the order of the payload's keys."""
 
     __slots__ = ("marker",)
-    _count = 0
 
     def __init__(self) -> None:
-        Hole._count += 1
         # NUL never reaches JSON unescaped, so the encoded marker cannot occur by chance
-        # in the constant parts unless a string there holds this very text.
-        self.marker = f"\x00tokenpipe-hole-{Hole._count}\x00"
+        # in the constant parts unless a string there holds this very text. The id keeps
+        # the holes of one payload (all alive together) apart.
+        self.marker = f"\x00tokenpipe-hole-{id(self)}\x00"
 
 
 def _holes_in(value: Any, found: list[Hole]) -> Any:
