@@ -46,3 +46,38 @@ def test_a_marker_in_the_constant_parts_is_refused() -> None:
     hole = Hole()
     with pytest.raises(TemplateError):
         EventTemplate({"id": hole.marker, "text": hole})
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("usage", [(False, False), (True, False), (True, True)])
+def test_a_stream_of_templated_chunks_equals_the_chunks_encoded_whole(kind, usage) -> None:  # type: ignore[no-untyped-def]
+    """The real completions/chat event source, with and without ``include_usage`` and
+    ``continuous_usage_stats``, templated against the same chunks encoded whole; the stats
+    change mid-stream (as after a retraction), so a continuous template is remade."""
+    from pipeline.config import ServerConfig
+    from pipeline.io_struct import RequestOutputStats, SamplingParams
+    from pipeline.tokenizer_loader import load_tokenizer
+    from tokenizer_proc import openai_api
+    from tokenizer_proc.req_state import ReqState
+    from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+    tm = TokenizerManager(ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused"), load_tokenizer(None), context_length=2048)
+    rng = random.Random(1)
+    sources = []
+    for plain in (True, False):
+        states = [ReqState(rid=f"r{i}", req_id=i, stream=True, sampling=SamplingParams(), created_time=0.0) for i in range(2)]
+        head = {"id": "cmpl-\u2028", "object": "x", "created": 1, "model": "m"}
+        shape = openai_api._COMPLETION if kind == "completion" else openai_api._CHAT
+        source = openai_api._ChoiceEvents(tm, shape, states, head, openai_api._StreamUsage(2, *usage))
+        source._plain = plain  # the whole-encoding path, for reference
+        sources.append(source)
+    got: list[bytes] = [b"", b""]
+    for step in range(60):
+        stats = RequestOutputStats(prompt_tokens=9, cached_tokens=4 if step < 30 else 7, num_retractions=int(step >= 30))
+        texts = [_random_text(rng) for _ in range(2)]
+        for side, source in enumerate(sources):
+            for index, state in enumerate(source.states):
+                state.request_stats = stats
+                state.add_output(texts[index], [step], step + 1, float(step))
+                got[side] += source.events(index)
+    assert got[0] == got[1] and got[0].count(b"data: ") > 60

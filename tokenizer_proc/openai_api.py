@@ -423,8 +423,10 @@ def _choice_usage(stats: RequestOutputStats | None, completion_tokens: int) -> d
 
 class _ChoiceEvents:
     """A completions or chat stream's events (an ``EventSource``). A content chunk with
-    nothing but text (no finish, logprobs, echo, ids or per-chunk usage) is the choice's
-    template filled with the text; every other chunk is encoded whole."""
+    nothing but text and usage (no finish, logprobs, echo or ids) is the choice's template
+    filled with the text (and with ``continuous`` usage, its counts: one template per
+    choice and stats, which change at a few points of a request only); every other chunk
+    is encoded whole."""
 
     def __init__(self, tm: TokenizerManager, kind: _Completion | _Chat, states: list[ReqState], head: dict[str, Any], usage: _StreamUsage) -> None:
         self.states = states
@@ -437,9 +439,10 @@ class _ChoiceEvents:
         self._text_of = openai_token_text(tm.token_texts)
         self._offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
         self._leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
-        self._templates: list[EventTemplate | None] = [None] * len(states)
-        # Every content chunk before a choice's finish is its template filled with the text.
-        self._plain = not self._ids_out and not usage.continuous and all(s.logprob is None and not s.echo for s in states)
+        # Per choice: the stats its template was made for (continuous usage), and the template.
+        self._templates: list[tuple[RequestOutputStats | None, EventTemplate | None] | None] = [None] * len(states)
+        # Every content chunk before a choice's finish is its template filled in.
+        self._plain = not self._ids_out and all(s.logprob is None and not s.echo for s in states)
 
     def opening(self) -> bytes:
         head, usage = self._head, self._usage
@@ -453,12 +456,11 @@ class _ChoiceEvents:
     def events(self, index: int) -> bytes:
         state = self.states[index]
         if self._plain and not state.finished:
-            template = self._templates[index]
-            if template is None:
-                template = self._templates[index] = self._text_template(index)
-            if template is not None:
+            chunks = state.take_pending()
+            if all(self._template(index, chunk.stats) is not None for chunk in chunks):
                 # Ids that decode to no text yet are nothing to show.
-                return b"".join([template.fill(chunk.text) for chunk in state.take_pending() if chunk.text])
+                return b"".join([self._filled(index, chunk) for chunk in chunks if chunk.text])
+            state.pending[:0] = chunks  # a hole's marker in the model name: encoded whole below
         refused = refusal(state) if state.finished else None
         if refused is not None:
             self.ended = True
@@ -476,13 +478,9 @@ class _ChoiceEvents:
                 continue
             lead = self._leading[index]
             self._leading[index] = False
-            if self._plain and final is None:
-                template = self._templates[index]
-                if template is None:
-                    template = self._templates[index] = self._text_template(index)
-                if template is not None:
-                    out.append(template.fill(chunk.text))
-                    continue
+            if self._plain and final is None and self._template(index, chunk.stats) is not None:
+                out.append(self._filled(index, chunk))
+                continue
             text = kind.echoed_text(state, text_of) + chunk.text if lead else chunk.text
             logprobs = None
             if state.logprob is not None:
@@ -492,14 +490,42 @@ class _ChoiceEvents:
             out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
         return b"".join(out)
 
-    def _text_template(self, index: int) -> EventTemplate | None:
-        """None: the model name holds a hole's marker; such chunks are encoded whole."""
-        # Not continuous: on_chunk is the same for every chunk ({"usage": null} or nothing).
-        payload = {**self._head, "choices": [self._kind.delta(index, _TEXT, None, None)], **self._usage.on_chunk(None, 0)}  # type: ignore[arg-type]
+    def _template(self, index: int, stats: RequestOutputStats | None) -> EventTemplate | None:
+        """Choice ``index``'s content-chunk template for chunks with ``stats`` (continuous
+        usage; any stats otherwise); None: the model name holds a hole's marker, and such
+        chunks are encoded whole."""
+        made = self._templates[index]
+        continuous = self._usage.continuous
+        if made is not None and (not continuous or made[0] is stats):
+            return made[1]
+        if continuous:
+            assert stats is not None, "a stream starts once every choice has its first output"
+            prompt = stats.prompt_tokens
+            # _choice_usage's keys, in its order, with the counts as holes.
+            usage: dict[str, Any] = {"usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": _COMPLETION_TOKENS,
+                "total_tokens": _TOTAL_TOKENS,
+                "prompt_tokens_details": {"cached_tokens": min(prompt, stats.cached_tokens)},
+            }}  # fmt: skip
+        else:
+            usage = self._usage.on_chunk(None, 0)  # the same for every chunk: {"usage": null} or nothing
+        payload = {**self._head, "choices": [self._kind.delta(index, _TEXT, None, None)], **usage}  # type: ignore[arg-type]
         try:
-            return EventTemplate(payload)
+            template = EventTemplate(payload)
         except TemplateError:
-            return None
+            template = None
+        self._templates[index] = (stats, template)
+        return template
+
+    def _filled(self, index: int, chunk: StreamChunk) -> bytes:
+        """A content chunk from its template (``_template`` made it for the chunk's stats)."""
+        made = self._templates[index]
+        assert made is not None and made[1] is not None
+        if self._usage.continuous:
+            prompt = chunk.stats.prompt_tokens  # type: ignore[union-attr]
+            return made[1].fill(chunk.text, chunk.completion_tokens, prompt + chunk.completion_tokens)
+        return made[1].fill(chunk.text)
 
     def closing(self) -> bytes:
         usage = sse({**self._head, "choices": [], "usage": _usage(self.states, self._usage.n)}) if self._usage.include_usage and not self.ended else b""
@@ -511,3 +537,5 @@ class _ChoiceEvents:
 
 
 _TEXT = Hole()
+_COMPLETION_TOKENS = Hole()
+_TOTAL_TOKENS = Hole()

@@ -26,7 +26,7 @@ from pipeline.logprob_columns import RowLogprobs
 MAX_PENDING_CHUNKS = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamChunk:
     """The text and ids of one stream event, and the completion count and stats through it:
     events sent together (several rows came while the stream generator was away) each show

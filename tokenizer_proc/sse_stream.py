@@ -22,10 +22,11 @@ What the events say is the ``EventSource``'s business (``http_server`` for /gene
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from starlette.responses import Response
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 
 from tokenizer_proc.req_state import ReqState
 
@@ -61,11 +62,15 @@ class EventSource(Protocol):
 
 class Changes:
     """Which of a stream's states changed since the stream last took them, in the order
-    they changed (a state that changes again keeps its place), and the one waiter to wake."""
+    they changed (a state that changes again keeps its place), and who to tell: the
+    stream's task waiting in ``wait``, or, while the task is parked (``park``), a callback
+    the event loop runs once after the frame that marked them."""
 
     def __init__(self, states: Sequence[ReqState]) -> None:
         self._marked: dict[int, None] = {}
         self._waiter: asyncio.Future[None] | None = None
+        self._pump: Callable[[], None] | None = None
+        self._pump_due = False
         self.closed = False
         for index, state in enumerate(states):
             # wait_started leaves a state's first change set: the stream's first take sees it.
@@ -76,13 +81,26 @@ class Changes:
 
     def mark(self, index: int) -> None:
         self._marked[index] = None
+        if self._pump is not None:
+            if not self._pump_due:
+                # After the receive loop's frame (its task yields next at its socket read),
+                # so every row of the frame is in before the stream's events are made.
+                self._pump_due = True
+                asyncio.get_running_loop().call_soon(self._run_pump)
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _run_pump(self) -> None:
+        self._pump_due = False
+        if self._pump is not None:
+            self._pump()
+
     def close(self) -> None:
         """The client went away: wake the stream for good."""
         self.closed = True
+        self._pump = None
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -102,6 +120,24 @@ class Changes:
         finally:
             self._waiter = None
 
+    def park(self, pump: Callable[[], None]) -> asyncio.Future[None]:
+        """Until ``wake``d (or closed), marks run ``pump`` from the event loop instead of
+        waking the stream's task. Returns the future ``pump`` resolves (through ``wake``)
+        when it needs the task: the task awaits it."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._pump = pump
+        if self._marked and not self._pump_due:  # marked while the task was busy
+            self._pump_due = True
+            asyncio.get_running_loop().call_soon(self._run_pump)
+        return self._waiter
+
+    def wake(self) -> None:
+        """Ends ``park``: the task takes over again."""
+        self._pump = None
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
 
 class _Mark(asyncio.Event):
     """A streamed state's ``event`` once its stream runs: ``set`` (all that
@@ -114,6 +150,58 @@ class _Mark(asyncio.Event):
 
     def set(self) -> None:
         self._changes.mark(self._index)
+
+
+def _writable_cycle(send: Any) -> HttpToolsCycle | None:
+    """uvicorn's httptools response cycle when ``send`` is its own, unwrapped ``send`` and
+    the response is chunked; None otherwise (another server, or a wrapping middleware), and
+    the stream then sends every event through ``send``."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is HttpToolsCycle and cycle.chunked_encoding and getattr(send, "__func__", None) is HttpToolsCycle.send:
+        return cycle
+    return None
+
+
+class _Stream:
+    """One stream's progress: the events made and not yet sent, and which states it has
+    reported finished. ``collect`` is the one place that turns changes into events."""
+
+    def __init__(self, source: EventSource) -> None:
+        self.source = source
+        self.states = source.states
+        self.changes = Changes(self.states)
+        self.body = b""
+        self._reported = [False] * len(self.states)
+        self._left = len(self.states)
+
+    def collect(self) -> bool:
+        """Adds the events of every marked state to ``body``; True once the stream is over
+        (every state reported finished, or the source ended it)."""
+        source, states, reported = self.source, self.states, self._reported
+        for index in self.changes.take():
+            if reported[index]:
+                continue
+            if states[index].finished:  # finishes come last: this take is its last
+                reported[index] = True
+                self._left -= 1
+            self.body += source.events(index)
+            if source.ended:
+                return True
+        return source.ended or not self._left
+
+    def pump(self, cycle: HttpToolsCycle) -> None:
+        """Run by the event loop after a frame marked this parked stream: its events go
+        straight to the client's socket, as uvicorn's ``send`` would write one chunked
+        body part, with no task switch and no ASGI message. Anything that needs the task
+        (the stream's end, a full socket, a gone client) wakes it instead, with the events
+        left in ``body`` for it to send."""
+        if self.collect() or cycle.disconnected or cycle.flow.write_paused:
+            self.changes.wake()
+            return
+        body = self.body
+        if body:
+            self.body = b""
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
 class SseResponse(Response):
@@ -130,41 +218,33 @@ class SseResponse(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         source = self.source
-        states = source.states
-        changes = Changes(states)
+        stream = _Stream(source)
+        changes, states = stream.changes, stream.states
         gone = asyncio.ensure_future(_until_disconnected(receive))
         gone.add_done_callback(lambda _: changes.close())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            body = source.opening()
-            reported = [False] * len(states)
-            left = len(states)
-            while True:
-                for index in changes.take():
-                    if reported[index]:
-                        continue
-                    if states[index].finished:  # finishes come last: this take is its last
-                        reported[index] = True
-                        left -= 1
-                    body += source.events(index)
-                    if source.ended:
-                        break
-                if not left or source.ended:
-                    break
-                if body:
+            cycle = _writable_cycle(send)
+            stream.body = source.opening()
+            while not stream.collect():
+                if stream.body:
                     # The send only waits while the client's socket is full: rows that come
                     # meanwhile merge into their last chunk. (If it raises, the stream is over.)
                     for state in states:
                         state.sending = True
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    await send({"type": "http.response.body", "body": stream.body, "more_body": True})
                     for state in states:
                         state.sending = False
-                    body = b""
-                await changes.wait()
+                    stream.body = b""
+                if cycle is None:
+                    await changes.wait()
+                elif not changes.closed:
+                    await changes.park(lambda: stream.pump(cycle))
                 if changes.closed:
                     return
-            await send({"type": "http.response.body", "body": body + source.closing(), "more_body": False})
+            await send({"type": "http.response.body", "body": stream.body + source.closing(), "more_body": False})
         finally:
+            changes.wake()
             gone.cancel()
             source.close()
 
