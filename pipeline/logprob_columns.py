@@ -108,11 +108,11 @@ def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int,
     Raises ValueError when the columns do not add up (a malformed frame). Each column
     becomes a list once, and the rows are slices of those lists (the API process reads
     every frame: no per-row numpy calls)."""
-    block = _checked(lp, counts)
+    block = checked_logprobs(lp, counts)
     chosen, top_ids, top_values, ids_values = (a.tolist() for a in (block.chosen, block.top_ids, block.top_values, block.ids_values))
     out: dict[int, RowLogprobs] = {}
     c = t = v = 0
-    for row, n, k, m in block.rows():
+    for row, n, k, m in block.per_row():
         top = list(zip(top_values[t : t + n * k], top_ids[t : t + n * k]))
         out[row] = RowLogprobs(
             chosen=chosen[c : c + n],
@@ -127,10 +127,10 @@ def read_token_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, 
     """Frame row index -> its logprobs as arrays (views of the frame's bytes, read-only):
     the checked read that a PD decode server takes the prefill server's first-token
     logprobs with. Raises ValueError when the columns do not add up (a malformed frame)."""
-    block = _checked(lp, counts)
+    block = checked_logprobs(lp, counts)
     out: dict[int, TokenLogprobs] = {}
     c = t = v = 0
-    for row, n, k, m in block.rows():
+    for row, n, k, m in block.per_row():
         top = slice(t, t + n * k)
         out[row] = TokenLogprobs(
             block.chosen[c : c + n], block.top_ids[top].reshape(n, k), block.top_values[top].reshape(n, k), block.ids_values[v : v + n * m].reshape(n, m)
@@ -140,41 +140,83 @@ def read_token_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, 
 
 
 @dataclass(frozen=True, slots=True)
-class _Block:
-    """A logprob block's columns as arrays, checked against the frame's rows."""
+class LogprobArrays:
+    """A logprob block's columns as arrays (views of the frame's bytes), checked against the
+    frame's rows: ``rows`` are the listed frame rows, ``tokens`` / ``top_k`` / ``ids_count``
+    are per listed row, and ``top_sizes`` / ``ids_sizes`` are the entries each listed row
+    holds in the flat ``top_ids`` and ``ids_values`` columns (``chosen`` holds ``tokens``)."""
 
-    listed: np.ndarray  # frame row indices
-    tokens: np.ndarray  # tokens of each listed row
+    rows: np.ndarray  # int32
+    tokens: np.ndarray  # int64
     top_k: np.ndarray
     ids_count: np.ndarray
     chosen: np.ndarray
     top_ids: np.ndarray
     top_values: np.ndarray
     ids_values: np.ndarray
+    top_sizes: np.ndarray  # int64: tokens * top_k
+    ids_sizes: np.ndarray  # int64: tokens * ids_count
 
-    def rows(self) -> Iterator[tuple[int, int, int, int]]:
+    def per_row(self) -> Iterator[tuple[int, int, int, int]]:
         """(frame row, tokens, k, m) of each listed row, in order."""
-        return zip(self.listed.tolist(), self.tokens.tolist(), self.top_k.tolist(), self.ids_count.tolist())
+        return zip(self.rows.tolist(), self.tokens.tolist(), self.top_k.tolist(), self.ids_count.tolist())
+
+    def select(self, keep: np.ndarray, rows: np.ndarray) -> OutputLogprobs:
+        """The ``keep`` listed rows (a bool each) as a block of their own, listed as ``rows``
+        (e.g. renumbered to a part of the frame): each flat column keeps those rows'
+        entries, found by repeating ``keep`` over each row's entries."""
+        chosen, top, ids = (np.repeat(keep, size) for size in (self.tokens, self.top_sizes, self.ids_sizes))
+        return OutputLogprobs(
+            rows=rows.astype(np.int32, copy=False).tobytes(),
+            token_logprobs=self.chosen[chosen].tobytes(),
+            top_k=self.top_k[keep].tobytes(),
+            top_ids=self.top_ids[top].tobytes(),
+            top_logprobs=self.top_values[top].tobytes(),
+            ids_count=self.ids_count[keep].tobytes(),
+            ids_logprobs=self.ids_values[ids].tobytes(),
+        )
 
 
-def _checked(lp: OutputLogprobs, counts: Sequence[int]) -> _Block:
+def checked_logprobs(lp: OutputLogprobs, counts: Sequence[int] | np.ndarray) -> LogprobArrays:
+    """An output block's arrays; ``counts`` are the tokens of every frame row. Raises
+    ValueError when the columns do not add up (a malformed frame)."""
+    rows = _listed_rows(lp, len(counts))
+    return _checked(lp, rows, np.asarray(counts, dtype=np.int64)[rows])
+
+
+def checked_prompt_logprobs(lp: InputLogprobs, num_rows: int) -> LogprobArrays:
+    """A prompt block's arrays: each listed row carries its own ``counts`` positions.
+    Raises ValueError when the columns do not add up (a malformed frame)."""
+    rows, counts = _prompt_rows(lp, num_rows)
+    return _checked(lp.logprobs, rows, counts.astype(np.int64))
+
+
+def _listed_rows(lp: OutputLogprobs, num_rows: int) -> np.ndarray:
+    # Checked before anything is indexed by them: a hostile peer must not index out of range.
     rows = np.frombuffer(lp.rows, dtype=np.int32)
-    chosen = np.frombuffer(lp.token_logprobs, dtype=LOGPROB_DTYPE)
+    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows):
+        raise ValueError("logprob columns name a row outside the frame")
+    return rows
+
+
+def _checked(lp: OutputLogprobs, rows: np.ndarray, tokens: np.ndarray) -> LogprobArrays:
+    """``rows``: the listed rows (in range); ``tokens``: int64, the tokens of each."""
     top_k = np.frombuffer(lp.top_k, dtype=np.int32)
-    top_ids = np.frombuffer(lp.top_ids, dtype=LOGPROB_ID_DTYPE)
-    top_values = np.frombuffer(lp.top_logprobs, dtype=LOGPROB_DTYPE)
     ids_count = np.frombuffer(lp.ids_count, dtype=np.int32)
-    ids_values = np.frombuffer(lp.ids_logprobs, dtype=LOGPROB_DTYPE)
-    if not (len(rows) == len(top_k) == len(ids_count)) or (len(rows) and (rows.min() < 0 or rows.max() >= len(counts))):
+    if not len(rows) == len(top_k) == len(ids_count):
         raise ValueError("logprob columns do not match the frame's rows")
     if len(rows) and (top_k.min() < 0 or ids_count.min() < 0):
         raise ValueError("logprob columns give a negative top_k or ids_count")
-    tokens = np.asarray(counts, dtype=np.int64)[rows] if len(rows) else np.zeros(0, dtype=np.int64)
-    if len(chosen) != tokens.sum() or len(top_ids) != len(top_values) or len(top_ids) != (tokens * top_k).sum():
+    chosen = np.frombuffer(lp.token_logprobs, dtype=LOGPROB_DTYPE)
+    top_ids = np.frombuffer(lp.top_ids, dtype=LOGPROB_ID_DTYPE)
+    top_values = np.frombuffer(lp.top_logprobs, dtype=LOGPROB_DTYPE)
+    ids_values = np.frombuffer(lp.ids_logprobs, dtype=LOGPROB_DTYPE)
+    top_sizes, ids_sizes = tokens * top_k, tokens * ids_count
+    if len(chosen) != tokens.sum() or len(top_ids) != len(top_values) or len(top_ids) != top_sizes.sum():
         raise ValueError("logprob columns do not match the frame's token counts")
-    if len(ids_values) != (tokens * ids_count).sum():
+    if len(ids_values) != ids_sizes.sum():
         raise ValueError("token_ids_logprob columns do not match the frame's token counts")
-    return _Block(rows, tokens, top_k, ids_count, chosen, top_ids, top_values, ids_values)
+    return LogprobArrays(rows, tokens, top_k, ids_count, chosen, top_ids, top_values, ids_values, top_sizes, ids_sizes)
 
 
 def build_input_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> InputLogprobs | None:
@@ -196,12 +238,20 @@ def read_input_token_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, Tok
 
 
 def _prompt_counts(lp: InputLogprobs, num_rows: int) -> list[int]:
-    """The prompt positions of each frame row (0 for the rows not listed)."""
-    rows = np.frombuffer(lp.logprobs.rows, dtype=np.int32)
-    counts = np.frombuffer(lp.counts, dtype=np.int32)
-    if len(rows) != len(counts) or (len(rows) and (rows.min() < 0 or rows.max() >= num_rows or counts.min() < 0)):
-        raise ValueError("prompt logprob columns do not match the frame's rows")
+    """The prompt positions of each frame row (0 for the rows not listed), the readers'
+    ``counts``. A row listed twice (a malformed block) gets its last listing's count for
+    both listings, as the readers always did; ``checked_prompt_logprobs`` (the worker
+    split) sizes each listing by its own count, as the split always did."""
     per_row = [0] * num_rows
-    for row, count in zip(rows.tolist(), counts.tolist()):
+    for row, count in zip(*(a.tolist() for a in _prompt_rows(lp, num_rows))):
         per_row[row] = count
     return per_row
+
+
+def _prompt_rows(lp: InputLogprobs, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """A prompt block's listed rows and their positions (``counts``), checked."""
+    rows = _listed_rows(lp.logprobs, num_rows)
+    counts = np.frombuffer(lp.counts, dtype=np.int32)
+    if len(counts) != len(rows) or (len(counts) and counts.min() < 0):
+        raise ValueError("prompt logprob columns do not match the frame's rows")
+    return rows, counts

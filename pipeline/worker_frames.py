@@ -37,7 +37,7 @@ from pipeline.io_struct import (
     TokenTexts,
     from_column,
 )
-from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE
+from pipeline.logprob_columns import LOGPROB_ID_DTYPE, LogprobArrays, checked_logprobs, checked_prompt_logprobs
 
 Frame = TypeVar("Frame", BatchStrOutput, BatchEmbeddingOutput)
 T = TypeVar("T")
@@ -120,8 +120,8 @@ def split_str_output(frame: BatchStrOutput, workers: int) -> WorkerSplit[BatchSt
     if (len(counts) and counts.min() < 0) or int(counts.sum()) != len(tokens):
         raise ValueError(f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens")
     lp = frame.logprobs
-    output = _Block.output(lp.output, counts) if lp is not None and lp.output is not None else None
-    prompt = _PromptBlock.of(lp.input, n) if lp is not None and lp.input is not None else None
+    output = checked_logprobs(lp.output, counts) if lp is not None and lp.output is not None else None
+    prompt = checked_prompt_logprobs(lp.input, n) if lp is not None and lp.input is not None else None
     texts = _Texts.of(frame.token_texts) if frame.token_texts is not None else None
     route = _route(req_ids, workers)
     completion = from_column(frame.completion_tokens, COUNT_DTYPE)
@@ -134,8 +134,8 @@ def split_str_output(frame: BatchStrOutput, workers: int) -> WorkerSplit[BatchSt
     parts = []
     for w, rows in zip(route.workers, route.picks):
         mine = token_owner == w
-        out = output.part(w, route) if output is not None else None
-        inp = prompt.part(w, route) if prompt is not None else None
+        out = _output_part(output, w, route) if output is not None else None
+        inp = _prompt_part(prompt, w, route) if prompt is not None else None
         part_texts = None
         if texts is not None and (out is not None or inp is not None):
             part_texts = texts.part(tokens[mine & listed_tokens], out, inp)
@@ -154,101 +154,27 @@ def split_str_output(frame: BatchStrOutput, workers: int) -> WorkerSplit[BatchSt
     return WorkerSplit(parts, route.stray)
 
 
-def _listed_rows(block: OutputLogprobs, num_rows: int) -> np.ndarray:
-    rows = from_column(block.rows, COUNT_DTYPE)
-    if len(rows) and (rows.min() < 0 or rows.max() >= num_rows):
-        raise ValueError("logprob columns name a row outside the frame")
-    return rows
+def _cut(block: LogprobArrays, w: int, route: _Route) -> tuple[np.ndarray, OutputLogprobs] | None:
+    """Which listed rows of ``block`` are worker ``w``'s (a bool each), and those rows as a
+    block renumbered to its part's rows; None when none is."""
+    keep = route.owner[block.rows] == w
+    if not keep.any():
+        return None
+    return keep, block.select(keep, route.local[block.rows[keep]])
 
 
-@dataclass(frozen=True, slots=True)
-class _Block:
-    """An ``OutputLogprobs`` block's columns, checked, with the entries each listed row
-    holds in each flat column (tokens, tokens * top_k, tokens * ids_count)."""
-
-    rows: np.ndarray  # listed frame rows
-    top_k: np.ndarray
-    ids_count: np.ndarray
-    chosen: np.ndarray
-    top_ids: np.ndarray
-    top_values: np.ndarray
-    ids_values: np.ndarray
-    sizes: tuple[np.ndarray, np.ndarray, np.ndarray]
-
-    @staticmethod
-    def output(block: OutputLogprobs, counts: np.ndarray) -> _Block:
-        """The output block: its rows carry the frame's ``counts`` tokens each."""
-        rows = _listed_rows(block, len(counts))
-        return _Block.of(block, rows, counts[rows])
-
-    @staticmethod
-    def of(block: OutputLogprobs, rows: np.ndarray, tokens: np.ndarray) -> _Block:
-        """``rows``: the listed rows (checked); ``tokens``: int64, entries per listed row."""
-        top_k = from_column(block.top_k, COUNT_DTYPE)
-        ids_count = from_column(block.ids_count, COUNT_DTYPE)
-        if not len(rows) == len(top_k) == len(ids_count):
-            raise ValueError("logprob columns do not match the frame's rows")
-        if len(rows) and (top_k.min() < 0 or ids_count.min() < 0):
-            raise ValueError("logprob columns give a negative top_k or ids_count")
-        lp = _Block(
-            rows,
-            top_k,
-            ids_count,
-            from_column(block.token_logprobs, LOGPROB_DTYPE),
-            from_column(block.top_ids, LOGPROB_ID_DTYPE),
-            from_column(block.top_logprobs, LOGPROB_DTYPE),
-            from_column(block.ids_logprobs, LOGPROB_DTYPE),
-            (tokens, tokens * top_k, tokens * ids_count),
-        )
-        held = (len(lp.chosen), len(lp.top_ids), len(lp.ids_values))
-        if len(lp.top_values) != len(lp.top_ids) or any(int(s.sum()) != h for s, h in zip(lp.sizes, held)):
-            raise ValueError("logprob columns do not match the frame's token counts")
-        return lp
-
-    def keep(self, w: int, route: _Route) -> np.ndarray | None:
-        """Which listed rows are worker ``w``'s; None when none is."""
-        keep = route.owner[self.rows] == w
-        return keep if keep.any() else None
-
-    def columns(self, keep: np.ndarray, route: _Route) -> OutputLogprobs:
-        """The columns of the ``keep`` listed rows, renumbered to their part's rows: each
-        flat column keeps the entries of those rows (an entry's row by ``np.repeat``)."""
-        chosen, top, ids = (np.repeat(keep, size) for size in self.sizes)
-        return OutputLogprobs(
-            rows=route.local[self.rows[keep]].astype(COUNT_DTYPE).tobytes(),
-            token_logprobs=self.chosen[chosen].tobytes(),
-            top_k=self.top_k[keep].tobytes(),
-            top_ids=self.top_ids[top].tobytes(),
-            top_logprobs=self.top_values[top].tobytes(),
-            ids_count=self.ids_count[keep].tobytes(),
-            ids_logprobs=self.ids_values[ids].tobytes(),
-        )
-
-    def part(self, w: int, route: _Route) -> OutputLogprobs | None:
-        keep = self.keep(w, route)
-        return None if keep is None else self.columns(keep, route)
+def _output_part(block: LogprobArrays, w: int, route: _Route) -> OutputLogprobs | None:
+    cut = _cut(block, w, route)
+    return None if cut is None else cut[1]
 
 
-@dataclass(frozen=True, slots=True)
-class _PromptBlock:
-    """An ``InputLogprobs`` block: its rows carry their own ``counts`` positions each."""
-
-    counts: np.ndarray
-    block: _Block
-
-    @staticmethod
-    def of(lp: InputLogprobs, num_rows: int) -> _PromptBlock:
-        rows = _listed_rows(lp.logprobs, num_rows)
-        counts = from_column(lp.counts, COUNT_DTYPE)
-        if len(counts) != len(rows) or (len(counts) and counts.min() < 0):
-            raise ValueError("prompt logprob columns do not match the frame's rows")
-        return _PromptBlock(counts, _Block.of(lp.logprobs, rows, counts.astype(np.int64)))
-
-    def part(self, w: int, route: _Route) -> InputLogprobs | None:
-        keep = self.block.keep(w, route)
-        if keep is None:
-            return None
-        return InputLogprobs(counts=self.counts[keep].tobytes(), logprobs=self.block.columns(keep, route))
+def _prompt_part(block: LogprobArrays, w: int, route: _Route) -> InputLogprobs | None:
+    """A prompt block's part: its listed rows' ``tokens`` are their own counts."""
+    cut = _cut(block, w, route)
+    if cut is None:
+        return None
+    keep, logprobs = cut
+    return InputLogprobs(counts=block.tokens[keep].astype(COUNT_DTYPE).tobytes(), logprobs=logprobs)
 
 
 @dataclass(frozen=True, slots=True)
