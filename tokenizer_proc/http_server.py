@@ -98,7 +98,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
                 # A refusal (full queue, scheduler's check, PD failure) is the first change
                 # when it comes: answer it with its status rather than a 200 stream.
                 if await wait_started(tm, [state], request) is None:
-                    return SseResponse(_GenerateEvents(tm, state, text_of))
+                    return SseResponse(_GenerateEvents(tm, state, text_of), tm.call_after_frame)
             else:
                 await wait_finished(tm, state, request)
         except ClientGone:

@@ -372,7 +372,7 @@ async def _respond(
         if refused_state is None and body.streaming:
             head["object"] = kind.chunk_object
             usage = _StreamUsage(body.choices, body.include_usage, body.include_usage and body.continuous_usage)
-            return SseResponse(_ChoiceEvents(tm, kind, states, head, usage))
+            return SseResponse(_ChoiceEvents(tm, kind, states, head, usage), tm.call_after_frame)
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
         for state in states if refused_state is None else ():
@@ -457,10 +457,16 @@ class _ChoiceEvents:
         state = self.states[index]
         if self._plain and not state.finished:
             chunks = state.take_pending()
-            if all(self._template(index, chunk.stats) is not None for chunk in chunks):
-                # Ids that decode to no text yet are nothing to show.
-                return b"".join([self._filled(index, chunk) for chunk in chunks if chunk.text])
-            state.pending[:0] = chunks  # a hole's marker in the model name: encoded whole below
+            out = []
+            for chunk in chunks:
+                template = self._template(index, chunk.stats)
+                if template is None:
+                    state.pending[:0] = chunks  # a hole's marker in the model name: encoded whole below
+                    break
+                if chunk.text:  # ids that decode to no text yet are nothing to show
+                    out.append(self._filled(template, chunk))
+            else:
+                return b"".join(out)
         refused = refusal(state) if state.finished else None
         if refused is not None:
             self.ended = True
@@ -478,8 +484,9 @@ class _ChoiceEvents:
                 continue
             lead = self._leading[index]
             self._leading[index] = False
-            if self._plain and final is None and self._template(index, chunk.stats) is not None:
-                out.append(self._filled(index, chunk))
+            template = self._template(index, chunk.stats) if self._plain and final is None else None
+            if template is not None:
+                out.append(self._filled(template, chunk))
                 continue
             text = kind.echoed_text(state, text_of) + chunk.text if lead else chunk.text
             logprobs = None
@@ -518,14 +525,12 @@ class _ChoiceEvents:
         self._templates[index] = (stats, template)
         return template
 
-    def _filled(self, index: int, chunk: StreamChunk) -> bytes:
-        """A content chunk from its template (``_template`` made it for the chunk's stats)."""
-        made = self._templates[index]
-        assert made is not None and made[1] is not None
+    def _filled(self, template: EventTemplate, chunk: StreamChunk) -> bytes:
+        """A content chunk from its template (``_template`` made for the chunk's stats)."""
         if self._usage.continuous:
-            prompt = chunk.stats.prompt_tokens  # type: ignore[union-attr]
-            return made[1].fill(chunk.text, chunk.completion_tokens, prompt + chunk.completion_tokens)
-        return made[1].fill(chunk.text)
+            count = chunk.completion_tokens
+            return template.fill(chunk.text, count, chunk.stats.prompt_tokens + count)  # type: ignore[union-attr]
+        return template.fill(chunk.text)
 
     def closing(self) -> bytes:
         usage = sse({**self._head, "choices": [], "usage": _usage(self.states, self._usage.n)}) if self._usage.include_usage and not self.ended else b""

@@ -91,6 +91,7 @@ class EventTemplate:
             return self._first + json_bytes(values[0]) + self._last
         out = [parts[0]]
         for value, part in zip(values, parts[1:]):
-            out.append(json_bytes(value))
+            # A plain int's JSON is its digits (a bool, an int too, is not: hence ``type``).
+            out.append(b"%d" % value if type(value) is int else json_bytes(value))
             out.append(part)
         return b"".join(out)

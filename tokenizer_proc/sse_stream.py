@@ -66,8 +66,11 @@ class Changes:
     stream's task waiting in ``wait``, or, while the task is parked (``park``), a callback
     the event loop runs once after the frame that marked them."""
 
-    def __init__(self, states: Sequence[ReqState]) -> None:
+    def __init__(self, states: Sequence[ReqState], after_frame: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._marked: dict[int, None] = {}
+        # Runs a callback once the frame being applied is (TokenizerManager.call_after_frame);
+        # without one, the event loop's next turn.
+        self._after_frame = after_frame
         self._waiter: asyncio.Future[None] | None = None
         self._pump: Callable[[], None] | None = None
         self._pump_due = False
@@ -83,14 +86,19 @@ class Changes:
         self._marked[index] = None
         if self._pump is not None:
             if not self._pump_due:
-                # After the receive loop's frame (its task yields next at its socket read),
-                # so every row of the frame is in before the stream's events are made.
+                # After the frame, so every row of it is in before the events are made.
                 self._pump_due = True
-                asyncio.get_running_loop().call_soon(self._run_pump)
+                self._schedule_pump()
             return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _schedule_pump(self) -> None:
+        if self._after_frame is not None:
+            self._after_frame(self._run_pump)
+        else:
+            asyncio.get_running_loop().call_soon(self._run_pump)
 
     def _run_pump(self) -> None:
         self._pump_due = False
@@ -126,7 +134,7 @@ class Changes:
         when it needs the task: the task awaits it."""
         self._waiter = asyncio.get_running_loop().create_future()
         self._pump = pump
-        if self._marked and not self._pump_due:  # marked while the task was busy
+        if self._marked and not self._pump_due:  # marked while the task was busy: no frame to wait for
             self._pump_due = True
             asyncio.get_running_loop().call_soon(self._run_pump)
         return self._waiter
@@ -166,11 +174,12 @@ class _Stream:
     """One stream's progress: the events made and not yet sent, and which states it has
     reported finished. ``collect`` is the one place that turns changes into events."""
 
-    def __init__(self, source: EventSource) -> None:
+    def __init__(self, source: EventSource, after_frame: Callable[[Callable[[], None]], None] | None) -> None:
         self.source = source
         self.states = source.states
-        self.changes = Changes(self.states)
+        self.changes = Changes(self.states, after_frame)
         self.body = b""
+        self.cycle: HttpToolsCycle | None = None  # set when events can go straight to its transport
         self._reported = [False] * len(self.states)
         self._left = len(self.states)
 
@@ -189,12 +198,14 @@ class _Stream:
                 return True
         return source.ended or not self._left
 
-    def pump(self, cycle: HttpToolsCycle) -> None:
+    def pump(self) -> None:
         """Run by the event loop after a frame marked this parked stream: its events go
         straight to the client's socket, as uvicorn's ``send`` would write one chunked
         body part, with no task switch and no ASGI message. Anything that needs the task
         (the stream's end, a full socket, a gone client) wakes it instead, with the events
         left in ``body`` for it to send."""
+        cycle = self.cycle
+        assert cycle is not None, "parked only with a writable cycle"
         if self.collect() or cycle.disconnected or cycle.flow.write_paused:
             self.changes.wake()
             return
@@ -210,21 +221,24 @@ class SseResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, source: EventSource) -> None:
+    def __init__(self, source: EventSource, after_frame: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """``after_frame``: ``TokenizerManager.call_after_frame``, so a parked stream's events
+        are written right after the frame that made them."""
         self.source = source
+        self.after_frame = after_frame
         self.status_code = 200
         self.background = None
         self.init_headers()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         source = self.source
-        stream = _Stream(source)
+        stream = _Stream(source, self.after_frame)
         changes, states = stream.changes, stream.states
         gone = asyncio.ensure_future(_until_disconnected(receive))
         gone.add_done_callback(lambda _: changes.close())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            cycle = _writable_cycle(send)
+            cycle = stream.cycle = _writable_cycle(send)
             stream.body = source.opening()
             while not stream.collect():
                 if stream.body:
@@ -239,7 +253,7 @@ class SseResponse(Response):
                 if cycle is None:
                     await changes.wait()
                 elif not changes.closed:
-                    await changes.park(lambda: stream.pump(cycle))
+                    await changes.park(stream.pump)
                 if changes.closed:
                     return
             await send({"type": "http.response.body", "body": stream.body + source.closing(), "more_body": False})

@@ -50,7 +50,7 @@ from pipeline.io_struct import (
 )
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
-from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
+from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder, receive_frames
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
 from tokenizer_proc.metrics import ServiceMetrics
@@ -102,17 +102,21 @@ class TokenizerManager:
             self.tracer = RequestTracer(config, self.model_name)
         self._encoder = make_encoder()
         self._ctx: zmq.asyncio.Context | None = None
+        self._recv_ctx: zmq.Context[Any] | None = None
         self._send: Any = None
         self._loop_task: asyncio.Task[None] | None = None
         self._next_control_id = itertools.count((self.worker_index << WORKER_SHIFT) + 1)
         self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}
+        self._after_frame: dict[Callable[[], None], None] = {}  # an ordered set
 
     # --- sockets -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._send = connect_push(self._ctx, self.config.scheduler_input)
-        recv = bind_pull(self._ctx, self.config.tokenizer_endpoint(self.worker_index))
+        # A plain socket, read through receive_frames: one wake per burst of frames.
+        self._recv_ctx = zmq.Context()
+        recv = bind_pull(self._recv_ctx, self.config.tokenizer_endpoint(self.worker_index))
         self._loop_task = asyncio.create_task(self._receive_loop(recv))
         # Requests a previous incarnation of this process left in the scheduler have no
         # client any more: stop them rather than let them run to completion. Only this
@@ -126,12 +130,13 @@ class TokenizerManager:
             self._loop_task.cancel()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
+        if self._recv_ctx is not None:
+            self._recv_ctx.destroy(linger=0)
 
     async def _receive_loop(self, sock: Any) -> None:
         decoder: FrameDecoder[TokenizerManagerInput] = FrameDecoder(TokenizerManagerInput, logger, "tokenizer manager input")
         inconsistent = RateLimitedWarning(logger)
-        while True:
-            frame = await sock.recv(copy=False)
+        async for frame in receive_frames(sock):
             msg = decoder.decode(frame.buffer)
             if msg is None:
                 continue
@@ -141,6 +146,21 @@ class TokenizerManager:
                 inconsistent.warn("dropped an inconsistent output frame: %s", exc)
             except Exception:  # a bug must not end this loop: every later request would hang
                 logger.exception("failed to handle an output frame; dropped it")
+            if self._after_frame:
+                self._run_after_frame()
+
+    def call_after_frame(self, callback: Callable[[], None]) -> None:
+        """Runs ``callback`` once the frame being applied is, once however often it is asked
+        for (streams write their events then: one write per stream per frame)."""
+        self._after_frame[callback] = None
+
+    def _run_after_frame(self) -> None:
+        due, self._after_frame = self._after_frame, {}
+        for callback in due:
+            try:
+                callback()
+            except Exception:  # one stream's failure must not stop the others'
+                logger.exception("an after-frame callback failed")
 
     def _send_obj(self, obj: Any) -> None:
         self._send.send(self._encoder.encode(obj), copy=False)
