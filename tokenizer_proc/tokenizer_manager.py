@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -419,15 +419,6 @@ class TokenizerManager:
         finally:
             self._controls.pop(control_id, None)
         return got if isinstance(got, answer) else None
-
-    async def wait(self, state: ReqState) -> AsyncIterator[ReqState]:
-        """Yields whenever the state changed, until it is finished."""
-        while True:
-            await state.event.wait()
-            state.event.clear()
-            yield state
-            if state.finished:
-                return
 
     # --- outputs: the one loop over rows -------------------------------------------------
 
