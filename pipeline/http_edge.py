@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.read_timeout import read_timeout_protocol
@@ -121,7 +122,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve_http(
-    app: FastAPI,
+    app: ASGIApp,
     settings: HttpSettings,
     on_started: Callable[[], None],
     on_read_timeout: Callable[[], None] | None = None,

@@ -8,8 +8,7 @@ import random
 
 import pytest
 
-from tokenizer_proc.http_common import sse
-from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError
+from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError, sse
 
 TEXTS = ["", "a", " the", "é", "\u2028", "x\x85y", "\u2029\n\r\t\"\\", "\x00\x1f", "✓ “q”", "\ud7ff\ue000", "😀"]
 

@@ -13,7 +13,6 @@ from fastapi.responses import JSONResponse
 from pipeline.http_edge import error_response, until_disconnected
 from pipeline.io_struct import FinishAbort, TraceContext
 from tokenizer_proc.req_state import ReqState
-from tokenizer_proc.sse_events import sse as sse  # the routes' SSE framing, shared from here
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 

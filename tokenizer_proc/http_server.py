@@ -30,7 +30,6 @@ from tokenizer_proc.http_common import (
     error_response,
     model_not_found,
     refusal,
-    sse,
     trace_context,
     wait_finished,
     wait_started,
@@ -41,7 +40,7 @@ from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.openai_api import build_openai_router
 from tokenizer_proc.req_state import ReqState, StreamChunk
-from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError
+from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError, sse
 from tokenizer_proc.sse_stream import SseResponse
 from tokenizer_proc.tokenize_api import build_tokenize_router
 from tokenizer_proc.tokenizer_manager import TokenizerManager

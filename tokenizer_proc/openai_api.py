@@ -54,7 +54,6 @@ from tokenizer_proc.http_common import (
     error_response,
     model_not_found,
     refusal,
-    sse,
     trace_context,
     wait_finished,
     wait_started,
@@ -69,7 +68,7 @@ from tokenizer_proc.openai_schema import (
     SamplingRequest,
 )
 from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
-from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError
+from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError, sse
 from tokenizer_proc.sse_stream import SseResponse
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
