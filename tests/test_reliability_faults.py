@@ -168,7 +168,9 @@ def test_stalled_scheduler_fails_health_generate_but_not_health(tmp_path: Path) 
             assert status == 503, results
             assert body["error"]["code"] == 503 and body["error"]["type"] == "service_unavailable"
             assert 1.9 <= took < 4.0, f"/health_generate answered after {took:.2f} s (timeout 2 s)"
-            assert len(health_times) >= 5 and max(health_times) < 0.5, health_times
+            # Blocked by the stall, a call would take as long as it (2 s and more); a loaded
+            # 2-core CI box has delayed one unblocked call by 0.58 s, so the bound sits between.
+            assert len(health_times) >= 5 and max(health_times) < 1.2, health_times
             # The timed-out probe keeps no state, even while the scheduler is still stalled.
             assert c.get("/server_info").json()["live_requests"] == 0
 
