@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Self
 
+import httpx
+
 REPO = Path(__file__).resolve().parent.parent
 
 # The command every tokenpipe process is started with, before its role (``serve``,
@@ -55,7 +57,8 @@ class Launched:
     message when it does not come up and for tests that read it, and also written to
     ``log_path`` when one is given. ``env`` adds to this process's environment. It is ready
     once ``probe()`` answers True: by default once a line starting with ``ready_prefix`` was
-    printed; a subclass probes a port instead. ``name`` says what it is in errors."""
+    printed; a subclass probes a port instead. ``name`` says what it is in errors;
+    ``stop_timeout`` is how long ``stop`` waits before it kills."""
 
     def __init__(
         self,
@@ -66,8 +69,10 @@ class Launched:
         log_path: Path | None = None,
         keep_lines: int | None = 200,
         ready_prefix: str | None = None,
+        stop_timeout: float = 60.0,
     ) -> None:
         self.name = name
+        self.stop_timeout = stop_timeout
         self.log_path = log_path
         self.ready_prefix = ready_prefix
         self.ready_line: str | None = None
@@ -112,14 +117,19 @@ class Launched:
         wait_ready(self.probe, [self], timeout, what=f"{self.name} did not become ready", wake=self._news)
         return self
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        """Sends ``sig``, waits up to ``timeout`` seconds, then kills; the exit code."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int:
+        """Sends ``sig``, waits up to ``timeout`` seconds (``stop_timeout`` by default), then
+        kills; the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.reap(timeout)
+        return self.reap(self.stop_timeout if timeout is None else timeout)
 
     def reap(self, timeout: float) -> int:
         """Waits up to ``timeout`` seconds for the exit, then kills; the exit code."""
@@ -161,6 +171,14 @@ def wait_ready(
             wake.wait(interval)
         else:  # no event, or the output has ended and the exit is near
             time.sleep(interval)
+
+
+def answers_200(url: str, headers: Mapping[str, str] | None = None, timeout: float = 30.0) -> bool:
+    """A readiness probe: whether GET ``url`` answers 200 (False while it cannot connect)."""
+    try:
+        return httpx.get(url, headers=headers, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def stop_all(processes: Iterable[Launched], timeout: float = 60.0) -> list[int]:
