@@ -31,7 +31,7 @@ READY_PREFIX = "tokenpipe ready"  # the line ``tokenpipe serve`` prints once it 
 
 
 def tokenpipe_command(role: str, *args: str) -> list[str]:
-    """``python -m pipeline.cli ROLE ARGS...`` with this interpreter."""
+    """``TOKENPIPE ROLE ARGS...``: a tokenpipe process with this interpreter."""
     return [*TOKENPIPE, role, *args]
 
 
@@ -181,14 +181,15 @@ def answers_200(url: str, headers: Mapping[str, str] | None = None, timeout: flo
         return False
 
 
-def stop_all(processes: Iterable[Launched], timeout: float = 60.0) -> list[int]:
+def stop_all(processes: Iterable[Launched], timeout: float | None = None) -> list[int]:
     """SIGTERM to every one first (they shut down together, not one after the other), then
-    each waited for up to ``timeout`` seconds and killed after; their exit codes."""
+    each waited for up to ``timeout`` seconds (its ``stop_timeout`` by default) and killed
+    after; their exit codes."""
     processes = list(processes)
     for p in processes:
         if p.alive():
             p.proc.send_signal(signal.SIGTERM)
-    return [p.reap(timeout) for p in processes]
+    return [p.reap(p.stop_timeout if timeout is None else timeout) for p in processes]
 
 
 class LaunchedServer(Launched):
