@@ -41,7 +41,7 @@ DEFAULT_MODEL_NAME = "tokenpipe-tiny"
 
 # The shipped tokenizer's vocabulary size and EOS ids (<|endoftext|>), for the built-in model
 # under --skip-tokenizer-init, which must not open the tokenizer to learn them.
-# tests/test_skip_tokenizer_init.py pins them to what load_tokenizer(None) reads.
+# tests/e2e/test_skip_tokenizer_init.py pins them to what load_tokenizer(None) reads.
 SHIPPED_VOCAB_SIZE = 4096
 SHIPPED_EOS_TOKEN_IDS: frozenset[int] = frozenset({0})
 

@@ -9,7 +9,7 @@ Reproducibility is the point of this script: the training corpus is generated he
 from word lists kept in this file and a self-contained PRNG (splitmix64), so the corpus does not
 depend on the Python version (``random``'s algorithms, stdlib docstrings) or on the network.
 Running it twice gives a byte-identical ``tokenizer.json`` for a given ``tokenizers`` version;
-``tests/test_tokenizer_loader.py`` checks the shipped file against a fresh run.
+``tests/e2e/test_tokenizer_training.py`` checks the shipped file against a fresh run.
 
 Usage: ``python scripts/train_tokenizer.py [--out DIR]`` (default: ``pipeline/assets``).
 """

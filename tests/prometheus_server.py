@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.launch import Launched, answers_200, wait_ready
 from tests.server_harness import free_port
 
 IN_CI = os.environ.get("CI") == "true"
@@ -41,26 +40,18 @@ def running_prometheus(target_port: int, workdir: Path) -> Iterator[str]:
         f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n"
     )
     port = free_port()
-    proc = subprocess.Popen(
+    proc = Launched(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL,
-        stderr=(workdir / "prometheus.log").open("w"),
+        name="prometheus",
+        log_path=workdir / "prometheus.log",
+        stop_timeout=10.0,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (workdir / "prometheus.log").read_text()
-            time.sleep(0.2)
+        wait_ready(lambda: answers_200(f"{url}/-/ready", timeout=2), [proc], 30, what="prometheus did not become ready", interval=0.2)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(10)
+        proc.stop()
 
 
 def query(prom: str, expr: str) -> dict[str, float]:

@@ -1,14 +1,12 @@
 """Starts the real sglang-router (SGLang's gateway, PyPI ``sglang-router``; the wheel ships
 its binary) in front of tokenpipe servers, for tests. No imitation: the router's own binary,
-over real sockets."""
+over real sockets, started and stopped by the tests' one launcher (``bench.launch.Launched``)."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -16,6 +14,7 @@ from typing import Any, Self
 import httpx
 import pytest
 
+from bench.launch import Launched, wait_ready
 from tests.server_harness import free_port
 
 IN_CI = os.environ.get("CI") == "true"
@@ -32,18 +31,17 @@ def router_binary() -> str:
     return found
 
 
-class SglangRouter:
+class SglangRouter(Launched):
     """``sglang-router launch`` on free ports (its HTTP port and its Prometheus port: the
     default 29000 would collide between routers) with ``args`` naming the workers, e.g.
     ``["--worker-urls", url1, url2]`` or ``["--pd-disaggregation", "--prefill", url, port,
-    "--decode", url]``. Its log goes to ``log_path``."""
+    "--decode", url]``. Its log goes to ``log_path``, and all of it is kept for ``output()``."""
 
     def __init__(
         self, args: Sequence[str], log_path: Path, *, policy: str = "cache_aware", api_key: str | None = None, log_level: str = "warn"
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
         command = [
             router_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
@@ -52,18 +50,17 @@ class SglangRouter:
         ]  # fmt: skip
         if api_key is not None:
             command += ["--api-key", api_key]  # required from clients, and sent to the workers
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
+        super().__init__(command, name="sglang-router", env={"NO_COLOR": "1"}, log_path=log_path, keep_lines=None, stop_timeout=15.0)
 
-    def wait_ready(self, workers: int, timeout: float = 60.0) -> Self:
+    def wait_ready(self, timeout: float = 60.0, *, workers: int = 1) -> Self:
         """Until the router has registered ``workers`` healthy workers (its ``/workers``)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if sum(1 for w in self.workers() if w.get("is_healthy")) >= workers:
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"sglang-router did not register {workers} workers; log:\n{self.output()[-4000:]}")
+        wait_ready(
+            lambda: sum(1 for w in self.workers() if w.get("is_healthy")) >= workers,
+            [self],
+            timeout,
+            what=f"sglang-router did not register {workers} workers",
+        )
+        return self
 
     def workers(self) -> list[dict[str, Any]]:
         """The router's ``/workers`` list; empty while it cannot answer."""
@@ -73,17 +70,5 @@ class SglangRouter:
         except (httpx.HTTPError, ValueError, KeyError):
             return []
 
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=120.0, trust_env=False)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()

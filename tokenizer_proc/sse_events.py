@@ -4,7 +4,7 @@ of a stream to the next are encoded once, and each event encodes only what chang
 ``sse(payload)`` encodes a whole event. ``EventTemplate`` is the same event with holes: the
 payload is encoded once with a marker string in each hole and cut at the markers, and
 ``fill`` puts each value's JSON between the constant parts. The bytes are exactly what
-``sse`` gives for the payload with the values in place (``tests/test_sse_events.py``), since
+``sse`` gives for the payload with the values in place (``tests/unit/test_sse_events.py``), since
 msgspec encodes a value the same wherever it sits in a document."""
 
 from __future__ import annotations

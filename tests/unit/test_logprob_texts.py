@@ -16,7 +16,7 @@ from pipeline.io_struct import REQ_ID_DTYPE, BatchTokenIDOutput, LogprobParams, 
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
-from tests.test_output_logprobs import make, submit
+from tests.unit.test_output_logprobs import make, submit
 
 SHOWN = LogprobParams(top_logprobs_num=3, logprob_start_len=2, return_text=True)
 HIDDEN = LogprobParams(top_logprobs_num=2)

@@ -30,7 +30,7 @@ from scheduler_proc.main import build_scheduler
 from scheduler_proc.req import Req
 from scheduler_proc.scheduler import Scheduler
 from tests.server_harness import ServerProcess
-from tests.test_dllm_logprobs import reference_decode
+from tests.unit.test_dllm_logprobs import reference_decode
 
 B, S = 4, 2  # block size, refinement passes per block
 PROMPTS = [[(13 * i + 7 * k + 5) % 4000 + 50 for i in range(12 + 5 * k)] for k in range(6)]
@@ -360,7 +360,7 @@ def test_serve_streams_one_event_per_block(dllm_server: ServerProcess) -> None:
 
 def test_serve_logprobs_of_each_block_token(dllm_server: ServerProcess) -> None:
     """/generate return_logprob in --mode dllm: one entry per token of each block, equal to
-    the reference loop's (tests/test_dllm_logprobs.py: the pass that committed each token),
+    the reference loop's (tests/unit/test_dllm_logprobs.py: the pass that committed each token),
     prompt logprobs from the prefill on the first event, and streamed events' entries
     joining to the whole answer's."""
     prompt = PROMPTS[1]

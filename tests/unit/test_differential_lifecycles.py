@@ -33,7 +33,7 @@ a read, so rows wait as several chunks or merge into one while an event is being
 their logprobs must follow.
 
 Run more lifecycles than the suite's default with
-``python -m pytest tests/test_differential_lifecycles.py --lifecycles 20000``.
+``python -m pytest tests/unit/test_differential_lifecycles.py --lifecycles 20000``.
 """
 
 from __future__ import annotations

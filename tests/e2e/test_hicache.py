@@ -27,7 +27,7 @@ from scheduler_proc.main import build_scheduler
 from scheduler_proc.radix_cache import RadixCache
 from scheduler_proc.scheduler import Scheduler
 from tests.server_harness import ServerProcess, wait_until
-from tests.test_scheduler_steps import run_to_end, submit
+from tests.unit.test_scheduler_steps import run_to_end, submit
 
 PROMPTS = [[(13 * i + 5 + 97 * j) % 4000 + 50 for i in range(100)] for j in range(6)]
 SUFFIX = [7, 8]

@@ -29,8 +29,8 @@ from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.radix_cache import Dropped, RadixCache
 from tests.server_harness import ServerProcess, wait_until
 from tests.sglang_router import SglangRouter
-from tests.test_hicache import PROMPTS, SUFFIX, hicache_scheduler, serve_one
-from tests.test_scheduler_steps import PROMPT, make, run_to_end, submit
+from tests.e2e.test_hicache import PROMPTS, SUFFIX, hicache_scheduler, serve_one
+from tests.unit.test_scheduler_steps import PROMPT, make, run_to_end, submit
 
 API_KEY = "tp-worker-Secret-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

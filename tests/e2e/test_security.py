@@ -14,7 +14,6 @@ import pickle
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -26,7 +25,7 @@ import pytest
 import zmq
 
 from pipeline.sockets import PrivateIpcDir
-from tests.server_harness import REPO, ServerProcess, free_port
+from tests.server_harness import REPO, RoleProcesses, ServerProcess
 from pipeline import http_edge
 
 API_KEY = "tp-Secret-0123456789abcdef"
@@ -37,56 +36,10 @@ GENERATE = {"text": "secure", "sampling_params": {"max_new_tokens": 3, "temperat
 # --- the three processes on explicit tcp endpoints, with an API key -------------------------
 
 
-class TcpService:
-    def __init__(self) -> None:
-        self.zmq_ports = {"scheduler": free_port(), "detokenizer": free_port(), "tokenizer": free_port()}
-        self.http_port = free_port()
-        endpoints = [
-            "--scheduler-input", f"tcp://127.0.0.1:{self.zmq_ports['scheduler']}",
-            "--detokenizer-input", f"tcp://127.0.0.1:{self.zmq_ports['detokenizer']}",
-            "--tokenizer-input", f"tcp://127.0.0.1:{self.zmq_ports['tokenizer']}",
-        ]  # fmt: skip
-        common = [*endpoints, "--port", str(self.http_port), "--api-key", API_KEY, "--log-level", "warning", "--max-total-tokens", "4096"]
-        self.procs = {
-            role: subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *common], cwd=REPO)
-            for role in ("scheduler", "detokenizer", "api")
-        }
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/health_generate", headers=AUTH, timeout=30).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the three processes never served a request"
-            assert all(p.poll() is None for p in self.procs.values()), {r: p.poll() for r, p in self.procs.items()}
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
 @pytest.fixture(scope="module")
-def tcp_service() -> Iterator[TcpService]:
-    svc = TcpService()
-    try:
-        svc.wait_healthy()
+def tcp_service() -> Iterator[RoleProcesses]:
+    with RoleProcesses(["--api-key", API_KEY], headers=AUTH) as svc:
         yield svc
-    finally:
-        svc.close()
 
 
 # --- ipc: a private directory -------------------------------------------------------------
@@ -211,7 +164,7 @@ class _Evil:
         return (open, (self.path, "w"))
 
 
-def test_a_pickle_frame_runs_no_code_and_a_junk_frame_is_dropped(tcp_service: TcpService, tmp_path: Path) -> None:
+def test_a_pickle_frame_runs_no_code_and_a_junk_frame_is_dropped(tcp_service: RoleProcesses, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Evil(str(marker)))
     ctx = zmq.Context()
@@ -229,7 +182,7 @@ def test_a_pickle_frame_runs_no_code_and_a_junk_frame_is_dropped(tcp_service: Tc
     assert not marker.exists(), "a pickle frame was unpickled"
     r = httpx.post(tcp_service.url + "/generate", json=GENERATE, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3
-    assert all(p.poll() is None for p in tcp_service.procs.values())
+    assert all(p.alive() for p in tcp_service.procs.values())
 
 
 # --- tcp endpoints listen where configured ----------------------------------------------------
@@ -262,12 +215,12 @@ def _listening(pid: int) -> set[tuple[str, int]]:
     return found
 
 
-def test_tcp_endpoints_listen_only_on_the_configured_address(tcp_service: TcpService) -> None:
+def test_tcp_endpoints_listen_only_on_the_configured_address(tcp_service: RoleProcesses) -> None:
     ports = tcp_service.zmq_ports
     expected = {
         "scheduler": {("127.0.0.1", ports["scheduler"])},
         "detokenizer": {("127.0.0.1", ports["detokenizer"])},
-        "api": {("127.0.0.1", ports["tokenizer"]), ("127.0.0.1", tcp_service.http_port)},
+        "api": {("127.0.0.1", ports["tokenizer"]), ("127.0.0.1", tcp_service.port)},
     }
     for role, proc in tcp_service.procs.items():
         assert _listening(proc.pid) == expected[role], role
@@ -339,24 +292,24 @@ def _raw_request(port: int, method: str, path: str, authorization: bytes | None)
     return status, response.partition(b"\r\n\r\n")[2]
 
 
-def test_every_wrong_key_gets_an_openai_style_401(tcp_service: TcpService) -> None:
+def test_every_wrong_key_gets_an_openai_style_401(tcp_service: RoleProcesses) -> None:
     wrong: list[bytes | None] = [*_wrong_authorizations(), None]
     assert len(wrong) > 2 * len(API_KEY)
     for authorization in wrong:
         for method, path in (("POST", "/generate"), ("GET", "/v1/models"), ("GET", "/server_info"), ("GET", "/health_generate")):
-            status, body = _raw_request(tcp_service.http_port, method, path, authorization)
+            status, body = _raw_request(tcp_service.port, method, path, authorization)
             assert status == 401, (authorization, path, status, body)
             error = json.loads(body)["error"]
             assert error["code"] == 401 and error["type"] == "authentication_error" and error["message"], error
             assert API_KEY.encode() not in body
     # The same raw request with the right key works, and nothing echoes the key back.
-    status, body = _raw_request(tcp_service.http_port, "POST", "/generate", f"Bearer {API_KEY}".encode())
+    status, body = _raw_request(tcp_service.port, "POST", "/generate", f"Bearer {API_KEY}".encode())
     assert status == 200 and json.loads(body)["meta_info"]["completion_tokens"] == 3
     info = httpx.get(tcp_service.url + "/server_info", headers=AUTH, timeout=30)
     assert info.status_code == 200 and "api_key" not in info.json() and API_KEY not in info.text
 
 
-def test_health_and_metrics_need_no_key(tcp_service: TcpService) -> None:
+def test_health_and_metrics_need_no_key(tcp_service: RoleProcesses) -> None:
     with httpx.Client(base_url=tcp_service.url, timeout=30) as c:
         assert c.get("/health").status_code == 200
         metrics = c.get("/metrics")
@@ -365,4 +318,4 @@ def test_health_and_metrics_need_no_key(tcp_service: TcpService) -> None:
         # Only those exact paths are open.
         for path in ("/health/", "/health_generate", "/metrics/x", "//health"):
             assert c.get(path).status_code == 401, path
-    assert all(p.poll() is None for p in tcp_service.procs.values())
+    assert all(p.alive() for p in tcp_service.procs.values())

@@ -27,7 +27,7 @@ import uvloop
 
 from tests.server_harness import ServerProcess
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _import(name: str, path: Path) -> ModuleType:

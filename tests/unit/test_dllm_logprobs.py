@@ -2,7 +2,7 @@
 log-softmax of the logits of the pass that committed it, checked against a plain reference
 loop (one full forward per pass of each request alone, no KV reuse, no batching); rows
 that ask beside rows that do not, uneven passes, blocks cut by max_new_tokens, retraction,
-and prompt logprobs from the prefill. The end-to-end check is in tests/test_dllm.py."""
+and prompt logprobs from the prefill. The end-to-end check is in tests/e2e/test_dllm.py."""
 
 from __future__ import annotations
 

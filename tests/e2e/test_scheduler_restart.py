@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,58 +21,24 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_harness import REPO, free_port, wait_until
+from tests.server_harness import RoleProcesses, wait_until
 
 LOST = "the scheduler restarted and lost this request; send it again"
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-class ThreeProcesses:
+class ThreeProcesses(RoleProcesses):
+    """The three processes over ipc:// in ``run_dir``, one request running at a time."""
+
     def __init__(self, run_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [
-            "--scheduler-input", f"ipc://{run_dir}/scheduler",
-            "--detokenizer-input", f"ipc://{run_dir}/detokenizer",
-            "--tokenizer-input", f"ipc://{run_dir}/tokenizer",
-            "--port", str(self.port), "--log-level", "warning",
-            "--max-total-tokens", "4096", "--max-running-requests", "1",
-        ]  # fmt: skip
-        self.procs = {role: self.start(role) for role in ("scheduler", "detokenizer", "api")}
-
-    def start(self, role: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *self.args], cwd=REPO)
-
-    def wait_serving(self, timeout: float = 120.0) -> None:
-        def serving() -> bool:
-            assert all(p.poll() is None for p in self.procs.values()), "a process exited"
-            try:
-                return httpx.get(self.url + "/health_generate", timeout=30).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(serving, timeout, 0.2), "the three processes never served a request"
+        super().__init__(["--max-running-requests", "1"], ipc_dir=run_dir)
 
     def scheduler_live_reqs(self) -> int:
         report = httpx.get(self.url + "/server_info", timeout=30).json()["scheduler"]
         return int(report["live_reqs"]) if report else 0
 
     def restart_scheduler(self) -> None:
-        old = self.procs["scheduler"]
-        old.send_signal(signal.SIGKILL)
-        old.wait(30)
-        self.procs["scheduler"] = self.start("scheduler")
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self.restart("scheduler")
 
 
 @pytest.fixture
@@ -83,10 +46,10 @@ def three() -> Iterator[ThreeProcesses]:
     run_dir = Path(tempfile.mkdtemp(prefix="tp-restart-"))  # short: ipc paths are limited to ~107 bytes
     procs = ThreeProcesses(run_dir)
     try:
-        procs.wait_serving()
+        procs.wait_ready()
         yield procs
     finally:
-        procs.stop()
+        procs.stop(timeout=30)
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -402,7 +402,7 @@ def test_retracted_requests_logprobs_equal_transformers(checkpoint: Path, hf_mod
 
 def test_dllm_mode_serves_logprobs(tmp_path: Path) -> None:
     """--mode dllm serves logprobs: one entry per token of each block, and the prompt's
-    (tests/test_dllm_logprobs.py and tests/test_dllm.py check the values)."""
+    (tests/unit/test_dllm_logprobs.py and tests/e2e/test_dllm.py check the values)."""
     srv = ServerProcess(tmp_path / "tmp", ["--mode", "dllm"]).wait_ready()
     try:
         body = {"text": "a b", "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 6}}

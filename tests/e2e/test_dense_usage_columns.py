@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from pipeline.io_struct import (
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import build_token_output
 from scheduler_proc.req import Req
-from tests.server_harness import REPO, free_port
+from tests.server_harness import REPO, free_port, role_process
 
 # --- the consumer's side: docs/wire.md, by hand ----------------------------------------
 
@@ -160,15 +158,12 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(f"tcp://127.0.0.1:{ports[0]}")
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "pipeline.cli", "scheduler",
-            "--scheduler-input", f"tcp://127.0.0.1:{ports[0]}",
-            "--detokenizer-input", f"tcp://127.0.0.1:{ports[1]}",
-            "--tokenizer-input", f"tcp://127.0.0.1:{ports[2]}",
-            "--dense-usage-columns", "--log-level", "warning", "--max-total-tokens", "4096",
-        ],
-        cwd=REPO,
+    proc = role_process(
+        "scheduler",
+        "--scheduler-input", f"tcp://127.0.0.1:{ports[0]}",
+        "--detokenizer-input", f"tcp://127.0.0.1:{ports[1]}",
+        "--tokenizer-input", f"tcp://127.0.0.1:{ports[2]}",
+        "--dense-usage-columns", "--log-level", "warning", "--max-total-tokens", "4096",
     )  # fmt: skip
     encoder = msgspec.msgpack.Encoder()
     seen: dict[int, list[dict[str, Any]]] = {}  # req_id -> its rows, in order
@@ -193,7 +188,7 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
                 )
             deadline = time.monotonic() + 180
             while not set(phase) <= finished:
-                assert proc.poll() is None, f"the scheduler exited with {proc.returncode}"
+                assert proc.alive(), f"the scheduler exited with {proc.proc.returncode}:\n{proc.output()[-4000:]}"
                 assert time.monotonic() < deadline, f"requests {sorted(set(phase) - finished)} never finished"
                 if not pull.poll(200):
                     continue
@@ -210,8 +205,7 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
                     if row["finished"] is not None:
                         finished.add(req_id)
     finally:
-        proc.terminate()
-        code = proc.wait(30)
+        code = proc.stop(timeout=30)
         ctx.destroy(linger=0)
     assert code in (0, -15), code
 

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,7 +43,7 @@ from pipeline.tokenizer_loader import (
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.model import LlamaForCausalLM
 from scheduler_proc.model_config import ModelConfig
-from tests.server_harness import REPO, ServerProcess, free_port, wait_until
+from tests.server_harness import REPO, RoleProcesses, ServerProcess, tokenpipe_command
 
 FLAG = "--skip-tokenizer-init"
 PROMPTS = [[17, 300, 1200, 45, 9], [2048, 77, 3001, 5, 5, 5, 400], [1000]]
@@ -235,29 +234,8 @@ def lone_processes(*args: str) -> Iterator[httpx.Client]:
     """``tokenpipe scheduler``, ``detokenizer`` and ``api`` run one by one over tcp://, each
     given ``args``, as deploy/supervisord.conf runs them; the client once /health_generate
     got through."""
-    endpoints = []
-    for flag in ("--scheduler-input", "--detokenizer-input", "--tokenizer-input"):
-        endpoints += [flag, f"tcp://127.0.0.1:{free_port()}"]
-    port = free_port()
-    common = [*endpoints, "--port", str(port), "--log-level", "warning", "--max-total-tokens", "4096", *args]
-    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *common], cwd=REPO) for role in ("scheduler", "detokenizer", "api")]
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-
-            def healthy() -> bool:
-                assert all(p.poll() is None for p in procs), "a process exited"
-                try:
-                    return client.get("/health_generate").status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            assert wait_until(healthy, timeout=120, interval=0.2), "the three processes never served a request"
-            yield client
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(15)
+    with RoleProcesses(args) as procs, httpx.Client(base_url=procs.url, timeout=60) as client:
+        yield client
 
 
 def test_a_model_directory_without_tokenizer_files_serves_with_the_flag(ids_only_dir: Path) -> None:
@@ -278,7 +256,7 @@ def test_a_model_directory_without_tokenizer_files_serves_with_the_flag(ids_only
 def test_without_the_flag_that_directory_does_not_start(ids_only_dir: Path, tmp_path: Path) -> None:
     """The control for the test above: a process that loaded a tokenizer would fail there."""
     run = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "serve", "--model-path", str(ids_only_dir), "--port", "0", "--log-level", "warning"],
+        tokenpipe_command("serve", "--model-path", str(ids_only_dir), "--port", "0", "--log-level", "warning"),
         cwd=REPO,
         env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True,
