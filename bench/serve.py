@@ -355,7 +355,7 @@ async def sample_loop(url: str, t0: float, out: list[Sample], stop: asyncio.Even
                 out.append(sample)
             try:
                 await asyncio.wait_for(stop.wait(), POLL_INTERVAL)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -1087,7 +1087,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=None, help=f"default {DEFAULT_TEMPERATURE} ({SAMPLED['temperature']} for --compare-sampling's sampled runs)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"default {DEFAULT_TEMPERATURE} ({SAMPLED['temperature']} for --compare-sampling's sampled runs)",
+    )
     p.add_argument("--top-p", type=float, default=None, help=f"default: not sent ({SAMPLED['top_p']} for --compare-sampling's sampled runs)")
     p.add_argument(
         "--seeded",
@@ -1097,7 +1102,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--compare-discard", action="store_true", help="with --launch: also measure a --discard-output server")
     p.add_argument(
-        "--compare-sampling", action="store_true", help="with --launch: also run the workload greedy and sampled on the same server, in alternating rounds"
+        "--compare-sampling",
+        action="store_true",
+        help="with --launch: also run the workload greedy and sampled on the same server, in alternating rounds",
     )
     p.add_argument(
         "--top-logprobs",

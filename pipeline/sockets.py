@@ -148,7 +148,7 @@ class PrivateIpcDir:
     def close(self) -> None:
         remove_ipc_dir(self.path)
 
-    def __enter__(self) -> "PrivateIpcDir":
+    def __enter__(self) -> PrivateIpcDir:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -96,7 +96,7 @@ class ChatTemplate:
             logger.warning("%s; /v1/chat/completions will answer 500", self._compile_error)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: LoadedTokenizer) -> "ChatTemplate":
+    def for_tokenizer(cls, tokenizer: LoadedTokenizer) -> ChatTemplate:
         return cls(tokenizer.chat_template, tokenizer.special_tokens)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:

@@ -120,7 +120,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         state = tm.submit_generate(input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True)
         try:
             await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             tm.abort(state.req_id, "health check timed out")
             tm.forget(state)  # a stalled scheduler may never answer: keep no state for it
             return error_response(503, "a 1-token request did not get through the pipeline in time", err_type="service_unavailable")

@@ -225,7 +225,9 @@ class _Completion:
         return None
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def delta(
+        index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     @staticmethod
@@ -264,7 +266,9 @@ class _Chat:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def delta(
+        index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {
             "index": index,
             "delta": {"content": text} if text else {},
@@ -532,8 +536,9 @@ class _ChoiceEvents:
         return template.fill(chunk.text)
 
     def closing(self) -> bytes:
-        usage = sse({**self._head, "choices": [], "usage": _usage(self.states, self._usage.n)}) if self._usage.include_usage and not self.ended else b""
-        return usage + _DONE
+        if not self._usage.include_usage or self.ended:
+            return _DONE
+        return sse({**self._head, "choices": [], "usage": _usage(self.states, self._usage.n)}) + _DONE
 
     def close(self) -> None:
         # A disconnect ends the stream early: stop every choice still running.
