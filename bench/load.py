@@ -401,9 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kwargs = dict(clients=args.clients, max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, seed=args.seed, timeout=args.timeout)
     if args.launch:
         with LaunchedServer(shlex.split(args.server_args), open_files=args.clients + 256) as server:
-            summary = uvloop.run(run_load(server.url, **kwargs))  # type: ignore[arg-type]
+            summary = uvloop.run(run_load(server.url, **kwargs))
     else:
-        summary = uvloop.run(run_load(args.url, **kwargs))  # type: ignore[arg-type]
+        summary = uvloop.run(run_load(args.url, **kwargs))
     print(format_table(summary))
     if args.json:
         text = json.dumps(to_json(summary), indent=2)

@@ -325,10 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         trim=args.malloc_trim,
     )
     if args.url:
-        result = uvloop.run(measure(args.url, child_roles(args.supervisor_pid), **kwargs))  # type: ignore[arg-type]
+        result = uvloop.run(measure(args.url, child_roles(args.supervisor_pid), **kwargs))
     else:
         with LaunchedServer(shlex.split(args.server_args)) as server:
-            result = uvloop.run(measure(server.url, server.children(), **kwargs))  # type: ignore[arg-type]
+            result = uvloop.run(measure(server.url, server.children(), **kwargs))
     print(format_table(result))
     if args.json:
         text = json.dumps(result, indent=2)

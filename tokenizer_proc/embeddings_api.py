@@ -57,7 +57,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         arrived = time.time()
-        obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)  # type: ignore[assignment]
+        obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
         _require_embedding_mode(tm)
         if obj.dimensions is not None:
             raise RequestValidationError("`dimensions` is not supported: the model's size is fixed", "dimensions")
@@ -91,7 +91,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/encode")
     async def encode(request: Request) -> Response:
         arrived = time.time()
-        obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)  # type: ignore[assignment]
+        obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)
         _require_embedding_mode(tm)
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")

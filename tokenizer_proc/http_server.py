@@ -73,7 +73,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         arrived = time.time()
-        obj: GenerateRequest = decode_body(await request.body(), GenerateBody)  # type: ignore[assignment]
+        obj: GenerateRequest = decode_body(await request.body(), GenerateBody)
         obj.refuse_unsupported()
         if obj.model is not None and obj.model != tm.model_name:
             return model_not_found(obj.model)
@@ -128,7 +128,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        obj: AbortRequestBody = decode_body(await request.body(), AbortRequestBody)  # type: ignore[assignment]
+        obj: AbortRequestBody = decode_body(await request.body(), AbortRequestBody)
         if obj.abort_all:
             tm.abort_all("aborted by /abort_request")
             return JSONResponse({"aborted": "all"})

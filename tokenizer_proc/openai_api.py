@@ -103,7 +103,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrived = time.time()
-        body: CompletionRequest = decode_body(await request.body(), CompletionBody)  # type: ignore[assignment]
+        body: CompletionRequest = decode_body(await request.body(), CompletionBody)
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
@@ -120,7 +120,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrived = time.time()
-        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)  # type: ignore[assignment]
+        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
