@@ -186,7 +186,7 @@ class StreamResult:
     events: int = 0  # SSE events with a JSON payload
     tokens: int = 0  # output_ids received
     completion_tokens: int | None = None  # the last event's meta_info count
-    finish_reason: Any = None
+    finish_reason: object = None  # the response's JSON, as it came
     done: bool = False  # saw data: [DONE]
     cut: bool = False  # the client closed it on purpose before its end
     error: str | None = None

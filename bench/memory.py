@@ -138,7 +138,7 @@ class Traffic:
         if len(self.error_examples) < 5 and message not in self.error_examples:
             self.error_examples.append(message)
 
-    async def one(self, conn: Any, i: int) -> None:
+    async def one(self, conn: load.Connection, i: int) -> None:
         stream = (i * 0.6180339887) % 1.0 < self.stream_ratio  # spread evenly, reproducibly
         body = load.make_body(i, vocab=self.vocab, prompt_len=self.prompt_len, max_new_tokens=self.max_new_tokens, seed=self.seed, stream=stream)
         want = self.max_new_tokens

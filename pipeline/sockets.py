@@ -56,6 +56,8 @@ class RateLimitedWarning:
 class FrameDecoder(Generic[T]):
     """Decodes frames into ``type_``; a frame that fails is dropped (returns None)."""
 
+    # ``type_`` is a type or a union of types (``T`` itself): msgspec takes either, the type
+    # checker has no one annotation for both.
     def __init__(self, type_: Any, logger: logging.Logger, what: str) -> None:
         self._decoder = msgspec.msgpack.Decoder(type_)
         self._warning = RateLimitedWarning(logger)
