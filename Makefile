@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 PORT ?= 30000
 
-.PHONY: serve test bench setup system-deps clean
+.PHONY: serve check test bench setup system-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,12 @@ system-deps:
 		else echo "note: prometheus/promtool missing and cannot apt-get install them; their tests will skip"; fi; \
 	fi
 
-test: $(STAMP) system-deps
+# The gate the tests stand behind: lint, then types (both configured in pyproject.toml).
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: check system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -25,7 +25,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -61,7 +60,7 @@ def _transfer_once(src: ModelRunner, dst: ModelRunner, server: KVFetchServer, cl
     started = time.perf_counter()
     k, v = gather_kv(src.kv, slots)
     server.send(identity, KVTransferHeader(room=0, attempt=0, ok=True, num_tokens=n, layout=layout, first_token=1), k, v)
-    got: list[Any] = []
+    got: list[tuple[str, KVTransferHeader, list[bytes]]] = []
     while not got:
         got = client.receive()
     _, header, frames = got[0]
@@ -80,7 +79,7 @@ def _prefill_once(runner: ModelRunner, tokens: list[int]) -> float:
 def run(lengths: Sequence[int], rounds: int, transport: str, threads: int | None) -> list[dict[str, float]]:
     pool = max(lengths) + 16
     src, dst = _runner(pool, threads), _runner(pool, threads)
-    ctx: zmq.Context[Any] = zmq.Context()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/kv" if transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
         server = KVFetchServer(ctx, endpoint)

@@ -71,7 +71,7 @@ class Connection:
         self._writer: asyncio.StreamWriter | None = None
 
     @classmethod
-    def for_url(cls, url: str) -> "Connection":
+    def for_url(cls, url: str) -> Connection:
         parts = urlsplit(url)
         return cls(parts.hostname or "127.0.0.1", parts.port or 80)
 
@@ -79,7 +79,7 @@ class Connection:
     def is_open(self) -> bool:
         return self._writer is not None and not self._writer.is_closing()
 
-    async def request(self, method: str, path: str, body: Any = None) -> "HttpResponse":
+    async def request(self, method: str, path: str, body: Any = None) -> HttpResponse:
         if not self.is_open:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         assert self._reader is not None and self._writer is not None
@@ -186,7 +186,7 @@ class StreamResult:
     events: int = 0  # SSE events with a JSON payload
     tokens: int = 0  # output_ids received
     completion_tokens: int | None = None  # the last event's meta_info count
-    finish_reason: Any = None
+    finish_reason: object = None  # the response's JSON, as it came
     done: bool = False  # saw data: [DONE]
     cut: bool = False  # the client closed it on purpose before its end
     error: str | None = None
@@ -325,13 +325,14 @@ async def run_load(
     async def guarded(i: int) -> StreamResult:
         try:
             return await asyncio.wait_for(stream_one(url, i, bodies[i], gauge=gauge), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return StreamResult(i, error=f"timed out after {timeout:.0f} s")
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(guarded(i) for i in range(clients)))
     wall = time.perf_counter() - t0
-    return summarize(results, wall, held=gauge.max, config={"clients": clients, "max_new_tokens": max_new_tokens, "prompt_len": prompt_len, "seed": seed, "url": url})
+    config = {"clients": clients, "max_new_tokens": max_new_tokens, "prompt_len": prompt_len, "seed": seed, "url": url}
+    return summarize(results, wall, held=gauge.max, config=config)
 
 
 def summarize(results: Sequence[StreamResult], wall: float, *, held: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -400,9 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kwargs = dict(clients=args.clients, max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, seed=args.seed, timeout=args.timeout)
     if args.launch:
         with LaunchedServer(shlex.split(args.server_args), open_files=args.clients + 256) as server:
-            summary = uvloop.run(run_load(server.url, **kwargs))  # type: ignore[arg-type]
+            summary = uvloop.run(run_load(server.url, **kwargs))
     else:
-        summary = uvloop.run(run_load(args.url, **kwargs))  # type: ignore[arg-type]
+        summary = uvloop.run(run_load(args.url, **kwargs))
     print(format_table(summary))
     if args.json:
         text = json.dumps(to_json(summary), indent=2)

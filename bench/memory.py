@@ -138,7 +138,7 @@ class Traffic:
         if len(self.error_examples) < 5 and message not in self.error_examples:
             self.error_examples.append(message)
 
-    async def one(self, conn: Any, i: int) -> None:
+    async def one(self, conn: load.Connection, i: int) -> None:
         stream = (i * 0.6180339887) % 1.0 < self.stream_ratio  # spread evenly, reproducibly
         body = load.make_body(i, vocab=self.vocab, prompt_len=self.prompt_len, max_new_tokens=self.max_new_tokens, seed=self.seed, stream=stream)
         want = self.max_new_tokens
@@ -325,10 +325,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         trim=args.malloc_trim,
     )
     if args.url:
-        result = uvloop.run(measure(args.url, child_roles(args.supervisor_pid), **kwargs))  # type: ignore[arg-type]
+        result = uvloop.run(measure(args.url, child_roles(args.supervisor_pid), **kwargs))
     else:
         with LaunchedServer(shlex.split(args.server_args)) as server:
-            result = uvloop.run(measure(server.url, server.children(), **kwargs))  # type: ignore[arg-type]
+            result = uvloop.run(measure(server.url, server.children(), **kwargs))
     print(format_table(result))
     if args.json:
         text = json.dumps(result, indent=2)

@@ -304,7 +304,7 @@ def step_logits(n: int, seed: int) -> torch.Tensor:
 def _tokenpipe_variant(reqs: list[Req], logits: torch.Tensor | None = None) -> Callable[[int], Timings]:
     """``logits``: every request asked for logprobs; the step keeps them from these."""
     encoder = make_encoder()
-    decoder: FrameDecoder[Any] = FrameDecoder(DetokenizerInput, logger, "bench frame")
+    decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(DetokenizerInput, logger, "bench frame")
     clock = time.perf_counter_ns
     batch = running_batch_of(reqs)
     none_finished = np.zeros(len(reqs), dtype=bool)
@@ -321,11 +321,14 @@ def _tokenpipe_variant(reqs: list[Req], logits: torch.Tensor | None = None) -> C
         data = encoder.encode(frame)
         t2 = clock()
         msg = decoder.decode(data)
+        # Timed, as the detokenizer's own dispatch on the decoded type is.
+        assert isinstance(msg, BatchTokenIDOutput)
         req_ids = from_column(msg.req_ids, REQ_ID_DTYPE)
         tokens = from_column(msg.output_ids, TOKEN_DTYPE)
         counts = from_column(msg.output_counts, COUNT_DTYPE)
         completion = from_column(msg.completion_tokens, COUNT_DTYPE)
         if logits is not None:
+            assert msg.logprobs is not None and msg.logprobs.output is not None  # as a reader checks for them
             lp = msg.logprobs.output
             lp_rows = from_column(lp.rows, np.dtype("<i4"))
             chosen = from_column(lp.token_logprobs, LOGPROB_DTYPE)
@@ -336,7 +339,6 @@ def _tokenpipe_variant(reqs: list[Req], logits: torch.Tensor | None = None) -> C
             from_column(lp.ids_logprobs, LOGPROB_DTYPE)
         t3 = clock()
         # Checks, not timed: a steady step, decoded intact.
-        assert isinstance(msg, BatchTokenIDOutput)
         assert msg.request_stats is None and msg.decode_options is None and msg.finished_reasons is None
         assert len(req_ids) == len(tokens) == len(counts) == len(completion) == len(reqs)
         assert int(tokens[-1]) == token and int(counts.max()) == 1
@@ -372,8 +374,8 @@ def _baseline_variant(reqs: list[Req], metrics: bool, logits: torch.Tensor | Non
 
     def step(token: int) -> Timings:
         _append_one_token(reqs, token)  # set-up, not timed
-        if logprobs is not None:
-            _keep_baseline_logprobs(logprobs, logits, token)  # type: ignore[arg-type]
+        if logprobs is not None and logits is not None:  # both or neither
+            _keep_baseline_logprobs(logprobs, logits, token)
         t0 = clock()
         out = build_baseline_output(reqs, metrics, logprobs)
         t1 = clock()

@@ -132,7 +132,10 @@ TARGET_LOGPROBS_RATIO = 0.9  # with top-5 logprobs / without, output tokens/s (v
 MAX_TOP_LOGPROBS = 20  # the server's limit on top_logprobs_num
 TARGET_STREAMS = 256
 DEFAULT_TEMPERATURE = 0.7
-SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seeded": True}  # --compare-sampling's, unless given
+# --compare-sampling's sampled parameters, unless given.
+SAMPLED_TEMPERATURE = 0.7
+SAMPLED_TOP_P = 0.9
+SAMPLED_SEEDED = True
 ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}  # --api
 # Usage so far on every chunk: a chunk's text holds one or more tokens (or none yet), and
 # the default server sends no token ids in completions chunks, so this is how to count them.
@@ -355,7 +358,7 @@ async def sample_loop(url: str, t0: float, out: list[Sample], stop: asyncio.Even
                 out.append(sample)
             try:
                 await asyncio.wait_for(stop.wait(), POLL_INTERVAL)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -547,7 +550,7 @@ def window_cpu(a: CpuReading, b: CpuReading, procs: dict[str, int], results: Seq
         if name in a.procs and name in b.procs
     }
     tokens = sum(n for r in results for t, n in r.arrivals if a.at <= t <= b.at)
-    api = [p["cpu_s"] for name, p in per.items() if is_api(name)]
+    api = [b.procs[name] - a.procs[name] for name in per if is_api(name)]  # the API processes' cpu_s
     api_cpu = sum(api) if api else None
     client = b.client - a.client
     return {
@@ -706,7 +709,11 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
                 last_sent = time.perf_counter() - t0
                 i = len(tasks)
                 body = make_body(i, cfg, vocab, True)
-                tasks.append(asyncio.create_task(send_one(client, url, body, t0, lambda i=i: acked.append((time.perf_counter() - t0, tasks[i])))))
+
+                def on_headers(i: int = i) -> None:
+                    acked.append((time.perf_counter() - t0, tasks[i]))
+
+                tasks.append(asyncio.create_task(send_one(client, url, body, t0, on_headers)))
 
         send(cfg.concurrency)
         full_at = time.perf_counter() - t0
@@ -750,20 +757,20 @@ def ratio(num: float | None, den: float | None) -> float | None:
 
 
 def sampling_variants(cfg: LoadConfig, temperature: float | None, top_p: float | None, seeded: bool | None) -> dict[str, LoadConfig]:
-    """The workload of ``cfg`` greedy and sampled; the sampled one takes ``SAMPLED`` for
+    """The workload of ``cfg`` greedy and sampled; the sampled one takes ``SAMPLED_*`` for
     each parameter not given (None)."""
     return {
         "greedy": replace(cfg, temperature=0.0, top_p=None, seeded=False),
         "sampled": replace(
             cfg,
-            temperature=SAMPLED["temperature"] if temperature is None else temperature,
-            top_p=SAMPLED["top_p"] if top_p is None else top_p,
-            seeded=SAMPLED["seeded"] if seeded is None else seeded,
+            temperature=SAMPLED_TEMPERATURE if temperature is None else temperature,
+            top_p=SAMPLED_TOP_P if top_p is None else top_p,
+            seeded=SAMPLED_SEEDED if seeded is None else seeded,
         ),
     }
 
 
-BRIEF_KEYS = ("requests", "completed", "duration_s", "requests_per_s", "output_tokens", "output_tokens_per_s")
+BRIEF_KEYS: tuple[str, ...] = ("requests", "completed", "duration_s", "requests_per_s", "output_tokens", "output_tokens_per_s")
 BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "error_examples", "tokens_lost", "logprobs_lost", "scheduler_steps", "cpu")
 
 
@@ -1087,8 +1094,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=None, help=f"default {DEFAULT_TEMPERATURE} ({SAMPLED['temperature']} for --compare-sampling's sampled runs)")
-    p.add_argument("--top-p", type=float, default=None, help=f"default: not sent ({SAMPLED['top_p']} for --compare-sampling's sampled runs)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"default {DEFAULT_TEMPERATURE} ({SAMPLED_TEMPERATURE} for --compare-sampling's sampled runs)",
+    )
+    p.add_argument("--top-p", type=float, default=None, help=f"default: not sent ({SAMPLED_TOP_P} for --compare-sampling's sampled runs)")
     p.add_argument(
         "--seeded",
         action=argparse.BooleanOptionalAction,
@@ -1097,7 +1109,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--compare-discard", action="store_true", help="with --launch: also measure a --discard-output server")
     p.add_argument(
-        "--compare-sampling", action="store_true", help="with --launch: also run the workload greedy and sampled on the same server, in alternating rounds"
+        "--compare-sampling",
+        action="store_true",
+        help="with --launch: also run the workload greedy and sampled on the same server, in alternating rounds",
     )
     p.add_argument(
         "--top-logprobs",

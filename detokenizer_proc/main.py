@@ -11,7 +11,6 @@ control_id names, and the scheduler's stats reports go to all."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import msgspec
 import zmq
@@ -73,7 +72,10 @@ def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOu
 
 
 def send_parts(
-    outboxes: list[zmq.Socket[Any]], split: WorkerSplit[Any], encoder: msgspec.msgpack.Encoder, warning: RateLimitedWarning
+    outboxes: list[zmq.Socket[bytes]],
+    split: WorkerSplit[BatchStrOutput] | WorkerSplit[BatchEmbeddingOutput],
+    encoder: msgspec.msgpack.Encoder,
+    warning: RateLimitedWarning,
 ) -> None:
     """Each worker's part of a frame to that worker; rows of no worker are dropped with a warning."""
     for worker, part in split.parts:
@@ -113,11 +115,11 @@ def run_detokenizer(config: ServerConfig) -> None:
                 outbox.send(frame, copy=False)
                 continue
             try:
-                split = split_embedding_output(msg, len(outboxes))
+                embedding_parts = split_embedding_output(msg, len(outboxes))
             except ValueError as exc:
                 inconsistent.warn("dropped an inconsistent embedding frame: %s", exc)
                 continue
-            send_parts(outboxes, split, encoder, inconsistent)
+            send_parts(outboxes, embedding_parts, encoder, inconsistent)
         elif isinstance(msg, SchedulerStatsReport):
             # Forwarded with this process's own count of live decode states, so /server_info
             # shows per-request state left behind here too (frames arrive in order, so every
@@ -132,9 +134,9 @@ def run_detokenizer(config: ServerConfig) -> None:
                 if not several:
                     outbox.send(encoder.encode(out), copy=False)
                     continue
-                split = split_str_output(out, len(outboxes))
+                str_parts = split_str_output(out, len(outboxes))
             except ValueError as exc:
                 inconsistent.warn("dropped an inconsistent token frame: %s", exc)
                 continue
-            send_parts(outboxes, split, encoder, inconsistent)
+            send_parts(outboxes, str_parts, encoder, inconsistent)
     ctx.destroy(linger=0)

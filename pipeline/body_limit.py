@@ -15,13 +15,14 @@ more to receive for nothing."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.http_edge import error_response
 
 __all__ = ["BodyLimit"]
 
-_DISCONNECT = {"type": "http.disconnect"}
+_DISCONNECT: Message = {"type": "http.disconnect"}
 
 
 class BodyLimit:
@@ -29,12 +30,12 @@ class BodyLimit:
     detection). ``on_reject`` runs once per refused request (the API counts it as
     ``num_rejected_requests_total{reason="body_too_large"}``)."""
 
-    def __init__(self, app: Any, max_bytes: int, on_reject: Callable[[], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -50,7 +51,7 @@ class BodyLimit:
             return
         await _LimitedRequest(self, scope, receive, send).run()
 
-    async def refuse(self, scope: Any, send: Any) -> None:
+    async def refuse(self, scope: Scope, send: Send) -> None:
         if self.on_reject is not None:
             self.on_reject()
         response = error_response(
@@ -62,7 +63,7 @@ class BodyLimit:
         await response(scope, _never_read, send)
 
 
-def _declared_length(scope: Any) -> int:
+def _declared_length(scope: Scope) -> int:
     """The Content-Length, or -1 when there is none. A malformed one is left to the server
     (its parser refuses it before the app is called)."""
     for name, value in scope["headers"]:
@@ -74,7 +75,7 @@ def _declared_length(scope: Any) -> int:
     return -1
 
 
-async def _never_read() -> Any:
+async def _never_read() -> Message:
     # A response only sends; the 413 must not read the body it refuses.
     return _DISCONNECT
 
@@ -82,7 +83,7 @@ async def _never_read() -> Any:
 class _LimitedRequest:
     """One request's body count: ``receive`` and ``send`` as the app sees them."""
 
-    def __init__(self, limit: BodyLimit, scope: Any, receive: Any, send: Any) -> None:
+    def __init__(self, limit: BodyLimit, scope: Scope, receive: Receive, send: Send) -> None:
         self._limit, self._scope, self._receive, self._send = limit, scope, receive, send
         self._received = 0
         self._rejected = False
@@ -97,7 +98,7 @@ class _LimitedRequest:
             if not self._rejected:
                 raise
 
-    async def receive(self) -> Any:
+    async def receive(self) -> Message:
         if self._rejected:
             return _DISCONNECT
         message = await self._receive()
@@ -112,7 +113,7 @@ class _LimitedRequest:
                 return _DISCONNECT
         return message
 
-    async def send(self, message: Any) -> None:
+    async def send(self, message: Message) -> None:
         # After a 413 the response is over: what the app still sends has no one to go to.
         if self._rejected:
             return

@@ -83,7 +83,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return msgspec.json.encode(self).decode()
 
     @classmethod
-    def decode(cls, text: str) -> "ServerConfig":
+    def decode(cls, text: str) -> ServerConfig:
         return msgspec.json.decode(text, type=cls)
 
     @property

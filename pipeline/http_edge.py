@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.read_timeout import read_timeout_protocol
@@ -44,12 +44,12 @@ class BearerAuth:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it buffers and breaks disconnect
     detection). Every path but ``open_paths`` needs ``Authorization: Bearer KEY``."""
 
-    def __init__(self, app: Any, api_key: str, open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self._open_paths = open_paths
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             # Constant-time compare, so the key cannot be guessed byte by byte from timing.

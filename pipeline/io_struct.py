@@ -16,7 +16,7 @@ per-row lists of them anywhere in this module.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -181,7 +181,7 @@ class FlushCacheControl(msgspec.Struct, tag="flush_cache", array_like=True, omit
     control_id: int
 
 
-SchedulerInput = Union[TokenizedGenerateReqInput, TokenizedEmbeddingReqInput, AbortReq, HiCacheStorageControl, FlushCacheControl]
+SchedulerInput = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput | AbortReq | HiCacheStorageControl | FlushCacheControl
 
 
 # --- finish reasons --------------------------------------------------------------------
@@ -203,7 +203,7 @@ class FinishAbort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen
     retry_after: float | None = None
 
 
-FinishReason = Union[FinishStop, FinishLength, FinishAbort]
+FinishReason = FinishStop | FinishLength | FinishAbort
 
 
 def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
@@ -439,9 +439,9 @@ class AbortResult(msgspec.Struct, tag="abort_result", array_like=True, gc=False)
 
 # The scheduler's answers to control messages: each goes back to the API worker whose
 # index its control_id carries.
-ControlAnswer = Union[HiCacheStorageState, FlushCacheResult, AbortResult]
-DetokenizerInput = Union[BatchTokenIDOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult, AbortResult]
-TokenizerManagerInput = Union[BatchStrOutput, BatchEmbeddingOutput, SchedulerStatsReport, HiCacheStorageState, FlushCacheResult, AbortResult]
+ControlAnswer = HiCacheStorageState | FlushCacheResult | AbortResult
+DetokenizerInput = BatchTokenIDOutput | BatchEmbeddingOutput | SchedulerStatsReport | HiCacheStorageState | FlushCacheResult | AbortResult
+TokenizerManagerInput = BatchStrOutput | BatchEmbeddingOutput | SchedulerStatsReport | HiCacheStorageState | FlushCacheResult | AbortResult
 
 
 # --- PD disaggregation: KV transfer between a prefill and a decode scheduler -------------

@@ -133,7 +133,10 @@ def read_token_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, 
     for row, n, k, m in block.per_row():
         top = slice(t, t + n * k)
         out[row] = TokenLogprobs(
-            block.chosen[c : c + n], block.top_ids[top].reshape(n, k), block.top_values[top].reshape(n, k), block.ids_values[v : v + n * m].reshape(n, m)
+            block.chosen[c : c + n],
+            block.top_ids[top].reshape(n, k),
+            block.top_values[top].reshape(n, k),
+            block.ids_values[v : v + n * m].reshape(n, m),
         )
         c, t, v = c + n, t + n * k, v + n * m
     return out

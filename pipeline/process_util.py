@@ -70,7 +70,7 @@ class ShutdownFlag:
         self._set = False
 
     @classmethod
-    def install(cls) -> "ShutdownFlag":
+    def install(cls) -> ShutdownFlag:
         flag = cls()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, flag._on_signal)

@@ -47,6 +47,7 @@ class _ReadTimeoutProtocol(HttpToolsProtocol):
         self._began = False  # a byte of the request being read has come
         self._body_deadline = 0.0
 
+    # uvicorn narrows asyncio's BaseTransport to Transport here itself (with the same ignore).
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._start_reading("headers")

@@ -56,6 +56,8 @@ class RateLimitedWarning:
 class FrameDecoder(Generic[T]):
     """Decodes frames into ``type_``; a frame that fails is dropped (returns None)."""
 
+    # ``type_`` is a type or a union of types (``T`` itself): msgspec takes either, the type
+    # checker has no one annotation for both.
     def __init__(self, type_: Any, logger: logging.Logger, what: str) -> None:
         self._decoder = msgspec.msgpack.Decoder(type_)
         self._warning = RateLimitedWarning(logger)
@@ -77,7 +79,11 @@ def make_encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 
 
-def bind_pull(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+# A context makes sockets of its own kind: plain ``zmq`` ones, or ``zmq.asyncio`` ones.
+_Socket = TypeVar("_Socket", bound="zmq.Socket[Any]")
+
+
+def bind_pull(ctx: zmq.Context[_Socket], endpoint: str) -> _Socket:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, _HWM)
     sock.setsockopt(zmq.LINGER, 0)
@@ -85,7 +91,7 @@ def bind_pull(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
     return sock
 
 
-def connect_push(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+def connect_push(ctx: zmq.Context[_Socket], endpoint: str) -> _Socket:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, _HWM)
     # A frame queued for a peer that is gone must not keep the process alive at exit.
@@ -94,13 +100,13 @@ def connect_push(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
     return sock
 
 
-async def receive_frames(sock: zmq.Socket[Any]) -> AsyncIterator[zmq.Frame]:
+async def receive_frames(sock: zmq.Socket[bytes]) -> AsyncIterator[zmq.Frame]:
     """The frames of a plain (not ``zmq.asyncio``) socket, read on the running asyncio loop:
     the socket's file descriptor wakes the loop, then every queued frame is taken without
     waiting. Cheaper per frame than ``zmq.asyncio``'s future and poller calls per recv."""
     loop = asyncio.get_running_loop()
     readable = asyncio.Event()
-    fd = sock.getsockopt(zmq.FD)
+    fd = _int_option(sock, zmq.FD)
     loop.add_reader(fd, readable.set)
     try:
         while True:
@@ -110,12 +116,20 @@ async def receive_frames(sock: zmq.Socket[Any]) -> AsyncIterator[zmq.Frame]:
                 readable.clear()
                 # The descriptor signals changes, not frames: look again after clearing (which
                 # also rearms it), or a frame that came in between would wait for the next.
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not _int_option(sock, zmq.EVENTS) & zmq.POLLIN:
                     await readable.wait()
                 continue
             yield frame
     finally:
         loop.remove_reader(fd)
+
+
+def _int_option(sock: zmq.Socket[bytes], option: int) -> int:
+    """An integer socket option (``getsockopt`` is typed for every kind of option)."""
+    value = sock.getsockopt(option)
+    if not isinstance(value, int):
+        raise TypeError(f"socket option {option} is {type(value).__name__}, expected an int")
+    return value
 
 
 def ipc_path(endpoint: str) -> Path | None:
@@ -148,7 +162,7 @@ class PrivateIpcDir:
     def close(self) -> None:
         remove_ipc_dir(self.path)
 
-    def __enter__(self) -> "PrivateIpcDir":
+    def __enter__(self) -> PrivateIpcDir:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -113,7 +113,7 @@ class Supervisor:
             api_env[CONFIG_ENV] = msgspec.structs.replace(self.config, api_worker_index=index).encode()
             self.children[name] = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "api"], env=api_env, process_group=0)
 
-    def _wait_ready(self, sock: zmq.Socket) -> int | None:  # type: ignore[type-arg]
+    def _wait_ready(self, sock: zmq.Socket) -> int | None:
         decoder: FrameDecoder[ProcessReady] = FrameDecoder(ProcessReady, logger, "ready")
         pending = set(self.children)
         deadline = time.monotonic() + _STARTUP_TIMEOUT

@@ -89,7 +89,7 @@ def _route(req_ids: np.ndarray, workers: int) -> _Route:
     return _Route(valid, picks, owner, local, stray)
 
 
-def _gather(column: Sequence[T | None] | None, rows: np.ndarray) -> list[T | None] | None:
+def _gather(column: Sequence[T] | None, rows: np.ndarray) -> list[T] | None:
     """The entries of ``rows`` of a nil-or-one-per-row list; None when none of them has one
     (a part keeps the frame's rule: one nil when no row has an entry)."""
     if column is None:

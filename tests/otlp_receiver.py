@@ -182,7 +182,7 @@ class OtlpReceiver:
                 self._cond.wait(left)
             return list(self._spans)
 
-    def start(self) -> "OtlpReceiver":
+    def start(self) -> OtlpReceiver:
         self._thread.start()
         return self
 
@@ -190,7 +190,7 @@ class OtlpReceiver:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> "OtlpReceiver":
+    def __enter__(self) -> OtlpReceiver:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

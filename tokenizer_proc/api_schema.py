@@ -5,7 +5,7 @@ field (``... - at `$.sampling_params.max_new_tokens```)."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -164,7 +164,10 @@ HostField = str | list[str]
 PortField = Port | list[Port]
 
 
-def _single(value: Any, name: str) -> Any:
+_T = TypeVar("_T")
+
+
+def _single(value: _T | list[_T] | None, name: str) -> _T | None:
     if not isinstance(value, list):
         return value
     if len(value) != 1:
@@ -300,7 +303,7 @@ class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     abort_all: bool = False
 
 
-def decode_body(body: bytes, type_: type) -> object:
+def decode_body(body: bytes, type_: type[_T]) -> _T:
     """Decodes a JSON body into ``type_``; every failure is a RequestValidationError."""
     if not body:
         raise RequestValidationError("request body is empty; expected a JSON object")
@@ -332,9 +335,9 @@ _LONG_DIGITS = re.compile(rb"\d{19}")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _int_out_of_range(obj: Any) -> str | None:
+def _int_out_of_range(obj: object) -> str | None:
     """The path (``$.sampling_params.top_k``) of an int outside int64, or None."""
-    stack: list[tuple[Any, str]] = [(obj, "$")]
+    stack: list[tuple[object, str]] = [(obj, "$")]
     while stack:
         value, path = stack.pop()
         if isinstance(value, bool):

@@ -27,6 +27,7 @@ from typing import Any
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pipeline.tokenizer_loader import LoadedTokenizer
@@ -56,7 +57,7 @@ class _GenerationTag(Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: Any) -> nodes.Node:
+    def parse(self, parser: Parser) -> nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body, lineno=lineno)
@@ -66,6 +67,7 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+# A template's own arguments, whatever it passes: json.dumps judges them.
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -96,7 +98,7 @@ class ChatTemplate:
             logger.warning("%s; /v1/chat/completions will answer 500", self._compile_error)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: LoadedTokenizer) -> "ChatTemplate":
+    def for_tokenizer(cls, tokenizer: LoadedTokenizer) -> ChatTemplate:
         return cls(tokenizer.chat_template, tokenizer.special_tokens)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
@@ -57,7 +59,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         arrived = time.time()
-        obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)  # type: ignore[assignment]
+        obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
         _require_embedding_mode(tm)
         if obj.dimensions is not None:
             raise RequestValidationError("`dimensions` is not supported: the model's size is fixed", "dimensions")
@@ -70,9 +72,8 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
             return Response(status_code=499)
         data = []
         for i, state in enumerate(states):
-            vector = state.embedding
-            assert vector is not None
-            value: Any = (
+            vector = _vector(state)
+            value: str | list[float] = (
                 base64.b64encode(vector.astype(EMBEDDING_DTYPE).tobytes()).decode()
                 if obj.encoding_format == "base64"
                 else vector.tolist()
@@ -91,13 +92,13 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/encode")
     async def encode(request: Request) -> Response:
         arrived = time.time()
-        obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)  # type: ignore[assignment]
+        obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)
         _require_embedding_mode(tm)
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
-        given = obj.text if obj.text is not None else obj.input_ids
-        single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))  # type: ignore[index]
-        inputs = _token_inputs(tm, given, "text" if obj.text is not None else "input_ids")  # type: ignore[arg-type]
+        given: str | Sequence[str | int | list[int]] = obj.text if obj.text is not None else obj.input_ids or []
+        single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))
+        inputs = _token_inputs(tm, given, "text" if obj.text is not None else "input_ids")
         try:
             states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
         except EmbeddingFailed as exc:
@@ -105,7 +106,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
             return exc.response(param)
         if states is None:
             return Response(status_code=499)
-        out = [{"embedding": s.embedding.tolist(), "meta_info": build_meta_info(s)} for s in states]  # type: ignore[union-attr]
+        out = [{"embedding": _vector(s).tolist(), "meta_info": build_meta_info(s)} for s in states]
         return JSONResponse(out[0] if single else out)
 
     return router
@@ -118,9 +119,16 @@ def _require_embedding_mode(tm: TokenizerManager) -> None:
         )
 
 
-def _token_inputs(tm: TokenizerManager, given: EmbeddingInput, field: str) -> list[list[int]]:
+def _vector(state: ReqState) -> np.ndarray:
+    """A finished embedding request's vector (``_embed_all`` has answered for those without)."""
+    assert state.embedding is not None
+    return state.embedding
+
+
+def _token_inputs(tm: TokenizerManager, given: str | Sequence[str | int | list[int]], field: str) -> list[list[int]]:
     """One token list per input: a string, a list of strings, token ids, or lists of them."""
     if isinstance(given, str):
+        # Request JSON: the kinds of the entries are checked below, not known to the types.
         items: list[Any] = [given]
     elif given and all(isinstance(x, int) for x in given):
         items = [given]

@@ -36,7 +36,7 @@ def build_hicache_router(tm: TokenizerManager) -> APIRouter:
 
     @router.post("/hicache/storage/attach")
     async def attach(request: Request) -> Response:
-        obj: StorageAttachBody = decode_body(await request.body(), StorageAttachBody)  # type: ignore[assignment]
+        obj: StorageAttachBody = decode_body(await request.body(), StorageAttachBody)
         return _answer(await tm.hicache_storage(attach=True, backend=obj.backend, dir=obj.dir))
 
     @router.post("/hicache/storage/detach")

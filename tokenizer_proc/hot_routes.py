@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("tokenpipe.http")
 
@@ -33,7 +33,7 @@ class HotRoutes:
         self.app = app
         self._endpoints = dict(endpoints)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self._endpoints.get(scope["path"])
             if endpoint is not None:
@@ -59,14 +59,16 @@ class HotRoutes:
             # An unexpected error: answered (a 500), and logged, as under Starlette's
             # ServerErrorMiddleware the server logs it.
             logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        return await handler(request, exc)
+        answer = handler(request, exc)
+        # Starlette takes plain functions as handlers too; this app's are all coroutines.
+        return await answer if isinstance(answer, Awaitable) else answer
 
 
 def post_endpoints(router: APIRouter, paths: Iterable[str]) -> dict[str, Endpoint]:
     """The endpoints of ``router``'s POST routes at ``paths``: each must be exactly one."""
     endpoints = {}
     for path in paths:
-        found = [r for r in router.routes if isinstance(r, APIRoute) and r.path == path and "POST" in r.methods]
+        found = [r for r in router.routes if isinstance(r, APIRoute) and r.path == path and "POST" in (r.methods or ())]
         if len(found) != 1:
             raise ValueError(f"the router has {len(found)} POST routes for {path}; HotRoutes serves exactly one")
         endpoints[path] = found[0].endpoint

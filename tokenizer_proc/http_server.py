@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -73,7 +73,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         arrived = time.time()
-        obj: GenerateRequest = decode_body(await request.body(), GenerateBody)  # type: ignore[assignment]
+        obj: GenerateRequest = decode_body(await request.body(), GenerateBody)
         obj.refuse_unsupported()
         if obj.model is not None and obj.model != tm.model_name:
             return model_not_found(obj.model)
@@ -120,7 +120,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         state = tm.submit_generate(input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True)
         try:
             await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             tm.abort(state.req_id, "health check timed out")
             tm.forget(state)  # a stalled scheduler may never answer: keep no state for it
             return error_response(503, "a 1-token request did not get through the pipeline in time", err_type="service_unavailable")
@@ -128,7 +128,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        obj: AbortRequestBody = decode_body(await request.body(), AbortRequestBody)  # type: ignore[assignment]
+        obj: AbortRequestBody = decode_body(await request.body(), AbortRequestBody)
         if obj.abort_all:
             tm.abort_all("aborted by /abort_request")
             return JSONResponse({"aborted": "all"})
@@ -156,9 +156,10 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     return edge
 
 
-def _generate_body(tm: TokenizerManager, text: str, output_ids: list[int], meta_info: dict[str, Any]) -> dict[str, Any]:
-    """A /generate answer or stream event. Under --skip-tokenizer-init there is no text, and
-    as SGLang does then, the answer has no ``text`` key at all, only ``output_ids``."""
+def _generate_body(tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any]) -> dict[str, Any]:
+    """A /generate answer or stream event (or its template: Holes for the text and ids).
+    Under --skip-tokenizer-init there is no text, and as SGLang does then, the answer has no
+    ``text`` key at all, only ``output_ids``."""
     if tm.tokenizer is None:
         return {"output_ids": output_ids, "meta_info": meta_info}
     return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
@@ -192,8 +193,8 @@ class _GenerateEvents:
         chunks, finished = state.take_pending(), state.finished
         if not finished and state.logprob is None:
             fills = [self._interim(chunk) for chunk in chunks]
-            if None not in fills:
-                return b"".join(fills)  # type: ignore[arg-type]
+            if _all_filled(fills):
+                return b"".join(fills)
         out = []
         for i, chunk in enumerate(chunks):
             final = finished and i == len(chunks) - 1  # the finish goes on the last event only
@@ -227,7 +228,7 @@ class _GenerateEvents:
             meta = build_meta_info(self._state, chunk)
             meta["completion_tokens"] = _COUNT
             try:
-                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta))  # type: ignore[arg-type]
+                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta))
             except TemplateError:
                 self._template = None
         return self._template
@@ -242,3 +243,7 @@ class _GenerateEvents:
 
 
 _TEXT, _IDS, _COUNT = Hole(), Hole(), Hole()
+
+
+def _all_filled(fills: list[bytes | None]) -> TypeGuard[list[bytes]]:
+    return None not in fills

@@ -17,25 +17,25 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
 from tokenizer_proc.request_errors import RequestValidationError
 
 # (field, does this value ask for something unsupported?, what to say)
-Refusal = tuple[str, Callable[[Any], bool], str]
+Refusal = tuple[str, Callable[[object], bool], str]
 
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-def is_neutral(value: Any, neutrals: Sequence[object]) -> bool:
+def is_neutral(value: object, neutrals: Sequence[object]) -> bool:
     """Null, or equal to one of ``neutrals``: booleans only to booleans (``0`` is not
     ``false``), numbers by value (``1`` is ``1.0``)."""
     return value is None or any(_same(value, n) for n in neutrals)
 
 
-def _same(value: Any, neutral: object) -> bool:
+def _same(value: object, neutral: object) -> bool:
     if isinstance(neutral, bool) or isinstance(value, bool):
         return value is neutral
     if isinstance(neutral, (int, float)):
@@ -50,7 +50,7 @@ class AsksUnlessNeutral:
 
     values: tuple[object, ...]
 
-    def __call__(self, value: Any) -> bool:
+    def __call__(self, value: object) -> bool:
         return not is_neutral(value, self.values)
 
 
@@ -76,6 +76,7 @@ def declare(base: type[S], refusals: Sequence[Refusal]) -> type[S]:
     type keeps the base's name, methods and strictness about unknown fields."""
     own = set(base.__struct_fields__)
     extra = [(name, Any, None) for name, _, _ in refusals if name not in own]
-    return msgspec.defstruct(  # type: ignore[no-any-return]
-        base.__name__, extra, bases=(base,), module=base.__module__, forbid_unknown_fields=True, kw_only=True
+    # defstruct is typed to return a Struct type; with bases=(base,) it is a subclass of base.
+    return cast(
+        type[S], msgspec.defstruct(base.__name__, extra, bases=(base,), module=base.__module__, forbid_unknown_fields=True, kw_only=True)
     )

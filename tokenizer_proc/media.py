@@ -72,7 +72,7 @@ from io import BytesIO
 
 from PIL import Image
 
-from pipeline.io_struct import MediaItem
+from pipeline.io_struct import MediaItem, MediaKind
 from tokenizer_proc.api_schema import RequestValidationError
 
 __all__ = [
@@ -95,7 +95,7 @@ __all__ = [
     "video_tokens",
 ]
 
-MEDIA_KINDS: tuple[str, ...] = ("image", "audio", "video")
+MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio", "video")
 """The kinds in prompt order."""
 
 MAX_ITEMS_PER_KIND = 16
@@ -169,11 +169,12 @@ def parse_media(
     order it was given. Raises ``MediaError`` naming the field and index of the first bad item.
     """
     items: list[MediaItem] = []
-    for kind, data in (("image", image_data), ("audio", audio_data), ("video", video_data)):
+    given: tuple[tuple[MediaKind, str | Sequence[str] | None], ...] = (("image", image_data), ("audio", audio_data), ("video", video_data))
+    for kind, data in given:
         field = f"{kind}_data"
         for param, value in _entries(kind, field, data):
             raw = _decode_string(kind, param, value)
-            items.append(MediaItem(kind=kind, num_tokens=_count_tokens(kind, param, raw)))  # type: ignore[arg-type]
+            items.append(MediaItem(kind=kind, num_tokens=_count_tokens(kind, param, raw)))
     return items
 
 

@@ -18,7 +18,8 @@ def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict
     stats = state.request_stats if interim is None else interim.stats
     assert stats is not None, "meta_info is only built once the request has stats"
     details = stats.cached_tokens_details
-    finished = interim is None and state.finished_time is not None
+    finished_time = state.finished_time if interim is None else None
+    finished = finished_time is not None
     meta: dict[str, Any] = {
         "id": state.rid,
         "finish_reason": finish_reason_to_dict(state.finished_reason) if finished and state.finished_reason else None,
@@ -31,8 +32,8 @@ def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict
     for kind, count in (("image_tokens", stats.image_tokens), ("audio_tokens", stats.audio_tokens), ("video_tokens", stats.video_tokens)):
         if count:
             meta[kind] = count
-    if finished:
-        meta["e2e_latency"] = state.finished_time - state.created_time  # type: ignore[operator]
+    if finished_time is not None:
+        meta["e2e_latency"] = finished_time - state.created_time
 
     ts = stats.time_stats
     if ts is None:  # metrics off: no timing keys

@@ -115,7 +115,11 @@ class RequestMetrics:
         ttft = histogram("time_to_first_token_seconds", "Arrival to the first token at the API.", TTFT_BUCKETS, ("is_streaming",))
         self.ttft = {s: ttft.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
         self.itl = _TallyHistogram(
-            PREFIX + "inter_token_latency_seconds", "Time between tokens as the API sees them, per token.", names, buckets=ITL_BUCKETS, registry=registry
+            PREFIX + "inter_token_latency_seconds",
+            "Time between tokens as the API sees them, per token.",
+            names,
+            buckets=ITL_BUCKETS,
+            registry=registry,
         ).labels(**labels)
         self._itl_tally: dict[float, int] = {}  # this frame's per-token gaps, and how many tokens had each
         e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS, ("is_streaming",))

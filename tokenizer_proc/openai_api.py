@@ -103,7 +103,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrived = time.time()
-        body: CompletionRequest = decode_body(await request.body(), CompletionBody)  # type: ignore[assignment]
+        body: CompletionRequest = decode_body(await request.body(), CompletionBody)
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
@@ -120,7 +120,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrived = time.time()
-        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)  # type: ignore[assignment]
+        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
@@ -225,7 +225,9 @@ class _Completion:
         return None
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def delta(
+        index: int, text: str | Hole, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     @staticmethod
@@ -264,7 +266,9 @@ class _Chat:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
 
     @staticmethod
-    def delta(index: int, text: str, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def delta(
+        index: int, text: str | Hole, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return {
             "index": index,
             "delta": {"content": text} if text else {},
@@ -310,13 +314,18 @@ def _with_ids(choice: dict[str, Any], ids: list[int], ids_out: bool) -> dict[str
     return choice
 
 
+def _finished_stats(state: ReqState) -> RequestOutputStats:
+    assert state.request_stats is not None, "a choice has its stats from its first output on"
+    return state.request_stats
+
+
 def _usage(states: list[ReqState], n: int) -> dict[str, Any]:
     """``states`` in choice order, ``n`` per prompt; see the module docstring."""
     prompt = cached = 0
     for start in range(0, len(states), n):
-        stats = [s.request_stats for s in states[start : start + n]]
-        prompt += stats[0].prompt_tokens  # type: ignore[union-attr]
-        cached += min(stats[0].prompt_tokens, *(st.cached_tokens for st in stats))  # type: ignore[union-attr]
+        stats = [_finished_stats(s) for s in states[start : start + n]]
+        prompt += stats[0].prompt_tokens
+        cached += min(stats[0].prompt_tokens, *(st.cached_tokens for st in stats))
     completion = sum(s.completion_tokens for s in states)
     return {
         "prompt_tokens": prompt,
@@ -516,7 +525,7 @@ class _ChoiceEvents:
             }}  # fmt: skip
         else:
             usage = self._usage.on_chunk(None, 0)  # the same for every chunk: {"usage": null} or nothing
-        payload = {**self._head, "choices": [self._kind.delta(index, _TEXT, None, None)], **usage}  # type: ignore[arg-type]
+        payload = {**self._head, "choices": [self._kind.delta(index, _TEXT, None, None)], **usage}
         try:
             template = EventTemplate(payload)
         except TemplateError:
@@ -527,13 +536,15 @@ class _ChoiceEvents:
     def _filled(self, template: EventTemplate, chunk: StreamChunk) -> bytes:
         """A content chunk from its template (``_template`` made for the chunk's stats)."""
         if self._usage.continuous:
+            assert chunk.stats is not None, "a stream starts once every choice has its first output"
             count = chunk.completion_tokens
-            return template.fill(chunk.text, count, chunk.stats.prompt_tokens + count)  # type: ignore[union-attr]
+            return template.fill(chunk.text, count, chunk.stats.prompt_tokens + count)
         return template.fill(chunk.text)
 
     def closing(self) -> bytes:
-        usage = sse({**self._head, "choices": [], "usage": _usage(self.states, self._usage.n)}) if self._usage.include_usage and not self.ended else b""
-        return usage + _DONE
+        if not self._usage.include_usage or self.ended:
+            return _DONE
+        return sse({**self._head, "choices": [], "usage": _usage(self.states, self._usage.n)}) + _DONE
 
     def close(self) -> None:
         # A disconnect ends the stream early: stop every choice still running.

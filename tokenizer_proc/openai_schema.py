@@ -23,7 +23,7 @@ known fields added.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeGuard
 
 import msgspec
 from msgspec import Meta
@@ -223,6 +223,15 @@ COMMON_REFUSED: tuple[Refusal, ...] = _neutrals(
 PromptItem = str | TokenId | list[TokenId]
 
 
+def _token_ids(items: list[PromptItem]) -> TypeGuard[list[int]]:
+    return all(isinstance(p, int) for p in items)
+
+
+def _strings_or_id_lists(items: list[PromptItem]) -> TypeGuard[list[str | list[int]]]:
+    """All strings, or all lists of token ids (one prompt each)."""
+    return all(isinstance(p, str) for p in items) or all(isinstance(p, list) for p in items)
+
+
 class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[PromptItem]
     max_tokens: NonNegInt | None = None  # None: OpenAI's default, 16; 0 only with echo
@@ -262,10 +271,10 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
             return [prompt]
         if not prompt:
             raise RequestValidationError("prompt must not be an empty list", "prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [prompt]  # type: ignore[list-item]
-        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-            return list(prompt)  # type: ignore[arg-type]
+        if _token_ids(prompt):
+            return [prompt]
+        if _strings_or_id_lists(prompt):
+            return list(prompt)
         raise RequestValidationError(
             "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids "
             "(not a mix)",

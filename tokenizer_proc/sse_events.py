@@ -9,8 +9,6 @@ msgspec encodes a value the same wherever it sits in a document."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 _json = msgspec.json.Encoder()
@@ -23,7 +21,7 @@ _encode = _json.encode
 _LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
 
 
-def json_bytes(value: Any) -> bytes:
+def json_bytes(value: object) -> bytes:
     """``value`` as JSON that is one line for every line reader."""
     data = _encode(value)
     # Two byte scans when (as nearly always) neither lead byte occurs.
@@ -33,7 +31,7 @@ def json_bytes(value: Any) -> bytes:
     return data
 
 
-def sse(payload: Any) -> bytes:
+def sse(payload: object) -> bytes:
     return b"data: " + json_bytes(payload) + b"\n\n"
 
 
@@ -51,7 +49,7 @@ class Hole:
         self.marker = f"\x00tokenpipe-hole-{id(self)}\x00"
 
 
-def _holes_in(value: Any, found: list[Hole]) -> Any:
+def _holes_in(value: object, found: list[Hole]) -> object:
     """``value`` with each Hole replaced by its marker string; ``found`` collects them."""
     if isinstance(value, Hole):
         found.append(value)
@@ -72,7 +70,7 @@ class EventTemplate:
 
     __slots__ = ("_parts", "_first", "_last")
 
-    def __init__(self, payload: Any) -> None:
+    def __init__(self, payload: object) -> None:
         holes: list[Hole] = []
         encoded = sse(_holes_in(payload, holes))
         parts = [encoded]
@@ -85,7 +83,7 @@ class EventTemplate:
         self._first = parts[0]
         self._last = parts[-1]
 
-    def fill(self, *values: Any) -> bytes:
+    def fill(self, *values: object) -> bytes:
         parts = self._parts
         if len(values) == 1:
             return self._first + json_bytes(values[0]) + self._last

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 
 from tokenizer_proc.req_state import ReqState
@@ -160,7 +161,7 @@ class _Mark(asyncio.Event):
         self._changes.mark(self._index)
 
 
-def _writable_cycle(send: Any) -> HttpToolsCycle | None:
+def _writable_cycle(send: Send) -> HttpToolsCycle | None:
     """uvicorn's httptools response cycle when ``send`` is its own, unwrapped ``send`` and
     the response is chunked; None otherwise (another server, or a wrapping middleware), and
     the stream then sends every event through ``send``."""
@@ -230,7 +231,7 @@ class SseResponse(Response):
         self.background = None
         self.init_headers()
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         source = self.source
         stream = _Stream(source, self.after_frame)
         changes, states = stream.changes, stream.states
@@ -263,7 +264,7 @@ class SseResponse(Response):
             source.close()
 
 
-async def _until_disconnected(receive: Any) -> None:
+async def _until_disconnected(receive: Receive) -> None:
     # The body is already read, so the next ASGI message can only be the disconnect.
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -58,7 +58,7 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)  # type: ignore[assignment]
+        body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
         body.check_form()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
@@ -76,7 +76,7 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)  # type: ignore[assignment]
+        body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
         tokenizer = tm.require_tokenizer("/detokenize has nothing to decode token ids with", "tokens")

@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import zmq
@@ -42,6 +42,7 @@ from pipeline.io_struct import (
     LogprobParams,
     MediaItem,
     SamplingParams,
+    SchedulerInput,
     SchedulerStatsReport,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -55,6 +56,9 @@ from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
+
+if TYPE_CHECKING:  # imported when tracing is on: the OpenTelemetry SDK is slow to import
+    from tokenizer_proc.tracing import RequestTracer
 
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
 
@@ -95,15 +99,15 @@ class TokenizerManager:
         self.num_aborted_requests = 0
         self.metrics = ServiceMetrics(self.model_name, config.engine_type, multiprocess=config.api_workers > 1) if config.enable_metrics else None
         self.last_scheduler_report: SchedulerStatsReport | None = None
-        self.tracer: Any = None
+        self.tracer: RequestTracer | None = None
         if config.otlp_traces_endpoint:
             from tokenizer_proc.tracing import RequestTracer
 
             self.tracer = RequestTracer(config, self.model_name)
         self._encoder = make_encoder()
         self._ctx: zmq.asyncio.Context | None = None
-        self._recv_ctx: zmq.Context[Any] | None = None
-        self._send: Any = None
+        self._recv_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._send: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._next_control_id = itertools.count((self.worker_index << WORKER_SHIFT) + 1)
         self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}
@@ -133,7 +137,7 @@ class TokenizerManager:
         if self._recv_ctx is not None:
             self._recv_ctx.destroy(linger=0)
 
-    async def _receive_loop(self, sock: Any) -> None:
+    async def _receive_loop(self, sock: zmq.Socket[bytes]) -> None:
         decoder: FrameDecoder[TokenizerManagerInput] = FrameDecoder(TokenizerManagerInput, logger, "tokenizer manager input")
         inconsistent = RateLimitedWarning(logger)
         async for frame in receive_frames(sock):
@@ -162,7 +166,9 @@ class TokenizerManager:
             except Exception:  # one stream's failure must not stop the others'
                 logger.exception("an after-frame callback failed")
 
-    def _send_obj(self, obj: Any) -> None:
+    def _send_obj(self, obj: SchedulerInput) -> None:
+        if self._send is None:
+            raise RuntimeError("TokenizerManager.start() has not run: there is no socket to the scheduler yet")
         self._send.send(self._encoder.encode(obj), copy=False)
 
     # --- requests ------------------------------------------------------------------------
@@ -407,7 +413,7 @@ class TokenizerManager:
         control_id = next(self._next_control_id)
         return await self._round_trip(control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout)
 
-    async def _round_trip(self, control_id: int, msg: object, answer: type[_Answer], timeout: float) -> _Answer | None:
+    async def _round_trip(self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float) -> _Answer | None:
         """Sends one control message and waits for the scheduler's answer of the same id."""
         future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
         self._controls[control_id] = future

@@ -40,10 +40,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -154,7 +156,7 @@ def stage_intervals(state: ReqState, operation: str = "generate") -> list[tuple[
     return [(name, start, max(start, end)) for name, start, end in stages if start is not None and end is not None]
 
 
-def _parent_context(state: ReqState) -> Any:
+def _parent_context(state: ReqState) -> Context | None:
     if state.trace is None or not state.trace.traceparent:
         return None
     carrier = {"traceparent": state.trace.traceparent}
@@ -290,8 +292,8 @@ class RequestTracer:
             logger.warning("trace export did not finish within %.1f s at shutdown; queued spans are dropped", timeout_s)
 
 
-def _bounded(fn: Any, timeout_s: float) -> bool:
-    result: list[Any] = []
+def _bounded(fn: Callable[[], object], timeout_s: float) -> bool:
+    result: list[object] = []
 
     def run() -> None:
         try:

@@ -99,7 +99,7 @@ async def _cut_requests(url: str, n_streams: int, n_timeouts: int, seed: int) ->
             resp = await asyncio.wait_for(conn.request("POST", "/generate", body(n_streams + i, False)), waits[i])
             await resp.read()
             return False  # answered: not cut
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return True
         finally:
             conn.close()

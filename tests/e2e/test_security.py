@@ -271,7 +271,7 @@ def _wrong_authorizations() -> list[bytes]:
     headers = [f"Bearer {w}" for w in wrong]
     # (Whitespace around a header value is not part of it (RFC 9110), so "Bearer KEY " is right.)
     headers += [key, f"bearer {key}", f"Bearer  {key}", f"Bearer\t{key}", f"Basic {key}", "Bearer", "", f"Token {key}"]
-    return [h.encode() for h in headers] + ["Bearer ".encode() + key.encode()[:-1] + b"\xff"]
+    return [h.encode() for h in headers] + [b"Bearer " + key.encode()[:-1] + b"\xff"]
 
 
 def _raw_request(port: int, method: str, path: str, authorization: bytes | None) -> tuple[int, bytes]:
