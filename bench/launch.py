@@ -56,7 +56,7 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log" if log_dir is not None else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *server_args],
+            [sys.executable, "-m", "tokenpipe", "serve", "--host", "127.0.0.1", "--port", str(self.port), *server_args],
             cwd=REPO,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             stdout=subprocess.PIPE,
@@ -135,9 +135,9 @@ def descendants(pid: int) -> dict[int, str | None]:
 
 def cmdline_role(args: Sequence[bytes]) -> str | None:
     """The tokenpipe role of a process from its argv (/proc/PID/cmdline split at NULs):
-    "scheduler", "detokenizer" or "api" for ``python -m pipeline.cli ROLE``; None for
+    "scheduler", "detokenizer" or "api" for ``python -m tokenpipe ROLE``; None for
     anything else."""
-    if b"pipeline.cli" not in args:
+    if b"tokenpipe" not in args:
         return None
     return next((name for name in ("scheduler", "detokenizer", "api") if name.encode() in args), None)
 

@@ -162,7 +162,7 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
     push.connect(f"tcp://127.0.0.1:{ports[0]}")
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "pipeline.cli", "scheduler",
+            sys.executable, "-m", "tokenpipe", "scheduler",
             "--scheduler-input", f"tcp://127.0.0.1:{ports[0]}",
             "--detokenizer-input", f"tcp://127.0.0.1:{ports[1]}",
             "--tokenizer-input", f"tcp://127.0.0.1:{ports[2]}",

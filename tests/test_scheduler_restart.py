@@ -44,7 +44,7 @@ class ThreeProcesses:
         self.procs = {role: self.start(role) for role in ("scheduler", "detokenizer", "api")}
 
     def start(self, role: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *self.args], cwd=REPO)
+        return subprocess.Popen([sys.executable, "-m", "tokenpipe", role, *self.args], cwd=REPO)
 
     def wait_serving(self, timeout: float = 120.0) -> None:
         def serving() -> bool:

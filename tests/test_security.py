@@ -48,7 +48,7 @@ class TcpService:
         ]  # fmt: skip
         common = [*endpoints, "--port", str(self.http_port), "--api-key", API_KEY, "--log-level", "warning", "--max-total-tokens", "4096"]
         self.procs = {
-            role: subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *common], cwd=REPO)
+            role: subprocess.Popen([sys.executable, "-m", "tokenpipe", role, *common], cwd=REPO)
             for role in ("scheduler", "detokenizer", "api")
         }
 

@@ -240,7 +240,7 @@ def lone_processes(*args: str) -> Iterator[httpx.Client]:
         endpoints += [flag, f"tcp://127.0.0.1:{free_port()}"]
     port = free_port()
     common = [*endpoints, "--port", str(port), "--log-level", "warning", "--max-total-tokens", "4096", *args]
-    procs = [subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *common], cwd=REPO) for role in ("scheduler", "detokenizer", "api")]
+    procs = [subprocess.Popen([sys.executable, "-m", "tokenpipe", role, *common], cwd=REPO) for role in ("scheduler", "detokenizer", "api")]
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
 
@@ -278,7 +278,7 @@ def test_a_model_directory_without_tokenizer_files_serves_with_the_flag(ids_only
 def test_without_the_flag_that_directory_does_not_start(ids_only_dir: Path, tmp_path: Path) -> None:
     """The control for the test above: a process that loaded a tokenizer would fail there."""
     run = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "serve", "--model-path", str(ids_only_dir), "--port", "0", "--log-level", "warning"],
+        [sys.executable, "-m", "tokenpipe", "serve", "--model-path", str(ids_only_dir), "--port", "0", "--log-level", "warning"],
         cwd=REPO,
         env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True,

@@ -21,7 +21,7 @@ def test_three_processes_over_tcp_serve_a_request() -> None:
         "--tokenizer-input", f"tcp://127.0.0.1:{ports[2]}",
     ]  # fmt: skip
     procs = [
-        subprocess.Popen([sys.executable, "-m", "pipeline.cli", role, *endpoints, "--port", str(http_port), "--log-level", "warning", "--max-total-tokens", "4096"], cwd=REPO)
+        subprocess.Popen([sys.executable, "-m", "tokenpipe", role, *endpoints, "--port", str(http_port), "--log-level", "warning", "--max-total-tokens", "4096"], cwd=REPO)
         for role in ("scheduler", "detokenizer", "api")
     ]
     try:
@@ -49,6 +49,6 @@ def test_three_processes_over_tcp_serve_a_request() -> None:
 
 
 def test_a_lone_process_needs_explicit_endpoints() -> None:
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "scheduler"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "tokenpipe", "scheduler"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "--scheduler-input" in run.stderr

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from pipeline.config import ServerConfig, add_server_args, config_from_args, storage_dir_problem
 from pipeline.process_util import setup_logging
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--hicache-storage-dir: {problem}")
     setup_logging(config.log_level, args.command)
     if args.command == "serve":
-        from pipeline.supervisor import serve
+        from tokenpipe.supervisor import serve
 
         return serve(config)
     _require_endpoints(config, parser)
@@ -56,6 +55,3 @@ def main(argv: list[str] | None = None) -> int:
     run(config)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
