@@ -12,14 +12,19 @@ from pipeline.process_util import setup_logging
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenpipe", description="LLM serving pipeline: scheduler, detokenizer, HTTP API")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_server_args(sub.add_parser("serve", help="run all three processes under a supervisor"), endpoints_required=False)
+    add_server_args(sub.add_parser("serve", help="run all three processes under a supervisor"))
     for name, what in (("scheduler", "the scheduler process"), ("detokenizer", "the detokenizer process"), ("api", "the HTTP API process")):
-        add_server_args(sub.add_parser(name, help=f"run {what} alone"), endpoints_required=False)
+        add_server_args(sub.add_parser(name, help=f"run {what} alone"))
     return parser
 
 
 def _require_endpoints(config: ServerConfig, parser: argparse.ArgumentParser) -> None:
-    missing = [flag for flag, value in (("--scheduler-input", config.scheduler_input), ("--detokenizer-input", config.detokenizer_input), ("--tokenizer-input", config.tokenizer_input)) if not value]
+    endpoints = (
+        ("--scheduler-input", config.scheduler_input),
+        ("--detokenizer-input", config.detokenizer_input),
+        ("--tokenizer-input", config.tokenizer_input),
+    )
+    missing = [flag for flag, value in endpoints if not value]
     if missing:
         parser.error(f"running one process needs explicit endpoints: {', '.join(missing)}")
 
