@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The command every tokenpipe process is started with, before its role (``serve``,
 # ``scheduler``, ``detokenizer``, ``api``); ``cmdline_role`` recognises it in /proc.
-TOKENPIPE_MODULE = "pipeline.cli"
+TOKENPIPE_MODULE = "tokenpipe"
 TOKENPIPE = (sys.executable, "-m", TOKENPIPE_MODULE)
 READY_PREFIX = "tokenpipe ready"  # the line ``tokenpipe serve`` prints once it serves
 

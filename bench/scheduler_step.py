@@ -406,8 +406,8 @@ def run(
 
 
 def _model_info(device: str) -> dict[str, Any]:
+    from pipeline.model_config import load_model_config
     from pipeline.tokenizer_loader import load_tokenizer
-    from scheduler_proc.model_limits import load_model_config
 
     config = ServerConfig(device=device)
     mc = load_model_config(config, load_tokenizer(config.model_path).vocab_size)

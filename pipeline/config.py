@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Literal
+from collections.abc import Mapping
+from typing import Annotated, Literal
 
 import msgspec
 
+from pipeline.flags import Flag, NoFlag, add_flags, from_args
 from pipeline.io_struct import MAX_API_WORKERS
 
 Mode = Literal["generate", "embedding", "dllm"]
@@ -23,61 +25,135 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
 
 
+def _absolute_or_none(text: str) -> str | None:
+    """``--hicache-storage-dir``: relative to where the command runs; empty means none."""
+    return os.path.abspath(text) if text else None
+
+
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Each field is declared once, with its command-line flag beside it (``pipeline.flags``):
+    ``add_server_args`` and ``config_from_args`` are generated from these declarations."""
+
     # Model
-    model_path: str | None = None
-    served_model_name: str | None = None
-    model_seed: int = 0
-    device: str = "auto"
-    torch_threads: int | None = None  # None: all cores but two (the other processes need them)
-    mode: Mode = "generate"
-    context_length: int | None = None  # None: the model's max_position_embeddings
-    skip_tokenizer_init: bool = False  # token ids in, token ids out: no process loads a tokenizer
+    model_path: Annotated[str | None, Flag("model", "local Hugging Face-style model directory")] = None
+    served_model_name: Annotated[str | None, Flag("model", "the model name the API reports (default: the model directory's name)")] = None
+    model_seed: Annotated[int, Flag("model", "seed of the built-in model's weights")] = 0
+    device: Annotated[str, Flag("model", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")] = "auto"
+    # None: all cores but two (the other processes need them)
+    torch_threads: Annotated[int | None, Flag("model", "CPU threads for the model (default: cores - 2, at least 1)")] = None
+    mode: Annotated[
+        Mode, Flag("model", "generate: text generation; embedding: mean-pooled embeddings (/v1/embeddings, /encode); dllm: block diffusion decoding")
+    ] = "generate"
+    context_length: Annotated[
+        int | None, Flag("model", "longest prompt plus output of a request (default, and at most: the model's max_position_embeddings)")
+    ] = None
+    skip_tokenizer_init: Annotated[
+        bool,
+        Flag(
+            "model",
+            "token ids in, token ids out (SGLang's flag): no process loads a tokenizer; prompts are token ids and "
+            "answers carry output ids without text; text prompts, chat, stop strings and media get 400",
+        ),
+    ] = False
 
     # Scheduler
-    max_total_tokens: int = 32768
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 512
-    stream_interval: int = 1
-    max_new_tokens_limit: int = 4096
-    discard_output: bool = False  # benchmarking only: build token frames, never send them
-    dense_usage_columns: bool = False  # UsageColumns on every BatchTokenIDOutput row (docs/wire.md)
-    dllm_block_size: int = 4  # --mode dllm: masked positions refined together, emitted as one row
-    dllm_steps: int = 4  # --mode dllm: batched refinement passes per block
+    max_total_tokens: Annotated[int, Flag("scheduler", "KV pool capacity in tokens")] = 32768
+    max_running_requests: Annotated[int, Flag("scheduler", "requests decoded together in one batch, at most")] = 256
+    chunked_prefill_size: Annotated[int, Flag("scheduler", "prompt tokens prefilled per step, at most; -1 disables chunking")] = 512
+    stream_interval: Annotated[int, Flag("scheduler", "a streaming request emits every N tokens (and on its first and last)")] = 1
+    max_new_tokens_limit: Annotated[int, Flag("scheduler", "the largest max_new_tokens a request may ask for")] = 4096
+    dllm_block_size: Annotated[int, Flag("scheduler", "--mode dllm: tokens per block (one output row each)")] = 4
+    dllm_steps: Annotated[int, Flag("scheduler", "--mode dllm: refinement passes per block")] = 4
+    discard_output: Annotated[
+        bool, Flag("scheduler", "benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output")
+    ] = False
+    dense_usage_columns: Annotated[
+        bool,
+        Flag(
+            "scheduler",
+            "every token frame row also carries prompt, cached, image, audio and video token counts as int32 columns, "
+            "for a consumer that keeps no per-request state (docs/wire.md)",
+        ),
+    ] = False
 
     # HiCache: a host tier under the device KV pool, and a storage tier under that
-    hicache_host_tokens: int = 0  # 0: off
-    hicache_storage_dir: str | None = None  # absolute path; storage can also be attached at runtime
+    hicache_host_tokens: Annotated[
+        int,
+        Flag(
+            "hicache",
+            "host-memory KV tier under the device pool, in tokens: evicted prefixes move there and come back on a hit (0: off)",
+        ),
+    ] = 0
+    # Made absolute when read; storage can also be attached at runtime.
+    hicache_storage_dir: Annotated[
+        str | None,
+        Flag(
+            "hicache",
+            "existing directory for the storage tier under the host tier (file backend); also POST /hicache/storage/attach",
+            parse=_absolute_or_none,
+        ),
+    ] = None
 
     # PD disaggregation: a prefill server sends each request's KV to a decode server
-    disaggregation_mode: DisaggregationMode = "null"  # null: one unified server
-    disaggregation_bootstrap_port: int = 8998  # prefill: where decode servers fetch KV (tcp, on --host)
-    disaggregation_bootstrap_endpoint: str | None = None  # prefill: a tcp:// or ipc:// endpoint instead of the port
-    disaggregation_bootstrap_timeout: float = 30.0  # decode: wait for KV; prefill: how long unclaimed KV is kept
+    disaggregation_mode: Annotated[
+        DisaggregationMode,
+        Flag(
+            "PD disaggregation",
+            "prefill: compute KV and the first token, and send the KV to a decode server; decode: take requests "
+            "prebuilt from a prefill server (run both behind sglang-router); null: one unified server",
+        ),
+    ] = "null"
+    disaggregation_bootstrap_port: Annotated[int, Flag("PD disaggregation", "prefill: TCP port on --host where decode servers fetch KV")] = 8998
+    disaggregation_bootstrap_endpoint: Annotated[
+        str | None, Flag("PD disaggregation", "prefill: a tcp:// or ipc:// ZeroMQ endpoint for KV fetches, instead of --host and the port")
+    ] = None
+    disaggregation_bootstrap_timeout: Annotated[
+        float,
+        Flag("PD disaggregation", "decode: seconds to wait for a request's KV before failing it; prefill: seconds unclaimed KV is kept"),
+    ] = 30.0
 
     # HTTP
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    graceful_timeout: float = 30.0
-    health_generate_timeout: float = 20.0
-    max_request_bytes: int = 64 * 1024 * 1024  # a larger body gets 413, read no further
-    max_queued_requests: int | None = None  # None: no bound; else a request beyond N waiting gets 503
-    request_read_timeout: float = 30.0  # a client slower than this sending headers or body is dropped
-    api_workers: int = 1  # API processes sharing the HTTP port (SO_REUSEPORT)
-    api_worker_index: int = 0  # which of them this process is (the supervisor sets it per child)
+    host: Annotated[str, Flag("http", "address the HTTP server listens on")] = "127.0.0.1"
+    port: Annotated[int, Flag("http", "HTTP port")] = 30000
+    api_key: Annotated[str | None, Flag("http", "every endpoint but /health and /metrics needs Authorization: Bearer KEY")] = None
+    graceful_timeout: Annotated[float, Flag("http", "on SIGTERM, seconds in-flight requests get to finish")] = 30.0
+    health_generate_timeout: Annotated[float, Flag("http", "seconds /health_generate waits for its one-token request")] = 20.0
+    max_request_bytes: Annotated[int, Flag("http", "a larger request body gets 413 and is read no further")] = 64 * 1024 * 1024
+    max_queued_requests: Annotated[
+        int | None, Flag("http", "when this many requests wait for admission, a new one gets 503 with Retry-After (default: no bound)")
+    ] = None
+    request_read_timeout: Annotated[
+        float, Flag("http", "seconds a client may take to send its request headers, and between parts of its body")
+    ] = 30.0
+    api_workers: Annotated[
+        int, Flag("http", "API processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections over them)")
+    ] = 1
+    # Which of them this process is: the supervisor sets it per child.
+    api_worker_index: Annotated[int, Flag("http", "`tokenpipe api` run alone: which of the --api-workers this process is (serve sets it)")] = 0
 
     # Observability
-    enable_metrics: bool = True
-    otlp_traces_endpoint: str | None = None
-    otlp_traces_protocol: str = "http/protobuf"
-    log_level: str = "info"
+    enable_metrics: Annotated[
+        bool, Flag("observability", "no Prometheus metrics (/metrics is empty) and no timing collection", spelling="--disable-metrics")
+    ] = True
+    otlp_traces_endpoint: Annotated[
+        str | None,
+        Flag(
+            "observability",
+            "export one span per request over OTLP to this URL (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)",
+            env="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ),
+    ] = None
+    otlp_traces_protocol: Annotated[
+        str, NoFlag("OpenTelemetry's own variable sets it; there is no flag", env="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+    ] = "http/protobuf"
+    log_level: Annotated[str, Flag("observability", "debug, info, warning or error")] = "info"
 
-    # Sockets (the PULL side of each binds)
-    scheduler_input: str = ""
-    detokenizer_input: str = ""
-    tokenizer_input: str = ""
-    ready_endpoint: str | None = None
+    # Sockets (the PULL side of each binds); `tokenpipe serve` picks ipc:// ones when not given
+    scheduler_input: Annotated[str, Flag("sockets", "ipc:// or tcp:// endpoint the scheduler reads")] = ""
+    detokenizer_input: Annotated[str, Flag("sockets", "ipc:// or tcp:// endpoint the detokenizer reads")] = ""
+    tokenizer_input: Annotated[str, Flag("sockets", "ipc:// or tcp:// endpoint the API reads")] = ""
+    # Where a child reports ready: the supervisor's, set per child.
+    ready_endpoint: Annotated[str | None, Flag("sockets", hidden=True)] = None
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -178,180 +254,16 @@ def storage_dir_problem(directory: str) -> str | None:
     return None
 
 
-def add_server_args(parser: argparse.ArgumentParser, *, endpoints_required: bool) -> None:
-    d = ServerConfig()
-    g = parser.add_argument_group("model")
-    g.add_argument("--model-path", default=d.model_path, help="local Hugging Face-style model directory")
-    g.add_argument("--served-model-name", default=d.served_model_name)
-    g.add_argument("--model-seed", type=int, default=d.model_seed, help="seed of the built-in model's weights")
-    g.add_argument("--device", default=d.device, help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
-    g.add_argument("--torch-threads", type=int, default=d.torch_threads, help="CPU threads for the model (default: cores - 2, at least 1)")
-    g.add_argument("--mode", choices=["generate", "embedding", "dllm"], default=d.mode)
-    g.add_argument("--context-length", type=int, default=d.context_length)
-    g.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        help="token ids in, token ids out (SGLang's flag): no process loads a tokenizer; prompts are token ids and "
-        "answers carry output ids without text; text prompts, chat, stop strings and media get 400",
-    )
-
-    g = parser.add_argument_group("scheduler")
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool capacity in tokens")
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunking")
-    g.add_argument("--stream-interval", type=int, default=d.stream_interval)
-    g.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
-    g.add_argument(
-        "--dllm-block-size", type=int, default=d.dllm_block_size, help="--mode dllm: tokens per block (one output row each)"
-    )
-    g.add_argument("--dllm-steps", type=int, default=d.dllm_steps, help="--mode dllm: refinement passes per block")
-    g.add_argument(
-        "--discard-output",
-        action="store_true",
-        help="benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output",
-    )
-    g.add_argument(
-        "--dense-usage-columns",
-        action="store_true",
-        help="every token frame row also carries prompt, cached, image, audio and video token counts as int32 columns, "
-        "for a consumer that keeps no per-request state (docs/wire.md)",
-    )
-
-    g = parser.add_argument_group("hicache")
-    g.add_argument(
-        "--hicache-host-tokens",
-        type=int,
-        default=d.hicache_host_tokens,
-        help="host-memory KV tier under the device pool, in tokens: evicted prefixes move there and come back on a hit (0: off)",
-    )
-    g.add_argument(
-        "--hicache-storage-dir",
-        default=d.hicache_storage_dir,
-        help="existing directory for the storage tier under the host tier (file backend); also POST /hicache/storage/attach",
-    )
-
-    g = parser.add_argument_group("PD disaggregation")
-    g.add_argument(
-        "--disaggregation-mode",
-        choices=["null", "prefill", "decode"],
-        default=d.disaggregation_mode,
-        help="prefill: compute KV and the first token, and send the KV to a decode server; decode: take requests "
-        "prebuilt from a prefill server (run both behind sglang-router); null: one unified server",
-    )
-    g.add_argument(
-        "--disaggregation-bootstrap-port",
-        type=int,
-        default=d.disaggregation_bootstrap_port,
-        help="prefill: TCP port on --host where decode servers fetch KV",
-    )
-    g.add_argument(
-        "--disaggregation-bootstrap-endpoint",
-        default=d.disaggregation_bootstrap_endpoint,
-        help="prefill: a tcp:// or ipc:// ZeroMQ endpoint for KV fetches, instead of --host and the port",
-    )
-    g.add_argument(
-        "--disaggregation-bootstrap-timeout",
-        type=float,
-        default=d.disaggregation_bootstrap_timeout,
-        help="decode: seconds to wait for a request's KV before failing it; prefill: seconds unclaimed KV is kept",
-    )
-
-    g = parser.add_argument_group("http")
-    g.add_argument("--host", default=d.host)
-    g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--api-key", default=d.api_key)
-    g.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout)
-    g.add_argument("--health-generate-timeout", type=float, default=d.health_generate_timeout)
-    g.add_argument(
-        "--max-request-bytes", type=int, default=d.max_request_bytes, help="a larger request body gets 413 and is read no further"
-    )
-    g.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=d.max_queued_requests,
-        help="when this many requests wait for admission, a new one gets 503 with Retry-After (default: no bound)",
-    )
-    g.add_argument(
-        "--request-read-timeout",
-        type=float,
-        default=d.request_read_timeout,
-        help="seconds a client may take to send its request headers, and between parts of its body",
-    )
-
-    g.add_argument(
-        "--api-workers",
-        type=int,
-        default=d.api_workers,
-        help="API processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections over them)",
-    )
-    g.add_argument(
-        "--api-worker-index",
-        type=int,
-        default=d.api_worker_index,
-        help="`tokenpipe api` run alone: which of the --api-workers this process is (serve sets it)",
-    )
-
-    g = parser.add_argument_group("observability")
-    g.add_argument("--disable-metrics", action="store_true")
-    g.add_argument("--otlp-traces-endpoint", default=None)
-    g.add_argument("--log-level", default=d.log_level)
-
-    g = parser.add_argument_group("sockets")
-    g.add_argument("--scheduler-input", required=endpoints_required, default=None, help="ipc:// or tcp:// endpoint")
-    g.add_argument("--detokenizer-input", required=endpoints_required, default=None)
-    g.add_argument("--tokenizer-input", required=endpoints_required, default=None)
-    g.add_argument("--ready-endpoint", default=None, help=argparse.SUPPRESS)
-    g.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Every ``ServerConfig`` flag, and ``--config-json`` (hidden): a whole config at once."""
+    add_flags(parser, ServerConfig)
+    parser.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
 
 
-def config_from_args(args: argparse.Namespace, environ: os._Environ[str] | dict[str, str] = os.environ) -> ServerConfig:
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+    """The validated config: given whole (``--config-json``, or ``TOKENPIPE_CONFIG_JSON`` from
+    the supervisor), or built from the flags and the OpenTelemetry variables."""
     given = args.config_json or environ.get(CONFIG_ENV)
-    if given:
-        config = ServerConfig.decode(given)
-        config.validate()
-        return config
-    config = ServerConfig(
-        model_path=args.model_path,
-        served_model_name=args.served_model_name,
-        model_seed=args.model_seed,
-        device=args.device,
-        torch_threads=args.torch_threads,
-        mode=args.mode,
-        context_length=args.context_length,
-        skip_tokenizer_init=args.skip_tokenizer_init,
-        max_total_tokens=args.max_total_tokens,
-        max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size,
-        stream_interval=args.stream_interval,
-        max_new_tokens_limit=args.max_new_tokens_limit,
-        discard_output=args.discard_output,
-        dense_usage_columns=args.dense_usage_columns,
-        dllm_block_size=args.dllm_block_size,
-        dllm_steps=args.dllm_steps,
-        hicache_host_tokens=args.hicache_host_tokens,
-        hicache_storage_dir=os.path.abspath(args.hicache_storage_dir) if args.hicache_storage_dir else None,
-        disaggregation_mode=args.disaggregation_mode,
-        disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
-        disaggregation_bootstrap_endpoint=args.disaggregation_bootstrap_endpoint,
-        disaggregation_bootstrap_timeout=args.disaggregation_bootstrap_timeout,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        graceful_timeout=args.graceful_timeout,
-        health_generate_timeout=args.health_generate_timeout,
-        max_request_bytes=args.max_request_bytes,
-        max_queued_requests=args.max_queued_requests,
-        request_read_timeout=args.request_read_timeout,
-        api_workers=args.api_workers,
-        api_worker_index=args.api_worker_index,
-        enable_metrics=not args.disable_metrics,
-        otlp_traces_endpoint=args.otlp_traces_endpoint or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
-        otlp_traces_protocol=environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
-        log_level=args.log_level,
-        scheduler_input=args.scheduler_input or "",
-        detokenizer_input=args.detokenizer_input or "",
-        tokenizer_input=args.tokenizer_input or "",
-        ready_endpoint=args.ready_endpoint,
-    )
+    config = ServerConfig.decode(given) if given else from_args(ServerConfig, args, environ)
     config.validate()
     return config

@@ -19,13 +19,13 @@ from pipeline.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from pipeline.model_config import context_length_of
 from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer, load_vocab
 from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.hicache import HiCache, StorageError
 from scheduler_proc.kv_transfer import KVFetchClient, KVFetchServer
-from scheduler_proc.model_limits import context_length_of
 from scheduler_proc.model_runner import ModelRunner
 from scheduler_proc.pd_decode import DecodeBootstrapper
 from scheduler_proc.pd_prefill import PrefillKVSender

@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from pipeline.model_config import ModelConfig
 from scheduler_proc.forward_batch import AttentionLayout, ForwardBatch
 from scheduler_proc.kv_pool import KVPool
-from scheduler_proc.model_config import ModelConfig
 
 
 def _param(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:

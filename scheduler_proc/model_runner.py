@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from pipeline.config import ServerConfig
+from pipeline.model_config import load_model_config
 from scheduler_proc.forward_batch import ForwardBatch
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.model import LlamaForCausalLM
-from scheduler_proc.model_limits import load_model_config
 from scheduler_proc.sampler import SamplingColumns, sample
 
 

@@ -338,7 +338,7 @@ def test_flag_off_leaves_usage_none_and_adds_one_nil_byte() -> None:
 
 def test_flag_parses_and_travels_in_the_config() -> None:
     parser = argparse.ArgumentParser()
-    add_server_args(parser, endpoints_required=False)
+    add_server_args(parser)
     assert config_from_args(parser.parse_args([]), environ={}).dense_usage_columns is False
     config = config_from_args(parser.parse_args(["--dense-usage-columns"]), environ={})
     assert config.dense_usage_columns is True

@@ -1,5 +1,6 @@
-"""The deploy/ kit against real components: supervisord (from PyPI) runs the real
-``tokenpipe`` console script from deploy/supervisord.conf, deploy/supervisord-serve.conf,
+"""The deploy/ kit against real components: supervisord (from PyPI) runs the
+``tokenpipe`` console script (pyproject.toml's entry point, written as pip writes it) from
+deploy/supervisord.conf, deploy/supervisord-serve.conf,
 deploy/supervisord-pd.conf and deploy/supervisord-replicas.conf (with the real sglang-router
 in front) in a private temporary run directory; promtool checks deploy/prometheus.yml and the
 dashboard's PromQL; the dashboard's metric names are checked against a live /metrics.
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,9 +33,21 @@ from tests.server_harness import SMALL_SERVER_ARGS, REPO, ServerProcess, descend
 from tests.sglang_router import router_binary
 
 DEPLOY = REPO / "deploy"
-BIN = Path(sys.executable).parent  # the venv's scripts: tokenpipe, supervisord, supervisorctl
+BIN = Path(sys.executable).parent  # the venv's scripts: supervisord, supervisorctl
 DASHBOARD = DEPLOY / "grafana" / "tokenpipe-dashboard.json"
 GENERATE = {"text": "supervised", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+
+
+def write_console_script(directory: Path) -> Path:
+    """``directory/tokenpipe``: the console script pip would install for pyproject.toml's
+    ``[project.scripts] tokenpipe`` entry point. Written here rather than taken from the venv,
+    whose script follows whichever checkout the (possibly shared) editable install names."""
+    entry = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["tokenpipe"]
+    module, function = entry.split(":")
+    script = directory / "tokenpipe"
+    script.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+    script.chmod(0o755)
+    return script
 
 
 def require_tool(path: Path | str | None, what: str) -> Path:
@@ -61,13 +75,13 @@ class Supervisord:
         self.ports = {name: free_port() for name in port_vars}
         self.env = dict(
             os.environ,
-            TOKENPIPE_BIN=str(BIN / "tokenpipe"),
+            TOKENPIPE_BIN=str(write_console_script(self.run_dir)),
             TOKENPIPE_RUN_DIR=str(self.run_dir),
             TOKENPIPE_PORT=str(self.port),
             TOKENPIPE_ARGS=shlex.join(SMALL_SERVER_ARGS),
             # The tokenpipe script imports the installed package, which may be another checkout
             # (an editable install shared by worktrees), while the children it starts run
-            # `python -m` from this directory: both run this checkout.
+            # `python -m tokenpipe` from this directory: both run this checkout.
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             **{name: str(port) for name, port in self.ports.items()},
             **(env or {}),

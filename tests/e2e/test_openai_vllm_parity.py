@@ -19,9 +19,9 @@ import pytest
 import tokenizers
 from tokenizers.processors import TemplateProcessing
 
+from pipeline.model_config import ModelConfig
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from scheduler_proc.model import LlamaForCausalLM
-from scheduler_proc.model_config import ModelConfig
 from tests.server_harness import ServerProcess
 from tokenizer_proc.api_schema import decode_body
 from tokenizer_proc.chat_template import ChatTemplate

@@ -33,6 +33,7 @@ from pipeline.io_struct import (
     SamplingParams,
     TokenizedGenerateReqInput,
 )
+from pipeline.model_config import ModelConfig
 from pipeline.tokenizer_loader import (
     SHIPPED_EOS_TOKEN_IDS,
     SHIPPED_VOCAB_SIZE,
@@ -42,7 +43,6 @@ from pipeline.tokenizer_loader import (
 )
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.model import LlamaForCausalLM
-from scheduler_proc.model_config import ModelConfig
 from tests.server_harness import REPO, RoleProcesses, ServerProcess, tokenpipe_command
 
 FLAG = "--skip-tokenizer-init"

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.model_config import ModelConfig, default_model_config
 from scheduler_proc.forward_batch import ForwardBatch
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.model import LlamaForCausalLM
-from scheduler_proc.model_config import ModelConfig, default_model_config
 
 DEVICE = "cpu"
 ATOL = 1e-4

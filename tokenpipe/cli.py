@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from pipeline.config import ServerConfig, add_server_args, config_from_args, storage_dir_problem
 from pipeline.process_util import setup_logging
@@ -13,14 +12,19 @@ from pipeline.process_util import setup_logging
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenpipe", description="LLM serving pipeline: scheduler, detokenizer, HTTP API")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_server_args(sub.add_parser("serve", help="run all three processes under a supervisor"), endpoints_required=False)
+    add_server_args(sub.add_parser("serve", help="run all three processes under a supervisor"))
     for name, what in (("scheduler", "the scheduler process"), ("detokenizer", "the detokenizer process"), ("api", "the HTTP API process")):
-        add_server_args(sub.add_parser(name, help=f"run {what} alone"), endpoints_required=False)
+        add_server_args(sub.add_parser(name, help=f"run {what} alone"))
     return parser
 
 
 def _require_endpoints(config: ServerConfig, parser: argparse.ArgumentParser) -> None:
-    missing = [flag for flag, value in (("--scheduler-input", config.scheduler_input), ("--detokenizer-input", config.detokenizer_input), ("--tokenizer-input", config.tokenizer_input)) if not value]
+    endpoints = (
+        ("--scheduler-input", config.scheduler_input),
+        ("--detokenizer-input", config.detokenizer_input),
+        ("--tokenizer-input", config.tokenizer_input),
+    )
+    missing = [flag for flag, value in endpoints if not value]
     if missing:
         parser.error(f"running one process needs explicit endpoints: {', '.join(missing)}")
 
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--hicache-storage-dir: {problem}")
     setup_logging(config.log_level, args.command)
     if args.command == "serve":
-        from pipeline.supervisor import serve
+        from tokenpipe.supervisor import serve
 
         return serve(config)
     _require_endpoints(config, parser)
@@ -56,6 +60,3 @@ def main(argv: list[str] | None = None) -> int:
     run(config)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,15 @@
-"""Shape of the Llama-style model, read from and written to a HF ``config.json`` dict."""
+"""Shape of the Llama-style model, read from and written to a HF ``config.json`` dict, and
+the context limit that follows from it. Torch-free, so the API process validates prompts
+against the same numbers the scheduler uses."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+from pipeline.config import ServerConfig
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,23 @@ def default_model_config(vocab_size: int) -> ModelConfig:
         num_key_value_heads=4,
         max_position_embeddings=2048,
     )
+
+
+def load_model_config(config: ServerConfig, vocab_size: int) -> ModelConfig:
+    """The model directory's ``config.json``, or the built-in model's shape without one."""
+    if config.model_path is None:
+        return default_model_config(vocab_size)
+    path = Path(config.model_path) / "config.json"
+    try:
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    except FileNotFoundError as exc:
+        raise ValueError(f"model directory has no config.json: {path}") from exc
+
+
+def context_length_of(config: ServerConfig, vocab_size: int) -> int:
+    """The longest sequence (prompt plus output) a request may reach."""
+    model_max = load_model_config(config, vocab_size).max_position_embeddings
+    return min(config.context_length or model_max, model_max)
 
 
 def _positive_int(d: dict[str, Any], key: str) -> int:

@@ -102,7 +102,7 @@ class Supervisor:
         if len(self.api_names) > 1:
             ensure_port_free(self.config.host, self.config.port)
         for name in BACKENDS:
-            self.children[name] = subprocess.Popen([sys.executable, "-m", "pipeline.cli", name], env=env, process_group=0)
+            self.children[name] = subprocess.Popen([sys.executable, "-m", "tokenpipe", name], env=env, process_group=0)
         api_env = dict(env)
         if len(self.api_names) > 1:
             if self.config.enable_metrics:
@@ -111,7 +111,7 @@ class Supervisor:
                 api_env[METRICS_DIR_ENV] = str(metrics_dir)
         for index, name in enumerate(self.api_names):
             api_env[CONFIG_ENV] = msgspec.structs.replace(self.config, api_worker_index=index).encode()
-            self.children[name] = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "api"], env=api_env, process_group=0)
+            self.children[name] = subprocess.Popen([sys.executable, "-m", "tokenpipe", "api"], env=api_env, process_group=0)
 
     def _wait_ready(self, sock: zmq.Socket) -> int | None:
         decoder: FrameDecoder[ProcessReady] = FrameDecoder(ProcessReady, logger, "ready")
