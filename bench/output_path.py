@@ -9,7 +9,7 @@ once, in a shuffled order), minimum over rounds (``--rounds``, default 200):
 
 - ``tokenpipe``: the scheduler's real steady-step frame build (build): the running batch's
   due rows (``RunningBatch.due``), their columns (``RunningBatch.take_steady``) and
-  ``build_token_output`` over them, as ``Scheduler._decode`` does; the real encoder of
+  ``build_token_output`` over them, as ``BatchDecoder.step`` does; the real encoder of
   ``pipeline.sockets.make_encoder`` (encode), and the detokenizer's real typed decoder
   (``FrameDecoder(DetokenizerInput)``, as ``detokenizer_proc.main`` uses) plus reading the
   four columns back as arrays with ``from_column`` (decode).
@@ -81,7 +81,7 @@ from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE  # noqa: E4
 from pipeline.sockets import FrameDecoder, make_encoder  # noqa: E402
 from scheduler_proc.logprobs import keep_decode_logprobs  # noqa: E402
 from scheduler_proc.output_builder import build_token_output  # noqa: E402
-from scheduler_proc.req import Req  # noqa: E402
+from scheduler_proc.req import Req, StatsPending  # noqa: E402
 from scheduler_proc.running_batch import RunningBatch  # noqa: E402
 
 logger = logging.getLogger("tokenpipe.bench.output_path")
@@ -242,11 +242,14 @@ def build_baseline_output(
 # --- the steady decode step ------------------------------------------------------------
 
 
-def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0, logprob: LogprobParams | None = None) -> list[Req]:
+def make_steady_reqs(
+    n: int, stats_pending: StatsPending, *, metrics: bool, seed: int = 0, logprob: LogprobParams | None = None
+) -> list[Req]:
     """``n`` running requests that have all emitted before: prefilled (with prefix-cache
     hits, a few media items, time stats when metrics are on), a few tokens generated and
     sent through the real ``build_token_output``, so stats and decode options are sent.
-    ``logprob``: what each of them asks for (their logprobs are kept from the next step)."""
+    ``stats_pending``: their scheduler's set. ``logprob``: what each of them asks for
+    (their logprobs are kept from the next step)."""
     rng = random.Random(seed)
     now = time.time()
     reqs: list[Req] = []
@@ -261,6 +264,7 @@ def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0, logprob: LogprobPa
             stream=True,
             stream_interval=1,
             arrival_time=now - 1.0,
+            stats_pending=stats_pending,
             media=media,
             collect_time_stats=metrics,
             logprob=logprob,
@@ -272,7 +276,7 @@ def make_steady_reqs(n: int, *, metrics: bool, seed: int = 0, logprob: LogprobPa
         req.update_time_stats(prefill_finished_time=now - 0.7)
         req.output_ids.extend(rng.randrange(32000) for _ in range(rng.randint(1, 16)))
         reqs.append(req)
-    first = build_token_output(reqs)  # the first output: every row carries stats
+    first = build_token_output(reqs, stats_pending)  # the first output: every row carries stats
     assert first.request_stats is not None and all(s is not None for s in first.request_stats)
     return reqs
 
@@ -301,8 +305,9 @@ def step_logits(n: int, seed: int) -> torch.Tensor:
     return torch.randn((n, VOCAB), generator=torch.Generator().manual_seed(seed)) * 4
 
 
-def _tokenpipe_variant(reqs: list[Req], logits: torch.Tensor | None = None) -> Callable[[int], Timings]:
-    """``logits``: every request asked for logprobs; the step keeps them from these."""
+def _tokenpipe_variant(reqs: list[Req], stats_pending: StatsPending, logits: torch.Tensor | None = None) -> Callable[[int], Timings]:
+    """``stats_pending``: the requests' set. ``logits``: every request asked for logprobs;
+    the step keeps them from these."""
     encoder = make_encoder()
     decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(DetokenizerInput, logger, "bench frame")
     clock = time.perf_counter_ns
@@ -312,11 +317,11 @@ def _tokenpipe_variant(reqs: list[Req], logits: torch.Tensor | None = None) -> C
     def step(token: int) -> Timings:
         new = np.full(len(reqs), token, dtype=np.int64)
         batch.append_tokens(new)  # set-up, not timed
-        if logits is not None:  # set-up, not timed: as Scheduler._decode keeps them
+        if logits is not None:  # set-up, not timed: as BatchDecoder.step keeps them
             keep_decode_logprobs(batch, logits, np.flatnonzero(batch.wants_logprobs[: len(batch)]), new)
         t0 = clock()
         steady = batch.take_steady(np.flatnonzero(batch.due(none_finished)))
-        frame = build_token_output([], steady=steady)
+        frame = build_token_output([], stats_pending, steady=steady)
         t1 = clock()
         data = encoder.encode(frame)
         t2 = clock()
@@ -403,16 +408,18 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
         raise ValueError("requests and rounds must be >= 1")
     warmup = min(10, rounds) if warmup is None else warmup
     # The same requests twice over: the running batch holds its requests' tokens itself.
+    # Each variant's requests have their own stats-pending set, as one scheduler's do.
+    on, off, top = StatsPending(), StatsPending(), StatsPending()
     variants: dict[str, Callable[[int], Timings]] = {
-        ROWS[0]: _tokenpipe_variant(make_steady_reqs(requests, metrics=True, seed=seed)),
-        ROWS[1]: _tokenpipe_variant(make_steady_reqs(requests, metrics=False, seed=seed)),
-        ROWS[2]: _baseline_variant(make_steady_reqs(requests, metrics=True, seed=seed), metrics=True),
-        ROWS[3]: _baseline_variant(make_steady_reqs(requests, metrics=False, seed=seed), metrics=False),
+        ROWS[0]: _tokenpipe_variant(make_steady_reqs(requests, on, metrics=True, seed=seed), on),
+        ROWS[1]: _tokenpipe_variant(make_steady_reqs(requests, off, metrics=False, seed=seed), off),
+        ROWS[2]: _baseline_variant(make_steady_reqs(requests, StatsPending(), metrics=True, seed=seed), metrics=True),
+        ROWS[3]: _baseline_variant(make_steady_reqs(requests, StatsPending(), metrics=False, seed=seed), metrics=False),
     }
     logits = step_logits(requests, seed)
     top5 = LogprobParams(top_logprobs_num=TOP_K)
-    variants[ROWS[4]] = _tokenpipe_variant(make_steady_reqs(requests, metrics=False, seed=seed, logprob=top5), logits)
-    variants[ROWS[5]] = _baseline_variant(make_steady_reqs(requests, metrics=False, seed=seed, logprob=top5), False, logits)
+    variants[ROWS[4]] = _tokenpipe_variant(make_steady_reqs(requests, top, metrics=False, seed=seed, logprob=top5), top, logits)
+    variants[ROWS[5]] = _baseline_variant(make_steady_reqs(requests, StatsPending(), metrics=False, seed=seed, logprob=top5), False, logits)
     names = list(variants)
     best: dict[str, list[float]] = {name: [float("inf")] * 4 for name in names}
     size: dict[str, int] = {}

@@ -171,7 +171,7 @@ class DllmDecoder:
             self._free(req)
 
     def _free(self, req: Req) -> None:
-        self.runner.kv.free(req.dllm_block.slots)
+        self.runner.kv.free(_block_of(req).slots)
         req.dllm_block = None
 
     def _block_size(self, req: Req) -> int:
@@ -247,10 +247,12 @@ class DllmDecoder:
         first = 0
         for req, fresh, positions in zip(reqs, fresh_slots, masked):
             if fresh is not None and fresh.numel():  # their KV is final now: they join the request's KV
-                req.kv_slots = torch.cat((req.kv_slots, fresh))  # type: ignore[arg-type]
+                held = req.kv_slots
+                assert held is not None
+                req.kv_slots = torch.cat((held, fresh))
                 req.num_computed += fresh.numel()
             last = first + len(positions)
-            block = req.dllm_block
+            block = _block_of(req)
             chosen = self._unmask(block, positions, candidates[first:last], confidence[first:last])
             if block.logprobs is not None and chosen:
                 lp_rows.extend(first + i for i in chosen)
@@ -265,7 +267,7 @@ class DllmDecoder:
         still_running: list[Req] = []
         committed = 0
         for req in reqs:
-            if req.dllm_block.passes < self.config.steps:
+            if _block_of(req).passes < self.config.steps:
                 still_running.append(req)
                 continue
             committed += self._commit(req, rows)
@@ -289,7 +291,7 @@ class DllmDecoder:
     def _commit(self, req: Req, rows: list[Req]) -> int:
         """Appends the block's tokens through the stop checks, queues the row, frees the
         block's slots; returns the number of tokens appended."""
-        block = req.dllm_block
+        block = _block_of(req)
         tokens = block.tokens
         self._free(req)
         appended = 0
@@ -316,3 +318,10 @@ def _tokens_from(req: Req, start: int) -> list[int]:
     if start >= len(prompt):
         return req.output_ids[start - len(prompt) :]
     return prompt[start:] + req.output_ids
+
+
+def _block_of(req: Req) -> Block:
+    """The block ``req`` refines: every running request holds one from its pass on."""
+    block = req.dllm_block
+    assert block is not None, f"{req!r} refines no block"
+    return block

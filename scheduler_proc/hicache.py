@@ -381,11 +381,11 @@ class HiCache:
                     if data is None:
                         data = self.storage.get(ref.key)
                     out.storage_seconds += time.perf_counter() - started
-                if data is None or data[0].shape[1] < ref.offset + ref.length:  # type: ignore[union-attr]
+                if ref is None or data is None or data[0].shape[1] < ref.offset + ref.length:
                     self._cache().remove_subtree(node)
                     break
-                files[ref.key] = data  # type: ignore[index]
-                k = data[0][:, ref.offset : ref.offset + n]  # type: ignore[union-attr]
+                files[ref.key] = data
+                k = data[0][:, ref.offset : ref.offset + n]
                 v = data[1][:, ref.offset : ref.offset + n]
                 node.storage = None
                 out.storage_tokens += n

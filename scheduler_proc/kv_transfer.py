@@ -54,7 +54,7 @@ class KVTransferError(ValueError):
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     # Viewed as bytes so any dtype (bfloat16 included, which numpy lacks) goes out as-is.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def tensors_from_frames(header: KVTransferHeader, k_raw: bytes, v_raw: bytes, expected: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +104,7 @@ class KVFetchServer:
                 got.append((parts[0], fetch))
 
     def send(self, identity: bytes, header: KVTransferHeader, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
-        frames: list[Any] = [identity, self._encoder.encode(header)]
+        frames: list[bytes | memoryview] = [identity, self._encoder.encode(header)]
         if k is not None and v is not None:
             frames += [_tensor_bytes(k), _tensor_bytes(v)]
         try:

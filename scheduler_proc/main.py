@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import time
+from typing import Any
 
 import zmq
 
@@ -87,9 +88,10 @@ def build_hicache(config: ServerConfig, runner: ModelRunner) -> HiCache | None:
     return hicache
 
 
-def attach_pd(scheduler: Scheduler, config: ServerConfig, ctx: zmq.Context, poller: zmq.Poller) -> None:  # type: ignore[type-arg]
-    """The KV transfer sockets of --disaggregation-mode prefill or decode, registered with
-    the loop's poller so a fetch or a transfer wakes an idle scheduler."""
+def attach_pd(scheduler: Scheduler, config: ServerConfig, ctx: zmq.Context[Any], poller: zmq.Poller) -> None:
+    """The scheduler's PD side for --disaggregation-mode prefill or decode, with its KV
+    transfer sockets registered with the loop's poller so a fetch or a transfer wakes an
+    idle scheduler. Without PD the scheduler keeps its ``Unified`` one."""
     timeout = config.disaggregation_bootstrap_timeout
     if config.disaggregation_mode == "prefill":
         endpoint = config.bootstrap_endpoint()
@@ -98,10 +100,10 @@ def attach_pd(scheduler: Scheduler, config: ServerConfig, ctx: zmq.Context, poll
         except zmq.ZMQError as exc:
             raise SystemExit(f"--disaggregation-bootstrap-port/endpoint: cannot bind {endpoint}: {exc}") from None
         poller.register(server.socket, zmq.POLLIN)
-        scheduler.pd_prefill = PrefillKVSender(server, scheduler.kv, timeout)
+        scheduler.pd = PrefillKVSender(server, scheduler.kv, timeout)
         logger.info("prefill server: decode servers fetch KV at %s", endpoint)
     elif config.disaggregation_mode == "decode":
-        scheduler.pd_decode = DecodeBootstrapper(KVFetchClient(ctx, poller), scheduler.kv, timeout, scheduler.vocab_size)
+        scheduler.pd = DecodeBootstrapper(KVFetchClient(ctx, poller), scheduler.kv, timeout, scheduler.vocab_size)
 
 
 def release_free_heap() -> None:
@@ -161,9 +163,9 @@ def run_scheduler(config: ServerConfig) -> None:
                 # an idle scheduler would send none until its next work.
                 outbox.send(encoder.encode(reporter.report(time.time())), copy=False)
         for out in scheduler.step():
-            frame = encoder.encode(out)
+            encoded = encoder.encode(out)
             if not config.discard_output:
-                outbox.send(frame, copy=False)
+                outbox.send(encoded, copy=False)
         report = reporter.maybe_report(time.time())
         if report is not None:
             outbox.send(encoder.encode(report), copy=False)

@@ -137,6 +137,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names match HF LlamaForCausalLM, so checkpoints load by name."""
 
+    # Buffers (register_buffer below), declared so their type is known: nn.Module's
+    # attribute lookup is typed Tensor | Module.
+    rotary_cos: torch.Tensor
+    rotary_sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config

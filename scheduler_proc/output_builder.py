@@ -34,7 +34,7 @@ from pipeline.io_struct import (
     UsageColumns,
 )
 from pipeline.logprob_columns import LogprobBlock, build_input_logprobs
-from scheduler_proc.req import PENDING_STATS, Req
+from scheduler_proc.req import Req, StatsPending
 
 
 def build_usage_columns(reqs: Sequence[Req]) -> UsageColumns:
@@ -75,23 +75,24 @@ class SteadyRows:
 
 
 def build_token_output(
-    reqs: Sequence[Req], *, steady: SteadyRows | None = None, dense_usage: bool = False
+    reqs: Sequence[Req], stats_pending: StatsPending, *, steady: SteadyRows | None = None, dense_usage: bool = False
 ) -> BatchTokenIDOutput:
     """One row per request: the tokens generated since its last row; the ``steady`` rows
     (already columns) follow the ``reqs`` rows.
 
     The stats, decode-option and finish columns are asked of each request only while some
-    request has stats pending (``PENDING_STATS``): a first row, a finished row and a row
-    after a stats change are all pending, so a steady decode step skips those calls.
+    request of their scheduler has stats pending (``stats_pending``, the set the requests
+    were built with): a first row, a finished row and a row after a stats change are all
+    pending, so a steady decode step skips those calls.
     ``dense_usage`` adds ``UsageColumns`` on every row (``--dense-usage-columns``)."""
     # Logprobs first: taking them is what marks them sent, whichever rows exist.
     logprobs = [(i, part) for i, part in ((i, r.take_pending_logprobs()) for i, r in enumerate(reqs) if r.pending_logprobs) if part]
     if steady is None or not len(steady):
-        frame = _build_request_rows(reqs, dense_usage)
+        frame = _build_request_rows(reqs, stats_pending, dense_usage)
     elif not reqs:
         frame = _steady_frame(steady, dense_usage)
     else:
-        frame = _concat(_build_request_rows(reqs, dense_usage), _steady_frame(steady, dense_usage))
+        frame = _concat(_build_request_rows(reqs, stats_pending, dense_usage), _steady_frame(steady, dense_usage))
     block = LogprobBlock.of_parts([i for i, _ in logprobs], [part for _, part in logprobs]) if logprobs else None
     if steady is not None and steady.logprobs is not None:
         block = steady.logprobs.shifted(len(reqs)) if block is None else block.then(steady.logprobs, len(reqs))
@@ -139,7 +140,7 @@ def _concat(first: BatchTokenIDOutput, second: BatchTokenIDOutput) -> BatchToken
     )
 
 
-def _build_request_rows(reqs: Sequence[Req], dense_usage: bool) -> BatchTokenIDOutput:
+def _build_request_rows(reqs: Sequence[Req], stats_pending: StatsPending, dense_usage: bool) -> BatchTokenIDOutput:
     n = len(reqs)
     outputs = [r.output_ids for r in reqs]
     completion = np.array([len(o) for o in outputs], dtype=COUNT_DTYPE)
@@ -157,7 +158,7 @@ def _build_request_rows(reqs: Sequence[Req], dense_usage: bool) -> BatchTokenIDO
     stats: list[RequestOutputStats | None] | None = None
     options: list[DecodeOptions | None] | None = None
     finished: list[FinishReason | None] | None = None
-    if PENDING_STATS:
+    if stats_pending:
         stats = [r.take_request_stats_due() for r in reqs]
         if stats.count(None) == n:
             stats = None
@@ -184,14 +185,14 @@ def _build_request_rows(reqs: Sequence[Req], dense_usage: bool) -> BatchTokenIDO
 def build_embedding_output(reqs: Sequence[Req], embeddings: np.ndarray) -> BatchEmbeddingOutput:
     """Every embedding row is finished, so ``take_request_stats_due`` returns stats for
     each one; the assertion pins that contract rather than assuming it."""
-    stats = [r.take_request_stats_due() for r in reqs]
-    assert all(s is not None for s in stats), "an embedding row must be finished before it is built"
+    stats = [s for s in (r.take_request_stats_due() for r in reqs) if s is not None]
+    assert len(stats) == len(reqs), "an embedding row must be finished before it is built"
     matrix = np.ascontiguousarray(embeddings, dtype=EMBEDDING_DTYPE)
     finished = [r.finished_reason for r in reqs]
     return BatchEmbeddingOutput(
         req_ids=np.fromiter((r.req_id for r in reqs), dtype=REQ_ID_DTYPE, count=len(reqs)).tobytes(),
         embeddings=matrix.tobytes(),
         shape=(int(matrix.shape[0]), int(matrix.shape[1])),
-        request_stats=stats,  # type: ignore[arg-type]
+        request_stats=stats,
         finished_reasons=finished,
     )

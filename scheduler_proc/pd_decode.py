@@ -1,10 +1,12 @@
 """Decode side of PD disaggregation: fetches each request's KV from the prefill server and
-hands the scheduler requests that arrive "prebuilt".
+hands the scheduler requests that arrive "prebuilt". ``DecodeBootstrapper`` is the
+scheduler's ``PdRole`` on a decode server.
 
-A request with a bootstrap room never prefills here. ``start`` sends a ``KVFetch``
+A request with a bootstrap room and endpoint (``Req.pd``: a ``DecodeBootstrap``) never
+prefills here. ``start`` sends a ``KVFetch``
 (attempt 0: the prompt); ``poll`` takes the transfers that arrived and moves their
-requests to ``ready``, where the scheduler installs the KV into its pool and the request
-joins the running batch. A request that asked for logprobs gets its first token's and its
+requests to ``ready``; ``take_inputs`` installs the KV into pool slots the scheduler gives
+(in arrival order, while the pool allows) and the request joins the running batch. A request that asked for logprobs gets its first token's and its
 prompt's from the first transfer (the prefill server computed them; nothing is computed
 twice), and its first row carries them. A retraction frees the KV and calls ``start``
 again (a re-bootstrap): the prefill server recomputes the prompt plus the generated
@@ -21,8 +23,8 @@ error from the prefill server or a malformed transfer. A fetch with no answer wi
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
@@ -31,42 +33,26 @@ from pipeline.logprob_columns import TokenLogprobs, read_input_token_logprobs, r
 from pipeline.sockets import RateLimitedWarning
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.kv_transfer import KVFetchClient, KVTransferError, pool_layout, scatter_kv, tensors_from_frames
+from scheduler_proc.pd_role import PdHost
+from scheduler_proc.pd_state import DecodeBootstrap, Prebuilt
 from scheduler_proc.req import Req
 
 logger = logging.getLogger("tokenpipe.pd_decode")
 
 
-@dataclass
-class Prebuilt:
-    """A transfer that arrived: the KV of the request's tokens but the last."""
-
-    header: KVTransferHeader
-    k: torch.Tensor
-    v: torch.Tensor
-    received_time: float
-    # The first transfer of a request that asked: its first token's and prompt's logprobs.
-    first_logprobs: TokenLogprobs | None = None
-    prompt_logprobs: TokenLogprobs | None = None
-
-
-@dataclass
-class DecodeBootstrap:
-    """``Req.pd`` on a decode server."""
-
-    room: int
-    endpoint: str
-    attempt: int = -1
-    deadline: float = 0.0
-    sent_time: float = 0.0  # when the current fetch went out
-    prebuilt: Prebuilt | None = None
+def bootstrap_of(req: Req) -> DecodeBootstrap:
+    """``req.pd`` of a request this side fetches KV for (the only kind it holds)."""
+    pd = req.pd
+    assert isinstance(pd, DecodeBootstrap), f"{req!r} is not a PD request of a decode server"
+    return pd
 
 
 def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> None:
     """Writes req's arrived KV into ``slots`` and records the bootstrap in its stats. The
     first token, when the transfer has one, is for the scheduler to append; its logprobs
     and the prompt's wait on the request for its first row."""
-    pd = req.pd
-    assert isinstance(pd, DecodeBootstrap) and pd.prebuilt is not None
+    pd = bootstrap_of(req)
+    assert pd.prebuilt is not None
     prebuilt, pd.prebuilt = pd.prebuilt, None
     header = prebuilt.header
     scatter_kv(kv, slots, prebuilt.k, prebuilt.v)
@@ -90,6 +76,7 @@ def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> N
 class DecodeBootstrapper:
     def __init__(self, client: KVFetchClient, kv: KVPool, timeout: float, vocab_size: int, connect_grace: float = 3.0) -> None:
         self.client = client
+        self.kv = kv
         self.vocab_size = vocab_size
         self.connect_grace = connect_grace
         self.layout = pool_layout(kv)
@@ -99,11 +86,69 @@ class DecodeBootstrapper:
         self._stray = RateLimitedWarning(logger)
         self._failed: list[Req] = []  # failed in start(), reported by the next poll()
 
+    # --- the scheduler's hooks (PdRole) ----------------------------------------------------
+
+    def bind(self, req: Req, room: int | None, endpoint: str | None) -> None:
+        if room is not None and endpoint:  # else it prefills here, as on a unified server
+            req.pd = DecodeBootstrap(room, endpoint)
+
+    def on_admit(self, req: Req, now: float) -> bool:
+        if not req.kv_prebuilt:
+            return False
+        self.start(req, now)
+        return True
+
+    def take_inputs(self, host: PdHost, rows: list[Req], now: float) -> list[Req]:
+        """Takes arrived KV and installs it while the pool allows (in arrival order);
+        returns the requests that join the running batch after this step's decode.
+        Failed bootstraps become rows."""
+        rows.extend(self.poll(now))
+        joined: list[Req] = []
+        while self.ready:
+            req = self.ready[0]
+            prebuilt = bootstrap_of(req).prebuilt
+            assert prebuilt is not None
+            header = prebuilt.header
+            slots = host.slots_for_joining(header.num_tokens, len(joined))
+            if slots is None:
+                break
+            self.ready.popleft()
+            install_prebuilt(req, self.kv, slots, time.time())
+            if req.output_ids:  # re-bootstrapped: its last token is the next decode step's input
+                joined.append(req)
+            else:  # the prefill server's first token is this request's first output
+                assert header.first_token is not None  # checked on arrival (_prebuilt)
+                joined.extend(host.append_tokens([req], [header.first_token], rows))
+        return joined
+
+    def on_first_token(self, reqs: list[Req]) -> None:
+        pass  # a request prefilled here is not a PD request
+
+    def on_retract(self, req: Req, now: float) -> bool:
+        """A PD request's KV is fetched again (a re-bootstrap) instead of re-prefilled."""
+        if not req.kv_prebuilt:
+            return False
+        self.start(req, now)
+        # A warning: retraction means the pool is too small for the load, and tests and
+        # operators count these lines.
+        logger.warning(
+            "retracted req_id=%d rid=%s retraction_count=%d: re-bootstrapping its KV from %s",
+            req.req_id, req.rid, req.retraction_count, bootstrap_of(req).endpoint,
+        )  # fmt: skip
+        return True
+
+    def on_abort(self, req: Req) -> None:
+        self.discard(req)
+
+    def on_release(self, req: Req, now: float) -> None:
+        pass  # the KV came from the prefill server: nothing goes back
+
+    # --- fetching KV ---------------------------------------------------------------------
+
     def start(self, req: Req, now: float) -> None:
         """Fetches the KV of everything req holds but its last token (that one is the next
         decode step's input): the prompt at first, the prompt plus output after a retraction."""
-        pd = req.pd
-        assert isinstance(pd, DecodeBootstrap)
+        pd = bootstrap_of(req)
         # Connection events from before this fetch are about earlier fetches, not this one.
         self._fail_lost_peers(now)
         other = self._pending.get((pd.endpoint, pd.room))
@@ -134,7 +179,9 @@ class DecodeBootstrapper:
             req = self._pending.get((endpoint, header.room))
             pd = req.pd if req is not None else None
             if req is None or not isinstance(pd, DecodeBootstrap) or pd.attempt != header.attempt:
-                self._stray.warn("dropped a KV transfer for room %d (attempt %d) from %s: no request waits for it", header.room, header.attempt, endpoint)
+                self._stray.warn(
+                    "dropped a KV transfer for room %d (attempt %d) from %s: no request waits for it", header.room, header.attempt, endpoint
+                )
                 continue
             del self._pending[(endpoint, header.room)]
             try:
@@ -148,8 +195,7 @@ class DecodeBootstrapper:
         failed += self._failed  # failed in start() or by a lost peer
         self._failed = []
         for key, req in list(self._pending.items()):
-            pd = req.pd
-            assert isinstance(pd, DecodeBootstrap)
+            pd = bootstrap_of(req)
             if now > pd.deadline:
                 del self._pending[key]
                 message = (
@@ -159,7 +205,9 @@ class DecodeBootstrapper:
                 req.finish(FinishAbort(message=message, status_code=504), now)
                 failed.append(req)
         for req in failed:
-            logger.warning("req_id=%d rid=%s failed: %s", req.req_id, req.rid, req.finished_reason.message)  # type: ignore[union-attr]
+            reason = req.finished_reason
+            assert isinstance(reason, FinishAbort)
+            logger.warning("req_id=%d rid=%s failed: %s", req.req_id, req.rid, reason.message)
         return failed
 
     def _fail_lost_peers(self, now: float) -> None:
@@ -167,8 +215,7 @@ class DecodeBootstrapper:
         connections for ``connect_grace`` seconds of the fetch's life."""
         lost = self.client.lost_peers(now)
         for key, req in list(self._pending.items()):
-            pd = req.pd
-            assert isinstance(pd, DecodeBootstrap)
+            pd = bootstrap_of(req)
             down = self.client.down_since(pd.endpoint)
             if pd.endpoint in lost:
                 why = f"the connection to the prefill server at {pd.endpoint} was lost"
@@ -212,7 +259,9 @@ class DecodeBootstrapper:
         if ask is None:
             return None, None  # the prefill side's request asked, this one did not: answer as asked
         if lp is None or lp.output is None:
-            raise KVTransferError("the request asks for logprobs and the transfer carries none for its first token (did the prefill server's request ask too?)")
+            raise KVTransferError(
+                "the request asks for logprobs and the transfer carries none for its first token (did the prefill server's request ask too?)"
+            )
         nxt = req.prompt_logprobs_next
         want_prompt = 0 if nxt is None else len(req.origin_input_ids) - 1 - nxt
         try:
@@ -222,11 +271,13 @@ class DecodeBootstrapper:
             raise KVTransferError(f"malformed logprobs: {exc}") from None
         got_prompt = 0 if prompt is None else len(prompt.chosen)
         if first is None or got_prompt != want_prompt:
-            raise KVTransferError(f"asked for the logprobs of 1 first token and {want_prompt} prompt positions, got {0 if first is None else 1} and {got_prompt}")
+            got_first = 0 if first is None else 1
+            raise KVTransferError(f"asked for the logprobs of 1 first token and {want_prompt} prompt positions, got {got_first} and {got_prompt}")
         k, m = ask.top_logprobs_num, len(ask.token_ids_logprob)
         for part in (first, prompt) if prompt is not None else (first,):
             if part.top_ids.shape[1] != k or part.ids_values.shape[1] != m:
-                raise KVTransferError(f"asked for {k} top logprobs and {m} token ids per position, got {part.top_ids.shape[1]} and {part.ids_values.shape[1]}")
+                got_k, got_m = part.top_ids.shape[1], part.ids_values.shape[1]
+                raise KVTransferError(f"asked for {k} top logprobs and {m} token ids per position, got {got_k} and {got_m}")
             if part.top_ids.size and not (0 <= part.top_ids.min() and part.top_ids.max() < self.vocab_size):
                 raise KVTransferError(f"a top logprob names a token id outside [0, {self.vocab_size})")
         return first, prompt if got_prompt else None

@@ -1,7 +1,7 @@
 """Prefill side of PD disaggregation: hands each request's KV to the decode server that
-fetches it.
+fetches it. ``PrefillKVSender`` is the scheduler's ``PdRole`` on a prefill server.
 
-Two kinds of requests carry a ``Req.pd`` here:
+Two kinds of requests carry a ``Req.pd`` here (scheduler_proc/pd_state.py):
 - ``PrefillHalf``: a request this server's API received with a bootstrap room. It runs
   as usual (its API clamps it to one new token). When it is released, its prompt KV and
   first token go to the decode server's fetch for the same room: at once if the fetch has
@@ -25,16 +25,11 @@ from pipeline.io_struct import CachedTokensDetails, FinishAbort, FrameLogprobs, 
 from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs
 from scheduler_proc.kv_pool import KVPool
 from scheduler_proc.kv_transfer import KVFetchServer, gather_kv, pool_layout
-from scheduler_proc.req import Req
+from scheduler_proc.pd_role import PdHost
+from scheduler_proc.pd_state import KVFetchJob, PrefillHalf
+from scheduler_proc.req import Req, StatsPending
 
 logger = logging.getLogger("tokenpipe.pd_prefill")
-
-
-@dataclass
-class PrefillHalf:
-    room: int
-    # Its first token's and its prompt's logprobs, for the KV header (keep_first_logprobs).
-    logprobs: FrameLogprobs | None = None
 
 
 def keep_first_logprobs(req: Req) -> None:
@@ -55,17 +50,11 @@ def keep_first_logprobs(req: Req) -> None:
     )
 
 
-@dataclass
-class KVFetchJob:
-    identity: bytes
-    fetch: KVFetch
-
-
 # A re-bootstrap generates nothing: it ends when its tokens' KV is computed.
 _KV_ONLY = SamplingParams(max_new_tokens=0)
 
 
-def kv_job_request(identity: bytes, fetch: KVFetch, req_id: int, now: float, collect_time_stats: bool) -> Req:
+def kv_job_request(identity: bytes, fetch: KVFetch, req_id: int, now: float, collect_time_stats: bool, stats_pending: StatsPending) -> Req:
     """The internal request that computes a re-bootstrap's KV; it emits no row."""
     req = Req(
         rid=f"kv-fetch-{fetch.room}-{fetch.attempt}",
@@ -75,6 +64,7 @@ def kv_job_request(identity: bytes, fetch: KVFetch, req_id: int, now: float, col
         stream=False,
         stream_interval=1,
         arrival_time=now,
+        stats_pending=stats_pending,
         collect_time_stats=collect_time_stats,
     )
     req.pd = KVFetchJob(identity, fetch)
@@ -114,6 +104,50 @@ class PrefillKVSender:
         self.timeout = timeout
         self._waiting: dict[int, _WaitingFetch] = {}  # room -> a first fetch that came before its prefill ended
         self._stash: dict[int, _Stashed] = {}  # room -> KV of a finished prefill that nobody fetched yet
+        self._next_job_id = -1  # re-bootstrap requests count down: never a client's req_id
+
+    # --- the scheduler's hooks (PdRole) ----------------------------------------------------
+
+    def bind(self, req: Req, room: int | None, endpoint: str | None) -> None:
+        if room is not None:
+            req.pd = PrefillHalf(room)
+
+    def on_admit(self, req: Req, now: float) -> bool:
+        return False  # every request prefills here
+
+    def take_inputs(self, host: PdHost, rows: list[Req], now: float) -> list[Req]:
+        """Takes the decode servers' fetches. A re-bootstrap becomes an internal request
+        that computes the KV of ``fetch.token_ids`` (from the prefix cache where it can)
+        and emits no row; nothing joins the running batch directly."""
+        for identity, fetch in self.receive(now):
+            req = kv_job_request(identity, fetch, self._next_job_id, now, host.collect_time_stats, host.stats_pending)
+            self._next_job_id -= 1
+            problem = host.admission.problem(req) if fetch.token_ids else "the fetch names no tokens"
+            if problem is not None:
+                self.refuse(identity, fetch, problem)
+            else:
+                host.enqueue(req, now)
+        return []
+
+    def on_first_token(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            keep_first_logprobs(req)  # for the KV header, before its own row takes them
+
+    def on_retract(self, req: Req, now: float) -> bool:
+        return False  # re-prefilled here, as on a unified server
+
+    def on_abort(self, req: Req) -> None:
+        pass  # its release answers the decode server
+
+    @property
+    def has_work(self) -> bool:
+        return False  # fetches wake the scheduler's poller and are taken at each step
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
+
+    # --- the KV fetch endpoint ---------------------------------------------------------------
 
     def receive(self, now: float) -> list[tuple[bytes, KVFetch]]:
         """Takes the fetches that arrived: a first fetch is paired with its room here; the
@@ -138,8 +172,11 @@ class PrefillKVSender:
         self.server.send(identity, KVTransferHeader(room=fetch.room, attempt=fetch.attempt, ok=False, error=message))
 
     def on_release(self, req: Req, now: float) -> None:
-        """Called just before a PD request's KV is released: package it and send or keep it."""
+        """Called just before a request's KV is released: a PD request's is packaged and
+        sent or kept."""
         pd = req.pd
+        if pd is None:
+            return
         if isinstance(pd, KVFetchJob):
             # A re-bootstrap's header carries no logprobs: the first transfer sent them.
             header, k, v = self._package(req, pd.fetch.room, pd.fetch.attempt, len(pd.fetch.token_ids), pd.fetch.prompt_tokens)

@@ -13,7 +13,7 @@ import torch
 
 from scheduler_proc.hicache import Fetched, HiCache
 from scheduler_proc.kv_pool import KVPool
-from scheduler_proc.radix_cache import Dropped, RadixCache
+from scheduler_proc.radix_cache import Dropped, RadixCache, RadixNode
 from scheduler_proc.req import Req
 
 
@@ -39,16 +39,17 @@ class PrefixKV:
         tokens came from each tier and how long storage took). The last token is always
         computed, since its logits pick the next token."""
         fill = req.fill_ids
-        lower = []
+        lower: list[RadixNode] = []
+        hicache = self.hicache
         if match:
             key = fill[: min(len(fill) - 1, req.cache_match_limit)]
-            slots, node = self.cache.match_prefix(key)
+            cached, node = self.cache.match_prefix(key)
             self.cache.inc_lock(node)
             req.prefix_node = node
-            req.kv_slots = slots
-            req.num_computed = len(slots)
-            if self.hicache is not None:
-                lower = self.hicache.match_below(node, key, len(slots))
+            req.kv_slots = cached
+            req.num_computed = len(cached)
+            if hicache is not None:
+                lower = hicache.match_below(node, key, len(cached))
         to_load = sum(len(node) for node in lower)
         take = min(len(fill) - req.num_computed - to_load, budget)
         if not self.fits(to_load + take, reserve):
@@ -56,19 +57,21 @@ class PrefixKV:
                 self.unlock(req)  # it holds only the cache's own slots so far
             return None
         fetched = None
-        if lower:
-            fetched = self.hicache.fetch(lower)  # type: ignore[union-attr]
+        if lower and hicache is not None:  # only HiCache finds nodes below the device match
+            fetched = hicache.fetch(lower)
             # Fewer tokens when a storage file could not be read: compute the rest.
             to_load = fetched.num_tokens
             take = min(len(fill) - req.num_computed - to_load, budget)
         slots = self.alloc(to_load + take)
         assert slots is not None, "fits() promised these slots"
-        if to_load:
-            node = self.hicache.install(fetched, slots[:to_load])  # type: ignore[union-attr, arg-type]
+        if to_load and hicache is not None and fetched is not None:  # to_load > 0: something was fetched
+            prefix, held = req.prefix_node, req.kv_slots
+            assert prefix is not None and held is not None, "the match above set them"
+            node = hicache.install(fetched, slots[:to_load])
             self.cache.inc_lock(node)
-            self.cache.dec_lock(req.prefix_node)
+            self.cache.dec_lock(prefix)
             req.prefix_node = node
-            req.kv_slots = torch.cat((req.kv_slots, slots[:to_load]))  # type: ignore[arg-type]
+            req.kv_slots = torch.cat((held, slots[:to_load]))
             req.num_computed += to_load
         return slots[to_load:], fetched
 

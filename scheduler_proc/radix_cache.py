@@ -23,12 +23,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from scheduler_proc.kv_pool import KVPool
+
+if TYPE_CHECKING:  # hicache imports this module
+    from scheduler_proc.hicache import StorageRef
 
 _EMPTY_KEY = np.empty(0, dtype=np.int64)
 
@@ -60,7 +63,7 @@ class RadixNode:
         # Owned by the lower tiers (HiCache) while value is None: host pool slots, or a
         # reference into a storage file.
         self.host_value: torch.Tensor | None = None
-        self.storage: Any = None
+        self.storage: StorageRef | None = None
         self.lock_ref = 0
         self.last_access = last_access
         # None for the root and, once evicted, for a removed node: that is what marks
@@ -146,6 +149,7 @@ class RadixCache:
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
+            assert child.value is not None  # a split of a device node keeps both halves on the device
             values.append(child.value)
             node = child
             # After a split the next lookup misses (the tail starts with another token),
@@ -155,7 +159,7 @@ class RadixCache:
         if not values:
             return _empty_slots(), self.root
         # clone the single-node case too: callers must never hold a view of a node's slots.
-        return (values[0].clone() if len(values) == 1 else torch.cat(values)), node  # type: ignore[arg-type]
+        return (values[0].clone() if len(values) == 1 else torch.cat(values)), node
 
     # --- locking -------------------------------------------------------------------------
 

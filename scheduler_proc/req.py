@@ -6,6 +6,8 @@ Invariants:
   replace the frozen ``RequestOutputStats`` and bump ``stats_epoch``.
 - ``take_request_stats_due`` is the only code that decides whether a row carries stats,
   and the only code that records a send. Every output path builds its rows through it.
+- A request is in its scheduler's ``StatsPending`` set exactly while its next row is due
+  to carry stats; the set is handed to it at construction, never shared between schedulers.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -28,15 +30,22 @@ from pipeline.io_struct import (
     SchedulerTimeStats,
 )
 from pipeline.logprob_columns import TokenLogprobs
+from scheduler_proc.pd_state import DecodeBootstrap, KVFetchJob, PdState
+from scheduler_proc.radix_cache import RadixNode
+
+if TYPE_CHECKING:  # dllm imports this module
+    from scheduler_proc.dllm import Block
 
 _replace = msgspec.structs.replace
 _SEED_MASK = (1 << 64) - 1
 
-# Requests whose next row is due to carry stats: added by the stats setter, at creation and
-# at the finish; removed by take_request_stats_due when it records a send. While it is empty
-# no row anywhere is due, and the output builder skips asking each request (the steady
-# decode step). Weak, so a request dropped without a final row cannot leak.
-PENDING_STATS: weakref.WeakSet[Req] = weakref.WeakSet()
+
+class StatsPending(weakref.WeakSet["Req"]):
+    """The requests of one scheduler whose next row is due to carry stats: added by the
+    stats setter, at creation and at the finish; removed by ``take_request_stats_due`` when
+    it records a send. While it is empty no row of that scheduler is due, and the output
+    builder skips asking each request (the steady decode step). Weak, so a request dropped
+    without a final row cannot leak."""
 
 
 class Req:
@@ -71,6 +80,7 @@ class Req:
         "hidden_sum",
         "dllm_block",
         "pd",
+        "_stats_pending",
         "__weakref__",
     )
 
@@ -84,6 +94,7 @@ class Req:
         stream: bool,
         stream_interval: int,
         arrival_time: float,
+        stats_pending: StatsPending,
         media: tuple[MediaItem, ...] = (),
         collect_time_stats: bool = True,
         is_embedding: bool = False,
@@ -102,7 +113,7 @@ class Req:
         # KV pool slots of the tokens computed so far (prompt, then generated tokens).
         self.kv_slots: torch.Tensor | None = None
         self.num_computed = 0
-        self.prefix_node: Any = None  # radix-cache node locked for this request
+        self.prefix_node: RadixNode | None = None  # radix-cache node locked for this request
         # The seed of every draw (docs/design.md section 10): the client's, or a random one fixed at
         # arrival, so an unseeded request takes the same counter-based path as a seeded one.
         # Any integer a client sends is a seed: the draws read its low 64 bits.
@@ -121,10 +132,8 @@ class Req:
         self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
-        self.dllm_block: Any = None  # --mode dllm: the block being refined (scheduler_proc.dllm.Block)
-        # PD disaggregation: PrefillHalf or KVFetchJob (scheduler_proc.pd_prefill) on a prefill
-        # server, DecodeBootstrap (scheduler_proc.pd_decode) on a decode server; else None.
-        self.pd: Any = None
+        self.dllm_block: Block | None = None  # --mode dllm: the block being refined
+        self.pd: PdState = None  # its part in PD disaggregation (scheduler_proc.pd_state)
         self._decode_options_sent = False
         self._queue_stay_open = False  # between enter_waiting_queue and leaving the queue
 
@@ -141,7 +150,8 @@ class Req:
             video_tokens=counts["video"],
             time_stats=SchedulerTimeStats() if collect_time_stats else None,
         )
-        PENDING_STATS.add(self)  # the first output is always due
+        self._stats_pending = stats_pending
+        stats_pending.add(self)  # the first output is always due
 
     # --- stats: one setter, one decision point ------------------------------------------
 
@@ -153,14 +163,14 @@ class Req:
     def retraction_count(self) -> int:
         return self._stats.num_retractions
 
-    def update_stats(self, **changes: Any) -> None:
+    def update_stats(self, **changes: object) -> None:
         """The only way a stats value changes. Bumping the epoch makes the next row of this
         request carry the new value, however the value changed."""
         self._stats = _replace(self._stats, **changes)
         self.stats_epoch += 1
-        PENDING_STATS.add(self)
+        self._stats_pending.add(self)
 
-    def update_time_stats(self, **changes: Any) -> None:
+    def update_time_stats(self, **changes: object) -> None:
         """Time stats exist only when metrics are on; otherwise this costs nothing."""
         time_stats = self._stats.time_stats
         if time_stats is not None:
@@ -180,7 +190,7 @@ class Req:
             return None
         self.request_stats_retraction_count = self._stats.num_retractions
         self._stats_epoch_sent = self.stats_epoch
-        PENDING_STATS.discard(self)
+        self._stats_pending.discard(self)
         return self._stats
 
     def take_pending_logprobs(self) -> TokenLogprobs | None:
@@ -253,7 +263,7 @@ class Req:
         before admission, or after a retraction) counts that stay in ``queue_time`` too."""
         now = time.time() if now is None else now
         self.finished_reason = reason
-        PENDING_STATS.add(self)  # the finished row always carries stats
+        self._stats_pending.add(self)  # the finished row always carries stats
         self._close_queue_stay(now, entering_forward=False)
         self.update_time_stats(completion_time=now)
 
@@ -272,6 +282,20 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    # --- its part in PD disaggregation ---------------------------------------------------
+
+    @property
+    def kv_only(self) -> bool:
+        """A prefill server's re-bootstrap (``KVFetchJob``): it computes KV for a decode
+        server, emits no row, and is released as soon as its prefill completes."""
+        return isinstance(self.pd, KVFetchJob)
+
+    @property
+    def kv_prebuilt(self) -> bool:
+        """A decode server's PD request (``DecodeBootstrap``): its KV comes from a prefill
+        server, so it matches no prefix here and goes to no cache when released."""
+        return isinstance(self.pd, DecodeBootstrap)
 
     def output_due(self) -> bool:
         """Whether this step's tokens go out now (docs/design.md section 4, stream interval)."""

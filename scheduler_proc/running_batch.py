@@ -438,6 +438,7 @@ class RunningBatch:
         most = int(counts.max()) if counts.size else 0
         if not most:
             return None
+        held: np.ndarray  # positions among ``rows`` that hold entries
         if int(counts.min()):
             held, r = np.arange(len(rows), dtype=np.int32), rows
         else:  # rows that asked nothing (or hold nothing) carry no entry

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import torch
@@ -49,6 +50,14 @@ _MAX_ROUNDS = 32  # top_p rejection rounds before the few rows left are sorted
 _PASS_LIMIT = 1 << 16
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+
+
+@overload
+def draw_counter(output_index: int, pass_index: int = 0) -> np.uint64: ...
+
+
+@overload
+def draw_counter(output_index: np.ndarray, pass_index: int = 0) -> np.ndarray: ...
 
 
 def draw_counter(output_index: int | np.ndarray, pass_index: int = 0) -> np.uint64 | np.ndarray:

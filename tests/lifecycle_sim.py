@@ -49,7 +49,7 @@ from pipeline.io_struct import (
 )
 from pipeline.tokenizer_loader import LoadedTokenizer
 from scheduler_proc.hicache import cached_details
-from scheduler_proc.req import Req
+from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.stop_checker import StopChecker
 from tests.sim_logprobs import OUTPUT, prefill_chunk, token_logprobs
 
@@ -78,6 +78,7 @@ class SimWorld:
     queue_time: dict[int, float] = field(default_factory=dict)  # req_id -> expected queue_time
     _queue_entry: dict[int, float] = field(default_factory=dict)  # req_id -> open stay's entry
     prompt_computed: set[int] = field(default_factory=set)  # req_ids prefilled up to the prompt's last token
+    stats_pending: StatsPending = field(default_factory=StatsPending)  # as a scheduler's: its requests only
 
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.tokenizer.eos_token_ids, self.tokenizer.decode, context_length=1 << 20)
@@ -162,6 +163,7 @@ def make_req(
     stream: bool,
     metrics: bool,
     now: float,
+    stats_pending: StatsPending,
     embedding: bool = False,
     logprob: LogprobParams | None = None,
 ) -> Req:
@@ -182,6 +184,7 @@ def make_req(
         stream=stream,
         stream_interval=rng.randint(1, 3),
         arrival_time=now,
+        stats_pending=stats_pending,
         media=tuple(media),
         collect_time_stats=metrics,
         is_embedding=embedding,

@@ -31,7 +31,7 @@ from pipeline.io_struct import (
 )
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import build_token_output
-from scheduler_proc.req import Req
+from scheduler_proc.req import Req, StatsPending
 from tests.server_harness import REPO, free_port, role_process
 
 # --- the consumer's side: docs/wire.md, by hand ----------------------------------------
@@ -240,6 +240,10 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
 # --- in process: the builder, the flag, the frame with the flag off ---------------------
 
 
+# The requests of these in-process tests share one stats-pending set, as one scheduler's do.
+PENDING = StatsPending()
+
+
 def _req(req_id: int, ids: list[int], media: tuple[MediaItem, ...] = (), interval: int = 1) -> Req:
     return Req(
         rid=f"r{req_id}",
@@ -249,6 +253,7 @@ def _req(req_id: int, ids: list[int], media: tuple[MediaItem, ...] = (), interva
         stream=True,
         stream_interval=interval,
         arrival_time=0.0,
+        stats_pending=PENDING,
         media=media,
         collect_time_stats=False,
     )
@@ -268,7 +273,7 @@ def test_dense_columns_follow_each_reqs_current_stats() -> None:
     ]
     for r in reqs:
         r.output_ids.append(1000)
-    first = build_token_output(reqs, dense_usage=True)
+    first = build_token_output(reqs, PENDING, dense_usage=True)
     assert first.request_stats is not None and all(s is not None for s in first.request_stats)
     assert _usage(first) == [(10, 0, 4, 0, 0), (2, 0, 0, 0, 0), (4, 0, 0, 1, 2)]
 
@@ -277,18 +282,18 @@ def test_dense_columns_follow_each_reqs_current_stats() -> None:
     reqs[1].update_stats(cached_tokens=1)
     for r in reqs:
         r.output_ids.append(1001)
-    second = build_token_output(reqs, dense_usage=True)
+    second = build_token_output(reqs, PENDING, dense_usage=True)
     assert second.request_stats is not None
     assert [s is None for s in second.request_stats] == [True, False, True]
     assert _usage(second) == [(10, 0, 4, 0, 0), (2, 1, 0, 0, 0), (4, 0, 0, 1, 2)]
 
     for r in reqs:
         r.output_ids.append(1002)
-    steady = build_token_output(reqs, dense_usage=True)
+    steady = build_token_output(reqs, PENDING, dense_usage=True)
     assert steady.request_stats is None
     assert _usage(steady) == _usage(second)
 
-    empty = build_token_output([], dense_usage=True)
+    empty = build_token_output([], PENDING, dense_usage=True)
     assert empty.usage is not None and empty.usage.prompt_tokens == b""
 
 
@@ -313,10 +318,10 @@ def test_flag_off_leaves_usage_none_and_adds_one_nil_byte() -> None:
     reqs = [_req(i, [200 + i] * (3 + i)) for i in range(1, 65)]
     for r in reqs:
         r.output_ids.append(1000)
-    build_token_output(reqs)  # first rows: stats and decode options
+    build_token_output(reqs, PENDING)  # first rows: stats and decode options
     for r in reqs:
         r.output_ids.append(1001)
-    steady = build_token_output(reqs)
+    steady = build_token_output(reqs, PENDING)
     assert steady.usage is None and steady.request_stats is None and steady.finished_reasons is None
     new = msgspec.msgpack.encode(steady)
     before = msgspec.msgpack.encode(
@@ -332,7 +337,7 @@ def test_flag_off_leaves_usage_none_and_adds_one_nil_byte() -> None:
     assert len(new) == len(before) + 2
     assert msgspec.msgpack.decode(before, type=BatchTokenIDOutput) == steady
     assert msgspec.msgpack.decode(new, type=_TokFrameBefore).req_ids == steady.req_ids
-    on = build_token_output(reqs, dense_usage=True)
+    on = build_token_output(reqs, PENDING, dense_usage=True)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(on), type=_TokFrameBefore).output_counts == on.output_counts
 
 
@@ -361,7 +366,7 @@ def test_docs_worked_example_is_what_the_code_writes() -> None:
     c.output_ids = [1003, 1004, 0]
     c.num_sent_tokens = 1
     c.finish(FinishStop(matched=0))
-    data = msgspec.msgpack.encode(build_token_output([a, b, c], dense_usage=True))
+    data = msgspec.msgpack.encode(build_token_output([a, b, c], PENDING, dense_usage=True))
 
     doc = (Path(REPO) / "docs" / "wire.md").read_text()
     block = re.search(r"<!-- wire-example-begin -->\s*```\n(.*?)```", doc, re.S)
@@ -388,4 +393,4 @@ def test_flag_off_does_no_per_row_usage_work(n: int, monkeypatch: pytest.MonkeyP
     reqs = [_req(i, [200, 201]) for i in range(n)]
     for r in reqs:
         r.output_ids.append(1000)
-    assert build_token_output(reqs).usage is None
+    assert build_token_output(reqs, PENDING).usage is None

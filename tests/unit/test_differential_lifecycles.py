@@ -68,7 +68,7 @@ from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
 from pipeline.worker_frames import split_embedding_output, split_str_output, workers_of
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
-from scheduler_proc.req import PENDING_STATS, Req
+from scheduler_proc.req import Req
 from tests.lifecycle_sim import (
     SimWorld,
     embedding_lifecycle,
@@ -364,7 +364,7 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
             if embedding:
                 s_opt.operation = s_ref.operation = "embeddings"
             opt.states[s_opt.req_id], ref.states[s_ref.req_id] = s_opt, s_ref
-            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now, embedding=embedding, logprob=asked)
+            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now, world.stats_pending, embedding=embedding, logprob=asked)
             # The reference decodes each token; the optimized side answers from the texts
             # the detokenizer sent with the frames (the prompt's decoded on arrival).
             shown = asked is not None and asked.return_text
@@ -423,7 +423,7 @@ def compare_frame(
 ) -> int:
     # Rows without an event (not finished, no stats due, no stop strings to check) may come
     # as the running batch's columns (``SteadyRows``), after the per-request rows.
-    steady = [r for r in world.rows if not r.finished and r not in PENDING_STATS and not r.sampling.stop and world.rng.random() < 0.5]
+    steady = [r for r in world.rows if not r.finished and r not in world.stats_pending and not r.sampling.stop and world.rng.random() < 0.5]
     rows = [r for r in world.rows if r not in steady] + steady if steady else world.rows
     # The rows whose logprobs this frame must list: those that asked and carry tokens, and
     # for prompt logprobs the first row of an asking request once its prompt was computed.
@@ -434,7 +434,7 @@ def compare_frame(
         if r.req_id in world.prompt_computed and r.req_id not in prompt_sent and prompt_positions(r.logprob, len(r.origin_input_ids))
     ]
     prompt_sent.update(rows[i].req_id for i in want_prompt)
-    frame = build_token_output(rows[: len(rows) - len(steady)], steady=steady_rows(steady))
+    frame = build_token_output(rows[: len(rows) - len(steady)], world.stats_pending, steady=steady_rows(steady))
     check_frame_logprobs(frame, want_output, want_prompt, seed)
     reference = msgspec.structs.replace(frame, request_stats=[r.stats for r in rows])
     marks = (opt.metrics_marks(), ref.metrics_marks())

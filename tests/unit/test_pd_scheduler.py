@@ -33,6 +33,8 @@ from pipeline.io_struct import (
 )
 from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs, read_input_token_logprobs, read_token_logprobs
 from scheduler_proc.main import attach_pd, build_scheduler
+from scheduler_proc.pd_decode import DecodeBootstrapper
+from scheduler_proc.pd_prefill import PrefillKVSender
 from scheduler_proc.running_batch import RunningBatch
 from scheduler_proc.scheduler import Scheduler
 
@@ -61,6 +63,16 @@ def make(mode: str, tmp: Path, *, pool: int = 4096, timeout: float = 10.0) -> tu
     ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
     attach_pd(s, config, ctx, zmq.Poller())
     return s, ctx
+
+
+def prefill_side(s: Scheduler) -> PrefillKVSender:
+    assert isinstance(s.pd, PrefillKVSender)
+    return s.pd
+
+
+def decode_side(s: Scheduler) -> DecodeBootstrapper:
+    assert isinstance(s.pd, DecodeBootstrapper)
+    return s.pd
 
 
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -116,7 +128,7 @@ def run(schedulers: list[Scheduler], out: dict[int, list[Row]], until: float = 6
         assert time.monotonic() < deadline, "PD requests did not finish"
         for s in schedulers:
             frames = s.step()
-            if s.pd_decode is not None:
+            if isinstance(s.pd, DecodeBootstrapper):
                 collect(frames, out)
         if on_step is not None:
             on_step()
@@ -163,7 +175,7 @@ def test_decode_output_equals_unified_and_carries_prefill_stats(tmp_path: Path, 
     assert out[1][0].stats.cached_tokens == 0  # type: ignore[union-attr]
     assert again[0].stats.cached_tokens == len(PROMPTS[0]) - 1  # type: ignore[union-attr]
     assert decode.kv.num_used == 0, "the decode side kept KV after its requests finished"
-    assert prefill.pd_prefill.num_held == 0  # type: ignore[union-attr]
+    assert prefill_side(prefill).num_held == 0
 
 
 def test_seeded_sampling_through_pd_equals_unified(tmp_path: Path) -> None:
@@ -290,7 +302,7 @@ def test_logprobs_through_pd_equal_unified_across_a_rebootstrap(tmp_path: Path, 
         assert len(out.chosen) == MAX_NEW and len(prompt.chosen) == len(ids) - ASKED.logprob_start_len
         assert_same_logprobs(out, want_out)
         assert_same_logprobs(prompt, want_prompt)
-    assert decode.kv.num_used == 0 and prefill.pd_prefill.num_held == 0  # type: ignore[union-attr]
+    assert decode.kv.num_used == 0 and prefill_side(prefill).num_held == 0
 
 
 def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> None:
@@ -298,7 +310,7 @@ def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> 
     answers: 504 after the timeout. A peer that dies holding the fetch: 502 when the
     connection drops. A peer that comes up within the grace is reached."""
     decode, _ = make("decode", tmp_path, timeout=6.0)
-    decode.pd_decode.connect_grace = 2.0  # type: ignore[union-attr]
+    decode_side(decode).connect_grace = 2.0
     ctx: zmq.Context = zmq.Context()  # type: ignore[type-arg]
     silent = ctx.socket(zmq.ROUTER)
     silent.bind(f"ipc://{tmp_path / 'silent'}")
@@ -357,12 +369,12 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
         if room == 7:
             peer.send_multipart([identity, enc.encode(KVTransferHeader(room=7, attempt=0, ok=False, error="out of memory"))])
         elif room == 9:  # claims more cached tokens than the prompt has
-            layout = decode.pd_decode.layout  # type: ignore[union-attr]
+            layout = decode_side(decode).layout
             header = KVTransferHeader(room=9, attempt=0, ok=True, num_tokens=len(PROMPTS[3]), layout=layout, first_token=5, cached_tokens=10**6)
             size = layout.num_layers * len(PROMPTS[3]) * layout.num_kv_heads * layout.head_dim * 4
             peer.send_multipart([identity, enc.encode(header), bytes(size), bytes(size)])
         else:  # says 24 tokens, sends 3 bytes
-            header = KVTransferHeader(room=8, attempt=0, ok=True, num_tokens=len(PROMPTS[1]), layout=decode.pd_decode.layout, first_token=5)  # type: ignore[union-attr]
+            header = KVTransferHeader(room=8, attempt=0, ok=True, num_tokens=len(PROMPTS[1]), layout=decode_side(decode).layout, first_token=5)
             peer.send_multipart([identity, enc.encode(header), b"abc", b"def"])
     run([decode], out, until=10)
     first, second = out[1][-1].finished, out[2][-1].finished
@@ -401,7 +413,7 @@ def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Pat
     for room in answers:
         submit(decode, room, ids, room=room, endpoint=endpoint, max_new=3, logprobs=asked)
     enc = msgspec.msgpack.Encoder()
-    layout = decode.pd_decode.layout  # type: ignore[union-attr]
+    layout = decode_side(decode).layout
     size = layout.num_layers * len(ids) * layout.num_kv_heads * layout.head_dim * 4
     out: dict[int, list[Row]] = {}
     for identity, room in fake_prefill_fetches(decode, peer, len(answers), out):
@@ -428,7 +440,7 @@ def test_prefill_side_survives_malformed_and_hostile_fetches(tmp_path: Path, exp
     hostile = ctx.socket(zmq.DEALER)
     hostile.connect(endpoint)
     enc = msgspec.msgpack.Encoder()
-    layout = prefill.pd_prefill.layout  # type: ignore[union-attr]
+    layout = prefill_side(prefill).layout
     rng = random.Random(5)
     for _ in range(300):
         hostile.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
@@ -464,8 +476,7 @@ def test_unfetched_kv_is_capped_oldest_first(tmp_path: Path, expected: dict[int,
     """KV that no decode server fetches is kept within a byte limit, dropping the oldest:
     a decode server that never comes cannot make the prefill server grow without bound."""
     prefill, _ = make("prefill", tmp_path)
-    sender = prefill.pd_prefill
-    assert sender is not None
+    sender = prefill_side(prefill)
     per_token = 2 * prefill.kv.k[:, 0].numel() * prefill.kv.k.element_size()
     sender.stash_limit_bytes = per_token * (len(PROMPTS[0]) + len(PROMPTS[1]) + len(PROMPTS[2]) // 2)
     with caplog.at_level(logging.WARNING):

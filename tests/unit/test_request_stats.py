@@ -18,10 +18,14 @@ from pipeline.io_struct import (
 )
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import build_token_output
-from scheduler_proc.req import Req
+from scheduler_proc.req import Req, StatsPending
 from tokenizer_proc.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+
+# The requests of these in-process tests share one stats-pending set, as one scheduler's do.
+PENDING = StatsPending()
 
 
 def make_req(req_id: int = 1, *, stream: bool = True, interval: int = 1, metrics: bool = True) -> Req:
@@ -33,6 +37,7 @@ def make_req(req_id: int = 1, *, stream: bool = True, interval: int = 1, metrics
         stream=stream,
         stream_interval=interval,
         arrival_time=0.0,
+        stats_pending=PENDING,
         collect_time_stats=metrics,
     )
 
@@ -103,16 +108,16 @@ def test_frame_rows_carry_stats_only_when_due() -> None:
     reqs = [make_req(i) for i in range(1, 4)]
     for r in reqs:
         r.output_ids.append(100 + r.req_id)
-    frame = build_token_output(reqs)
+    frame = build_token_output(reqs, PENDING)
     assert frame.request_stats is not None and all(s is not None for s in frame.request_stats)
     for r in reqs:
         r.output_ids.append(200 + r.req_id)
-    frame = build_token_output(reqs)
+    frame = build_token_output(reqs, PENDING)
     assert frame.request_stats is None and frame.finished_reasons is None
     reqs[1].mark_retracted(1.0)
     for r in reqs:
         r.output_ids.append(300 + r.req_id)
-    frame = build_token_output(reqs)
+    frame = build_token_output(reqs, PENDING)
     assert frame.request_stats is not None
     assert [s is not None for s in frame.request_stats] == [False, True, False]
     # The frame survives the wire with its typed stats intact.
@@ -127,7 +132,7 @@ def test_stream_interval_batches_tokens_into_one_row() -> None:
         req.output_ids.append(t)
         if req.output_due():
             emitted.append(list(req.output_ids[req.num_sent_tokens :]))
-            build_token_output([req])
+            build_token_output([req], PENDING)
     assert emitted == [[0], [1, 2, 3], [4, 5, 6]]
 
 
@@ -148,7 +153,7 @@ def _state(tm: TokenizerManager, req_id: int) -> ReqState:
 
 
 def _str_frame(reqs: list[Req]) -> BatchStrOutput:
-    tok = build_token_output(reqs)
+    tok = build_token_output(reqs, PENDING)
     return BatchStrOutput(
         req_ids=tok.req_ids,
         text_deltas=["x"] * len(reqs),

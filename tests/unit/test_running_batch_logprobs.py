@@ -13,7 +13,7 @@ import torch
 from pipeline.io_struct import LogprobParams, SamplingParams
 from pipeline.logprob_columns import TokenLogprobs, read_output_logprobs
 from scheduler_proc.logprobs import keep_decode_logprobs, step_logprobs
-from scheduler_proc.req import Req
+from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.running_batch import RunningBatch
 
 VOCAB = 50
@@ -23,7 +23,7 @@ ASKS = [LogprobParams(top_logprobs_num=5, token_ids_logprob=(3, 9)), LogprobPara
 def joined(req_id: int, ask: LogprobParams | None) -> Req:
     req = Req(
         rid=f"r{req_id}", req_id=req_id, input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=64),
-        stream=True, stream_interval=1, arrival_time=time.time(), logprob=ask,
+        stream=True, stream_interval=1, arrival_time=time.time(), stats_pending=StatsPending(), logprob=ask,
     )  # fmt: skip
     req.output_ids.append(4)
     req.num_sent_tokens = 1  # its first row went out at the prefill
@@ -79,7 +79,7 @@ def test_pending_logprobs_leave_in_order_by_every_way_out() -> None:
 
     step()
     step()
-    batch.sync(reqs[1])  # its row goes out the per-request way, as Scheduler._decode_events sends it
+    batch.sync(reqs[1])  # its row goes out the per-request way, as BatchDecoder._events sends it
     batch.hand_over_logprobs(reqs[1])
     reqs[1].num_sent_tokens = len(reqs[1].output_ids)
     batch.note_sent(reqs[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pipeline.io_struct import FinishLength, FinishReason, FinishStop, SamplingParams
 from pipeline.tokenizer_loader import load_tokenizer
-from scheduler_proc.req import Req
+from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.stop_checker import StopChecker
 
 TOK = load_tokenizer(None)
@@ -15,7 +15,7 @@ CHECKER = StopChecker(TOK.eos_token_ids, TOK.decode, context_length=4096)
 def run(ids: list[int], **params: object) -> tuple[int, FinishReason | None]:
     """Feeds ``ids`` one at a time as the scheduler does; returns how many were appended
     when the request finished, and why."""
-    req = Req(rid="r", req_id=1, input_ids=[7], sampling=SamplingParams(**params), stream=False, stream_interval=1, arrival_time=0.0)  # type: ignore[arg-type]
+    req = Req(rid="r", req_id=1, input_ids=[7], sampling=SamplingParams(**params), stream=False, stream_interval=1, arrival_time=0.0, stats_pending=StatsPending())  # type: ignore[arg-type]
     for token in ids:
         req.output_ids.append(token)
         reason = CHECKER.check(req)

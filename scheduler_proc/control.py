@@ -1,0 +1,63 @@
+"""The control messages the scheduler carries out between two steps: which requests an
+abort names, HiCache storage attach and detach, and flushing the prefix cache."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from pipeline.io_struct import (
+    AbortReq,
+    FlushCacheControl,
+    FlushCacheResult,
+    HiCacheStorageControl,
+    HiCacheStorageState,
+    worker_of,
+)
+from scheduler_proc.hicache import HiCache, apply_storage_control, cached_details
+from scheduler_proc.prefix_kv import PrefixKV
+from scheduler_proc.req import Req
+
+logger = logging.getLogger("tokenpipe.scheduler")
+
+
+def abort_targets(msg: AbortReq, live: dict[int, Req]) -> list[Req]:
+    """The live requests an abort names: all of them (of one API worker, when it names
+    one), those with its rid, or the one with its req_id."""
+    if msg.abort_all:
+        return [r for r in live.values() if msg.worker is None or worker_of(r.req_id) == msg.worker]
+    if msg.rid is not None:  # from an API worker that does not hold the request
+        return [r for r in live.values() if r.rid == msg.rid and r.req_id >= 0]  # never an internal one
+    return [live[msg.req_id]] if msg.req_id in live else []
+
+
+def storage_control(hicache: HiCache | None, live: Iterable[Req], msg: HiCacheStorageControl) -> HiCacheStorageState:
+    """Attaches or detaches HiCache storage. On a change, every admitted live request's
+    ``cached_tokens_details`` changes keys through the one stats setter, so its next row
+    shows the storage keys appear or go."""
+    state = apply_storage_control(hicache, msg)
+    backend = state.backend
+    for req in live:
+        if req.admitted_once:
+            details = cached_details(*req.cached_by_tier, backend)
+            if details != req.stats.cached_tokens_details:
+                req.update_stats(cached_tokens_details=details)
+    return state
+
+
+def flush_cache(prefix_kv: PrefixKV, num_live: int, num_waiting: int, num_running: int, msg: FlushCacheControl) -> FlushCacheResult:
+    """Drops the prefix cache, as SGLang's ``flush_cache`` does: only when no request is
+    live (waiting, running, or in a PD hand-over), else nothing changes and the answer
+    says why."""
+    if num_live:
+        error = (
+            "Cache not flushed because there are pending requests. "
+            f"#queue-req: {num_waiting}, #running-req: {num_running}"
+        )
+        logger.warning(error)
+        return FlushCacheResult(control_id=msg.control_id, ok=False, error=error)
+    dropped = prefix_kv.flush()
+    logger.info("cache flushed: %d device, %d host and %d storage tokens dropped", *dropped)
+    return FlushCacheResult(
+        control_id=msg.control_id, ok=True, device_tokens=dropped.device, host_tokens=dropped.host, storage_tokens=dropped.storage
+    )
