@@ -4,7 +4,7 @@ in one process (as the PD tests drive them) never see each other's requests."""
 from __future__ import annotations
 
 from pipeline.io_struct import BatchTokenIDOutput
-from tests.test_scheduler_steps import PROMPT, make, submit
+from tests.unit.test_scheduler_steps import PROMPT, make, submit
 
 
 def test_a_request_pending_on_one_scheduler_is_not_pending_on_another() -> None:
