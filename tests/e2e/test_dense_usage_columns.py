@@ -58,7 +58,16 @@ STATS_FIELDS = (
     "video_tokens",
     "time_stats",
 )
-STATS_DEFAULTS: dict[str, Any] = {"prompt_tokens": 0, "cached_tokens": 0, "cached_tokens_details": None, "num_retractions": 0, "image_tokens": 0, "audio_tokens": 0, "video_tokens": 0, "time_stats": None}
+STATS_DEFAULTS: dict[str, Any] = {
+    "prompt_tokens": 0,
+    "cached_tokens": 0,
+    "cached_tokens_details": None,
+    "num_retractions": 0,
+    "image_tokens": 0,
+    "audio_tokens": 0,
+    "video_tokens": 0,
+    "time_stats": None,
+}
 USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "image_tokens", "audio_tokens", "video_tokens")
 
 

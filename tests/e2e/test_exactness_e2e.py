@@ -25,7 +25,9 @@ def generate(c: httpx.Client, sampling: dict[str, Any], *, text: str = PROMPT) -
     return resp.json()  # type: ignore[no-any-return]
 
 
-def generate_streamed(c: httpx.Client, sampling: dict[str, Any], *, text: str = PROMPT, rid: str | None = None) -> tuple[str, list[int], dict[str, Any]]:
+def generate_streamed(
+    c: httpx.Client, sampling: dict[str, Any], *, text: str = PROMPT, rid: str | None = None
+) -> tuple[str, list[int], dict[str, Any]]:
     """The text and ids a stream delivered, joined, and its last meta_info."""
     body: dict[str, Any] = {"text": text, "sampling_params": {"temperature": 0, **sampling}, "stream": True}
     if rid is not None:

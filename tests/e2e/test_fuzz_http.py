@@ -128,7 +128,11 @@ junk_scalar = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),  # NaN and Infinity go out as bare literals
     st.text(max_size=12),
 )
-junk_tree = st.recursive(junk_scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=5)
+junk_tree = st.recursive(
+    junk_scalar,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=5,
+)
 JUNK = pool(
     None, True, False, 0, -1, 1, 3.5, -0.0, 2**63, 2**64, -(2**63) - 1, 10**30,
     float("nan"), float("inf"), float("-inf"), 1e308, 5e-324,
@@ -138,9 +142,15 @@ JUNK = pool(
     junk_scalar, junk_tree, st.text(max_size=16), st.integers(),
 )  # fmt: skip
 
-TEXT = pool("", " ", "Hello", "Once upon a time", "<|im_start|>user", "<|endoftext|>", "\x00\x01", "日本語のテキスト", "\U0001f642", "a" * 200, st.text(max_size=16))
+TEXT = pool(
+    "", " ", "Hello", "Once upon a time", "<|im_start|>user", "<|endoftext|>", "\x00\x01", "日本語のテキスト", "\U0001f642", "a" * 200,
+    st.text(max_size=16),
+)  # fmt: skip
 IDS = pool([], [1], [1, 2, 3], [0], [4095], [4096], [-1], [2**63], [2**64], [10**30], [1, "2"], [1.0], st.lists(st.integers(0, 4095), max_size=6))
-ID_LISTS = pool([[1, 2]], [[1], [2, 3]], [[]], [[1], []], [[5000]], [[1], "a"], st.lists(st.lists(st.integers(0, 4095), min_size=1, max_size=4), max_size=3))
+ID_LISTS = pool(
+    [[1, 2]], [[1], [2, 3]], [[]], [[1], []], [[5000]], [[1], "a"],
+    st.lists(st.lists(st.integers(0, 4095), min_size=1, max_size=4), max_size=3),
+)  # fmt: skip
 TEXTS = pool(["a", "b"], ["hi"], [""], [], ["a", 1], st.lists(st.text(max_size=8), max_size=3))
 MEDIA = pool(*MEDIA_ITEMS, MEDIA_ITEMS[:3], MEDIA_ITEMS[4:7], [MEDIA_ITEMS[0]] * 17, [], [1], st.lists(st.sampled_from(MEDIA_ITEMS), max_size=3))
 BOOL = pool(True, False)
@@ -180,7 +190,10 @@ def message(draw: Any) -> dict[str, Any]:
     ))  # fmt: skip
     if content is not MISSING:
         out["content"] = content
-    extra = draw(pool(MISSING, MISSING, ("name", "bob"), ("tool_call_id", "1"), ("refusal", "no"), ("tool_calls", [{"id": "1"}]), ("audio", {"id": "a"}), ("weight", 1)))
+    extra = draw(pool(
+        MISSING, MISSING, ("name", "bob"), ("tool_call_id", "1"), ("refusal", "no"), ("tool_calls", [{"id": "1"}]),
+        ("audio", {"id": "a"}), ("weight", 1),
+    ))  # fmt: skip
     if extra is not MISSING:
         out[extra[0]] = extra[1]
     return out

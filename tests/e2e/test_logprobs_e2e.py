@@ -144,7 +144,9 @@ def test_openai_completions_logprobs_equal_transformers(server: ServerProcess, h
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
         streamed_chunks = list(
-            client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True, extra_body={"ignore_eos": True})
+            client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True, extra_body={"ignore_eos": True}
+            )
         )
     choice = out.choices[0]
     lp = choice.logprobs
@@ -152,7 +154,11 @@ def test_openai_completions_logprobs_equal_transformers(server: ServerProcess, h
     assert "".join(lp.tokens) == choice.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
     prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
-    generated = httpx.post(server.url + "/generate", json=body({"temperature": 0}, stream=False) | {"sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}}, timeout=60).json()["output_ids"]
+    generated = httpx.post(
+        server.url + "/generate",
+        json=body({"temperature": 0}, stream=False) | {"sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0}},
+        timeout=60,
+    ).json()["output_ids"]
     ref = reference(hf_model, prompt_ids, generated)
     for j, token in enumerate(generated):
         assert lp.token_logprobs[j] == pytest.approx(float(ref[j, token]), abs=1e-4)
@@ -179,13 +185,16 @@ def test_openai_chat_logprobs(server: ServerProcess) -> None:
         same = client.completions.create(model=model, prompt=prompt_ids, max_tokens=6, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
         chunks = list(
             client.chat.completions.create(
-                model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True, extra_body={"ignore_eos": True}  # type: ignore[arg-type]
+                model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True,  # type: ignore[arg-type]
+                extra_body={"ignore_eos": True},
             )
         )
         bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "top_logprobs": 2}, timeout=30)
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content or []]
-    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in streamed] == [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in content or []]
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in content or []
+    ]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content or []], abs=1e-5)
     assert content is not None and len(content) == 6
     joined = bytes(b for entry in content for b in entry.bytes or []).decode("utf-8", errors="replace")
@@ -383,7 +392,12 @@ def test_retracted_requests_logprobs_equal_transformers(checkpoint: Path, hf_mod
     srv = ServerProcess(tmp_path / "tmp", args).wait_ready()
     try:
         payloads = [
-            {"text": p, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0}, "return_logprob": True, "top_logprobs_num": 2}
+            {
+                "text": p,
+                "sampling_params": {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0},
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+            }
             for p in prompts
         ]
         with ThreadPoolExecutor(len(payloads)) as pool:

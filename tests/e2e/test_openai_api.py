@@ -369,7 +369,9 @@ SHARED_BAD: dict[str, st.SearchStrategy[Any]] = {
     "stream": not_bool_or_null,
     "frequency_penalty": st.floats(min_value=2.01, allow_infinity=False) | st.floats(max_value=-2.01, allow_infinity=False) | st.text(),
     # A key that is not a token id written in digits, a bias out of range, or not an object.
-    "logit_bias": st.dictionaries(st.text(max_size=4).filter(lambda k: not k.isascii() or not k.isdigit()), st.floats(-100, 100), min_size=1, max_size=2)
+    "logit_bias": st.dictionaries(
+        st.text(max_size=4).filter(lambda k: not k.isascii() or not k.isdigit()), st.floats(-100, 100), min_size=1, max_size=2
+    )
     | st.dictionaries(st.sampled_from(["1", "2"]), st.floats(min_value=100.01, allow_infinity=False), min_size=1, max_size=2)
     | st.integers(),
     "model": st.text(max_size=12).filter(lambda v: v != MODEL) | st.integers(),
@@ -394,7 +396,9 @@ CHAT_BAD = {
     "messages": st.just([])
     | not_number
     | st.lists(
-        st.fixed_dictionaries({"role": st.text(max_size=6).filter(lambda r: r not in ("system", "developer", "user", "assistant")), "content": st.text()}),
+        st.fixed_dictionaries(
+            {"role": st.text(max_size=6).filter(lambda r: r not in ("system", "developer", "user", "assistant")), "content": st.text()}
+        ),
         min_size=1,
         max_size=2,
     )

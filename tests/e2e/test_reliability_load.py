@@ -136,7 +136,9 @@ def test_client_disconnects_abort_everything(srv: ServerProcess) -> None:
     assert sched["kv_used_tokens"] == sched["cached_tokens_in_tree"], sched
 
     # And the server still serves.
-    ok = uvloop.run(load.stream_one(srv.url, 0, {"text": "after the storm", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}, "stream": True}))
+    ok = uvloop.run(
+        load.stream_one(srv.url, 0, {"text": "after the storm", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}, "stream": True})
+    )
     assert ok.error is None and ok.tokens == ok.completion_tokens == 4, ok
 
 

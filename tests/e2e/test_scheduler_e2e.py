@@ -162,7 +162,15 @@ def test_scheduler_gauges_on_metrics(server: ServerProcess) -> None:
         c.post("/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 4}})
         wait_idle(c)
         text = c.get("/metrics").text
-    for name in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "gen_throughput", "num_retracted_reqs", "num_retracted_requests_total"):
+    for name in (
+        "num_running_reqs",
+        "num_queue_reqs",
+        "token_usage",
+        "cache_hit_rate",
+        "gen_throughput",
+        "num_retracted_reqs",
+        "num_retracted_requests_total",
+    ):
         assert re.search(rf'^tokenpipe:{name}\{{engine_type="unified",model_name="tokenpipe-tiny"\}} ', text, re.M), name
     assert re.search(r"^tokenpipe:num_running_reqs\{.*\} 0\.0$", text, re.M)
 

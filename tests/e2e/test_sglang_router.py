@@ -33,7 +33,11 @@ def _post(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, A
     assert lines[-1] == "[DONE]", response.text
     events = [json.loads(line) for line in lines[:-1]]
     if route == "/generate":
-        return {"text": "".join(e["text"] for e in events), "output_ids": [t for e in events for t in e["output_ids"]], "meta_info": events[-1]["meta_info"]}
+        return {
+            "text": "".join(e["text"] for e in events),
+            "output_ids": [t for e in events for t in e["output_ids"]],
+            "meta_info": events[-1]["meta_info"],
+        }
     key = "text" if route == "/v1/completions" else "delta"
     parts = [c[key] if key == "text" else c["delta"].get("content") or "" for e in events for c in e["choices"]]
     return {"text": "".join(parts), "usage": events[-1].get("usage")}

@@ -141,7 +141,11 @@ def test_a_column_that_is_not_whole_values_is_refused() -> None:
 
 
 @settings(max_examples=50)
-@given(st.integers(min_value=0, max_value=5), st.integers(min_value=0, max_value=4), st.sampled_from([None, "rows", "shape", "matrix", "stats", "finish"]))
+@given(
+    st.integers(min_value=0, max_value=5),
+    st.integers(min_value=0, max_value=4),
+    st.sampled_from([None, "rows", "shape", "matrix", "stats", "finish"]),
+)
 def test_embedding_frames_are_checked(rows: int, dim: int, fault: str | None) -> None:
     matrix = np.arange(rows * dim, dtype=EMBEDDING_DTYPE).reshape(rows, dim)
     frame = BatchEmbeddingOutput(

@@ -399,9 +399,13 @@ def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Pat
     peer.bind(endpoint)
     asked = LogprobParams(top_logprobs_num=2)
     ids = PROMPTS[0]
-    first = TokenLogprobs(np.array([-1.0], np.float32), np.array([[5, 6]], np.int32), np.array([[-1.0, -2.0]], np.float32), np.zeros((1, 0), np.float32))
+    first = TokenLogprobs(
+        np.array([-1.0], np.float32), np.array([[5, 6]], np.int32), np.array([[-1.0, -2.0]], np.float32), np.zeros((1, 0), np.float32)
+    )
     good = FrameLogprobs(output=build_output_logprobs([0], [first]))
-    three_top = build_output_logprobs([0], [TokenLogprobs(first.chosen, np.array([[5, 6, 7]], np.int32), np.zeros((1, 3), np.float32), first.ids_values)])
+    three_top = build_output_logprobs(
+        [0], [TokenLogprobs(first.chosen, np.array([[5, 6, 7]], np.int32), np.zeros((1, 3), np.float32), first.ids_values)]
+    )
     short = msgspec.structs.replace(good.output, token_logprobs=b"")  # type: ignore[type-var]
     answers = {
         20: good,
@@ -430,7 +434,9 @@ def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Pat
     assert decode.kv.num_used == 0
 
 
-def test_prefill_side_survives_malformed_and_hostile_fetches(tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture) -> None:
+def test_prefill_side_survives_malformed_and_hostile_fetches(
+    tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
     """Junk on the prefill server's KV endpoint is dropped with a warning; well-formed but
     wrong fetches get an error header; a real PD request still works after them."""
     prefill, _ = make("prefill", tmp_path)

@@ -26,4 +26,5 @@ def test_an_event_is_one_line_for_every_line_reader_and_decodes_to_the_same_text
 
 
 def test_plain_text_is_not_touched() -> None:
-    assert sse({"text": "héllo — “quoted” ✓"}) == b"data: " + json.dumps({"text": "héllo — “quoted” ✓"}, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    text = "héllo — “quoted” ✓"
+    assert sse({"text": text}) == b"data: " + json.dumps({"text": text}, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"

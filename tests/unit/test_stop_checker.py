@@ -15,7 +15,16 @@ CHECKER = StopChecker(TOK.eos_token_ids, TOK.decode, context_length=4096)
 def run(ids: list[int], **params: object) -> tuple[int, FinishReason | None]:
     """Feeds ``ids`` one at a time as the scheduler does; returns how many were appended
     when the request finished, and why."""
-    req = Req(rid="r", req_id=1, input_ids=[7], sampling=SamplingParams(**params), stream=False, stream_interval=1, arrival_time=0.0, stats_pending=StatsPending())  # type: ignore[arg-type]
+    req = Req(
+        rid="r",
+        req_id=1,
+        input_ids=[7],
+        sampling=SamplingParams(**params),  # type: ignore[arg-type]
+        stream=False,
+        stream_interval=1,
+        arrival_time=0.0,
+        stats_pending=StatsPending(),
+    )
     for token in ids:
         req.output_ids.append(token)
         reason = CHECKER.check(req)
