@@ -16,7 +16,7 @@ SSE bytes on the client's socket, with as little Python per event as the output 
   the stream, and the source then aborts whatever has not finished.
 
 What the events say is the ``EventSource``'s business (``http_server`` for /generate,
-``openai_api`` for completions and chat).
+``openai_stream`` for completions and chat).
 """
 
 from __future__ import annotations

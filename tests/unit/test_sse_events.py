@@ -56,7 +56,8 @@ def test_a_stream_of_templated_chunks_equals_the_chunks_encoded_whole(kind, usag
     from pipeline.config import ServerConfig
     from pipeline.io_struct import RequestOutputStats, SamplingParams
     from pipeline.tokenizer_loader import load_tokenizer
-    from tokenizer_proc import openai_api
+    from tokenizer_proc.openai_shapes import CHAT, COMPLETION
+    from tokenizer_proc.openai_stream import ChoiceEvents, StreamUsage
     from tokenizer_proc.req_state import ReqState
     from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -66,8 +67,8 @@ def test_a_stream_of_templated_chunks_equals_the_chunks_encoded_whole(kind, usag
     for plain in (True, False):
         states = [ReqState(rid=f"r{i}", req_id=i, stream=True, sampling=SamplingParams(), created_time=0.0) for i in range(2)]
         head = {"id": "cmpl-\u2028", "object": "x", "created": 1, "model": "m"}
-        shape = openai_api._COMPLETION if kind == "completion" else openai_api._CHAT
-        source = openai_api._ChoiceEvents(tm, shape, states, head, openai_api._StreamUsage(2, *usage))
+        shape = COMPLETION if kind == "completion" else CHAT
+        source = ChoiceEvents(tm, shape, states, head, StreamUsage(2, *usage))
         source._plain = plain  # the whole-encoding path, for reference
         sources.append(source)
     got: list[bytes] = [b"", b""]
