@@ -34,7 +34,7 @@ MAX_LOGIT_BIAS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # Token id -> bias, the id written as a string (JSON object keys are strings). The keys and
 # values are checked by ``logit_bias_pairs`` so that the message can name the bad entry; the
-# ids against the vocabulary by ``TokenizerManager.validate_sampling``.
+# ids against the vocabulary by ``RequestChecks.validate_sampling``.
 LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")
 

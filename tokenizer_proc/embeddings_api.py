@@ -146,7 +146,7 @@ def _token_inputs(tm: TokenizerManager, given: str | Sequence[str | int | list[i
     out = []
     for i, item in enumerate(items):
         try:
-            out.append(tm.tokenize(item, None) if isinstance(item, str) else tm.tokenize(None, item))
+            out.append(tm.checks.tokenize(item, None) if isinstance(item, str) else tm.checks.tokenize(None, item))
         except RequestValidationError as exc:
             raise RequestValidationError(f"{field}[{i}]: {exc}", f"{field}[{i}]") from exc
     return out

@@ -37,14 +37,14 @@ def build_hicache_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/hicache/storage/attach")
     async def attach(request: Request) -> Response:
         obj: StorageAttachBody = decode_body(await request.body(), StorageAttachBody)
-        return _answer(await tm.hicache_storage(attach=True, backend=obj.backend, dir=obj.dir))
+        return _answer(await tm.controls.hicache_storage(attach=True, backend=obj.backend, dir=obj.dir))
 
     @router.post("/hicache/storage/detach")
     async def detach(request: Request) -> Response:
         body = await request.body()
         if body.strip():  # an empty body and {} both mean "detach"
             decode_body(body, StorageDetachBody)
-        return _answer(await tm.hicache_storage(attach=False))
+        return _answer(await tm.controls.hicache_storage(attach=False))
 
     return router
 

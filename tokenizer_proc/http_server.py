@@ -79,7 +79,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
             return model_not_found(obj.model)
         sampling = obj.sampling_params.to_wire()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
-        input_ids = expand_prompt(tm.tokenize(obj.text, obj.input_ids), media, tm.media_token_ids(media))
+        input_ids = expand_prompt(tm.checks.tokenize(obj.text, obj.input_ids), media, tm.checks.media_token_ids(media))
         state = tm.submit_generate(
             input_ids=input_ids,
             sampling=sampling,

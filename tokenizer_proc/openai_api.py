@@ -56,6 +56,7 @@ from tokenizer_proc.openai_schema import (
 from tokenizer_proc.openai_shapes import CHAT, COMPLETION, Shape, request_usage, with_ids
 from tokenizer_proc.openai_stream import ChoiceEvents, StreamUsage
 from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.sse_stream import SseResponse
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -97,7 +98,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         jobs: list[tuple[list[int], SamplingParams]] = []
         for prompt in prompts:
             with _openai_names("prompt", "max_tokens"):
-                ids = tm.tokenize(prompt, None) if isinstance(prompt, str) else tm.tokenize(None, prompt)
+                ids = tm.checks.tokenize(prompt, None) if isinstance(prompt, str) else tm.checks.tokenize(None, prompt)
                 jobs.extend(_choices(tm, body, ids, _completion_max_tokens(tm, body, len(ids))))
         return await _respond(tm, request, COMPLETION, body, jobs, arrived)
 
@@ -109,7 +110,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
         if template is None:
-            raise tm.without_tokenizer("chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate", "messages")
+            raise without_tokenizer("chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate", "messages")
         try:
             prompt = template.render(body.template_messages())
         except ChatTemplateError as exc:
@@ -118,7 +119,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             return error_response(500, str(exc), err_type="internal_error")
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         with _openai_names("messages", max_param):
-            ids = tm.tokenize(prompt, None)
+            ids = tm.checks.tokenize(prompt, None)
             max_tokens = body.requested_max_tokens() or _room_left(tm, len(ids))
             jobs = _choices(tm, body, ids, max_tokens)
         return await _respond(tm, request, CHAT, body, jobs, arrived)
@@ -149,13 +150,13 @@ def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_to
     """One (prompt, sampling) job per choice, validated against the server's limits first so
     that nothing is submitted for a request that will be refused."""
     jobs = [(ids, sampling) for sampling in body.sampling(max_tokens)]
-    tm.validate_sampling(len(ids), jobs[0][1])
+    tm.checks.validate_sampling(len(ids), jobs[0][1])
     return jobs
 
 
 @contextmanager
 def _openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
-    """``tm.tokenize`` and ``tm.validate_sampling`` speak the native API's field names; an
+    """``tm.checks.tokenize`` and ``tm.checks.validate_sampling`` speak the native API's field names; an
     OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``, ``stop``)."""
     try:
         yield

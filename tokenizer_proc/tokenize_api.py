@@ -25,6 +25,7 @@ from tokenizer_proc.api_schema import RequestValidationError, TokenId, decode_bo
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http_common import error_response, model_not_found
 from tokenizer_proc.openai_schema import Message
+from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 
@@ -63,7 +64,7 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
         if tools is None:
-            raise tm.without_tokenizer("/tokenize has nothing to encode text with", "prompt" if body.prompt is not None else "messages")
+            raise without_tokenizer("/tokenize has nothing to encode text with", "prompt" if body.prompt is not None else "messages")
         tokenizer, template = tools
         try:
             ids = _tokens(tokenizer, template, body)
@@ -79,7 +80,7 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
         body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
-        tokenizer = tm.require_tokenizer("/detokenize has nothing to decode token ids with", "tokens")
+        tokenizer = tm.checks.require_tokenizer("/detokenize has nothing to decode token ids with", "tokens")
         vocab = tokenizer.vocab_size
         for i, token in enumerate(body.tokens):
             if token >= vocab:

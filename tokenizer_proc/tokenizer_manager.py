@@ -7,7 +7,10 @@ differential test drives it without an HTTP server.
 
 Under ``--skip-tokenizer-init`` there is no tokenizer (``tokenizer`` is None): prompts must
 be token ids, and whatever needs text (a text prompt, stop strings, media placeholders, chat
-templates, /tokenize) is refused with a 400 from ``without_tokenizer``.
+templates, /tokenize) is refused with a 400 from ``request_checks.without_tokenizer``.
+
+What a request is checked for before it is submitted is ``RequestChecks``' (``checks``); the
+control round trips to the scheduler are ``ControlClient``'s (``controls``).
 """
 
 from __future__ import annotations
@@ -16,10 +19,9 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -29,15 +31,12 @@ from pipeline.io_struct import (
     WORKER_SHIFT,
     AbortReq,
     AbortResult,
-    ControlAnswer,
     BatchEmbeddingOutput,
     BatchStrOutput,
     FinishAbort,
     FinishLength,
     FinishReason,
-    FlushCacheControl,
     FlushCacheResult,
-    HiCacheStorageControl,
     HiCacheStorageState,
     LogprobParams,
     MediaItem,
@@ -54,16 +53,15 @@ from pipeline.token_texts import TokenTextCache
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder, receive_frames
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
+from tokenizer_proc.control_client import ControlClient
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.request_checks import RequestChecks
 
 if TYPE_CHECKING:  # imported when tracing is on: the OpenTelemetry SDK is slow to import
     from tokenizer_proc.tracing import RequestTracer
 
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
-
-# The scheduler's answers to control messages are matched to their call by ``control_id``.
-_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult)
 
 
 class TokenizerManager:
@@ -109,8 +107,10 @@ class TokenizerManager:
         self._recv_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._send: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task[None] | None = None
-        self._next_control_id = itertools.count((self.worker_index << WORKER_SHIFT) + 1)
-        self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}
+        # Validation and the control round trips have their own owners; the routes reach
+        # them through these (``tm.checks.tokenize``, ``tm.controls.flush_cache``).
+        self.checks = RequestChecks(config, self.tokenizer, vocab_size=self.vocab_size, context_length=context_length)
+        self.controls = ControlClient(self._send_obj, self.worker_index)
         self._after_frame: dict[Callable[[], None], None] = {}  # an ordered set
 
     # --- sockets -------------------------------------------------------------------------
@@ -173,78 +173,6 @@ class TokenizerManager:
 
     # --- requests ------------------------------------------------------------------------
 
-    def without_tokenizer(self, needs: str, param: str) -> RequestValidationError:
-        """The 400 for a request that needs what only a tokenizer gives, on a server that
-        runs with --skip-tokenizer-init. ``needs`` says what needed it and what to do instead."""
-        return RequestValidationError(f"this server runs with --skip-tokenizer-init and loads no tokenizer: {needs}", param)
-
-    def require_tokenizer(self, needs: str, param: str) -> LoadedTokenizer:
-        if self.tokenizer is None:
-            raise self.without_tokenizer(needs, param)
-        return self.tokenizer
-
-    def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
-        if (text is None) == (input_ids is None):
-            raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
-        if text is not None:
-            ids = self.require_tokenizer("it takes prompts as token ids, not text", "text").encode(text)
-        else:
-            ids = list(input_ids or [])
-        if not ids:
-            raise RequestValidationError("the prompt is empty: `text` must encode to at least one token", "text")
-        vocab = self.vocab_size
-        if input_ids is not None and max(ids) >= vocab:
-            raise RequestValidationError(f"input_ids holds a token id >= the vocabulary size {vocab}", "input_ids")
-        return ids
-
-    def media_token_ids(self, items: Sequence[MediaItem]) -> Mapping[str, int]:
-        """The placeholder token id of each media kind, for ``media.expand_prompt``. Without a
-        tokenizer there are none to know, so media is refused, naming its field."""
-        if self.tokenizer is not None:
-            return self.tokenizer.media_token_ids
-        if items:
-            kind = items[0].kind
-            raise self.without_tokenizer(
-                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request without media", f"{kind}_data"
-            )
-        return {}
-
-    def validate_sampling(self, prompt_len: int, sampling: SamplingParams) -> None:
-        """Everything a generate request is checked for before it is submitted."""
-        if sampling.stop and self.tokenizer is None:
-            raise self.without_tokenizer(
-                "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids", "sampling_params.stop"
-            )
-        # Sorted by id: the last is the largest.
-        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
-            raise RequestValidationError(
-                f"sampling_params.logit_bias names token id {sampling.logit_bias[-1][0]}, not below the vocabulary "
-                f"size {self.vocab_size}",
-                "sampling_params.logit_bias",
-            )
-        self.validate_lengths(prompt_len, sampling)
-
-    def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
-        limit = self.config.max_new_tokens_limit
-        if sampling.max_new_tokens > limit:
-            raise RequestValidationError(
-                f"sampling_params.max_new_tokens is {sampling.max_new_tokens}; this server allows at most {limit}",
-                "sampling_params.max_new_tokens",
-            )
-        if prompt_len + sampling.max_new_tokens > self.context_length:
-            raise RequestValidationError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}) exceeds the "
-                f"context length ({self.context_length})",
-                "sampling_params.max_new_tokens" if prompt_len < self.context_length else "text",
-            )
-        if self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens) > self.config.max_total_tokens:
-            block = " (rounded up to whole dLLM blocks)" if self.config.mode == "dllm" else ""
-            raise RequestValidationError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}){block} can never fit the "
-                f"KV pool ({self.config.max_total_tokens} tokens)",
-                "sampling_params.max_new_tokens",
-            )
-
     def submit_embedding(self, *, input_ids: list[int], rid: str | None, created_time: float | None = None) -> ReqState:
         if len(input_ids) > self.context_length:
             raise RequestValidationError(
@@ -275,15 +203,11 @@ class TokenizerManager:
             raise RequestValidationError(
                 "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate", "model"
             )
-        sampling, bootstrap = self._pd_half(sampling, bootstrap, internal)
-        self.validate_sampling(len(input_ids), sampling)
-        if logprobs is not None and logprobs.token_ids_logprob and max(logprobs.token_ids_logprob) >= self.vocab_size:
-            raise RequestValidationError(
-                f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below the vocabulary size {self.vocab_size}",
-                "token_ids_logprob",
-            )
+        sampling, bootstrap = self.checks.pd_half(sampling, bootstrap, internal)
+        self.checks.validate_sampling(len(input_ids), sampling)
+        self.checks.validate_logprobs(logprobs)
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
-        state.logprob = self.answered_logprobs(logprobs, bootstrap)
+        state.logprob = self.checks.answered_logprobs(logprobs, bootstrap)
         if state.logprob is not None and state.logprob.logprob_start_len >= 0:
             state.prompt_ids = input_ids  # the tokens the prompt logprobs belong to
             if state.logprob.return_text and self.token_texts is not None:
@@ -307,43 +231,6 @@ class TokenizerManager:
             )
         )
         return state
-
-    def answered_logprobs(self, logprobs: LogprobParams | None, bootstrap: Bootstrap | None) -> LogprobParams | None:
-        """The logprobs a request's own answer lists: those it asked, except on a PD prefill
-        half (a prefill server's request with a bootstrap room), whose answer lists its
-        first token's only. Its scheduler still computes the prompt's, and they travel with
-        the KV to the decode server, whose first row carries them (docs/design.md section 11).
-
-        Why not both: sglang-router, in PD mode, puts the prefill answer's
-        ``input_token_logprobs`` in front of the decode answer's (non-streaming /generate),
-        so a prompt listed by both would show every position twice, and a prompt listed by
-        the prefill side only would be missing from a stream (the router streams the decode
-        side's events). The decode answer is the one every client reads, so it lists them;
-        the router then has nothing to join, and its answer equals a unified server's."""
-        if logprobs is None or bootstrap is None or self.config.disaggregation_mode != "prefill":
-            return logprobs
-        return msgspec.structs.replace(logprobs, logprob_start_len=-1)
-
-    def _pd_half(self, sampling: SamplingParams, bootstrap: Bootstrap | None, internal: bool) -> tuple[SamplingParams, Bootstrap | None]:
-        """A prefill server computes the prompt's KV and the first token only, whatever the
-        request asked (the decode server generates the rest). A decode server takes only
-        requests it can fetch KV for (its own health check prefills locally)."""
-        mode = self.config.disaggregation_mode
-        if mode != "null" and sampling.max_new_tokens == 0:
-            # The pair always hands over a first token, so a prompt scored without a
-            # completion is a unified server's work.
-            raise RequestValidationError("max_tokens 0 (echo scoring) is not served through PD disaggregation", "max_tokens")
-        if mode == "prefill":
-            return msgspec.structs.replace(sampling, max_new_tokens=1, min_new_tokens=0), bootstrap
-        if mode == "decode":
-            if bootstrap is None and not internal:
-                raise RequestValidationError(
-                    "this server runs --disaggregation-mode decode: a request needs bootstrap_room and bootstrap_endpoint "
-                    "(or bootstrap_host and bootstrap_port); send requests through sglang-router with --pd-disaggregation",
-                    "bootstrap_room",
-                )
-            return sampling, bootstrap
-        return sampling, None  # a unified server computes everything itself
 
     def open_state(
         self,
@@ -391,40 +278,12 @@ class TokenizerManager:
             return True
         if self.config.api_workers == 1:
             return False
-        control_id = next(self._next_control_id)
-        answer = await self._round_trip(control_id, AbortReq(rid=rid, reason=reason, control_id=control_id), AbortResult, timeout)
-        return answer is not None and answer.aborted > 0
+        return await self.controls.abort_elsewhere(rid, reason, timeout)
 
     def forget(self, state: ReqState) -> None:
         self.states.pop(state.req_id, None)
         if self.rid_to_req_id.get(state.rid) == state.req_id:
             del self.rid_to_req_id[state.rid]
-
-    async def hicache_storage(self, *, attach: bool, backend: str = "", dir: str = "", timeout: float = 30.0) -> HiCacheStorageState | None:
-        """Asks the scheduler to attach or detach HiCache storage and waits for its answer
-        (it comes between two scheduler steps); None when none came within ``timeout``."""
-        control_id = next(self._next_control_id)
-        msg = HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir)
-        return await self._round_trip(control_id, msg, HiCacheStorageState, timeout)
-
-    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheResult | None:
-        """Asks the scheduler to drop its prefix cache and waits for its answer; None when
-        none came within ``timeout``."""
-        control_id = next(self._next_control_id)
-        return await self._round_trip(control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout)
-
-    async def _round_trip(self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float) -> _Answer | None:
-        """Sends one control message and waits for the scheduler's answer of the same id."""
-        future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
-        self._controls[control_id] = future
-        try:
-            self._send_obj(msg)
-            got = await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            return None
-        finally:
-            self._controls.pop(control_id, None)
-        return got if isinstance(got, answer) else None
 
     # --- outputs: the one loop over rows -------------------------------------------------
 
@@ -440,9 +299,7 @@ class TokenizerManager:
                 self.metrics.scheduler.update(frame)
             return
         if isinstance(frame, (HiCacheStorageState, FlushCacheResult, AbortResult)):
-            future = self._controls.pop(frame.control_id, None)
-            if future is not None and not future.done():
-                future.set_result(frame)
+            self.controls.answer(frame)
             return
         if isinstance(frame, BatchEmbeddingOutput):
             self._handle_embedding_output(frame)

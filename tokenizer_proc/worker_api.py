@@ -79,7 +79,7 @@ def build_worker_router(tm: TokenizerManager) -> APIRouter:
         body = await request.body()
         if body.strip():  # sglang-router sends none; {} means the same
             decode_body(body, FlushCacheBody)
-        result = await tm.flush_cache()
+        result = await tm.controls.flush_cache()
         if result is None:
             return error_response(503, "the scheduler did not answer in time", err_type="service_unavailable")
         if not result.ok:

@@ -355,7 +355,7 @@ def test_pd_logprobs_equal_transformers(pd_pair: tuple[ServerProcess, ServerProc
     """Through PD the prefill server computes the prompt's and the first token's logprobs
     and sends them with the KV; the decode server's answer lists every entry, equal to
     transformers' (the prefill server's own answer lists the first token's only: see
-    ``TokenizerManager.answered_logprobs``). Streamed, the prompt's come on the first event
+    ``RequestChecks.answered_logprobs``). Streamed, the prompt's come on the first event
     and each event lists its own tokens'."""
     prefill_answer, (whole,) = pd_generate(pd_pair, body(sampling, stream=False) | {"logprob_start_len": start}, room=501 + start)
     meta, out = whole["meta_info"], whole["output_ids"]

@@ -68,7 +68,7 @@ def test_each_api_worker_has_its_own_endpoint_and_ids() -> None:
     assert single.tokenizer_endpoint(0) == "ipc:///d/tokenizer" and single.api_name == "api"
     assert config.api_name == "api-2"
     tm = TokenizerManager(config, load_tokenizer(None), context_length=2048)
-    assert next(tm._next_req_id) >> 56 == 2 and next(tm._next_control_id) >> 56 == 2
+    assert next(tm._next_req_id) >> 56 == 2 and next(tm.controls._next_control_id) >> 56 == 2
     for bad in ({"api_workers": 0}, {"api_workers": 128}, {"api_workers": 2, "api_worker_index": 2}):
         with pytest.raises(ValueError, match="api-worker"):
             msgspec.structs.replace(config, **bad).validate()

@@ -419,7 +419,7 @@ def test_worker_index_arithmetic() -> None:
     assert worker_of(-1) < 0 and workers_of(np.array([-1], dtype=np.int64)).tolist() == [-1]
     tm = manager(2)
     assert worker_of(tm.open_state(sampling=SamplingParams(), stream=False, rid="x").req_id) == 2
-    assert worker_of(next(tm._next_control_id)) == 2
+    assert worker_of(next(tm.controls._next_control_id)) == 2
 
 
 def test_an_empty_frame_has_no_parts() -> None:

@@ -1,0 +1,75 @@
+"""Control round trips from an API worker to the scheduler: HiCache storage, /flush_cache
+and aborting another API worker's request by rid. Each sends one message with a
+``control_id`` and waits for the scheduler's answer of the same id, which comes between two
+scheduler steps through the same socket as the output frames (``handle_output`` hands it to
+``answer``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import TypeVar
+
+from pipeline.io_struct import (
+    WORKER_SHIFT,
+    AbortReq,
+    AbortResult,
+    ControlAnswer,
+    FlushCacheControl,
+    FlushCacheResult,
+    HiCacheStorageControl,
+    HiCacheStorageState,
+    SchedulerInput,
+)
+
+# The scheduler's answers to control messages are matched to their call by ``control_id``.
+_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult)
+
+
+class ControlClient:
+    def __init__(self, send: Callable[[SchedulerInput], None], worker_index: int) -> None:
+        self._send = send
+        # The worker index lives in the high bits, as in a req_id (``io_struct.WORKER_SHIFT``),
+        # so the scheduler's answer goes back to the worker that asked.
+        self._next_control_id = itertools.count((worker_index << WORKER_SHIFT) + 1)
+        self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}  # the calls waiting, by control_id
+
+    def answer(self, frame: ControlAnswer) -> None:
+        """Hands the scheduler's answer to the call waiting for it (none: it timed out)."""
+        future = self._controls.pop(frame.control_id, None)
+        if future is not None and not future.done():
+            future.set_result(frame)
+
+    async def abort_elsewhere(self, rid: str, reason: str, timeout: float) -> bool:
+        """Asks the scheduler to stop request ``rid`` of another API worker (--api-workers);
+        whether it stopped one. Its finished row goes to its own worker."""
+        control_id = next(self._next_control_id)
+        answer = await self._round_trip(control_id, AbortReq(rid=rid, reason=reason, control_id=control_id), AbortResult, timeout)
+        return answer is not None and answer.aborted > 0
+
+    async def hicache_storage(self, *, attach: bool, backend: str = "", dir: str = "", timeout: float = 30.0) -> HiCacheStorageState | None:
+        """Asks the scheduler to attach or detach HiCache storage and waits for its answer
+        (it comes between two scheduler steps); None when none came within ``timeout``."""
+        control_id = next(self._next_control_id)
+        msg = HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir)
+        return await self._round_trip(control_id, msg, HiCacheStorageState, timeout)
+
+    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheResult | None:
+        """Asks the scheduler to drop its prefix cache and waits for its answer; None when
+        none came within ``timeout``."""
+        control_id = next(self._next_control_id)
+        return await self._round_trip(control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout)
+
+    async def _round_trip(self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float) -> _Answer | None:
+        """Sends one control message and waits for the scheduler's answer of the same id."""
+        future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
+        self._controls[control_id] = future
+        try:
+            self._send(msg)
+            got = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            return None
+        finally:
+            self._controls.pop(control_id, None)
+        return got if isinstance(got, answer) else None

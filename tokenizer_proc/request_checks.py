@@ -1,0 +1,150 @@
+"""What a request is checked for, and made into, before ``TokenizerManager`` submits it:
+its prompt tokenized and held to the vocabulary, its sampling held to the server's limits
+(the context, ``--max-new-tokens-limit``, the KV pool), and what a PD half of it computes.
+
+Every refusal is a ``RequestValidationError`` naming the native API's field; the OpenAI
+routes rename the fields to their own (``openai_api._openai_names``).
+
+Under ``--skip-tokenizer-init`` there is no tokenizer: whatever needs text (a text prompt,
+stop strings, media placeholders, chat templates, /tokenize) is refused with a 400 from
+``without_tokenizer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from pipeline.config import ServerConfig
+from pipeline.io_struct import LogprobParams, MediaItem, SamplingParams
+from pipeline.tokenizer_loader import LoadedTokenizer
+from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
+
+
+def without_tokenizer(needs: str, param: str) -> RequestValidationError:
+    """The 400 for a request that needs what only a tokenizer gives, on a server that
+    runs with --skip-tokenizer-init. ``needs`` says what needed it and what to do instead."""
+    return RequestValidationError(f"this server runs with --skip-tokenizer-init and loads no tokenizer: {needs}", param)
+
+
+class RequestChecks:
+    """The checks of one server: its config, tokenizer (None under --skip-tokenizer-init),
+    vocabulary size and context length, all fixed for the process's life."""
+
+    def __init__(self, config: ServerConfig, tokenizer: LoadedTokenizer | None, *, vocab_size: int, context_length: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+
+    def require_tokenizer(self, needs: str, param: str) -> LoadedTokenizer:
+        if self.tokenizer is None:
+            raise without_tokenizer(needs, param)
+        return self.tokenizer
+
+    def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        if (text is None) == (input_ids is None):
+            raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
+        if text is not None:
+            ids = self.require_tokenizer("it takes prompts as token ids, not text", "text").encode(text)
+        else:
+            ids = list(input_ids or [])
+        if not ids:
+            raise RequestValidationError("the prompt is empty: `text` must encode to at least one token", "text")
+        vocab = self.vocab_size
+        if input_ids is not None and max(ids) >= vocab:
+            raise RequestValidationError(f"input_ids holds a token id >= the vocabulary size {vocab}", "input_ids")
+        return ids
+
+    def media_token_ids(self, items: Sequence[MediaItem]) -> Mapping[str, int]:
+        """The placeholder token id of each media kind, for ``media.expand_prompt``. Without a
+        tokenizer there are none to know, so media is refused, naming its field."""
+        if self.tokenizer is not None:
+            return self.tokenizer.media_token_ids
+        if items:
+            kind = items[0].kind
+            raise without_tokenizer(
+                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request without media", f"{kind}_data"
+            )
+        return {}
+
+    def validate_sampling(self, prompt_len: int, sampling: SamplingParams) -> None:
+        """Everything a generate request is checked for before it is submitted."""
+        if sampling.stop and self.tokenizer is None:
+            raise without_tokenizer(
+                "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids", "sampling_params.stop"
+            )
+        # Sorted by id: the last is the largest.
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
+            raise RequestValidationError(
+                f"sampling_params.logit_bias names token id {sampling.logit_bias[-1][0]}, not below the vocabulary "
+                f"size {self.vocab_size}",
+                "sampling_params.logit_bias",
+            )
+        self.validate_lengths(prompt_len, sampling)
+
+    def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
+        limit = self.config.max_new_tokens_limit
+        if sampling.max_new_tokens > limit:
+            raise RequestValidationError(
+                f"sampling_params.max_new_tokens is {sampling.max_new_tokens}; this server allows at most {limit}",
+                "sampling_params.max_new_tokens",
+            )
+        if prompt_len + sampling.max_new_tokens > self.context_length:
+            raise RequestValidationError(
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                f"context length ({self.context_length})",
+                "sampling_params.max_new_tokens" if prompt_len < self.context_length else "text",
+            )
+        if self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens) > self.config.max_total_tokens:
+            block = " (rounded up to whole dLLM blocks)" if self.config.mode == "dllm" else ""
+            raise RequestValidationError(
+                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}){block} can never fit the "
+                f"KV pool ({self.config.max_total_tokens} tokens)",
+                "sampling_params.max_new_tokens",
+            )
+
+    def validate_logprobs(self, logprobs: LogprobParams | None) -> None:
+        if logprobs is not None and logprobs.token_ids_logprob and max(logprobs.token_ids_logprob) >= self.vocab_size:
+            raise RequestValidationError(
+                f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below the vocabulary size {self.vocab_size}",
+                "token_ids_logprob",
+            )
+
+    def answered_logprobs(self, logprobs: LogprobParams | None, bootstrap: Bootstrap | None) -> LogprobParams | None:
+        """The logprobs a request's own answer lists: those it asked, except on a PD prefill
+        half (a prefill server's request with a bootstrap room), whose answer lists its
+        first token's only. Its scheduler still computes the prompt's, and they travel with
+        the KV to the decode server, whose first row carries them (docs/design.md section 11).
+
+        Why not both: sglang-router, in PD mode, puts the prefill answer's
+        ``input_token_logprobs`` in front of the decode answer's (non-streaming /generate),
+        so a prompt listed by both would show every position twice, and a prompt listed by
+        the prefill side only would be missing from a stream (the router streams the decode
+        side's events). The decode answer is the one every client reads, so it lists them;
+        the router then has nothing to join, and its answer equals a unified server's."""
+        if logprobs is None or bootstrap is None or self.config.disaggregation_mode != "prefill":
+            return logprobs
+        return msgspec.structs.replace(logprobs, logprob_start_len=-1)
+
+    def pd_half(self, sampling: SamplingParams, bootstrap: Bootstrap | None, internal: bool) -> tuple[SamplingParams, Bootstrap | None]:
+        """A prefill server computes the prompt's KV and the first token only, whatever the
+        request asked (the decode server generates the rest). A decode server takes only
+        requests it can fetch KV for (its own health check prefills locally)."""
+        mode = self.config.disaggregation_mode
+        if mode != "null" and sampling.max_new_tokens == 0:
+            # The pair always hands over a first token, so a prompt scored without a
+            # completion is a unified server's work.
+            raise RequestValidationError("max_tokens 0 (echo scoring) is not served through PD disaggregation", "max_tokens")
+        if mode == "prefill":
+            return msgspec.structs.replace(sampling, max_new_tokens=1, min_new_tokens=0), bootstrap
+        if mode == "decode":
+            if bootstrap is None and not internal:
+                raise RequestValidationError(
+                    "this server runs --disaggregation-mode decode: a request needs bootstrap_room and bootstrap_endpoint "
+                    "(or bootstrap_host and bootstrap_port); send requests through sglang-router with --pd-disaggregation",
+                    "bootstrap_room",
+                )
+            return sampling, bootstrap
+        return sampling, None  # a unified server computes everything itself
