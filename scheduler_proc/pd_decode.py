@@ -3,12 +3,12 @@ hands the scheduler requests that arrive "prebuilt". ``DecodeBootstrapper`` is t
 scheduler's ``PdRole`` on a decode server.
 
 A request with a bootstrap room and endpoint (``Req.pd``: a ``DecodeBootstrap``) never
-prefills here. ``start`` sends a ``KVFetch``
-(attempt 0: the prompt); ``poll`` takes the transfers that arrived and moves their
-requests to ``ready``; ``take_inputs`` installs the KV into pool slots the scheduler gives
-(in arrival order, while the pool allows) and the request joins the running batch. A request that asked for logprobs gets its first token's and its
-prompt's from the first transfer (the prefill server computed them; nothing is computed
-twice), and its first row carries them. A retraction frees the KV and calls ``start``
+prefills here. ``start`` sends a ``KVFetch`` (attempt 0: the prompt); ``poll`` takes the
+transfers that arrived and moves their requests to ``ready``; ``take_inputs`` installs the
+KV into pool slots the scheduler gives (in arrival order, while the pool allows), and the
+request joins the running batch. A request that asked for logprobs gets its first token's
+and its prompt's from the first transfer (the prefill server computed them; nothing is
+computed twice), and its first row carries them. A retraction frees the KV and calls ``start``
 again (a re-bootstrap): the prefill server recomputes the prompt plus the generated
 tokens, mostly from its prefix cache, and reports its new cached tokens; that transfer
 carries no logprobs, as none are sent twice.

@@ -37,8 +37,8 @@ def keep_first_logprobs(req: Req) -> None:
     columns for the KV header. The first token's are copied (its own row still lists them:
     ``Req.take_pending_logprobs`` hands them over then); the prompt's are taken, so only the
     decode server's answer lists them (sglang-router joins the prefill answer's
-    ``input_token_logprobs`` to the decode answer's: see
-    ``RequestChecks.answered_logprobs`` (tokenizer_proc/request_checks.py)). No-op for a request that did not ask."""
+    ``input_token_logprobs`` to the decode answer's: see ``RequestChecks.answered_logprobs``
+    in tokenizer_proc/request_checks.py). No-op for a request that did not ask."""
     pd = req.pd
     if not isinstance(pd, PrefillHalf) or req.logprob is None or not req.pending_logprobs:
         return
