@@ -36,7 +36,7 @@ from bench.launch import free_port  # noqa: E402
 from pipeline.config import ServerConfig  # noqa: E402
 from pipeline.io_struct import KVFetch, KVTransferHeader  # noqa: E402
 from pipeline.tokenizer_loader import load_tokenizer  # noqa: E402
-from scheduler_proc.kv_transfer import (  # noqa: E402
+from scheduler_proc.pd.kv_transfer import (  # noqa: E402
     KVFetchClient,
     KVFetchServer,
     gather_kv,
@@ -44,7 +44,7 @@ from scheduler_proc.kv_transfer import (  # noqa: E402
     scatter_kv,
     tensors_from_frames,
 )
-from scheduler_proc.model_runner import ModelRunner  # noqa: E402
+from scheduler_proc.model.runner import ModelRunner  # noqa: E402
 
 COLUMNS = ("tokens", "kv_MB", "transfer_ms", "GB_per_s", "prefill_ms", "transfer/prefill")
 

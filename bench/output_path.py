@@ -79,10 +79,10 @@ from pipeline.io_struct import (  # noqa: E402
 )
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE  # noqa: E402
 from pipeline.sockets import FrameDecoder, make_encoder  # noqa: E402
-from scheduler_proc.logprobs import keep_decode_logprobs  # noqa: E402
+from scheduler_proc.sampling.logprobs import keep_decode_logprobs  # noqa: E402
 from scheduler_proc.output_builder import build_token_output  # noqa: E402
 from scheduler_proc.req import Req, StatsPending  # noqa: E402
-from scheduler_proc.running_batch import RunningBatch  # noqa: E402
+from scheduler_proc.batch.running_batch import RunningBatch  # noqa: E402
 
 logger = logging.getLogger("tokenpipe.bench.output_path")
 

@@ -383,7 +383,7 @@ def run(
             )
             results.append(row)
         if not machine:  # after the first build: build_scheduler sets the torch threads
-            from scheduler_proc.model_runner import resolve_device
+            from scheduler_proc.model.runner import resolve_device
 
             machine = machine_info(str(resolve_device(device)))
             model = _model_info(device)

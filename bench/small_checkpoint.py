@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from pipeline.model_config import ModelConfig  # noqa: E402
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, SHIPPED_EOS_TOKEN_IDS, SHIPPED_VOCAB_SIZE  # noqa: E402
-from scheduler_proc.model import LlamaForCausalLM  # noqa: E402
+from scheduler_proc.model.llama import LlamaForCausalLM  # noqa: E402
 
 
 def write(directory: Path, *, layers: int, hidden: int, seed: int) -> ModelConfig:

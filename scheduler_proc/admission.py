@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pipeline.io_struct import FinishAbort
 from scheduler_proc.dllm import DllmDecoder
-from scheduler_proc.hicache import Fetched, cached_details
+from scheduler_proc.cache.hicache import Fetched, cached_details
 from scheduler_proc.req import Req
 
 # What a refusal for a full waiting queue tells the client to wait before retrying: about

@@ -14,8 +14,8 @@ from pipeline.io_struct import (
     HiCacheStorageState,
     worker_of,
 )
-from scheduler_proc.hicache import HiCache, apply_storage_control, cached_details
-from scheduler_proc.prefix_kv import PrefixKV
+from scheduler_proc.cache.hicache import HiCache, apply_storage_control, cached_details
+from scheduler_proc.cache.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
 
 logger = logging.getLogger("tokenpipe.scheduler")

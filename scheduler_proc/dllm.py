@@ -70,10 +70,10 @@ import torch
 
 from pipeline.io_struct import CachedTokensDetails, LogprobParams
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
-from scheduler_proc.logprobs import span_logprobs
-from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.sampling.logprobs import span_logprobs
+from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.req import Req
-from scheduler_proc.sampler import SamplingColumns, draw_counter
+from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
 from scheduler_proc.stop_checker import StopChecker
 
 

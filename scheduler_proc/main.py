@@ -25,11 +25,11 @@ from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer, load_vocab
 from scheduler_proc.dllm import DllmConfig
-from scheduler_proc.hicache import HiCache, StorageError
-from scheduler_proc.kv_transfer import KVFetchClient, KVFetchServer
-from scheduler_proc.model_runner import ModelRunner
-from scheduler_proc.pd_decode import DecodeBootstrapper
-from scheduler_proc.pd_prefill import PrefillKVSender
+from scheduler_proc.cache.hicache import HiCache, StorageError
+from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
+from scheduler_proc.model.runner import ModelRunner
+from scheduler_proc.pd.decode import DecodeBootstrapper
+from scheduler_proc.pd.prefill import PrefillKVSender
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats_reporter import SchedulerStatsReporter
 from scheduler_proc.stop_checker import StopChecker

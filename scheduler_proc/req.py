@@ -30,8 +30,8 @@ from pipeline.io_struct import (
     SchedulerTimeStats,
 )
 from pipeline.logprob_columns import TokenLogprobs
-from scheduler_proc.pd_state import DecodeBootstrap, KVFetchJob, PdState
-from scheduler_proc.radix_cache import RadixNode
+from scheduler_proc.pd.state import DecodeBootstrap, KVFetchJob, PdState
+from scheduler_proc.cache.radix_cache import RadixNode
 
 if TYPE_CHECKING:  # dllm imports this module
     from scheduler_proc.dllm import Block
@@ -133,7 +133,7 @@ class Req:
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self.dllm_block: Block | None = None  # --mode dllm: the block being refined
-        self.pd: PdState = None  # its part in PD disaggregation (scheduler_proc.pd_state)
+        self.pd: PdState = None  # its part in PD disaggregation (scheduler_proc.pd.state)
         self._decode_options_sent = False
         self._queue_stay_open = False  # between enter_waiting_queue and leaving the queue
 

@@ -4,7 +4,7 @@ request its next token. The scheduler retracts until the next decode step fits."
 from __future__ import annotations
 
 from scheduler_proc.req import Req
-from scheduler_proc.running_batch import RunningBatch
+from scheduler_proc.batch.running_batch import RunningBatch
 
 
 def take_victim(prefilling: list[Req], running: RunningBatch | list[Req]) -> Req:

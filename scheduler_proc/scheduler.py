@@ -3,15 +3,15 @@ aborts. Socket-free, so tests can drive it step by step; ``scheduler_proc.main``
 to ZeroMQ.
 
 One ``step()``:
-0. PD inputs: ``self.pd`` (a ``PdRole``: scheduler_proc/pd_role.py) takes what its peers
+0. PD inputs: ``self.pd`` (a ``PdRole``: scheduler_proc/pd/role.py) takes what its peers
    sent: a prefill server queues re-bootstrap fetches as internal requests; a decode
    server installs arrived KV, and those requests join the running batch "prebuilt";
 1. prefill: continue the request that is mid-chunk, then admit waiting requests in arrival
    order while the token budget and the KV pool allow (leaving one slot per running request
    for the next decode step). ``PrefixKV`` gives each its slots and its cached prefix
    (from the device, or brought back from HiCache's host and storage tiers); one pass
-   computes the chunks (``scheduler_proc.prefill_pass``);
-2. decode: one batched step over every running request (``scheduler_proc.batch_decode``),
+   computes the chunks (``scheduler_proc.batch.prefill_pass``);
+2. decode: one batched step over every running request (``scheduler_proc.batch.decode_pass``),
    retracting requests first when the pool cannot give each a slot (in ``--mode dllm``,
    one block refinement pass instead: ``scheduler_proc.dllm``);
 3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due.
@@ -44,19 +44,19 @@ from pipeline.io_struct import (
     TokenizedGenerateReqInput,
 )
 from scheduler_proc.admission import AdmissionCheck, queue_full_abort, record_admission
-from scheduler_proc.batch_decode import BatchDecoder
+from scheduler_proc.batch.decode_pass import BatchDecoder
 from scheduler_proc.control import abort_targets, flush_cache, storage_control
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import pooled_embedding
-from scheduler_proc.hicache import HiCache
-from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.cache.hicache import HiCache
+from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
-from scheduler_proc.pd_role import PdRole, Unified
-from scheduler_proc.prefill_pass import Chunk, forward_chunks, sample_first_tokens
-from scheduler_proc.prefix_kv import PrefixKV
+from scheduler_proc.pd.role import PdRole, Unified
+from scheduler_proc.batch.prefill_pass import Chunk, forward_chunks, sample_first_tokens
+from scheduler_proc.cache.prefix_kv import PrefixKV
 from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.retraction import take_victim
-from scheduler_proc.running_batch import RunningBatch
+from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.stop_checker import StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")

@@ -48,7 +48,7 @@ from pipeline.io_struct import (
     SamplingParams,
 )
 from pipeline.tokenizer_loader import LoadedTokenizer
-from scheduler_proc.hicache import cached_details
+from scheduler_proc.cache.hicache import cached_details
 from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.stop_checker import StopChecker
 from tests.sim_logprobs import OUTPUT, prefill_chunk, token_logprobs

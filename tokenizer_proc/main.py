@@ -10,11 +10,11 @@ import uvloop
 import zmq
 
 from pipeline.config import ServerConfig
-from pipeline.http_edge import serve_http
+from pipeline.http.edge import serve_http
 from pipeline.model_config import context_length_of
 from pipeline.process_util import METRICS_DIR_ENV, report_ready
 from pipeline.tokenizer_loader import load_vocab
-from tokenizer_proc.http_server import build_app
+from tokenizer_proc.http.server import build_app
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("tokenpipe.api")

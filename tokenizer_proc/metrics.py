@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from pipeline.io_struct import FinishAbort, SchedulerStatsReport
-from tokenizer_proc.meta_info import time_per_output_token
+from tokenizer_proc.native.meta_info import time_per_output_token
 from tokenizer_proc.req_state import ReqState
 
 # A `*_created` series per counter and histogram doubles the scrape for no use here.

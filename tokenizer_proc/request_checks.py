@@ -19,7 +19,7 @@ import msgspec
 from pipeline.config import ServerConfig
 from pipeline.io_struct import LogprobParams, MediaItem, SamplingParams
 from pipeline.tokenizer_loader import LoadedTokenizer
-from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
+from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 
 
 def without_tokenizer(needs: str, param: str) -> RequestValidationError:

@@ -52,7 +52,7 @@ from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder, receive_frames
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
-from tokenizer_proc.api_schema import Bootstrap, RequestValidationError
+from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 from tokenizer_proc.control_client import ControlClient
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState

@@ -573,7 +573,7 @@ def test_top_p_that_rounds_to_zero_in_float32_still_samples_the_top_token() -> N
     import torch
 
     from pipeline.io_struct import SamplingParams
-    from scheduler_proc.sampler import SamplingColumns, draw_counter, sample
+    from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter, sample
 
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, top_p=top_p) for top_p in (5e-324, 1e-46)]

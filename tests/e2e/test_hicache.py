@@ -21,10 +21,10 @@ import torch
 
 from pipeline.config import ServerConfig
 from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl
-from scheduler_proc.hicache import HiCache
-from scheduler_proc.kv_pool import KVPool
+from scheduler_proc.cache.hicache import HiCache
+from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.main import build_scheduler
-from scheduler_proc.radix_cache import RadixCache
+from scheduler_proc.cache.radix_cache import RadixCache
 from scheduler_proc.scheduler import Scheduler
 from tests.server_harness import ServerProcess, wait_until
 from tests.unit.test_scheduler_steps import run_to_end, submit

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from tests.server_harness import ServerProcess
 from tokenizer_proc.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
-from tokenizer_proc.openai_schema import ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.openai.schema import ChatCompletionRequest, CompletionRequest
 
 TOKENIZER = load_tokenizer(None)
 MODEL = "tokenpipe-tiny"

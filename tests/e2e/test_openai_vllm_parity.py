@@ -21,11 +21,11 @@ from tokenizers.processors import TemplateProcessing
 
 from pipeline.model_config import ModelConfig
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
-from scheduler_proc.model import LlamaForCausalLM
+from scheduler_proc.model.llama import LlamaForCausalLM
 from tests.server_harness import ServerProcess
-from tokenizer_proc.api_schema import decode_body
+from tokenizer_proc.native.schema import decode_body
 from tokenizer_proc.chat_template import ChatTemplate
-from tokenizer_proc.openai_schema import ChatCompletionRequest
+from tokenizer_proc.openai.schema import ChatCompletionRequest
 
 TOKENIZER = load_tokenizer(None)
 MODEL = "tokenpipe-tiny"

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from pipeline.io_struct import SamplingParams
-from tokenizer_proc.api_schema import (
+from tokenizer_proc.native.schema import (
     GENERATE_REFUSED,
     MAX_LOGIT_BIAS,
     SAMPLING_REFUSED,
@@ -24,8 +24,8 @@ from tokenizer_proc.api_schema import (
     bootstrap_of,
     decode_body,
 )
-from tokenizer_proc.known_fields import AsksUnlessNeutral, Refusal, is_neutral
-from tokenizer_proc.openai_schema import (
+from tokenizer_proc.openai.known_fields import AsksUnlessNeutral, Refusal, is_neutral
+from tokenizer_proc.openai.schema import (
     COMMON_REFUSED,
     ChatCompletionBody,
     ChatCompletionRequest,

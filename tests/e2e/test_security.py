@@ -26,7 +26,7 @@ import zmq
 
 from pipeline.sockets import PrivateIpcDir
 from tests.server_harness import REPO, RoleProcesses, ServerProcess
-from pipeline import http_edge
+from pipeline.http import edge as http_edge
 
 API_KEY = "tp-Secret-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

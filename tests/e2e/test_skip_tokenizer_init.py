@@ -42,7 +42,7 @@ from pipeline.tokenizer_loader import (
     load_tokenizer,
 )
 from scheduler_proc.main import build_scheduler
-from scheduler_proc.model import LlamaForCausalLM
+from scheduler_proc.model.llama import LlamaForCausalLM
 from tests.server_harness import REPO, RoleProcesses, ServerProcess, tokenpipe_command
 
 FLAG = "--skip-tokenizer-init"

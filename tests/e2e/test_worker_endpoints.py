@@ -1,4 +1,4 @@
-"""The endpoints routers call on a worker (tokenizer_proc/worker_api.py): /server_info and
+"""The endpoints routers call on a worker (tokenizer_proc/http/worker_api.py): /server_info and
 /get_server_info, /model_info and /get_model_info, /get_load and /flush_cache.
 
 In process: the scheduler's flush drops the prefix cache on every tier and gives the
@@ -25,8 +25,8 @@ import torch
 
 from pipeline.io_struct import FlushCacheControl, FlushCacheResult
 from pipeline.tokenizer_loader import DEFAULT_MODEL_NAME, DEFAULT_TOKENIZER_DIR
-from scheduler_proc.kv_pool import KVPool
-from scheduler_proc.radix_cache import Dropped, RadixCache
+from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.cache.radix_cache import Dropped, RadixCache
 from tests.server_harness import ServerProcess, wait_until
 from tests.sglang_router import SglangRouter
 from tests.e2e.test_hicache import PROMPTS, SUFFIX, hicache_scheduler, serve_one

@@ -10,7 +10,7 @@ import torch
 
 from bench.small_checkpoint import main
 from pipeline.tokenizer_loader import SHIPPED_EOS_TOKEN_IDS, SHIPPED_VOCAB_SIZE, load_tokenizer
-from scheduler_proc.model import LlamaForCausalLM
+from scheduler_proc.model.llama import LlamaForCausalLM
 
 
 def test_the_checkpoint_loads_with_the_shape_asked(tmp_path: Path) -> None:

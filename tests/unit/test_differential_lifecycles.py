@@ -84,8 +84,8 @@ from tests.sim_logprobs import (
     make_logprob_params,
     prompt_positions,
 )
-from tokenizer_proc.logprob_meta import logprob_meta, prompt_logprob_meta
-from tokenizer_proc.meta_info import build_meta_info
+from tokenizer_proc.native.logprob_meta import logprob_meta, prompt_logprob_meta
+from tokenizer_proc.native.meta_info import build_meta_info
 from tokenizer_proc.req_state import LogprobEntries, ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 from tokenizer_proc.tracing import RequestTracer
@@ -295,7 +295,7 @@ class Pipeline:
     def add_logprob_meta(
         self, meta: dict[str, Any], state: ReqState, ids: list[int], entries: LogprobEntries | None, *, first_event: bool
     ) -> None:
-        """The logprob keys as /generate adds them (``tokenizer_proc.http_server``): the
+        """The logprob keys as /generate adds them (``tokenizer_proc.http.server``): the
         output ones of these ids, the prompt's on the first event only."""
         asked = state.logprob
         if asked is None:

@@ -26,9 +26,9 @@ from pipeline.io_struct import (
 )
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from scheduler_proc.main import build_scheduler
-from scheduler_proc.model_runner import ModelRunner
+from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.req import Req
-from scheduler_proc.sampler import SamplingColumns, draw_counter, sample
+from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter, sample
 from scheduler_proc.scheduler import Scheduler
 
 B = 4

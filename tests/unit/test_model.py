@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.model_config import ModelConfig, default_model_config
-from scheduler_proc.forward_batch import ForwardBatch
-from scheduler_proc.kv_pool import KVPool
-from scheduler_proc.model import LlamaForCausalLM
+from scheduler_proc.batch.forward_batch import ForwardBatch
+from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.model.llama import LlamaForCausalLM
 
 DEVICE = "cpu"
 ATOL = 1e-4

@@ -33,9 +33,9 @@ from pipeline.io_struct import (
 )
 from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs, read_input_token_logprobs, read_token_logprobs
 from scheduler_proc.main import attach_pd, build_scheduler
-from scheduler_proc.pd_decode import DecodeBootstrapper
-from scheduler_proc.pd_prefill import PrefillKVSender
-from scheduler_proc.running_batch import RunningBatch
+from scheduler_proc.pd.decode import DecodeBootstrapper
+from scheduler_proc.pd.prefill import PrefillKVSender
+from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.scheduler import Scheduler
 
 PROMPTS = [[(7 * i + 3 * j) % 3000 + 60 for i in range(24 + 5 * j)] for j in range(4)]

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from scheduler_proc.kv_pool import KVPool
-from scheduler_proc.radix_cache import RadixCache, RadixNode
+from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.cache.radix_cache import RadixCache, RadixNode
 
 
 def new_pool(capacity: int = 64) -> KVPool:

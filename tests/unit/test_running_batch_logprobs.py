@@ -1,4 +1,4 @@
-"""The running batch's pending-logprob columns (scheduler_proc/running_batch.py): whatever
+"""The running batch's pending-logprob columns (scheduler_proc/batch/running_batch.py): whatever
 each row asked (top k, ids, nothing), however many steps its tokens wait, and whichever way
 they leave (a steady row, a per-request row, the request leaving), they come out in token
 order and equal what the per-row ``step_logprobs`` computes for the same logits."""
@@ -12,9 +12,9 @@ import torch
 
 from pipeline.io_struct import LogprobParams, SamplingParams
 from pipeline.logprob_columns import TokenLogprobs, read_output_logprobs
-from scheduler_proc.logprobs import keep_decode_logprobs, step_logprobs
+from scheduler_proc.sampling.logprobs import keep_decode_logprobs, step_logprobs
 from scheduler_proc.req import Req, StatsPending
-from scheduler_proc.running_batch import RunningBatch
+from scheduler_proc.batch.running_batch import RunningBatch
 
 VOCAB = 50
 ASKS = [LogprobParams(top_logprobs_num=5, token_ids_logprob=(3, 9)), LogprobParams(), None, LogprobParams(top_logprobs_num=2)]

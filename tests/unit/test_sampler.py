@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import scheduler_proc.sampler as sampler_module
+import scheduler_proc.sampling.sampler as sampler_module
 from pipeline.io_struct import SamplingParams
-from scheduler_proc.sampler import (
+from scheduler_proc.sampling.sampler import (
     SamplingColumns,
     adjusted_logits,
     draw_counter,

@@ -159,7 +159,7 @@ def test_a_steady_decode_step_asks_no_request_anything(monkeypatch: pytest.Monke
     request is synced, asked whether its row is due or its stats are due, or stop-checked
     one by one, until an event (here the finish) comes."""
     from scheduler_proc.req import Req
-    from scheduler_proc.running_batch import RunningBatch
+    from scheduler_proc.batch.running_batch import RunningBatch
     from scheduler_proc.stop_checker import StopChecker
 
     s = make()

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tokenizer_proc.sse_events import EventTemplate, Hole, TemplateError, sse
+from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
 
 TEXTS = ["", "a", " the", "é", "\u2028", "x\x85y", "\u2029\n\r\t\"\\", "\x00\x1f", "✓ “q”", "\ud7ff\ue000", "😀"]
 
@@ -56,8 +56,8 @@ def test_a_stream_of_templated_chunks_equals_the_chunks_encoded_whole(kind, usag
     from pipeline.config import ServerConfig
     from pipeline.io_struct import RequestOutputStats, SamplingParams
     from pipeline.tokenizer_loader import load_tokenizer
-    from tokenizer_proc.openai_shapes import CHAT, COMPLETION
-    from tokenizer_proc.openai_stream import ChoiceEvents, StreamUsage
+    from tokenizer_proc.openai.shapes import CHAT, COMPLETION
+    from tokenizer_proc.openai.stream import ChoiceEvents, StreamUsage
     from tokenizer_proc.req_state import ReqState
     from tokenizer_proc.tokenizer_manager import TokenizerManager
 

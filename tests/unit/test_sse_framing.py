@@ -9,7 +9,7 @@ import json
 
 import httpx
 
-from tokenizer_proc.sse_events import sse
+from tokenizer_proc.http.sse_events import sse
 
 TRICKY = "a\u2028b\x85c\u2029d é\x1c\x1d\x1e\x0b\x0c\r\n\u2027\u00a0"
 

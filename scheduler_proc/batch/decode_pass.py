@@ -1,0 +1,84 @@
+"""One batched decode step over the running batch (generate mode), and the per-row work
+of the rows that need their request.
+
+Hot path: everything but the event rows is column work on the ``RunningBatch``. A row
+goes the per-request way only on an event: a finish, a stop string to check, or stats
+due (its request is in the scheduler's ``StatsPending`` set). The other due rows come
+back as ``SteadyRows`` columns, for ``build_token_output``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.io_struct import FinishLength, FinishReason, FinishStop
+from scheduler_proc.sampling.logprobs import keep_decode_logprobs
+from scheduler_proc.model.runner import ModelRunner
+from scheduler_proc.output_builder import SteadyRows
+from scheduler_proc.req import Req, StatsPending
+from scheduler_proc.batch.running_batch import RunningBatch
+from scheduler_proc.stop_checker import CONTEXT, LENGTH, RUNNING, STOP_TOKEN, StopChecker
+
+
+class BatchDecoder:
+    def __init__(self, runner: ModelRunner, stop_checker: StopChecker, stats_pending: StatsPending, dense_usage_columns: bool) -> None:
+        self.runner = runner
+        self.stop_checker = stop_checker
+        self.stats_pending = stats_pending  # the scheduler's: whose rows carry stats
+        self.dense_usage_columns = dense_usage_columns  # SteadyRows keep their requests
+
+    def step(self, batch: RunningBatch, slots: torch.Tensor, rows: list[Req]) -> SteadyRows | None:
+        """Decodes one token for every row of ``batch`` (``slots``: one new KV slot each).
+        Rows with an event are queued in ``rows`` as requests (a finished one leaves the
+        batch); the other due rows come back as columns."""
+        n = len(batch)
+        logits = self.runner.decode(batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots))
+        new = self.runner.sample(logits, batch.sampling_columns())
+        batch.append_tokens(new)
+        asking = np.flatnonzero(batch.wants_logprobs[:n])
+        if asking.size:
+            keep_decode_logprobs(batch, logits, asking, new)
+        out_len = batch.output_len()
+        code, check_strings = self.stop_checker.check_columns(
+            new, out_len, batch.seq_len[:n], batch.min_new[:n], batch.max_new[:n],
+            batch.ignore_eos[:n], batch.stop_ids[:n], batch.has_stop_strings[:n],
+        )  # fmt: skip
+        due = batch.due(code != RUNNING)
+        event = (code != RUNNING) | check_strings
+        if self.stats_pending:  # stats changed since their last row: that row goes the per-request way
+            for req in list(self.stats_pending):
+                if req in batch:
+                    row = batch.row_of(req)
+                    event[row] |= due[row]
+        steady_rows = np.flatnonzero(due & ~event)
+        steady = batch.take_steady(steady_rows, with_reqs=self.dense_usage_columns) if steady_rows.size else None
+        event_rows = np.flatnonzero(event)
+        if event_rows.size:
+            self._events(batch, event_rows, code, new, out_len, rows)
+        return steady
+
+    def _events(
+        self, batch: RunningBatch, event_rows: np.ndarray, code: np.ndarray, new: np.ndarray, out_len: np.ndarray, rows: list[Req]
+    ) -> None:
+        """The rows of a decode step that need their request: a finish (the request leaves
+        the batch), a stop string to check, stats due. Per-row work, for these rows only."""
+        events = [(batch.reqs[i], int(code[i]), int(new[i]), int(out_len[i])) for i in event_rows.tolist()]
+        for req, outcome, token, length in events:
+            batch.sync(req)
+            reason: FinishReason | None = None
+            if req.sampling.stop and outcome != STOP_TOKEN and length >= req.sampling.min_new_tokens:
+                reason = self.stop_checker.check(req)  # the text decides; its order of checks wins
+            elif outcome == STOP_TOKEN:
+                reason = FinishStop(matched=token)
+            elif outcome == LENGTH:
+                reason = FinishLength(length=req.sampling.max_new_tokens)
+            elif outcome == CONTEXT:
+                reason = FinishLength(length=length)
+            if reason is not None:
+                req.finish(reason)
+                batch.remove(req)  # its pending logprobs go back to it
+            if req.output_due():
+                if reason is None:
+                    batch.hand_over_logprobs(req)  # this row goes out the per-request way
+                rows.append(req)

@@ -1,0 +1,78 @@
+"""One batched prefill pass: each admitted request computes its next chunk of tokens
+(the rest of its prompt, or a chunk of it, after its cached prefix), and the requests
+whose prompt completed draw their first token.
+
+The scheduler chooses the chunks (admission, the token budget, the pool) and decides what
+a completed request does next; this module runs the model over them and keeps what the
+pass computed on each request: its KV slots, its prompt logprobs, its embedding's hidden
+states, and the logprobs of its first token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from scheduler_proc.embedding import accumulate_hidden
+from scheduler_proc.sampling.logprobs import keep_prompt_logprobs, step_logprobs
+from scheduler_proc.model.runner import ModelRunner
+from scheduler_proc.req import Req
+from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
+
+# A request, the tokens it computes in this pass, and the pool slots of their KV.
+Chunk = tuple[Req, list[int], torch.Tensor]
+
+_EMPTY_SLOTS = torch.empty(0, dtype=torch.long)
+
+
+def forward_chunks(runner: ModelRunner, batch: list[Chunk]) -> tuple[torch.Tensor, list[int], list[Req]]:
+    """Runs the pass and records each chunk on its request. Returns the last-token logits
+    of every chunk, the rows whose request has now computed all its tokens, and the other
+    requests (mid-chunk), in batch order."""
+    embeds = any(req.is_embedding for req, _, _ in batch)
+    prompt_logprobs = any(req.prompt_logprobs_next is not None for req, _, _ in batch)
+    logits, hidden = runner.extend(
+        [toks for _, toks, _ in batch],
+        [req.kv_slots if req.kv_slots is not None else _EMPTY_SLOTS for req, _, _ in batch],
+        [slots for _, _, slots in batch],
+        return_hidden=embeds or prompt_logprobs,
+    )
+    if hidden is not None:  # asked for: embeds or prompt_logprobs
+        if embeds:
+            accumulate_hidden(batch, hidden)
+        if prompt_logprobs:
+            keep_prompt_logprobs(batch, hidden, runner.logits)
+    done_rows: list[int] = []
+    mid_chunk: list[Req] = []
+    for i, (req, toks, slots) in enumerate(batch):
+        req.kv_slots = slots if req.kv_slots is None else torch.cat((req.kv_slots, slots))
+        req.num_computed += len(toks)
+        if req.num_computed == req.seq_len:
+            done_rows.append(i)
+        else:
+            mid_chunk.append(req)
+    return logits, done_rows, mid_chunk
+
+
+def sample_first_tokens(runner: ModelRunner, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    """The next token of each of these requests (not in the running batch: a first token
+    after a prefill), each drawn at its output index; the logprobs of the requests that
+    asked are kept on them until their rows go out (one batched computation)."""
+    columns = SamplingColumns.from_requests(
+        [r.sampling for r in reqs],
+        [r.seed for r in reqs],
+        [draw_counter(len(r.output_ids)) for r in reqs],
+        [r.origin_input_ids for r in reqs],
+        [r.output_ids for r in reqs],
+        logits.shape[-1],
+        logits.device,
+    )
+    tokens = runner.sample(logits, columns)
+    asking = [i for i, r in enumerate(reqs) if r.logprob is not None]
+    if asking:
+        rows = np.array(asking)
+        asks = [ask for ask in (reqs[i].logprob for i in asking) if ask is not None]
+        for i, part in zip(asking, step_logprobs(logits, rows, tokens[rows], asks)):
+            reqs[i].pending_logprobs.append(part)
+    first: list[int] = tokens.tolist()
+    return first

@@ -1,0 +1,119 @@
+"""A request's KV slots and its cached prefix: the device pool, the radix cache over it
+and, when HiCache is on, the host and storage tiers under it. The scheduler decides who
+runs; this class decides where each request's KV comes from and where it goes, and is
+the only code that touches the tree.
+
+A request's prefix is locked in the tree (``Req.prefix_node``) from its admission until
+its KV is released, so eviction never takes slots a request reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler_proc.cache.hicache import Fetched, HiCache
+from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.cache.radix_cache import Dropped, RadixCache, RadixNode
+from scheduler_proc.req import Req
+
+
+class PrefixKV:
+    def __init__(self, kv: KVPool, hicache: HiCache | None = None) -> None:
+        self.kv = kv
+        self.hicache = hicache
+        self.cache = RadixCache(kv, lower=hicache)
+        if hicache is not None:
+            hicache.bind(self.cache)
+
+    @property
+    def storage_backend(self) -> str | None:
+        return self.hicache.storage_backend if self.hicache is not None else None
+
+    def admit(self, req: Req, *, match: bool, budget: int, reserve: int) -> tuple[torch.Tensor, Fetched | None] | None:
+        """Slots for the next ``<= budget`` tokens of req's (re-)prefill, leaving ``reserve``
+        slots for the next decode step; None (and req as it was) when they do not fit.
+
+        With ``match`` (a request leaving the waiting queue) the prefill starts from the
+        longest cached prefix: the device part is locked as it is, and HiCache hits below
+        it are brought back onto the device first (the returned ``Fetched`` says how many
+        tokens came from each tier and how long storage took). The last token is always
+        computed, since its logits pick the next token."""
+        fill = req.fill_ids
+        lower: list[RadixNode] = []
+        hicache = self.hicache
+        if match:
+            key = fill[: min(len(fill) - 1, req.cache_match_limit)]
+            cached, node = self.cache.match_prefix(key)
+            self.cache.inc_lock(node)
+            req.prefix_node = node
+            req.kv_slots = cached
+            req.num_computed = len(cached)
+            if hicache is not None:
+                lower = hicache.match_below(node, key, len(cached))
+        to_load = sum(len(node) for node in lower)
+        take = min(len(fill) - req.num_computed - to_load, budget)
+        if not self.fits(to_load + take, reserve):
+            if match:
+                self.unlock(req)  # it holds only the cache's own slots so far
+            return None
+        fetched = None
+        if lower and hicache is not None:  # only HiCache finds nodes below the device match
+            fetched = hicache.fetch(lower)
+            # Fewer tokens when a storage file could not be read: compute the rest.
+            to_load = fetched.num_tokens
+            take = min(len(fill) - req.num_computed - to_load, budget)
+        slots = self.alloc(to_load + take)
+        assert slots is not None, "fits() promised these slots"
+        if to_load and hicache is not None and fetched is not None:  # to_load > 0: something was fetched
+            prefix, held = req.prefix_node, req.kv_slots
+            assert prefix is not None and held is not None, "the match above set them"
+            node = hicache.install(fetched, slots[:to_load])
+            self.cache.inc_lock(node)
+            self.cache.dec_lock(prefix)
+            req.prefix_node = node
+            req.kv_slots = torch.cat((held, slots[:to_load]))
+            req.num_computed += to_load
+        return slots[to_load:], fetched
+
+    def fits(self, n: int, reserve: int = 0) -> bool:
+        """Whether n pool slots can be had (evicting cached prefixes) leaving ``reserve``."""
+        return self.kv.num_free + self.cache.evictable_size - n >= reserve
+
+    def alloc(self, n: int, reserve: int = 0) -> torch.Tensor | None:
+        """n pool slots, evicting cached prefixes when the free list is short; None when even
+        that would leave fewer than ``reserve`` slots for the next decode step."""
+        if not self.fits(n, reserve):
+            return None
+        if self.kv.num_free < n:
+            self.cache.evict(n - self.kv.num_free)
+        return self.kv.alloc(n)
+
+    def release(self, req: Req, *, cache: bool = True) -> None:
+        """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
+        the slots (freeing duplicates of what it already held), then the prefix lock drops.
+        An embedding request's KV is only freed (it never reads the cache), and so is the
+        KV of a ``cache=False`` release (a PD decode request: it never prefills here)."""
+        slots = req.kv_slots
+        if slots is not None and slots.numel() and (req.is_embedding or not cache):
+            self.kv.free(slots)
+        elif slots is not None and slots.numel():
+            tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]
+            self.cache.insert(tokens, slots)
+        self.unlock(req)
+
+    def unlock(self, req: Req) -> None:
+        if req.prefix_node is not None:
+            self.cache.dec_lock(req.prefix_node)
+        req.prefix_node = None
+        req.kv_slots = None
+        req.num_computed = 0
+
+    def flush(self) -> Dropped:
+        """Drops the prefix cache on every tier (``/flush_cache``). What requests hold
+        (locked prefixes, their own slots) stays."""
+        return self.cache.drop_unlocked()
+
+    @property
+    def held_by_requests(self) -> int:
+        """Device slots that requests hold (not the evictable cache)."""
+        return self.kv.num_used - self.cache.evictable_size

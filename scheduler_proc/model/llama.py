@@ -1,0 +1,316 @@
+"""Llama-style decoder (RMSNorm, rotary, SwiGLU, GQA) that reads and writes the token-level KV pool.
+
+Hot-path invariants (forward):
+- One pass per call for the whole batch: per-layer work is batched tensor ops; the only
+  Python loop is over layers.
+- The attention layout (padding index, mask, rotary rows) is computed once per pass and
+  shared by every layer.
+- One host sync per pass (max new length, to size the padded query block).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from pipeline.model_config import ModelConfig
+from scheduler_proc.batch.forward_batch import AttentionLayout, ForwardBatch
+from scheduler_proc.cache.kv_pool import KVPool
+
+
+def _param(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised on purpose: random() or from_pretrained() always overwrites it, and
+    # default Linear init would be wasted work on every load.
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param((out_features, in_features), device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param((num, dim), device, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param((dim,), device, dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 then scale in the model dtype, as HF Llama does, so
+        # half-precision checkpoints give the logits they were trained with.
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * y
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, kv_dim = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = Linear(h, h, device, dtype)
+        self.k_proj = Linear(h, kv_dim, device, dtype)
+        self.v_proj = Linear(h, kv_dim, device, dtype)
+        self.o_proj = Linear(h, h, device, dtype)
+
+    def forward(self, x: torch.Tensor, layout: AttentionLayout, kv: KVPool) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, layout.cos, layout.sin), apply_rotary(k, layout.cos, layout.sin)
+
+        # Write before gathering, so each sequence's new keys are read back with its prefix.
+        k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
+        k_cache.index_copy_(0, layout.out_slots, k)
+        v_cache.index_copy_(0, layout.out_slots, v)
+        keys = self._gather(k_cache, layout.kv_slot_table)  # [B, KH, L, D]
+        values = self._gather(v_cache, layout.kv_slot_table)
+
+        queries = layout.pad(q).transpose(1, 2)  # [B, H, Qmax, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask, enable_gqa=True)
+        out = layout.unpad(out.transpose(1, 2))  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        # index_select over flat rows, not cache[table]: the gather is the biggest cost of a
+        # large decode step, and advanced indexing is ~4x slower at it on the CPU.
+        b, length = table.shape
+        return cache.index_select(0, table.reshape(-1)).view(b, length, *cache.shape[1:]).transpose(1, 2)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, i, device, dtype)
+        self.up_proj = Linear(h, i, device, dtype)
+        self.down_proj = Linear(i, h, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype)
+        self.mlp = LlamaMLP(cfg, device, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+
+    def forward(self, h: torch.Tensor, layout: AttentionLayout, kv: KVPool) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), layout, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names match HF LlamaForCausalLM, so checkpoints load by name."""
+
+    # Buffers (register_buffer below), declared so their type is known: nn.Module's
+    # attribute lookup is typed Tensor | Module.
+    rotary_cos: torch.Tensor
+    rotary_sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, device, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, device, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cos, sin = _rotary_cache(config)
+        # Non-persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("rotary_cos", cos.to(device), persistent=False)
+        self.register_buffer("rotary_sin", sin.to(device), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv: KVPool, *, return_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns float32 logits [B, vocab] at each sequence's last new token and, when
+        return_hidden, the final-normed hidden states [T, hidden] of all new tokens."""
+        h = self.hidden_states(batch, kv)
+        # lm_head only on the rows that are sampled from: the vocab matmul dominates at decode.
+        last = torch.cumsum(batch.new_lens, 0) - 1
+        return self.logits(h[last]), (h if return_hidden else None)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+        """The final-normed hidden states [T, hidden] of all new tokens; writes their KV."""
+        layout = AttentionLayout.from_batch(batch, self.rotary_cos, self.rotary_sin, self.dtype)
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            h = layer(h, layout, kv)
+        return self.model.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] of final hidden states [N, hidden]."""
+        return self.lm_head(h).float()
+
+    @classmethod
+    def random(
+        cls, config: ModelConfig, seed: int, device: torch.device | str, dtype: torch.dtype = torch.float32
+    ) -> LlamaForCausalLM:
+        """Seeded init, drawn on the CPU in float32 so the weights are the same on every
+        device and dtype conversion is the only difference."""
+        model = cls(config, device, dtype)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # deduplicates a tied lm_head
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * _init_std(name))
+        return model
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None
+    ) -> LlamaForCausalLM:
+        """Load config.json + every *.safetensors in model_dir. dtype=None keeps the
+        checkpoint's floating dtype."""
+        model_dir = Path(model_dir)
+        config = ModelConfig.from_hf_dict(_read_config(model_dir))
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in model directory {model_dir}")
+        model = cls(config, device, dtype or _checkpoint_dtype(files[0]))
+        _load_weights(model, files)
+        return model
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        hf = self.config.to_hf_dict()
+        hf["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+        (model_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        tensors = {
+            name: t.detach().contiguous().cpu()
+            for name, t in self.state_dict().items()
+            # A tied head is the embedding; HF omits it, and safetensors rejects shared storage.
+            if not (self.config.tie_word_embeddings and name == "lm_head.weight")
+        }
+        save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF Llama rotate_half convention: the two halves of head_dim form the (re, im) pairs."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model directory {model_dir} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            dtype = _SAFETENSORS_DTYPES.get(t.get_dtype())
+            if dtype is not None:
+                return dtype
+    return torch.float32
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Copy every expected tensor exactly once; fail on anything missing, unknown or misshapen."""
+    tied = model.config.tie_word_embeddings
+    expected = dict(model.named_parameters())  # a tied lm_head is not listed separately
+    loaded: dict[str, Path] = {}
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    # Old HF exports persist the rotary table; tied checkpoints may still carry a head copy.
+                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                        continue
+                    param = expected.get(name)
+                    if param is None:
+                        raise ValueError(f"unexpected tensor {name!r} in {path}: not a Llama parameter")
+                    if name in loaded:
+                        raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {path}")
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(param.shape)} from config.json"
+                        )
+                    param.copy_(tensor)
+                    loaded[name] = path
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint in {files[0].parent} is missing tensor(s) {shown}{more}")
+
+
+def _init_std(name: str) -> float:
+    # With std 0.02 everywhere, attention is uniform and its output outweighs the tiny
+    # embeddings, so greedy decoding sticks on one token. Larger embeddings keep the
+    # current token visible; larger q/k make attention sharp enough that context still
+    # changes the logits (which is what the KV-path tests rely on).
+    if "embed_tokens" in name:
+        return 0.5
+    if "q_proj" in name or "k_proj" in name:
+        return 0.1
+    return 0.02
+
+
+def _rotary_cache(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_position_embeddings, head_dim] in float32, HF rotate_half layout.
+    Built on the CPU so every device gets bit-identical tables."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()

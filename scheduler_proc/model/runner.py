@@ -1,0 +1,99 @@
+"""Owns the model, its KV pool and the device; turns a list of (request, new tokens) into
+one batched forward pass. Nothing above this module touches torch devices."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from pipeline.config import ServerConfig
+from pipeline.model_config import load_model_config
+from scheduler_proc.batch.forward_batch import ForwardBatch
+from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.model.llama import LlamaForCausalLM
+from scheduler_proc.sampling.sampler import SamplingColumns, sample
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_threads(config: ServerConfig) -> int:
+    """Intra-op threads for the model. The scheduler shares the machine with the API and
+    detokenizer processes, and OpenMP threads that spin against them make every matmul
+    dozens of times slower, so by default two cores are left to the others."""
+    if config.torch_threads is not None:
+        return max(1, config.torch_threads)
+    return max(1, (os.cpu_count() or 1) - 2)
+
+
+class ModelRunner:
+    def __init__(self, config: ServerConfig, vocab_size: int) -> None:
+        torch.set_num_threads(cpu_threads(config))
+        self.device = resolve_device(config.device)
+        self.model_config = load_model_config(config, vocab_size)
+        if config.model_path is None:
+            self.model = LlamaForCausalLM.random(self.model_config, seed=config.model_seed, device=self.device)
+        else:
+            self.model = LlamaForCausalLM.from_pretrained(config.model_path, device=self.device)
+        self.model.eval()
+        mc = self.model_config
+        dtype = next(self.model.parameters()).dtype
+        self.kv = KVPool(mc.num_hidden_layers, config.max_total_tokens, mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+
+    def extend(
+        self,
+        new_token_ids: list[list[int]],
+        prefix_slots: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        *,
+        return_hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One batched pass: sequence b has ``prefix_slots[b]`` already in the pool and
+        appends ``new_token_ids[b]`` into ``new_slots[b]``. Returns last-token logits [B, V]
+        and, when asked, the final hidden states of all new tokens [T, H]."""
+        batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device)
+        with torch.inference_mode():
+            return self.model.forward(batch, self.kv, return_hidden=return_hidden)
+
+    def decode(self, last_tokens: np.ndarray, seq_lens: np.ndarray, kv_slot_table: torch.Tensor) -> torch.Tensor:
+        """One decode pass over the running batch (``RunningBatch``'s columns): row b's last
+        token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``.
+        Returns last-token logits [B, V]."""
+        batch = ForwardBatch.decode(
+            torch.from_numpy(last_tokens.astype(np.int64)), torch.from_numpy(seq_lens), kv_slot_table, self.device
+        )
+        with torch.inference_mode():
+            logits, _ = self.model.forward(batch, self.kv)
+            return logits
+
+    def logits_at(
+        self,
+        new_token_ids: list[list[int]],
+        prefix_slots: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        rows: torch.Tensor,
+        bidirectional_from: list[int],
+    ) -> torch.Tensor:
+        """One batched pass as ``extend``, where the new tokens of sequence b at positions
+        from ``bidirectional_from[b]`` on attend to each other both ways (a dLLM block).
+        Returns float32 logits [len(rows), V] at ``rows``, indices into the concatenated
+        new tokens."""
+        batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device, bidirectional_from)
+        with torch.inference_mode():
+            h = self.model.hidden_states(batch, self.kv)
+            return self.model.logits(h.index_select(0, rows.to(h.device)))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states (rows of an ``extend(..., return_hidden=True)``)."""
+        with torch.inference_mode():
+            return self.model.logits(hidden)
+
+    def sample(self, logits: torch.Tensor, columns: SamplingColumns) -> np.ndarray:
+        """One token per row of ``logits`` (the sampler's batched draw). Called through the
+        runner so that the sampling math, device work like the forward, is timed apart."""
+        return sample(logits, columns)

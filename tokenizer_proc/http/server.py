@@ -1,0 +1,249 @@
+"""The HTTP surface: routes, error shape and authentication. Request handling beyond
+parsing lives in ``TokenizerManager``; this module only adapts it to HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, TypeGuard
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp
+
+from pipeline.http.body_limit import BodyLimit
+from pipeline.http.edge import BearerAuth, install_error_handlers
+from pipeline.io_struct import RequestOutputStats, SamplingParams
+from pipeline.token_texts import TokenText
+from tokenizer_proc.native.schema import (
+    AbortRequestBody,
+    GenerateBody,
+    GenerateRequest,
+    RequestValidationError,
+    decode_body,
+)
+from tokenizer_proc.openai.embeddings import build_embeddings_router
+from tokenizer_proc.http.hot_routes import HotRoutes, post_endpoints
+from tokenizer_proc.http.hicache_api import build_hicache_router
+from tokenizer_proc.http.common import (
+    ClientGone,
+    error_response,
+    model_not_found,
+    refusal,
+    trace_context,
+    wait_finished,
+    wait_started,
+)
+from tokenizer_proc.native.logprob_meta import logprob_meta, prompt_logprob_meta
+from tokenizer_proc.media import expand_prompt, parse_media
+from tokenizer_proc.native.meta_info import build_meta_info
+from tokenizer_proc.metrics import CONTENT_TYPE
+from tokenizer_proc.openai.routes import build_openai_router
+from tokenizer_proc.req_state import ReqState, StreamChunk
+from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
+from tokenizer_proc.http.sse_stream import SseResponse
+from tokenizer_proc.http.tokenize_api import build_tokenize_router
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+from tokenizer_proc.http.worker_api import build_worker_router
+
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def build_app(tm: TokenizerManager) -> ASGIApp:
+    """The API's ASGI app: FastAPI's routes behind the key check and the body limit, with the
+    generation routes served in front of FastAPI's stack (``HotRoutes``)."""
+    app = FastAPI(title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    api_key = tm.config.api_key
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, str(exc), param=exc.param)
+
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = tm.metrics.render() if tm.metrics is not None else b""
+        return Response(content=body, media_type=CONTENT_TYPE)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        arrived = time.time()
+        obj: GenerateRequest = decode_body(await request.body(), GenerateBody)
+        obj.refuse_unsupported()
+        if obj.model is not None and obj.model != tm.model_name:
+            return model_not_found(obj.model)
+        sampling = obj.sampling_params.to_wire()
+        media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
+        input_ids = expand_prompt(tm.checks.tokenize(obj.text, obj.input_ids), media, tm.checks.media_token_ids(media))
+        state = tm.submit_generate(
+            input_ids=input_ids,
+            sampling=sampling,
+            stream=obj.stream,
+            rid=obj.rid,
+            media=tuple(media),
+            trace=trace_context(request),
+            created_time=arrived,
+            bootstrap=obj.bootstrap(),
+            logprobs=obj.logprob_params(),
+        )
+        text_of = tm.token_texts if obj.return_text_in_logprobs else None  # None without a tokenizer: null texts
+        try:
+            if obj.stream:
+                # A refusal (full queue, scheduler's check, PD failure) is the first change
+                # when it comes: answer it with its status rather than a 200 stream.
+                if await wait_started(tm, [state], request) is None:
+                    return SseResponse(_GenerateEvents(tm, state, text_of), tm.call_after_frame)
+            else:
+                await wait_finished(tm, state, request)
+        except ClientGone:
+            return Response(status_code=499)
+        refused = refusal(state)
+        if refused is not None:
+            return refused
+        meta = build_meta_info(state)
+        if state.logprob is not None:
+            meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
+            if state.logprob.logprob_start_len >= 0:
+                meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
+        return JSONResponse(_generate_body(tm, state.text, state.output_ids, meta))
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        # Token id 0 without a tokenizer, as SGLang's health check always sends.
+        ping = tm.tokenizer.encode("ping")[:1] if tm.tokenizer is not None else []
+        state = tm.submit_generate(input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True)
+        try:
+            await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
+        except TimeoutError:
+            tm.abort(state.req_id, "health check timed out")
+            tm.forget(state)  # a stalled scheduler may never answer: keep no state for it
+            return error_response(503, "a 1-token request did not get through the pipeline in time", err_type="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        obj: AbortRequestBody = decode_body(await request.body(), AbortRequestBody)
+        if obj.abort_all:
+            tm.abort_all("aborted by /abort_request")
+            return JSONResponse({"aborted": "all"})
+        if obj.rid is None:
+            raise RequestValidationError("give `rid` or `abort_all: true`", "rid")
+        if not await tm.abort_rid(obj.rid, "aborted by /abort_request"):
+            return error_response(404, f"no running request with rid {obj.rid!r}", err_type="not_found_error", param="rid")
+        return JSONResponse({"aborted": obj.rid})
+
+    openai_router = build_openai_router(tm)
+    app.include_router(openai_router)
+    app.include_router(build_embeddings_router(tm))
+    app.include_router(build_hicache_router(tm))
+    app.include_router(build_tokenize_router(tm))
+    app.include_router(build_worker_router(tm))
+
+    hot = {"/generate": generate, **post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions"))}
+    too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
+    # In front of FastAPI's own stack, so the generation routes (HotRoutes) are under them too.
+    edge: ASGIApp = BodyLimit(HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large)
+    # Outermost: the key is checked first. Neither reads the body before its answer, but a
+    # client without the key gets its 401 and learns nothing of the limit.
+    if api_key is not None:
+        edge = BearerAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
+    return edge
+
+
+def _generate_body(tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any]) -> dict[str, Any]:
+    """A /generate answer or stream event (or its template: Holes for the text and ids).
+    Under --skip-tokenizer-init there is no text, and as SGLang does then, the answer has no
+    ``text`` key at all, only ``output_ids``."""
+    if tm.tokenizer is None:
+        return {"output_ids": output_ids, "meta_info": meta_info}
+    return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
+
+
+class _GenerateEvents:
+    """A /generate stream's events (an ``EventSource``): each carries only what is new in
+    ``text`` and ``output_ids``, with counts through it in ``meta_info``; the finish goes on
+    the last. An event before the last is the stream's template for its stats, filled with
+    the chunk's text, ids and count: its meta_info depends on nothing else."""
+
+    def __init__(self, tm: TokenizerManager, state: ReqState, text_of: TokenText | None) -> None:
+        self.states = (state,)
+        self.ended = False
+        self._tm = tm
+        self._state = state
+        self._text_of = text_of
+        self._first_event = True  # the prompt logprobs go on it
+        self._stats: RequestOutputStats | None = None  # the stats self._template was built from
+        self._template: EventTemplate | None = None
+
+    def opening(self) -> bytes:
+        return b""
+
+    def events(self, index: int) -> bytes:
+        state = self._state
+        refused = refusal(state) if state.finished else None
+        if refused is not None:
+            self.ended = True
+            return b"data: " + bytes(refused.body) + b"\n\n"
+        chunks, finished = state.take_pending(), state.finished
+        if not finished and state.logprob is None:
+            fills = [self._interim(chunk) for chunk in chunks]
+            if _all_filled(fills):
+                return b"".join(fills)
+        out = []
+        for i, chunk in enumerate(chunks):
+            final = finished and i == len(chunks) - 1  # the finish goes on the last event only
+            event = self._interim(chunk) if not final and state.logprob is None else None
+            if event is not None:
+                out.append(event)
+                continue
+            meta = build_meta_info(state, None if final else chunk)
+            if state.logprob is not None:
+                meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, self._text_of))
+                if state.logprob.logprob_start_len >= 0 and self._first_event:
+                    meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, self._text_of))
+            self._first_event = False
+            out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta)))
+        return b"".join(out)
+
+    def _interim(self, chunk: StreamChunk) -> bytes | None:
+        """The event of a chunk before the last, filled into its template (None: no template)."""
+        template = self._interim_template(chunk)
+        if template is None:
+            return None
+        if self._tm.tokenizer is None:
+            return template.fill(chunk.ids, chunk.completion_tokens)
+        return template.fill(chunk.text, chunk.ids, chunk.completion_tokens)
+
+    def _interim_template(self, chunk: StreamChunk) -> EventTemplate | None:
+        """The template of an event before the last, for this chunk's stats (None: a rid
+        that holds a hole's marker; such events are encoded whole)."""
+        if chunk.stats is not self._stats or self._template is None:
+            self._stats = chunk.stats
+            meta = build_meta_info(self._state, chunk)
+            meta["completion_tokens"] = _COUNT
+            try:
+                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta))
+            except TemplateError:
+                self._template = None
+        return self._template
+
+    def closing(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def close(self) -> None:
+        # A disconnect (or any other exit before the finish): stop the work.
+        if not self._state.finished:
+            self._tm.abort(self._state.req_id)
+
+
+_TEXT, _IDS, _COUNT = Hole(), Hole(), Hole()
+
+
+def _all_filled(fills: list[bytes | None]) -> TypeGuard[list[bytes]]:
+    return None not in fills

@@ -1,0 +1,476 @@
+"""Typed request bodies of the OpenAI-compatible API (``/v1/completions``,
+``/v1/chat/completions``).
+
+Decoding with msgspec (``api_schema.decode_body``) is the validation of types and ranges: a
+wrong type, a value out of range or a field that OpenAI does not document fails with a 400
+that names the field. Every field OpenAI documents for these two endpoints is accepted, so an
+official client never trips on one. The fields this server cannot honour are refused with a
+400 naming them when they ask for something (``logprobs``, ``echo``, ``tools``, ...);
+the ones that ask for nothing here (``user``, ``store``, ``metadata``, ``service_tier``,
+``prompt_cache_key``, ...) are accepted and ignored. Each request type lists its refusals in
+one table, ``_REFUSED`` (plus ``COMMON_REFUSED``).
+
+OpenAI's ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` work (docs/design.md section 10).
+Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``, ``no_stop_trim`` and ``stream_options.continuous_usage_stats`` work
+(``extra_body`` in the official client). Every other field of SGLang's and vLLM's request
+schemas is known (``known_fields``): accepted at its neutral value, refused otherwise. The
+routes decode ``CompletionBody`` and ``ChatCompletionBody``: the request types with those
+known fields added.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, ClassVar, Literal, TypeGuard
+
+import msgspec
+from msgspec import Meta
+
+from pipeline.io_struct import LogprobParams, SamplingParams
+from tokenizer_proc.native.schema import (
+    Bootstrap,
+    HostField,
+    LogitBias,
+    MinP,
+    NonNegInt,
+    Penalty,
+    PortField,
+    PositiveInt,
+    RepetitionPenalty,
+    RequestValidationError,
+    RoomField,
+    TokenId,
+    bootstrap_of,
+    logit_bias_pairs,
+)
+from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
+
+MAX_CHOICES = 128
+"""OpenAI's limit on ``n``; also the limit on prompts x n of one completions request."""
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+# int64, so that seed + choice index (< MAX_CHOICES) still fits the wire's and torch's range.
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+Choices = Annotated[int, Meta(ge=1, le=MAX_CHOICES)]
+StopString = Annotated[str, Meta(min_length=1)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool = False
+    # vLLM's and SGLang's: usage (so far) on every chunk; guidellm counts tokens with it.
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None  # documented; this server never pads chunks
+
+
+class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What completions and chat share: sampling, choices, streaming, the ignored fields."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: StopString | list[StopString] | None = None
+    n: Choices | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = None
+    user: str | None = None  # ignored
+    # SGLang/vLLM extensions
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: NonNegInt | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None  # SGLang's: the text is not cut at a stop string
+    # PD disaggregation (set by sglang-router)
+    bootstrap_room: RoomField | None = None
+    bootstrap_endpoint: str | None = None
+    bootstrap_host: HostField | None = None
+    bootstrap_port: PortField | None = None
+
+    _REFUSED: ClassVar[tuple[Refusal, ...]] = ()  # each request type's own refusals
+
+    def logprob_params(self) -> LogprobParams | None:
+        """The logprobs each choice asks of the scheduler; None: none."""
+        return None
+
+    def bootstrap(self) -> Bootstrap | None:
+        return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def refuse_unsupported(self) -> None:
+        """Raises RequestValidationError for the first field that asks for a feature this
+        server does not have."""
+        refuse(self, COMMON_REFUSED + self._REFUSED)
+        if self.stream_options is not None and not self.stream:
+            raise RequestValidationError("stream_options is only allowed when stream is true", "stream_options")
+        if self.top_k == 0:
+            raise RequestValidationError("top_k must be -1 (off) or at least 1", "top_k")
+
+    def sampling(self, max_tokens: int) -> list[SamplingParams]:
+        """The wire sampling params of each choice: a seeded request gives choice i the seed
+        ``seed + i``, so its choices differ and each is reproducible."""
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise RequestValidationError("min_tokens must not exceed max_tokens", "min_tokens")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        first = SamplingParams(
+            max_new_tokens=max_tokens,
+            min_new_tokens=self.min_tokens or 0,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=tuple(stop),
+            ignore_eos=bool(self.ignore_eos),
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            no_stop_trim=bool(self.no_stop_trim),
+            min_p=self.min_p or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=logit_bias_pairs(self.logit_bias, "logit_bias"),
+        )
+        if self.seed is None:
+            return [first] * self.choices
+        return [msgspec.structs.replace(first, seed=self.seed + i) for i in range(self.choices)]
+
+
+def _neutrals(*entries: tuple[str, tuple[object, ...]]) -> tuple[Refusal, ...]:
+    return tuple(neutral(name, *values) for name, values in entries)
+
+
+# Known to completions and chat alike (OpenAI's, SGLang's and vLLM's request fields) and not
+# implemented here: accepted at the values that ask for nothing (``known_fields``).
+COMMON_REFUSED: tuple[Refusal, ...] = _neutrals(
+    # SGLang
+    ("regex", ()),
+    ("ebnf", ()),
+    ("json_schema", ()),
+    ("stop_regex", ([], "")),
+    ("lora_path", ()),
+    ("session_id", ()),
+    ("session_params", ()),
+    ("custom_params", ()),
+    ("custom_logit_processor", ()),
+    ("images_config", ()),
+    ("routed_dp_rank", (0,)),  # one data-parallel rank here: rank 0 is every request's
+    ("disagg_prefill_dp_rank", (0,)),
+    ("data_parallel_rank", (0,)),
+    ("rid", ()),
+    ("extra_key", ()),
+    ("cache_salt", ()),
+    ("ngram_corpus_id", ()),
+    ("priority", (0,)),
+    ("custom_labels", ()),
+    ("return_hidden_states", (False,)),
+    ("return_routed_experts", (False,)),
+    ("routed_experts_start_len", (0,)),
+    ("return_cached_tokens_details", (False,)),
+    ("return_token_ids", (False,)),
+    # vLLM
+    ("use_beam_search", (False,)),
+    ("length_penalty", (1.0,)),
+    ("spaces_between_special_tokens", (True,)),
+    # Not no_stop_trim: vLLM cuts the text right after the stop string, SGLang keeps the
+    # whole token that completed it.
+    ("include_stop_str_in_output", (False,)),
+    ("truncate_prompt_tokens", ()),
+    ("allowed_token_ids", ()),
+    ("prompt_logprobs", ()),
+    ("bad_words", ([],)),
+    ("guided_json", ()),
+    ("guided_regex", ()),
+    ("guided_choice", ()),
+    ("guided_grammar", ()),
+    ("guided_decoding_backend", ()),
+    ("guided_whitespace_pattern", ()),
+    ("structured_outputs", ()),
+    ("structural_tag", ()),
+    ("logits_processors", ()),
+    ("return_tokens_as_token_ids", (False,)),
+    ("request_id", ()),
+    ("kv_transfer_params", ()),
+    ("vllm_xargs", ()),
+)
+
+
+# --- /v1/completions -----------------------------------------------------------------------
+
+# msgspec allows one array type per union, so the four prompt forms (a string, strings, token
+# ids, lists of token ids) decode as "a string or a list of those"; ``prompts`` sorts them out.
+PromptItem = str | TokenId | list[TokenId]
+
+
+def _token_ids(items: list[PromptItem]) -> TypeGuard[list[int]]:
+    return all(isinstance(p, int) for p in items)
+
+
+def _strings_or_id_lists(items: list[PromptItem]) -> TypeGuard[list[str | list[int]]]:
+    """All strings, or all lists of token ids (one prompt each)."""
+    return all(isinstance(p, str) for p in items) or all(isinstance(p, list) for p in items)
+
+
+class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=True):
+    prompt: str | list[PromptItem]
+    max_tokens: NonNegInt | None = None  # None: OpenAI's default, 16; 0 only with echo
+    echo: bool | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    _REFUSED: ClassVar[tuple[Refusal, ...]] = (
+        ("suffix", bool, "suffix (insertion) is not supported by this server"),
+        ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
+    ) + _neutrals(
+        ("response_format", ({"type": "text"},)),  # SGLang's
+        ("add_special_tokens", (True,)),  # vLLM's
+        ("prompt_embeds", ()),
+    )
+
+    DEFAULT_MAX_TOKENS: ClassVar[int] = 16
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            # With echo, 0 scores the prompt (its logprobs, no completion), as OpenAI's legacy
+            # API and vLLM allow; without it there would be nothing to answer.
+            raise RequestValidationError("max_tokens 0 is only allowed with echo: true", "max_tokens")
+
+    def logprob_params(self) -> LogprobParams | None:
+        """With ``echo`` the prompt's logprobs too (from position 0, whose is null)."""
+        if self.logprobs is None:
+            return None
+        return LogprobParams(top_logprobs_num=self.logprobs, logprob_start_len=0 if self.echo else -1, return_text=True)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt as a string or as token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise RequestValidationError("prompt must not be an empty list", "prompt")
+        if _token_ids(prompt):
+            return [prompt]
+        if _strings_or_id_lists(prompt):
+            return list(prompt)
+        raise RequestValidationError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids "
+            "(not a mix)",
+            "prompt",
+        )
+
+
+# --- /v1/chat/completions ------------------------------------------------------------------
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    text: str
+
+
+class ImageURLPart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True):
+    image_url: Any
+
+
+class InputAudioPart(msgspec.Struct, tag_field="type", tag="input_audio", forbid_unknown_fields=True):
+    input_audio: Any
+
+
+class FilePart(msgspec.Struct, tag_field="type", tag="file", forbid_unknown_fields=True):
+    file: Any
+
+
+class RefusalPart(msgspec.Struct, tag_field="type", tag="refusal", forbid_unknown_fields=True):
+    refusal: str
+
+
+ContentPart = TextPart | ImageURLPart | InputAudioPart | FilePart | RefusalPart
+
+
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    # A conversation's earlier tool use is rendered (as vLLM does), though `tools` is refused.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    # Documented for the deprecated function calling and for audio, which this server refuses.
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None  # an earlier assistant refusal: ignored
+
+    def to_template(self, index: int) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined with newlines and
+        ``developer`` as ``system`` (as vLLM and OpenAI do: templates know only ``system``)."""
+        where = f"messages[{index}]"
+        self._refuse_unsupported(where)
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self._text(where)}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [
+                _template_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(self.tool_calls)
+            ]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    def _refuse_unsupported(self, where: str) -> None:
+        if self.role == "function" or self.function_call is not None:
+            raise RequestValidationError(f"{where}: function calls are not supported by this server (use tool calls)", where)
+        if self.audio is not None:
+            raise RequestValidationError(f"{where}: audio is not supported by this server", f"{where}.audio")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise RequestValidationError(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise RequestValidationError(f"{where}.tool_call_id is required on tool messages", f"{where}.tool_call_id")
+
+    def _text(self, where: str) -> str:
+        if self.content is None:
+            # An assistant turn that only called tools has no content.
+            if self.role == "assistant":
+                return ""
+            raise RequestValidationError(f"{where}.content is required", f"{where}.content")
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if not isinstance(part, (TextPart, RefusalPart)):
+                kind = type(part).__struct_config__.tag
+                raise RequestValidationError(
+                    f"{where}.content[{j}]: content parts of type {kind!r} are not supported by this server; "
+                    "only 'text'",
+                    f"{where}.content[{j}].type",
+                )
+            texts.append(part.text if isinstance(part, TextPart) else part.refusal)
+        return "\n".join(texts)
+
+
+def _template_tool_call(call: ToolCall, where: str) -> dict[str, Any]:
+    """Templates (``arguments | tojson``) expect the arguments as an object, not the JSON
+    text the API carries; vLLM parses them the same way, an empty string as ``{}``."""
+    try:
+        arguments = json.loads(call.function.arguments) if call.function.arguments else {}
+    except json.JSONDecodeError as exc:
+        message = f"{where}.function.arguments is not valid JSON: {exc}"
+        raise RequestValidationError(message, f"{where}.function.arguments") from exc
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Any = None
+
+
+class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: Any = None
+    web_search_options: Any = None
+    # Documented, and asking for nothing this server could do differently: ignored.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    _REFUSED: ClassVar[tuple[Refusal, ...]] = (
+        ("tools", bool, "tools (function calling) are not supported by this server"),
+        ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported by this server"),
+        ("functions", bool, "functions (function calling) are not supported by this server"),
+        ("function_call", lambda v: v not in (None, "none"), "function_call is not supported by this server"),
+        (
+            "response_format",
+            lambda v: v is not None and v.type != "text",
+            "response_format other than {\"type\": \"text\"} is not supported by this server",
+        ),
+        ("modalities", lambda v: v is not None and "audio" in v, "audio output is not supported by this server"),
+        ("audio", lambda v: v is not None, "audio output is not supported by this server"),
+        ("web_search_options", lambda v: v is not None, "web search is not supported by this server"),
+    ) + _neutrals(
+        # SGLang
+        ("return_prompt_token_ids", (False,)),
+        ("return_meta_info", (False,)),
+        ("task", ()),
+        ("continue_final_message", (False,)),
+        # Reasoning output is only split out by a reasoning parser, which this server has not.
+        ("separate_reasoning", (True, False)),
+        ("stream_reasoning", (True, False)),
+        ("chat_template_kwargs", ({},)),
+        ("max_dynamic_patch", ()),
+        ("min_dynamic_patch", ()),
+        ("use_audio_in_video", (False,)),
+        ("input_ids", ()),
+        # vLLM
+        ("echo", (False,)),
+        ("add_generation_prompt", (True,)),
+        ("add_special_tokens", (False,)),
+        ("documents", ()),
+        ("chat_template", ()),
+        ("mm_processor_kwargs", ()),
+        ("include_reasoning", (True, False)),
+    )
+
+    def logprob_params(self) -> LogprobParams | None:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
+        return LogprobParams(top_logprobs_num=self.top_logprobs or 0, return_text=True) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (the current name) wins over ``max_tokens`` (deprecated);
+        None when neither is given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+
+# What the two routes decode: each request type plus the known fields of its refusals.
+CompletionBody = declare(CompletionRequest, COMMON_REFUSED + CompletionRequest._REFUSED)
+ChatCompletionBody = declare(ChatCompletionRequest, COMMON_REFUSED + ChatCompletionRequest._REFUSED)

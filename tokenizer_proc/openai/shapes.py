@@ -1,0 +1,165 @@
+"""What a completions or chat response says, choice by choice: the JSON shape of a whole
+choice, of a stream's opening and delta chunks, and of ``usage`` (``CompletionShape`` and
+``ChatShape``, with their one instances ``COMPLETION`` and ``CHAT``).
+
+``usage`` comes from the pipeline's own numbers: ``ReqState.request_stats`` (prompt and cached
+tokens) and ``ReqState.completion_tokens``. As OpenAI does, a prompt is counted once however
+many choices it has: ``prompt_tokens`` sums over prompts, ``completion_tokens`` over every
+choice. A prompt's ``cached_tokens`` is the smallest count among its choices (the copy that
+really computed the prompt; the other copies may have reused its prefix), capped at the
+prompt (in ``--mode dllm`` a request's ``cached_tokens`` also counts its committed blocks),
+so ``cached_tokens <= prompt_tokens`` always holds.
+
+``finish_reason``: ``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``,
+``FinishLength`` is ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``.
+A choice's ``stop_reason`` (vLLM's; streamed, on the finishing chunk) is the stop string or
+``stop_token_ids`` id that ended it, null for EOS and every other finish.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats
+from pipeline.token_texts import TokenText
+from tokenizer_proc.openai.logprobs import chat_logprobs, completion_logprobs, echoed_completion_logprobs
+from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
+from tokenizer_proc.http.sse_events import Hole
+
+_FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
+
+
+class CompletionShape:
+    id_prefix = "cmpl-"
+    object = "text_completion"
+    operation = "text_completion"  # gen_ai.operation.name
+    chunk_object = "text_completion"
+
+    @staticmethod
+    def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
+        logprobs = None
+        if state.logprob is not None and state.echo:
+            logprobs = echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, state.logprobs, state.output_ids, text_of)
+        elif state.logprob is not None:
+            logprobs = completion_logprobs(state.logprobs, state.output_ids, text_of)
+        return {
+            "index": index,
+            "text": CompletionShape.echoed_text(state, text_of) + state.text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason_of(state),
+            "stop_reason": stop_reason_of(state),
+        }
+
+    @staticmethod
+    def opening(index: int) -> dict[str, Any] | None:
+        return None
+
+    @staticmethod
+    def delta(
+        index: int, text: str | Hole, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    @staticmethod
+    def echoed_text(state: ReqState, text_of: TokenText) -> str:
+        """The prompt's text, for ``echo`` (nothing otherwise)."""
+        return "".join(text_of(t) for t in state.prompt_ids) if state.echo else ""
+
+    @staticmethod
+    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None) -> dict[str, Any]:
+        """``state``: on a choice's first chunk, whose logprobs lead with the echoed prompt's."""
+        entries = chunk.logprobs or LogprobEntries()
+        if state is not None and state.echo:
+            return echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, entries, chunk.ids, text_of)
+        return completion_logprobs(entries, chunk.ids, text_of, offset)
+
+
+class ChatShape:
+    id_prefix = "chatcmpl-"
+    object = "chat.completion"
+    operation = "chat"
+    chunk_object = "chat.completion.chunk"
+
+    @staticmethod
+    def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": state.text},
+            "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of) if state.logprob is not None else None,
+            "finish_reason": finish_reason_of(state),
+            "stop_reason": stop_reason_of(state),
+        }
+
+    @staticmethod
+    def opening(index: int) -> dict[str, Any] | None:
+        """OpenAI's first chunk of each choice names the role."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
+
+    @staticmethod
+    def delta(
+        index: int, text: str | Hole, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"content": text} if text else {},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+
+    @staticmethod
+    def echoed_text(state: ReqState, text_of: TokenText) -> str:
+        return ""
+
+    @staticmethod
+    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None) -> dict[str, Any]:
+        return chat_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of)
+
+
+COMPLETION = CompletionShape()
+CHAT = ChatShape()
+Shape = CompletionShape | ChatShape  # what a response is made with
+
+
+def finish_reason_of(state: ReqState) -> str | None:
+    reason = state.finished_reason
+    return None if reason is None else _FINISH_REASONS[type(reason)]
+
+
+def stop_reason_of(state: ReqState) -> int | str | None:
+    """``FinishStop.matched`` is a token id both for EOS and for a stop token: only the
+    request's own ``stop_token_ids`` make it a stop token (the stop checker tests them first)."""
+    reason = state.finished_reason
+    if not isinstance(reason, FinishStop):
+        return None
+    if isinstance(reason.matched, str) or reason.matched in state.sampling.stop_token_ids:
+        return reason.matched
+    return None
+
+
+def with_ids(choice: dict[str, Any], ids: list[int], ids_out: bool) -> dict[str, Any]:
+    """A choice or delta, with its ``token_ids`` when the ids are the output (--skip-tokenizer-init)."""
+    if ids_out:
+        choice["token_ids"] = ids
+    return choice
+
+
+def _finished_stats(state: ReqState) -> RequestOutputStats:
+    assert state.request_stats is not None, "a choice has its stats from its first output on"
+    return state.request_stats
+
+
+def request_usage(states: list[ReqState], n: int) -> dict[str, Any]:
+    """``states`` in choice order, ``n`` per prompt; see the module docstring."""
+    prompt = cached = 0
+    for start in range(0, len(states), n):
+        stats = [_finished_stats(s) for s in states[start : start + n]]
+        prompt += stats[0].prompt_tokens
+        cached += min(stats[0].prompt_tokens, *(st.cached_tokens for st in stats))
+    completion = sum(s.completion_tokens for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

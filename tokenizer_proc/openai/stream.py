@@ -1,0 +1,180 @@
+"""A completions or chat stream's SSE events: ``ChoiceEvents`` is the ``EventSource`` that
+``sse_stream.SseResponse`` sends, and ``StreamUsage`` what its chunks say of usage.
+
+This is the per-event path: a plain content chunk is its choice's ``EventTemplate`` filled
+with the text, and only other chunks are built as dicts and encoded whole (the shapes are
+``openai_shapes``').
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.io_struct import RequestOutputStats
+from tokenizer_proc.http.common import abort_unfinished, refusal
+from tokenizer_proc.openai.logprobs import openai_token_text
+from tokenizer_proc.openai.shapes import Shape, finish_reason_of, request_usage, stop_reason_of, with_ids
+from tokenizer_proc.req_state import ReqState, StreamChunk
+from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """What a stream says of usage. ``include_usage`` (OpenAI): every chunk carries
+    ``"usage": null`` and a last chunk carries the whole request's usage. ``continuous``
+    (vLLM's ``continuous_usage_stats``, which as in vLLM takes ``include_usage`` too): each
+    chunk carries its choice's usage so far instead of null."""
+
+    n: int  # choices per prompt
+    include_usage: bool
+    continuous: bool
+
+    def on_chunk(self, stats: RequestOutputStats | None, completion_tokens: int) -> dict[str, Any]:
+        """``stats`` and ``completion_tokens``: the choice's as of this chunk."""
+        if self.continuous:
+            return {"usage": _choice_usage(stats, completion_tokens)}
+        return {"usage": None} if self.include_usage else {}
+
+
+def _choice_usage(stats: RequestOutputStats | None, completion_tokens: int) -> dict[str, Any]:
+    """One choice's usage after ``completion_tokens`` tokens. A streaming choice has its
+    stats from its first output on, and the stream starts after every first output."""
+    assert stats is not None, "a stream starts once every choice has its first output"
+    prompt = stats.prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": min(prompt, stats.cached_tokens)},
+    }
+
+
+class ChoiceEvents:
+    """A completions or chat stream's events (an ``EventSource``). A content chunk with
+    nothing but text and usage (no finish, logprobs, echo or ids) is the choice's template
+    filled with the text (and with ``continuous`` usage, its counts: one template per
+    choice and stats, which change at a few points of a request only); every other chunk
+    is encoded whole."""
+
+    def __init__(self, tm: TokenizerManager, kind: Shape, states: list[ReqState], head: dict[str, Any], usage: StreamUsage) -> None:
+        self.states = states
+        self.ended = False
+        self._tm = tm
+        self._kind = kind
+        self._head = head
+        self._usage = usage
+        self._ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
+        self._text_of = openai_token_text(tm.token_texts)
+        self._offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
+        self._leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
+        # Per choice: the stats its template was made for (continuous usage), and the template.
+        self._templates: list[tuple[RequestOutputStats | None, EventTemplate | None] | None] = [None] * len(states)
+        # Every content chunk before a choice's finish is its template filled in.
+        self._plain = not self._ids_out and all(s.logprob is None and not s.echo for s in states)
+
+    def opening(self) -> bytes:
+        head, usage = self._head, self._usage
+        out = b""
+        for index, state in enumerate(self.states):
+            opening = self._kind.opening(index)
+            if opening is not None:
+                out += sse({**head, "choices": [opening], **usage.on_chunk(state.request_stats, 0)})
+        return out
+
+    def events(self, index: int) -> bytes:
+        state = self.states[index]
+        if self._plain and not state.finished:
+            chunks = state.take_pending()
+            out = []
+            for chunk in chunks:
+                template = self._template(index, chunk.stats)
+                if template is None:
+                    state.pending[:0] = chunks  # a hole's marker in the model name: encoded whole below
+                    break
+                if chunk.text:  # ids that decode to no text yet are nothing to show
+                    out.append(self._filled(template, chunk))
+            else:
+                return b"".join(out)
+        refused = refusal(state) if state.finished else None
+        if refused is not None:
+            self.ended = True
+            return b"data: " + bytes(refused.body) + b"\n\n"
+        kind, text_of, ids_out = self._kind, self._text_of, self._ids_out
+        # Finished or not as taken: what comes while these events are sent is the next take's.
+        chunks, finish_reason = state.take_pending(), finish_reason_of(state)
+        stop_reason = stop_reason_of(state)
+        out = []
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1  # the finish goes on the last event only
+            final = finish_reason if last else None
+            # Ids that decode to no text yet are nothing to show, unless the ids are the output.
+            if not (chunk.text or final is not None or (ids_out and chunk.ids) or (state.logprob is not None and chunk.ids)):
+                continue
+            lead = self._leading[index]
+            self._leading[index] = False
+            template = self._template(index, chunk.stats) if self._plain and final is None else None
+            if template is not None:
+                out.append(self._filled(template, chunk))
+                continue
+            text = kind.echoed_text(state, text_of) + chunk.text if lead else chunk.text
+            logprobs = None
+            if state.logprob is not None:
+                logprobs = kind.chunk_logprobs(chunk, text_of, self._offsets[index], state if lead else None)
+                self._offsets[index] += sum(len(text_of(t)) for t in (state.prompt_ids if lead and state.echo else []) + chunk.ids)
+            delta = with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
+            out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
+        return b"".join(out)
+
+    def _template(self, index: int, stats: RequestOutputStats | None) -> EventTemplate | None:
+        """Choice ``index``'s content-chunk template for chunks with ``stats`` (continuous
+        usage; any stats otherwise); None: the model name holds a hole's marker, and such
+        chunks are encoded whole."""
+        made = self._templates[index]
+        continuous = self._usage.continuous
+        if made is not None and (not continuous or made[0] is stats):
+            return made[1]
+        if continuous:
+            assert stats is not None, "a stream starts once every choice has its first output"
+            prompt = stats.prompt_tokens
+            # _choice_usage's keys, in its order, with the counts as holes.
+            usage: dict[str, Any] = {"usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": _COMPLETION_TOKENS,
+                "total_tokens": _TOTAL_TOKENS,
+                "prompt_tokens_details": {"cached_tokens": min(prompt, stats.cached_tokens)},
+            }}  # fmt: skip
+        else:
+            usage = self._usage.on_chunk(None, 0)  # the same for every chunk: {"usage": null} or nothing
+        payload = {**self._head, "choices": [self._kind.delta(index, _TEXT, None, None)], **usage}
+        try:
+            template = EventTemplate(payload)
+        except TemplateError:
+            template = None
+        self._templates[index] = (stats, template)
+        return template
+
+    def _filled(self, template: EventTemplate, chunk: StreamChunk) -> bytes:
+        """A content chunk from its template (``_template`` made for the chunk's stats)."""
+        if self._usage.continuous:
+            assert chunk.stats is not None, "a stream starts once every choice has its first output"
+            count = chunk.completion_tokens
+            return template.fill(chunk.text, count, chunk.stats.prompt_tokens + count)
+        return template.fill(chunk.text)
+
+    def closing(self) -> bytes:
+        if not self._usage.include_usage or self.ended:
+            return _DONE
+        return sse({**self._head, "choices": [], "usage": request_usage(self.states, self._usage.n)}) + _DONE
+
+    def close(self) -> None:
+        # A disconnect ends the stream early: stop every choice still running.
+        abort_unfinished(self._tm, self.states)
+
+
+_TEXT = Hole()
+_COMPLETION_TOKENS = Hole()
+_TOTAL_TOKENS = Hole()
