@@ -15,7 +15,6 @@ from __future__ import annotations
 import random
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -32,9 +31,7 @@ from pipeline.io_struct import (
 from pipeline.logprob_columns import TokenLogprobs
 from scheduler_proc.pd.state import DecodeBootstrap, KVFetchJob, PdState
 from scheduler_proc.cache.radix_cache import RadixNode
-
-if TYPE_CHECKING:  # dllm imports this module
-    from scheduler_proc.dllm import Block
+from scheduler_proc.dllm_block import Block
 
 _replace = msgspec.structs.replace
 _SEED_MASK = (1 << 64) - 1

@@ -42,7 +42,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,7 +50,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.config import storage_dir_problem
 from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl, HiCacheStorageState
 from scheduler_proc.cache.kv_pool import KVPool
-from scheduler_proc.cache.radix_cache import RadixCache, RadixNode, common_prefix_len
+from scheduler_proc.cache.radix_cache import RadixCache, RadixNode, StorageRef, common_prefix_len
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
@@ -64,15 +63,6 @@ class StorageError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-class StorageRef(NamedTuple):
-    """Where a storage node's K/V is: tokens [offset, offset + length) of file ``key``
-    (a split node's halves share one file)."""
-
-    key: str
-    offset: int
-    length: int
 
 
 def cached_details(device: int, host: int, storage: int, backend: str | None) -> CachedTokensDetails | None:

@@ -23,15 +23,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from scheduler_proc.cache.kv_pool import KVPool
-
-if TYPE_CHECKING:  # hicache imports this module
-    from scheduler_proc.cache.hicache import StorageRef
 
 _EMPTY_KEY = np.empty(0, dtype=np.int64)
 
@@ -45,6 +42,15 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
+
+class StorageRef(NamedTuple):
+    """Where a storage node's K/V is: tokens [offset, offset + length) of file ``key``
+    (a split node's halves share one file)."""
+
+    key: str
+    offset: int
+    length: int
 
 
 class RadixNode:

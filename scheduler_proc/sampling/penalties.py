@@ -10,16 +10,31 @@ are exact anyway, so no row depends on whether a neighbour asked).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from scheduler_proc.sampling.sampler import SamplingColumns
+
+class PenaltyColumns(Protocol):
+    """The columns this module reads, as the sampler's ``SamplingColumns`` holds them: the
+    sampler depends on this module, not the other way round."""
+
+    @property
+    def frequency_penalty(self) -> np.ndarray: ...  # float32 [n]
+    @property
+    def presence_penalty(self) -> np.ndarray: ...  # float32 [n]
+    @property
+    def repetition_penalty(self) -> np.ndarray: ...  # float32 [n]; 1.0: none
+    @property
+    def output_counts(self) -> torch.Tensor | None: ...  # float32 [n, V]
+    @property
+    def seen(self) -> torch.Tensor | None: ...  # bool [n, V]
+    @property
+    def logit_bias(self) -> torch.Tensor | None: ...  # float32 [n, V]
 
 
-def adjusted_logits(logits: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
+def adjusted_logits(logits: torch.Tensor, cols: PenaltyColumns) -> torch.Tensor:
     """float32 [n, V]: ``logits`` with bias and penalties applied; ``logits`` itself (as
     float32) when no row has any."""
     x = logits.float()

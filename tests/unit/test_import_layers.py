@@ -5,7 +5,11 @@ line; ``tokenpipe/`` (the command line) sits above them all.
 
 Every import counts, wherever it is written: at the top, inside a function (a lazy import is
 still a dependency), under ``if TYPE_CHECKING:``, and ``importlib.import_module("...")`` with
-a literal name."""
+a literal name.
+
+Inside a package too, no two modules import each other, directly or round a longer circle
+(``import_circles``): a type two modules share lives in the one that owns it or in a small
+module below both, so each file can be read after the files it imports."""
 
 from __future__ import annotations
 
@@ -120,4 +124,154 @@ def test_the_checker_names_each_broken_rule_with_file_and_line(tmp_path: Path) -
         f"detokenizer_proc/cli_user.py:1: detokenizer_proc imports tokenpipe: {PROCESS_RULE}",
         f"scheduler_proc/typed.py:4: scheduler_proc imports tokenizer_proc: {PROCESS_RULE}",
         f"tokenizer_proc/dynamic.py:2: tokenizer_proc imports detokenizer_proc: {PROCESS_RULE}",
+    ]
+
+
+# --- Circles between modules ---------------------------------------------------------------
+
+# The benchmarks too: a circle reads as badly there.
+CIRCLE_CHECKED = (*CHECKED, "bench")
+CIRCLE_RULE = "modules import each other in a circle: move the shared type to the module that owns it or below both"
+
+
+def module_name(path: Path, root: Path) -> str:
+    relative = path.relative_to(root).with_suffix("")
+    parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+    return ".".join(parts)
+
+
+def module_imports(root: Path) -> dict[str, dict[str, int]]:
+    """For each module of the checked packages under ``root``: the checked modules it imports
+    (every import counts, as above), each with the first line that imports it. ``from pkg import
+    name`` names the module ``pkg.name`` when there is one, else ``pkg``."""
+    paths = {module_name(path, root): path for top in CIRCLE_CHECKED for path in sorted((root / top).rglob("*.py")) if (root / top).is_dir()}
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        package = ".".join(path.relative_to(root).parent.parts)
+        edges: dict[str, int] = {}
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, imported in imported_modules(path, package):
+            targets = [imported]
+            node_names = _from_import_names(tree, line)
+            targets += [f"{imported}.{name}" for name in node_names]
+            for target in targets:
+                if target in paths and target != module:
+                    edges.setdefault(target, line)
+        graph[module] = edges
+    return graph
+
+
+def _from_import_names(tree: ast.Module, line: int) -> list[str]:
+    return [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.lineno == line for alias in node.names]
+
+
+def import_circles(root: Path) -> list[str]:
+    """One line per circle of imports between modules (a strongly connected set of two or more
+    modules), naming one cycle through it as ``file:line`` steps, and every module it holds."""
+    graph = module_imports(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm; the graphs are small enough to recurse
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+
+    def file_of(module: str) -> str:
+        path = root / module.replace(".", "/")
+        return f"{module.replace('.', '/')}/__init__.py" if path.is_dir() else f"{module.replace('.', '/')}.py"
+
+    found = []
+    for component in sorted(components):
+        members = set(component)
+        cycle = _one_cycle(graph, component[0], members)
+        steps = " -> ".join(f"{file_of(a)}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
+        files = ", ".join(file_of(m) for m in component)
+        found.append(f"{steps} -> {file_of(cycle[-1])} ({len(component)} files in the circle: {files}): {CIRCLE_RULE}")
+    return found
+
+
+def _one_cycle(graph: dict[str, dict[str, int]], start: str, members: set[str]) -> list[str]:
+    """The shortest path from ``start`` back to itself inside ``members`` (breadth first)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in sorted(graph[module]):
+                if target not in members:
+                    continue
+                if target == start:
+                    path = [module]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if target not in previous:
+                    previous[target] = module
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"{start} is in a circle but no cycle through it was found")
+
+
+def test_no_module_imports_itself_round_a_circle() -> None:
+    circles = import_circles(REPO)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_circle_checker_sees_module_imports() -> None:
+    """Guards against passing vacuously: edges inside a package are found, lazy and
+    TYPE_CHECKING ones included."""
+    graph = module_imports(REPO)
+    assert "scheduler_proc.req" in graph["scheduler_proc.scheduler"]
+    assert "scheduler_proc.dllm_block" in graph["scheduler_proc.req"]
+    assert "scheduler_proc.batch.running_batch" in graph["scheduler_proc.sampling.logprobs"]  # under TYPE_CHECKING
+    assert "tokenizer_proc.req_state" in graph["tokenizer_proc.http.sse_stream"]
+
+
+def test_the_circle_checker_names_each_circle_with_files_and_lines(tmp_path: Path) -> None:
+    sources = {
+        "pipeline/__init__.py": "",
+        "pipeline/a.py": "from pipeline.b import B\n",
+        "pipeline/b.py": "import numpy\n\ndef f():\n    from pipeline import a\n",
+        "scheduler_proc/__init__.py": "",
+        "scheduler_proc/sub/__init__.py": "",
+        "scheduler_proc/sub/x.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from scheduler_proc.y import Y\n",
+        "scheduler_proc/y.py": "from .z import Z\n",
+        "scheduler_proc/z.py": "import scheduler_proc.sub.x\n",
+        "scheduler_proc/leaf.py": "from scheduler_proc.y import Y\nfrom scheduler_proc import z\n",
+        "tokenizer_proc/__init__.py": "",
+        "tokenizer_proc/fine.py": "from tokenizer_proc.other import thing\n",
+        "tokenizer_proc/other.py": "thing = 1\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    assert import_circles(tmp_path) == [
+        f"pipeline/a.py:1 -> pipeline/b.py:4 -> pipeline/a.py (2 files in the circle: pipeline/a.py, pipeline/b.py): {CIRCLE_RULE}",
+        "scheduler_proc/sub/x.py:4 -> scheduler_proc/y.py:1 -> scheduler_proc/z.py:1 -> scheduler_proc/sub/x.py"
+        " (3 files in the circle: scheduler_proc/sub/x.py, scheduler_proc/y.py, scheduler_proc/z.py): " + CIRCLE_RULE,
     ]
