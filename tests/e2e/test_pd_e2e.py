@@ -1,6 +1,6 @@
 """PD disaggregation through real processes: a prefill server, a decode server whose KV pool
 is too small for the load (so it retracts and re-bootstraps), and SGLang's router
-(sglang-router) in front of them, as the README deploys it. Every stream must equal the
+(sglang-router) in front of them, as docs/operations.md deploys it. Every stream must equal the
 unified server's greedy output, the first event after a re-bootstrap must show the prefill
 side's new cached tokens, and a client that goes away must leave no request behind."""
 

@@ -15,7 +15,7 @@ from pipeline.config import ServerConfig, add_server_args, config_from_args
 from pipeline.flags import Flag, NoFlag, add_flags, field_flags
 from tokenpipe.cli import main
 
-# Every flag tokenpipe has ever taken, as deploy/, README and the tests spell them.
+# Every flag tokenpipe has ever taken, as deploy/, README, docs/ and the tests spell them.
 FLAGS = {
     "--model-path", "--served-model-name", "--model-seed", "--device", "--torch-threads", "--mode", "--context-length",
     "--skip-tokenizer-init", "--max-total-tokens", "--max-running-requests", "--chunked-prefill-size", "--stream-interval",
