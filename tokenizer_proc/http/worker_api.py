@@ -32,7 +32,7 @@ from tokenizer_proc.native.schema import decode_body
 from tokenizer_proc.http.common import error_response
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
-# What tokenpipe's scheduler runs, whatever the checkpoint (scheduler_proc/model/llama/llama.py): the
+# What tokenpipe's scheduler runs, whatever the checkpoint (scheduler_proc/model/llama.py): the
 # answer for a model directory without a config.json, and for the built-in model.
 _ARCHITECTURE: tuple[str, tuple[str, ...]] = ("llama", ("LlamaForCausalLM",))
 

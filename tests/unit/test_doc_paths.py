@@ -1,0 +1,133 @@
+"""Every module the prose names exists: the docs (README.md, docs/, bench/README.md, deploy/)
+and the code's docstrings and comments name files by path (``scheduler_proc/req.py``), by
+file name (``req.py``) and by dotted name (``scheduler_proc.req.Req``). When a module moves
+or is renamed, each such reference has to follow it; this test finds the ones that did not."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+OUR_TOPS = ("pipeline", "scheduler_proc", "detokenizer_proc", "tokenizer_proc", "tokenpipe", "bench", "tests", "scripts", "deploy", "docs")
+PROSE = ("README.md", "docs", "bench/README.md", "deploy")
+CODE = ("pipeline", "scheduler_proc", "detokenizer_proc", "tokenizer_proc", "tokenpipe", "bench", "tests", "scripts")
+# Not ``tokenpipe``: ``tokenpipe.*`` is also the namespace of the span attributes.
+PACKAGES = ("pipeline", "scheduler_proc", "detokenizer_proc", "tokenizer_proc", "bench")
+
+# Files the prose names that are other projects' (what tokenpipe is compared with or reaches into).
+OTHER_PROJECTS_FILES = frozenset({"httptools_impl.py", "core.py", "tokenizer_manager.py", "scheduler.py", "__init__.py", "setup.py", "conftest.py"})
+
+PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(OUR_TOPS) + r")/(?:[\w.-]+/)*[\w-]+\.(?:py|md|json|conf|yml|yaml))(?![\w/])")
+FILE_NAME = re.compile(r"(?<![\w./-])([a-z_][\w]*\.py)(?![\w/])")
+DOTTED = re.compile(r"(?<![\w./-])((?:" + "|".join(PACKAGES) + r")(?:\.\w+)+)")
+
+
+def prose_files(root: Path) -> Iterator[Path]:
+    for name in PROSE:
+        path = root / name
+        if path.is_file():
+            yield path
+        elif path.is_dir():
+            yield from sorted(p for p in path.rglob("*") if p.suffix in {".md", ".conf", ".yml", ".yaml"})
+
+
+def code_texts(root: Path) -> Iterator[tuple[Path, int, str]]:
+    """(file, line, text) of every docstring and comment of the Python sources."""
+    for top in CODE:
+        for path in sorted((root / top).rglob("*.py")):
+            source = path.read_text()
+            tree = ast.parse(source)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                    doc = ast.get_docstring(node, clean=False)
+                    if doc and node.body:
+                        yield path, node.body[0].lineno, doc
+            for number, line in enumerate(source.splitlines(), 1):
+                if "#" in line:
+                    yield path, number, line[line.index("#") :]
+
+
+def texts(root: Path) -> Iterator[tuple[Path, int, str]]:
+    for path in prose_files(root):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            yield path, number, line
+    yield from code_texts(root)
+
+
+def top_level_names(module: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def dotted_problem(root: Path, name: str) -> str | None:
+    """Why ``name`` (``pkg.module.attr...``) names nothing, or None when it resolves: each
+    part a package or module until a module, then the first attribute defined in it."""
+    parts = name.split(".")
+    at = root / parts[0]
+    for i, part in enumerate(parts[1:], 1):
+        if (at / part).is_dir() and (at / part / "__init__.py").exists():
+            at = at / part
+            continue
+        if (at / f"{part}.py").is_file():
+            module = at / f"{part}.py"
+            rest = parts[i + 1 :]
+            if rest and rest[0] not in top_level_names(module):
+                return f"{module.relative_to(root)} defines no {rest[0]}"
+            return None
+        return f"{at.relative_to(root)}/ holds no module or package {part}"
+    return None
+
+
+def dangling(root: Path) -> list[str]:
+    file_names = {p.name for top in OUR_TOPS if (root / top).is_dir() for p in (root / top).rglob("*.py")}
+    found = []
+    for path, number, text in texts(root):
+        where = f"{path.relative_to(root)}:{number}"
+        for ref in PATH.findall(text):
+            if not (root / ref).exists():
+                found.append(f"{where}: {ref} does not exist")
+        for ref in FILE_NAME.findall(text):
+            if ref not in file_names and ref not in OTHER_PROJECTS_FILES:
+                found.append(f"{where}: no file is named {ref}")
+        for ref in DOTTED.findall(text):
+            problem = dotted_problem(root, ref.rstrip("."))
+            if problem:
+                found.append(f"{where}: {ref}: {problem}")
+    return found
+
+
+def test_every_module_the_docs_and_docstrings_name_exists() -> None:
+    problems = dangling(REPO)
+    assert not problems, "references to modules that do not exist:\n" + "\n".join(problems)
+
+
+def test_the_checker_finds_dangling_references(tmp_path: Path) -> None:
+    (tmp_path / "scheduler_proc" / "cache").mkdir(parents=True)
+    (tmp_path / "scheduler_proc" / "__init__.py").write_text("")
+    (tmp_path / "scheduler_proc" / "cache" / "__init__.py").write_text("")
+    (tmp_path / "scheduler_proc" / "cache" / "kv_pool.py").write_text('"""See ``scheduler_proc/kv_pool.py``."""\nclass KVPool: ...\n')
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text(
+        "`scheduler_proc/cache/kv_pool.py` and `kv_pool.py` hold `scheduler_proc.cache.kv_pool.KVPool`.\n"
+        "Gone: `pd_role.py`, `scheduler_proc.pd_role.PdRole`, `scheduler_proc.cache.kv_pool.Pool`, `scheduler_proc.cache.gone`.\n"
+    )
+    assert dangling(tmp_path) == [
+        "docs/design.md:2: no file is named pd_role.py",
+        "docs/design.md:2: scheduler_proc.pd_role.PdRole: scheduler_proc/ holds no module or package pd_role",
+        "docs/design.md:2: scheduler_proc.cache.kv_pool.Pool: scheduler_proc/cache/kv_pool.py defines no Pool",
+        "docs/design.md:2: scheduler_proc.cache.gone: scheduler_proc/cache/ holds no module or package gone",
+        "scheduler_proc/cache/kv_pool.py:1: scheduler_proc/kv_pool.py does not exist",
+    ]
