@@ -24,6 +24,23 @@ def bench() -> ModuleType:
     return importlib.import_module("bench.serve")
 
 
+# The helpers live in the modules bench/serve.py is split into; importing bench.serve first
+# (the fixture above) skips them the same way when the bench extras are not installed.
+@pytest.fixture(scope="module")
+def client(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("bench.serve_client")
+
+
+@pytest.fixture(scope="module")
+def readings(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("bench.serve_readings")
+
+
+@pytest.fixture(scope="module")
+def compare(bench: ModuleType) -> ModuleType:
+    return importlib.import_module("bench.serve_compare")
+
+
 @pytest.mark.timeout(60)
 def test_launch_run_writes_json_and_png(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, png = tmp_path / "r.json", tmp_path / "p.png"
@@ -49,19 +66,19 @@ def test_launch_run_writes_json_and_png(bench: ModuleType, tmp_path: Path, capsy
         assert label in table
 
 
-def test_step_rate_needs_no_report_inside_the_run(bench: ModuleType) -> None:
+def test_step_rate_needs_no_report_inside_the_run(readings: ModuleType) -> None:
     """The counts before and after a run bound it, so a run shorter than the scheduler's
     report interval (no report seen while it ran) still has a rate, over the whole run; a
     longer one gets it between the reports that bound its steady part."""
-    start, end = bench.Settled(10, True), bench.Settled(110, True)
-    short = bench.phase_readings(start, [bench.Sample(0.05, 0.06, 10, 0)], end, 0.4)
+    start, end = readings.Settled(10, True), readings.Settled(110, True)
+    short = readings.phase_readings(start, [readings.Sample(0.05, 0.06, 10, 0)], end, 0.4)
     assert short == [(0.0, 10), (0.4, 110)]
-    assert bench.step_rate(short, 0.01, 0.39) == {"steps_per_s": 250.0, "steps": 100, "window_s": [0.0, 0.4]}
+    assert readings.step_rate(short, 0.01, 0.39) == {"steps_per_s": 250.0, "steps": 100, "window_s": [0.0, 0.4]}
 
-    samples = [bench.Sample(t - 0.01, t, n, 4) for t, n in ((0.5, 20), (0.6, 20), (1.0, 40), (1.5, 60), (2.0, 80))]
-    long = bench.phase_readings(start, samples, end, 2.6)
+    samples = [readings.Sample(t - 0.01, t, n, 4) for t, n in ((0.5, 20), (0.6, 20), (1.0, 40), (1.5, 60), (2.0, 80))]
+    long = readings.phase_readings(start, samples, end, 2.6)
     assert long == [(0.0, 10), (0.5, 20), (1.0, 40), (1.5, 60), (2.0, 80), (2.6, 110)]
-    assert bench.step_rate(long, 0.55, 1.9) == {"steps_per_s": 40.0, "steps": 60, "window_s": [0.5, 2.0]}
+    assert readings.step_rate(long, 0.55, 1.9) == {"steps_per_s": 40.0, "steps": 60, "window_s": [0.5, 2.0]}
 
 
 @pytest.mark.timeout(90)
@@ -85,32 +102,32 @@ def test_compare_discard_reports_a_ratio(bench: ModuleType, tmp_path: Path, caps
     assert "PASS" in table or "MISS" in table
 
 
-def test_request_options_reach_the_request_body(bench: ModuleType) -> None:
+def test_request_options_reach_the_request_body(bench: ModuleType, client: ModuleType, compare: ModuleType) -> None:
     """Today's body by default (temperature 0.7, a seed per request, no top_p); the options
     replace their parts; --compare-sampling's greedy runs send temperature 0 and no seed,
     its sampled runs temperature 0.7, top_p 0.9 and a seed unless told otherwise."""
-    cfg = bench.LoadConfig(seed=5)
+    cfg = client.LoadConfig(seed=5)
     default = {"max_new_tokens": 64, "temperature": 0.7, "ignore_eos": True, "seed": 8}
-    assert bench.make_body(3, cfg, 4096, True)["sampling_params"] == default
+    assert client.make_body(3, cfg, 4096, True)["sampling_params"] == default
     args = bench.parse_args(["--temperature", "0.5", "--top-p", "0.8", "--no-seeded"])
     assert (args.temperature, args.top_p, args.seeded) == (0.5, 0.8, False)
-    custom = bench.LoadConfig(temperature=0.5, top_p=0.8, seeded=False)
+    custom = client.LoadConfig(temperature=0.5, top_p=0.8, seeded=False)
     given = {"max_new_tokens": 64, "temperature": 0.5, "ignore_eos": True, "top_p": 0.8}
-    assert bench.make_body(0, custom, 4096, False)["sampling_params"] == given
+    assert client.make_body(0, custom, 4096, False)["sampling_params"] == given
 
-    variants = bench.sampling_variants(cfg, None, None, None)
+    variants = compare.sampling_variants(cfg, None, None, None)
     seeds = set()
     for i in range(4):
-        greedy, sampled = (bench.make_body(i, variants[k], 4096, True)["sampling_params"] for k in ("greedy", "sampled"))
+        greedy, sampled = (client.make_body(i, variants[k], 4096, True)["sampling_params"] for k in ("greedy", "sampled"))
         assert greedy["temperature"] == 0.0 and "seed" not in greedy and "top_p" not in greedy
         assert (sampled["temperature"], sampled["top_p"]) == (0.7, 0.9)
         seeds.add(sampled["seed"])
     assert len(seeds) == 4  # a distinct seed per request
-    sampled_given = bench.sampling_variants(cfg, 1.0, 0.5, False)["sampled"]
+    sampled_given = compare.sampling_variants(cfg, 1.0, 0.5, False)["sampled"]
     assert (sampled_given.temperature, sampled_given.top_p, sampled_given.seeded) == (1.0, 0.5, False)
     # Runs with different prompt sets share no prompt (the prefix cache serves neither).
     other_set = dataclasses.replace(cfg, prompt_set=1)
-    assert bench.make_body(0, cfg, 4096, True)["input_ids"] != bench.make_body(0, other_set, 4096, True)["input_ids"]
+    assert client.make_body(0, cfg, 4096, True)["input_ids"] != client.make_body(0, other_set, 4096, True)["input_ids"]
 
     refused = (
         ["--compare-sampling"],  # needs --launch
@@ -158,7 +175,9 @@ def test_compare_sampling_reports_a_ratio(bench: ModuleType, tmp_path: Path, cap
 
 
 @pytest.mark.timeout(60)
-def test_top_logprobs_reports_both_arms_and_a_ratio(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_top_logprobs_reports_both_arms_and_a_ratio(
+    bench: ModuleType, client: ModuleType, compare: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Runs without and with top-5 logprobs alternate on the one launched server; every
     request of the logprobs arm gets one logprob entry per token, and the medians and
     their ratio are there (its value is not judged)."""
@@ -177,7 +196,7 @@ def test_top_logprobs_reports_both_arms_and_a_ratio(bench: ModuleType, tmp_path:
         assert 0 < lp[key] < math.inf, key
     table = capsys.readouterr().out
     assert "without tok/s" in table and "logprobs tok/s" in table and "logprobs/without" in table
-    assert bench.make_body(0, bench.logprobs_variants(bench.LoadConfig(), 5)["logprobs"], 4096, True)["top_logprobs_num"] == 5
+    assert client.make_body(0, compare.logprobs_variants(client.LoadConfig(), 5)["logprobs"], 4096, True)["top_logprobs_num"] == 5
     with pytest.raises(SystemExit):
         bench.parse_args(["--top-logprobs", "5"])  # needs --launch
 
@@ -223,26 +242,26 @@ def test_completions_run_reports_cpu_per_process(bench: ModuleType, tmp_path: Pa
     assert "single tok/s" in table and "multi/single" in table and "API cores: api" in table
 
 
-def test_completions_bodies_and_chunk_counts(bench: ModuleType) -> None:
+def test_completions_bodies_and_chunk_counts(bench: ModuleType, client: ModuleType) -> None:
     """--api completions sends the /generate workload as a completions body (token-id
     prompt, usage on every chunk), and counts each chunk's tokens from the usage so far."""
-    cfg = bench.LoadConfig(seed=5, api="completions", max_new_tokens=16)
-    body = bench.make_body(3, cfg, 4096, True)
-    assert body["prompt"] == bench.make_body(3, dataclasses.replace(cfg, api="generate"), 4096, True)["input_ids"]
+    cfg = client.LoadConfig(seed=5, api="completions", max_new_tokens=16)
+    body = client.make_body(3, cfg, 4096, True)
+    assert body["prompt"] == client.make_body(3, dataclasses.replace(cfg, api="generate"), 4096, True)["input_ids"]
     assert {k: body[k] for k in ("max_tokens", "temperature", "ignore_eos", "seed", "stream")} == {
         "max_tokens": 16, "temperature": 0.7, "ignore_eos": True, "seed": 8, "stream": True
     }
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
-    assert "stream_options" not in bench.make_body(3, cfg, 4096, False)
+    assert "stream_options" not in client.make_body(3, cfg, 4096, False)
 
-    res = bench.ReqResult(stream=True)
+    res = client.ReqResult(stream=True)
     for so_far in (1, 3, 3, 4):  # a chunk may carry several tokens, or none yet
-        res.tokens += bench.completions_event_tokens({"choices": [{"text": "x"}], "usage": {"completion_tokens": so_far}}, res)
+        res.tokens += client.completions_event_tokens({"choices": [{"text": "x"}], "usage": {"completion_tokens": so_far}}, res)
     assert res.tokens == 4 and res.completion_tokens is None
-    assert bench.completions_event_tokens({"choices": [], "usage": {"completion_tokens": 5}}, res) == 0
+    assert client.completions_event_tokens({"choices": [], "usage": {"completion_tokens": 5}}, res) == 0
     assert res.completion_tokens == 5  # the final usage: one token more than the chunks said, so lost
     with pytest.raises(ValueError):
-        bench.completions_event_tokens({"choices": [{"text": "x"}], "usage": None}, res)
+        client.completions_event_tokens({"choices": [{"text": "x"}], "usage": None}, res)
 
     for argv in (
         ["--api", "completions", "--launch", "--top-logprobs", "5"],
@@ -257,7 +276,7 @@ def test_completions_bodies_and_chunk_counts(bench: ModuleType) -> None:
     assert bench.parse_args(["--pids", "12,34"]).pids == [12, 34]
 
 
-def test_several_processes_of_a_role_are_numbered_by_start(bench: ModuleType) -> None:
+def test_several_processes_of_a_role_are_numbered_by_start(readings: ModuleType) -> None:
     """--api-workers N gives N API processes: api-0, api-1, ... in the order they started;
     one process of a role keeps its plain name."""
     first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -266,8 +285,8 @@ def test_several_processes_of_a_role_are_numbered_by_start(bench: ModuleType) ->
         second = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         try:
             roles = {second.pid: "api", os.getpid(): "scheduler", first.pid: "api", 1: None}
-            assert bench.name_processes(roles) == {"scheduler": os.getpid(), "api-0": first.pid, "api-1": second.pid}
-            assert bench.cpu_seconds(os.getpid()) > 0
+            assert readings.name_processes(roles) == {"scheduler": os.getpid(), "api-0": first.pid, "api-1": second.pid}
+            assert readings.cpu_seconds(os.getpid()) > 0
         finally:
             second.kill()
             second.wait()

@@ -1,7 +1,9 @@
 """Every module the prose names exists: the docs (README.md, docs/, bench/README.md, deploy/)
 and the code's docstrings and comments name files by path (``scheduler_proc/req.py``), by
 file name (``req.py``) and by dotted name (``scheduler_proc.req.Req``). When a module moves
-or is renamed, each such reference has to follow it; this test finds the ones that did not."""
+or is renamed, each such reference has to follow it; this test finds the ones that did not.
+So for the docs' links: each points to a file of the repository (never outside it) and, with
+an anchor, to a heading that file has."""
 
 from __future__ import annotations
 
@@ -107,6 +109,65 @@ def dangling(root: Path) -> list[str]:
             if problem:
                 found.append(f"{where}: {ref}: {problem}")
     return found
+
+
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"```.*?```", re.S)
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings (``## 14. Where things live``:
+    ``14-where-things-live``; a repeated heading gets ``-1``, ``-2``...)."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in FENCE.sub("", path.read_text()).splitlines():
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            slug = re.sub(r"[^\w\- ]", "", match.group(1).lower()).replace(" ", "-")
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def broken_links(root: Path) -> list[str]:
+    found = []
+    for path in prose_files(root):
+        if path.suffix != ".md":
+            continue
+        for target in MARKDOWN_LINK.findall(FENCE.sub("", path.read_text())):
+            where = f"{path.relative_to(root)}: {target}"
+            if re.match(r"^[a-z]+:|^//", target):
+                found.append(f"{where}: points outside the repository")
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.is_relative_to(root.resolve()) or not linked.exists():
+                found.append(f"{where}: no such file in the repository")
+            elif anchor and (linked.suffix != ".md" or anchor not in heading_anchors(linked)):
+                found.append(f"{where}: {linked.name} has no heading with that anchor")
+    return found
+
+
+def test_every_link_in_the_docs_resolves_inside_the_repository() -> None:
+    problems = broken_links(REPO)
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_the_link_checker_finds_broken_links(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text("# Design\n\n## 14. Where things live\n\n## Notes\n\n## Notes\n")
+    (tmp_path / "README.md").write_text(
+        "[ok](docs/design.md#14-where-things-live) [ok](docs/design.md#notes-1) [ok](#readme)\n"
+        "[a](docs/design.md#15-gone) [b](docs/api.md) [c](https://example.com) [d](../outside.md)\n"
+        "```\n[in code](nowhere.md)\n```\n# README\n"
+    )
+    assert broken_links(tmp_path) == [
+        "README.md: docs/design.md#15-gone: design.md has no heading with that anchor",
+        "README.md: docs/api.md: no such file in the repository",
+        "README.md: https://example.com: points outside the repository",
+        "README.md: ../outside.md: no such file in the repository",
+    ]
 
 
 def test_every_module_the_docs_and_docstrings_name_exists() -> None:

@@ -1,0 +1,215 @@
+"""The load client of bench/serve.py: the workload's request bodies, and one request sent
+and read (``send_one``).
+
+Each of ``--concurrency`` clients sends requests one after the other until ``--requests``
+have been sent: ``--prompt-len`` random token ids (different for every request, so the
+prefix cache cannot share them), ``--max-new-tokens`` with ``ignore_eos``, ``--temperature``
+(default 0.7), ``--top-p`` (default: not sent, the server's 1.0) and, unless
+``--no-seeded``, a distinct seed per request (``--seed`` plus its index); a
+``--stream-ratio`` fraction of them streaming. Per request it
+measures (client side) TTFT (send to the first SSE event with tokens; a non-streaming
+request's whole response), ITL (the gap before each later event divided by the tokens in
+it), end-to-end latency and the tokens received. A request whose ``output_ids`` (summed
+over the events of a stream) differ from its final ``meta_info.completion_tokens`` counts
+as tokens lost.
+
+``--api completions`` sends the same workload to ``/v1/completions`` instead (default
+``generate``): the prompt as token ids, ``max_tokens``, ``ignore_eos``, ``temperature``,
+``top_p`` and ``seed`` as above, and on streams ``stream_options: {"include_usage": true,
+"continuous_usage_stats": true}``. A chunk's text holds one or more tokens (or none yet)
+and the server sends no token ids in completions chunks, so an event's tokens are its
+``usage.completion_tokens`` less the previous event's; a stream whose final usage chunk
+disagrees with their sum counts as tokens lost. (That checks the count the chunks carry,
+not their text.) A non-streaming completion has only its usage: nothing is lost by this
+measure there.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+DEFAULT_TEMPERATURE = 0.7
+ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}  # --api
+# Usage so far on every chunk: a chunk's text holds one or more tokens (or none yet), and
+# the default server sends no token ids in completions chunks, so this is how to count them.
+CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@dataclass
+class LoadConfig:
+    concurrency: int = 64
+    requests: int = 256
+    stream_ratio: float = 0.5
+    max_new_tokens: int = 64
+    prompt_len: int = 32
+    seed: int = 0
+    progress: bool = True
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float | None = None  # None: not sent (the server's default, 1.0)
+    seeded: bool = True  # a distinct seed per request: seed + its index
+    prompt_set: int = 0  # runs on one server with different sets share no prompt
+    top_logprobs: int | None = None  # None: no logprobs asked; K: return_logprob, top_logprobs_num K
+    api: str = "generate"  # a key of ENDPOINTS
+
+
+@dataclass
+class ReqResult:
+    stream: bool
+    ok: bool = False
+    status: int = 0
+    error: str | None = None
+    sent: float = 0.0  # seconds since the run's start
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0  # output_ids received
+    completion_tokens: int | None = None  # the final meta_info's count
+    logprobs: int | None = None  # output_token_logprobs entries received; None: not asked
+    itl: list[float] = field(default_factory=list)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, tokens)
+
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
+    rng = random.Random(f"{cfg.seed}/{cfg.prompt_set}/{i}")
+    ids = [rng.randrange(16, vocab) for _ in range(cfg.prompt_len)]  # low ids hold the special tokens
+    if cfg.api == "completions":
+        return completions_body(i, cfg, ids, stream)
+    sampling: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
+    if cfg.top_p is not None:
+        sampling["top_p"] = cfg.top_p
+    if cfg.seeded:
+        sampling["seed"] = cfg.seed + i
+    body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
+    if cfg.top_logprobs is not None:
+        body.update(return_logprob=True, top_logprobs_num=cfg.top_logprobs)
+    return body
+
+
+def completions_body(i: int, cfg: LoadConfig, ids: list[int], stream: bool) -> dict[str, Any]:
+    """The same request as ``make_body``'s /generate one, as a /v1/completions body."""
+    assert cfg.top_logprobs is None, "logprobs are measured through /generate"
+    body: dict[str, Any] = {"prompt": ids, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
+    if cfg.top_p is not None:
+        body["top_p"] = cfg.top_p
+    if cfg.seeded:
+        body["seed"] = cfg.seed + i
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = dict(CONTINUOUS_USAGE)
+    return body
+
+
+def generate_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
+    """A /generate event's tokens (its ``output_ids`` are the ones since the last event);
+    keeps its ``meta_info`` count so far and its logprob entries."""
+    res.completion_tokens = event["meta_info"]["completion_tokens"]
+    if res.logprobs is not None:
+        res.logprobs += len(event["meta_info"].get("output_token_logprobs") or ())
+    return len(event["output_ids"])
+
+
+def completions_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
+    """A /v1/completions chunk's tokens: its usage so far (``continuous_usage_stats``) less
+    the tokens counted before it. The last chunk (no choices) carries the request's usage:
+    its ``completion_tokens`` is the final count, checked against the sum."""
+    usage = event.get("usage")
+    if usage is None:
+        raise ValueError("a chunk without usage: the server does not honour stream_options.continuous_usage_stats")
+    if not event["choices"]:
+        res.completion_tokens = int(usage["completion_tokens"])
+        return 0
+    return int(usage["completion_tokens"]) - res.tokens
+
+
+def whole_response_tokens(api: str, data: dict[str, Any], res: ReqResult) -> None:
+    """A non-streaming answer's tokens. /v1/completions gives only its usage count (the text
+    is not countable in tokens), so nothing can be lost there by this measure."""
+    if api == "completions":
+        res.tokens = res.completion_tokens = int(data["usage"]["completion_tokens"])
+        return
+    res.tokens = len(data["output_ids"])
+    res.completion_tokens = data["meta_info"]["completion_tokens"]
+    if res.logprobs is not None:
+        res.logprobs = len(data["meta_info"].get("output_token_logprobs") or ())
+
+
+async def send_one(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    t0: float,
+    on_headers: Callable[[], None] | None = None,
+    api: str = "generate",
+) -> ReqResult:
+    """One request to ``api``'s endpoint. ``on_headers`` is called when a stream's headers
+    arrive: the server has then already handed the request to the scheduler."""
+    res = ReqResult(stream=bool(body["stream"]), logprobs=0 if body.get("return_logprob") else None)
+    endpoint = f"{url}{ENDPOINTS[api]}"
+    event_tokens = completions_event_tokens if api == "completions" else generate_event_tokens
+    start = time.perf_counter()
+    res.sent = start - t0
+    try:
+        if not res.stream:
+            resp = await client.post(endpoint, json=body)
+            now = time.perf_counter()
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return res
+            whole_response_tokens(api, resp.json(), res)
+            res.ttft = res.e2e = now - start
+            res.arrivals.append((now - t0, res.tokens))
+            res.ok = True
+            return res
+        async with client.stream("POST", endpoint, json=body) as resp:
+            res.status = resp.status_code
+            if on_headers is not None:
+                on_headers()
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            last = start
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                now = time.perf_counter()
+                payload = line[6:]
+                if payload == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(payload)
+                if "error" in event:
+                    res.error = f"stream error: {event['error'].get('message')}"
+                    return res
+                n = event_tokens(event, res)
+                if n == 0:
+                    continue
+                if res.ttft is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append((now - last) / n)
+                last = now
+                res.tokens += n
+                res.arrivals.append((now - t0, n))
+            res.e2e = time.perf_counter() - start
+            if not done:
+                res.error = "stream ended without [DONE]"
+                return res
+            if api == "completions" and res.completion_tokens is None:
+                res.error = "stream ended without its usage chunk"
+                return res
+            res.ok = True
+    except Exception as exc:  # noqa: BLE001 - every failure is a counted error
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
