@@ -215,6 +215,10 @@ def test_every_route_answers_a_full_queue_with_503(tmp_path: Path) -> None:
             assert_queue_full(c.post("/v1/completions", json={**prompt, "prompt": "a"}))
             assert_queue_full(c.post("/v1/chat/completions", json={**chat, "stream": True}))
             assert_queue_full(c.post("/v1/chat/completions", json={**chat, "n": 3}))
+            # The health check's own 1-token request is refused too: not healthy.
+            health = c.get("/health_generate")
+            assert health.status_code == 503, health.text
+            assert "the waiting queue is full" in health.json()["error"]["message"], health.text
             # A refused choice answers for its request at once; its siblings' own refusals
             # (and the aborts sent for them) come back a scheduler step or two later.
             def live() -> int:

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp
 
 from pipeline.http.body_limit import BodyLimit
 from pipeline.http.edge import BearerAuth, install_error_handlers
-from pipeline.io_struct import RequestOutputStats, SamplingParams
+from pipeline.io_struct import FinishAbort, RequestOutputStats, SamplingParams
 from pipeline.token_texts import TokenText
 from tokenizer_proc.native.schema import (
     AbortRequestBody,
@@ -119,11 +119,16 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         ping = tm.tokenizer.encode("ping")[:1] if tm.tokenizer is not None else []
         state = tm.submit_generate(input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True)
         try:
-            await asyncio.wait_for(state.event.wait(), timeout=tm.config.health_generate_timeout)
+            await asyncio.wait_for(_until_finished(state), timeout=tm.config.health_generate_timeout)
         except TimeoutError:
             tm.abort(state.req_id, "health check timed out")
             tm.forget(state)  # a stalled scheduler may never answer: keep no state for it
             return error_response(503, "a 1-token request did not get through the pipeline in time", err_type="service_unavailable")
+        # Healthy only when the request came through: one refused (a full queue) or lost (a
+        # restart) finished too, as an abort.
+        reason = state.finished_reason
+        if isinstance(reason, FinishAbort):
+            return error_response(503, f"a 1-token request did not get through the pipeline: {reason.message}", err_type="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.post("/abort_request")
@@ -154,6 +159,12 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     if api_key is not None:
         edge = BearerAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
     return edge
+
+
+async def _until_finished(state: ReqState) -> None:
+    while not state.finished:
+        await state.event.wait()
+        state.event.clear()
 
 
 def _generate_body(tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any]) -> dict[str, Any]:
