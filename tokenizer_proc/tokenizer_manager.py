@@ -292,6 +292,11 @@ class TokenizerManager:
             last = self.last_scheduler_report
             if last is not None and last.instance != frame.instance:
                 self._fail_in_flight("the scheduler restarted and lost this request; send it again", 503)
+                # Requests sent while no scheduler ran wait in the socket and reach the new
+                # one, but their clients were just told they were lost: stop them there. Only
+                # this worker's, and only those: whatever is sent from now on comes after this
+                # message on the same socket.
+                self._send_obj(AbortReq(abort_all=True, worker=self.worker_index, reason="reported lost to the client after a scheduler restart"))
             self.last_scheduler_report = frame
             # Every worker gets the reports; one sets the gauges, or a multiprocess /metrics
             # would count the retraction total once per worker.

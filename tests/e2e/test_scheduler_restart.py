@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,8 +34,12 @@ class ThreeProcesses(RoleProcesses):
     def __init__(self, run_dir: Path) -> None:
         super().__init__(["--max-running-requests", "1"], ipc_dir=run_dir)
 
+    def scheduler_report(self) -> dict[str, Any] | None:
+        report: dict[str, Any] | None = httpx.get(self.url + "/server_info", timeout=30).json()["scheduler"]
+        return report
+
     def scheduler_live_reqs(self) -> int:
-        report = httpx.get(self.url + "/server_info", timeout=30).json()["scheduler"]
+        report = self.scheduler_report()
         return int(report["live_reqs"]) if report else 0
 
     def restart_scheduler(self) -> None:
@@ -109,6 +114,33 @@ def test_requests_lost_by_a_restarted_scheduler_get_503(three: ThreeProcesses) -
     metrics = httpx.get(url + "/metrics", timeout=30).text
     assert metric_total(metrics, "tokenpipe:num_aborted_requests_total") == 4
     assert metric_total(metrics, "tokenpipe:num_requests_total") == 5
+
+
+@pytest.mark.timeout(240)
+def test_a_request_sent_while_the_scheduler_is_down_is_not_run_by_the_next_one(three: ThreeProcesses) -> None:
+    """ZeroMQ keeps what the API sends while no scheduler runs and hands it to the next one.
+    The API tells that request's client it was lost (it cannot know the new scheduler will
+    get it), so the new scheduler must not run it: no work for nobody, and none done twice
+    for the client that sends it again."""
+    url = three.url
+    three.procs["scheduler"].stop(signal.SIGKILL, timeout=30)
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(post, url, "/generate", {"text": "sent into the gap", "sampling_params": {"max_new_tokens": 1900, **GREEDY}})
+        assert wait_until(lambda: httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 1, 60)
+        three.procs["scheduler"] = three.start("scheduler")
+        assert_lost(sent.result(120))
+
+    # The new scheduler got the request, and stopped it within a few steps of its start,
+    # not after its 1900 tokens.
+    def idle() -> bool:
+        report = three.scheduler_report()
+        return report is not None and report["live_reqs"] == 0 and report["num_queue_reqs"] == 0
+
+    assert wait_until(idle, 120), "the new scheduler still holds the lost request"
+    report = three.scheduler_report()
+    assert report is not None and report["forward_steps_total"] < 500, report
+    after = post(url, "/generate", {"text": "again", "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 4
 
 
 def metric_total(exposition: str, name: str) -> float:
