@@ -9,12 +9,17 @@ from pipeline.io_struct import SchedulerStatsReport
 from scheduler_proc.scheduler import Scheduler
 
 REPORT_INTERVAL = 0.5
+# While idle, a report this often all the same: an API process that starts (or restarts)
+# while the scheduler has no work learns within this long that the pipeline is up; until its
+# first report, /health answers 503.
+IDLE_REPORT_INTERVAL = 2.0
 
 
 class SchedulerStatsReporter:
-    def __init__(self, scheduler: Scheduler, interval: float = REPORT_INTERVAL) -> None:
+    def __init__(self, scheduler: Scheduler, interval: float = REPORT_INTERVAL, idle_interval: float = IDLE_REPORT_INTERVAL) -> None:
         self._s = scheduler
         self._interval = interval
+        self._idle_interval = idle_interval
         self._last_time = 0.0
         self._last_generated = 0
         self._last_prompt = 0
@@ -29,9 +34,10 @@ class SchedulerStatsReporter:
         """A report every ``interval`` seconds while busy, and one when work runs out, so
         the gauges fall back to zero instead of freezing at their last busy value. Work that
         came and went within one interval of an idle report gets its idle report too, or
-        ``forward_steps_total`` would stay behind for good."""
+        ``forward_steps_total`` would stay behind for good. While idle, one every
+        ``idle_interval`` seconds (``IDLE_REPORT_INTERVAL``)."""
         idle = not self._s.has_work()
-        if idle and self._reported_idle and self._s.forward_steps == self._last_steps:
+        if idle and self._reported_idle and self._s.forward_steps == self._last_steps and now - self._last_time < self._idle_interval:
             return None
         if not idle and now - self._last_time < self._interval:
             return None

@@ -93,7 +93,9 @@ class RoleProcesses:
         ipc_dir: Path | None = None,
         headers: dict[str, str] | None = None,
         log_dir: Path | None = None,
+        roles: Sequence[str] = ROLES,
     ) -> None:
+        """``roles``: the ones started now; a test starts the others with ``start``."""
         inputs = ("scheduler", "detokenizer", "tokenizer")
         if ipc_dir is None:
             self.endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in inputs}
@@ -105,7 +107,7 @@ class RoleProcesses:
         self.log_dir = log_dir
         endpoint_args = [arg for name in inputs for arg in (f"--{name}-input", self.endpoints[name])]
         self.args = [*endpoint_args, "--port", str(self.port), *SMALL_ROLE_ARGS, *args]
-        self.procs = {role: self.start(role) for role in ROLES}
+        self.procs = {role: self.start(role) for role in roles}
 
     @property
     def zmq_ports(self) -> dict[str, int]:

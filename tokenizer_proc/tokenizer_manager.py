@@ -96,6 +96,8 @@ class TokenizerManager:
         self._dropped_rows = RateLimitedWarning(logger)
         self.num_aborted_requests = 0
         self.metrics = ServiceMetrics(self.model_name, config.engine_type, multiprocess=config.api_workers > 1) if config.enable_metrics else None
+        # The first report proves the whole path (scheduler, detokenizer, this process) is up:
+        # until then the service is starting, and /health says so (``ready``).
         self.last_scheduler_report: SchedulerStatsReport | None = None
         self.tracer: RequestTracer | None = None
         if config.otlp_traces_endpoint:
@@ -112,6 +114,13 @@ class TokenizerManager:
         self.checks = RequestChecks(config, self.tokenizer, vocab_size=self.vocab_size, context_length=context_length)
         self.controls = ControlClient(self._send_obj, self.worker_index)
         self._after_frame: dict[Callable[[], None], None] = {}  # an ordered set
+
+    @property
+    def ready(self) -> bool:
+        """Whether the scheduler's reports reach this process through the detokenizer: every
+        process of the pipeline has started (a fresh scheduler reports at once, an idle one
+        every ``IDLE_REPORT_INTERVAL`` seconds)."""
+        return self.last_scheduler_report is not None
 
     # --- sockets -------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import subprocess
 
 import httpx
 
-from tests.server_harness import REPO, RoleProcesses, tokenpipe_command
+from tests.server_harness import REPO, RoleProcesses, tokenpipe_command, wait_until
 
 
 def test_three_processes_over_tcp_serve_a_request() -> None:
@@ -22,6 +22,32 @@ def test_three_processes_over_tcp_serve_a_request() -> None:
     finally:
         codes = list(procs.stop().values())
     assert all(code in (0, -15) for code in codes), codes
+
+
+def test_health_and_models_answer_503_until_the_pipeline_behind_the_api_is_up() -> None:
+    """The API alone listens but serves nothing: /health and /v1/models say so (503, as
+    SGLang's /health during start-up), so a router or load balancer sends it no traffic. Once
+    the scheduler's report reaches it through the detokenizer, both answer 200."""
+    procs = RoleProcesses(roles=("api",))
+    try:
+        def listening() -> bool:
+            try:
+                return httpx.get(f"{procs.url}/health", timeout=5).status_code > 0
+            except httpx.TransportError:
+                return False
+
+        assert wait_until(listening, 60), "the API never listened"
+        for path in ("/health", "/v1/models"):
+            resp = httpx.get(procs.url + path, timeout=5)
+            assert resp.status_code == 503, (path, resp.text)
+            assert resp.json()["error"]["type"] == "service_unavailable", resp.text
+        for role in ("detokenizer", "scheduler"):
+            procs.procs[role] = procs.start(role)
+        procs.wait_ready()
+        assert httpx.get(procs.url + "/health", timeout=5).status_code == 200
+        assert httpx.get(procs.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "tokenpipe-tiny"
+    finally:
+        procs.stop()
 
 
 def test_a_lone_process_needs_explicit_endpoints() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.small_checkpoint import write
 from tests.server_harness import ServerProcess, pid_alive, wait_until
 
 
@@ -33,6 +34,27 @@ def test_kill_9_of_a_child_stops_the_whole_service(tmp_path: Path, victim: str) 
     assert wait_until(lambda: not any(pid_alive(p) for p in children.values()), timeout=1.0), "orphan left"
     assert list((tmp_path / "tmp").iterdir()) == [], "socket files left behind"
     assert f"child process {victim}" in srv.output() and "killed by signal 9" in srv.output()
+
+
+def test_health_never_answers_200_for_a_server_whose_scheduler_fails_to_start(tmp_path: Path) -> None:
+    """A checkpoint the API can read (config, tokenizer) but the scheduler cannot load: the
+    service stops, and until it does /health answers 503, never the 200 that would send a
+    router's traffic to a server that is not there."""
+    model = tmp_path / "model"
+    write(model, layers=1, hidden=64, seed=0)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    srv = ServerProcess(tmp_path / "tmp", ["--model-path", str(model)])
+    statuses: set[int] = set()
+    deadline = time.monotonic() + 120
+    while srv.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            statuses.add(httpx.get(srv.url + "/health", timeout=5).status_code)
+        except httpx.TransportError:
+            pass  # not listening (yet, or any more)
+        time.sleep(0.02)
+    assert srv.proc.wait(timeout=30) != 0, srv.output()[-2000:]
+    assert 200 not in statuses, statuses
+    assert "child process scheduler" in srv.output(), srv.output()[-2000:]
 
 
 def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:

@@ -37,3 +37,17 @@ def test_work_done_within_one_interval_of_an_idle_report_is_reported() -> None:
     assert len(sent) == 1, "exactly one: the idle moment after the work"
     assert sent[0].forward_steps_total == scheduler.forward_steps > 0 and sent[0].live_reqs == 0
     assert reporter.maybe_report(now) is None
+
+
+def test_an_idle_scheduler_reports_every_idle_interval() -> None:
+    """A heartbeat while idle: an API process that starts after the scheduler went idle
+    hears from it within the interval (its /health answers 503 until then)."""
+    scheduler = build_scheduler(ServerConfig(max_total_tokens=4096, torch_threads=1))
+    reporter = SchedulerStatsReporter(scheduler, interval=0.5, idle_interval=2.0)
+    now = time.time()
+    assert reporter.maybe_report(now) is not None, "a fresh scheduler reports at once"
+    assert reporter.maybe_report(now + 1.9) is None
+    beat = reporter.maybe_report(now + 2.0)
+    assert beat is not None and beat.live_reqs == 0
+    assert reporter.maybe_report(now + 3.0) is None
+    assert reporter.maybe_report(now + 4.0) is not None

@@ -25,6 +25,11 @@ def trace_context(request: Request) -> TraceContext | None:
     return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
 
 
+def not_ready() -> JSONResponse:
+    """The answer of /health and /v1/models while the service starts."""
+    return error_response(503, "tokenpipe is starting: the scheduler has not reported through the detokenizer yet", err_type="service_unavailable")
+
+
 def model_not_found(model: str) -> JSONResponse:
     """A request for a model this server does not serve (one model, ``GET /v1/models``)."""
     return error_response(404, f"the model {model!r} does not exist; see GET /v1/models", err_type="not_found_error", param="model")

@@ -29,6 +29,7 @@ from tokenizer_proc.http.common import (
     ClientGone,
     error_response,
     model_not_found,
+    not_ready,
     refusal,
     trace_context,
     wait_finished,
@@ -63,7 +64,9 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # 503 while starting (as SGLang's /health during start-up): a router or load balancer
+        # sends nothing to a server whose scheduler has not come up, or never will.
+        return Response(status_code=200) if tm.ready else not_ready()
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -39,6 +39,7 @@ from tokenizer_proc.http.common import (
     abort_unfinished,
     error_response,
     model_not_found,
+    not_ready,
     refusal,
     trace_context,
     wait_finished,
@@ -76,8 +77,10 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         }
 
     @router.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+    async def list_models() -> Response:
+        if not tm.ready:
+            return not_ready()
+        return JSONResponse({"object": "list", "data": [model_card()]})
 
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
