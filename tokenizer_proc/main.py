@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -31,6 +32,8 @@ async def _serve(config: ServerConfig) -> None:
     await tm.start()
     app = build_app(tm)
 
+    reporting: list[asyncio.Task[None]] = []  # holds the task, so it is not collected
+
     def started() -> None:
         # Every streamed token allocates a few short-lived objects; refcounting frees them,
         # and the collector's frequent young-generation passes (every 700 allocations by
@@ -38,9 +41,7 @@ async def _serve(config: ServerConfig) -> None:
         # frozen out of the scans altogether.
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
-        ctx = zmq.Context()
-        report_ready(ctx, config, config.api_name)
-        ctx.destroy(linger=0)
+        reporting.append(asyncio.get_running_loop().create_task(_report_ready_once_served(tm, config)))
         logger.info("%s serving %s on http://%s:%d", config.api_name, tm.model_name, config.host, config.port)
 
     # The counter of clients dropped for sending their request too slowly (None: metrics off).
@@ -49,6 +50,16 @@ async def _serve(config: ServerConfig) -> None:
         await serve_http(app, config, on_started=started, on_read_timeout=on_read_timeout, reuse_port=several)
     finally:
         await tm.close()
+
+
+async def _report_ready_once_served(tm: TokenizerManager, config: ServerConfig) -> None:
+    """Tells the supervisor this process is ready once the scheduler's report has reached it
+    (``tm.ready``), so the ready line means /health answers 200, not that it soon will."""
+    while not tm.ready:
+        await asyncio.sleep(0.05)
+    ctx = zmq.Context()
+    report_ready(ctx, config, config.api_name)
+    ctx.destroy(linger=0)
 
 
 def run_api(config: ServerConfig) -> None:

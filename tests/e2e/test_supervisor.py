@@ -95,6 +95,8 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:
 def test_ready_line_has_a_curl_example(tmp_path: Path) -> None:
     srv = ServerProcess(tmp_path / "tmp").wait_ready()
     try:
+        # Ready means ready: /health answers 200 from the moment the line is out.
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
         assert srv.ready_line is not None and f"http://127.0.0.1:{srv.port}" in srv.ready_line
         # The curl example is the ready line's second line: it may be read a moment later.
         assert wait_until(lambda: "curl -s" in srv.output(), timeout=5.0)
