@@ -112,6 +112,11 @@ class RequestMetrics:
         # Refused before they ran: body_too_large (413), queue_full (503), read_timeout.
         rejected = counter("num_rejected_requests", "Requests refused by a limit, by reason.", ("reason",))
         self.num_rejected = {r: rejected.labels(**labels, reason=r) for r in REJECTION_REASONS}
+        # "asgi" is the slow path: every event through an ASGI send, a task switch per frame.
+        # Apart from a client gone just as its stream started, it means uvicorn's own send went
+        # unrecognized (pipeline/http/uvicorn_internals.py): an upgrade changed its internals.
+        streams = counter("sse_streams", "Streamed responses, by how their events reach the client's socket.", ("write_path",))
+        self.sse_streams = {p: streams.labels(**labels, write_path=p) for p in ("direct", "asgi")}
         ttft = histogram("time_to_first_token_seconds", "Arrival to the first token at the API.", TTFT_BUCKETS, ("is_streaming",))
         self.ttft = {s: ttft.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
         self.itl = _TallyHistogram(
@@ -149,6 +154,11 @@ class RequestMetrics:
         tally, self._itl_tally = self._itl_tally, {}
         for per_token, count in tally.items():
             self.itl.observe_many(per_token, count)
+
+    def on_sse_stream(self, direct: bool) -> None:
+        """A stream started: its events go straight to the client's socket (``direct``) or
+        through ASGI ``send``."""
+        self.sse_streams["direct" if direct else "asgi"].inc()
 
     def on_lost(self, state: ReqState) -> None:
         """A request that ended before the scheduler reported on it (a restarted scheduler

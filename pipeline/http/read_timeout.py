@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from pipeline.http.uvicorn_internals import HttpToolsBase
 
 logger = logging.getLogger("tokenpipe.http")
 
@@ -19,11 +19,10 @@ logger = logging.getLogger("tokenpipe.http")
 _BODY_TIMEOUTS = 10
 
 
-class _ReadTimeoutProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol (its fast one: llhttp parses in C, and a response body
-    is one transport write with no per-message state machine in Python), plus a bound on
-    how slowly a client may send its request (uvicorn's own ``timeout_keep_alive`` covers
-    only an idle connection between requests).
+class _ReadTimeoutProtocol(HttpToolsBase):
+    """uvicorn's httptools protocol (``HttpToolsBase``, which holds every use of uvicorn's
+    internals), plus a bound on how slowly a client may send its request (uvicorn's own
+    ``timeout_keep_alive`` covers only an idle connection between requests).
 
     - Headers: all of them must arrive within ``read_timeout`` of the request's start: the
       connection being made, or the first byte of the next request on a kept-alive one (the
@@ -47,35 +46,28 @@ class _ReadTimeoutProtocol(HttpToolsProtocol):
         self._began = False  # a byte of the request being read has come
         self._body_deadline = 0.0
 
-    # uvicorn narrows asyncio's BaseTransport to Transport here itself (with the same ignore).
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    # HttpToolsBase's hooks, as a connection and each request on it are read.
+
+    def connected(self) -> None:
         self._start_reading("headers")
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def connection_ending(self) -> None:
         self._stop_reading()
-        super().connection_lost(exc)
 
-    def data_received(self, data: bytes) -> None:
+    def bytes_arriving(self) -> None:
         if self._reading == "body":
-            self._arm(min(self.read_timeout, self._body_deadline - self.loop.time()))
-        super().data_received(data)
+            self._arm(min(self.read_timeout, self._body_deadline - self.event_loop.time()))
 
-    # llhttp's callbacks, as the parser reaches each part of a request.
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
+    def request_began(self) -> None:
         self._began = True
         if self._reading is None:
             self._start_reading("headers")  # the first byte of the next request
 
-    def on_headers_complete(self) -> None:
-        super().on_headers_complete()
-        self._body_deadline = self.loop.time() + _BODY_TIMEOUTS * self.read_timeout
+    def headers_read(self) -> None:
+        self._body_deadline = self.event_loop.time() + _BODY_TIMEOUTS * self.read_timeout
         self._start_reading("body")  # a request without one completes at once
 
-    def on_message_complete(self) -> None:
-        super().on_message_complete()
+    def request_read(self) -> None:
         self._began = False
         self._stop_reading()  # fully read
 
@@ -92,27 +84,27 @@ class _ReadTimeoutProtocol(HttpToolsProtocol):
     def _arm(self, delay: float) -> None:
         if self._read_timer is not None:
             self._read_timer.cancel()
-        self._read_timer = self.loop.call_later(max(0.0, delay), self._read_timed_out)
+        self._read_timer = self.event_loop.call_later(max(0.0, delay), self._read_timed_out)
 
     def _read_timed_out(self) -> None:
         self._read_timer = None
-        if self._reading is None or self.transport.is_closing():
+        if self._reading is None or self.closing:
             return
-        if self.flow.read_paused:
+        if self.reading_paused:
             self._arm(self.read_timeout)  # uvicorn is not reading: not the client's fault
             return
         # A connection that never sent a byte (a browser's preconnect, say) is closed like
         # uvicorn closes an idle kept-alive one: silently, and not counted as a request.
         began = self._began
         if began:
-            logger.info("dropped a client too slow sending its request %s (%s)", self._reading, self.client)
+            logger.info("dropped a client too slow sending its request %s (%s)", self._reading, self.peer)
         self._stop_reading()
-        self.transport.abort()
+        self.abort()
         if began and self.on_read_timeout is not None:
             self.on_read_timeout()
 
 
-def read_timeout_protocol(read_timeout: float, on_read_timeout: Callable[[], None] | None) -> type[HttpToolsProtocol]:
+def read_timeout_protocol(read_timeout: float, on_read_timeout: Callable[[], None] | None) -> type[HttpToolsBase]:
     """The uvicorn ``http`` protocol class for one server: a subclass per server, so the
     settings live on it and nothing is shared between servers."""
     return type(

@@ -61,6 +61,8 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         return error_response(400, str(exc), param=exc.param)
 
     install_error_handlers(app)
+    # Counts each stream's write path (tokenpipe:sse_streams_total), with metrics on.
+    on_stream = tm.metrics.requests.on_sse_stream if tm.metrics is not None else None
 
     @app.get("/health")
     async def health() -> Response:
@@ -100,7 +102,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
                 # A refusal (full queue, scheduler's check, PD failure) is the first change
                 # when it comes: answer it with its status rather than a 200 stream.
                 if await wait_started(tm, [state], request) is None:
-                    return SseResponse(_GenerateEvents(tm, state, text_of), tm.call_after_frame)
+                    return SseResponse(_GenerateEvents(tm, state, text_of), tm.call_after_frame, on_stream)
             else:
                 await wait_finished(tm, state, request)
         except ClientGone:

@@ -14,6 +14,12 @@ SSE bytes on the client's socket, with as little Python per event as the output 
 - **Plain ASGI.** ``SseResponse`` sends straight to the server, without a task group or a
   middleware's per-message wrapper. A task waits for the client's disconnect, which ends
   the stream, and the source then aborts whatever has not finished.
+- **Straight to the socket.** Under uvicorn's own ``send`` (no wrapper), a stream between
+  events is parked: the frame that changes its states writes their events to the client's
+  socket itself, right after the frame (``_Stream.pump``, through
+  ``pipeline.http.uvicorn_internals.direct_writer``, which holds every use of uvicorn's
+  internals), with no task switch or ASGI message. Its start and end, and any write the
+  socket is not ready for, still go through ``send``.
 
 What the events say is the ``EventSource``'s business (``http_server`` for /generate,
 ``openai_stream`` for completions and chat).
@@ -27,8 +33,8 @@ from typing import Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 
+from pipeline.http.uvicorn_internals import DirectWriter, direct_writer
 from tokenizer_proc.req_state import ReqState
 
 
@@ -161,16 +167,6 @@ class _Mark(asyncio.Event):
         self._changes.mark(self._index)
 
 
-def _writable_cycle(send: Send) -> HttpToolsCycle | None:
-    """uvicorn's httptools response cycle when ``send`` is its own, unwrapped ``send`` and
-    the response is chunked; None otherwise (another server, or a wrapping middleware), and
-    the stream then sends every event through ``send``."""
-    cycle = getattr(send, "__self__", None)
-    if type(cycle) is HttpToolsCycle and cycle.chunked_encoding and getattr(send, "__func__", None) is HttpToolsCycle.send:
-        return cycle
-    return None
-
-
 class _Stream:
     """One stream's progress: the events made and not yet sent, and which states it has
     reported finished. ``collect`` is the one place that turns changes into events."""
@@ -180,7 +176,7 @@ class _Stream:
         self.states = source.states
         self.changes = Changes(self.states, after_frame)
         self.body = b""
-        self.cycle: HttpToolsCycle | None = None  # set when events can go straight to its transport
+        self.writer: DirectWriter | None = None  # set when events can go straight to the client's socket
         self._reported = [False] * len(self.states)
         self._left = len(self.states)
 
@@ -205,15 +201,12 @@ class _Stream:
         body part, with no task switch and no ASGI message. Anything that needs the task
         (the stream's end, a full socket, a gone client) wakes it instead, with the events
         left in ``body`` for it to send."""
-        cycle = self.cycle
-        assert cycle is not None, "parked only with a writable cycle"
-        if self.collect() or cycle.disconnected or cycle.flow.write_paused:
+        writer = self.writer
+        assert writer is not None, "parked only with a direct writer"
+        if self.collect() or not writer.try_write(self.body):
             self.changes.wake()
             return
-        body = self.body
-        if body:
-            self.body = b""
-            cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        self.body = b""
 
 
 class SseResponse(Response):
@@ -222,11 +215,19 @@ class SseResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, source: EventSource, after_frame: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def __init__(
+        self,
+        source: EventSource,
+        after_frame: Callable[[Callable[[], None]], None] | None = None,
+        on_write_path: Callable[[bool], None] | None = None,
+    ) -> None:
         """``after_frame``: ``TokenizerManager.call_after_frame``, so a parked stream's events
-        are written right after the frame that made them."""
+        are written right after the frame that made them. ``on_write_path``: told once per
+        stream, as it starts, whether its events go straight to the client's socket (True)
+        or through ASGI ``send`` (``RequestMetrics.on_sse_stream`` counts them)."""
         self.source = source
         self.after_frame = after_frame
+        self.on_write_path = on_write_path
         self.status_code = 200
         self.background = None
         self.init_headers()
@@ -239,7 +240,9 @@ class SseResponse(Response):
         gone.add_done_callback(lambda _: changes.close())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            cycle = stream.cycle = _writable_cycle(send)
+            writer = stream.writer = direct_writer(send)
+            if self.on_write_path is not None:
+                self.on_write_path(writer is not None)
             stream.body = source.opening()
             while not stream.collect():
                 if stream.body:
@@ -251,7 +254,7 @@ class SseResponse(Response):
                     for state in states:
                         state.sending = False
                     stream.body = b""
-                if cycle is None:
+                if writer is None:
                     await changes.wait()
                 elif not changes.closed:
                     await changes.park(stream.pump)

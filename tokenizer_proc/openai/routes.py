@@ -226,7 +226,8 @@ async def _respond(
         if refused_state is None and body.streaming:
             head["object"] = kind.chunk_object
             usage = StreamUsage(body.choices, body.include_usage, body.include_usage and body.continuous_usage)
-            return SseResponse(ChoiceEvents(tm, kind, states, head, usage), tm.call_after_frame)
+            on_stream = tm.metrics.requests.on_sse_stream if tm.metrics is not None else None  # tokenpipe:sse_streams_total
+            return SseResponse(ChoiceEvents(tm, kind, states, head, usage), tm.call_after_frame, on_stream)
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
         for state in states if refused_state is None else ():
