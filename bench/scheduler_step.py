@@ -318,7 +318,7 @@ def _profile(scheduler: Scheduler, batch_size: int, steps: int, top: int) -> dic
 
 _CALLEE_PATTERNS = (
     r"scheduler\.py:\d+\((step|_decode|append_tokens)\)",
-    r"batch_decode\.py:\d+\(step\)",
+    r"decode_pass\.py:\d+\(step\)",
     r"forward_batch\.py:\d+\((build|_cat_cpu)\)",
     r"sampler\.py:\d+\(sample\)",
     r"output_builder\.py:\d+\(build_token_output\)",

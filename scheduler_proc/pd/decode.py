@@ -37,7 +37,7 @@ from scheduler_proc.pd.role import PdHost
 from scheduler_proc.pd.state import DecodeBootstrap, Prebuilt
 from scheduler_proc.req import Req
 
-logger = logging.getLogger("tokenpipe.pd_decode")
+logger = logging.getLogger("tokenpipe.pd.decode")
 
 
 def bootstrap_of(req: Req) -> DecodeBootstrap:

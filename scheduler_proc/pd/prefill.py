@@ -29,7 +29,7 @@ from scheduler_proc.pd.role import PdHost
 from scheduler_proc.pd.state import KVFetchJob, PrefillHalf
 from scheduler_proc.req import Req, StatsPending
 
-logger = logging.getLogger("tokenpipe.pd_prefill")
+logger = logging.getLogger("tokenpipe.pd.prefill")
 
 
 def keep_first_logprobs(req: Req) -> None:

@@ -21,8 +21,8 @@ SSE bytes on the client's socket, with as little Python per event as the output 
   internals), with no task switch or ASGI message. Its start and end, and any write the
   socket is not ready for, still go through ``send``.
 
-What the events say is the ``EventSource``'s business (``http_server`` for /generate,
-``openai_stream`` for completions and chat).
+What the events say is the ``EventSource``'s business (``tokenizer_proc.http.server`` for
+/generate, ``tokenizer_proc.openai.stream`` for completions and chat).
 """
 
 from __future__ import annotations
