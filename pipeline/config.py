@@ -205,6 +205,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--chunked-prefill-size must be positive, or -1 to disable chunking")
         if self.stream_interval < 1:
             problems.append("--stream-interval must be at least 1")
+        if self.graceful_timeout < 0:
+            problems.append("--graceful-timeout must be 0 (no drain) or more seconds")
         if self.max_request_bytes <= 0 or self.request_read_timeout <= 0:
             problems.append("--max-request-bytes and --request-read-timeout must be positive")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.http.read_timeout import read_timeout_protocol
+from pipeline.http.uvicorn_internals import graceful_shutdown_timeout
 
 
 
@@ -147,7 +148,7 @@ async def serve_http(
             http=read_timeout_protocol(settings.request_read_timeout, on_read_timeout),
             log_level=settings.log_level.lower(),
             access_log=False,
-            timeout_graceful_shutdown=int(settings.graceful_timeout) or None,
+            timeout_graceful_shutdown=graceful_shutdown_timeout(settings.graceful_timeout),
         )
     )
     sockets = [reuse_port_socket(host, port)] if reuse_port else None

@@ -2,7 +2,8 @@
 server's protocol (``HttpToolsBase``, which ``read_timeout`` builds on) and the direct write of
 a streamed response's body parts (``direct_writer``, which ``sse_stream`` uses). No other
 module names them. uvicorn's public API is used where it is needed: ``edge`` runs
-``uvicorn.Server`` with a ``uvicorn.Config`` and overrides ``Server.capture_signals``.
+``uvicorn.Server`` with a ``uvicorn.Config`` and overrides ``Server.capture_signals``; of that
+config, what its type does not say is ``graceful_shutdown_timeout``'s.
 
 Written against uvicorn 0.55.0 and httptools 0.9.0. pyproject.toml bounds both to the
 releases these names are known in (the reasons are written there): a new uvicorn minor may
@@ -31,6 +32,7 @@ What is used, all of ``uvicorn.protocols.http.httptools_impl``:
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 from starlette.types import Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -150,3 +152,11 @@ def direct_writer(send: Send) -> DirectWriter | None:
     if type(cycle) is RequestResponseCycle and cycle.chunked_encoding and getattr(send, "__func__", None) is RequestResponseCycle.send:
         return DirectWriter(cycle)
     return None
+
+
+def graceful_shutdown_timeout(seconds: float) -> int:
+    """``uvicorn.Config(timeout_graceful_shutdown=...)`` for a drain of ``seconds``: uvicorn
+    types it ``int | None`` but hands it to ``asyncio.timeout``, which takes float seconds, and
+    None waits for ever. So a fraction of a second is passed as it is (``int(0.5) or None``
+    was None: a wait without end), and 0 cancels what is in flight at once."""
+    return cast(int, seconds)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -90,6 +91,26 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:
     assert all(m["finish_reason"] == {"type": "length", "length": 600} and m["completion_tokens"] == 600 for _, m in results)
     assert not any(pid_alive(p) for p in children.values())
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_graceful_timeout_under_a_second_bounds_the_drain(tmp_path: Path) -> None:
+    """--graceful-timeout 0.5 drains for half a second, not for ever: a stream whose client
+    stopped reading (it can never finish) is cut, and the API stops by itself, so the
+    supervisor need not kill it."""
+    srv = ServerProcess(tmp_path / "tmp", ["--graceful-timeout", "0.5"]).wait_ready()
+    payload = json.dumps({"text": "never read", "stream": True, "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+        )
+        assert sock.recv(64).startswith(b"HTTP/1.1 200"), "the stream never started"
+        # Not read from here on: the server's writes back up, and the stream cannot end.
+        srv.proc.send_signal(signal.SIGTERM)
+        code = srv.proc.wait(timeout=60)
+    assert code == 0, srv.output()[-3000:]
+    assert "did not stop within" not in srv.output(), srv.output()[-3000:]
 
 
 def test_ready_line_has_a_curl_example(tmp_path: Path) -> None:
