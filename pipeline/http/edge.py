@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import signal
 import socket
 from collections.abc import Callable, Iterator
@@ -15,12 +16,15 @@ from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.http.read_timeout import read_timeout_protocol
 from pipeline.http.uvicorn_internals import graceful_shutdown_timeout
+
+logger = logging.getLogger("tokenpipe.http")
 
 
 
@@ -75,6 +79,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), err_type=err_type)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, _: ClientDisconnect) -> Response:
+        # Expected, not an error (uncaught, uvicorn would log it with a traceback). The
+        # answer goes nowhere: the client is gone.
+        logger.info("a client disconnected while sending its request (%s %s)", request.method, request.url.path)
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -41,7 +41,10 @@ class HotRoutes:
                 try:
                     response = await endpoint(request)
                 except ClientDisconnect:
-                    raise  # no one to answer (or BodyLimit answered: it drops the body it refused)
+                    # No one to answer (or BodyLimit answered: it drops the body it refused).
+                    # Expected, not an error: clients do leave.
+                    logger.info("a client disconnected while sending its request (%s %s)", scope["method"], scope["path"])
+                    return
                 except Exception as exc:
                     response = await self._handled(request, exc)
                 await response(scope, receive, send)
