@@ -71,6 +71,12 @@ def split_token_rows(output_ids: bytes, output_counts: bytes) -> list[list[int]]
 
 # --- request side ----------------------------------------------------------------------
 
+# The most ``stop_token_ids`` one request may carry (logit_bias's limit). The API refuses
+# more with a 400, and the scheduler's admission refuses them again: every running request
+# shares one stop table as wide as the widest request's list, and each stop check (and
+# min_new_tokens' mask) reads all of it.
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     max_new_tokens: int = 128
@@ -204,6 +210,11 @@ class FinishAbort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen
 
 
 FinishReason = FinishStop | FinishLength | FinishAbort
+
+# The finish the detokenizer gives a row whose request's first row it never saw (it
+# restarted): that request's earlier text is gone, so the row fails it rather than pass as
+# output, and the tokenizer manager, seeing this reason, stops the request in the scheduler.
+DETOKENIZER_LOST_TEXT = FinishAbort(message="the detokenizer restarted and lost this request's text; send it again", status_code=503)
 
 
 def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.io_struct import FinishAbort
+from pipeline.io_struct import MAX_STOP_TOKEN_IDS, FinishAbort
 from scheduler_proc.dllm import DllmDecoder
 from scheduler_proc.cache.hicache import Fetched, cached_details
 from scheduler_proc.req import Req
@@ -46,6 +46,9 @@ class AdmissionCheck:
         bias_ids = [token for token, _ in req.sampling.logit_bias]
         if bias_ids and (min(bias_ids) < 0 or max(bias_ids) >= self.model_vocab_size):
             return f"logit_bias holds a token id outside the vocabulary [0, {self.model_vocab_size})"
+        stop_ids = len(req.sampling.stop_token_ids)
+        if stop_ids > MAX_STOP_TOKEN_IDS:
+            return f"stop_token_ids holds {stop_ids} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
         if req.sampling.stop and not self.matches_stop_strings:
             return "stop strings need a tokenizer, and this server runs with --skip-tokenizer-init: use stop_token_ids"
         return None

@@ -19,7 +19,8 @@ decodes block by block instead of token by token:
   argmax at temperature 0; otherwise bias, penalties, temperature and cuts, then a draw
   whose counter is ``draw_counter(len(output_ids) + position, pass)``, so a seeded request
   is reproducible whatever it is batched with, and a restarted block draws the same numbers
-  again). Its confidence is the model's softmax probability of that token. Pass p of
+  again; an output index below min_new_tokens draws no stop token or EOS, as in generate
+  mode). Its confidence is the model's softmax probability of that token. Pass p of
   ``steps`` (S) commits the ``B // S + (p < B % S)`` most confident masked positions (ties
   go to the earlier position); the last pass commits all that remain.
 - After the S-th pass the block is committed: its tokens are appended one by one through
@@ -143,6 +144,7 @@ class DllmDecoder:
         masked: list[list[int]] = []  # per request: its masked block positions
         rows_of_masked: list[int] = []  # the rows predicting them among the pass's new tokens, flat
         owners: list[Req] = []  # and their requests
+        out_lens: list[int] = []  # and their output indices
         counters: list[np.uint64] = []  # and their draws' counters
         offset = 0
         for req in reqs:
@@ -173,20 +175,23 @@ class DllmDecoder:
             rows_of_masked.extend(anchor_row + j for j in positions)
             owners.extend([req] * len(positions))
             emitted = len(req.output_ids)
+            out_lens.extend(emitted + j for j in positions)
             counters.extend(draw_counter(emitted + j, block.passes) for j in positions)
             offset += len(head) + len(block.tokens)
 
         logits = self.runner.logits_at(
             new_ids, prefixes, new_slots, torch.tensor(rows_of_masked, dtype=torch.long), block_start
         )
+        params = [r.sampling for r in owners]
         cols = SamplingColumns.from_requests(
-            [r.sampling for r in owners],
+            params,
             [r.seed for r in owners],
             counters,
             [r.origin_input_ids for r in owners],
             [r.output_ids for r in owners],
             logits.shape[-1],
             logits.device,
+            self.stop_checker.min_new_bans_of(params, out_lens),
         )
         drawn = self.runner.sample(logits, cols)
         picked = torch.from_numpy(drawn).to(logits.device).unsqueeze(1)

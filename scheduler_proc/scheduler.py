@@ -111,6 +111,10 @@ class Scheduler:
         # work). dLLM mode refines blocks request by request and keeps a plain list.
         self.running: RunningBatch | list[Req] = RunningBatch(context_length, runner.model_config.vocab_size) if dllm is None else []
         self.live: dict[int, Req] = {}
+        # The clients' live requests by rid: several API workers each check only their own
+        # rids, and only this process sees them all. Internal requests (PD KV fetches) have
+        # their own names and are not here.
+        self.live_rids: dict[str, Req] = {}
         self._rows_due: list[Req] = []  # rows produced outside a step (aborts, rejections)
         self.num_retracted_total = 0
         self.forward_steps = 0
@@ -145,7 +149,10 @@ class Scheduler:
             logprob=logprob,
         )
         self.pd.bind(req, room, endpoint)
-        problem = self.admission.problem(req)
+        if msg.rid in self.live_rids:  # each API worker knows only its own live rids
+            problem: str | None = f"a request with rid {msg.rid!r} is already running"
+        else:
+            problem = self.admission.problem(req)
         if problem is not None:
             # The tokenizer manager validates first; this guards the scheduler against a
             # frame from elsewhere, answering instead of crashing or starving.
@@ -165,6 +172,8 @@ class Scheduler:
         takes it, for its KV from a prefill server)."""
         req.enter_waiting_queue(now)
         self.live[req.req_id] = req
+        if not req.kv_only:
+            self.live_rids[req.rid] = req
         if not self.pd.on_admit(req, now):
             self.waiting.append(req)
 
@@ -280,7 +289,7 @@ class Scheduler:
         if self.dllm is not None:
             return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
-        tokens = sample_first_tokens(self.runner, picked, done)
+        tokens = sample_first_tokens(self.runner, picked, done, self.stop_checker)
         self.pd.on_first_token(done)  # before their rows take the first token's logprobs
         return self.append_tokens(done, tokens, rows)
 
@@ -381,6 +390,8 @@ class Scheduler:
         self.pd.on_release(req, time.time())  # a prefill server sends (or keeps) the KV first
         self._release_kv(req)
         self.live.pop(req.req_id, None)
+        if self.live_rids.get(req.rid) is req:  # a refused duplicate leaves the live one's rid
+            self.live_rids.pop(req.rid)
 
     @property
     def kv_tokens_held_by_requests(self) -> int:

@@ -13,7 +13,13 @@ while requests run, storage prefetch waits, aborts (before admission, while queu
 retraction, and while running: their rows carry no tokens, beside multi-token rows),
 finishes by length, stop token and stop strings (decided by the real ``StopChecker``, with
 ``min_new_tokens`` and several stop strings, over tokens drawn so that stop strings do
-occur), and embedding requests (one finished row each, through ``build_embedding_output``).
+occur, often with special tokens inside them, which have no text when skipped), and
+embedding requests (one finished row each, through ``build_embedding_output``).
+
+Tokens are drawn as the sampler would: never one that ``StopChecker.min_new_bans_of`` bans
+(EOS and the request's stop ids while it is short of ``min_new_tokens``), and some
+requests are under EOS pressure (most draws would be EOS or a stop id), so they stop right
+where the minimum allows.
 
 Logprobs (``tests.sim_logprobs``): a share of unified requests ask for them (PD-decode and
 dLLM requests cannot: the server refuses them). Each generated token's logprobs go to
@@ -61,6 +67,8 @@ STOP_STRING_SETS = (("END", "\n\n"), ("es", "sou"), ("15",), ("sou", "es", " 15"
 # Text whose tokens the lifecycles draw often, so that the stop strings above do occur.
 STOP_TEXT = " END of the sources\n\nes sou 15 wanting sources 15"
 TOKEN_POOL = range(6, 4096)  # the ids random tokens are drawn from
+SPECIAL_TOKENS = range(1, 6)  # <|im_start|> ... <|video|>: no text under skip_special_tokens
+EOS_PRESSURE = 0.5  # share of the draws that would be a stop token, for a request under pressure
 
 
 @dataclass
@@ -83,7 +91,14 @@ class SimWorld:
     def __post_init__(self) -> None:
         self.stop_checker = StopChecker(self.tokenizer.eos_token_ids, self.tokenizer.decode, context_length=1 << 20)
         self.stop_pieces = self.tokenizer.encode(STOP_TEXT)
+        self.planned: dict[int, list[int]] = {}  # req_id -> the next tokens it draws
+        self._tokens_of: dict[str, list[int]] = {}
         self.vocab_size = self.tokenizer.vocab_size
+
+    def tokens_of(self, text: str) -> list[int]:
+        if text not in self._tokens_of:
+            self._tokens_of[text] = self.tokenizer.encode(text)
+        return self._tokens_of[text]
 
     def enter_queue(self, req: Req) -> None:
         req.enter_waiting_queue(self.now)
@@ -100,6 +115,7 @@ class SimWorld:
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish(reason, self.now)
+        self.planned.pop(req.req_id, None)
         self._close_stay(req)  # an abort while waiting ends the stay there
 
     def _close_stay(self, req: Req) -> None:
@@ -147,6 +163,7 @@ def make_sampling(rng: random.Random, stream: bool) -> tuple[SamplingParams, int
         skip_special_tokens=rng.random() < 0.8,
         stop=rng.choice(STOP_STRING_SETS) if rng.random() < 0.4 else (),
         no_stop_trim=rng.random() < 0.2,
+        stop_token_ids=(rng.choice(TOKEN_POOL),) if rng.random() < 0.2 else (),
     )
     return sampling, max_new
 
@@ -195,6 +212,7 @@ def make_req(
 def lifecycle(world: SimWorld, req: Req, stop_token: int, kind: str) -> Step:
     rng = world.rng
     block = rng.randint(2, 4) if kind == "dllm" else 1
+    pressure = EOS_PRESSURE if rng.random() < 0.15 else 0.03
     world.live.add(req)
     world.enter_queue(req)
     for _ in range(rng.randint(0, 2)):
@@ -218,7 +236,7 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int, kind: str) -> Step:
                 req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + rng.random() / 100)
         if not req.finished:
             for _ in range(block):
-                if append_token(world, req, stop_token):
+                if append_token(world, req, stop_token, pressure):
                     break
             if kind == "dllm" and not req.finished:
                 # A committed block extends what the cache holds for this request.
@@ -312,16 +330,31 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Admission:
     return True
 
 
-def append_token(world: SimWorld, req: Req, stop_token: int) -> bool:
-    """One generated token and the real stop checks; True when the request finished."""
+def append_token(world: SimWorld, req: Req, stop_token: int, pressure: float) -> bool:
+    """One generated token and the real stop checks; True when the request finished.
+    ``pressure``: the share of draws that would stop it (EOS or one of its stop ids)."""
     rng = world.rng
+    s = req.sampling
     roll = rng.random()
-    if roll < 0.03:
-        token = stop_token
-    elif roll < 0.4 and req.sampling.stop:
+    if roll < pressure:
+        token = rng.choice((stop_token, *s.stop_token_ids))
+    elif world.planned.get(req.req_id):
+        token = world.planned[req.req_id].pop(0)
+    elif s.stop and roll < pressure + 0.05:
+        # One of its stop strings spelled out, a run of special tokens between each two of
+        # its tokens: skipped, they have no text, and the stop must match all the same.
+        first, *rest = world.tokens_of(rng.choice(s.stop))
+        world.planned[req.req_id] = [t for piece in rest for t in (*rng.choices(SPECIAL_TOKENS, k=rng.randint(0, 3)), piece)]
+        token = first
+    elif roll < 0.4 and s.stop:
         token = rng.choice(world.stop_pieces)
     else:
         token = rng.randint(6, 4095)
+    # The sampler never draws what min_new_tokens bans: any other token takes its place.
+    bans = world.stop_checker.min_new_bans_of([s], [len(req.output_ids)])
+    if bans is not None:
+        while token in bans.ids:
+            token = rng.randint(6, 4095)
     req.output_ids.append(token)
     if req.logprob is not None:  # as the sampling step keeps them, one entry per token
         req.pending_logprobs.append(token_logprobs(req.req_id, OUTPUT, [len(req.output_ids) - 1], req.logprob, world.vocab_size))
@@ -344,16 +377,25 @@ def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str | None:
     text = tokenizer.decode(ids, skip)
     if "\ufffd" in text:
         return None
-    if isinstance(reason, FinishStop) and isinstance(reason.matched, str) and not s.no_stop_trim:
-        allowed = len(tokenizer.decode(ids[: max(s.min_new_tokens - 1, 0)], skip))
-        starts = [
-            at
-            for stop in s.stop
-            for at in _occurrences(text, stop)
-            if at + len(stop) > allowed
-        ]
+    # Occurrences of its stop strings that end past the text of the first min_new_tokens - 1
+    # tokens (what came before may hold one).
+    allowed = len(tokenizer.decode(ids[: max(s.min_new_tokens - 1, 0)], skip))
+    starts = [at for stop in s.stop for at in _occurrences(text, stop) if at + len(stop) > allowed]
+    if isinstance(reason, FinishStop) and isinstance(reason.matched, str):
         assert starts, f"{req.rid}: finished on {reason.matched!r} but its text {text!r} holds no such stop"
-        return text[: min(starts)]
+        # The first of them ends in the last token's text: the checker missed none before.
+        before_last = len(tokenizer.decode(ids[:-1], skip))
+        first = min(starts)
+        assert any(text.startswith(stop, first) and first + len(stop) > before_last for stop in s.stop), (
+            f"{req.rid}: a stop string at {first} of {text!r} was missed before the one it finished on"
+        )
+        return text if s.no_stop_trim else text[:first]
+    # No other finish leaves a stop string in what the checker saw: a stop token's own text
+    # is not looked at (its stop came first).
+    if isinstance(reason, FinishStop) and s.no_stop_trim:
+        checked = tokenizer.decode(ids[:-1], skip)
+        starts = [at for stop in s.stop for at in _occurrences(checked, stop) if at + len(stop) > allowed]
+    assert not starts, f"{req.rid}: finished with {reason} though its text {text!r} holds a stop string at {starts}"
     return text
 
 

@@ -34,7 +34,8 @@ class BatchDecoder:
         batch); the other due rows come back as columns."""
         n = len(batch)
         logits = self.runner.decode(batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots))
-        new = self.runner.sample(logits, batch.sampling_columns())
+        bans = self.stop_checker.min_new_bans(batch.output_len(), batch.min_new[:n], batch.stop_ids[:n])
+        new = self.runner.sample(logits, batch.sampling_columns(bans))
         batch.append_tokens(new)
         asking = np.flatnonzero(batch.wants_logprobs[:n])
         if asking.size:

@@ -18,6 +18,7 @@ from scheduler_proc.sampling.logprobs import keep_prompt_logprobs, step_logprobs
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
+from scheduler_proc.stop_checker import StopChecker
 
 # A request, the tokens it computes in this pass, and the pool slots of their KV.
 Chunk = tuple[Req, list[int], torch.Tensor]
@@ -54,18 +55,22 @@ def forward_chunks(runner: ModelRunner, batch: list[Chunk]) -> tuple[torch.Tenso
     return logits, done_rows, mid_chunk
 
 
-def sample_first_tokens(runner: ModelRunner, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+def sample_first_tokens(runner: ModelRunner, logits: torch.Tensor, reqs: list[Req], stop_checker: StopChecker) -> list[int]:
     """The next token of each of these requests (not in the running batch: a first token
-    after a prefill), each drawn at its output index; the logprobs of the requests that
-    asked are kept on them until their rows go out (one batched computation)."""
+    after a prefill), each drawn at its output index, never a stop token while the output
+    is short of min_new_tokens; the logprobs of the requests that asked are kept on them
+    until their rows go out (one batched computation)."""
+    params = [r.sampling for r in reqs]
+    out_lens = [len(r.output_ids) for r in reqs]
     columns = SamplingColumns.from_requests(
-        [r.sampling for r in reqs],
+        params,
         [r.seed for r in reqs],
-        [draw_counter(len(r.output_ids)) for r in reqs],
+        [draw_counter(n) for n in out_lens],
         [r.origin_input_ids for r in reqs],
         [r.output_ids for r in reqs],
         logits.shape[-1],
         logits.device,
+        stop_checker.min_new_bans_of(params, out_lens),
     )
     tokens = runner.sample(logits, columns)
     asking = [i for i, r in enumerate(reqs) if r.logprob is not None]

@@ -33,7 +33,7 @@ from pipeline.io_struct import TOKEN_DTYPE
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, LogprobBlock, TokenLogprobs
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
-from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
+from scheduler_proc.sampling.sampler import BannedTokens, SamplingColumns, draw_counter
 
 _FIRST_ROWS = 64  # rows allocated up front; the tables double when more requests run
 _FIRST_PENDING = 4  # tokens of pending logprobs a row holds at first; doubled when one needs more
@@ -43,7 +43,7 @@ _FIRST_PENDING = 4  # tokens of pending logprobs a row holds at first; doubled w
 # each, and growing doubles each.
 _ROW_COLUMNS = (
     "req_id", "prompt_len", "seq_len", "sent", "joined", "max_new", "min_new", "ignore_eos", "stream",
-    "interval", "has_stop_strings", "stop_ids", "seed", "temperature", "top_k", "top_p", "min_p",
+    "interval", "has_stop_strings", "stop_ids", "stop_count", "seed", "temperature", "top_k", "top_p", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "has_bias", "wants_logprobs",
     "top_k_asked", "ids_asked", "ids_count", "lp_count", "lp_chosen", "lp_top_ids", "lp_top_values",
     "lp_ids_values",
@@ -72,7 +72,10 @@ class RunningBatch:
         self.stream = np.zeros(cap, dtype=bool)
         self.interval = np.ones(cap, dtype=np.int64)
         self.has_stop_strings = np.zeros(cap, dtype=bool)
-        self.stop_ids = np.full((cap, 0), -1, dtype=np.int64)  # padded with -1
+        # As wide as the longest stop_token_ids of the rows now running (padded with -1):
+        # it widens when a longer list joins and narrows when its last holder leaves.
+        self.stop_ids = np.full((cap, 0), -1, dtype=np.int64)
+        self.stop_count = np.zeros(cap, dtype=np.int64)  # each row's stop_token_ids
         self.seed = np.zeros(cap, dtype=np.uint64)
         self.temperature = np.zeros(cap, dtype=np.float32)
         self.top_k = np.zeros(cap, dtype=np.int64)
@@ -154,6 +157,7 @@ class RunningBatch:
             self.stop_ids = wider
         self.stop_ids[row] = -1
         self.stop_ids[row, : len(s.stop_token_ids)] = s.stop_token_ids
+        self.stop_count[row] = len(s.stop_token_ids)
         self.seed[row] = req.seed
         self.temperature[row] = s.temperature
         self.top_k[row] = s.top_k
@@ -245,6 +249,8 @@ class RunningBatch:
         self.hand_over_logprobs(req)
         req.kv_slots = self.req_to_token[row, : int(self.seq_len[row]) - 1].clone()
         del self._row_of[req.req_id]
+        width = self.stop_ids.shape[1]
+        widest = width > 0 and int(self.stop_count[row]) == width  # the table may narrow
         last = self._n - 1
         if row != last:
             moved = self.reqs[last]
@@ -260,8 +266,17 @@ class RunningBatch:
                     table[row] = table[last]
         self.reqs.pop()
         self._n = last
+        if widest:
+            self._narrow_stop_ids()
         if not last and self.lp_chosen.shape[1] > _FIRST_PENDING:
             self._shrink_pending()  # long unsent runs (non-streaming requests) are over: free their room
+
+    def _narrow_stop_ids(self) -> None:
+        """The stop table back to the widest list still running: one request with many
+        stop ids must not make every later step's stop check read them all."""
+        width = int(self.stop_count[: self._n].max()) if self._n else 0
+        if width < self.stop_ids.shape[1]:
+            self.stop_ids = np.ascontiguousarray(self.stop_ids[:, :width])
 
     def _shrink_pending(self) -> None:
         cap, k, m = len(self.req_id), self.lp_top_ids.shape[2], self.lp_ids_values.shape[2]
@@ -341,7 +356,9 @@ class RunningBatch:
         self.req_to_token[torch.arange(n), positions] = slots
         return self.req_to_token[:n, : int(self.seq_len[:n].max())]
 
-    def sampling_columns(self) -> SamplingColumns:
+    def sampling_columns(self, banned: BannedTokens | None = None) -> SamplingColumns:
+        """The rows' sampling columns; ``banned``: the tokens rows may not draw this step
+        (``StopChecker.min_new_bans``)."""
         n = self._n
         any_penalty = bool(self.frequency_penalty[:n].any() or self.presence_penalty[:n].any())
         return SamplingColumns(
@@ -357,6 +374,7 @@ class RunningBatch:
             output_counts=self.output_counts[:n] if any_penalty and self.output_counts is not None else None,
             seen=self.seen[:n] if self.seen is not None and bool((self.repetition_penalty[:n] != 1.0).any()) else None,
             logit_bias=self.logit_bias[:n] if self.logit_bias is not None and bool(self.has_bias[:n].any()) else None,
+            banned=banned,
         )
 
     def append_tokens(self, new: np.ndarray) -> None:

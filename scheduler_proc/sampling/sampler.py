@@ -6,10 +6,12 @@ seeded request samples the same tokens whatever it is batched with, across retra
 (the counter is the output index, not a generator's history) and across PD (the decode
 server draws token 1 with counter 1 whatever the prefill server did).
 
-Per row, in order: logit_bias, penalties (``penalties.py``), temperature, top_k, top_p,
-min_p, the draw. The draw is an inverse CDF over unnormalised weights
-``e = exp((x - rowmax) / T)`` (so the top token weighs exactly 1 and min_p is ``e >=
-min_p``) with one uniform per row, hashed from (seed, counter, round):
+Per row, in order: logit_bias, penalties (``penalties.py``), the ban of the tokens a row
+may not draw yet (``BannedTokens``: its stop tokens and EOS while it is short of
+``min_new_tokens``), temperature, top_k, top_p, min_p, the draw. The draw is an inverse
+CDF over unnormalised weights ``e = exp((x - rowmax) / T)`` (so the top token weighs
+exactly 1 and min_p is ``e >= min_p``) with one uniform per row, hashed from (seed,
+counter, round):
 
 - greedy rows (T <= GREEDY_EPS): argmax of the adjusted logits;
 - top_k rows: ``torch.topk`` on those rows only, then top_p, min_p and the draw in the
@@ -42,7 +44,7 @@ from scheduler_proc.sampling.penalties import (
     seen_tensor,
 )
 
-__all__ = ["GREEDY_EPS", "SamplingColumns", "adjusted_logits", "draw_counter", "sample"]
+__all__ = ["GREEDY_EPS", "BannedTokens", "SamplingColumns", "adjusted_logits", "draw_counter", "sample"]
 
 GREEDY_EPS = 1e-5
 _BLOCK = 64  # width of the inverse CDF's first level (the vocabulary is padded to whole blocks)
@@ -87,6 +89,16 @@ def _uniforms(seed: np.ndarray, counter: np.ndarray, round_index: int = 0) -> np
 
 
 @dataclass(frozen=True, slots=True)
+class BannedTokens:
+    """(row, token id) pairs the draw must not pick: a row short of ``min_new_tokens`` may not
+    draw a token that would stop it (``StopChecker.min_new_bans``), as in SGLang, vLLM and
+    transformers. Pairs, not a [n, V] mask, since a few rows ban a few ids each."""
+
+    rows: np.ndarray  # int64 [m]
+    ids: np.ndarray  # int64 [m]
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingColumns:
     """The sampling parameters of n rows as columns (row i samples logits row i)."""
 
@@ -103,6 +115,7 @@ class SamplingColumns:
     output_counts: torch.Tensor | None  # float32 [n, V]: times each token was generated
     seen: torch.Tensor | None  # bool [n, V]: the token occurs in the prompt or the output
     logit_bias: torch.Tensor | None  # float32 [n, V], dense
+    banned: BannedTokens | None = None  # None: no row bans a token
 
     @classmethod
     def from_requests(
@@ -114,6 +127,7 @@ class SamplingColumns:
         outputs: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device | str,
+        banned: BannedTokens | None = None,
     ) -> SamplingColumns:
         """Columns built from scratch: the event path (a request's first token, dLLM,
         tests). Per-row Python is fine here; a steady decode step should keep columns
@@ -135,6 +149,7 @@ class SamplingColumns:
             output_counts=output_count_tensor(np.flatnonzero((freq != 0) | (pres != 0)), outputs, n, vocab_size, device),
             seen=seen_tensor(np.flatnonzero(rep != 1), prompts, outputs, n, vocab_size, device),
             logit_bias=bias_tensor([p.logit_bias for p in params], vocab_size, device),
+            banned=banned,
         )
 
 
@@ -142,6 +157,8 @@ def sample(logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
     """``logits`` is [n, V], one row per row of ``cols``; returns n token ids, int64."""
     n, vocab = logits.shape
     x = adjusted_logits(logits, cols)
+    if cols.banned is not None:
+        x = _ban(x, logits, cols.banned)
     greedy = cols.temperature <= GREEDY_EPS
     if greedy.all():
         return _argmax(x)
@@ -178,6 +195,25 @@ class _Rows:
         if rows is None:
             return _uniforms(self.seed, self.counter, round_index)
         return _uniforms(self.seed[rows], self.counter[rows], round_index)
+
+
+def _ban(x: torch.Tensor, logits: torch.Tensor, banned: BannedTokens) -> torch.Tensor:
+    """``x`` with each banned (row, id) pair at the lowest float32, after bias and
+    penalties (so no bias lifts it back). Not -inf: a row whose every token is banned
+    then still draws (evenly among them) where -inf would make its weights NaN; any
+    allowed token outweighs it, and its weight after exp is exactly 0. Ids outside the
+    vocabulary (a stop id the model cannot produce) need no ban. ``logits`` stay as they
+    were: logprobs are the raw distribution (docs/design.md section 11)."""
+    vocab = x.shape[1]
+    keep = (banned.ids >= 0) & (banned.ids < vocab)
+    if not keep.any():
+        return x
+    if x is logits:  # adjusted_logits returns float32 logits themselves when nothing applies
+        x = x.clone()
+    rows = torch.from_numpy(banned.rows[keep]).to(x.device)
+    ids = torch.from_numpy(banned.ids[keep]).to(x.device)
+    x.index_put_((rows, ids), torch.tensor(torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device))
+    return x
 
 
 def _take(x: torch.Tensor, rows: np.ndarray) -> torch.Tensor:

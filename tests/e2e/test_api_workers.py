@@ -179,6 +179,51 @@ def test_every_worker_answers_health_and_control_calls(server: ServerProcess) ->
         assert got["scheduler"] is not None, f"worker {worker} has no scheduler report"
 
 
+async def same_rid_on_two_workers(srv: ServerProcess) -> tuple[int, int, httpx.Response, dict[str, Any], httpx.Response]:
+    """A long request with rid "dup-1" runs on one worker; the same rid is sent through
+    another worker (each worker knows only its own rids), then the first is aborted and
+    the rid sent again. Returns both workers, the duplicate's answer, the first request's
+    last meta_info, and the answer once the rid is free."""
+    body = {"text": "a long one", "rid": "dup-1", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    again = {"text": "a short one", "rid": "dup-1", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    async with one_connection(srv) as client:
+        home = await worker_of(client)
+        async with client.stream("POST", "/generate", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break  # running now
+            for _ in range(60):
+                async with one_connection(srv) as other:
+                    worker = await worker_of(other)
+                    if worker == home:
+                        continue
+                    duplicate = await other.post("/generate", json={**again, "text": "the same rid"})
+                    aborted = await other.post("/abort_request", json={"rid": "dup-1"})
+                    assert aborted.status_code == 200, aborted.text
+                    break
+            else:
+                pytest.fail("no connection landed on another worker")
+            last: dict[str, Any] = {}
+            async for line in lines:
+                if line.startswith("data: {"):
+                    last = json.loads(line[6:])["meta_info"]
+    async with one_connection(srv) as other:
+        free_again = await other.post("/generate", json=again)
+    return home, worker, duplicate, last, free_again
+
+
+def test_a_live_rid_sent_through_another_worker_is_refused_with_a_400(server: ServerProcess) -> None:
+    home, worker, duplicate, first, free_again = asyncio.run(same_rid_on_two_workers(server))
+    assert worker != home
+    assert duplicate.status_code == 400, duplicate.text
+    assert "rid 'dup-1' is already running" in duplicate.json()["error"]["message"], duplicate.text
+    # The refusal left the running request alone: it ran until the abort.
+    assert first["finish_reason"]["type"] == "abort" and 0 < first["completion_tokens"] < 2000, first
+    assert free_again.status_code == 200 and free_again.json()["meta_info"]["completion_tokens"] == 3, free_again.text
+
+
 def api_workers(srv: ServerProcess) -> list[int]:
     return [pid for pid, role in descendants(srv.proc.pid).items() if role == "api"]
 

@@ -47,6 +47,35 @@ def test_a_logit_bias_of_100_makes_every_generated_token_that_id(
     assert completion.choices[0].text == expected, (completion.choices[0].text, expected)
 
 
+EOS = 0  # the built-in model's
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+def test_min_new_tokens_keeps_eos_and_stop_ids_from_being_drawn(http: httpx.Client, oai: openai.OpenAI, sampling: dict[str, Any]) -> None:
+    """With a +100 bias every token would be the stop token; min_new_tokens 5 bans it (to
+    -inf, as SGLang, vLLM and transformers do) for the first 5 draws, so the output is 5
+    other tokens and then the stop, not 5 stop tokens that merely postpone the finish."""
+    min_new = 5
+    eos_pushed = {"max_new_tokens": TOKENS, "min_new_tokens": min_new, "logit_bias": {str(EOS): 100.0}, **sampling}
+    out = http.post("/generate", json={"text": PROMPT, "sampling_params": eos_pushed}).json()
+    assert EOS not in out["output_ids"][:min_new] and out["output_ids"][min_new:] == [EOS], out
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}, out
+    assert out["text"] == http.post("/detokenize", json={"model": MODEL, "tokens": out["output_ids"][:min_new]}).json()["prompt"]
+
+    stop = _forced_token(http)
+    stop_pushed = {**eos_pushed, "logit_bias": {str(stop): 100.0}, "stop_token_ids": [stop], "ignore_eos": True}
+    out = http.post("/generate", json={"text": PROMPT, "sampling_params": stop_pushed}).json()
+    assert stop not in out["output_ids"][:min_new] and out["output_ids"][min_new:] == [stop], out
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}, out
+
+    # OpenAI's name for it, through the same sampler.
+    completion = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=TOKENS, logit_bias={str(EOS): 100}, extra_body={"min_tokens": min_new}, **sampling
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens == min_new + 1, completion
+    assert completion.choices[0].finish_reason == "stop" and completion.choices[0].text, completion
+
+
 # --- --skip-tokenizer-init: the vocabulary comes from the model's config ---------------------
 
 

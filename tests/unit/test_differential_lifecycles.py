@@ -16,10 +16,11 @@ must be equal, each worker's against the same worker's.
 
 Both pipelines share the code between the frame and the client, so each finished request
 is also checked against the truth the simulation keeps (``tests.lifecycle_sim``): the ids
-the client got, joined, are the request's tokens; its text is ``expected_text`` (stop
-tokens and stop strings trimmed by plain decodes, ``min_new_tokens`` and several stop
-strings included); its ``queue_time`` is the time the simulation kept it waiting (aborts
-in the queue included).
+the client got, joined, are the request's tokens, and none of its first
+``min_new_tokens`` is a stop token; its text is ``expected_text`` (stop tokens and stop
+strings trimmed by plain decodes, ``min_new_tokens`` and several stop strings included,
+and no stop string missed, special tokens inside it included); its ``queue_time`` is the
+time the simulation kept it waiting (aborts in the queue included).
 
 Logprobs (docs/design.md section 11): a share of requests ask for them, with values the simulation
 derives from (request, position) (``tests.sim_logprobs``), so after every output each
@@ -499,6 +500,10 @@ def check_against_truth(world: SimWorld, req: Req, got: Delivered, seed: int) ->
     """A finished request's whole output against what the simulation knows it must be."""
     where = f"seed {seed}: {req.rid} ({req.finished_reason}, {req.sampling})"
     assert got.ids == req.output_ids, f"{where}: the client got ids {got.ids}, the request made {req.output_ids}"
+    # min_new_tokens bans what would stop the request: under EOS pressure too, none of its
+    # first tokens is one.
+    stops = TOKENIZER.eos_token_ids | set(req.sampling.stop_token_ids)
+    assert not stops.intersection(got.ids[: req.sampling.min_new_tokens]), f"{where}: a stop token before min_new_tokens"
     want = expected_text(TOKENIZER, req)
     if want is not None:
         assert got.text == want, f"{where}: the client got text {got.text!r}, expected {want!r}"

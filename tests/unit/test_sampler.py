@@ -297,3 +297,63 @@ def test_limits_that_leave_one_token_are_greedy() -> None:
         for c in range(n):
             cols = columns([forced] * len(logits), logits, counters=[draw_counter(c)] * len(logits))
             assert (sample(logits, cols) == 123).all(), (forced, c)
+
+
+# --- banned tokens (min_new_tokens) ------------------------------------------------------------
+
+
+def test_banned_tokens_are_never_drawn_and_the_logits_stay_raw() -> None:
+    """Every kind of row with its token 5 pushed far ahead: a row that bans it never draws
+    it (the ban comes after the bias), a row that does not draws nothing else, and the
+    caller's logits (the logprobs' source) are left as they were."""
+    vocab, n = 300, 40
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=10),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.0, logit_bias=((5, 100.0),)),
+        SamplingParams(temperature=1.0, logit_bias=((5, 100.0),), frequency_penalty=0.5),
+    ]
+    params = kinds * 2
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(41))
+    logits[:, 5] += 30.0
+    raw = logits.clone()
+    rows = np.arange(len(kinds), dtype=np.int64)  # the first copy of each kind bans 5 and 6
+    banned = sampler_module.BannedTokens(np.repeat(rows, 2), np.tile(np.array([5, 6], dtype=np.int64), len(kinds)))
+    for c in range(n):
+        cols = SamplingColumns.from_requests(
+            params, [3] * len(params), [draw_counter(c)] * len(params), [[]] * len(params), [[1]] * len(params),
+            vocab, "cpu", banned,
+        )  # fmt: skip
+        got = sample(logits, cols)
+        assert not np.isin(got[: len(kinds)], [5, 6]).any(), (c, got)
+        assert (got[len(kinds) :] == 5).all(), (c, got)
+        # A banned row draws what it draws alone: the ban is its own.
+        for i in (1, 3):
+            alone = SamplingColumns.from_requests(
+                [params[i]], [3], [draw_counter(c)], [[]], [[1]], vocab, "cpu",
+                sampler_module.BannedTokens(np.zeros(2, dtype=np.int64), np.array([5, 6], dtype=np.int64)),
+            )  # fmt: skip
+            assert sample(logits[i : i + 1], alone)[0] == got[i]
+    assert torch.equal(logits, raw), "the ban wrote into the caller's logits"
+
+
+def test_a_row_whose_every_token_is_banned_still_draws_one() -> None:
+    """No NaN weights: it draws among the banned tokens; ids the vocabulary lacks are
+    ignored."""
+    vocab = 64
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(43))
+    banned = sampler_module.BannedTokens(np.zeros(vocab + 1, dtype=np.int64), np.arange(vocab + 1, dtype=np.int64))
+    every_kind = (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.5, top_k=5),
+    )
+    for p in every_kind:
+        cols = SamplingColumns.from_requests([p, p], [1, 1], [draw_counter(0)] * 2, [[], []], [[], []], vocab, "cpu", banned)
+        got = sample(logits, cols)
+        assert 0 <= got[0] < vocab, (p, got)
+        assert got[1] == sample(logits[1:], columns([p], logits[1:], seeds=[1]))[0], "the neighbour of such a row is untouched"

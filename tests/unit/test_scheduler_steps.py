@@ -10,18 +10,23 @@ import numpy as np
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     EMBEDDING_DTYPE,
+    MAX_STOP_TOKEN_IDS,
     REQ_ID_DTYPE,
     WORKER_SHIFT,
     AbortReq,
     AbortResult,
     BatchEmbeddingOutput,
+    BatchTokenIDOutput,
     FinishAbort,
+    FinishLength,
+    FinishReason,
     SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     from_column,
     split_token_rows,
 )
+from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler
 
@@ -197,4 +202,81 @@ def test_abort_by_rid_and_by_worker_stop_only_what_they_name() -> None:
     s.abort(AbortReq(abort_all=True))
     s.step()
     assert not s.has_work()
+    assert_no_kv_leak(s)
+
+
+def _finishes(frames: list[BatchTokenIDOutput | BatchEmbeddingOutput]) -> dict[int, FinishReason]:
+    out: dict[int, FinishReason] = {}
+    for frame in frames:
+        if isinstance(frame, BatchTokenIDOutput):
+            for req_id, reason in zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), frame.finished_reasons or []):
+                if reason is not None:
+                    out[req_id] = reason
+    return out
+
+
+def submit_sampling(s: Scheduler, req_id: int, sampling: SamplingParams, rid: str | None = None) -> None:
+    s.add_request(
+        TokenizedGenerateReqInput(
+            rid=rid if rid is not None else f"r{req_id}",
+            req_id=req_id,
+            input_ids=PROMPT[:20],
+            sampling_params=sampling,
+            stream=True,
+            arrival_time=time.time(),
+        )
+    )
+
+
+def test_the_stop_table_narrows_when_its_widest_request_leaves() -> None:
+    """One request with many stop ids widens the running batch's stop table for its stay
+    only: once it leaves, every stop check reads no more than the others need. (Ids past
+    the vocabulary: never drawn, so no request stops on one.)"""
+    s = make(chunk=64)
+    submit_sampling(s, 1, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(5000, 5001, 5002)))
+    wide = tuple(range(6000, 6000 + MAX_STOP_TOKEN_IDS))
+    submit_sampling(s, 2, SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, stop_token_ids=wide))
+    s.step()
+    assert isinstance(s.running, RunningBatch) and len(s.running) == 2
+    assert s.running.stop_ids.shape[1] == MAX_STOP_TOKEN_IDS
+    while 2 not in _finishes(s.step()):
+        pass
+    assert [r.req_id for r in s.running] == [1]
+    assert s.running.stop_ids.shape[1] == 3
+    assert s.running.stop_ids[0, :3].tolist() == [5000, 5001, 5002]
+    run_to_end(s)
+    assert_no_kv_leak(s)
+
+
+def test_more_stop_ids_than_the_limit_are_refused_with_a_400() -> None:
+    s = make(chunk=64)
+    too_many = tuple(range(MAX_STOP_TOKEN_IDS + 1))
+    submit_sampling(s, 1, SamplingParams(max_new_tokens=4, stop_token_ids=too_many))
+    reason = _finishes(s.step())[1]
+    assert isinstance(reason, FinishAbort) and reason.status_code == 400 and "stop_token_ids" in reason.message, reason
+    assert not s.has_work()
+
+
+def test_a_duplicate_live_rid_is_refused_with_a_400_naming_it() -> None:
+    """--api-workers: each worker checks only its own rids, so two workers may send the
+    same live rid; the scheduler sees them all. A refused duplicate leaves the live one
+    (and its rid) alone, and once that one is gone the rid is free again."""
+    s = make(chunk=64)
+    other_worker = (1 << WORKER_SHIFT) + 1
+    submit_sampling(s, 1, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), rid="same")
+    s.step()
+    for req_id in (other_worker, 2):  # from another worker, then from the same one
+        submit_sampling(s, req_id, SamplingParams(max_new_tokens=20), rid="same")
+        finished = _finishes(s.step())
+        reason = finished[req_id]
+        assert isinstance(reason, FinishAbort) and reason.status_code == 400, reason
+        assert reason.message == "a request with rid 'same' is already running"
+        assert 1 not in finished and 1 in s.live
+    rest: dict[int, FinishReason] = {}
+    while s.has_work():
+        rest |= _finishes(s.step())
+    assert rest == {1: FinishLength(length=20)}
+    submit_sampling(s, 3, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True), rid="same")
+    tokens, _ = run_to_end(s)
+    assert len(tokens[3]) == 2 and not s.live_rids
     assert_no_kv_leak(s)

@@ -3,6 +3,8 @@ when, with ``min_new_tokens`` and special tokens in play."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from pipeline.io_struct import FinishLength, FinishReason, FinishStop, SamplingParams
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.req import Req, StatsPending
@@ -69,3 +71,47 @@ def test_a_stop_string_completed_by_the_last_byte_of_a_character_matches() -> No
     n, reason = run(ids, stop=("𝄞",), max_new_tokens=20)
     assert reason == FinishStop(matched="𝄞")
     assert TOK.decode(ids[:n]).endswith("𝄞")
+
+
+def test_a_stop_string_with_skipped_special_tokens_inside_matches() -> None:
+    """Skipped special tokens have no text: ``[a, <sp>, <sp>, b]`` reads "ab", so the stop
+    "ab" ends there however many special tokens sit inside it (the window the checker
+    decodes counts bytes of text, not tokens)."""
+    a, b = TOK.encode("a") + TOK.encode("b")
+    for specials in ([1], [1, 2], [1, 2, 3, 4, 5, 1, 2]):
+        ids = TOK.encode(" x") + [a, *specials, b] + TOK.encode(" y")
+        n, reason = run(ids, stop=("ab",), max_new_tokens=len(ids))
+        assert (n, reason) == (len(ids) - 1, FinishStop(matched="ab")), specials
+    # A longer stop across several tokens, a special token between each two.
+    words = TOK.encode(" hello world")
+    ids = [t for token in words for t in (token, 2, 1)]
+    n, reason = run(ids, stop=("hello world",), max_new_tokens=len(ids))
+    assert (n, reason) == (len(ids) - 2, FinishStop(matched="hello world"))
+    # Kept, the special tokens' text sits inside: no match.
+    ids = [a, 1, 1, b]
+    assert run(ids, stop=("ab",), max_new_tokens=10, skip_special_tokens=False)[1] is None
+
+
+def test_min_new_bans_name_the_stop_ids_and_eos_of_short_rows_only() -> None:
+    """The decode step's column form and the per-request form agree: a row short of
+    min_new_tokens bans its stop ids and EOS (with ignore_eos too), the others nothing."""
+    params = [
+        SamplingParams(min_new_tokens=3, stop_token_ids=(70, 71)),
+        SamplingParams(min_new_tokens=3, stop_token_ids=(70,), ignore_eos=True),
+        SamplingParams(min_new_tokens=0, stop_token_ids=(9,)),
+        SamplingParams(min_new_tokens=2),
+    ]
+    out_lens = [2, 0, 0, 2]
+    table = np.full((4, 2), -1, dtype=np.int64)
+    for i, p in enumerate(params):
+        table[i, : len(p.stop_token_ids)] = p.stop_token_ids
+    eos = sorted(TOK.eos_token_ids)
+    want = {(0, 70), (0, 71), (1, 70)} | {(row, e) for row in (0, 1) for e in eos}
+    for bans in (
+        CHECKER.min_new_bans(np.array(out_lens), np.array([p.min_new_tokens for p in params]), table),
+        CHECKER.min_new_bans_of(params, out_lens),
+    ):
+        assert bans is not None
+        assert set(zip(bans.rows.tolist(), bans.ids.tolist())) == want
+    assert CHECKER.min_new_bans(np.array([3, 5]), np.array([3, 0]), table[:2]) is None
+    assert CHECKER.min_new_bans_of(params[2:], [0, 2]) is None
