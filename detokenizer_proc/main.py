@@ -44,9 +44,12 @@ logger = logging.getLogger("tokenpipe.detokenizer")
 
 def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOutput, texts: TokenTextCache | None = None) -> BatchStrOutput:
     """``detok`` None: --skip-tokenizer-init, the ids pass on without text. ``texts``: where
-    the texts of logprob tokens come from, for the rows that show them. Raises ValueError
-    when a column disagrees (the caller drops the frame)."""
+    the texts of logprob tokens come from, for the rows that show them. A row of a request
+    whose first row this process never saw finishes as ``DETOKENIZER_LOST_TEXT``
+    (``IncrementalDetokenizer.process``). Raises ValueError when a column disagrees (the
+    caller drops the frame)."""
     token_texts = None
+    finished = frame.finished_reasons
     if detok is None:
         deltas = [""] * count_token_rows(frame)
     else:
@@ -57,14 +60,14 @@ def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOu
                 ids = from_column(frame.output_ids, TOKEN_DTYPE)
                 counts = from_column(frame.output_counts, COUNT_DTYPE)
                 token_texts = texts.frame_texts(logprob_text_ids(frame.logprobs, ids, counts, shows))
-        deltas = detok.process(rows.req_ids, rows.tokens, frame.finished_reasons, frame.decode_options)
+        deltas, finished = detok.process(rows.req_ids, rows.tokens, frame.finished_reasons, frame.decode_options)
     return BatchStrOutput(
         req_ids=frame.req_ids,
         text_deltas=deltas,
         output_ids=frame.output_ids,
         output_counts=frame.output_counts,
         completion_tokens=frame.completion_tokens,
-        finished_reasons=frame.finished_reasons,
+        finished_reasons=finished,
         request_stats=frame.request_stats,
         logprobs=frame.logprobs,
         token_texts=token_texts,

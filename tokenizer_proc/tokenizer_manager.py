@@ -28,6 +28,7 @@ import zmq.asyncio
 from pipeline.config import ServerConfig
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
 from pipeline.io_struct import (
+    DETOKENIZER_LOST_TEXT,
     WORKER_SHIFT,
     AbortReq,
     AbortResult,
@@ -339,6 +340,15 @@ class TokenizerManager:
             stats = stats_col[i] if stats_col is not None else None
             if state is not None and stats is not None:
                 state.update_request_stats(stats, now)
+            reason = finished_col[i] if finished_col is not None else None
+            if reason is not None and reason == DETOKENIZER_LOST_TEXT:
+                # A restarted detokenizer has none of this request's text: the row's ids
+                # would show without it, so none of the row is output, and the request fails
+                # (stats or not: its client must not wait). Later rows find no state.
+                if state is not None:
+                    self._finish(state, reason, now)
+                    state.event.set()
+                continue
             if state is None or state.request_stats is None:
                 self._dropped_rows.warn(
                     "dropped an output row for req_id %d: %s", req_ids[i], "no live request" if state is None else "no stats yet"
@@ -350,7 +360,6 @@ class TokenizerManager:
             state.add_output(frame.text_deltas[i], rows[i], completion[i], now, logprobs.get(i))
             if metrics is not None and rows[i] and not state.internal:
                 metrics.on_tokens(state, len(rows[i]), previous_token_time, now)
-            reason = finished_col[i] if finished_col is not None else None
             if reason is not None:
                 self._finish(state, reason, now)
             state.event.set()
@@ -387,6 +396,9 @@ class TokenizerManager:
         state.finished_time = now
         if isinstance(reason, FinishAbort):
             self.num_aborted_requests += 1
+            if reason == DETOKENIZER_LOST_TEXT:
+                # The scheduler still runs it, for nobody: only this process can stop it.
+                self._send_obj(AbortReq(req_id=state.req_id, reason=reason.message))
         self._observe_finish(state)
         self.forget(state)
 

@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from detokenizer_proc.incremental import IncrementalDetokenizer
-from pipeline.io_struct import DecodeOptions, FinishLength, FinishStop
+from pipeline.io_struct import DETOKENIZER_LOST_TEXT, DecodeOptions, FinishLength, FinishStop
 from pipeline.tokenizer_loader import load_tokenizer
 
 TOK = load_tokenizer(None)
+SPECIAL = sorted(TOK.special_token_ids)
+# Tokens of one byte each (the byte-level alphabet): the ones that leave UTF-8 runs open.
+ONE_BYTE = [i for i in range(TOK.vocab_size) if i not in TOK.special_token_ids and len(TOK.tokenizer.id_to_token(i) or "") == 1]
 TEXTS = [
     "Hello, world! Plain ASCII to start.",
     "Accents: café, naïve, Ångström; CJK: 你好世界; emoji: 🎉🚀 and 𝄞 (four bytes).",
     "Mixed\nlines\twith  spaces and numbers 12345.",
 ]
+
+
+def token_id(token: str) -> int:
+    found = TOK.tokenizer.token_to_id(token)
+    assert found is not None, token
+    return found
 
 
 def feed(detok: IncrementalDetokenizer, req_id: int, ids: list[int], sizes: list[int], options: DecodeOptions, final) -> list[str]:  # type: ignore[no-untyped-def]
@@ -22,7 +34,7 @@ def feed(detok: IncrementalDetokenizer, req_id: int, ids: list[int], sizes: list
         chunk = ids[pos : pos + size]
         pos += size
         last = k == len(sizes) - 1
-        deltas += detok.process([req_id], [chunk], [final if last else None], [options if first else None])
+        deltas += detok.process([req_id], [chunk], [final if last else None], [options if first else None]).deltas
         first = False
     return deltas
 
@@ -54,11 +66,16 @@ def test_multibyte_char_split_over_byte_tokens_is_held_until_complete() -> None:
     assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "𝄞"
 
 
-def test_incomplete_sequence_at_the_end_is_dropped() -> None:
+def test_incomplete_sequence_at_the_end_is_held_then_shown_as_the_decode_shows_it() -> None:
+    """While streaming, the open run is held (no U+FFFD that later bytes might have
+    completed); at the finish nothing can complete it, so the text ends as the tokenizer's
+    own decode of the ids ends: here, in one U+FFFD."""
     ids = TOK.encode("ok 𝄞")[:-1]
     detok = IncrementalDetokenizer(TOK.tokenizer)
     deltas = feed(detok, 1, ids, [1] * len(ids), DecodeOptions(), FinishLength(length=len(ids)))
-    assert "".join(deltas) == "ok " and detok.num_live == 0
+    assert "".join(deltas[:-1]) == "ok " and deltas[-1] == "\ufffd"
+    assert "".join(deltas) == TOK.decode(ids) == _one_row(ids, FinishLength(length=len(ids)))
+    assert detok.num_live == 0
 
 
 def test_skip_special_tokens_is_honoured() -> None:
@@ -97,22 +114,32 @@ def test_rows_of_many_requests_in_one_frame() -> None:
             [FinishLength(length=1) if step == len(encoded[i]) - 1 else None for i in rows],
             [DecodeOptions() if step == 0 else None for i in rows],
         )
-        for i, delta in zip(rows, out):
+        for i, delta in zip(rows, out.deltas):
             joined[i] += delta
     assert joined == TEXTS and detok.num_live == 0
 
 
-def test_row_of_an_unknown_request_keeps_no_state() -> None:
+def test_a_row_whose_first_row_never_came_fails_its_request_and_keeps_no_state() -> None:
+    """Every request's first row carries its decode options, so a row with neither state nor
+    options belongs to a request whose earlier rows this detokenizer never saw (it
+    restarted): its text is lost, and the row finishes the request with a 503 instead of
+    passing on as output; the other rows of the frame are untouched."""
     detok = IncrementalDetokenizer(TOK.tokenizer)
     known = TOK.encode("hi")
-    out = detok.process([5, 6], [[42], known], [None, None], [None, DecodeOptions()])
-    assert out[0] == "" and detok.num_live == 1
-    out = detok.process([6], [[]], [FinishLength(length=len(known))], None)
+    out = detok.process([5, 6], [[42], known], None, [None, DecodeOptions()])
+    assert out.deltas == ["", "hi"] and out.finished == [DETOKENIZER_LOST_TEXT, None]
+    assert detok.num_live == 1
+    # Later rows of the lost request fail the same way, and no state is kept for it.
+    out = detok.process([5, 6], [[43, 44], []], [None, FinishLength(length=len(known))], None)
+    assert out.deltas == ["", ""] and out.finished == [DETOKENIZER_LOST_TEXT, FinishLength(length=len(known))]
     assert detok.num_live == 0
+    # A frame of known rows only keeps its finish column as it came (None: none finishes).
+    first = detok.process([7], [known], None, [DecodeOptions()])
+    assert first.finished is None and first.deltas == ["hi"]
 
 
 def _one_row(ids: list[int], reason, options: DecodeOptions = DecodeOptions(stream=False)) -> str:  # type: ignore[no-untyped-def]
-    return IncrementalDetokenizer(TOK.tokenizer).process([1], [ids], [reason], [options])[0]
+    return IncrementalDetokenizer(TOK.tokenizer).process([1], [ids], [reason], [options]).deltas[0]
 
 
 def _streamed(ids: list[int], reason, options: DecodeOptions = DecodeOptions()) -> list[str]:  # type: ignore[no-untyped-def]
@@ -151,11 +178,73 @@ def test_of_two_stop_strings_the_text_holds_neither() -> None:
 
 def test_a_byte_run_that_can_never_be_a_character_is_released_as_it_goes() -> None:
     """50 tokens of the byte 0xFF: no UTF-8 character can come of them, so the stream
-    shows them as they come (U+FFFD each) instead of holding all to the end; what the
-    last three tokens might still have completed is dropped at the end, the same streamed
-    or not."""
-    ff = TOK.tokenizer.token_to_id("ÿ")  # byte 0xFF in the byte-level alphabet
+    shows them as they come (U+FFFD each) instead of holding all to the end; at the end
+    the text is the decode's, the same streamed or not."""
+    ff = token_id("ÿ")  # byte 0xFF in the byte-level alphabet
     ids = [ff] * 50
     deltas = _streamed(ids, FinishLength(length=50))
     assert sum(1 for d in deltas if d) >= 45
-    assert "".join(deltas) == "\ufffd" * 47 == _one_row(ids, FinishLength(length=50))
+    assert "".join(deltas) == "\ufffd" * 50 == TOK.decode(ids) == _one_row(ids, FinishLength(length=50))
+
+
+def test_skipped_special_tokens_between_the_bytes_of_a_character_do_not_break_it() -> None:
+    """The first two bytes of 𝄞, three special tokens that skip_special_tokens leaves out,
+    then its last two bytes: the decode of the ids is 𝄞, so the stream must hold the open
+    run across the tokens that add no bytes rather than release it as U+FFFD."""
+    ids = TOK.encode("𝄞")
+    assert len(ids) == 4, "𝄞 should be four byte tokens"
+    with_specials = [*ids[:2], *SPECIAL[1:4], *ids[2:]]
+    skip = DecodeOptions(skip_special_tokens=True)
+    assert TOK.decode(with_specials) == "𝄞"
+    deltas = _streamed(with_specials, FinishLength(length=len(with_specials)), skip)
+    assert deltas == [""] * (len(with_specials) - 1) + ["𝄞"]
+    # Kept as text, a special token closes the run before it, as the decode shows.
+    keep = DecodeOptions(skip_special_tokens=False)
+    kept = "".join(_streamed(with_specials, FinishLength(length=len(with_specials)), keep))
+    assert kept == TOK.tokenizer.decode(with_specials, skip_special_tokens=False)
+
+
+def test_a_run_is_released_once_three_bytes_follow_it_however_few_tokens_carry_them() -> None:
+    """0xFF, then two tokens of two bytes each (a continuation byte and a lead byte): three
+    bytes after the 0xFF settle it, so its U+FFFD goes out now, not a token later."""
+    ff = token_id("ÿ")
+    two = token_id("Ħå")  # bytes 0x84 0xE5: ends in an open lead byte
+    assert TOK.tokenizer.decode([ff, two, two]).endswith("\ufffd")
+    detok = IncrementalDetokenizer(TOK.tokenizer)
+    sent = detok.process([1], [[ff]], None, [DecodeOptions()]).deltas
+    sent += detok.process([1], [[two]], None, None).deltas
+    sent += detok.process([1], [[two]], None, None).deltas
+    assert "".join(sent).startswith("\ufffd")
+    assert "".join(sent) + detok.process([1], [[]], [FinishLength(length=3)], None).deltas[0] == TOK.decode([ff, two, two])
+
+
+_IDS = st.lists(
+    st.one_of(st.sampled_from(ONE_BYTE), st.sampled_from(SPECIAL), st.integers(0, TOK.vocab_size - 1)), min_size=1, max_size=40
+)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(
+    ids=_IDS,
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=8),
+    skip=st.booleans(),
+    stream=st.booleans(),
+    stop=st.sampled_from([(), ("zz",), ("\ufffd\ufffd",)]),
+)
+def test_finished_text_is_the_decode_of_its_ids(ids: list[int], sizes: list[int], skip: bool, stream: bool, stop: tuple[str, ...]) -> None:
+    """Whatever the ids (open and invalid UTF-8 runs, special tokens anywhere) and however
+    they are cut into rows, the deltas joined at the finish are the tokenizer's decode of
+    the ids with the request's skip_special_tokens (no stop trimmed: a length finish), and
+    so is the non-streamed text."""
+    chunks, pos, k = [], 0, 0
+    while pos < len(ids):
+        chunks.append(sizes[k % len(sizes)])
+        pos += chunks[-1]
+        k += 1
+    chunks[-1] -= pos - len(ids)
+    options = DecodeOptions(skip_special_tokens=skip, stream=stream, stop=stop)
+    expected = TOK.tokenizer.decode(ids, skip_special_tokens=skip)
+    detok = IncrementalDetokenizer(TOK.tokenizer)
+    assert "".join(feed(detok, 1, ids, chunks, options, FinishLength(length=len(ids)))) == expected
+    assert _one_row(ids, FinishLength(length=len(ids)), options) == expected
+    assert detok.num_live == 0
