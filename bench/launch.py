@@ -27,6 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 # ``scheduler``, ``detokenizer``, ``api``); ``cmdline_role`` recognises it in /proc.
 TOKENPIPE_MODULE = "tokenpipe"
 TOKENPIPE = (sys.executable, "-m", TOKENPIPE_MODULE)
+# The benchmarks' servers stream /generate events that hold their new tokens only: the path
+# their figures have always measured (by default, SGLang's, each event repeats the whole
+# output so far, bytes quadratic in its length).
+INCREMENTAL_STREAMS = "--incremental-streaming-output"
 READY_PREFIX = "tokenpipe ready"  # the line ``tokenpipe serve`` prints once it serves
 
 

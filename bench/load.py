@@ -6,7 +6,8 @@ on a free port (extra flags through ``--server-args "..."``) and stops it at the
 Every client opens its own connection at the same moment and sends one streaming
 ``/generate``: ``--prompt-len`` random token ids (different for every request),
 ``--max-new-tokens`` with ``ignore_eos``, temperature 0.7 with a per-request seed. Per
-stream it counts the tokens received (summed ``output_ids`` of the SSE events) and reads
+stream it counts the tokens received (summed ``output_ids`` of the SSE events: a server run
+with ``--incremental-streaming-output``, as ``--launch`` runs it) and reads
 the final ``meta_info.completion_tokens``. It reports:
 
 - streams: how many were sent; held: the most streams open at once (headers received,
@@ -50,7 +51,7 @@ import uvloop
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.launch import LaunchedServer, raise_open_files_limit  # noqa: E402
+from bench.launch import INCREMENTAL_STREAMS, LaunchedServer, raise_open_files_limit  # noqa: E402
 DEFAULT_CLIENTS = 1000
 
 
@@ -400,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     kwargs = dict(clients=args.clients, max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, seed=args.seed, timeout=args.timeout)
     if args.launch:
-        with LaunchedServer(shlex.split(args.server_args), open_files=args.clients + 256) as server:
+        with LaunchedServer([INCREMENTAL_STREAMS, *shlex.split(args.server_args)], open_files=args.clients + 256) as server:
             summary = uvloop.run(run_load(server.url, **kwargs))
     else:
         summary = uvloop.run(run_load(args.url, **kwargs))

@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import load  # noqa: E402
-from bench.launch import LaunchedServer, child_roles  # noqa: E402
+from bench.launch import INCREMENTAL_STREAMS, LaunchedServer, child_roles  # noqa: E402
 ROLES = ("scheduler", "detokenizer", "api")
 
 
@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.url:
         result = uvloop.run(measure(args.url, child_roles(args.supervisor_pid), **kwargs))
     else:
-        with LaunchedServer(shlex.split(args.server_args)) as server:
+        with LaunchedServer([INCREMENTAL_STREAMS, *shlex.split(args.server_args)]) as server:
             result = uvloop.run(measure(server.url, server.children(), **kwargs))
     print(format_table(result))
     if args.json:

@@ -1,7 +1,11 @@
 """End-to-end serving benchmark: N concurrent HTTP clients against a running server.
 
 ``--url`` drives a server that is already running; ``--launch`` starts ``tokenpipe serve``
-on a free port (extra flags through ``--server-args "..."``) and stops it at the end. A
+on a free port (extra flags through ``--server-args "..."``) and stops it at the end. Every
+server it starts runs with ``--incremental-streaming-output``: a /generate event then
+carries its new tokens only, the streaming path these figures have always measured (by
+default, SGLang's, each event repeats the whole output so far, which costs bytes quadratic
+in its length; the client reads either). A
 router (sglang-router in front of a PD pair, say) serves no ``/server_info``: with
 ``--url ROUTER --info-url SERVER`` the vocabulary size comes from a server behind it, and
 no step rate is measured.
@@ -38,7 +42,7 @@ import uvloop
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.launch import LaunchedServer  # noqa: E402
+from bench.launch import INCREMENTAL_STREAMS, LaunchedServer  # noqa: E402
 from bench.serve_client import DEFAULT_TEMPERATURE, ENDPOINTS, LoadConfig, ReqResult  # noqa: E402
 from bench.serve_compare import (  # noqa: E402
     MULTI,
@@ -197,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeded=args.seeded if args.seeded is not None else True,
         api=args.api,
     )
-    server_args = shlex.split(args.server_args)
+    server_args = [INCREMENTAL_STREAMS, *shlex.split(args.server_args)]
     launched = LaunchedServer(["--log-level", "warning", *server_args]) if args.launch else contextlib.nullcontext(None)
     with launched as server:
         url = server.url if server is not None else args.url

@@ -9,9 +9,11 @@ prefix cache cannot share them), ``--max-new-tokens`` with ``ignore_eos``, ``--t
 ``--stream-ratio`` fraction of them streaming. Per request it
 measures (client side) TTFT (send to the first SSE event with tokens; a non-streaming
 request's whole response), ITL (the gap before each later event divided by the tokens in
-it), end-to-end latency and the tokens received. A request whose ``output_ids`` (summed
-over the events of a stream) differ from its final ``meta_info.completion_tokens`` counts
-as tokens lost.
+it), end-to-end latency and the tokens received. A request whose ``output_ids`` (over the
+events of a stream: summed when each event holds its new tokens, as with
+``--incremental-streaming-output``, the servers ``--launch`` starts; the last event's when
+each holds the output so far, SGLang's default) differ from its final
+``meta_info.completion_tokens`` counts as tokens lost.
 
 ``--api completions`` sends the same workload to ``/v1/completions`` instead (default
 ``generate``): the prompt as token ids, ``max_tokens``, ``ignore_eos``, ``temperature``,
@@ -110,12 +112,20 @@ def completions_body(i: int, cfg: LoadConfig, ids: list[int], stream: bool) -> d
 
 
 def generate_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
-    """A /generate event's tokens (its ``output_ids`` are the ones since the last event);
-    keeps its ``meta_info`` count so far and its logprob entries."""
-    res.completion_tokens = event["meta_info"]["completion_tokens"]
+    """A /generate event's new tokens; keeps its ``meta_info`` count so far and its logprob
+    entries. A server with ``--incremental-streaming-output`` sends each event's new ids
+    only; by default (SGLang's) each event holds every id so far. Once an earlier event had
+    tokens, only the latter holds all ``completion_tokens`` of the event, so each event says
+    which it is (before that the two read the same); a cumulative event that lost a token
+    reads as incremental and is counted over, so the loss still shows."""
+    ids, meta = event["output_ids"], event["meta_info"]
+    before = res.completion_tokens or 0
+    res.completion_tokens = meta["completion_tokens"]
+    cumulative = before > 0 and len(ids) == res.completion_tokens
     if res.logprobs is not None:
-        res.logprobs += len(event["meta_info"].get("output_token_logprobs") or ())
-    return len(event["output_ids"])
+        entries = len(meta.get("output_token_logprobs") or ())
+        res.logprobs = entries if cumulative else res.logprobs + entries
+    return len(ids) - res.tokens if cumulative else len(ids)
 
 
 def completions_event_tokens(event: dict[str, Any], res: ReqResult) -> int:

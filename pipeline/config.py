@@ -130,6 +130,17 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 1
     # Which of them this process is: the supervisor sets it per child.
     api_worker_index: Annotated[int, Flag("http", "`tokenpipe api` run alone: which of the --api-workers this process is (serve sets it)")] = 0
+    # SGLang's flag and default: without it each /generate stream event repeats the whole
+    # output so far (what SGLang's own clients slice with output[prev:]), which costs bytes
+    # quadratic in the output's length; with it an event carries only what is new.
+    incremental_streaming_output: Annotated[
+        bool,
+        Flag(
+            "http",
+            "/generate stream events carry only the text, output_ids and output logprobs new since the previous "
+            "event (SGLang's flag); without it each event carries everything so far, as SGLang streams by default",
+        ),
+    ] = False
 
     # Observability
     enable_metrics: Annotated[

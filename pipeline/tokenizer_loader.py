@@ -79,10 +79,14 @@ class LoadedTokenizer:
     special_tokens: dict[str, str]  # tokenizer_config.json's SPECIAL_TOKEN_FIELDS, as strings
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """By default without a post-processor's BOS/EOS: prompts arrive already templated.
+        """``add_special_tokens``: whether the tokenizer's post-processor adds its tokens (a
+        Llama tokenizer's BOS). The default, False, is the bare text's ids; a request's prompt
+        goes through ``RequestChecks.tokenize``, which makes every route say which it wants
+        (a plain prompt takes them, as in vLLM and SGLang; a rendered chat template holds
+        its own BOS already).
 
-        Special-token strings in ``text`` (such as ``<|im_start|>``) still become their ids, so
-        a rendered chat template encodes to real control tokens.
+        Special-token strings in ``text`` (such as ``<|im_start|>``) become their ids either
+        way, so a rendered chat template encodes to real control tokens.
         """
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

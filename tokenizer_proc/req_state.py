@@ -48,7 +48,7 @@ class LogprobEntries:
     top: list[list[tuple[float, int]]] = field(default_factory=list)
     ids: list[list[float]] = field(default_factory=list)
 
-    def extend(self, row: RowLogprobs) -> None:
+    def extend(self, row: RowLogprobs | LogprobEntries) -> None:
         self.chosen.extend(row.chosen)
         self.top.extend(row.top)
         self.ids.extend(row.ids)
@@ -80,7 +80,9 @@ class ReqState:
     # Prompt logprobs (logprob_start_len >= 0): the prompt's ids and the entries of its
     # positions max(start, 1) on, from the request's first row.
     prompt_ids: list[int] = field(default_factory=list)
-    echo: bool = False  # /v1/completions echo: the prompt's text (and logprobs) lead the answer
+    # /v1/completions echo: the prompt's text, which leads the answer (and its tokens'
+    # logprobs the answer's logprobs); None without echo.
+    echo: str | None = None
     prompt_logprobs: LogprobEntries = field(default_factory=LogprobEntries)
     pending: list[StreamChunk] = field(default_factory=list)
     sending: bool = False  # a stream event is being sent: new rows merge into the last chunk

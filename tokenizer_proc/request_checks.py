@@ -3,7 +3,7 @@ its prompt tokenized and held to the vocabulary, its sampling held to the server
 (the context, ``--max-new-tokens-limit``, the KV pool), and what a PD half of it computes.
 
 Every refusal is a ``RequestValidationError`` naming the native API's field; the OpenAI
-routes rename the fields to their own (``openai_api._openai_names``).
+routes rename the fields to their own (``tokenizer_proc.openai.routes._openai_names``).
 
 Under ``--skip-tokenizer-init`` there is no tokenizer: whatever needs text (a text prompt,
 stop strings, media placeholders, chat templates, /tokenize) is refused with a 400 from
@@ -43,11 +43,16 @@ class RequestChecks:
             raise without_tokenizer(needs, param)
         return self.tokenizer
 
-    def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+    def tokenize(self, text: str | None, input_ids: list[int] | None, *, add_special_tokens: bool) -> list[int]:
+        """The prompt's ids. ``add_special_tokens``: whether a text prompt gets the tokenizer's
+        post-processor tokens (a Llama tokenizer's BOS); each route passes its own API's
+        default or the request's field, never a default of this function's (token ids are
+        taken as they are)."""
         if (text is None) == (input_ids is None):
             raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
         if text is not None:
-            ids = self.require_tokenizer("it takes prompts as token ids, not text", "text").encode(text)
+            tokenizer = self.require_tokenizer("it takes prompts as token ids, not text", "text")
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
             ids = list(input_ids or [])
         if not ids:
@@ -136,7 +141,11 @@ class RequestChecks:
         if mode != "null" and sampling.max_new_tokens == 0:
             # The pair always hands over a first token, so a prompt scored without a
             # completion is a unified server's work.
-            raise RequestValidationError("max_tokens 0 (echo scoring) is not served through PD disaggregation", "max_tokens")
+            raise RequestValidationError(
+                "sampling_params.max_new_tokens 0 (scoring the prompt) is not served through PD disaggregation; "
+                "send it to a unified server",
+                "sampling_params.max_new_tokens",
+            )
         if mode == "prefill":
             return msgspec.structs.replace(sampling, max_new_tokens=1, min_new_tokens=0), bootstrap
         if mode == "decode":

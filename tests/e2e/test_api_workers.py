@@ -73,7 +73,7 @@ async def stream_one(srv: ServerProcess, i: int) -> dict[str, Any]:
             async for line in resp.aiter_lines():
                 if line.startswith("data: {"):
                     event = json.loads(line[6:])
-                    tokens += len(event["output_ids"])
+                    tokens = len(event["output_ids"])  # the output so far (SGLang's default stream)
                     meta = event["meta_info"]
         return {"rid": body["rid"], "worker": worker, "tokens": tokens, "meta": meta}
 

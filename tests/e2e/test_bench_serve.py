@@ -276,6 +276,33 @@ def test_completions_bodies_and_chunk_counts(bench: ModuleType, client: ModuleTy
     assert bench.parse_args(["--pids", "12,34"]).pids == [12, 34]
 
 
+@pytest.mark.parametrize("cumulative", [True, False], ids=["sglang-default", "incremental"])
+def test_generate_events_count_their_new_tokens_in_either_stream_mode(client: ModuleType, cumulative: bool) -> None:
+    """A /generate stream's events hold the ids so far (SGLang's default) or only their new
+    ones (--incremental-streaming-output): either way each event counts its new tokens, and
+    a lost one shows as a count that disagrees with completion_tokens."""
+    rows = [[7], [8, 9], [], [10]]  # an event may carry several tokens, or none (a finish)
+
+    def read(rows: list[list[int]], counts: list[int]) -> tuple[list[int], object]:
+        res = client.ReqResult(stream=True, logprobs=0)
+        seen: list[int] = []
+        so_far: list[int] = []
+        for ids, count in zip(rows, counts):
+            so_far += ids
+            shown = list(so_far) if cumulative else ids
+            event = {"output_ids": shown, "meta_info": {"completion_tokens": count, "output_token_logprobs": [[0.0, t, None] for t in shown]}}
+            n = client.generate_event_tokens(event, res)
+            res.tokens += n
+            seen.append(n)
+        assert res.logprobs == res.tokens
+        return seen, res
+
+    seen, res = read(rows, [1, 3, 3, 4])
+    assert seen == [1, 2, 0, 1] and res.tokens == res.completion_tokens == 4  # type: ignore[attr-defined]
+    _, lossy = read([[7], [8], [10]], [1, 3, 4])  # token 9 never arrived
+    assert lossy.tokens != lossy.completion_tokens  # type: ignore[attr-defined]
+
+
 def test_several_processes_of_a_role_are_numbered_by_start(readings: ModuleType) -> None:
     """--api-workers N gives N API processes: api-0, api-1, ... in the order they started;
     one process of a role keeps its plain name."""

@@ -338,9 +338,12 @@ def test_serve_streams_one_event_per_block(dllm_server: ServerProcess) -> None:
     n = 32
     body = {"text": "Once upon a time in a dLLM", "sampling_params": {"max_new_tokens": n, "temperature": 0.8, "seed": 5, "ignore_eos": True}}
     events = _stream(dllm_server, body)
-    # One event per block. The API merges the deltas of a reader that falls behind (on a
-    # busy machine two blocks can reach it before it writes), so allow whole multiples.
-    sizes = [len(e["output_ids"]) for e in events]
+    # One event per block, each holding the output so far. The API merges the rows of a
+    # reader that falls behind (on a busy machine two blocks can reach it before it writes),
+    # so allow whole multiples.
+    ids = [e["output_ids"] for e in events]
+    assert all(later[: len(earlier)] == earlier for earlier, later in zip(ids, ids[1:]))
+    sizes = [len(later) - len(earlier) for earlier, later in zip([[], *ids], ids)]
     assert sum(sizes) == n and all(k > 0 and k % 4 == 0 for k in sizes), sizes
     assert len(events) > 2, sizes
     prompt = events[0]["meta_info"]["prompt_tokens"]
@@ -351,18 +354,17 @@ def test_serve_streams_one_event_per_block(dllm_server: ServerProcess) -> None:
     assert cached[:-1] == sorted(set(cached[:-1])) and cached[-1] >= cached[-2]
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": n}
     again = _stream(dllm_server, body)
-    assert "".join(e["text"] for e in again) == "".join(e["text"] for e in events)
-    assert [t for e in again for t in e["output_ids"]] == [t for e in events for t in e["output_ids"]]
+    assert again[-1]["text"] == events[-1]["text"] and again[-1]["output_ids"] == events[-1]["output_ids"]
     with dllm_server.client() as c:
         whole = c.post("/generate", json=body).json()
-    assert whole["output_ids"] == [t for e in events for t in e["output_ids"]]
+    assert whole["output_ids"] == events[-1]["output_ids"]
 
 
 def test_serve_logprobs_of_each_block_token(dllm_server: ServerProcess) -> None:
     """/generate return_logprob in --mode dllm: one entry per token of each block, equal to
     the reference loop's (tests/unit/test_dllm_logprobs.py: the pass that committed each token),
-    prompt logprobs from the prefill on the first event, and streamed events' entries
-    joining to the whole answer's."""
+    prompt logprobs from the prefill, and each streamed event's entries those of its tokens
+    so far, the last event's the whole answer's."""
     prompt = PROMPTS[1]
     sampling = {"max_new_tokens": 10, "temperature": 0.9, "seed": 5, "ignore_eos": True}
     body = {
@@ -391,12 +393,11 @@ def test_serve_logprobs_of_each_block_token(dllm_server: ServerProcess) -> None:
     keys = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
     for e in events:
         for key in keys:
-            assert len(e["meta_info"][key]) == len(e["output_ids"]), "an event's entries are its own tokens'"
-    assert [e[1] for e in events[0]["meta_info"]["input_token_logprobs"]] == prompt
-    assert all("input_token_logprobs" not in e["meta_info"] for e in events[1:]), "prompt logprobs are sent once"
+            assert len(e["meta_info"][key]) == len(e["output_ids"]), "an event's entries are those of its tokens"
+        assert [entry[1] for entry in e["meta_info"]["input_token_logprobs"]] == prompt, "the prompt's on every event"
     for key in keys:
         # Per token: one [logprob, id, text] entry (chosen) or a list of them (top, ids).
-        joined = _flat([entry for e in events for entry in e["meta_info"][key]])
+        joined = _flat(events[-1]["meta_info"][key])
         alone = _flat(meta[key])
         assert [x[1:] for x in joined] == [x[1:] for x in alone], key
         # Equal up to float rounding: the two requests ran in different batches.

@@ -28,21 +28,21 @@ def generate(c: httpx.Client, sampling: dict[str, Any], *, text: str = PROMPT) -
 def generate_streamed(
     c: httpx.Client, sampling: dict[str, Any], *, text: str = PROMPT, rid: str | None = None
 ) -> tuple[str, list[int], dict[str, Any]]:
-    """The text and ids a stream delivered, joined, and its last meta_info."""
+    """The text and ids a stream delivered (its last event's: each holds the output so far,
+    and each must hold the one before it), and its last meta_info."""
     body: dict[str, Any] = {"text": text, "sampling_params": {"temperature": 0, **sampling}, "stream": True}
     if rid is not None:
         body["rid"] = rid
-    texts, ids, meta = [], [], {}
+    text, ids, meta = "", [], {}
     with c.stream("POST", "/generate", json=body) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
-            texts.append(event["text"])
-            ids.extend(event["output_ids"])
-            meta = event["meta_info"]
-    return "".join(texts), ids, meta
+            assert event["text"].startswith(text) and event["output_ids"][: len(ids)] == ids, "an event took back what was sent"
+            text, ids, meta = event["text"], event["output_ids"], event["meta_info"]
+    return text, ids, meta
 
 
 def both(c: httpx.Client, sampling: dict[str, Any]) -> str:

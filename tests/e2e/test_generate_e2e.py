@@ -67,14 +67,17 @@ def test_generate_non_streaming_meta_info(tmp_path: Path) -> None:
     assert meta["completion_tokens"] == len(out["output_ids"]) == 24
     assert meta["finish_reason"] == {"type": "length", "length": 24}
     assert meta["num_retractions"] == 0 and meta["cached_tokens"] == 0
-    # A random model may end on an incomplete UTF-8 sequence, which the detokenizer drops.
-    assert out["text"] == TOKENIZER.decode(out["output_ids"]).rstrip("\ufffd")
+    # Even where a random model ends on an incomplete UTF-8 sequence: U+FFFD, as the decode.
+    assert out["text"] == TOKENIZER.decode(out["output_ids"])
     assert meta["request_received_ts"] <= meta["forward_entry_time"] <= meta["prefill_finished_time"] <= meta["request_finished_ts"]
     assert 0 < meta["first_token_latency"] <= meta["e2e_latency"]
     assert meta["queue_time"] >= 0
 
 
-def test_streamed_deltas_join_to_non_streamed_text(server: ServerProcess) -> None:
+def test_each_streamed_event_holds_the_output_so_far(server: ServerProcess) -> None:
+    """SGLang's default stream: each event's text and output_ids are the whole output through
+    it, so SGLang's own clients (``text[len(previous):]``) read the new part; the last event
+    is the whole answer."""
     for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 1234}):
         body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, **sampling}}
         with server.client() as c:
@@ -82,11 +85,15 @@ def test_streamed_deltas_join_to_non_streamed_text(server: ServerProcess) -> Non
             events = stream_events(c, body)
         assert events[-1] == {"done": True}
         chunks = events[:-1]
-        assert "".join(e["text"] for e in chunks) == whole["text"]
-        streamed_ids = [t for e in chunks for t in e["output_ids"]]
-        assert streamed_ids == whole["output_ids"]
+        assert len(chunks) > 1
+        previous = ""
+        for e in chunks:
+            assert e["text"].startswith(previous)
+            previous = e["text"]
+            assert e["output_ids"] == whole["output_ids"][: e["meta_info"]["completion_tokens"]]
+        assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
         last = chunks[-1]["meta_info"]
-        assert last["completion_tokens"] == len(streamed_ids)
+        assert last["completion_tokens"] == len(whole["output_ids"])
         assert last["prompt_tokens"] == whole["meta_info"]["prompt_tokens"]
         assert [e["meta_info"]["completion_tokens"] for e in chunks] == sorted(e["meta_info"]["completion_tokens"] for e in chunks)
         assert all(e["meta_info"]["finish_reason"] is None for e in chunks[:-1])
@@ -96,7 +103,41 @@ def test_stream_interval_groups_tokens(server: ServerProcess) -> None:
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "stream_interval": 3}}
     with server.client() as c:
         chunks = stream_events(c, body)[:-1]
-    assert [len(e["output_ids"]) for e in chunks] == [1, 3, 3, 3]
+    assert [len(e["output_ids"]) for e in chunks] == [1, 4, 7, 10]
+
+
+def test_max_new_tokens_0_answers_with_no_output(server: ServerProcess) -> None:
+    """SGLang's way to score a prompt: no token, finish length 0, streamed or not (the
+    prompt's logprobs, when asked, are in tests/e2e/test_logprobs_e2e.py)."""
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}
+    with server.client() as c:
+        whole = c.post("/generate", json=body).json()
+        events = stream_events(c, body)[:-1]
+    for answer in (whole, *events):
+        assert answer["text"] == "" and answer["output_ids"] == []
+    for meta in (whole["meta_info"], events[-1]["meta_info"]):
+        assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["completion_tokens"] == 0
+        assert meta["prompt_tokens"] == len(TOKENIZER.encode(PROMPT))
+
+
+def test_a_finished_text_ending_in_an_open_utf8_run_is_the_decode_of_its_ids(server: ServerProcess) -> None:
+    """logit_bias forces every token to be the byte 0xF0, a 4-byte character's lead byte
+    that nothing completes: the finished text is the tokenizer's decode of the ids (U+FFFD
+    where the bytes form no character), as the token's logprob text shows it, streamed or
+    not; nothing is dropped at the end."""
+    lead = TOKENIZER.tokenizer.token_to_id("ð")  # byte 0xF0 in the byte-level alphabet
+    for n in (1, 3):
+        sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, "logit_bias": {str(lead): 100}}
+        body = {"text": PROMPT, "sampling_params": sampling, "return_logprob": True, "return_text_in_logprobs": True}
+        with server.client() as c:
+            whole = c.post("/generate", json=body).json()
+            events = stream_events(c, body)[:-1]
+        assert whole["output_ids"] == [lead] * n
+        assert whole["text"] == TOKENIZER.decode([lead] * n) == "\ufffd" * n
+        assert [entry[2] for entry in whole["meta_info"]["output_token_logprobs"]] == ["\ufffd"] * n
+        # Only the finish can show the held bytes, so the last event's text is the whole
+        # text whether events carry the output so far or only what is new.
+        assert [e["text"] for e in events[:-1]] == [""] * (len(events) - 1) and events[-1]["text"] == whole["text"]
 
 
 def test_input_ids_and_stop_token(server: ServerProcess) -> None:
@@ -119,7 +160,7 @@ def test_stop_string_is_trimmed(server: ServerProcess) -> None:
         assert stop.strip(), "the model's text should have a non-blank middle"
         body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": [stop]}}
         whole = c.post("/generate", json=body).json()
-        streamed = "".join(e.get("text", "") for e in stream_events(c, body)[:-1])
+        streamed = stream_events(c, body)[-2]["text"]
     assert whole["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert whole["text"] == text[: text.index(stop)]
     assert streamed == whole["text"]
@@ -131,7 +172,7 @@ def test_fifty_concurrent_requests_all_finish(server: ServerProcess) -> None:
         with server.client() as c:
             if i % 2:
                 events = stream_events(c, body)
-                return {"n": sum(len(e["output_ids"]) for e in events[:-1]), "meta": events[-2]["meta_info"]}
+                return {"n": len(events[-2]["output_ids"]), "meta": events[-2]["meta_info"]}
             out = c.post("/generate", json=body).json()
             return {"n": len(out["output_ids"]), "meta": out["meta_info"]}
 

@@ -1,8 +1,8 @@
 """/generate logprobs against Hugging Face transformers on a checkpoint the test writes:
 the chosen token's, the top ones and those of asked ids are transformers' log-softmax of
-the logits that predicted each token (within 1e-4), greedy and sampled, streamed (the
-events' entries join to the whole answer's) and not, on a unified server and through a PD
-prefill/decode pair."""
+the logits that predicted each token (within 1e-4), greedy and sampled, streamed (each
+event's entries are those of every token so far, the last event's the whole answer's) and
+not, on a unified server and through a PD prefill/decode pair."""
 
 from __future__ import annotations
 
@@ -74,19 +74,17 @@ def body(sampling: dict[str, object], stream: bool) -> dict[str, object]:
 
 
 def streamed(server: ServerProcess, payload: dict[str, object]) -> tuple[list[int], dict[str, list[object]]]:
-    ids: list[int] = []
-    joined: dict[str, list[object]] = {"output_token_logprobs": [], "output_top_logprobs": [], "output_token_ids_logprobs": []}
+    """The last event's ids and output logprob keys (each event holds everything so far,
+    SGLang's default stream), after checking that every event's entries are its ids'."""
+    keys = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+    events = []
     with httpx.stream("POST", server.url + "/generate", json=payload, timeout=60) as resp:
         assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            ids += event["output_ids"]
-            for key in joined:
-                assert len(event["meta_info"][key]) == len(event["output_ids"]), "an event's entries are its own tokens'"
-                joined[key] += event["meta_info"][key]
-    return ids, joined
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    for event in events:
+        for key in keys:
+            assert len(event["meta_info"][key]) == len(event["output_ids"]), "an event's entries are those of its ids"
+    return events[-1]["output_ids"], {key: events[-1]["meta_info"][key] for key in keys}
 
 
 @pytest.mark.parametrize(
@@ -304,8 +302,8 @@ def test_prompt_logprobs_equal_transformers(server: ServerProcess, chunked_serve
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 streamed_meta.append(json.loads(line[6:])["meta_info"])
-    assert [e[1] for e in streamed_meta[0]["input_token_logprobs"]] == prompt_ids[start:]
-    assert all("input_token_logprobs" not in m for m in streamed_meta[1:]), "prompt logprobs are sent once"
+    # Each event is the whole answer so far: every one lists the prompt's, as SGLang's do.
+    assert all([e[1] for e in m["input_token_logprobs"]] == prompt_ids[start:] for m in streamed_meta)
 
 
 @pytest.fixture(scope="module")
@@ -355,8 +353,8 @@ def test_pd_logprobs_equal_transformers(pd_pair: tuple[ServerProcess, ServerProc
     """Through PD the prefill server computes the prompt's and the first token's logprobs
     and sends them with the KV; the decode server's answer lists every entry, equal to
     transformers' (the prefill server's own answer lists the first token's only: see
-    ``RequestChecks.answered_logprobs``). Streamed, the prompt's come on the first event
-    and each event lists its own tokens'."""
+    ``RequestChecks.answered_logprobs``). Streamed, each event lists the prompt's and
+    those of every token so far."""
     prefill_answer, (whole,) = pd_generate(pd_pair, body(sampling, stream=False) | {"logprob_start_len": start}, room=501 + start)
     meta, out = whole["meta_info"], whole["output_ids"]
     prompt_ids = httpx.post(pd_pair[1].url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
@@ -375,13 +373,42 @@ def test_pd_logprobs_equal_transformers(pd_pair: tuple[ServerProcess, ServerProc
     assert len(first["output_token_logprobs"]) == 1 and "input_token_logprobs" not in first
 
     _, events = pd_generate(pd_pair, body(sampling, stream=True) | {"logprob_start_len": start}, room=601 + start)
-    assert [t for e in events for t in e["output_ids"]] == out
-    assert [e[1] for e in events[0]["meta_info"]["input_token_logprobs"]] == prompt_ids[start:]
-    assert all("input_token_logprobs" not in e["meta_info"] for e in events[1:]), "prompt logprobs are sent once"
+    assert events[-1]["output_ids"] == out
     for e in events:
-        assert len(e["meta_info"]["output_token_logprobs"]) == len(e["output_ids"]), "an event's entries are its own tokens'"
-    joined = [entry for e in events for entry in e["meta_info"]["output_token_logprobs"]]
-    assert [e[0] for e in joined] == pytest.approx([e[0] for e in meta["output_token_logprobs"]], abs=1e-5)
+        assert [entry[1] for entry in e["meta_info"]["input_token_logprobs"]] == prompt_ids[start:]
+        assert [entry[1] for entry in e["meta_info"]["output_token_logprobs"]] == e["output_ids"], "an event's entries are its ids'"
+    final = events[-1]["meta_info"]["output_token_logprobs"]
+    assert [e[0] for e in final] == pytest.approx([e[0] for e in meta["output_token_logprobs"]], abs=1e-5)
+
+
+def test_max_new_tokens_0_scores_the_prompt_on_generate(server: ServerProcess) -> None:
+    """SGLang's scoring: ``max_new_tokens`` 0 answers the prompt's logprobs and no output,
+    the same values as /v1/completions' ``echo`` with ``max_tokens`` 0, streamed or not."""
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
+    payload = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}
+    whole = httpx.post(server.url + "/generate", json=payload, timeout=60).json()
+    with httpx.stream("POST", server.url + "/generate", json=payload | {"stream": True}, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    echoed = httpx.post(
+        server.url + "/v1/completions", json={"prompt": prompt_ids, "max_tokens": 0, "echo": True, "logprobs": 0}, timeout=60
+    ).json()["choices"][0]["logprobs"]
+    for answer in (whole, events[-1]):
+        meta = answer["meta_info"]
+        assert answer["output_ids"] == [] and meta["completion_tokens"] == 0
+        assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+        entries = meta["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompt_ids and entries[0][0] is None
+        assert [e[0] for e in entries[1:]] == pytest.approx(echoed["token_logprobs"][1:], abs=1e-5)
+
+
+def test_max_new_tokens_0_is_refused_through_pd(pd_pair: tuple[ServerProcess, ServerProcess, int]) -> None:
+    """A PD pair always hands a first token over (docs/design.md section 12): scoring a prompt
+    is a unified server's job, refused by name on both halves and both routes."""
+    for srv in pd_pair[:2]:
+        native = httpx.post(srv.url + "/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, timeout=30)
+        assert native.status_code == 400 and native.json()["error"]["param"] == "sampling_params.max_new_tokens", native.text
+        echo = httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "echo": True}, timeout=30)
+        assert echo.status_code == 400 and echo.json()["error"]["param"] == "max_tokens", echo.text
 
 
 def test_retracted_requests_logprobs_equal_transformers(checkpoint: Path, hf_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

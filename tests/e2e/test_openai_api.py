@@ -111,6 +111,23 @@ def test_completion_stop_string(oai: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:cut]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_returns_the_prompts_own_text(oai: openai.OpenAI, stream: bool) -> None:
+    """Characters split over tokens come back whole: the echo is the request's string, or the
+    decode of a token-id prompt as a whole, never its tokens' texts joined one by one."""
+    text = "café naïve 日本 😀"
+    ids = TOKENIZER.encode(text)
+    assert any("\ufffd" in TOKENIZER.decode([t]) for t in ids), "the prompt must split a character over tokens"
+    for prompt in (text, ids):
+        kw: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=3, echo=True, extra_body={"ignore_eos": True}, **GREEDY)
+        if stream:
+            echoed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kw) if c.choices)
+        else:
+            echoed = oai.completions.create(**kw).choices[0].text
+        completion = oai.completions.create(**{**kw, "echo": False}).choices[0].text
+        assert echoed == text + completion, prompt
+
+
 def test_completion_refusals_name_the_field(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="suffix"):
         oai.completions.create(model=MODEL, prompt="a", suffix="b")

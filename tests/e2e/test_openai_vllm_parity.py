@@ -333,8 +333,85 @@ def test_stop_reason_is_the_stop_token_id_and_null_for_eos(
         model=model, prompt="Hello", max_tokens=4, extra_body={"stop_token_ids": [token]}, **GREEDY
     ).choices[0]
     assert named.finish_reason == "stop" and named.stop_reason == token  # type: ignore[attr-defined]
-    every_id = list(range(load_tokenizer(llama_dir).vocab_size))
+    # Chat's first greedy token, from the same prompt through /generate, named as a stop token.
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    with llama_server.client() as c:
+        prompt = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        [first] = c.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()["output_ids"]
     chat = llama_oai.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"stop_token_ids": every_id}
+        model=model, messages=messages, max_tokens=4, extra_body={"stop_token_ids": [first]}, **GREEDY
     ).choices[0]
-    assert chat.finish_reason == "stop" and isinstance(chat.stop_reason, int)  # type: ignore[attr-defined]
+    assert chat.finish_reason == "stop" and chat.stop_reason == first  # type: ignore[attr-defined]
+
+
+# --- text prompts get the tokenizer's BOS, as vLLM and SGLang encode them --------------------
+
+
+@pytest.fixture(scope="module")
+def llama_embedding_server(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("llama-embed") / "tmp", ["--model-path", str(llama_dir), "--mode", "embedding"])
+    yield srv.wait_ready()
+    srv.stop()
+
+
+def test_a_text_prompt_gets_the_bos_on_every_route_that_adds_it(
+    llama_dir: Path, llama_server: ServerProcess, llama_oai: openai.OpenAI
+) -> None:
+    """The post-processor's BOS leads a text prompt on /v1/completions (vLLM's default,
+    ``add_special_tokens`` honoured either way) and /generate (SGLang's), so it is what the
+    model runs and what usage counts; chat does not add one, as its template writes it."""
+    loaded = load_tokenizer(llama_dir)
+    bos, text_ids = loaded.tokenizer.token_to_id("<s>"), loaded.encode(PROMPT)
+    model = llama_oai.models.list().data[0].id
+    with llama_server.client() as c:
+        assert c.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"] == [bos, *text_ids]
+
+    completion = llama_oai.completions.create(model=model, prompt=PROMPT, max_tokens=1)
+    assert completion.usage is not None and completion.usage.prompt_tokens == 1 + len(text_ids)
+    bare = llama_oai.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"add_special_tokens": False})
+    assert bare.usage is not None and bare.usage.prompt_tokens == len(text_ids)
+    # The echo is the request's own text: the BOS is the model's, not the client's.
+    echoed = llama_oai.completions.create(model=model, prompt=PROMPT, max_tokens=1, echo=True, **GREEDY)
+    assert echoed.choices[0].text.startswith(PROMPT)
+
+    with llama_server.client() as c:
+        body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "logprob_start_len": 0}
+        meta = c.post("/generate", json=body).json()["meta_info"]
+        streamed = [json.loads(line[6:]) for line in c.post("/generate", json={**body, "stream": True}).text.splitlines()
+                    if line.startswith("data: {")]  # fmt: skip
+    assert meta["prompt_tokens"] == 1 + len(text_ids)
+    assert [entry[1] for entry in meta["input_token_logprobs"]] == [bos, *text_ids]
+    assert [entry[1] for entry in streamed[0]["meta_info"]["input_token_logprobs"]] == [bos, *text_ids]
+
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    rendered_ids = loaded.encode("<s>[INST] Hi [/INST]")
+    chat = llama_oai.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(rendered_ids) and rendered_ids.count(bos) == 1
+    # Asked for, as vLLM honours it, the post-processor's BOS comes in front of the template's.
+    doubled = llama_oai.chat.completions.create(model=model, messages=messages, max_tokens=1, extra_body={"add_special_tokens": True})
+    assert doubled.usage is not None and doubled.usage.prompt_tokens == 1 + len(rendered_ids)
+
+
+def test_an_embedding_text_input_gets_the_bos(llama_dir: Path, llama_embedding_server: ServerProcess) -> None:
+    """/v1/embeddings (vLLM's ``add_special_tokens``, true by default) and /encode (SGLang's)."""
+    text_ids = load_tokenizer(llama_dir).encode(PROMPT)
+    with llama_embedding_server.openai_client() as c:
+        model = c.models.list().data[0].id
+        assert c.embeddings.create(model=model, input=PROMPT).usage.prompt_tokens == 1 + len(text_ids)
+        bare = c.embeddings.create(model=model, input=PROMPT, extra_body={"add_special_tokens": False})
+        assert bare.usage.prompt_tokens == len(text_ids)
+    with llama_embedding_server.client() as h:
+        assert h.post("/encode", json={"text": PROMPT}).json()["meta_info"]["prompt_tokens"] == 1 + len(text_ids)
+
+
+def test_without_a_post_processor_add_special_tokens_changes_nothing(oai: openai.OpenAI, http: httpx.Client) -> None:
+    """The shipped tokenizer has no post-processor: a text prompt is its text's ids, whatever
+    the route or ``add_special_tokens`` say."""
+    ids = TOKENIZER.encode(PROMPT)
+    for add in (None, True, False):
+        extra = {} if add is None else {"add_special_tokens": add}
+        out = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body=extra)
+        assert out.usage is not None and out.usage.prompt_tokens == len(ids), add
+        assert http.post("/tokenize", json={"prompt": PROMPT, **extra}).json()["tokens"] == ids
+    meta = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
+    assert meta["prompt_tokens"] == len(ids)

@@ -121,7 +121,7 @@ def one_request(srv: ServerProcess, i: int) -> tuple[int, int | None]:
                 if line.startswith("data: {"):
                     event = json.loads(line[6:])
                     assert "error" not in event, event
-                    ids.extend(event["output_ids"])
+                    ids = event["output_ids"]  # the output so far (SGLang's default stream)
                     meta = event["meta_info"]
             assert len(ids) == meta["completion_tokens"]
             return 200, meta["completion_tokens"]

@@ -48,9 +48,11 @@ memory = _import("tokenpipe_bench_memory", BENCH / "memory.py")
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server of this module's own: the checks read its global counters and need it idle.
-    Default --max-running-requests (256), so all 200 streams run in one batch."""
+    Default --max-running-requests (256), so all 200 streams run in one batch. Its /generate
+    events carry only what is new (--incremental-streaming-output): bench/load.py counts the
+    tokens each stream received by summing the events' output_ids."""
     load.raise_open_files_limit(2048)  # the server inherits it
-    server = ServerProcess(tmp_path_factory.mktemp("reliability") / "tmp").wait_ready()
+    server = ServerProcess(tmp_path_factory.mktemp("reliability") / "tmp", ["--incremental-streaming-output"]).wait_ready()
     yield server
     server.stop()
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from pipeline.io_struct import SamplingParams
+from pipeline.io_struct import MAX_STOP_TOKEN_IDS, SamplingParams
 from tokenizer_proc.native.schema import (
     GENERATE_REFUSED,
     MAX_LOGIT_BIAS,
@@ -249,6 +249,8 @@ REFUSED_VALUES: list[tuple[str, Any]] = [
     ("logit_bias", {"1": 1, "001": 1}),  # one token id twice
     ("logit_bias", {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}),
     ("logit_bias", [[1, 5.0]]),
+    # Bounded as logit_bias is: the running batch shares a stop table as wide as its widest list.
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
 ]
 
 
@@ -320,6 +322,12 @@ def test_an_out_of_range_sampling_parameter_is_refused_by_name(
             _openai(oai, route, {name: value})
         error = info.value.body  # type: ignore[assignment]
         assert error["param"] == name and name in error["message"], (route, error)
+
+
+def test_stop_token_ids_up_to_the_bound_are_served_on_every_route(http: httpx.Client, oai: openai.OpenAI) -> None:
+    most = {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))}
+    assert _generate(http, most).status_code == 200
+    assert _openai(oai, "completions", most).choices and _openai(oai, "chat", most).choices
 
 
 def test_logit_bias_ids_must_be_below_the_vocabulary_size(http: httpx.Client, oai: openai.OpenAI) -> None:

@@ -35,15 +35,14 @@ def small_pool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
 
 
 def stream_text(c: httpx.Client, body: dict) -> tuple[str, list[int], dict]:  # type: ignore[type-arg]
+    """The last event's text, ids and meta_info: each event holds the output so far."""
     text, ids, meta = "", [], {}
     with c.stream("POST", "/generate", json={**body, "stream": True}) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
-                text += event["text"]
-                ids += event["output_ids"]
-                meta = event["meta_info"]
+                text, ids, meta = event["text"], event["output_ids"], event["meta_info"]
     return text, ids, meta
 
 

@@ -24,7 +24,8 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
 
 def _post(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, Any]:
     """A route's answer as one dict: the JSON answer, or the streamed events merged (the
-    text joined, the last event's metadata)."""
+    OpenAI routes' texts joined; a /generate stream's last event, which holds the whole
+    output, after checking that each event holds the one before it)."""
     response = client.post(route, json=body)
     assert response.status_code == 200, (route, response.text)
     if not body.get("stream"):
@@ -33,11 +34,9 @@ def _post(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, A
     assert lines[-1] == "[DONE]", response.text
     events = [json.loads(line) for line in lines[:-1]]
     if route == "/generate":
-        return {
-            "text": "".join(e["text"] for e in events),
-            "output_ids": [t for e in events for t in e["output_ids"]],
-            "meta_info": events[-1]["meta_info"],
-        }
+        for before, after in zip(events, events[1:]):
+            assert after["text"].startswith(before["text"]) and after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        return events[-1]  # type: ignore[no-any-return]
     key = "text" if route == "/v1/completions" else "delta"
     parts = [c[key] if key == "text" else c["delta"].get("content") or "" for e in events for c in e["choices"]]
     return {"text": "".join(parts), "usage": events[-1].get("usage")}
@@ -182,17 +181,14 @@ def test_pd_through_the_router_equals_a_unified_server(pd: SglangRouter, server:
 
 
 def _logprob_entries(route_answer: dict[str, Any], events: list[dict[str, Any]] | None = None) -> dict[str, list[Any]]:
-    """The logprob keys of a /generate answer, or of its stream events joined: the output
-    keys over every event, the prompt keys from the first (the only one that has them)."""
+    """The logprob keys of a /generate answer, or of its stream's last event (each event
+    holds the prompt's and those of every token so far, as SGLang streams them)."""
     if events is None:
         return {k: v for k, v in route_answer["meta_info"].items() if k.endswith("_logprobs")}
-    assert all(not any(k.startswith("input_") for k in e["meta_info"]) for e in events[1:]), "prompt logprobs are sent once"
-    joined: dict[str, list[Any]] = {k: list(v) for k, v in events[0]["meta_info"].items() if k.startswith("input_") and k.endswith("_logprobs")}
     for e in events:
-        for k, v in e["meta_info"].items():
-            if k.startswith("output_") and k.endswith("_logprobs"):
-                joined.setdefault(k, []).extend(v)
-    return joined
+        assert len(e["meta_info"]["output_token_logprobs"]) == len(e["output_ids"]), "an event's entries are its ids'"
+        assert all(e["meta_info"][k] == v for k, v in events[-1]["meta_info"].items() if k.startswith("input_")), "the prompt's on each"
+    return _logprob_entries(events[-1])
 
 
 def _values(entries: Any) -> list[float]:

@@ -135,13 +135,14 @@ def test_greedy_ids_equal_those_of_a_server_with_a_tokenizer(skip: httpx.Client,
         assert ours["meta_info"]["finish_reason"] == theirs["meta_info"]["finish_reason"]
 
 
-def test_streamed_generate_sends_output_id_deltas(skip: httpx.Client) -> None:
+def test_streamed_generate_sends_the_output_ids_so_far(skip: httpx.Client) -> None:
+    """As SGLang streams by default: each event's output_ids are all those through it."""
     body = {"input_ids": PROMPTS[1], "sampling_params": {**GREEDY, "ignore_eos": True}}
     whole = skip.post("/generate", json=body).json()["output_ids"]
     events = sse_payloads(skip, "/generate", body)
     assert all(set(event) == {"output_ids", "meta_info"} for event in events)
-    assert [t for event in events for t in event["output_ids"]] == whole
-    assert len(events) > 1  # deltas, not one answer at the end
+    assert [event["output_ids"] for event in events] == [whole[: e["meta_info"]["completion_tokens"]] for e in events]
+    assert len(events) > 1 and events[-1]["output_ids"] == whole  # one event per row, the last the whole
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
@@ -160,6 +161,17 @@ def test_completions_take_a_token_prompt_and_answer_token_ids(skip: httpx.Client
     assert all(d["text"] == "" for d in deltas)
     assert [t for d in deltas for t in d["token_ids"]] == want["output_ids"]
     assert deltas[-1]["finish_reason"] == "length"
+
+
+def test_echo_of_a_token_prompt_is_empty_text(skip: httpx.Client) -> None:
+    """Without a tokenizer a prompt has no text to echo: "", as the completion's own text is
+    (vLLM's), streamed or not; with logprobs the prompt's tokens still lead them."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 2, "echo": True, "temperature": 0, "ignore_eos": True}
+    assert skip.post("/v1/completions", json=body).json()["choices"][0]["text"] == ""
+    streamed = [c["choices"][0]["text"] for c in sse_payloads(skip, "/v1/completions", body)]
+    assert streamed and set(streamed) == {""}
+    scored = skip.post("/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]
+    assert scored["text"] == "" and scored["logprobs"]["tokens"][0] == f"token_id:{PROMPTS[2][0]}"
 
 
 def test_stop_token_ids_still_stop(skip: httpx.Client) -> None:
@@ -245,7 +257,7 @@ def test_a_model_directory_without_tokenizer_files_serves_with_the_flag(ids_only
         out = c.post("/generate", json=body).json()
         assert len(out["output_ids"]) == 12 and all(0 <= t < DIR_VOCAB for t in out["output_ids"])
         streamed = sse_payloads(c, "/generate", body)
-        assert [t for e in streamed for t in e["output_ids"]] == out["output_ids"]
+        assert streamed[-1]["output_ids"] == out["output_ids"]  # each event holds the ids so far
         info = c.get("/server_info").json()
         assert info["vocab_size"] == DIR_VOCAB and info["model_name"] == ids_only_dir.name
         # The vocabulary comes from config.json, so an id past it is refused.

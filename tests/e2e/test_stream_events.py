@@ -1,5 +1,7 @@
 """Streams hold one event per token while the client keeps up, and merge only what piled up
-while the client's socket was not writable: against a real ``tokenpipe serve``.
+while the client's socket was not writable: against a real ``tokenpipe serve``, whose
+/generate events hold the whole output so far (SGLang's default), and one started with
+``--incremental-streaming-output``, whose events hold only what is new.
 
 "Late" is made deterministic by SIGSTOPping the API process mid-stream: the scheduler keeps
 generating, and on SIGCONT the API's ZeroMQ loop takes every queued frame back to back
@@ -15,17 +17,36 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import h11
 import httpx
 import openai
+import pytest
 
 from tests.server_harness import ServerProcess, wait_until
 
 MODEL = "tokenpipe-tiny"
 PAUSE_S = 0.5
+MODES = ["cumulative", "incremental"]
+
+
+@pytest.fixture(scope="module")
+def incremental(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(tmp_path_factory.mktemp("incremental") / "tmp", ["--incremental-streaming-output"]).wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def server_of(mode: str, request: pytest.FixtureRequest) -> ServerProcess:
+    """The shared server (SGLang's cumulative events) or the incremental one."""
+    return request.getfixturevalue("server" if mode == "cumulative" else "incremental")  # type: ignore[no-any-return]
 
 
 def greedy(max_new_tokens: int) -> dict[str, Any]:
@@ -58,30 +79,56 @@ def generate_events(server: ServerProcess, body: dict[str, Any], after_first: Ca
     return events
 
 
-def check_events(events: list[dict[str, Any]], whole: dict[str, Any]) -> None:
-    """Every token exactly once, counts cumulative through each event, the finish on the
-    last event only."""
-    assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
-    assert "".join(e["text"] for e in events) == whole["text"]
-    through = 0
-    for e in events:
-        through += len(e["output_ids"])
-        assert e["meta_info"]["completion_tokens"] == through
+def check_events(events: list[dict[str, Any]], whole: dict[str, Any], mode: str) -> None:
+    """Every token exactly once (in its own event, or in the events from its own on), counts
+    through each event, the finish on the last event only."""
+    if mode == "incremental":
+        assert [t for e in events for t in e["output_ids"]] == whole["output_ids"]
+        assert "".join(e["text"] for e in events) == whole["text"]
+        through = 0
+        for e in events:
+            through += len(e["output_ids"])
+            assert e["meta_info"]["completion_tokens"] == through
+    else:
+        for e in events:
+            assert e["output_ids"] == whole["output_ids"][: e["meta_info"]["completion_tokens"]]
+            assert whole["text"].startswith(e["text"])
+        assert events[-1]["output_ids"] == whole["output_ids"] and events[-1]["text"] == whole["text"]
     assert [e["meta_info"]["finish_reason"] is not None for e in events] == [False] * (len(events) - 1) + [True]
     assert "e2e_latency" in events[-1]["meta_info"] and all("e2e_latency" not in e["meta_info"] for e in events[:-1])
 
 
-def test_generate_stream_sends_one_event_per_token(server: ServerProcess) -> None:
-    """Greedy 8 tokens: 8 events of one id each; and 32 tokens with the API paused after
+def test_generate_stream_sends_one_event_per_token(mode: str, request: pytest.FixtureRequest) -> None:
+    """Greedy 8 tokens: 8 events of one new id each; and 32 tokens with the API paused after
     the first event (the frames of the pause are taken back to back): still 32 events."""
+    server = server_of(mode, request)
     api = server.children()["api"]
     for n, after_first in ((8, None), (32, lambda: pause(api))):
         body = {"text": "Once upon a time", "sampling_params": greedy(n)}
         with server.client() as c:
             whole = c.post("/generate", json=body).json()
         events = generate_events(server, body, after_first)
-        assert [len(e["output_ids"]) for e in events] == [1] * n, f"{n} tokens came as {len(events)} events"
-        check_events(events, whole)
+        counts = [1] * n if mode == "incremental" else list(range(1, n + 1))
+        assert [len(e["output_ids"]) for e in events] == counts, f"{n} tokens came as {len(events)} events"
+        check_events(events, whole, mode)
+
+
+def test_generate_stream_logprobs_follow_the_mode(mode: str, request: pytest.FixtureRequest) -> None:
+    """An event's output logprob entries are those of its output_ids: every one so far
+    (cumulative, as SGLang) or its own; the prompt's are on every cumulative event (SGLang
+    lists them on each) and on the first incremental one only."""
+    server = server_of(mode, request)
+    body = {"text": "Once upon a time", "sampling_params": greedy(6), "return_logprob": True, "logprob_start_len": 0}
+    with server.client() as c:
+        whole = c.post("/generate", json=body).json()
+    events = generate_events(server, body)
+    for e in events:
+        assert [entry[1] for entry in e["meta_info"]["output_token_logprobs"]] == e["output_ids"]
+    prompt = [entry[1] for entry in whole["meta_info"]["input_token_logprobs"]]
+    with_prompt = [e for e in events if "input_token_logprobs" in e["meta_info"]]
+    assert with_prompt == (events if mode == "cumulative" else events[:1])
+    assert all([entry[1] for entry in e["meta_info"]["input_token_logprobs"]] == prompt for e in with_prompt)
+    check_events(events, whole, mode)
 
 
 def test_chat_stream_sends_one_content_chunk_per_token(server: ServerProcess) -> None:
@@ -110,11 +157,12 @@ def test_chat_stream_sends_one_content_chunk_per_token(server: ServerProcess) ->
     assert finishes[-1] == "length" and not any(finishes[:-1])
 
 
-def test_slow_reader_gets_every_token_once_in_merged_events(server: ServerProcess) -> None:
+def test_slow_reader_gets_every_token_once_in_merged_events(mode: str, request: pytest.FixtureRequest) -> None:
     """A client that reads nothing until its 1000-token request has finished server-side:
     the server's send blocks on the full socket, the rows of that time merge, and the client
     still reads every token exactly once, with the finish on the last event. How many events
     merged depends on the kernel's buffers, so only events <= tokens is asserted."""
+    server = server_of(mode, request)
     n = 1000
     # A 256-character rid makes every event's meta_info larger, so the buffers fill sooner.
     rid = f"slow-{uuid.uuid4().hex}".ljust(256, "x")
@@ -139,7 +187,7 @@ def test_slow_reader_gets_every_token_once_in_merged_events(server: ServerProces
     blocks = raw.decode().split("\n\n")
     assert blocks[-2:] == ["data: [DONE]", ""]
     events = [json.loads(b[len("data: ") :]) for b in blocks[:-2]]
-    check_events(events, whole)
+    check_events(events, whole, mode)
     assert len(events) <= n
     print(f"\n{n} tokens to a slow reader as {len(events)} events ({len(raw)} bytes)")
 

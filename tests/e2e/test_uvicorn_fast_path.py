@@ -57,7 +57,7 @@ def streamed_text(client: httpx.Client, path: str) -> str:
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     if path == "/generate":
-        return "".join(e["text"] for e in events)
+        return str(events[-1]["text"])  # each event holds the text so far (SGLang's stream)
     choices = [e["choices"][0] for e in events if e["choices"]]
     return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
 

@@ -24,7 +24,7 @@ FLAGS = {
     "--disaggregation-bootstrap-endpoint", "--disaggregation-bootstrap-timeout", "--host", "--port", "--api-key",
     "--graceful-timeout", "--health-generate-timeout", "--max-request-bytes", "--max-queued-requests",
     "--request-read-timeout", "--api-workers", "--api-worker-index", "--disable-metrics", "--otlp-traces-endpoint",
-    "--log-level", "--scheduler-input", "--detokenizer-input", "--tokenizer-input",
+    "--log-level", "--scheduler-input", "--detokenizer-input", "--tokenizer-input", "--incremental-streaming-output",
 }  # fmt: skip
 HIDDEN = {"--ready-endpoint", "--config-json"}
 
@@ -78,6 +78,7 @@ def test_values_arrive_in_their_fields_with_their_types() -> None:
         "--mode", "dllm", "--context-length", "1024", "--skip-tokenizer-init", "--chunked-prefill-size", "-1",
         "--disaggregation-bootstrap-timeout", "2", "--max-queued-requests", "0", "--disable-metrics",
         "--hicache-host-tokens", "64", "--hicache-storage-dir", "kv", "--api-workers", "2", "--api-worker-index", "1",
+        "--incremental-streaming-output",
         "--scheduler-input", "tcp://127.0.0.1:5001", "--ready-endpoint", "ipc:///tmp/ready",
     ]  # fmt: skip
     config = config_from_args(parser().parse_args(argv), environ={})
@@ -93,6 +94,7 @@ def test_values_arrive_in_their_fields_with_their_types() -> None:
         hicache_storage_dir=os.path.abspath("kv"),  # relative to where the command runs
         api_workers=2,
         api_worker_index=1,
+        incremental_streaming_output=True,
         scheduler_input="tcp://127.0.0.1:5001",
         ready_endpoint="ipc:///tmp/ready",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 from fastapi import FastAPI, Request
@@ -40,7 +41,7 @@ from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.native.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.openai.routes import build_openai_router
-from tokenizer_proc.req_state import ReqState, StreamChunk
+from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
 from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
 from tokenizer_proc.http.sse_stream import SseResponse
 from tokenizer_proc.http.tokenize_api import build_tokenize_router
@@ -84,7 +85,9 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
             return model_not_found(obj.model)
         sampling = obj.sampling_params.to_wire()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
-        input_ids = expand_prompt(tm.checks.tokenize(obj.text, obj.input_ids), media, tm.checks.media_token_ids(media))
+        # As SGLang encodes a text prompt: with the tokenizer's special tokens (a Llama BOS).
+        prompt_ids = tm.checks.tokenize(obj.text, obj.input_ids, add_special_tokens=True)
+        input_ids = expand_prompt(prompt_ids, media, tm.checks.media_token_ids(media))
         state = tm.submit_generate(
             input_ids=input_ids,
             sampling=sampling,
@@ -182,10 +185,19 @@ def _generate_body(tm: TokenizerManager, text: str | Hole, output_ids: list[int]
 
 
 class _GenerateEvents:
-    """A /generate stream's events (an ``EventSource``): each carries only what is new in
-    ``text`` and ``output_ids``, with counts through it in ``meta_info``; the finish goes on
-    the last. An event before the last is the stream's template for its stats, filled with
-    the chunk's text, ids and count: its meta_info depends on nothing else."""
+    """A /generate stream's events (an ``EventSource``). As SGLang streams them, each event
+    carries the whole ``text`` and ``output_ids`` so far, and the output logprob entries of
+    those ids; with ``--incremental-streaming-output`` (SGLang's flag) each carries only what
+    is new since the previous event. Either way ``meta_info``'s counts are through the event
+    and the finish goes on the last. An event before the last is the stream's template for
+    its stats, filled with the chunk's text, ids and count: its meta_info depends on nothing
+    else.
+
+    The two modes differ only in where the chunks come from (``_take``): the state's own
+    pending chunks, each a delta, or those chunks made cumulative by ``_take_cumulative``.
+    The incremental path thus does exactly the work it did before the cumulative one
+    existed; the cumulative one copies and encodes everything so far per event, bytes
+    quadratic in the output's length, as SGLang's default does."""
 
     def __init__(self, tm: TokenizerManager, state: ReqState, text_of: TokenText | None) -> None:
         self.states = (state,)
@@ -193,9 +205,18 @@ class _GenerateEvents:
         self._tm = tm
         self._state = state
         self._text_of = text_of
-        self._first_event = True  # the prompt logprobs go on it
+        incremental = tm.config.incremental_streaming_output
+        self._take: Callable[[], list[StreamChunk]] = state.take_pending if incremental else self._take_cumulative
+        # The prompt's logprobs go on the first event; on every event when each is the whole
+        # answer so far (SGLang lists them on every event).
+        self._prompt_logprobs_due = True
+        self._every_event_lists_the_prompt = not incremental
         self._stats: RequestOutputStats | None = None  # the stats self._template was built from
         self._template: EventTemplate | None = None
+        # The cumulative mode's output so far.
+        self._text = ""
+        self._ids: list[int] = []
+        self._logprobs = LogprobEntries()
 
     def opening(self) -> bytes:
         return b""
@@ -206,7 +227,7 @@ class _GenerateEvents:
         if refused is not None:
             self.ended = True
             return b"data: " + bytes(refused.body) + b"\n\n"
-        chunks, finished = state.take_pending(), state.finished
+        chunks, finished = self._take(), state.finished
         if not finished and state.logprob is None:
             fills = [self._interim(chunk) for chunk in chunks]
             if _all_filled(fills):
@@ -221,11 +242,27 @@ class _GenerateEvents:
             meta = build_meta_info(state, None if final else chunk)
             if state.logprob is not None:
                 meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, self._text_of))
-                if state.logprob.logprob_start_len >= 0 and self._first_event:
+                if state.logprob.logprob_start_len >= 0 and self._prompt_logprobs_due:
                     meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, self._text_of))
-            self._first_event = False
+            self._prompt_logprobs_due = self._every_event_lists_the_prompt
             out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta)))
         return b"".join(out)
+
+    def _take_cumulative(self) -> list[StreamChunk]:
+        """The state's pending chunks, each holding the text, ids and output logprob entries
+        of the whole output through it (SGLang's default stream). Each chunk gets copies:
+        several taken at once are each encoded with what was there at its own row."""
+        chunks = self._state.take_pending()
+        for chunk in chunks:
+            self._text += chunk.text
+            self._ids += chunk.ids
+            chunk.text, chunk.ids = self._text, self._ids[:]
+            if chunk.logprobs is not None:
+                self._logprobs.extend(chunk.logprobs)
+            if self._state.logprob is not None:
+                so_far = self._logprobs
+                chunk.logprobs = LogprobEntries(so_far.chosen[:], so_far.top[:], so_far.ids[:])
+        return chunks
 
     def _interim(self, chunk: StreamChunk) -> bytes | None:
         """The event of a chunk before the last, filled into its template (None: no template)."""

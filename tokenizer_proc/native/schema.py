@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from pipeline.io_struct import LogprobParams, SamplingParams
+from pipeline.io_struct import MAX_STOP_TOKEN_IDS, LogprobParams, SamplingParams
 from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.request_errors import RequestValidationError
 
@@ -37,6 +37,9 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # ids against the vocabulary by ``RequestChecks.validate_sampling``.
 LogitBias = Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)]
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")
+# Bounded as logit_bias is: every running request shares one stop table as wide as the
+# widest request's list, so one long list would slow every stop check of the batch.
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 def logit_bias_pairs(bias: dict[str, float] | None, param: str) -> tuple[tuple[int, float], ...]:
@@ -79,7 +82,8 @@ SAMPLING_REFUSED: tuple[Refusal, ...] = tuple(
 
 
 class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    max_new_tokens: PositiveInt = 128
+    # 0 scores the prompt, as in SGLang: no output, its logprobs when asked.
+    max_new_tokens: NonNegInt = 128
     min_new_tokens: NonNegInt = 0
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
@@ -87,7 +91,7 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     seed: Seed | None = None
     sampling_seed: Seed | None = None  # SGLang's name for ``seed``
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     stream_interval: PositiveInt | None = None
     skip_special_tokens: bool = True

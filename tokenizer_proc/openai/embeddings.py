@@ -36,6 +36,8 @@ class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     user: str | None = None
+    # vLLM's: a text input gets the tokenizer's special tokens (a Llama BOS) unless false.
+    add_special_tokens: bool = True
 
 
 class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -63,7 +65,7 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         _require_embedding_mode(tm)
         if obj.dimensions is not None:
             raise RequestValidationError("`dimensions` is not supported: the model's size is fixed", "dimensions")
-        inputs = _token_inputs(tm, obj.input, "input")
+        inputs = _token_inputs(tm, obj.input, "input", add_special_tokens=obj.add_special_tokens)
         try:
             states = await _embed_all(tm, inputs, request, arrived)
         except EmbeddingFailed as exc:
@@ -98,7 +100,8 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
             raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
         given: str | Sequence[str | int | list[int]] = obj.text if obj.text is not None else obj.input_ids or []
         single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))
-        inputs = _token_inputs(tm, given, "text" if obj.text is not None else "input_ids")
+        # As SGLang encodes a text input: with the tokenizer's special tokens.
+        inputs = _token_inputs(tm, given, "text" if obj.text is not None else "input_ids", add_special_tokens=True)
         try:
             states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
         except EmbeddingFailed as exc:
@@ -125,8 +128,11 @@ def _vector(state: ReqState) -> np.ndarray:
     return state.embedding
 
 
-def _token_inputs(tm: TokenizerManager, given: str | Sequence[str | int | list[int]], field: str) -> list[list[int]]:
-    """One token list per input: a string, a list of strings, token ids, or lists of them."""
+def _token_inputs(
+    tm: TokenizerManager, given: str | Sequence[str | int | list[int]], field: str, *, add_special_tokens: bool
+) -> list[list[int]]:
+    """One token list per input: a string, a list of strings, token ids, or lists of them;
+    ``add_special_tokens`` for the strings (``RequestChecks.tokenize``)."""
     if isinstance(given, str):
         # Request JSON: the kinds of the entries are checked below, not known to the types.
         items: list[Any] = [given]
@@ -146,7 +152,10 @@ def _token_inputs(tm: TokenizerManager, given: str | Sequence[str | int | list[i
     out = []
     for i, item in enumerate(items):
         try:
-            out.append(tm.checks.tokenize(item, None) if isinstance(item, str) else tm.checks.tokenize(None, item))
+            if isinstance(item, str):
+                out.append(tm.checks.tokenize(item, None, add_special_tokens=add_special_tokens))
+            else:
+                out.append(tm.checks.tokenize(None, item, add_special_tokens=add_special_tokens))
         except RequestValidationError as exc:
             raise RequestValidationError(f"{field}[{i}]: {exc}", f"{field}[{i}]") from exc
     return out

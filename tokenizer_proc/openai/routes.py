@@ -5,9 +5,9 @@ Each choice is its own pipeline request (``n`` choices of ``p`` prompts are ``n 
 requests, submitted together so they batch). With a ``seed``, choice ``i`` of each prompt
 samples with ``seed + i``: the choices differ, and each prompt of a batch gives what it would
 give alone. What a response says (its choices, ``usage``, ``finish_reason``) is
-``openai_shapes``'; a stream's events are ``openai_stream``'s.
+``tokenizer_proc.openai.shapes``'; a stream's events are ``tokenizer_proc.openai.stream``'s.
 
-Waiting, disconnect handling and error bodies are ``http_common``'s: a client that
+Waiting, disconnect handling and error bodies are ``tokenizer_proc.http.common``'s: a client that
 disconnects aborts every choice of its request. A stream starts (status 200) only once every
 choice has changed once, so a choice the scheduler refuses (400, a full waiting queue's 503
 with ``Retry-After``, a PD peer's 502/504) makes the whole request that error, streaming or
@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -98,12 +99,18 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         prompts = body.prompts()
         if len(prompts) * body.choices > MAX_CHOICES:
             raise RequestValidationError(f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n")
-        jobs: list[tuple[list[int], SamplingParams]] = []
+        # vLLM's default: a text prompt gets the tokenizer's special tokens (a Llama BOS).
+        add_special_tokens = body.add_special_tokens is not False
+        jobs: list[_Job] = []
         for prompt in prompts:
             with _openai_names("prompt", "max_tokens"):
-                ids = tm.checks.tokenize(prompt, None) if isinstance(prompt, str) else tm.checks.tokenize(None, prompt)
-                jobs.extend(_choices(tm, body, ids, _completion_max_tokens(tm, body, len(ids))))
-        return await _respond(tm, request, COMPLETION, body, jobs, arrived)
+                if isinstance(prompt, str):
+                    ids = tm.checks.tokenize(prompt, None, add_special_tokens=add_special_tokens)
+                else:
+                    ids = tm.checks.tokenize(None, prompt, add_special_tokens=add_special_tokens)
+                echo = _echo_text(tm, prompt) if body.echo else None
+                jobs.extend(_choices(tm, body, ids, _completion_max_tokens(tm, body, len(ids)), echo))
+        return await _respond(tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -122,10 +129,11 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             return error_response(500, str(exc), err_type="internal_error")
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         with _openai_names("messages", max_param):
-            ids = tm.checks.tokenize(prompt, None)
+            # vLLM's default is false: the template writes the BOS itself.
+            ids = tm.checks.tokenize(prompt, None, add_special_tokens=bool(body.add_special_tokens))
             max_tokens = body.requested_max_tokens() or _room_left(tm, len(ids))
-            jobs = _choices(tm, body, ids, max_tokens)
-        return await _respond(tm, request, CHAT, body, jobs, arrived)
+            jobs = _choices(tm, body, ids, max_tokens, None)
+        return await _respond(tm, request, CHAT, body, jobs, arrived, ("messages", max_param))
 
     return router
 
@@ -149,11 +157,31 @@ def _completion_max_tokens(tm: TokenizerManager, body: CompletionRequest, prompt
     return min(CompletionRequest.DEFAULT_MAX_TOKENS, _room_left(tm, prompt_len))
 
 
-def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
-    """One (prompt, sampling) job per choice, validated against the server's limits first so
-    that nothing is submitted for a request that will be refused."""
-    jobs = [(ids, sampling) for sampling in body.sampling(max_tokens)]
-    tm.checks.validate_sampling(len(ids), jobs[0][1])
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One choice's pipeline request: its prompt ids and sampling, and with ``echo`` the
+    prompt's text (None without)."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    echo: str | None
+
+
+def _echo_text(tm: TokenizerManager, prompt: str | list[int]) -> str:
+    """What ``echo`` shows of a prompt: the request's own string, or the decode of its token
+    ids as a whole (special tokens shown, as vLLM echoes them). Token by token, a character
+    split over tokens would show as U+FFFD in each. Without a tokenizer, nothing, as vLLM's
+    text is then."""
+    if isinstance(prompt, str):
+        return prompt
+    return tm.tokenizer.decode(prompt, skip_special_tokens=False) if tm.tokenizer is not None else ""
+
+
+def _choices(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int, echo: str | None) -> list[_Job]:
+    """One job per choice, validated against the server's limits first so that nothing is
+    submitted for a request that will be refused."""
+    jobs = [_Job(ids, sampling, echo) for sampling in body.sampling(max_tokens)]
+    tm.checks.validate_sampling(len(ids), jobs[0].sampling)
     return jobs
 
 
@@ -189,9 +217,11 @@ async def _respond(
     request: Request,
     kind: Shape,
     body: SamplingRequest,
-    jobs: list[tuple[list[int], SamplingParams]],
+    jobs: list[_Job],
     arrived: float,
+    names: tuple[str, str],
 ) -> Response:
+    """``names``: the request's prompt and max-tokens fields, for refusals at submission."""
     response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
     trace = trace_context(request)
     bootstrap = body.bootstrap()
@@ -199,11 +229,11 @@ async def _respond(
         raise RequestValidationError("PD disaggregation takes one completion per request (one bootstrap room): n and the prompts must make 1", "n")
     states: list[ReqState] = []
     try:
-        for index, (ids, sampling) in enumerate(jobs):
-            states.append(
-                tm.submit_generate(
-                    input_ids=ids,
-                    sampling=sampling,
+        with _openai_names(*names):
+            for index, job in enumerate(jobs):
+                state = tm.submit_generate(
+                    input_ids=job.ids,
+                    sampling=job.sampling,
                     stream=body.streaming,
                     rid=f"{response_id}-{index}",
                     trace=trace,
@@ -212,9 +242,9 @@ async def _respond(
                     bootstrap=bootstrap,
                     logprobs=body.logprob_params(),
                 )
-            )
-            if isinstance(body, CompletionRequest) and body.echo:
-                states[-1].echo, states[-1].prompt_ids = True, ids
+                states.append(state)
+                if job.echo is not None:
+                    state.echo, state.prompt_ids = job.echo, job.ids
     except BaseException:
         abort_unfinished(tm, states)
         raise

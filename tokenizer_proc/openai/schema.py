@@ -1,7 +1,7 @@
 """Typed request bodies of the OpenAI-compatible API (``/v1/completions``,
 ``/v1/chat/completions``).
 
-Decoding with msgspec (``api_schema.decode_body``) is the validation of types and ranges: a
+Decoding with msgspec (``tokenizer_proc.native.schema.decode_body``) is the validation of types and ranges: a
 wrong type, a value out of range or a field that OpenAI does not document fails with a 400
 that names the field. Every field OpenAI documents for these two endpoints is accepted, so an
 official client never trips on one. The fields this server cannot honour are refused with a
@@ -41,6 +41,7 @@ from tokenizer_proc.native.schema import (
     RepetitionPenalty,
     RequestValidationError,
     RoomField,
+    StopTokenIds,
     TokenId,
     bootstrap_of,
     logit_bias_pairs,
@@ -86,7 +87,7 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: NonNegInt | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None  # SGLang's: the text is not cut at a stop string
     # PD disaggregation (set by sglang-router)
@@ -239,13 +240,15 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: a text prompt gets the tokenizer's special tokens (a Llama tokenizer's BOS)
+    # unless false, as vLLM and SGLang encode prompts. None: not given, so true.
+    add_special_tokens: bool | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("suffix", bool, "suffix (insertion) is not supported by this server"),
         ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
     ) + _neutrals(
         ("response_format", ({"type": "text"},)),  # SGLang's
-        ("add_special_tokens", (True,)),  # vLLM's
         ("prompt_embeds", ()),
     )
 
@@ -419,6 +422,9 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     verbosity: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM's: false by default, since the chat template writes the BOS itself (a second
+    # one would be the tokenizer's post-processor's).
+    add_special_tokens: bool | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("tools", bool, "tools (function calling) are not supported by this server"),
@@ -450,7 +456,6 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         # vLLM
         ("echo", (False,)),
         ("add_generation_prompt", (True,)),
-        ("add_special_tokens", (False,)),
         ("documents", ()),
         ("chat_template", ()),
         ("mm_processor_kwargs", ()),

@@ -38,13 +38,13 @@ class CompletionShape:
     @staticmethod
     def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
         logprobs = None
-        if state.logprob is not None and state.echo:
+        if state.logprob is not None and state.echo is not None:
             logprobs = echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, state.logprobs, state.output_ids, text_of)
         elif state.logprob is not None:
             logprobs = completion_logprobs(state.logprobs, state.output_ids, text_of)
         return {
             "index": index,
-            "text": CompletionShape.echoed_text(state, text_of) + state.text,
+            "text": CompletionShape.echoed_text(state) + state.text,
             "logprobs": logprobs,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
@@ -61,15 +61,15 @@ class CompletionShape:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     @staticmethod
-    def echoed_text(state: ReqState, text_of: TokenText) -> str:
+    def echoed_text(state: ReqState) -> str:
         """The prompt's text, for ``echo`` (nothing otherwise)."""
-        return "".join(text_of(t) for t in state.prompt_ids) if state.echo else ""
+        return state.echo or ""
 
     @staticmethod
     def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None) -> dict[str, Any]:
         """``state``: on a choice's first chunk, whose logprobs lead with the echoed prompt's."""
         entries = chunk.logprobs or LogprobEntries()
-        if state is not None and state.echo:
+        if state is not None and state.echo is not None:
             return echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, entries, chunk.ids, text_of)
         return completion_logprobs(entries, chunk.ids, text_of, offset)
 
@@ -108,7 +108,7 @@ class ChatShape:
         }
 
     @staticmethod
-    def echoed_text(state: ReqState, text_of: TokenText) -> str:
+    def echoed_text(state: ReqState) -> str:
         return ""
 
     @staticmethod

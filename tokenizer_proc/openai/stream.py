@@ -3,7 +3,7 @@
 
 This is the per-event path: a plain content chunk is its choice's ``EventTemplate`` filled
 with the text, and only other chunks are built as dicts and encoded whole (the shapes are
-``openai_shapes``').
+``tokenizer_proc.openai.shapes``').
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ChoiceEvents:
         # Per choice: the stats its template was made for (continuous usage), and the template.
         self._templates: list[tuple[RequestOutputStats | None, EventTemplate | None] | None] = [None] * len(states)
         # Every content chunk before a choice's finish is its template filled in.
-        self._plain = not self._ids_out and all(s.logprob is None and not s.echo for s in states)
+        self._plain = not self._ids_out and all(s.logprob is None and s.echo is None for s in states)
 
     def opening(self) -> bytes:
         head, usage = self._head, self._usage
@@ -120,11 +120,12 @@ class ChoiceEvents:
             if template is not None:
                 out.append(self._filled(template, chunk))
                 continue
-            text = kind.echoed_text(state, text_of) + chunk.text if lead else chunk.text
+            text = kind.echoed_text(state) + chunk.text if lead else chunk.text
             logprobs = None
             if state.logprob is not None:
                 logprobs = kind.chunk_logprobs(chunk, text_of, self._offsets[index], state if lead else None)
-                self._offsets[index] += sum(len(text_of(t)) for t in (state.prompt_ids if lead and state.echo else []) + chunk.ids)
+                echoed = state.prompt_ids if lead and state.echo is not None else []
+                self._offsets[index] += sum(len(text_of(t)) for t in echoed + chunk.ids)
             delta = with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
             out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
         return b"".join(out)
