@@ -131,6 +131,27 @@ class LogprobParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     return_text: bool = False
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Structured output: what the request's tokens must spell, whatever dialect asked for it
+    (OpenAI's ``response_format``, vLLM's ``structured_outputs``/``guided_*``, SGLang's
+    ``json_schema``/``regex``/``ebnf``). Compiled by the scheduler (xgrammar), cached by
+    ``(kind, spec)``.
+
+    - ``kind``: one of ``CONSTRAINT_KINDS``: ``json_schema`` (``spec``: the schema as JSON
+      text), ``json_object`` (any JSON object; ``spec`` empty), ``regex`` (``spec``: the
+      pattern), ``grammar`` (``spec``: EBNF, xgrammar's GBNF dialect), ``choice`` (``spec``: a
+      JSON list of the strings allowed).
+    - ``param``: the request field that asked for it, named in the 400 an invalid ``spec``
+      gets (the engine's reason follows)."""
+
+    kind: str
+    spec: str
+    param: str
+
+
 class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True, gc=False):
     rid: str
     req_id: int
@@ -145,6 +166,7 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit
     bootstrap_endpoint: str | None = None
     bootstrap_room: int | None = None
     logprobs: LogprobParams | None = None  # None: no logprobs asked
+    constraint: Constraint | None = None  # structured output; None: unconstrained
 
 
 class TokenizedEmbeddingReqInput(msgspec.Struct, tag="emb", array_like=True, omit_defaults=True, gc=False):
@@ -241,6 +263,7 @@ class SchedulerTimeStats(msgspec.Struct, array_like=True, omit_defaults=True, gc
     storage_prefetch_wait: float = 0.0
     bootstrap_done_time: float | None = None
     decode_prebuilt_finish_time: float | None = None
+    grammar_wait: float = 0.0  # a constrained request's wait for its grammar to compile (0: cached)
 
 
 class CachedTokensDetails(msgspec.Struct, omit_defaults=True, gc=False, frozen=True):
