@@ -364,19 +364,18 @@ def append_token(world: SimWorld, req: Req, stop_token: int, pressure: float) ->
     return req.finished
 
 
-def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str | None:
+def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str:
     """The whole text a finished request must show, from its tokens by plain decodes (none
     of the pipeline's incremental code): a trimmed stop token left out; a stop string cut
     at the earliest occurrence of any of the request's stop strings that ends past the text
-    of its first ``min_new_tokens - 1`` tokens (what came before may hold one). None where
-    the decode holds U+FFFD (unfinished or invalid UTF-8 is the detokenizer's own test)."""
+    of its first ``min_new_tokens - 1`` tokens (what came before may hold one). Where the
+    decode shows U+FFFD (bytes that are no character), so must the text: a finished text is
+    the decode of its ids."""
     s, reason, ids = req.sampling, req.finished_reason, req.output_ids
     skip = s.skip_special_tokens
     if isinstance(reason, FinishStop) and isinstance(reason.matched, int) and not s.no_stop_trim:
         ids = ids[:-1]
     text = tokenizer.decode(ids, skip)
-    if "\ufffd" in text:
-        return None
     # Occurrences of its stop strings that end past the text of the first min_new_tokens - 1
     # tokens (what came before may hold one).
     allowed = len(tokenizer.decode(ids[: max(s.min_new_tokens - 1, 0)], skip))

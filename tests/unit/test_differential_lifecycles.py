@@ -505,8 +505,7 @@ def check_against_truth(world: SimWorld, req: Req, got: Delivered, seed: int) ->
     stops = TOKENIZER.eos_token_ids | set(req.sampling.stop_token_ids)
     assert not stops.intersection(got.ids[: req.sampling.min_new_tokens]), f"{where}: a stop token before min_new_tokens"
     want = expected_text(TOKENIZER, req)
-    if want is not None:
-        assert got.text == want, f"{where}: the client got text {got.text!r}, expected {want!r}"
+    assert got.text == want, f"{where}: the client got text {got.text!r}, expected {want!r}"
     assert got.meta_info is not None and got.meta_info["completion_tokens"] == len(req.output_ids), where
     if "queue_time" in got.meta_info:  # metrics on
         assert got.meta_info["queue_time"] == pytest.approx(world.queue_time[req.req_id], rel=1e-9, abs=1e-9), where
