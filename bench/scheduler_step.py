@@ -28,12 +28,21 @@ output frame build); ``outside`` is everything outside ``extend`` (sampler inclu
 On CUDA the wrappers synchronize before reading the clock, so kernel time is charged to
 the call that launched it rather than to a later ``.tolist()``.
 
+``--constrained`` gives every request a structured output (a nested JSON schema: an array
+of at least as many objects as the run has tokens, each object nested two deep, so no
+answer can end during the run; one compile, shared through the cache, before the
+warm-up). The table then adds the grammar's cost per step: ``fill_ms`` (the constrained
+rows' bitmask, ``TokenMasks.fill``), ``apply_ms`` (the masked copy of the logits,
+``GrammarMask.apply``, part of sample_ms), ``accept_ms`` (the drawn tokens into the
+matchers, ``TokenMasks.accept``) and ``grammar_ms`` (their sum); fill and accept are part of
+host_ms.
+
 ``--profile`` then runs ``--profile-steps`` more decode steps of the largest batch size
 (each sampling mode) under cProfile and prints the top entries (by own time and by
 cumulative time).
 
 Usage: ``python bench/scheduler_step.py [--batch-sizes 1,16,64,256]
-[--sampling greedy,sampled] [--steps 50] [--context 32] [--torch-threads N]
+[--sampling greedy,sampled] [--constrained] [--steps 50] [--context 32] [--torch-threads N]
 [--device auto] [--profile] [--json PATH]``.
 """
 
@@ -61,8 +70,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch  # noqa: E402
 
 from pipeline.config import ServerConfig  # noqa: E402
-from pipeline.io_struct import REQ_ID_DTYPE, SamplingParams, TokenizedGenerateReqInput, from_column  # noqa: E402
+from pipeline.io_struct import REQ_ID_DTYPE, Constraint, SamplingParams, TokenizedGenerateReqInput, from_column  # noqa: E402
 from scheduler_proc.main import build_scheduler  # noqa: E402
+from scheduler_proc.sampling.grammar import GrammarMask  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 
 COLUMNS = (
@@ -84,6 +94,13 @@ COLUMN_HELP = (
     "tensor math); host_ms: step time outside extend and sample (scheduling, slot bookkeeping, "
     "stop checks, output frame); outside_ms / outside_%: step time outside runner.extend "
     "(sample_ms + host_ms). Host time outside the forward is build_ms + host_ms."
+)
+GRAMMAR_COLUMNS = ("fill_ms", "apply_ms", "accept_ms", "grammar_ms")
+GRAMMAR_HELP = (
+    "--constrained: every row follows a nested JSON schema. fill_ms: the constrained rows' bitmask "
+    "(TokenMasks.fill, in host_ms); apply_ms: the masked copy of the logits (GrammarMask.apply, in "
+    "sample_ms); accept_ms: the drawn tokens into the matchers (TokenMasks.accept, in host_ms); "
+    "grammar_ms: their sum."
 )
 SAMPLING_MODES = ("greedy", "sampled")
 SAMPLED_TEMPERATURE = 0.7
@@ -120,6 +137,33 @@ class _Timer:
     def take(self) -> int:
         total, self.total_ns = self.total_ns, 0
         return total + sum(other.take() for other in self._others)
+
+
+def _instrument_grammar(scheduler: Scheduler) -> tuple[_Timer, _Timer, _Timer, Callable[[], None]]:
+    """Timers of the mask fill, apply and accept, and the undo of the apply's wrapper (a
+    class attribute: a mask is a new object every step)."""
+    masks = scheduler.masks
+    if masks is None:
+        raise RuntimeError("--constrained needs a scheduler with a tokenizer")
+    sync = torch.cuda.synchronize if scheduler.runner.device.type == "cuda" else None
+    fill, accept = _Timer(masks.fill, sync), _Timer(masks.accept, sync)
+    original = GrammarMask.apply
+    apply = _Timer(original, sync)
+
+    def timed_apply(mask: GrammarMask, logits: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = apply(mask, logits)
+        return result
+
+    # setattr, as in _instrument: instance attributes shadow the two methods, and the
+    # apply's wrapper goes on the class (a mask is a new object every step).
+    shadowed: tuple[tuple[object, str, Callable[..., Any]], ...] = (
+        (masks, "fill", fill),
+        (masks, "accept", accept),
+        (GrammarMask, "apply", timed_apply),
+    )
+    for owner, name, timer in shadowed:
+        setattr(owner, name, timer)
+    return fill, apply, accept, lambda: setattr(GrammarMask, "apply", original)
 
 
 def _instrument(scheduler: Scheduler) -> tuple[_Timer, _Timer, _Timer]:
@@ -184,15 +228,45 @@ def _sampling_params(sampling: str, max_new_tokens: int, seed: int) -> SamplingP
     raise ValueError(f"unknown sampling mode {sampling!r}; expected one of {', '.join(SAMPLING_MODES)}")
 
 
-def _submit(scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int, sampling: str, seed: int) -> None:
+def bench_schema(min_items: int) -> dict[str, Any]:
+    """An array of at least ``min_items`` objects, each nested two deep (an object holding an
+    object): every object takes several tokens, so no answer ends within ``min_items``
+    tokens."""
+    owner = {"type": "object", "properties": {"name": {"type": "string"}, "since": {"type": "integer"}}, "required": ["name", "since"]}
+    meta = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}, "owner": owner},
+        "required": ["ok", "score", "owner"],
+    }
+    item = {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}, "meta": meta},
+        "required": ["id", "name", "tags", "meta"],
+    }
+    return {"type": "object", "properties": {"items": {"type": "array", "items": item, "minItems": min_items}}, "required": ["items"]}
+
+
+def _submit(
+    scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int, sampling: str, seed: int, constraint: Constraint | None = None
+) -> None:
     now = time.time()
     for i, ids in enumerate(prompts):
         params = _sampling_params(sampling, max_new_tokens, seed * 1_000_003 + i)  # a distinct seed per request
         scheduler.add_request(
             TokenizedGenerateReqInput(
-                rid=f"bench-{i}", req_id=i, input_ids=ids, sampling_params=params, stream=True, arrival_time=now
+                rid=f"bench-{i}", req_id=i, input_ids=ids, sampling_params=params, stream=True, arrival_time=now, constraint=constraint
             )
         )
+
+
+def _await_grammars(scheduler: Scheduler, timeout: float = 60.0) -> None:
+    """Steps until no request waits for its grammar (one compile, before the warm-up)."""
+    deadline = time.monotonic() + timeout
+    while scheduler.grammars:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the benchmark's grammar did not compile")
+        scheduler.step()
+        time.sleep(0.001)
 
 
 def _decode_step(scheduler: Scheduler, batch_size: int) -> None:
@@ -218,6 +292,7 @@ def run_batch(
     profile_steps: int = 0,
     profile_top: int = 25,
     seed: int = 0,
+    constrained: bool = False,
 ) -> dict[str, Any]:
     if batch_size < 1 or steps < 1 or context < 1 or warmup < 0:
         raise ValueError("batch size, steps and context must be >= 1, warmup >= 0")
@@ -236,9 +311,11 @@ def run_batch(
             f"context ({context}) + warm-up + steps + profile steps does not fit the model's "
             f"context length ({scheduler.context_length})"
         )
-    _submit(scheduler, _prompts(batch_size, context, scheduler.vocab_size, seed), max_new, sampling, seed)
+    constraint = Constraint("json_schema", json.dumps(bench_schema(max_new)), "bench") if constrained else None
+    _submit(scheduler, _prompts(batch_size, context, scheduler.vocab_size, seed), max_new, sampling, seed, constraint)
     if len(scheduler.live) != batch_size:
         raise RuntimeError("the scheduler refused some benchmark requests")
+    _await_grammars(scheduler)
 
     t0 = time.perf_counter()
     prefill_steps = 0
@@ -252,6 +329,7 @@ def run_batch(
     warmup_s = time.perf_counter() - t0
 
     extend, forward, sample = _instrument(scheduler)
+    grammar = _instrument_grammar(scheduler) if constrained else None
     gc.collect()
     step_ns: list[int] = []
     deadline = time.perf_counter() + max_seconds
@@ -286,9 +364,17 @@ def run_batch(
         "prefill_steps": prefill_steps,
         "warmup_s": warmup_s,
         "kv_pool_tokens": scheduler.kv.capacity,
+        "constrained": constrained,
     }
+    if grammar is not None:
+        fill, apply, accept, undo = grammar
+        parts = {"fill_ms": fill.take(), "apply_ms": apply.take(), "accept_ms": accept.take()}
+        result.update({name: ns / 1e6 / n for name, ns in parts.items()})
+        result["grammar_ms"] = sum(parts.values()) / 1e6 / n
     if profile_steps > 0:
         result["profile"] = _profile(scheduler, batch_size, profile_steps, profile_top)
+    if grammar is not None:
+        grammar[3]()
     return result
 
 
@@ -361,6 +447,7 @@ def run(
     profile_steps: int = 20,
     profile_top: int = 25,
     seed: int = 0,
+    constrained: bool = False,
 ) -> dict[str, Any]:
     results = []
     profiled = max(batch_sizes) if profile else None
@@ -380,6 +467,7 @@ def run(
                 profile_steps=profile_steps if b == profiled else 0,
                 profile_top=profile_top,
                 seed=seed,
+                constrained=constrained,
             )
             results.append(row)
         if not machine:  # after the first build: build_scheduler sets the torch threads
@@ -399,6 +487,7 @@ def run(
             "torch_threads": torch_threads,
             "device": device,
             "seed": seed,
+            "constrained": constrained,
         },
         "machine": machine,
         "model": model,
@@ -431,14 +520,16 @@ def format_report(report: dict[str, Any]) -> str:
         f"vocab {model['vocab']}",
         f"scheduler decode step: prompt {cfg['context']} tokens, {cfg['warmup']} warm-up + up to {cfg['steps']} "
         f"timed steps per batch size and sampling (at most {cfg['max_seconds']:g} s), stream_interval 1; "
-        f"sampled: temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}, a seed per request",
+        f"sampled: temperature {SAMPLED_TEMPERATURE}, top_p {SAMPLED_TOP_P}, a seed per request"
+        + ("; every row constrained by a nested JSON schema" if cfg.get("constrained") else ""),
         "",
-        "batch".rjust(6) + f"{'sampling':>10}" + "".join(f"{c:>12}" for c in COLUMNS),
     ]
+    columns = COLUMNS + (GRAMMAR_COLUMNS if cfg.get("constrained") else ())
+    lines.append("batch".rjust(6) + f"{'sampling':>10}" + "".join(f"{c:>12}" for c in columns))
     for row in report["results"]:
-        cells = [f"{row['steps']:>12d}"] + [f"{row[c]:>12.{_digits(c)}f}" for c in COLUMNS[1:]]
+        cells = [f"{row['steps']:>12d}"] + [f"{row[c]:>12.{_digits(c)}f}" for c in columns[1:]]
         lines.append(f"{row['batch_size']:>6d}{row['sampling']:>10}" + "".join(cells))
-    lines += ["", COLUMN_HELP]
+    lines += ["", COLUMN_HELP] + ([GRAMMAR_HELP] if cfg.get("constrained") else [])
     for row in report["results"]:
         prof = row.get("profile")
         if prof:
@@ -483,6 +574,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma list of greedy (temperature 0) and sampled (temperature {SAMPLED_TEMPERATURE}, "
         f"top_p {SAMPLED_TOP_P}, a seed per request); default greedy,sampled",
     )
+    parser.add_argument(
+        "--constrained", action="store_true", help="every request follows a nested JSON schema; adds the grammar's cost per step"
+    )
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size (default 50)")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="stop timing a batch size after this (default 60)")
     parser.add_argument("--warmup", type=int, default=3, help="decode steps after every request is decoding (default 3)")
@@ -508,6 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_steps=args.profile_steps,
         profile_top=args.profile_top,
         seed=args.seed,
+        constrained=args.constrained,
     )
     print(format_report(report))
     if args.json is not None:

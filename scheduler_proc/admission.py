@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.io_struct import MAX_STOP_TOKEN_IDS, FinishAbort
+from pipeline.io_struct import CONSTRAINT_KINDS, MAX_STOP_TOKEN_IDS, FinishAbort
 from scheduler_proc.dllm import DllmDecoder
 from scheduler_proc.cache.hicache import Fetched, cached_details
 from scheduler_proc.req import Req
@@ -25,6 +25,7 @@ class AdmissionCheck:
     pool_capacity: int  # KV pool tokens
     dllm: DllmDecoder | None  # --mode dllm: the output takes whole blocks of slots
     matches_stop_strings: bool  # False under --skip-tokenizer-init
+    grammars: bool = False  # structured outputs: False under --skip-tokenizer-init
 
     def problem(self, req: Req) -> str | None:
         """Why ``req`` can never be served here, or None. The tokenizer manager validates
@@ -51,6 +52,18 @@ class AdmissionCheck:
             return f"stop_token_ids holds {stop_ids} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
         if req.sampling.stop and not self.matches_stop_strings:
             return "stop strings need a tokenizer, and this server runs with --skip-tokenizer-init: use stop_token_ids"
+        return None if req.constraint is None else self._constraint_problem(req)
+
+    def _constraint_problem(self, req: Req) -> str | None:
+        c = req.constraint
+        assert c is not None
+        if c.kind not in CONSTRAINT_KINDS:
+            return f"{c.param}: unknown structured-output kind {c.kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}"
+        if self.dllm is not None:
+            # A dLLM pass commits positions of a block out of order; a grammar reads left to right.
+            return f"{c.param}: structured outputs are not supported in --mode dllm"
+        if not self.grammars:
+            return f"{c.param}: structured outputs need a tokenizer, and this server runs with --skip-tokenizer-init"
         return None
 
 

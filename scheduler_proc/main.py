@@ -30,21 +30,32 @@ from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.pd.decode import DecodeBootstrapper
 from scheduler_proc.pd.prefill import PrefillKVSender
+from scheduler_proc.sampling.grammar import GrammarCompiler, tokenizer_info
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats_reporter import SchedulerStatsReporter
 from scheduler_proc.stop_checker import StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
+# How long an otherwise idle loop waits on its sockets while grammars compile: a finished
+# compile is taken at most this late, and the loop does not spin against the compiler.
+GRAMMAR_POLL_MS = 2
+
 
 def build_scheduler(config: ServerConfig) -> Scheduler:
-    # The tokenizer is here only to match stop strings; under --skip-tokenizer-init the API
-    # refuses those, and the EOS ids and vocabulary size come from the model's configs.
+    # The tokenizer is here only to match stop strings and to compile grammars (structured
+    # outputs); under --skip-tokenizer-init the API refuses both, and the EOS ids and
+    # vocabulary size come from the model's configs.
     vocab = load_vocab(config.model_path, skip_tokenizer_init=config.skip_tokenizer_init)
     runner = ModelRunner(config, vocab.vocab_size)
     context_length = context_length_of(config, vocab.vocab_size)
     decode = vocab.decode if isinstance(vocab, LoadedTokenizer) else None
     stop_checker = StopChecker(vocab.eos_token_ids, decode, context_length)
+    grammar = None
+    if isinstance(vocab, LoadedTokenizer):
+        # The grammar's vocabulary is the model's logits' width; its stop tokens are EOS.
+        info = tokenizer_info(vocab.tokenizer, runner.model_config.vocab_size, vocab.eos_token_ids, vocab.special_token_ids)
+        grammar = GrammarCompiler(info)
     return Scheduler(
         runner,
         stop_checker,
@@ -58,6 +69,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         dense_usage_columns=config.dense_usage_columns,
         dllm=dllm_config(config, vocab.eos_token_ids),
         hicache=build_hicache(config, runner),
+        grammar=grammar,
     )
 
 
@@ -141,6 +153,8 @@ def run_scheduler(config: ServerConfig) -> None:
         # Block only when idle; with work in flight, take what has arrived and step.
         if not scheduler.has_work():
             poller.poll(200)
+        elif scheduler.only_compiling():
+            poller.poll(GRAMMAR_POLL_MS)
         while True:
             try:
                 frame = inbox.recv(zmq.NOBLOCK, copy=False)
@@ -172,4 +186,5 @@ def run_scheduler(config: ServerConfig) -> None:
             if report.live_reqs == 0:
                 release_free_heap()
     logger.info("scheduler exiting (pid %d)", os.getpid())
+    scheduler.close()
     ctx.destroy(linger=0)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import random
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from pipeline.io_struct import (
+    Constraint,
     DecodeOptions,
     LogprobParams,
     FinishReason,
@@ -32,6 +34,9 @@ from pipeline.logprob_columns import TokenLogprobs
 from scheduler_proc.pd.state import DecodeBootstrap, KVFetchJob, PdState
 from scheduler_proc.cache.radix_cache import RadixNode
 from scheduler_proc.dllm_block import Block
+
+if TYPE_CHECKING:  # the grammar engine is the scheduler's; a Req only holds its matcher
+    import xgrammar
 
 _replace = msgspec.structs.replace
 _SEED_MASK = (1 << 64) - 1
@@ -77,6 +82,8 @@ class Req:
         "hidden_sum",
         "dllm_block",
         "pd",
+        "constraint",
+        "matcher",
         "_stats_pending",
         "__weakref__",
     )
@@ -96,6 +103,7 @@ class Req:
         collect_time_stats: bool = True,
         is_embedding: bool = False,
         logprob: LogprobParams | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.rid = rid
         self.req_id = req_id
@@ -131,6 +139,11 @@ class Req:
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self.dllm_block: Block | None = None  # --mode dllm: the block being refined
         self.pd: PdState = None  # its part in PD disaggregation (scheduler_proc.pd.state)
+        # Structured output: what the output must spell, and once its grammar is compiled
+        # the matcher, which has accepted exactly ``output_ids`` (a re-prefill accepts
+        # nothing again; scheduler_proc/sampling/grammar.py).
+        self.constraint = constraint
+        self.matcher: xgrammar.GrammarMatcher | None = None
         self._decode_options_sent = False
         self._queue_stay_open = False  # between enter_waiting_queue and leaving the queue
 

@@ -3,9 +3,11 @@ aborts. Socket-free, so tests can drive it step by step; ``scheduler_proc.main``
 to ZeroMQ.
 
 One ``step()``:
-0. PD inputs: ``self.pd`` (a ``PdRole``: scheduler_proc/pd/role.py) takes what its peers
-   sent: a prefill server queues re-bootstrap fetches as internal requests; a decode
-   server installs arrived KV, and those requests join the running batch "prebuilt";
+0. inputs: constrained requests whose grammar finished compiling leave ``self.grammars``
+   (scheduler_proc/grammar_queue.py) for the waiting queue; then ``self.pd`` (a
+   ``PdRole``: scheduler_proc/pd/role.py) takes what its peers sent: a prefill server
+   queues re-bootstrap fetches as internal requests; a decode server installs arrived KV,
+   and those requests join the running batch "prebuilt";
 1. prefill: continue the request that is mid-chunk, then admit waiting requests in arrival
    order while the token budget and the KV pool allow (leaving one slot per running request
    for the next decode step). ``PrefixKV`` gives each its slots and its cached prefix
@@ -48,6 +50,7 @@ from scheduler_proc.batch.decode_pass import BatchDecoder
 from scheduler_proc.control import abort_targets, flush_cache, storage_control
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import pooled_embedding
+from scheduler_proc.grammar_queue import GrammarQueue, accept_appended
 from scheduler_proc.cache.hicache import HiCache
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
@@ -57,6 +60,7 @@ from scheduler_proc.cache.prefix_kv import PrefixKV
 from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.retraction import take_victim
 from scheduler_proc.batch.running_batch import RunningBatch
+from scheduler_proc.sampling.grammar import GrammarCompiler, TokenMasks
 from scheduler_proc.stop_checker import StopChecker
 
 logger = logging.getLogger("tokenpipe.scheduler")
@@ -81,6 +85,7 @@ class Scheduler:
         dllm: DllmConfig | None = None,
         hicache: HiCache | None = None,
         max_queued_requests: int | None = None,
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
         self.prefix_kv = PrefixKV(runner.kv, hicache)
@@ -98,11 +103,21 @@ class Scheduler:
         self.dense_usage_columns = dense_usage_columns  # UsageColumns on every token frame
         self.dllm = None if dllm is None else DllmDecoder(dllm, runner, stop_checker, context_length, self.prefix_kv.alloc)
         self.admission = AdmissionCheck(
-            vocab_size, runner.model_config.vocab_size, context_length, runner.kv.capacity, self.dllm, stop_checker.matches_stop_strings
+            vocab_size,
+            runner.model_config.vocab_size,
+            context_length,
+            runner.kv.capacity,
+            self.dllm,
+            stop_checker.matches_stop_strings,
+            grammars=grammar is not None,
         )
+        # Structured outputs (None without a tokenizer): constrained requests wait for their
+        # grammar here, and each step's mask of the constrained rows is filled in ``masks``.
+        self.grammars = GrammarQueue(grammar) if grammar is not None else None
+        self.masks = TokenMasks(runner.model_config.vocab_size, grammar.stop_ids, runner.device) if grammar is not None else None
         # This scheduler's requests whose next row carries stats (never another scheduler's).
         self.stats_pending = StatsPending()
-        self.decoder = BatchDecoder(runner, stop_checker, self.stats_pending, dense_usage_columns)
+        self.decoder = BatchDecoder(runner, stop_checker, self.stats_pending, dense_usage_columns, self.masks)
         self.pd: PdRole = Unified()  # --disaggregation-mode prefill or decode: set by scheduler_proc.main
 
         self.waiting: deque[Req] = deque()
@@ -130,10 +145,10 @@ class Scheduler:
             return
         now = time.time()
         if isinstance(msg, TokenizedEmbeddingReqInput):
-            sampling, stream, logprob, room, endpoint = _EMBEDDING_SAMPLING, False, None, None, None
+            sampling, stream, logprob, room, endpoint, constraint = _EMBEDDING_SAMPLING, False, None, None, None, None
         else:
             sampling, stream, logprob = msg.sampling_params, msg.stream, msg.logprobs
-            room, endpoint = msg.bootstrap_room, msg.bootstrap_endpoint
+            room, endpoint, constraint = msg.bootstrap_room, msg.bootstrap_endpoint, msg.constraint
         req = Req(
             rid=msg.rid,
             req_id=msg.req_id,
@@ -147,6 +162,7 @@ class Scheduler:
             collect_time_stats=self.collect_time_stats,
             is_embedding=isinstance(msg, TokenizedEmbeddingReqInput),
             logprob=logprob,
+            constraint=constraint,
         )
         self.pd.bind(req, room, endpoint)
         if msg.rid in self.live_rids:  # each API worker knows only its own live rids
@@ -165,17 +181,28 @@ class Scheduler:
             req.finish(queue_full_abort(self.num_waiting), now)
             self._rows_due.append(req)
             return
+        if req.constraint is not None:
+            assert self.grammars is not None  # admission refuses a constraint without grammars
+            if self.grammars.start(req, now):  # its grammar compiles: it waits apart, live
+                self._make_live(req)
+                return
+            if req.finished:  # a spec the cache knows is invalid
+                self._rows_due.append(req)
+                return
         self.enqueue(req, now)
 
     def enqueue(self, req: Req, now: float) -> None:
         """Queues an accepted request for admission in arrival order (or, when the PD side
         takes it, for its KV from a prefill server)."""
         req.enter_waiting_queue(now)
+        self._make_live(req)
+        if not self.pd.on_admit(req, now):
+            self.waiting.append(req)
+
+    def _make_live(self, req: Req) -> None:
         self.live[req.req_id] = req
         if not req.kv_only:
             self.live_rids[req.rid] = req
-        if not self.pd.on_admit(req, now):
-            self.waiting.append(req)
 
     def storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
         """Attaches or detaches HiCache storage between two steps."""
@@ -200,10 +227,28 @@ class Scheduler:
     # --- the step ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._rows_due or self.pd.has_work)
+        return bool(self.waiting or self.prefilling or self.running or self._rows_due or self.pd.has_work or self.grammars)
+
+    def only_compiling(self) -> bool:
+        """Whether all this scheduler has to do is wait for grammars to compile: a step now
+        would do nothing, so the loop may wait on its sockets instead of spinning."""
+        busy = self.waiting or self.prefilling or self.running or self._rows_due or self.pd.has_work
+        return not busy and bool(self.grammars) and self.grammars is not None and not self.grammars.any_done()
+
+    def close(self) -> None:
+        """Stops the grammar compiler's worker (a compile under way is left to finish)."""
+        if self.grammars is not None:
+            self.grammars.compiler.close()
 
     def step(self) -> list[BatchTokenIDOutput | BatchEmbeddingOutput]:
         rows, self._rows_due = self._rows_due, []
+        if self.grammars:  # never waits: only compiles that have finished are taken
+            now = time.time()
+            for req in self.grammars.take(now):
+                if req.finished:
+                    rows.append(req)  # refused (an invalid spec): its row goes out, it is released
+                else:
+                    self.enqueue(req, now)
         prebuilt = self.pd.take_inputs(self, rows, time.time())
         newly_running = self._prefill(rows)
         steady = self._decode(rows)
@@ -289,7 +334,7 @@ class Scheduler:
         if self.dllm is not None:
             return done  # they decode block by block from the next step on: nothing to sample
         picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
-        tokens = sample_first_tokens(self.runner, picked, done, self.stop_checker)
+        tokens = sample_first_tokens(self.runner, picked, done, self.stop_checker, self.masks)
         self.pd.on_first_token(done)  # before their rows take the first token's logprobs
         return self.append_tokens(done, tokens, rows)
 
@@ -333,7 +378,9 @@ class Scheduler:
         self.generated_tokens_total += len(tokens)
         for req, token in zip(reqs, tokens):
             req.output_ids.append(token)
-            reason = self.stop_checker.check(req)
+            reason = accept_appended(req, token) if req.matcher is not None else None
+            if reason is None:
+                reason = self.stop_checker.check(req)
             if reason is not None:
                 req.finish(reason)
             else:
@@ -379,6 +426,8 @@ class Scheduler:
 
     def _remove(self, req: Req) -> None:
         self.pd.on_abort(req)
+        if self.grammars is not None and self.grammars.remove(req):
+            return
         for queue in (self.running, self.prefilling):
             if req in queue:
                 queue.remove(req)
@@ -407,4 +456,5 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + self.pd.num_waiting
+        """Requests not yet admitted: queued, waiting for PD KV or for their grammar."""
+        return len(self.waiting) + self.pd.num_waiting + (len(self.grammars) if self.grammars is not None else 0)

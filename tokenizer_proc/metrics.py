@@ -13,7 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from pipeline.io_struct import FinishAbort, SchedulerStatsReport
+from pipeline.io_struct import CONSTRAINT_KINDS, FinishAbort, SchedulerStatsReport
 from tokenizer_proc.native.meta_info import time_per_output_token
 from tokenizer_proc.req_state import ReqState
 
@@ -71,6 +71,9 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0
 QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
 RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50)
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
+# A grammar found in the scheduler's cache waits 0 s; xgrammar compiles a small schema or
+# regex in milliseconds and a large schema or grammar in up to seconds.
+GRAMMAR_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class _TallyHistogram(Histogram):
@@ -138,6 +141,11 @@ class RequestMetrics:
         self.generation_tokens_hist = histogram(
             "generation_tokens_histogram", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
         ).labels(**labels)
+        constrained = counter("constrained_requests", "Finished requests with a structured output, by kind.", ("kind",))
+        self.constrained = {kind: constrained.labels(**labels, kind=kind) for kind in CONSTRAINT_KINDS}
+        self.grammar_wait = histogram(
+            "grammar_compile_wait_seconds", "Time a structured-output request waited for its grammar to compile.", GRAMMAR_WAIT_BUCKETS
+        ).labels(**labels)
 
     def on_tokens(self, state: ReqState, num_tokens: int, previous_token_time: float | None, now: float) -> None:
         """A row with tokens reached the API: TTFT on the first, ITL per token after (tallied
@@ -188,6 +196,10 @@ class RequestMetrics:
             if per_token is not None:
                 self.tpot.observe(per_token)
             self.queue_time.observe(stats.time_stats.queue_time)
+        if state.constraint_kind is not None:
+            self.constrained[state.constraint_kind].inc()
+            if stats.time_stats is not None:
+                self.grammar_wait.observe(stats.time_stats.grammar_wait)
         self.num_retractions.observe(stats.num_retractions)
         self.prompt_tokens_hist.observe(stats.prompt_tokens)
         self.generation_tokens_hist.observe(state.completion_tokens)

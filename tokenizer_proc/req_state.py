@@ -65,6 +65,9 @@ class ReqState:
     trace: TraceContext | None = None
     operation: str = "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
     internal: bool = False  # a health probe: served, but kept out of metrics and traces
+    # The structured output's kind (``Constraint.kind``), for the metrics and the span;
+    # None: unconstrained.
+    constraint_kind: str | None = None
     tokenized_time: float | None = None  # when the request left for the scheduler
     prompt_tokens: int = 0  # as sent to the scheduler; /get_load counts them until stats arrive
     request_stats: RequestOutputStats | None = None

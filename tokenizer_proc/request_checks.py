@@ -6,8 +6,8 @@ Every refusal is a ``RequestValidationError`` naming the native API's field; the
 routes rename the fields to their own (``tokenizer_proc.openai.routes._openai_names``).
 
 Under ``--skip-tokenizer-init`` there is no tokenizer: whatever needs text (a text prompt,
-stop strings, media placeholders, chat templates, /tokenize) is refused with a 400 from
-``without_tokenizer``.
+stop strings, media placeholders, chat templates, /tokenize, structured outputs) is refused
+with a 400 from ``without_tokenizer``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import LogprobParams, MediaItem, SamplingParams
+from pipeline.io_struct import Constraint, LogprobParams, MediaItem, SamplingParams
 from pipeline.tokenizer_loader import LoadedTokenizer
 from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 
@@ -108,6 +108,27 @@ class RequestChecks:
                 f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}){block} can never fit the "
                 f"KV pool ({self.config.max_total_tokens} tokens)",
                 "sampling_params.max_new_tokens",
+            )
+
+    def validate_constraint(self, constraint: Constraint | None) -> None:
+        """What a structured output needs of the server, checked before anything is
+        submitted; whether its spec compiles is the scheduler's answer."""
+        if constraint is None:
+            return
+        if self.tokenizer is None:
+            # The grammar is compiled over the vocabulary's token texts, which only a
+            # tokenizer has.
+            raise without_tokenizer(
+                f"{constraint.param} needs one to compile a structured output over its token texts; send the request "
+                "without a constraint",
+                constraint.param,
+            )
+        if self.config.mode == "dllm":
+            # A block unmasks its positions out of order, and a grammar accepts tokens in order.
+            raise RequestValidationError(
+                f"{constraint.param}: structured outputs are not served in --mode dllm (a block commits its tokens out "
+                "of order); send it to a server in --mode generate",
+                constraint.param,
             )
 
     def validate_logprobs(self, logprobs: LogprobParams | None) -> None:

@@ -34,6 +34,7 @@ from pipeline.io_struct import (
     AbortResult,
     BatchEmbeddingOutput,
     BatchStrOutput,
+    Constraint,
     FinishAbort,
     FinishLength,
     FinishReason,
@@ -208,6 +209,7 @@ class TokenizerManager:
         internal: bool = False,
         bootstrap: Bootstrap | None = None,
         logprobs: LogprobParams | None = None,
+        constraint: Constraint | None = None,
     ) -> ReqState:
         if self.config.mode == "embedding" and not internal:
             raise RequestValidationError(
@@ -216,6 +218,7 @@ class TokenizerManager:
         sampling, bootstrap = self.checks.pd_half(sampling, bootstrap, internal)
         self.checks.validate_sampling(len(input_ids), sampling)
         self.checks.validate_logprobs(logprobs)
+        self.checks.validate_constraint(constraint)
         state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
         state.logprob = self.checks.answered_logprobs(logprobs, bootstrap)
         if state.logprob is not None and state.logprob.logprob_start_len >= 0:
@@ -224,6 +227,7 @@ class TokenizerManager:
                 self.token_texts.fill(input_ids[state.logprob.logprob_start_len :])  # one batch; the frames bring the rest
         state.operation = operation
         state.internal = internal
+        state.constraint_kind = constraint.kind if constraint is not None else None
         state.prompt_tokens = len(input_ids)
         self._send_obj(
             TokenizedGenerateReqInput(
@@ -238,6 +242,7 @@ class TokenizerManager:
                 bootstrap_endpoint=bootstrap.endpoint if bootstrap is not None else None,
                 bootstrap_room=bootstrap.room if bootstrap is not None else None,
                 logprobs=logprobs,
+                constraint=constraint,
             )
         )
         return state

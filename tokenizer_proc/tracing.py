@@ -78,8 +78,10 @@ def span_attributes(state: ReqState, model_name: str, operation: str = "generate
     none was given, ``top_k`` when it is disabled (-1), ``time_to_first_chunk`` when no
     token arrived, ``tokenpipe.queue_time`` with metrics off, the cached-token details when
     ``cached_tokens_details`` is None (and its storage keys while no storage is attached),
-    and media token counts of zero. For ``operation="embeddings"`` the sampling keys,
-    ``gen_ai.request.stream`` and ``gen_ai.usage.output_tokens`` are left out too.
+    media token counts of zero, and the structured-output keys of an unconstrained request
+    (``tokenpipe.grammar_wait`` with metrics off too). For ``operation="embeddings"`` the
+    sampling keys, ``gen_ai.request.stream`` and ``gen_ai.usage.output_tokens`` are left out
+    too.
     """
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": operation,
@@ -113,6 +115,10 @@ def span_attributes(state: ReqState, model_name: str, operation: str = "generate
     attrs["tokenpipe.num_retractions"] = stats.num_retractions
     if stats.time_stats is not None:
         attrs["tokenpipe.queue_time"] = stats.time_stats.queue_time
+    if state.constraint_kind is not None:
+        attrs["tokenpipe.constraint.kind"] = state.constraint_kind
+        if stats.time_stats is not None:
+            attrs["tokenpipe.grammar_wait"] = stats.time_stats.grammar_wait
     details = stats.cached_tokens_details
     if details is not None:
         attrs["tokenpipe.cached_tokens_details.device"] = details.device

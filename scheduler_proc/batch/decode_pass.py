@@ -5,6 +5,11 @@ Hot path: everything but the event rows is column work on the ``RunningBatch``. 
 goes the per-request way only on an event: a finish, a stop string to check, or stats
 due (its request is in the scheduler's ``StatsPending`` set). The other due rows come
 back as ``SteadyRows`` columns, for ``build_token_output``.
+
+Constrained rows (a grammar: scheduler_proc/sampling/grammar.py) add three column
+operations, and only while one runs: their mask is filled before the draw, applied in it,
+and their drawn tokens are accepted after it; a row whose grammar ended finishes with
+``stop``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.io_struct import FinishLength, FinishReason, FinishStop
+from scheduler_proc.sampling.grammar import TokenMasks, refused_token
 from scheduler_proc.sampling.logprobs import keep_decode_logprobs
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows
@@ -20,13 +26,24 @@ from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.stop_checker import CONTEXT, LENGTH, RUNNING, STOP_TOKEN, StopChecker
 
+# A row's outcome beside the stop checker's: its matcher refused the drawn token.
+OUTSIDE_GRAMMAR = 4
+
 
 class BatchDecoder:
-    def __init__(self, runner: ModelRunner, stop_checker: StopChecker, stats_pending: StatsPending, dense_usage_columns: bool) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        stop_checker: StopChecker,
+        stats_pending: StatsPending,
+        dense_usage_columns: bool,
+        masks: TokenMasks | None = None,
+    ) -> None:
         self.runner = runner
         self.stop_checker = stop_checker
         self.stats_pending = stats_pending  # the scheduler's: whose rows carry stats
         self.dense_usage_columns = dense_usage_columns  # SteadyRows keep their requests
+        self.masks = masks  # None: this scheduler has no grammars (no tokenizer)
 
     def step(self, batch: RunningBatch, slots: torch.Tensor, rows: list[Req]) -> SteadyRows | None:
         """Decodes one token for every row of ``batch`` (``slots``: one new KV slot each).
@@ -35,7 +52,12 @@ class BatchDecoder:
         n = len(batch)
         logits = self.runner.decode(batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots))
         bans = self.stop_checker.min_new_bans(batch.output_len(), batch.min_new[:n], batch.stop_ids[:n])
-        new = self.runner.sample(logits, batch.sampling_columns(bans))
+        grammar = batch.grammar_rows()
+        mask = None
+        if grammar is not None:
+            assert self.masks is not None, "a constrained request on a scheduler without grammars"
+            mask = self.masks.fill(grammar, n)
+        new = self.runner.sample(logits, batch.sampling_columns(bans, mask))
         batch.append_tokens(new)
         asking = np.flatnonzero(batch.wants_logprobs[:n])
         if asking.size:
@@ -45,6 +67,10 @@ class BatchDecoder:
             new, out_len, batch.seq_len[:n], batch.min_new[:n], batch.max_new[:n],
             batch.ignore_eos[:n], batch.stop_ids[:n], batch.has_stop_strings[:n],
         )  # fmt: skip
+        if grammar is not None and self.masks is not None:
+            ended, refused = self.masks.accept(grammar, new)
+            code[ended] = STOP_TOKEN  # the grammar ended (its stop token), whatever ignore_eos says
+            code[refused] = OUTSIDE_GRAMMAR
         due = batch.due(code != RUNNING)
         event = (code != RUNNING) | check_strings
         if self.stats_pending:  # stats changed since their last row: that row goes the per-request way
@@ -68,7 +94,10 @@ class BatchDecoder:
         for req, outcome, token, length in events:
             batch.sync(req)
             reason: FinishReason | None = None
-            if req.sampling.stop and outcome != STOP_TOKEN and length >= req.sampling.min_new_tokens:
+            if outcome == OUTSIDE_GRAMMAR:
+                assert req.constraint is not None
+                reason = refused_token(req.constraint.param, token, 500)
+            elif req.sampling.stop and outcome != STOP_TOKEN and length >= req.sampling.min_new_tokens:
                 reason = self.stop_checker.check(req)  # the text decides; its order of checks wins
             elif outcome == STOP_TOKEN:
                 reason = FinishStop(matched=token)

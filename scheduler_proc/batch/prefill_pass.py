@@ -17,6 +17,7 @@ from scheduler_proc.embedding import accumulate_hidden
 from scheduler_proc.sampling.logprobs import keep_prompt_logprobs, step_logprobs
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.req import Req
+from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows, TokenMasks
 from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
 from scheduler_proc.stop_checker import StopChecker
 
@@ -55,11 +56,15 @@ def forward_chunks(runner: ModelRunner, batch: list[Chunk]) -> tuple[torch.Tenso
     return logits, done_rows, mid_chunk
 
 
-def sample_first_tokens(runner: ModelRunner, logits: torch.Tensor, reqs: list[Req], stop_checker: StopChecker) -> list[int]:
+def sample_first_tokens(
+    runner: ModelRunner, logits: torch.Tensor, reqs: list[Req], stop_checker: StopChecker, masks: TokenMasks | None = None
+) -> list[int]:
     """The next token of each of these requests (not in the running batch: a first token
     after a prefill), each drawn at its output index, never a stop token while the output
-    is short of min_new_tokens; the logprobs of the requests that asked are kept on them
-    until their rows go out (one batched computation)."""
+    is short of min_new_tokens, and within its grammar when it has one (its matcher takes
+    the token when it is appended: ``Scheduler.append_tokens``); the logprobs of the
+    requests that asked are kept on them until their rows go out (one batched
+    computation)."""
     params = [r.sampling for r in reqs]
     out_lens = [len(r.output_ids) for r in reqs]
     columns = SamplingColumns.from_requests(
@@ -71,6 +76,7 @@ def sample_first_tokens(runner: ModelRunner, logits: torch.Tensor, reqs: list[Re
         logits.shape[-1],
         logits.device,
         stop_checker.min_new_bans_of(params, out_lens),
+        _grammar_mask(reqs, masks),
     )
     tokens = runner.sample(logits, columns)
     asking = [i for i, r in enumerate(reqs) if r.logprob is not None]
@@ -81,3 +87,12 @@ def sample_first_tokens(runner: ModelRunner, logits: torch.Tensor, reqs: list[Re
             reqs[i].pending_logprobs.append(part)
     first: list[int] = tokens.tolist()
     return first
+
+
+def _grammar_mask(reqs: list[Req], masks: TokenMasks | None) -> GrammarMask | None:
+    rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    if not rows:
+        return None
+    assert masks is not None, "a constrained request on a scheduler without grammars"
+    matchers = [m for m in (r.matcher for r in reqs) if m is not None]
+    return masks.fill(GrammarRows(np.array(rows, dtype=np.int64), rows, matchers), len(reqs))

@@ -6,7 +6,8 @@ tokens (prompt then output) in a token table, the pool slot of each token's KV i
 request-to-token table (SGLang's req_to_token), the counts the stop checks and the stream
 interval read, the sampling parameters, the penalty state the sampler reads, and the
 logprobs a row asked for together with those of its tokens not yet sent (a pending table:
-``[rows, tokens, k]``, widened when a row needs more room).
+``[rows, tokens, k]``, widened when a row needs more room), and which rows a grammar
+constrains (their matchers stay on their requests: ``Req.matcher``).
 
 Invariants:
 - A request in the batch has its KV for every token but the last (``seq_len - 1``
@@ -33,6 +34,7 @@ from pipeline.io_struct import TOKEN_DTYPE
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, LogprobBlock, TokenLogprobs
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
+from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows
 from scheduler_proc.sampling.sampler import BannedTokens, SamplingColumns, draw_counter
 
 _FIRST_ROWS = 64  # rows allocated up front; the tables double when more requests run
@@ -46,7 +48,7 @@ _ROW_COLUMNS = (
     "interval", "has_stop_strings", "stop_ids", "stop_count", "seed", "temperature", "top_k", "top_p", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "has_bias", "wants_logprobs",
     "top_k_asked", "ids_asked", "ids_count", "lp_count", "lp_chosen", "lp_top_ids", "lp_top_values",
-    "lp_ids_values",
+    "lp_ids_values", "constrained",
 )  # fmt: skip
 
 
@@ -96,6 +98,11 @@ class RunningBatch:
         self.lp_top_ids = np.zeros((cap, _FIRST_PENDING, 0), dtype=LOGPROB_ID_DTYPE)
         self.lp_top_values = np.zeros((cap, _FIRST_PENDING, 0), dtype=LOGPROB_DTYPE)
         self.lp_ids_values = np.zeros((cap, _FIRST_PENDING, 0), dtype=LOGPROB_DTYPE)
+        self.constrained = np.zeros(cap, dtype=bool)  # the request has a grammar (Req.matcher)
+        self._num_constrained = 0
+        # The constrained rows and their matchers, kept between steps (a steady step builds
+        # no list); None: to be gathered again (a constrained row joined, or rows moved).
+        self._grammar_rows: GrammarRows | None = None
         # [cap, vocab] penalty state, made when the first request that needs it joins.
         self.output_counts: torch.Tensor | None = None
         self.seen: torch.Tensor | None = None
@@ -167,6 +174,10 @@ class RunningBatch:
         self.presence_penalty[row] = s.presence_penalty
         self.repetition_penalty[row] = s.repetition_penalty
         self.has_bias[row] = bool(s.logit_bias)
+        self.constrained[row] = req.matcher is not None
+        if req.matcher is not None:
+            self._num_constrained += 1
+            self._grammar_rows = None
         self._set_logprob_row(row, req)
         self._set_penalty_rows(row, req)
         req.kv_slots = None  # the row holds them now (see the module docstring)
@@ -249,6 +260,9 @@ class RunningBatch:
         self.hand_over_logprobs(req)
         req.kv_slots = self.req_to_token[row, : int(self.seq_len[row]) - 1].clone()
         del self._row_of[req.req_id]
+        if self._num_constrained:  # the swap below may move a constrained row
+            self._num_constrained -= int(self.constrained[row])
+            self._grammar_rows = None
         width = self.stop_ids.shape[1]
         widest = width > 0 and int(self.stop_count[row]) == width  # the table may narrow
         last = self._n - 1
@@ -356,9 +370,20 @@ class RunningBatch:
         self.req_to_token[torch.arange(n), positions] = slots
         return self.req_to_token[:n, : int(self.seq_len[:n].max())]
 
-    def sampling_columns(self, banned: BannedTokens | None = None) -> SamplingColumns:
+    def grammar_rows(self) -> GrammarRows | None:
+        """The constrained rows and their matchers; None at once when no row is constrained."""
+        if not self._num_constrained:
+            return None
+        if self._grammar_rows is None:
+            rows = np.flatnonzero(self.constrained[: self._n])
+            matchers = [m for m in (self.reqs[i].matcher for i in rows.tolist()) if m is not None]
+            assert len(matchers) == len(rows), "a constrained row lost its matcher"
+            self._grammar_rows = GrammarRows(rows, rows.tolist(), matchers)
+        return self._grammar_rows
+
+    def sampling_columns(self, banned: BannedTokens | None = None, grammar: GrammarMask | None = None) -> SamplingColumns:
         """The rows' sampling columns; ``banned``: the tokens rows may not draw this step
-        (``StopChecker.min_new_bans``)."""
+        (``StopChecker.min_new_bans``); ``grammar``: the constrained rows' mask."""
         n = self._n
         any_penalty = bool(self.frequency_penalty[:n].any() or self.presence_penalty[:n].any())
         return SamplingColumns(
@@ -375,6 +400,7 @@ class RunningBatch:
             seen=self.seen[:n] if self.seen is not None and bool((self.repetition_penalty[:n] != 1.0).any()) else None,
             logit_bias=self.logit_bias[:n] if self.logit_bias is not None and bool(self.has_bias[:n].any()) else None,
             banned=banned,
+            grammar=grammar,
         )
 
     def append_tokens(self, new: np.ndarray) -> None:

@@ -328,7 +328,12 @@ TABLE: list[tuple[str, str, Any, str]] = [
     ("chat", "logprobs not a bool", {**CHAT_OK, "logprobs": 3}, "logprobs"),
     ("chat", "top_logprobs without logprobs", {**CHAT_OK, "top_logprobs": 2}, "top_logprobs"),
     ("chat", "top_logprobs over 20", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat", "json mode", {**CHAT_OK, "response_format": {"type": "json_object"}}, "response_format"),
+    (
+        "chat",
+        "json_schema without a schema",
+        {**CHAT_OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+    ),
     ("chat", "max_completion_tokens zero", {**CHAT_OK, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", "max_tokens over context", {**CHAT_OK, "max_tokens": 2047}, "max_tokens"),
     ("chat", "temperature string", {**CHAT_OK, "temperature": "hot"}, "temperature"),
@@ -422,7 +427,7 @@ CHAT_BAD = {
     | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.integers() | st.just([{"type": "nope"}])}), min_size=1, max_size=2),
     "tools": st.lists(json_values, min_size=1, max_size=2),
     "logprobs": st.integers(min_value=2) | st.just("yes"),
-    "response_format": st.sampled_from([{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}, {"type": "x"}, 3]),
+    "response_format": st.sampled_from([{"type": "json_schema"}, {"type": "json_schema", "json_schema": {}}, {"type": "x"}, 3]),
     "max_completion_tokens": st.integers(max_value=0) | st.integers(min_value=2100),
 }
 

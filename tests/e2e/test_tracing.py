@@ -439,15 +439,24 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
                 headers = {"traceparent": traceparent, "tracestate": f"t=r{i}"}
                 meta, _ = _generate(client, body, headers)
                 sent.append((body, meta, trace_id, parent_span_id))
+            # A structured output: its span says which kind and how long its grammar took.
+            traceparent, constrained_trace_id, _ = _traceparent()
+            constrained = {"messages": [{"role": "user", "content": "A code"}], "max_tokens": 16, "guided_regex": r"\d{3}-[a-z]{4}"}
+            answer = client.post("/v1/chat/completions", json=constrained, headers={"traceparent": traceparent})
+            assert answer.status_code == 200, answer.text
         trace_ids = {t for _, _, t, _ in sent}
         spans = receiver.wait_for(
-            lambda got: {s.trace_id for s in got if s.kind == "SERVER"} >= trace_ids
+            lambda got: {s.trace_id for s in got if s.kind == "SERVER"} >= trace_ids | {constrained_trace_id}
             and sum(s.trace_id in trace_ids for s in got) >= 15,
             timeout=15,
         )
     finally:
         server.stop()
     assert sent[1][1]["cached_tokens"] > 0  # the second request really hit the prefix cache
+    (constrained_root,) = [s for s in spans if s.trace_id == constrained_trace_id and s.kind == "SERVER"]
+    assert constrained_root.name == f"chat {MODEL}"
+    assert constrained_root.attributes["tokenpipe.constraint.kind"] == "regex"
+    assert isinstance(constrained_root.attributes["tokenpipe.grammar_wait"], float) and constrained_root.attributes["tokenpipe.grammar_wait"] >= 0
 
     for i, (body, meta, trace_id, parent_span_id) in enumerate(sent):
         mine = [s for s in spans if s.trace_id == trace_id]
@@ -491,6 +500,7 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
         assert attrs["gen_ai.usage.cache_read.input_tokens"] == meta["cached_tokens"]
         assert attrs["tokenpipe.num_retractions"] == meta["num_retractions"]
         assert attrs["tokenpipe.queue_time"] == pytest.approx(meta["queue_time"], abs=1e-9)
+        assert "tokenpipe.constraint.kind" not in attrs and "tokenpipe.grammar_wait" not in attrs  # unconstrained
         assert attrs["gen_ai.response.time_to_first_chunk"] == pytest.approx(meta["first_token_latency"], abs=1e-9)
         details = meta["cached_tokens_details"]
         detail_attrs = {k.rsplit(".", 1)[1]: v for k, v in attrs.items() if k.startswith("tokenpipe.cached_tokens_details.")}

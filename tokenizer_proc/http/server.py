@@ -14,7 +14,7 @@ from starlette.types import ASGIApp
 
 from pipeline.http.body_limit import BodyLimit
 from pipeline.http.edge import BearerAuth, install_error_handlers
-from pipeline.io_struct import FinishAbort, RequestOutputStats, SamplingParams
+from pipeline.io_struct import Constraint, FinishAbort, RequestOutputStats, SamplingParams
 from pipeline.token_texts import TokenText
 from tokenizer_proc.native.schema import (
     AbortRequestBody,
@@ -28,6 +28,7 @@ from tokenizer_proc.http.hot_routes import HotRoutes, post_endpoints
 from tokenizer_proc.http.hicache_api import build_hicache_router
 from tokenizer_proc.http.common import (
     ClientGone,
+    abort_response,
     error_response,
     model_not_found,
     not_ready,
@@ -84,6 +85,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         if obj.model is not None and obj.model != tm.model_name:
             return model_not_found(obj.model)
         sampling = obj.sampling_params.to_wire()
+        constraint = obj.sampling_params.constraint()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
         # As SGLang encodes a text prompt: with the tokenizer's special tokens (a Llama BOS).
         prompt_ids = tm.checks.tokenize(obj.text, obj.input_ids, add_special_tokens=True)
@@ -98,6 +100,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
             created_time=arrived,
             bootstrap=obj.bootstrap(),
             logprobs=obj.logprob_params(),
+            constraint=constraint,
         )
         text_of = tm.token_texts if obj.return_text_in_logprobs else None  # None without a tokenizer: null texts
         try:
@@ -112,7 +115,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
             return Response(status_code=499)
         refused = refusal(state)
         if refused is not None:
-            return refused
+            return _naming_the_constraint(refused, state, constraint)
         meta = build_meta_info(state)
         if state.logprob is not None:
             meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
@@ -173,6 +176,16 @@ async def _until_finished(state: ReqState) -> None:
     while not state.finished:
         await state.event.wait()
         state.event.clear()
+
+
+def _naming_the_constraint(refused: Response, state: ReqState, constraint: Constraint | None) -> Response:
+    """A refusal, with ``param`` the constraint's field when the scheduler refused its spec
+    (an invalid schema, regex or grammar): ``FinishAbort`` carries no param, but that
+    message starts with the field."""
+    reason = state.finished_reason
+    if constraint is None or not isinstance(reason, FinishAbort) or not reason.message.startswith(f"{constraint.param}: "):
+        return refused
+    return abort_response(reason, param=constraint.param)
 
 
 def _generate_body(tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any]) -> dict[str, Any]:

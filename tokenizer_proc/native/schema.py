@@ -10,7 +10,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from pipeline.io_struct import MAX_STOP_TOKEN_IDS, LogprobParams, SamplingParams
+from pipeline.io_struct import MAX_STOP_TOKEN_IDS, Constraint, LogprobParams, SamplingParams
+from tokenizer_proc.openai.constraints import grammar_constraint, json_schema_constraint, one_constraint, regex_constraint
 from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.request_errors import RequestValidationError
 
@@ -71,9 +72,6 @@ SAMPLING_REFUSED: tuple[Refusal, ...] = tuple(
     for name, values in (
         ("stop_regex", ([], "")),
         ("n", (1,)),
-        ("json_schema", ()),
-        ("regex", ()),
-        ("ebnf", ()),
         ("structural_tag", ()),
         ("spaces_between_special_tokens", (True,)),
         ("custom_params", ({},)),
@@ -101,12 +99,14 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
     presence_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: LogitBias | None = None
+    # Structured outputs, SGLang's way: the schema as JSON text, a regex, or an EBNF grammar
+    # (at most one of them: ``constraint``).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # Known, not implemented: see SAMPLING_REFUSED.
     stop_regex: Any = None
     n: Any = None
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
     structural_tag: Any = None
     spaces_between_special_tokens: Any = None
     custom_params: Any = None
@@ -144,6 +144,16 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
             presence_penalty=self.presence_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=logit_bias_pairs(self.logit_bias, "sampling_params.logit_bias"),
+        )
+
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for, named by its field (``sampling_params.regex``...);
+        two at once are refused, as SGLang refuses them."""
+        where = "sampling_params."
+        return one_constraint(
+            json_schema_constraint(self.json_schema, where + "json_schema"),
+            regex_constraint(self.regex, where + "regex"),
+            grammar_constraint(self.ebnf, where + "ebnf"),
         )
 
 

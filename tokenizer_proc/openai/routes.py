@@ -14,6 +14,10 @@ with ``Retry-After``, a PD peer's 502/504) makes the whole request that error, s
 not, with the other choices aborted; a refusal after the stream started (a PD failure) is an
 SSE ``error`` event.
 
+A structured output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
+SGLang's ``json_schema``/``regex``/``ebnf``: ``tokenizer_proc.openai.constraints``) is one
+``Constraint`` that every choice carries; whether it compiles is the scheduler's 400.
+
 Under ``--skip-tokenizer-init`` a completions prompt must be token ids, and each choice (and
 each stream delta) also carries its ``token_ids``, the field SGLang and vLLM answer
 ``return_token_ids`` with; its ``text`` is empty, as vLLM's is without a tokenizer. Chat needs a
@@ -32,11 +36,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pipeline.io_struct import SamplingParams
+from pipeline.io_struct import Constraint, FinishAbort, SamplingParams
 from tokenizer_proc.native.schema import RequestValidationError, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http.common import (
     ClientGone,
+    abort_response,
     abort_unfinished,
     error_response,
     model_not_found,
@@ -96,6 +101,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         body.refuse_unsupported()
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
+        constraint = body.constraint()
         prompts = body.prompts()
         if len(prompts) * body.choices > MAX_CHOICES:
             raise RequestValidationError(f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n")
@@ -110,7 +116,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
                     ids = tm.checks.tokenize(None, prompt, add_special_tokens=add_special_tokens)
                 echo = _echo_text(tm, prompt) if body.echo else None
                 jobs.extend(_choices(tm, body, ids, _completion_max_tokens(tm, body, len(ids)), echo))
-        return await _respond(tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"))
+        return await _respond(tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -121,6 +127,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             return model_not_found(body.model)
         if template is None:
             raise without_tokenizer("chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate", "messages")
+        constraint = body.constraint()
         try:
             prompt = template.render(body.template_messages())
         except ChatTemplateError as exc:
@@ -133,7 +140,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             ids = tm.checks.tokenize(prompt, None, add_special_tokens=bool(body.add_special_tokens))
             max_tokens = body.requested_max_tokens() or _room_left(tm, len(ids))
             jobs = _choices(tm, body, ids, max_tokens, None)
-        return await _respond(tm, request, CHAT, body, jobs, arrived, ("messages", max_param))
+        return await _respond(tm, request, CHAT, body, jobs, arrived, ("messages", max_param), constraint)
 
     return router
 
@@ -220,8 +227,10 @@ async def _respond(
     jobs: list[_Job],
     arrived: float,
     names: tuple[str, str],
+    constraint: Constraint | None,
 ) -> Response:
-    """``names``: the request's prompt and max-tokens fields, for refusals at submission."""
+    """``names``: the request's prompt and max-tokens fields, for refusals at submission.
+    ``constraint``: the structured output every choice follows (None: none)."""
     response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
     trace = trace_context(request)
     bootstrap = body.bootstrap()
@@ -241,6 +250,7 @@ async def _respond(
                     operation=kind.operation,
                     bootstrap=bootstrap,
                     logprobs=body.logprob_params(),
+                    constraint=constraint,
                 )
                 states.append(state)
                 if job.echo is not None:
@@ -266,10 +276,22 @@ async def _respond(
         abort_unfinished(tm, states)
         return Response(status_code=499)
     for state in states:
-        refused = refusal(state)
+        refused = _refusal(state, constraint)
         if refused is not None:
             return refused
     ids_out = tm.tokenizer is None
     text_of = openai_token_text(tm.token_texts)
     choices = [with_ids(kind.choice(i, s, text_of), s.output_ids, ids_out) for i, s in enumerate(states)]
     return JSONResponse({**head, "choices": choices, "usage": request_usage(states, body.choices)})
+
+
+def _refusal(state: ReqState, constraint: Constraint | None) -> Response | None:
+    """``refusal``'s answer, with ``param`` the constraint's field when the scheduler refused
+    its spec: ``FinishAbort`` carries no param, but that message starts with the field."""
+    refused = refusal(state)
+    reason = state.finished_reason
+    if refused is None or constraint is None or not isinstance(reason, FinishAbort):
+        return refused
+    if reason.message.startswith(f"{constraint.param}: "):
+        return abort_response(reason, param=constraint.param)
+    return refused

@@ -14,9 +14,10 @@ OpenAI's ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` work (do
 Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``no_stop_trim`` and ``stream_options.continuous_usage_stats`` work
-(``extra_body`` in the official client). Every other field of SGLang's and vLLM's request
-schemas is known (``known_fields``): accepted at its neutral value, refused otherwise. The
-routes decode ``CompletionBody`` and ``ChatCompletionBody``: the request types with those
+(``extra_body`` in the official client). So do structured outputs, in OpenAI's, vLLM's and
+SGLang's fields (``tokenizer_proc.openai.constraints``). Every other field of SGLang's and
+vLLM's request schemas is known (``known_fields``): accepted at its neutral value, refused
+otherwise. The routes decode ``CompletionBody`` and ``ChatCompletionBody``: the request types with those
 known fields added.
 """
 
@@ -28,7 +29,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeGuard
 import msgspec
 from msgspec import Meta
 
-from pipeline.io_struct import LogprobParams, SamplingParams
+from pipeline.io_struct import Constraint, LogprobParams, SamplingParams
 from tokenizer_proc.native.schema import (
     Bootstrap,
     HostField,
@@ -45,6 +46,18 @@ from tokenizer_proc.native.schema import (
     TokenId,
     bootstrap_of,
     logit_bias_pairs,
+)
+from tokenizer_proc.openai.constraints import (
+    JsonSchema,
+    ResponseFormat,
+    StructuredOutputs,
+    choice_constraint,
+    grammar_constraint,
+    json_schema_constraint,
+    one_constraint,
+    regex_constraint,
+    response_format_constraint,
+    structured_outputs_constraint,
 )
 from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
 
@@ -90,6 +103,16 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None  # SGLang's: the text is not cut at a stop string
+    # Structured outputs, one per request: OpenAI's, vLLM's (current and older), SGLang's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: JsonSchema | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # PD disaggregation (set by sglang-router)
     bootstrap_room: RoomField | None = None
     bootstrap_endpoint: str | None = None
@@ -101,6 +124,21 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def logprob_params(self) -> LogprobParams | None:
         """The logprobs each choice asks of the scheduler; None: none."""
         return None
+
+    def constraint(self) -> Constraint | None:
+        """The structured output every choice follows; None: unconstrained. Two fields that
+        each ask for one are refused, naming the later one in this order."""
+        return one_constraint(
+            response_format_constraint(self.response_format),
+            structured_outputs_constraint(self.structured_outputs),
+            json_schema_constraint(self.guided_json, "guided_json"),
+            regex_constraint(self.guided_regex, "guided_regex"),
+            choice_constraint(self.guided_choice, "guided_choice"),
+            grammar_constraint(self.guided_grammar, "guided_grammar"),
+            json_schema_constraint(self.json_schema, "json_schema"),
+            regex_constraint(self.regex, "regex"),
+            grammar_constraint(self.ebnf, "ebnf"),
+        )
 
     def bootstrap(self) -> Bootstrap | None:
         return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
@@ -166,9 +204,6 @@ def _neutrals(*entries: tuple[str, tuple[object, ...]]) -> tuple[Refusal, ...]:
 # implemented here: accepted at the values that ask for nothing (``known_fields``).
 COMMON_REFUSED: tuple[Refusal, ...] = _neutrals(
     # SGLang
-    ("regex", ()),
-    ("ebnf", ()),
-    ("json_schema", ()),
     ("stop_regex", ([], "")),
     ("lora_path", ()),
     ("session_id", ()),
@@ -201,13 +236,9 @@ COMMON_REFUSED: tuple[Refusal, ...] = _neutrals(
     ("allowed_token_ids", ()),
     ("prompt_logprobs", ()),
     ("bad_words", ([],)),
-    ("guided_json", ()),
-    ("guided_regex", ()),
-    ("guided_choice", ()),
-    ("guided_grammar", ()),
-    ("guided_decoding_backend", ()),
+    # Structured outputs have one backend: asking for it by name, or for vLLM's default, is served.
+    ("guided_decoding_backend", ("xgrammar", "auto")),
     ("guided_whitespace_pattern", ()),
-    ("structured_outputs", ()),
     ("structural_tag", ()),
     ("logits_processors", ()),
     ("return_tokens_as_token_ids", (False,)),
@@ -247,10 +278,7 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("suffix", bool, "suffix (insertion) is not supported by this server"),
         ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
-    ) + _neutrals(
-        ("response_format", ({"type": "text"},)),  # SGLang's
-        ("prompt_embeds", ()),
-    )
+    ) + _neutrals(("prompt_embeds", ()))
 
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
 
@@ -393,11 +421,6 @@ def _template_tool_call(call: ToolCall, where: str) -> dict[str, Any]:
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
-class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Any = None
-
-
 class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
@@ -409,7 +432,6 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: Any = None
     web_search_options: Any = None
@@ -431,11 +453,6 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported by this server"),
         ("functions", bool, "functions (function calling) are not supported by this server"),
         ("function_call", lambda v: v not in (None, "none"), "function_call is not supported by this server"),
-        (
-            "response_format",
-            lambda v: v is not None and v.type != "text",
-            "response_format other than {\"type\": \"text\"} is not supported by this server",
-        ),
         ("modalities", lambda v: v is not None and "audio" in v, "audio output is not supported by this server"),
         ("audio", lambda v: v is not None, "audio output is not supported by this server"),
         ("web_search_options", lambda v: v is not None, "web search is not supported by this server"),

@@ -1,0 +1,112 @@
+"""A constrained request outside the batched step (docs/design.md section 10, structured
+outputs): while it waits for its grammar, outside the waiting queue and the running batch,
+so a compile never stalls a step and other requests keep decoding; and when a token is
+appended to it one request at a time (``accept_appended``).
+
+A constrained request that passed admission checks comes here first (``start``). A cached
+grammar gives it its matcher at once; otherwise its compile starts on the compiler's worker
+thread and the request waits here. Each step, ``take`` looks at the finished compiles
+without blocking: a compiled request gets its matcher and its wait in
+``SchedulerTimeStats.grammar_wait`` (through the stats setter) and goes on to the waiting
+queue; an invalid spec finishes it with a 400 that names the field it came from, before
+any token.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from pipeline.io_struct import FinishAbort, FinishReason, FinishStop
+from scheduler_proc.req import Req
+from scheduler_proc.sampling.grammar import CompileOutcome, GrammarCompiler, GrammarError, Key, new_matcher, refused_token
+
+logger = logging.getLogger("tokenpipe.scheduler")
+
+
+@dataclass(slots=True)
+class _Waiting:
+    req: Req
+    key: Key
+    future: Future[CompileOutcome]
+    since: float
+
+
+class GrammarQueue:
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._waiting: list[_Waiting] = []  # in arrival order
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def start(self, req: Req, now: float) -> bool:
+        """Gives a constrained request its matcher from the cache (or, for a spec known to
+        be invalid, its 400), or starts its compile: True when it must wait here."""
+        constraint = req.constraint
+        assert constraint is not None
+        key = (constraint.kind, constraint.spec)
+        outcome = self.compiler.lookup(key)
+        if outcome is None:
+            self._waiting.append(_Waiting(req, key, self.compiler.submit(key), now))
+            return True
+        _settle(req, outcome, now)
+        return False
+
+    def any_done(self) -> bool:
+        """Whether ``take`` would hand over a request now."""
+        return any(w.future.done() for w in self._waiting)
+
+    def take(self, now: float) -> list[Req]:
+        """The requests whose compile finished, in arrival order: each with its matcher, or
+        finished with its refusal (the caller queues the first and emits the second)."""
+        if not self._waiting:
+            return []
+        done: list[_Waiting] = []
+        still: list[_Waiting] = []
+        for w in self._waiting:
+            (done if w.future.done() else still).append(w)
+        if not done:
+            return []
+        self._waiting = still
+        for w in done:
+            try:
+                outcome = self.compiler.settle(w.key, w.future)
+            except Exception as exc:  # a fault of the engine, not a bad spec: not cached
+                logger.exception("compiling the grammar of req_id=%d rid=%s failed", w.req.req_id, w.req.rid)
+                w.req.finish(FinishAbort(message=f"compiling the grammar failed: {type(exc).__name__}", status_code=500), now)
+                continue
+            w.req.update_time_stats(grammar_wait=now - w.since)
+            _settle(w.req, outcome, now)
+        return [w.req for w in done]
+
+    def remove(self, req: Req) -> bool:
+        """Forgets an aborted request (its compile goes on and is cached for the next)."""
+        for i, w in enumerate(self._waiting):
+            if w.req is req:
+                del self._waiting[i]
+                return True
+        return False
+
+
+def _settle(req: Req, outcome: CompileOutcome, now: float) -> None:
+    constraint = req.constraint
+    assert constraint is not None
+    if isinstance(outcome, GrammarError):
+        req.finish(FinishAbort(message=f"{constraint.param}: {outcome}", status_code=400), now)
+    else:
+        req.matcher = new_matcher(outcome)
+
+
+def accept_appended(req: Req, token: int) -> FinishReason | None:
+    """A constrained request's matcher takes the token just appended outside the running
+    batch (a first token after a prefill, or on a PD decode server the prefill server's):
+    ``stop`` when the grammar ended, an abort when the matcher refused the token, else
+    None. (In the running batch, ``TokenMasks.accept`` does this for all rows at once.)"""
+    assert req.matcher is not None and req.constraint is not None
+    if not req.matcher.accept_token(token):
+        # On a decode server the token came from the prefill server, whose request ignored
+        # the grammar (502); here, the mask let it through, which it never does (500).
+        return refused_token(req.constraint.param, token, 502 if req.kv_prebuilt else 500)
+    return FinishStop(matched=token) if req.matcher.is_terminated() else None

@@ -1,0 +1,248 @@
+"""Structured outputs (docs/design.md section 10): the grammar a request's tokens must spell,
+compiled by xgrammar off the step, and the token mask of the constrained rows of a step.
+
+- ``tokenizer_info``: xgrammar's view of the served vocabulary (each token's bytes, the EOS
+  ids as its stop tokens), built once per scheduler from the tokenizer it serves.
+- ``GrammarCompiler`` (one per scheduler): a bounded LRU of compile outcomes keyed by
+  ``(kind, spec)`` (a compiled grammar, or the engine's reason it is invalid); a miss
+  compiles on the scheduler's one worker thread, and the step never waits for it (xgrammar
+  releases the GIL while it compiles). The requests that wait are
+  ``scheduler_proc.grammar_queue``'s.
+- ``TokenMasks`` (one per scheduler): the step's int32 bitmask ``[rows, ceil(V / 32)]``,
+  preallocated, filled for the constrained rows only (``xgr.BatchGrammarMatcher``: one call
+  for all of them); ``GrammarMask.apply`` puts -inf on every token a row's grammar forbids,
+  before bias, penalties and everything else the sampler does, so no bias brings one back;
+  ``accept`` feeds each constrained row its drawn token.
+
+A matcher lives with its request (``Req.matcher``) and has accepted exactly the request's
+output tokens: a retracted request resumes with it as it is, and a re-prefill accepts
+nothing again. A matcher ends (terminates) exactly when it accepts a stop token, which it
+allows only where the grammar can end, so the request then finishes with ``stop``.
+
+Cost per step, only while a row is constrained (nothing otherwise: no bitmask, no copy):
+the fill, a copy of the logits with xgrammar's masked write, and the accepts. At B=256,
+every row following a nested JSON schema, V=4096, one torch thread of the 2-core dev box
+(bench/scheduler_step.py --constrained): fill about 0.5 ms, apply 4.5, accept 0.6, beside a
+50-60 ms forward. Per row, Python builds only the list of drawn tokens xgrammar takes; the
+list of matchers is kept between steps (``RunningBatch.grammar_rows``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Set
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import tokenizers
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerFast
+
+from pipeline.io_struct import FinishAbort
+
+
+GRAMMAR_CACHE_SIZE = 256  # compile outcomes kept (LRU), as SGLang's and vLLM's caches are bounded
+_FIRST_ROWS = 64  # bitmask rows allocated up front; doubled when a step has more
+# A JSON object of any shape: xgrammar's builtin JSON grammar would also take an array at
+# the root, and OpenAI's json_object (and vLLM's) means an object.
+_ANY_OBJECT = '{"type": "object"}'
+_MAX_REASON = 500  # characters of the engine's reason in a 400 (a JSON parse error quotes the whole spec)
+# xgrammar's error text starts with its log prefix ("[12:00:00] /project/cpp/file.cc:94: ")
+# and, for a failed check, the check ("Check failed: (error.empty()) is false: ").
+_LOG_PREFIX = re.compile(r"^\[[0-9:.]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+Key = tuple[str, str]  # (Constraint.kind, Constraint.spec)
+
+
+class GrammarError(ValueError):
+    """A spec the engine cannot compile; the message is the engine's reason."""
+
+
+# What a compile ends in: the grammar, or why there is none. Both are cached.
+CompileOutcome = xgr.CompiledGrammar | GrammarError
+
+
+def tokenizer_info(
+    tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: Set[int], special_token_ids: Set[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's vocabulary: ``vocab_size`` is the model's (its logits' width; ids past the
+    tokenizer's are never allowed), and the EOS ids are the stop tokens a grammar allows
+    where it can end.
+
+    Special tokens are given no text, which xgrammar never allows: its own detection takes
+    ``<|im_end|>`` for the ten characters of its name, so a grammar would let it into an
+    answer, and the client, who sees text without special tokens, would read another."""
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids))
+    encoded: list[bytes | str] = [""] * vocab_size
+    for token, token_id in hf.get_vocab().items():
+        if token_id < vocab_size and token_id not in special_token_ids:
+            encoded[token_id] = token
+    return xgr.TokenizerInfo.from_vocab_and_metadata(encoded, detected.dump_metadata())
+
+
+def choice_grammar(spec: str) -> str:
+    """The EBNF of "exactly one of these strings" (``spec``: a JSON list of them). Each
+    string is written as a JSON string literal, whose escapes xgrammar's EBNF reads alike."""
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"the choices are not valid JSON: {exc}") from None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise GrammarError("the choices must be a non-empty list of strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+
+
+def compile_spec(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> CompileOutcome:
+    """Compiles one spec; an invalid one is returned as a GrammarError with the engine's
+    reason (not raised: the outcome is cached either way)."""
+    try:
+        if kind == "json_schema":
+            return compiler.compile_json_schema(spec)
+        if kind == "json_object":
+            return compiler.compile_json_schema(_ANY_OBJECT)
+        if kind == "regex":
+            return compiler.compile_regex(spec)
+        if kind == "grammar":
+            return compiler.compile_grammar(spec)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(spec))
+        return GrammarError(f"unknown constraint kind {kind!r}")
+    except GrammarError as exc:
+        return exc
+    except (RuntimeError, ValueError) as exc:  # xgrammar's parse and conversion errors
+        return GrammarError(_engine_reason(exc))
+
+
+def _engine_reason(exc: Exception) -> str:
+    reason = _LOG_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+    return reason if len(reason) <= _MAX_REASON else reason[: _MAX_REASON - 3] + "..."
+
+
+class GrammarCompiler:
+    """Compiles specs on one worker thread and keeps the last ``cache_size`` outcomes.
+
+    Used from the scheduler's thread only: ``lookup``, ``submit`` and ``settle`` touch the
+    cache there; the worker runs ``compile`` and nothing else."""
+
+    def __init__(self, info: xgr.TokenizerInfo, *, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+        # Our own LRU keeps the outcomes (and bounds them); xgrammar's cache would be a
+        # second, unbounded copy.
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._cache: OrderedDict[Key, CompileOutcome] = OrderedDict()
+        self._cache_size = cache_size
+        self._inflight: dict[Key, Future[CompileOutcome]] = {}
+        self._pool: ThreadPoolExecutor | None = None  # started by the first miss
+        self.stop_ids = frozenset(info.stop_token_ids)
+        # The compile step itself; a test may wrap it (to make a compile slow).
+        self.compile: Callable[[str, str], CompileOutcome] = self._compile
+
+    def _compile(self, kind: str, spec: str) -> CompileOutcome:
+        return compile_spec(self._compiler, kind, spec)
+
+    def lookup(self, key: Key) -> CompileOutcome | None:
+        """The cached outcome (now the most recently used), or None."""
+        outcome = self._cache.get(key)
+        if outcome is not None:
+            self._cache.move_to_end(key)
+        return outcome
+
+    def submit(self, key: Key) -> Future[CompileOutcome]:
+        """The compile of ``key``, started unless one is already under way (requests that
+        ask for the same spec at once share it)."""
+        future = self._inflight.get(key)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+            future = self._inflight[key] = self._pool.submit(self.compile, *key)
+        return future
+
+    def settle(self, key: Key, future: Future[CompileOutcome]) -> CompileOutcome:
+        """The outcome of a finished compile, now in the cache. An exception other than a
+        GrammarError (a fault, not a bad spec) is raised and not cached."""
+        if self._inflight.get(key) is future:
+            del self._inflight[key]
+        outcome = future.result()
+        self._cache[key] = outcome
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return outcome
+
+    @property
+    def cache_len(self) -> int:
+        return len(self._cache)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def new_matcher(grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
+    """A request's matcher, at the start of its output."""
+    return xgr.GrammarMatcher(grammar)
+
+
+def refused_token(param: str, token: int, status_code: int) -> FinishAbort:
+    """The finish of a request whose matcher refused a token: never one the mask let through
+    (a fault, 500), or a PD prefill server's first token that ignored the grammar (502)."""
+    return FinishAbort(message=f"{param}: token {token} is outside the grammar", status_code=status_code)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarRows:
+    """The constrained rows of a draw, ascending, and their matchers."""
+
+    rows: np.ndarray  # int64 [m]
+    indices: list[int]  # the same rows, as xgrammar takes them
+    matchers: list[xgr.GrammarMatcher]
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarMask:
+    """One draw's bitmask: row i of ``bitmask`` holds the tokens row i may draw, for the
+    rows in ``rows`` (the others' bits are stale and never read)."""
+
+    bitmask: torch.Tensor  # int32 [n, ceil(V / 32)], on the logits' device
+    rows: list[int]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of ``logits`` with -inf on each listed row's forbidden tokens.
+        A copy: logprobs stay the raw distribution (docs/design.md section 11)."""
+        x = logits.to(torch.float32, copy=True)
+        xgr.apply_token_bitmask_inplace(x, self.bitmask, vocab_size=x.shape[1], indices=self.rows)
+        return x
+
+
+class TokenMasks:
+    """The step's bitmask (reused step after step) and the batched fill and accept."""
+
+    def __init__(self, vocab_size: int, stop_ids: Set[int], device: torch.device) -> None:
+        self._vocab_size = vocab_size
+        self._device = device
+        self._bitmask = xgr.allocate_token_bitmask(_FIRST_ROWS, vocab_size)
+        self._batch = xgr.BatchGrammarMatcher()
+        self._stop_ids = np.array(sorted(stop_ids), dtype=np.int64)
+
+    def fill(self, grammar: GrammarRows, n: int) -> GrammarMask:
+        """The mask of a draw over ``n`` rows of which ``grammar.rows`` are constrained."""
+        if n > len(self._bitmask):
+            self._bitmask = xgr.allocate_token_bitmask(max(n, 2 * len(self._bitmask)), self._vocab_size)
+        self._batch.batch_fill_next_token_bitmask(grammar.matchers, self._bitmask, grammar.indices)
+        bitmask = self._bitmask[:n]
+        if bitmask.device != self._device:
+            bitmask = bitmask.to(self._device)
+        return GrammarMask(bitmask, grammar.indices)
+
+    def accept(self, grammar: GrammarRows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Feeds each constrained row its drawn token (``new``: every row's). Returns the
+        rows whose grammar ended (it accepted a stop token) and the rows whose matcher
+        refused the token (none, unless something is wrong)."""
+        drawn = new[grammar.rows]
+        accepted = np.array(xgr.BatchGrammarMatcher.batch_accept_token(grammar.matchers, drawn.tolist()), dtype=bool)
+        ended = grammar.rows[accepted & np.isin(drawn, self._stop_ids)]
+        return ended, grammar.rows[~accepted]
