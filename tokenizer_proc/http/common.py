@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pipeline.http.edge import error_response, until_disconnected
-from pipeline.io_struct import FinishAbort, TraceContext
+from pipeline.io_struct import Constraint, FinishAbort, TraceContext
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -57,6 +57,19 @@ def refusal(state: ReqState) -> JSONResponse | None:
     if unheard or (refused and state.completion_tokens == 0):
         return abort_response(reason)
     return None
+
+
+def constraint_refusal(state: ReqState, constraint: Constraint | None) -> JSONResponse | None:
+    """``refusal``'s answer, with ``param`` the constraint's field when the scheduler refused
+    its spec (an invalid schema, regex or grammar): ``FinishAbort`` carries no param, but that
+    message starts with the field. The generation routes answer through this."""
+    refused = refusal(state)
+    reason = state.finished_reason
+    if refused is None or constraint is None or not isinstance(reason, FinishAbort):
+        return refused
+    if reason.message.startswith(f"{constraint.param}: "):
+        return abort_response(reason, param=constraint.param)
+    return refused
 
 
 def abort_response(reason: FinishAbort, message: str | None = None, param: str | None = None) -> JSONResponse:

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp
 
 from pipeline.http.body_limit import BodyLimit
 from pipeline.http.edge import BearerAuth, install_error_handlers
-from pipeline.io_struct import Constraint, FinishAbort, RequestOutputStats, SamplingParams
+from pipeline.io_struct import FinishAbort, RequestOutputStats, SamplingParams
 from pipeline.token_texts import TokenText
 from tokenizer_proc.native.schema import (
     AbortRequestBody,
@@ -28,10 +28,10 @@ from tokenizer_proc.http.hot_routes import HotRoutes, post_endpoints
 from tokenizer_proc.http.hicache_api import build_hicache_router
 from tokenizer_proc.http.common import (
     ClientGone,
-    abort_response,
     error_response,
     model_not_found,
     not_ready,
+    constraint_refusal,
     refusal,
     trace_context,
     wait_finished,
@@ -113,9 +113,9 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
                 await wait_finished(tm, state, request)
         except ClientGone:
             return Response(status_code=499)
-        refused = refusal(state)
+        refused = constraint_refusal(state, constraint)
         if refused is not None:
-            return _naming_the_constraint(refused, state, constraint)
+            return refused
         meta = build_meta_info(state)
         if state.logprob is not None:
             meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
@@ -176,16 +176,6 @@ async def _until_finished(state: ReqState) -> None:
     while not state.finished:
         await state.event.wait()
         state.event.clear()
-
-
-def _naming_the_constraint(refused: Response, state: ReqState, constraint: Constraint | None) -> Response:
-    """A refusal, with ``param`` the constraint's field when the scheduler refused its spec
-    (an invalid schema, regex or grammar): ``FinishAbort`` carries no param, but that
-    message starts with the field."""
-    reason = state.finished_reason
-    if constraint is None or not isinstance(reason, FinishAbort) or not reason.message.startswith(f"{constraint.param}: "):
-        return refused
-    return abort_response(reason, param=constraint.param)
 
 
 def _generate_body(tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any]) -> dict[str, Any]:

@@ -36,17 +36,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pipeline.io_struct import Constraint, FinishAbort, SamplingParams
+from pipeline.io_struct import Constraint, SamplingParams
 from tokenizer_proc.native.schema import RequestValidationError, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http.common import (
     ClientGone,
-    abort_response,
     abort_unfinished,
+    constraint_refusal,
     error_response,
     model_not_found,
     not_ready,
-    refusal,
     trace_context,
     wait_finished,
     wait_started,
@@ -276,22 +275,10 @@ async def _respond(
         abort_unfinished(tm, states)
         return Response(status_code=499)
     for state in states:
-        refused = _refusal(state, constraint)
+        refused = constraint_refusal(state, constraint)
         if refused is not None:
             return refused
     ids_out = tm.tokenizer is None
     text_of = openai_token_text(tm.token_texts)
     choices = [with_ids(kind.choice(i, s, text_of), s.output_ids, ids_out) for i, s in enumerate(states)]
     return JSONResponse({**head, "choices": choices, "usage": request_usage(states, body.choices)})
-
-
-def _refusal(state: ReqState, constraint: Constraint | None) -> Response | None:
-    """``refusal``'s answer, with ``param`` the constraint's field when the scheduler refused
-    its spec: ``FinishAbort`` carries no param, but that message starts with the field."""
-    refused = refusal(state)
-    reason = state.finished_reason
-    if refused is None or constraint is None or not isinstance(reason, FinishAbort):
-        return refused
-    if reason.message.startswith(f"{constraint.param}: "):
-        return abort_response(reason, param=constraint.param)
-    return refused
