@@ -14,13 +14,14 @@ The jobs live in modules of their own, each with its part of the story: the requ
 in ``bench.serve_client``, the server-side readings (step rate, CPU per process) in
 ``bench.serve_readings``, the attached run in ``bench.serve_load``, the comparisons
 (``--compare-discard``, ``--compare-sampling``, ``--top-logprobs``,
-``--compare-api-workers``) in ``bench.serve_compare`` and the printed table and the plot
+``--compare-api-workers``) in ``bench.serve_compare``, structured output's
+(``--json-schema``) in ``bench.serve_structured`` and the printed table and the plot
 in ``bench.serve_report``. This module reads the command line and runs them.
 
 Usage: ``python bench/serve.py --launch [--api generate|completions] [--concurrency 64]
 [--requests N] [--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32]
 [--temperature 0.7] [--top-p P] [--[no-]seeded] [--compare-discard] [--compare-sampling]
-[--top-logprobs K] [--compare-api-workers N] [--rounds 2] [--json PATH] [--plot PATH.png]
+[--top-logprobs K] [--json-schema FILE] [--compare-api-workers N] [--rounds 2] [--json PATH] [--plot PATH.png]
 [--no-progress] [--server-args "..."]``, or ``--url URL [--pids PID,...]`` for a running
 server.
 """
@@ -60,6 +61,7 @@ from bench.serve_compare import (  # noqa: E402
 from bench.serve_load import run_load  # noqa: E402
 from bench.serve_readings import given_processes, ratio, server_processes  # noqa: E402
 from bench.serve_report import format_report, write_plot  # noqa: E402
+from bench.serve_structured import read_schema, run_structured  # noqa: E402
 
 MAX_TOP_LOGPROBS = 20  # the server's limit on top_logprobs_num
 T = TypeVar("T")
@@ -126,6 +128,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="with --launch: also run the workload without and with top-K logprobs on every request, in alternating rounds",
     )
     p.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --launch: also run the workload without and with every request constrained by the JSON schema in FILE, "
+        "in alternating rounds, then time a first request with a new schema against a cached one",
+    )
+    p.add_argument(
         "--compare-api-workers",
         type=int,
         default=None,
@@ -153,6 +163,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--top-logprobs needs --launch")
     if args.top_logprobs is not None and not 0 <= args.top_logprobs <= MAX_TOP_LOGPROBS:
         p.error(f"--top-logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+    if args.json_schema is not None:
+        if not args.launch:
+            p.error("--json-schema needs --launch")
+        try:
+            args.json_schema = read_schema(args.json_schema.read_text())
+        except (OSError, ValueError) as exc:
+            p.error(f"--json-schema: {exc}")
     if args.pids is not None and args.launch:
         p.error("--pids is for --url: --launch knows its server's processes")
     if args.pids is not None:
@@ -215,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.top_logprobs is not None:
             report["logprobs"] = run_async(run_logprobs(url, cfg, args.top_logprobs, args.rounds, next_set, procs))
             next_set += 2 * args.rounds
+        if args.json_schema is not None:
+            report["structured"] = run_async(run_structured(url, cfg, args.json_schema, args.rounds, next_set, procs))
+            next_set += 2 * args.rounds + 1
         if args.compare_api_workers is not None:
             flags = api_workers_flags(args.compare_api_workers)
             # Both servers stay up, on their own ports, so the rounds alternate without a
@@ -236,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_plot(args.plot, report, results)
-    runs = [report, *(report[k] for k in ("sampling", "logprobs", "api_workers") if k in report)]
+    runs = [report, *(report[k] for k in ("sampling", "logprobs", "structured", "api_workers") if k in report)]
     ok = all(run["errors"] == 0 and run["tokens_lost"] == 0 and run["logprobs_lost"] == 0 for run in runs)
     return 0 if ok else 1
 

@@ -59,6 +59,7 @@ class LoadConfig:
     prompt_set: int = 0  # runs on one server with different sets share no prompt
     top_logprobs: int | None = None  # None: no logprobs asked; K: return_logprob, top_logprobs_num K
     api: str = "generate"  # a key of ENDPOINTS
+    json_schema: str | None = None  # None: unconstrained; a JSON schema's text: every answer follows it
 
 
 @dataclass
@@ -91,6 +92,8 @@ def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, An
         sampling["top_p"] = cfg.top_p
     if cfg.seeded:
         sampling["seed"] = cfg.seed + i
+    if cfg.json_schema is not None:
+        sampling["json_schema"] = cfg.json_schema
     body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
     if cfg.top_logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=cfg.top_logprobs)
@@ -105,6 +108,8 @@ def completions_body(i: int, cfg: LoadConfig, ids: list[int], stream: bool) -> d
         body["top_p"] = cfg.top_p
     if cfg.seeded:
         body["seed"] = cfg.seed + i
+    if cfg.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.loads(cfg.json_schema)}}
     body["stream"] = stream
     if stream:
         body["stream_options"] = dict(CONTINUOUS_USAGE)

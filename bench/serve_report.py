@@ -15,6 +15,7 @@ from bench.serve_readings import SETTLE_TIMEOUT, is_api
 TARGET_RATIO = 0.95  # attached/discarded scheduler steps/s
 TARGET_SAMPLING_RATIO = 0.9  # sampled/greedy output tokens/s
 TARGET_LOGPROBS_RATIO = 0.9  # with top-5 logprobs / without, output tokens/s (vLLM: 0.73x)
+TARGET_STRUCTURED_RATIO = 0.8  # every request constrained by a JSON schema / none, output tokens/s
 TARGET_STREAMS = 256
 
 
@@ -57,17 +58,20 @@ def fmt_rounds(
     the ratio against its target, if it has one."""
     label = f"{other}/{base}"
     w = max(16, len(label) + 2)
+    fw, bw, ow = max(10, len(base) + 2, len(other) + 2), max(14, len(base) + 8), max(15, len(other) + 8)
     lines = [
         f"  {title}, {where}, {len(s['rounds'])} rounds (order swapped each round)",
-        f"  {'round':<8}{'first':<10}{base + ' tok/s':>14}{other + ' tok/s':>15}{label:>{w}}",
+        f"  {'round':<8}{'first':<{fw}}{base + ' tok/s':>{bw}}{other + ' tok/s':>{ow}}{label:>{w}}",
     ]
     for i, row in enumerate(s["rounds"], 1):
         value = f"{row['ratio']:{w - 1}.3f}x" if row["ratio"] is not None else f"{'n/a':>{w}}"
         lines.append(
-            f"  {i:<8d}{row['first']:<10}{row[base]['output_tokens_per_s']:14.1f}{row[other]['output_tokens_per_s']:15.1f}{value}"
+            f"  {i:<8d}{row['first']:<{fw}}{row[base]['output_tokens_per_s']:{bw}.1f}{row[other]['output_tokens_per_s']:{ow}.1f}{value}"
         )
     value = f"{s['ratio']:{w - 1}.3f}x" if s["ratio"] is not None else f"{'n/a':>{w}}"
-    lines.append(f"  {'median':<18}{s[base + '_output_tokens_per_s']:14.1f}{s[other + '_output_tokens_per_s']:15.1f}{value}")
+    lines.append(
+        f"  {'median':<{8 + fw}}{s[base + '_output_tokens_per_s']:{bw}.1f}{s[other + '_output_tokens_per_s']:{ow}.1f}{value}"
+    )
     lost = f", logprobs lost {s['logprobs_lost']}" if s["logprobs_lost"] else ""
     lines.append(f"  errors {s['errors']}, tokens lost {s['tokens_lost']}{lost} over the comparison's runs")
     if target is not None:
@@ -124,6 +128,17 @@ def fmt_logprobs(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
     return fmt_rounds(s, c, title, "without", "logprobs", TARGET_LOGPROBS_RATIO)
 
 
+def fmt_structured(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
+    title = f"unconstrained against every request constrained by a JSON schema ({s['schema_bytes']} bytes)"
+    lines = fmt_rounds(s, c, title, "unconstrained", "constrained", TARGET_STRUCTURED_RATIO)
+    k = s["compile"]
+    lines.append(
+        f"  TTFT ms, medians of {k['trials']}: new schema {k['new_ttft_ms']:.1f}, cached {k['cached_ttft_ms']:.1f}, "
+        f"unconstrained {k['unconstrained_ttft_ms']:.1f}; a compile adds {k['compile_ms']:.1f} ms to a first request"
+    )
+    return lines
+
+
 def format_report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
@@ -151,6 +166,9 @@ def format_report(r: dict[str, Any]) -> str:
     lp = r.get("logprobs")
     if lp is not None:
         lines += fmt_logprobs(lp, c)
+    st = r.get("structured")
+    if st is not None:
+        lines += fmt_structured(st, c)
     w = r.get("api_workers")
     if w is not None:
         lines += fmt_api_workers(w, c)

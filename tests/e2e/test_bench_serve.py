@@ -202,6 +202,42 @@ def test_top_logprobs_reports_both_arms_and_a_ratio(
 
 
 @pytest.mark.timeout(90)
+def test_json_schema_reports_both_arms_a_ratio_and_the_compile_cost(
+    bench: ModuleType, client: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Runs without and with the schema on every request alternate on the one launched
+    server, then the compile probe times a new schema against a cached one; the shipped
+    schema asks for four order lines, so no constrained answer ends within 8 tokens."""
+    out = tmp_path / "r.json"
+    schema = Path(__file__).resolve().parents[2] / "bench" / "schemas" / "order.json"
+    argv = ["--launch", "--json-schema", str(schema), "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--no-progress"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+
+    st = json.loads(out.read_text())["structured"]
+    assert [row["first"] for row in st["rounds"]] == ["unconstrained", "constrained"]
+    for row in st["rounds"]:
+        for name in ("unconstrained", "constrained"):
+            assert row[name]["completed"] == 8 and row[name]["output_tokens"] == 8 * 8, row[name]
+            assert row[name]["errors"] == row[name]["tokens_lost"] == 0
+    assert 0 < st["ratio"] < math.inf
+    k = st["compile"]
+    assert all(len(k["ttft_ms"][name]) == k["trials"] for name in ("new", "cached", "unconstrained"))
+    assert k["compile_ms"] == pytest.approx(k["new_ttft_ms"] - k["cached_ttft_ms"])
+    table = capsys.readouterr().out
+    assert "constrained/unconstrained" in table and "a compile adds" in table
+
+    text = json.dumps(json.loads(schema.read_text()), separators=(",", ":"))
+    constrained = dataclasses.replace(client.LoadConfig(), json_schema=text)
+    assert client.make_body(0, constrained, 4096, True)["sampling_params"]["json_schema"] == text
+    format_ = client.make_body(0, dataclasses.replace(constrained, api="completions"), 4096, True)["response_format"]
+    assert format_["type"] == "json_schema" and format_["json_schema"]["schema"] == json.loads(text)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--json-schema", str(schema)])  # needs --launch
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--launch", "--json-schema", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.timeout(90)
 def test_completions_run_reports_cpu_per_process(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Streaming /v1/completions on a launched server, then the same workload on it and on a
     second server (--compare-api-workers 1: no --api-workers flag, so it runs on a server
