@@ -14,6 +14,7 @@ forbids, since the mask comes first.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Iterator
@@ -154,3 +155,66 @@ def test_an_invalid_constraint_is_a_400_naming_the_field_and_the_server_keeps_se
         assert error["param"] == param and reason in error["message"], error
     served = http.post("/generate", json={"text": "hi", "sampling_params": _params({"regex": REGEX}, 1)})
     assert served.status_code == 200 and re.fullmatch(REGEX, served.json()["text"]), served.text
+
+
+# --- constrained neighbours leave the others' tokens alone ------------------------------------
+
+UNCONSTRAINED_STREAMS = 200
+CONSTRAINED_STREAMS = 56
+NEIGHBOUR_TOKENS = 24
+
+
+def _neighbour_body(i: int, fields: dict[str, str] | None) -> dict[str, Any]:
+    """Stream ``i``: a prompt of its own, seeded sampling at temperature 1; unconstrained ones
+    run ``NEIGHBOUR_TOKENS`` tokens (ignore_eos), constrained ones until their grammar ends."""
+    prompt = TOKENIZER.encode(f"Stream number {i} says")
+    if fields is None:
+        params: dict[str, Any] = {"max_new_tokens": NEIGHBOUR_TOKENS, "temperature": 1.0, "seed": 7000 + i, "ignore_eos": True}
+    else:
+        params = _params(fields, 9000 + i)
+    return {"input_ids": prompt, "sampling_params": params, "stream": True}
+
+
+async def _run_streams(base_url: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """All ``bodies`` at once as streams; each one's last event (it holds the whole output)."""
+
+    async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+        last: dict[str, Any] | None = None
+        async with client.stream("POST", "/generate", json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = json.loads(line[len("data: ") :])
+        assert last is not None, "the stream held no event"
+        return last
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300.0, limits=limits) as client:
+        return list(await asyncio.gather(*(one(client, body) for body in bodies)))
+
+
+def test_constrained_neighbours_leave_200_seeded_streams_tokens_as_they_were_alone(http: httpx.Client) -> None:
+    """200 seeded streams run alone, then again beside 56 constrained ones (all three kinds,
+    all at once in one batch): every unconstrained stream draws the same tokens, since the mask
+    touches only the constrained rows and a seeded draw depends on (seed, position) alone, and
+    every constrained answer is one its constraint allows."""
+    base_url = str(http.base_url)
+    plain = [_neighbour_body(i, None) for i in range(UNCONSTRAINED_STREAMS)]
+    kinds = list(KINDS)
+    constrained = [(kinds[i % len(kinds)], _neighbour_body(i, KINDS[kinds[i % len(kinds)]][0])) for i in range(CONSTRAINED_STREAMS)]
+
+    # Each run starts from an empty prefix cache: a prompt found in the cache is not
+    # recomputed, and its last position's logits computed alone differ from those of a whole
+    # prefill in the last bits, which can flip a sampled token where two are near a tie.
+    assert http.post("/flush_cache").status_code == 200
+    alone = asyncio.run(_run_streams(base_url, plain))
+    assert http.post("/flush_cache").status_code == 200
+    together = asyncio.run(_run_streams(base_url, [*plain, *(body for _, body in constrained)]))
+
+    for i, (before, after) in enumerate(zip(alone, together[:UNCONSTRAINED_STREAMS], strict=True)):
+        assert len(before["output_ids"]) == NEIGHBOUR_TOKENS, before["meta_info"]
+        assert after["output_ids"] == before["output_ids"], f"stream {i} drew other tokens beside constrained neighbours"
+    for (kind, _), answer in zip(constrained, together[UNCONSTRAINED_STREAMS:], strict=True):
+        assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}, answer["meta_info"]
+        assert KINDS[kind][1](answer["text"]), (kind, answer["text"])
+    assert len({json.dumps(b["output_ids"]) for b in alone}) == UNCONSTRAINED_STREAMS, "streams should differ"
