@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +98,42 @@ def test_decode_retractions_rebootstrap_and_match_the_unified_server(
     with httpx.Client(base_url=decode.url) as client:
         info = client.get("/server_info").json()
     assert info["live_requests"] == 0 and info["engine_type"] == "decode"
+
+
+LONG_REGEX = r"[a-z]{60,80}\."  # long answers: six at once outgrow the decode pool
+
+
+@pytest.mark.timeout(600)
+def test_constrained_streams_through_pd_match_the_unified_server(
+    server: ServerProcess, pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]
+) -> None:
+    """The prefill server draws the first token under the grammar's mask and the decode server
+    goes on from it (through any re-bootstrap its small pool forces): each seeded stream equals the unified
+    server's answer and follows the pattern."""
+    _, _, router = pd_small
+
+    def body(i: int, stream: bool) -> dict[str, object]:
+        # sampling_seed, SGLang's name: sglang-router passes it on and drops an unknown `seed`.
+        params = {"temperature": 1.0, "sampling_seed": 100 + i, "max_new_tokens": 100, "regex": LONG_REGEX}
+        return {"text": PROMPTS[i], "stream": stream, "sampling_params": params}
+
+    with server.client() as unified:
+        expected = [unified.post("/generate", json=body(i, False)).json() for i in range(len(PROMPTS))]
+
+    def streamed(i: int) -> dict[str, object]:
+        with httpx.Client(base_url=router.url, timeout=300) as client, client.stream("POST", "/generate", json=body(i, True)) as response:
+            assert response.status_code == 200, response.read()
+            lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        last: dict[str, object] = json.loads(lines[-2])
+        return last
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(streamed, range(len(PROMPTS))))
+    for want, got in zip(expected, answers, strict=True):
+        assert re.fullmatch(LONG_REGEX, str(want["text"])), want
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]  # type: ignore[index]
 
 
 def _server_info(srv: ServerProcess) -> dict[str, object]:
