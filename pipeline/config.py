@@ -20,6 +20,9 @@ from pipeline.io_struct import MAX_API_WORKERS
 
 Mode = Literal["generate", "embedding", "dllm"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
+# The names tokenizer_proc/parsers registers (tests/unit/test_chat_parsers_flags.py keeps them equal).
+ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 # The supervisor hands its children the whole config as JSON in this variable.
 CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
@@ -141,6 +144,24 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "event (SGLang's flag); without it each event carries everything so far, as SGLang streams by default",
         ),
     ] = False
+
+    # Chat: how an answer splits into content, tool calls and reasoning (vLLM's and SGLang's flags)
+    tool_call_parser: Annotated[
+        ToolCallParserName,
+        Flag(
+            "chat",
+            "the format tool calls are read in when a chat request gives tools with tool_choice auto: hermes (Qwen 2.5 "
+            "and 3, Hermes, the built-in template), llama3_json (Llama 3.1 and later), mistral ([TOOL_CALLS])",
+        ),
+    ] = "hermes"
+    reasoning_parser: Annotated[
+        ReasoningParserName | None,
+        Flag(
+            "chat",
+            "split <think>...</think> out of chat answers into reasoning_content: deepseek_r1 (the answer starts inside "
+            "reasoning), qwen3 (default: none, all text is content)",
+        ),
+    ] = None
 
     # Observability
     enable_metrics: Annotated[

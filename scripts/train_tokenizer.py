@@ -41,12 +41,6 @@ SPECIAL_TOKENS = [
     "<|video|>",
 ]
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 # --------------------------------------------------------------------------------------------
 # Word lists. Each list is ordered roughly by frequency: the sampler favours early entries, so
@@ -418,7 +412,7 @@ def tokenizer_config() -> dict[str, object]:
         "eos_token": SPECIAL_TOKENS[0],
         "bos_token": None,
         "pad_token": SPECIAL_TOKENS[0],
-        "chat_template": CHAT_TEMPLATE,
+        # The chat template is pipeline/assets/chat_template.jinja, beside these files.
     }
 
 

@@ -2,7 +2,9 @@
 
 The template is the model directory's (``LoadedTokenizer.chat_template``: tokenizer_config.json's
 ``chat_template`` or chat_template.jinja). A tokenizer without one gets
-``DEFAULT_CHAT_TEMPLATE``, ChatML, which is also what the shipped tokenizer's config holds::
+``DEFAULT_CHAT_TEMPLATE``, the shipped tokenizer's own (``pipeline/assets/chat_template.jinja``):
+ChatML, with tools in the Hermes / Qwen 2.5 style (a tools block in the system turn, earlier
+calls as ``<tool_call>`` blocks, results as ``tool`` turns)::
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n   (one per message)
     <|im_start|>assistant\\n                      (the generation prompt)
@@ -11,9 +13,12 @@ Rendering follows Hugging Face ``transformers`` so that a model's own template r
 here as in ``apply_chat_template``: a sandboxed environment (a template is data from a model
 directory, it must not reach Python internals), ``trim_blocks``/``lstrip_blocks``, the
 ``raise_exception`` and ``strftime_now`` globals, a ``tojson`` that does not HTML-escape, the
-``{% generation %}`` tag rendered as its body, ``tools`` and ``documents`` as none, and the
-tokenizer's special tokens (``bos_token``, ``eos_token``, ...: ``LoadedTokenizer.special_tokens``)
-as variables, which Llama-style templates open with.
+``{% generation %}`` tag rendered as its body, ``tools`` as the request's tool definitions
+(``{"type": "function", "function": {...}}`` each, as ``apply_chat_template(tools=...)`` passes
+them; none without), ``documents`` as none, a request's ``chat_template_kwargs`` (such as
+``enable_thinking``) as variables, and the tokenizer's special tokens (``bos_token``,
+``eos_token``, ...: ``LoadedTokenizer.special_tokens``) as variables, which Llama-style
+templates open with.
 """
 
 from __future__ import annotations
@@ -30,16 +35,11 @@ from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pipeline.tokenizer_loader import LoadedTokenizer
+from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, LoadedTokenizer
 
 logger = logging.getLogger("tokenpipe.chat_template")
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+DEFAULT_CHAT_TEMPLATE = (DEFAULT_TOKENIZER_DIR / "chat_template.jinja").read_text(encoding="utf-8")
 
 
 class ChatTemplateError(ValueError):
@@ -101,21 +101,24 @@ class ChatTemplate:
     def for_tokenizer(cls, tokenizer: LoadedTokenizer) -> ChatTemplate:
         return cls(tokenizer.chat_template, tokenizer.special_tokens)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         """``messages`` are plain dicts (``role``, ``content`` as a string, optional ``name``,
-        ``tool_calls``, ``tool_call_id``). Raises ChatTemplateError for messages the template
+        ``tool_calls``, ``tool_call_id``); ``tools`` the request's tool definitions (None:
+        none); ``kwargs`` its ``chat_template_kwargs``, extra variables that cannot replace
+        the ones above (as in vLLM). Raises ChatTemplateError for messages the template
         refuses or fails on."""
         if self._template is None:
             raise ChatTemplateUnavailable(self._compile_error)
+        # As apply_chat_template: none, not undefined, so that `tools is not none` is false.
+        fixed = {"messages": messages, "tools": tools or None, "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
-            # As apply_chat_template: none, not undefined, so that `tools is not none` is false.
-            return self._template.render(
-                **self._special_tokens,
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-            )
+            return self._template.render({**self._special_tokens, **(kwargs or {}), **fixed})
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:

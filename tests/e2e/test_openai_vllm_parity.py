@@ -167,7 +167,9 @@ def test_tool_call_history_is_accepted_and_rendered(oai: openai.OpenAI) -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
-    rendered = chatml(("user", "Weather?"), ("assistant", ""), ("tool", "sunny"))
+    # The built-in template writes an earlier call as a Hermes <tool_call> block.
+    block = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    rendered = chatml(("user", "Weather?"), ("assistant", block), ("tool", "sunny"))
     assert out.usage is not None and out.usage.prompt_tokens == len(TOKENIZER.encode(rendered))
     # Templates that render tool calls get the arguments as an object, as vLLM hands them over.
     body: ChatCompletionRequest = decode_body(json.dumps({"messages": messages}).encode(), ChatCompletionRequest)  # type: ignore[assignment]
