@@ -70,6 +70,7 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.03
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 90.0, 120.0, 300.0, 600.0)
 QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
 RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50)
+TOOL_FINISH_REASONS = ("tool_calls", "stop", "length", "abort")
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
 # A grammar found in the scheduler's cache waits 0 s; xgrammar compiles a small schema or
 # regex in milliseconds and a large schema or grammar in up to seconds.
@@ -141,6 +142,10 @@ class RequestMetrics:
         self.generation_tokens_hist = histogram(
             "generation_tokens_histogram", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
         ).labels(**labels)
+        # A chat choice whose request gave tools, by how it finished: tool_calls when it called.
+        tools = counter("tool_requests", "Finished chat choices of requests with tools, by finish_reason.", ("finish_reason",))
+        self.tool_requests = {r: tools.labels(**labels, finish_reason=r) for r in TOOL_FINISH_REASONS}
+        self.tool_calls = counter("tool_calls", "Tool calls in finished chat answers.").labels(**labels)
         constrained = counter("constrained_requests", "Finished requests with a structured output, by kind.", ("kind",))
         self.constrained = {kind: constrained.labels(**labels, kind=kind) for kind in CONSTRAINT_KINDS}
         self.grammar_wait = histogram(
@@ -173,6 +178,12 @@ class RequestMetrics:
         lost it): a request and an abort, with no token counts or timings to observe."""
         self.num_requests[state.stream].inc()
         self.num_aborted.inc()
+
+    def on_tool_answer(self, finish_reason: str, calls: int) -> None:
+        """A finished chat choice of a request with tools (``tokenizer_proc.openai.chat_answers``)."""
+        self.tool_requests[finish_reason].inc()
+        if calls:
+            self.tool_calls.inc(calls)
 
     def on_finish(self, state: ReqState) -> None:
         stats = state.request_stats

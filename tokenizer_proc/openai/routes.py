@@ -50,6 +50,8 @@ from tokenizer_proc.http.common import (
     wait_finished,
     wait_started,
 )
+from tokenizer_proc.openai.chat_parsing import ChatParsing
+from tokenizer_proc.openai.chat_answers import parse_choice
 from tokenizer_proc.openai.logprobs import openai_token_text
 from tokenizer_proc.openai.schema import (
     MAX_CHOICES,
@@ -126,9 +128,13 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             return model_not_found(body.model)
         if template is None:
             raise without_tokenizer("chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate", "messages")
-        constraint = body.constraint()
+        plan = body.tool_plan()
+        constraint = body.chat_constraint(plan)
+        reasoning = tm.config.reasoning_parser
+        parsing = ChatParsing(plan, tm.config.tool_call_parser, reasoning, body.enable_thinking()) if plan or reasoning else None
         try:
-            prompt = template.render(body.template_messages())
+            tools = plan.template_tools if plan is not None else None
+            prompt = template.render(body.template_messages(), tools=tools, kwargs=body.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise RequestValidationError(str(exc), "messages") from exc
         except ChatTemplateUnavailable as exc:
@@ -139,7 +145,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             ids = tm.checks.tokenize(prompt, None, add_special_tokens=bool(body.add_special_tokens))
             max_tokens = body.requested_max_tokens() or _room_left(tm, len(ids))
             jobs = _choices(tm, body, ids, max_tokens, None)
-        return await _respond(tm, request, CHAT, body, jobs, arrived, ("messages", max_param), constraint)
+        return await _respond(tm, request, CHAT, body, jobs, arrived, ("messages", max_param), constraint, parsing)
 
     return router
 
@@ -227,9 +233,11 @@ async def _respond(
     arrived: float,
     names: tuple[str, str],
     constraint: Constraint | None,
+    parsing: ChatParsing | None = None,
 ) -> Response:
     """``names``: the request's prompt and max-tokens fields, for refusals at submission.
-    ``constraint``: the structured output every choice follows (None: none)."""
+    ``constraint``: the structured output every choice follows (None: none). ``parsing``: how
+    a chat answer splits into reasoning, content and tool calls (None: all content)."""
     response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
     trace = trace_context(request)
     bootstrap = body.bootstrap()
@@ -266,7 +274,8 @@ async def _respond(
             head["object"] = kind.chunk_object
             usage = StreamUsage(body.choices, body.include_usage, body.include_usage and body.continuous_usage)
             on_stream = tm.metrics.requests.on_sse_stream if tm.metrics is not None else None  # tokenpipe:sse_streams_total
-            return SseResponse(ChoiceEvents(tm, kind, states, head, usage), tm.call_after_frame, on_stream)
+            events = ChoiceEvents(tm, kind, states, head, usage, parsing)
+            return SseResponse(events, tm.call_after_frame, on_stream)
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
         for state in states if refused_state is None else ():
@@ -281,4 +290,9 @@ async def _respond(
     ids_out = tm.tokenizer is None
     text_of = openai_token_text(tm.token_texts)
     choices = [with_ids(kind.choice(i, s, text_of), s.output_ids, ids_out) for i, s in enumerate(states)]
-    return JSONResponse({**head, "choices": choices, "usage": request_usage(states, body.choices)})
+    totals = request_usage(states, body.choices)
+    if parsing is not None:
+        reasoning_tokens = sum(parse_choice(tm, parsing, choice, state) for choice, state in zip(choices, states, strict=True))
+        if parsing.reasoning is not None:
+            totals["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return JSONResponse({**head, "choices": choices, "usage": totals})

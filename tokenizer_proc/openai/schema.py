@@ -5,7 +5,7 @@ Decoding with msgspec (``tokenizer_proc.native.schema.decode_body``) is the vali
 wrong type, a value out of range or a field that OpenAI does not document fails with a 400
 that names the field. Every field OpenAI documents for these two endpoints is accepted, so an
 official client never trips on one. The fields this server cannot honour are refused with a
-400 naming them when they ask for something (``logprobs``, ``echo``, ``tools``, ...);
+400 naming them when they ask for something (``functions``, ``audio``, ...);
 the ones that ask for nothing here (``user``, ``store``, ``metadata``, ``service_tier``,
 ``prompt_cache_key``, ...) are accepted and ignored. Each request type lists its refusals in
 one table, ``_REFUSED`` (plus ``COMMON_REFUSED``).
@@ -47,6 +47,7 @@ from tokenizer_proc.native.schema import (
     bootstrap_of,
     logit_bias_pairs,
 )
+from tokenizer_proc.openai.tools import ChatTool, ToolChoice, ToolPlan, plan_tools
 from tokenizer_proc.openai.constraints import (
     JsonSchema,
     ResponseFormat,
@@ -354,7 +355,7 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # A conversation's earlier tool use is rendered (as vLLM does), though `tools` is refused.
+    # A conversation's earlier tool use: rendered by the template (tokenizer_proc/openai/tools.py).
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     # Documented for the deprecated function calling and for audio, which this server refuses.
@@ -427,9 +428,11 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Extra variables for the chat template, such as enable_thinking (SGLang's and vLLM's).
+    chat_template_kwargs: dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[Literal["text", "audio"]] | None = None
@@ -449,8 +452,6 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     add_special_tokens: bool | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
-        ("tools", bool, "tools (function calling) are not supported by this server"),
-        ("tool_choice", lambda v: v not in (None, "none"), "tool_choice is not supported by this server"),
         ("functions", bool, "functions (function calling) are not supported by this server"),
         ("function_call", lambda v: v not in (None, "none"), "function_call is not supported by this server"),
         ("modalities", lambda v: v is not None and "audio" in v, "audio output is not supported by this server"),
@@ -462,10 +463,9 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         ("return_meta_info", (False,)),
         ("task", ()),
         ("continue_final_message", (False,)),
-        # Reasoning output is only split out by a reasoning parser, which this server has not.
+        # Taken with either value: an answer is split whenever --reasoning-parser is set.
         ("separate_reasoning", (True, False)),
         ("stream_reasoning", (True, False)),
-        ("chat_template_kwargs", ({},)),
         ("max_dynamic_patch", ()),
         ("min_dynamic_patch", ()),
         ("use_audio_in_video", (False,)),
@@ -491,6 +491,19 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    def tool_plan(self) -> ToolPlan | None:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def chat_constraint(self, plan: ToolPlan | None) -> Constraint | None:
+        """The request's structured output, or its tool choice's ("required" or a named
+        function): one of the two, never both."""
+        return one_constraint(self.constraint(), plan.constraint if plan is not None else None)
+
+    def enable_thinking(self) -> bool:
+        """``chat_template_kwargs.enable_thinking`` (Qwen3's switch), true unless false."""
+        value = (self.chat_template_kwargs or {}).get("enable_thinking", True)
+        return value is not False
 
 
 # What the two routes decode: each request type plus the known fields of its refusals.

@@ -13,6 +13,8 @@ from typing import Any
 
 from pipeline.io_struct import RequestOutputStats
 from tokenizer_proc.http.common import abort_unfinished, refusal
+from tokenizer_proc.openai.chat_answers import finish_parsed
+from tokenizer_proc.openai.chat_parsing import ChatParsing, delta_fields
 from tokenizer_proc.openai.logprobs import openai_token_text
 from tokenizer_proc.openai.shapes import Shape, finish_reason_of, request_usage, stop_reason_of, with_ids
 from tokenizer_proc.req_state import ReqState, StreamChunk
@@ -60,7 +62,15 @@ class ChoiceEvents:
     choice and stats, which change at a few points of a request only); every other chunk
     is encoded whole."""
 
-    def __init__(self, tm: TokenizerManager, kind: Shape, states: list[ReqState], head: dict[str, Any], usage: StreamUsage) -> None:
+    def __init__(
+        self,
+        tm: TokenizerManager,
+        kind: Shape,
+        states: list[ReqState],
+        head: dict[str, Any],
+        usage: StreamUsage,
+        parsing: ChatParsing | None = None,
+    ) -> None:
         self.states = states
         self.ended = False
         self._tm = tm
@@ -74,7 +84,12 @@ class ChoiceEvents:
         # Per choice: the stats its template was made for (continuous usage), and the template.
         self._templates: list[tuple[RequestOutputStats | None, EventTemplate | None] | None] = [None] * len(states)
         # Every content chunk before a choice's finish is its template filled in.
-        self._plain = not self._ids_out and all(s.logprob is None and s.echo is None for s in states)
+        self._plain = parsing is None and not self._ids_out and all(s.logprob is None and s.echo is None for s in states)
+        # A chat answer read for reasoning and tool calls: one splitter per choice, and each
+        # choice's reasoning tokens once it has finished.
+        self._parsing = parsing
+        self._splitters = [parsing.splitter() for _ in states] if parsing is not None else []
+        self._reasoning_tokens = [0] * len(states)
 
     def opening(self) -> bytes:
         head, usage = self._head, self._usage
@@ -103,6 +118,8 @@ class ChoiceEvents:
         if refused is not None:
             self.ended = True
             return b"data: " + bytes(refused.body) + b"\n\n"
+        if self._parsing is not None:
+            return self._parsed_events(index, self._parsing, state)
         kind, text_of, ids_out = self._kind, self._text_of, self._ids_out
         # Finished or not as taken: what comes while these events are sent is the next take's.
         chunks, finish_reason = state.take_pending(), finish_reason_of(state)
@@ -128,6 +145,33 @@ class ChoiceEvents:
                 self._offsets[index] += sum(len(text_of(t)) for t in echoed + chunk.ids)
             delta = with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
             out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
+        return b"".join(out)
+
+    def _parsed_events(self, index: int, parsing: ChatParsing, state: ReqState) -> bytes:
+        """A chat choice whose text the splitter reads: each chunk's reasoning, content and
+        call deltas (a chunk with none of them and no logprobs is not sent); the finish, with
+        whatever the splitter held back, on the last."""
+        splitter = self._splitters[index]
+        chunks, reason = state.take_pending(), finish_reason_of(state)
+        stop_reason = stop_reason_of(state)
+        out = []
+        for i, chunk in enumerate(chunks):
+            delta = splitter.feed(chunk.text)
+            final = None
+            if i == len(chunks) - 1 and reason is not None:
+                delta += splitter.finish()
+                final, self._reasoning_tokens[index] = finish_parsed(self._tm, parsing, splitter, state, reason)
+            logprobs = self._kind.chunk_logprobs(chunk, self._text_of, 0) if state.logprob is not None and chunk.ids else None
+            if delta.empty and final is None and logprobs is None:
+                continue
+            choice = {
+                "index": index,
+                "delta": delta_fields(delta),
+                "logprobs": logprobs,
+                "finish_reason": final,
+                "stop_reason": stop_reason if final is not None else None,
+            }
+            out.append(sse({**self._head, "choices": [choice], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
         return b"".join(out)
 
     def _template(self, index: int, stats: RequestOutputStats | None) -> EventTemplate | None:
@@ -169,7 +213,10 @@ class ChoiceEvents:
     def closing(self) -> bytes:
         if not self._usage.include_usage or self.ended:
             return _DONE
-        return sse({**self._head, "choices": [], "usage": request_usage(self.states, self._usage.n)}) + _DONE
+        usage = request_usage(self.states, self._usage.n)
+        if self._parsing is not None and self._parsing.reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(self._reasoning_tokens)}
+        return sse({**self._head, "choices": [], "usage": usage}) + _DONE
 
     def close(self) -> None:
         # A disconnect ends the stream early: stop every choice still running.
