@@ -25,7 +25,7 @@ from scheduler_proc.model.llama import LlamaForCausalLM  # noqa: E402
 
 def write(directory: Path, *, layers: int, hidden: int, seed: int) -> ModelConfig:
     directory.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(DEFAULT_TOKENIZER_DIR / name, directory / name)
     shape = ModelConfig(
         vocab_size=SHIPPED_VOCAB_SIZE,

@@ -38,34 +38,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 from pipeline.tokenizer_loader import load_tokenizer
+from tests.grammar_bias import BYTE_OF, STEADY, UNWANTED_TOKENS
 from tests.server_harness import ServerProcess
 
 MODEL = "tokenpipe-tiny"
 MAX_TOKENS = 400
 TOKENIZER = load_tokenizer(None)
-
-
-def _byte_level_table() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's): the character each byte is written as."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    table = {chr(b): b for b in printable}
-    table.update({chr(256 + n): b for n, b in enumerate(others)})
-    return table
-
-
-BYTE_OF = _byte_level_table()
-
-
-def _unwanted(token_id: int) -> bool:
-    """Whitespace only, a control character, or the byte 0xED (see the docstring)."""
-    text = TOKENIZER.tokenizer.decode([token_id])
-    raw = bytes(BYTE_OF[c] for c in TOKENIZER.tokenizer.id_to_token(token_id))
-    return bool(text) and (not text.strip() or any(ord(c) < 0x20 for c in text) or 0xED in raw)
-
-
-UNWANTED_TOKENS = [i for i in range(TOKENIZER.vocab_size) if i not in TOKENIZER.special_token_ids and _unwanted(i)]
-STEADY = {str(i): -100 for i in UNWANTED_TOKENS}  # logit_bias: keeps every answer short and well formed
 MESSAGES: list[Any] = [{"role": "user", "content": "Describe a pet as JSON."}]
 PATTERN = r"\d{3}-[a-z]{4}"
 CHOICES = ["yes", "no", "maybe so"]
