@@ -18,17 +18,26 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import tokenizers  # noqa: E402
+
 from pipeline.model_config import ModelConfig  # noqa: E402
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, SHIPPED_EOS_TOKEN_IDS, SHIPPED_VOCAB_SIZE  # noqa: E402
 from scheduler_proc.model.llama import LlamaForCausalLM  # noqa: E402
 
 
-def write(directory: Path, *, layers: int, hidden: int, seed: int) -> ModelConfig:
+def write(directory: Path, *, layers: int, hidden: int, seed: int, added_tokens: Sequence[str] = ()) -> ModelConfig:
+    """``added_tokens``: texts the tokenizer takes as single tokens after the shipped
+    vocabulary (as Qwen3's ``<think>``: added, not special), and the model's vocabulary with
+    them."""
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(DEFAULT_TOKENIZER_DIR / name, directory / name)
+    if added_tokens:
+        tokenizer = tokenizers.Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
+        tokenizer.add_tokens([tokenizers.AddedToken(text, special=False, normalized=False) for text in added_tokens])
+        tokenizer.save(str(directory / "tokenizer.json"))
     shape = ModelConfig(
-        vocab_size=SHIPPED_VOCAB_SIZE,
+        vocab_size=SHIPPED_VOCAB_SIZE + len(added_tokens),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,

@@ -29,7 +29,7 @@ def finish_parsed(tm: TokenizerManager, parsing: ChatParsing, splitter: ChatSpli
     """A finished choice's finish reason (``tool_calls`` when it made calls) and reasoning
     tokens; counts it in the tool metrics when its request gave tools."""
     final = parsing.finish_reason(reason, splitter)
-    reasoning_tokens = parsing.reasoning_tokens(splitter, state.text, state.output_ids, token_bytes(tm, state))
+    reasoning_tokens = parsing.reasoning_tokens(splitter, token_bytes(tm, state))
     if parsing.plan is not None and tm.metrics is not None and final is not None:
         tm.metrics.requests.on_tool_answer(final, len(splitter.calls))
     return final, reasoning_tokens
@@ -39,7 +39,7 @@ def parse_choice(tm: TokenizerManager, parsing: ChatParsing, choice: dict[str, A
     """A non-streaming choice: its ``message`` and ``finish_reason`` as the parsers read its
     whole text. Returns its reasoning tokens."""
     splitter = parsing.splitter()
-    splitter.feed(state.text)
+    splitter.feed(state.text, state.output_ids)
     splitter.finish()
     choice["message"] = message_fields(parsing, splitter)
     choice["finish_reason"], reasoning_tokens = finish_parsed(tm, parsing, splitter, state, choice["finish_reason"])

@@ -48,7 +48,7 @@ class ChatSplitter:
     keeps what the whole message needs: the calls made (``calls``: id, name, arguments) and
     the reasoning text's place in the answer (``reasoning_span``)."""
 
-    __slots__ = ("_reasoning", "_tools", "calls", "content", "reasoning")
+    __slots__ = ("_reasoning", "_tools", "calls", "content", "ids", "reasoning", "text")
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self._reasoning = reasoning
@@ -56,8 +56,14 @@ class ChatSplitter:
         self.reasoning = ""
         self.content = ""
         self.calls: list[list[str]] = []  # [id, name, arguments so far] per call, by index
+        # The whole answer as fed: a stream's ReqState keeps only what is still to send.
+        self.text = ""
+        self.ids: list[int] = []
 
-    def feed(self, text: str) -> ChatDelta:
+    def feed(self, text: str, ids: Sequence[int] = ()) -> ChatDelta:
+        """A row's text and its token ids (the ids only count reasoning tokens)."""
+        self.text += text
+        self.ids.extend(ids)
         if self._reasoning is None:
             return self._kept("", text, final=False)
         split = self._reasoning.feed(text)
@@ -133,12 +139,12 @@ class ChatParsing:
             return "tool_calls"
         return reason
 
-    def reasoning_tokens(self, splitter: ChatSplitter, text: str, output_ids: Sequence[int], token_bytes: Callable[[int], bytes]) -> int:
+    def reasoning_tokens(self, splitter: ChatSplitter, token_bytes: Callable[[int], bytes]) -> int:
         """The finished answer's reasoning tokens (see the module docstring)."""
         span = splitter.reasoning_span
         if span is None:
             return 0
-        return count_reasoning_tokens([token_bytes(t) for t in output_ids], text, span)
+        return count_reasoning_tokens([token_bytes(t) for t in splitter.ids], splitter.text, span)
 
 
 def message_fields(parsing: ChatParsing, splitter: ChatSplitter) -> dict[str, Any]:

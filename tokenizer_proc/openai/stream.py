@@ -156,7 +156,7 @@ class ChoiceEvents:
         stop_reason = stop_reason_of(state)
         out = []
         for i, chunk in enumerate(chunks):
-            delta = splitter.feed(chunk.text)
+            delta = splitter.feed(chunk.text, chunk.ids)
             final = None
             if i == len(chunks) - 1 and reason is not None:
                 delta += splitter.finish()
