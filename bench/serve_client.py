@@ -6,7 +6,8 @@ have been sent: ``--prompt-len`` random token ids (different for every request, 
 prefix cache cannot share them), ``--max-new-tokens`` with ``ignore_eos``, ``--temperature``
 (default 0.7), ``--top-p`` (default: not sent, the server's 1.0) and, unless
 ``--no-seeded``, a distinct seed per request (``--seed`` plus its index); a
-``--stream-ratio`` fraction of them streaming. Per request it
+``--stream-ratio`` fraction of them streaming; with a JSON schema (``--json-schema``'s
+constrained runs) every request follows it. Per request it
 measures (client side) TTFT (send to the first SSE event with tokens; a non-streaming
 request's whole response), ITL (the gap before each later event divided by the tokens in
 it), end-to-end latency and the tokens received. A request whose ``output_ids`` (over the

@@ -56,16 +56,17 @@ class ChatSplitter:
         self.reasoning = ""
         self.content = ""
         self.calls: list[list[str]] = []  # [id, name, arguments so far] per call, by index
-        # The whole answer as fed: a stream's ReqState keeps only what is still to send.
+        # The whole answer as fed, for the reasoning count (a stream's ReqState keeps only
+        # what is still to send); kept only when there is reasoning to count.
         self.text = ""
         self.ids: list[int] = []
 
     def feed(self, text: str, ids: Sequence[int] = ()) -> ChatDelta:
         """A row's text and its token ids (the ids only count reasoning tokens)."""
-        self.text += text
-        self.ids.extend(ids)
         if self._reasoning is None:
             return self._kept("", text, final=False)
+        self.text += text
+        self.ids.extend(ids)
         split = self._reasoning.feed(text)
         return self._kept(split.reasoning, split.content, final=False)
 

@@ -87,11 +87,6 @@ class ToolPlan:
     named: str | None = None
     constraint: Constraint | None = None
 
-    @property
-    def counted(self) -> bool:
-        """Whether calls are read from the answer (every mode but ``none``)."""
-        return self.mode != "none"
-
 
 def plan_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool | None) -> ToolPlan | None:
     """The request's ``ToolPlan``; None when it gives no tools (and ``tool_choice`` is absent

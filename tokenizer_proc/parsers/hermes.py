@@ -27,7 +27,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from tokenizer_proc.parsers.json_call_stream import WHITESPACE, CallObject, DeltaSink, Scan, split_at_marker
+from tokenizer_proc.parsers.json_call_stream import CallObject, DeltaSink, Scan
+from tokenizer_proc.parsers.markers import WHITESPACE, opening_of_calls, split_at_marker
 from tokenizer_proc.parsers.tool_calls import ToolParseDelta, new_call_id
 
 __all__ = ["HermesToolParser"]
@@ -71,15 +72,13 @@ class HermesToolParser:
         while True:
             at = self._at
             if at is _At.BETWEEN:
-                body = text.lstrip(WHITESPACE)
-                if not final and OPEN_TAG.startswith(body) and body != OPEN_TAG:
+                opened = opening_of_calls(text, OPEN_TAG, final, after_calls=bool(self._sink.calls))
+                if opened is None:
                     self._held = text  # only whitespace, or the start of a tag, so far
                     return
-                if body.startswith(OPEN_TAG):
-                    self._gap = text[: len(text) - len(body)]  # dropped if the block makes a call
-                    text = body
-                elif not body and self._sink.calls:
-                    text = ""  # after the last call
+                gap, text = opened
+                if gap is not None:
+                    self._gap = gap  # dropped if the block makes a call
                 self._at = _At.CONTENT
             elif at is _At.CONTENT:
                 content, after, held = split_at_marker(text, OPEN_TAG, final)

@@ -29,11 +29,11 @@ from dataclasses import replace
 # config names it among the untyped modules.
 import partial_json_parser
 
+from tokenizer_proc.parsers.markers import WHITESPACE
 from tokenizer_proc.parsers.tool_calls import ToolCallDelta, ToolParseDelta
 
-__all__ = ["WHITESPACE", "CallObject", "DeltaSink", "JsonScanner", "Scan", "held_marker_start", "split_at_marker"]
+__all__ = ["CallObject", "DeltaSink", "JsonScanner", "Scan"]
 
-WHITESPACE = " \t\n\r"
 """JSON's whitespace; also what the formats skip around their markers."""
 
 ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
@@ -384,23 +384,3 @@ def _closing(arguments: str) -> str:
     except (ValueError, AssertionError, IndexError, RecursionError):
         return ""
     return tail if isinstance(tail, str) and isinstance(_loads(arguments + tail), dict) else ""
-
-
-def held_marker_start(text: str, marker: str) -> int:
-    """Where the longest end of ``text`` that begins ``marker`` (and is shorter) starts;
-    ``len(text)`` when there is none. That end is held back until the next text tells."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return len(text) - size
-    return len(text)
-
-
-def split_at_marker(text: str, marker: str, final: bool) -> tuple[str, str | None, str]:
-    """``(content, after, held)``: the content before the first ``marker`` and the text after
-    it; without a marker ``after`` is None and ``held`` is an end that may begin one (none at
-    the end of the answer, where it is content)."""
-    found = text.find(marker)
-    if found >= 0:
-        return text[:found], text[found + len(marker) :], ""
-    cut = len(text) if final else held_marker_start(text, marker)
-    return text[:cut], None, text[cut:]

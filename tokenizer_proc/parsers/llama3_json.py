@@ -23,7 +23,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from tokenizer_proc.parsers.json_call_stream import WHITESPACE, CallObject, DeltaSink, Scan
+from tokenizer_proc.parsers.json_call_stream import CallObject, DeltaSink, Scan
+from tokenizer_proc.parsers.markers import WHITESPACE
 from tokenizer_proc.parsers.tool_calls import ToolParseDelta, new_call_id
 
 __all__ = ["Llama3JsonToolParser"]

@@ -55,6 +55,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from tokenizer_proc.parsers.markers import held_marker_start
+
 __all__ = [
     "DEFAULT_THINK",
     "REASONING_PARSERS",
@@ -99,15 +101,6 @@ class _Phase(Enum):
     UNDECIDED = "undecided"  # qwen3 without an opening tag: reasoning only if an end tag comes
     REASONING = "reasoning"
     CONTENT = "content"  # past the end tag, or no parsing at all
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is the beginning of ``tag`` but not all
-    of it: the text that must wait for the next delta to tell."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
 
 
 def count_reasoning_tokens(token_bytes: Sequence[bytes], text: str, span: tuple[int, int] | None) -> int:
@@ -242,7 +235,7 @@ class ReasoningParser:
             self._held = ""
             self._phase = _Phase.CONTENT
             return ReasoningDelta(buf[:found], buf[found + len(end) :])
-        sent = len(buf) - _partial_tag(buf, end)
+        sent = held_marker_start(buf, end)
         self._consumed += sent
         self._held = buf[sent:]
         return ReasoningDelta(buf[:sent], "") if sent else _NOTHING
