@@ -25,19 +25,23 @@ from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, SHIPPED_EOS_TOKEN_I
 from scheduler_proc.model.llama import LlamaForCausalLM  # noqa: E402
 
 
-def write(directory: Path, *, layers: int, hidden: int, seed: int, added_tokens: Sequence[str] = ()) -> ModelConfig:
+def write(
+    directory: Path, *, layers: int, hidden: int, seed: int, added_tokens: Sequence[str] = (), special_tokens: Sequence[str] = ()
+) -> ModelConfig:
     """``added_tokens``: texts the tokenizer takes as single tokens after the shipped
-    vocabulary (as Qwen3's ``<think>``: added, not special), and the model's vocabulary with
-    them."""
+    vocabulary (as Qwen3's ``<think>``: added, not special), then ``special_tokens`` (as
+    Mistral's ``[TOOL_CALLS]``: special, so ``skip_special_tokens`` drops them), and the
+    model's vocabulary with them."""
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(DEFAULT_TOKENIZER_DIR / name, directory / name)
-    if added_tokens:
+    if added_tokens or special_tokens:
         tokenizer = tokenizers.Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
         tokenizer.add_tokens([tokenizers.AddedToken(text, special=False, normalized=False) for text in added_tokens])
+        tokenizer.add_special_tokens([tokenizers.AddedToken(text, special=True, normalized=False) for text in special_tokens])
         tokenizer.save(str(directory / "tokenizer.json"))
     shape = ModelConfig(
-        vocab_size=SHIPPED_VOCAB_SIZE + len(added_tokens),
+        vocab_size=SHIPPED_VOCAB_SIZE + len(added_tokens) + len(special_tokens),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,

@@ -93,6 +93,11 @@ class LoadedTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def is_special_text(self, text: str) -> bool:
+        """Whether ``text`` is one special token (which ``skip_special_tokens`` drops)."""
+        token_id = self.tokenizer.token_to_id(text)
+        return token_id is not None and token_id in self.special_token_ids
+
 
 @dataclass(frozen=True)
 class ModelVocab:

@@ -3,6 +3,10 @@ whose tokenizer has ``<think>`` and ``</think>`` as single added tokens, as Qwen
 template that closes an empty think block when ``chat_template_kwargs.enable_thinking`` is
 false, as Qwen3's does (docs/api.md, "Tools and reasoning").
 
+Its ``<tool_call>`` and ``</tool_call>`` are special tokens, as in Hermes 2 Pro's tokenizer:
+an answer read for tool calls keeps special tokens in its text, or the parser would never
+see them.
+
 A random model never thinks by itself: a ``guided_regex`` spells the answer, and a bias on the
 two tag tokens makes the model write each tag as its one token where the grammar allows it
 (a masked token stays masked whatever its bias). Which tokens spell the rest is the model's
@@ -25,6 +29,7 @@ from tests.server_harness import ServerProcess
 
 MODEL = "reasoner"
 THINK, END_THINK = SHIPPED_VOCAB_SIZE, SHIPPED_VOCAB_SIZE + 1  # the added tokens' ids
+TOOL_CALL = SHIPPED_VOCAB_SIZE + 2  # <tool_call>, a special token here (as in Hermes 2 Pro's tokenizer)
 TAGS = {str(THINK): 100, str(END_THINK): 100}
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]
 # Qwen3's switch: with thinking off, the generation prompt holds an empty, closed think block.
@@ -37,7 +42,7 @@ QWEN3_SWITCH = (
 @pytest.fixture(scope="module")
 def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     directory = tmp_path_factory.mktemp("reasoner")
-    write(directory / "model", layers=2, hidden=64, seed=3, added_tokens=("<think>", "</think>"))
+    write(directory / "model", layers=2, hidden=64, seed=3, added_tokens=("<think>", "</think>"), special_tokens=("<tool_call>", "</tool_call>"))
     template = (DEFAULT_TOKENIZER_DIR / "chat_template.jinja").read_text()
     (directory / "model" / "chat_template.jinja").write_text(template + QWEN3_SWITCH)
     args = ["--model-path", str(directory / "model"), "--served-model-name", MODEL, "--reasoning-parser", "qwen3"]
@@ -130,3 +135,17 @@ def test_enable_thinking_false_reaches_the_template_and_leaves_the_text_as_conte
     message = off["choices"][0]["message"]
     assert message["content"] == "<think>x</think>y" and message["reasoning_content"] is None
     assert off["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+def test_a_marker_that_is_a_special_token_stays_in_the_text_for_the_parser(http: httpx.Client) -> None:
+    """The model writes ``<tool_call>`` as its one special token (a bias forces it; nothing
+    can follow in one token, so the block is malformed and comes back as content). Under
+    "auto" the marker reaches the parser; a request that asks to skip special tokens, and
+    one without tools, lose it as special tokens are lost."""
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "temperature": 0, "logit_bias": {str(TOOL_CALL): 100}, "tools": tools}
+    kept = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert kept["message"]["content"] == "<tool_call>" and kept["finish_reason"] == "length", kept
+    for other in ({**body, "skip_special_tokens": True}, {k: v for k, v in body.items() if k != "tools"}):
+        skipped = http.post("/v1/chat/completions", json=other).json()["choices"][0]
+        assert skipped["message"]["content"] == "" and skipped["finish_reason"] == "length", skipped

@@ -22,9 +22,9 @@ from typing import Any
 
 from tokenizer_proc.openai.tools import ToolPlan
 from tokenizer_proc.parsers.forced_calls import NamedCallParser, RequiredCallsParser
-from tokenizer_proc.parsers.reasoning import ReasoningParser, count_reasoning_tokens, make_reasoning_parser
+from tokenizer_proc.parsers.reasoning import DEFAULT_THINK, ReasoningParser, count_reasoning_tokens, make_reasoning_parser
 from tokenizer_proc.parsers.tool_calls import ToolCallDelta, ToolParser
-from tokenizer_proc.parsers.tool_parsers import make_tool_parser
+from tokenizer_proc.parsers.tool_parsers import make_tool_parser, tool_markers
 
 __all__ = ["ChatDelta", "ChatParsing", "ChatSplitter", "delta_fields", "message_fields"]
 
@@ -132,6 +132,20 @@ class ChatParsing:
             return RequiredCallsParser(plan.names)
         assert plan.named is not None, "a named plan names its function"
         return NamedCallParser(plan.named)
+
+    def markers(self) -> tuple[str, ...]:
+        """The texts the parsers look for in the answer: the think tags, and under "auto" the
+        tool format's tags or marker. ("required" and named answers are bare JSON.)"""
+        think = (DEFAULT_THINK.start, DEFAULT_THINK.end) if self.reasoning is not None else ()
+        calls = tool_markers(self.tool_parser) if self.plan is not None and self.plan.mode == "auto" else ()
+        return think + calls
+
+    def keeps_special_tokens(self, special_texts: Callable[[str], bool]) -> bool:
+        """Whether the answer's special tokens must stay in its text: a marker that is one
+        special token of the tokenizer (Mistral's ``[TOOL_CALLS]``, Llama 3's
+        ``<|python_tag|>``) would otherwise be dropped before the parser sees it.
+        ``special_texts(text)``: whether ``text`` is a special token."""
+        return any(special_texts(marker) for marker in self.markers())
 
     def finish_reason(self, reason: str | None, splitter: ChatSplitter) -> str | None:
         """OpenAI's: ``tool_calls`` when an answer that ended by itself made calls (a named

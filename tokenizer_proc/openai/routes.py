@@ -132,6 +132,11 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         constraint = body.chat_constraint(plan)
         reasoning = tm.config.reasoning_parser
         parsing = ChatParsing(plan, tm.config.tool_call_parser, reasoning, body.enable_thinking()) if plan or reasoning else None
+        special = tm.tokenizer.is_special_text if tm.tokenizer is not None else None
+        if parsing is not None and special is not None and body.skip_special_tokens is None and parsing.keeps_special_tokens(special):
+            # The parser must see its marker where that is a special token (as vLLM does for
+            # Mistral's [TOOL_CALLS]); a request that says otherwise is obeyed.
+            body.skip_special_tokens = False
         try:
             tools = plan.template_tools if plan is not None else None
             prompt = template.render(body.template_messages(), tools=tools, kwargs=body.chat_template_kwargs)

@@ -25,6 +25,7 @@ The rule for each block (``CallObject`` decides the object's part):
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 from collections.abc import Callable
 
 from tokenizer_proc.parsers.json_call_stream import CallObject, DeltaSink, Scan
@@ -48,6 +49,8 @@ class HermesToolParser:
     """One answer's Hermes tool calls (see the module docstring for the rule)."""
 
     __slots__ = ("_at", "_block", "_call", "_gap", "_held", "_sink", "_tool_names")
+
+    MARKERS: ClassVar[tuple[str, ...]] = (OPEN_TAG, CLOSE_TAG)  # the texts the parser looks for
 
     def __init__(self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id) -> None:
         self._tool_names = tool_names

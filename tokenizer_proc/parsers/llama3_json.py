@@ -21,6 +21,7 @@ The rule (``CallObject`` decides each object's part):
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 from collections.abc import Callable
 
 from tokenizer_proc.parsers.json_call_stream import CallObject, DeltaSink, Scan
@@ -45,6 +46,8 @@ class Llama3JsonToolParser:
     """One answer's Llama 3 JSON tool calls (see the module docstring for the rule)."""
 
     __slots__ = ("_at", "_attempt", "_call", "_held", "_sink", "_tool_names")
+
+    MARKERS: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)  # the texts the parser looks for
 
     def __init__(self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id) -> None:
         self._tool_names = tool_names

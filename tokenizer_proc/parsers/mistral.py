@@ -21,6 +21,7 @@ The rule (``CallObject`` decides each object's part):
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 from collections.abc import Callable
 
 from tokenizer_proc.parsers.json_call_stream import CallObject, DeltaSink, Scan
@@ -45,6 +46,8 @@ class MistralToolParser:
     """One answer's Mistral tool calls (see the module docstring for the rule)."""
 
     __slots__ = ("_at", "_attempt", "_call", "_gap", "_held", "_made_calls", "_sink", "_tool_names")
+
+    MARKERS: ClassVar[tuple[str, ...]] = (MARKER,)  # the texts the parser looks for
 
     def __init__(self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id) -> None:
         self._tool_names = tool_names

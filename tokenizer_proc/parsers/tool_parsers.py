@@ -8,16 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Protocol
 
 from tokenizer_proc.parsers.hermes import HermesToolParser
 from tokenizer_proc.parsers.llama3_json import Llama3JsonToolParser
 from tokenizer_proc.parsers.mistral import MistralToolParser
 from tokenizer_proc.parsers.tool_calls import ToolParser, new_call_id
 
-__all__ = ["TOOL_PARSERS", "ToolParserFactory", "make_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ToolParserFactory", "make_tool_parser", "tool_markers"]
 
-ToolParserFactory = Callable[[frozenset[str], Callable[[], str]], ToolParser]
-"""``(tool_names, call_ids) -> parser``: a parser class of this package."""
+class ToolParserFactory(Protocol):
+    """A parser class of this package: ``(tool_names, call_ids) -> parser``, and the texts
+    it looks for in an answer."""
+
+    @property
+    def MARKERS(self) -> tuple[str, ...]: ...  # noqa: N802 - the classes' attribute
+
+    def __call__(self, tool_names: frozenset[str], call_ids: Callable[[], str], /) -> ToolParser: ...
 
 TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
     {
@@ -35,3 +42,8 @@ def make_tool_parser(name: str, tool_names: frozenset[str], call_ids: Callable[[
     if factory is None:
         raise ValueError(f"unknown tool call parser {name!r}: expected one of {', '.join(sorted(TOOL_PARSERS))}")
     return factory(tool_names, call_ids)
+
+
+def tool_markers(name: str) -> tuple[str, ...]:
+    """The texts the named format looks for (its tags or its marker token's text)."""
+    return TOOL_PARSERS[name].MARKERS
