@@ -15,13 +15,14 @@ in ``bench.serve_client``, the server-side readings (step rate, CPU per process)
 ``bench.serve_readings``, the attached run in ``bench.serve_load``, the comparisons
 (``--compare-discard``, ``--compare-sampling``, ``--top-logprobs``,
 ``--compare-api-workers``) in ``bench.serve_compare``, structured output's
-(``--json-schema``) in ``bench.serve_structured`` and the printed table and the plot
+(``--json-schema``) in ``bench.serve_structured``, tool calling's (``--tools``, with
+``--api chat``) in ``bench.serve_tools`` and the printed table and the plot
 in ``bench.serve_report``. This module reads the command line and runs them.
 
-Usage: ``python bench/serve.py --launch [--api generate|completions] [--concurrency 64]
+Usage: ``python bench/serve.py --launch [--api generate|completions|chat] [--concurrency 64]
 [--requests N] [--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32]
 [--temperature 0.7] [--top-p P] [--[no-]seeded] [--compare-discard] [--compare-sampling]
-[--top-logprobs K] [--json-schema FILE] [--compare-api-workers N] [--rounds 2] [--json PATH] [--plot PATH.png]
+[--top-logprobs K] [--json-schema FILE] [--tools FILE] [--compare-api-workers N] [--rounds 2] [--json PATH] [--plot PATH.png]
 [--no-progress] [--server-args "..."]``, or ``--url URL [--pids PID,...]`` for a running
 server.
 """
@@ -62,6 +63,7 @@ from bench.serve_load import run_load  # noqa: E402
 from bench.serve_readings import given_processes, ratio, server_processes  # noqa: E402
 from bench.serve_report import format_report, write_plot  # noqa: E402
 from bench.serve_structured import read_schema, run_structured  # noqa: E402
+from bench.serve_tools import read_tools, run_tools  # noqa: E402
 
 MAX_TOP_LOGPROBS = 20  # the server's limit on top_logprobs_num
 T = TypeVar("T")
@@ -93,7 +95,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--api",
         choices=sorted(ENDPOINTS),
         default="generate",
-        help="generate: SGLang's /generate (default); completions: /v1/completions with token-id prompts and usage on every chunk",
+        help="generate: SGLang's /generate (default); completions: /v1/completions with token-id prompts and usage on every chunk; "
+        "chat: /v1/chat/completions with word prompts and usage on every chunk",
     )
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=None, help="total requests (default 4 x concurrency)")
@@ -136,6 +139,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "in alternating rounds, then time a first request with a new schema against a cached one",
     )
     p.add_argument(
+        "--tools",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --launch and --api chat: also run the chat workload without tools, and with the tools in FILE (a JSON list) "
+        'on every request with tool_choice "none" and "required", in rotating rounds, with the API CPU per streamed token of each',
+    )
+    p.add_argument(
         "--compare-api-workers",
         type=int,
         default=None,
@@ -170,6 +181,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.json_schema = read_schema(args.json_schema.read_text())
         except (OSError, ValueError) as exc:
             p.error(f"--json-schema: {exc}")
+    if args.tools is not None:
+        if not args.launch or args.api != "chat":
+            p.error("--tools needs --launch and --api chat")
+        try:
+            args.tools = read_tools(args.tools.read_text())
+        except (OSError, ValueError) as exc:
+            p.error(f"--tools: {exc}")
     if args.pids is not None and args.launch:
         p.error("--pids is for --url: --launch knows its server's processes")
     if args.pids is not None:
@@ -177,10 +195,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.pids = [int(x) for x in args.pids.split(",") if x.strip()]
         except ValueError:
             p.error("--pids takes comma-separated process ids")
-    if args.api == "completions" and args.top_logprobs is not None:
+    if args.api != "generate" and args.top_logprobs is not None:
         p.error("--top-logprobs measures /generate's logprobs: use --api generate")
-    if args.api == "completions" and args.compare_discard:
-        # /v1/completions answers a stream's headers after its first output, which a
+    if args.api != "generate" and args.compare_discard:
+        # /v1/completions and chat answer a stream's headers after its first output, which a
         # discarding server never sends: the top-up could not count requests taken in.
         p.error("--compare-discard drives /generate: use --api generate")
     if args.compare_api_workers is not None:
@@ -235,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json_schema is not None:
             report["structured"] = run_async(run_structured(url, cfg, args.json_schema, args.rounds, next_set, procs))
             next_set += 2 * args.rounds + 1
+        if args.tools is not None:
+            report["tool_calling"] = run_async(run_tools(url, cfg, args.tools, args.rounds, next_set, procs))
+            next_set += 3 * args.rounds
         if args.compare_api_workers is not None:
             flags = api_workers_flags(args.compare_api_workers)
             # Both servers stay up, on their own ports, so the rounds alternate without a
@@ -256,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_plot(args.plot, report, results)
-    runs = [report, *(report[k] for k in ("sampling", "logprobs", "structured", "api_workers") if k in report)]
+    runs = [report, *(report[k] for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers") if k in report)]
     ok = all(run["errors"] == 0 and run["tokens_lost"] == 0 and run["logprobs_lost"] == 0 for run in runs)
     return 0 if ok else 1
 

@@ -25,6 +25,13 @@ and the server sends no token ids in completions chunks, so an event's tokens ar
 disagrees with their sum counts as tokens lost. (That checks the count the chunks carry,
 not their text.) A non-streaming completion has only its usage: nothing is lost by this
 measure there.
+
+``--api chat`` sends it to ``/v1/chat/completions``, counted the same way: one user message
+of ``--prompt-len`` words drawn from ``PROMPT_WORDS`` (chat takes text, and a word of them
+is about one token), ``max_tokens``, ``ignore_eos``, ``temperature``, ``top_p`` and
+``seed``; a JSON schema goes in ``response_format``. With tools (``--tools``' runs) every
+request carries them with its ``tool_choice``; the tool calls of each answer are
+counted (in a stream, the ``tool_calls`` deltas that carry an ``id``: each opens a call).
 """
 
 from __future__ import annotations
@@ -39,10 +46,19 @@ from typing import Any
 import httpx
 
 DEFAULT_TEMPERATURE = 0.7
-ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}  # --api
+ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}  # --api
+USAGE_COUNTED = ("completions", "chat")  # the APIs whose chunks are counted by their usage
 # Usage so far on every chunk: a chunk's text holds one or more tokens (or none yet), and
 # the default server sends no token ids in completions chunks, so this is how to count them.
 CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
+# Chat prompts are text: common words, most of them one token in a BPE vocabulary, drawn at
+# random per request so that no two prompts share a prefix beyond the chat template's.
+PROMPT_WORDS = tuple(
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city name".split()
+)
 
 
 @dataclass
@@ -61,6 +77,8 @@ class LoadConfig:
     top_logprobs: int | None = None  # None: no logprobs asked; K: return_logprob, top_logprobs_num K
     api: str = "generate"  # a key of ENDPOINTS
     json_schema: str | None = None  # None: unconstrained; a JSON schema's text: every answer follows it
+    tools: str | None = None  # chat only. None: no tools; a JSON list of tools: sent with tool_choice
+    tool_choice: str = "required"  # with tools: "none", "auto" or "required"
 
 
 @dataclass
@@ -75,6 +93,7 @@ class ReqResult:
     tokens: int = 0  # output_ids received
     completion_tokens: int | None = None  # the final meta_info's count
     logprobs: int | None = None  # output_token_logprobs entries received; None: not asked
+    tool_calls: int = 0  # calls a chat stream's chunks opened
     itl: list[float] = field(default_factory=list)
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, tokens)
 
@@ -88,6 +107,8 @@ def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, An
     ids = [rng.randrange(16, vocab) for _ in range(cfg.prompt_len)]  # low ids hold the special tokens
     if cfg.api == "completions":
         return completions_body(i, cfg, ids, stream)
+    if cfg.api == "chat":
+        return chat_body(i, cfg, rng, stream)
     sampling: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
     if cfg.top_p is not None:
         sampling["top_p"] = cfg.top_p
@@ -117,6 +138,32 @@ def completions_body(i: int, cfg: LoadConfig, ids: list[int], stream: bool) -> d
     return body
 
 
+def chat_body(i: int, cfg: LoadConfig, rng: random.Random, stream: bool) -> dict[str, Any]:
+    """The same request as a /v1/chat/completions body: one user message of
+    ``cfg.prompt_len`` random words, and ``cfg.tools`` with ``cfg.tool_choice``."""
+    assert cfg.top_logprobs is None, "logprobs are measured through /generate"
+    words = " ".join(rng.choice(PROMPT_WORDS) for _ in range(cfg.prompt_len))
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "ignore_eos": True,
+    }
+    if cfg.top_p is not None:
+        body["top_p"] = cfg.top_p
+    if cfg.seeded:
+        body["seed"] = cfg.seed + i
+    if cfg.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.loads(cfg.json_schema)}}
+    if cfg.tools is not None:
+        body["tools"] = json.loads(cfg.tools)
+        body["tool_choice"] = cfg.tool_choice
+    body["stream"] = stream
+    if stream:
+        body["stream_options"] = dict(CONTINUOUS_USAGE)
+    return body
+
+
 def generate_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
     """A /generate event's new tokens; keeps its ``meta_info`` count so far and its logprob
     entries. A server with ``--incremental-streaming-output`` sends each event's new ids
@@ -134,24 +181,29 @@ def generate_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
     return len(ids) - res.tokens if cumulative else len(ids)
 
 
-def completions_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
-    """A /v1/completions chunk's tokens: its usage so far (``continuous_usage_stats``) less
-    the tokens counted before it. The last chunk (no choices) carries the request's usage:
-    its ``completion_tokens`` is the final count, checked against the sum."""
+def usage_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
+    """A /v1/completions or /v1/chat/completions chunk's tokens: its usage so far
+    (``continuous_usage_stats``) less the tokens counted before it. The last chunk (no
+    choices) carries the request's usage: its ``completion_tokens`` is the final count,
+    checked against the sum. A chat chunk's ``tool_calls`` deltas that carry an ``id`` open
+    a call: they are counted."""
     usage = event.get("usage")
     if usage is None:
         raise ValueError("a chunk without usage: the server does not honour stream_options.continuous_usage_stats")
     if not event["choices"]:
         res.completion_tokens = int(usage["completion_tokens"])
         return 0
+    for choice in event["choices"]:
+        res.tool_calls += sum("id" in call for call in (choice.get("delta") or {}).get("tool_calls") or ())
     return int(usage["completion_tokens"]) - res.tokens
 
 
 def whole_response_tokens(api: str, data: dict[str, Any], res: ReqResult) -> None:
-    """A non-streaming answer's tokens. /v1/completions gives only its usage count (the text
-    is not countable in tokens), so nothing can be lost there by this measure."""
-    if api == "completions":
+    """A non-streaming answer's tokens. /v1/completions and chat give only their usage count
+    (the text is not countable in tokens), so nothing can be lost there by this measure."""
+    if api in USAGE_COUNTED:
         res.tokens = res.completion_tokens = int(data["usage"]["completion_tokens"])
+        res.tool_calls = sum(len((c.get("message") or {}).get("tool_calls") or ()) for c in data["choices"])
         return
     res.tokens = len(data["output_ids"])
     res.completion_tokens = data["meta_info"]["completion_tokens"]
@@ -171,7 +223,7 @@ async def send_one(
     arrive: the server has then already handed the request to the scheduler."""
     res = ReqResult(stream=bool(body["stream"]), logprobs=0 if body.get("return_logprob") else None)
     endpoint = f"{url}{ENDPOINTS[api]}"
-    event_tokens = completions_event_tokens if api == "completions" else generate_event_tokens
+    event_tokens = usage_event_tokens if api in USAGE_COUNTED else generate_event_tokens
     start = time.perf_counter()
     res.sent = start - t0
     try:
@@ -222,7 +274,7 @@ async def send_one(
             if not done:
                 res.error = "stream ended without [DONE]"
                 return res
-            if api == "completions" and res.completion_tokens is None:
+            if api in USAGE_COUNTED and res.completion_tokens is None:
                 res.error = "stream ended without its usage chunk"
                 return res
             res.ok = True

@@ -161,7 +161,7 @@ def sampling_variants(cfg: LoadConfig, temperature: float | None, top_p: float |
 
 
 BRIEF_KEYS: tuple[str, ...] = ("requests", "completed", "duration_s", "requests_per_s", "output_tokens", "output_tokens_per_s")
-BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "error_examples", "tokens_lost", "logprobs_lost", "scheduler_steps", "cpu")
+BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "error_examples", "tokens_lost", "logprobs_lost", "tool_calls", "scheduler_steps", "cpu")
 
 
 def brief(run: dict[str, Any]) -> dict[str, Any]:
@@ -184,26 +184,33 @@ def same_server(variants: dict[str, LoadConfig], url: str, procs: dict[str, int]
 
 
 async def run_rounds(arms: dict[str, Arm], rounds: int, prompt_set: int) -> dict[str, Any]:
-    """``rounds`` rounds, each one run of each of the two ``arms`` (the base one first, then
-    the one compared with it), the order swapped from round to round; every run has prompts
-    of its own (``prompt_set`` on). Output tokens/s of each (``<name>_output_tokens_per_s``)
-    and the ratio compared/base are medians over rounds."""
-    base, other = arms
+    """``rounds`` rounds, each one run of each of the ``arms`` (the first is the base, the
+    others are compared with it), the order rotated from round to round (with two arms:
+    swapped), so no arm always goes first; every run has prompts of its own (``prompt_set``
+    on). Output tokens/s of each (``<name>_output_tokens_per_s``) and each compared arm's
+    ratio to the base (``ratios``; ``ratio`` is the first compared arm's) are medians over
+    rounds."""
+    names = list(arms)
+    base, others = names[0], names[1:]
     runs: list[dict[str, Any]] = []
     for r in range(rounds):
-        order = (base, other) if r % 2 == 0 else (other, base)
+        shift = r % len(names)
+        order = names[shift:] + names[:shift]
         row: dict[str, Any] = {"first": order[0]}
         for name in order:
             arm = arms[name]
             row[name] = brief(await run_load(arm.url, replace(arm.cfg, prompt_set=prompt_set), procs=arm.procs))
             prompt_set += 1
-        row["ratio"] = ratio(row[other]["output_tokens_per_s"], row[base]["output_tokens_per_s"])
+        row["ratios"] = {name: ratio(row[name]["output_tokens_per_s"], row[base]["output_tokens_per_s"]) for name in others}
+        row["ratio"] = row["ratios"][others[0]]
         runs.append(row)
-    ratios = [row["ratio"] for row in runs]
+    ratios = {name: [row["ratios"][name] for row in runs] for name in others}
+    medians = {name: statistics.median(values) if None not in values else None for name, values in ratios.items()}
     return {
         "rounds": runs,
         **{f"{name}_output_tokens_per_s": statistics.median([row[name]["output_tokens_per_s"] for row in runs]) for name in arms},
-        "ratio": statistics.median(ratios) if None not in ratios else None,
+        "ratios": medians,
+        "ratio": medians[others[0]],
         "errors": sum(row[name]["errors"] for row in runs for name in arms),
         "tokens_lost": sum(row[name]["tokens_lost"] for row in runs for name in arms),
         "logprobs_lost": sum(row[name]["logprobs_lost"] for row in runs for name in arms),

@@ -138,4 +138,5 @@ def summarize(results: Sequence[ReqResult], duration: float) -> dict[str, Any]:
         "tokens_lost": sum(abs((r.completion_tokens or 0) - r.tokens) for r in lost),
         "requests_with_lost_tokens": len(lost),
         "logprobs_lost": logprobs_lost,
+        "tool_calls": sum(r.tool_calls for r in ok),
     }

@@ -11,6 +11,7 @@ from typing import Any
 from bench.serve_client import ENDPOINTS, ReqResult
 from bench.serve_compare import MULTI, SINGLE
 from bench.serve_readings import SETTLE_TIMEOUT, is_api
+from bench.serve_tools import fmt_tool_calling
 
 TARGET_RATIO = 0.95  # attached/discarded scheduler steps/s
 TARGET_SAMPLING_RATIO = 0.9  # sampled/greedy output tokens/s
@@ -169,6 +170,9 @@ def format_report(r: dict[str, Any]) -> str:
     st = r.get("structured")
     if st is not None:
         lines += fmt_structured(st, c)
+    tc = r.get("tool_calling")
+    if tc is not None:
+        lines += fmt_tool_calling(tc)
     w = r.get("api_workers")
     if w is not None:
         lines += fmt_api_workers(w, c)

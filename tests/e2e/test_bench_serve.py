@@ -292,12 +292,12 @@ def test_completions_bodies_and_chunk_counts(bench: ModuleType, client: ModuleTy
 
     res = client.ReqResult(stream=True)
     for so_far in (1, 3, 3, 4):  # a chunk may carry several tokens, or none yet
-        res.tokens += client.completions_event_tokens({"choices": [{"text": "x"}], "usage": {"completion_tokens": so_far}}, res)
+        res.tokens += client.usage_event_tokens({"choices": [{"text": "x"}], "usage": {"completion_tokens": so_far}}, res)
     assert res.tokens == 4 and res.completion_tokens is None
-    assert client.completions_event_tokens({"choices": [], "usage": {"completion_tokens": 5}}, res) == 0
+    assert client.usage_event_tokens({"choices": [], "usage": {"completion_tokens": 5}}, res) == 0
     assert res.completion_tokens == 5  # the final usage: one token more than the chunks said, so lost
     with pytest.raises(ValueError):
-        client.completions_event_tokens({"choices": [{"text": "x"}], "usage": None}, res)
+        client.usage_event_tokens({"choices": [{"text": "x"}], "usage": None}, res)
 
     for argv in (
         ["--api", "completions", "--launch", "--top-logprobs", "5"],
@@ -310,6 +310,62 @@ def test_completions_bodies_and_chunk_counts(bench: ModuleType, client: ModuleTy
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
     assert bench.parse_args(["--pids", "12,34"]).pids == [12, 34]
+
+
+@pytest.mark.timeout(120)
+def test_tools_reports_three_arms_and_the_api_cpu_per_token(
+    bench: ModuleType, client: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--api chat --tools: the chat workload without tools, with the shipped four tools and
+    tool_choice none, and with required, in rotating rounds on one launched server. Every
+    arm counts its tokens from the chunks' usage (nothing lost); the required arm's answers
+    are tool calls (a random model opens one in most of its 32 tokens: the grammar forces
+    the call's name early) and no other arm has any; each arm has its API CPU per token."""
+    out = tmp_path / "r.json"
+    tools = Path(__file__).resolve().parents[2] / "bench" / "schemas" / "tools.json"
+    argv = ["--launch", "--api", "chat", "--tools", str(tools), "--concurrency", "4", "--requests", "8", "--max-new-tokens", "32"]
+    assert bench.main([*argv, "--rounds", "3", "--no-progress", "--json", str(out)]) == 0
+
+    r = json.loads(out.read_text())
+    assert r["config"]["api"] == "chat" and r["errors"] == 0 and r["tokens_lost"] == 0 and r["output_tokens"] == 8 * 32
+    tc = r["tool_calling"]
+    assert tc["tools"] == 4
+    assert [row["first"] for row in tc["rounds"]] == ["no_tools", "tools_none", "tools"]
+    for row in tc["rounds"]:
+        for name in ("no_tools", "tools_none", "tools"):
+            assert row[name]["completed"] == 8 and row[name]["errors"] == row[name]["tokens_lost"] == 0, row[name]
+        assert row["no_tools"]["output_tokens"] == row["tools_none"]["output_tokens"] == 8 * 32
+        assert 0 < row["tools"]["output_tokens"] <= 8 * 32  # a call list may close before 32 tokens
+        assert row["no_tools"]["tool_calls"] == row["tools_none"]["tool_calls"] == 0
+    assert tc["tool_calls_per_answer"]["tools"] > 0
+    for name in ("tools_none", "tools"):
+        assert 0 < tc["ratios"][name] < math.inf
+    for name in ("no_tools", "tools_none", "tools"):
+        assert 0 < tc["api_us_per_token"][name] < math.inf, tc["api_us_per_token"]
+    table = capsys.readouterr().out
+    assert "tools/tools_none" in table and "API CPU us per streamed token" in table and "tool calls per answer" in table
+
+    text = json.dumps(json.loads(tools.read_text()), separators=(",", ":"))
+    cfg = client.LoadConfig(api="chat", prompt_len=12, max_new_tokens=16, tools=text)
+    body = client.make_body(2, cfg, 4096, True)
+    assert body["tools"] == json.loads(text) and body["tool_choice"] == "required"
+    assert body["messages"][0]["role"] == "user" and len(body["messages"][0]["content"].split()) == 12
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert "tools" not in client.make_body(2, dataclasses.replace(cfg, tools=None), 4096, True)
+    res = client.ReqResult(stream=True)
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    more = {"index": 0, "function": {"arguments": "{}"}}
+    for so_far, calls in ((2, [call]), (3, [more])):
+        res.tokens += client.usage_event_tokens({"choices": [{"delta": {"tool_calls": calls}}], "usage": {"completion_tokens": so_far}}, res)
+    assert res.tokens == 3 and res.tool_calls == 1
+    for argv in (
+        ["--launch", "--tools", str(tools)],  # needs --api chat
+        ["--api", "chat", "--tools", str(tools)],  # needs --launch
+        ["--launch", "--api", "chat", "--tools", str(tmp_path / "missing.json")],
+        ["--launch", "--api", "chat", "--top-logprobs", "5"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
 
 
 @pytest.mark.parametrize("cumulative", [True, False], ids=["sglang-default", "incremental"])
