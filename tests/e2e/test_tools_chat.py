@@ -253,7 +253,7 @@ def test_openai_agents_sdk_runs_a_tool_then_answers(server: ServerProcess) -> No
 
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
     settings = ModelSettings(
-        tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=1.0, extra_body={"logit_bias": STEADY}
+        tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=1.0, extra_body={"logit_bias": STEADY, "seed": 3}
     )
     agent = Agent(
         name="weather",
@@ -318,6 +318,9 @@ def test_pydantic_ai_agent_calls_its_tool_then_returns_a_validated_output(server
         return f"noon in {zone}"
 
     bias = {**STEADY, **_favouring("get_time")}
-    result = agent.run_sync("What time is it?", model_settings={"max_tokens": MAX_TOKENS, "temperature": 1.0, "logit_bias": bias})
+    # One call per turn: with parallel calls the first turn may call get_time twice. Seeded, so
+    # each turn's draw is the same on every run.
+    settings = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "logit_bias": bias, "parallel_tool_calls": False, "seed": 7}
+    result = agent.run_sync("What time is it?", model_settings=settings)  # type: ignore[arg-type]
     assert len(called) == 1 and isinstance(called[0], str), called
     assert isinstance(result.output, TimeAnswer)
