@@ -34,8 +34,6 @@ from tokenizer_proc.parsers.tool_calls import ToolCallDelta, ToolParseDelta
 
 __all__ = ["CallObject", "DeltaSink", "JsonScanner", "Scan"]
 
-"""JSON's whitespace; also what the formats skip around their markers."""
-
 ARGUMENT_KEYS = frozenset({"arguments", "parameters"})
 """The keys of the arguments object: ``parameters`` is Llama 3's, ``arguments`` everyone's."""
 
