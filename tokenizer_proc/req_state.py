@@ -64,6 +64,7 @@ class ReqState:
     logprob: LogprobParams | None = None  # the logprobs asked; None: none
     trace: TraceContext | None = None
     operation: str = "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
+    route: str | None = None  # the HTTP route it came by (the span's http.route); None: internal
     internal: bool = False  # a health probe: served, but kept out of metrics and traces
     # The structured output's kind (``Constraint.kind``), for the metrics and the span;
     # None: unconstrained.

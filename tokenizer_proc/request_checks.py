@@ -3,7 +3,7 @@ its prompt tokenized and held to the vocabulary, its sampling held to the server
 (the context, ``--max-new-tokens-limit``, the KV pool), and what a PD half of it computes.
 
 Every refusal is a ``RequestValidationError`` naming the native API's field; the OpenAI
-routes rename the fields to their own (``tokenizer_proc.openai.routes._openai_names``).
+routes rename the fields to their own (``tokenizer_proc.openai.jobs.openai_names``).
 
 Under ``--skip-tokenizer-init`` there is no tokenizer: whatever needs text (a text prompt,
 stop strings, media placeholders, chat templates, /tokenize, structured outputs) is refused

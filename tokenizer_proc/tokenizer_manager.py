@@ -206,6 +206,7 @@ class TokenizerManager:
         trace: TraceContext | None = None,
         created_time: float | None = None,
         operation: str = "generate",
+        route: str | None = None,
         internal: bool = False,
         bootstrap: Bootstrap | None = None,
         logprobs: LogprobParams | None = None,
@@ -226,6 +227,7 @@ class TokenizerManager:
             if state.logprob.return_text and self.token_texts is not None:
                 self.token_texts.fill(input_ids[state.logprob.logprob_start_len :])  # one batch; the frames bring the rest
         state.operation = operation
+        state.route = route
         state.internal = internal
         state.constraint_kind = constraint.kind if constraint is not None else None
         state.prompt_tokens = len(input_ids)

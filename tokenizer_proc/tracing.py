@@ -88,6 +88,8 @@ def span_attributes(state: ReqState, model_name: str, operation: str = "generate
         "gen_ai.provider.name": PROVIDER_NAME,
         "gen_ai.request.model": model_name,
     }
+    if state.route is not None:  # /v1/responses runs as chat: the route tells them apart
+        attrs["http.route"] = state.route
     generates = operation != EMBEDDINGS
     if generates:  # an embedding request has no sampling, stream or output tokens
         sampling = state.sampling

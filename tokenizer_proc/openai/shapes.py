@@ -32,6 +32,7 @@ _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abo
 class CompletionShape:
     id_prefix = "cmpl-"
     object = "text_completion"
+    route = "/v1/completions"
     operation = "text_completion"  # gen_ai.operation.name
     chunk_object = "text_completion"
 
@@ -77,6 +78,7 @@ class CompletionShape:
 class ChatShape:
     id_prefix = "chatcmpl-"
     object = "chat.completion"
+    route = "/v1/chat/completions"
     operation = "chat"
     chunk_object = "chat.completion.chunk"
 

@@ -1,0 +1,162 @@
+"""What the OpenAI routes share between reading a request and waiting on it: one ``Job`` per
+choice (``choice_jobs``), a chat request's prompt, constraint and parsing (``prepare_chat``,
+which /v1/responses takes too), and the submission of a request's jobs (``submit_jobs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pipeline.io_struct import Constraint, SamplingParams
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_proc.http.common import abort_unfinished, trace_context
+from tokenizer_proc.native.schema import RequestValidationError
+from tokenizer_proc.openai.chat_parsing import ChatParsing
+from tokenizer_proc.openai.schema import ChatCompletionRequest, SamplingRequest
+from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.tokenizer_manager import TokenizerManager
+
+__all__ = ["ChatJobs", "Job", "choice_jobs", "openai_names", "prepare_chat", "room_left", "submit_jobs"]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One choice's pipeline request: its prompt ids and sampling, and with ``echo`` the
+    prompt's text (None without)."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    echo: str | None
+
+
+def choice_jobs(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int, echo: str | None) -> list[Job]:
+    """One job per choice, validated against the server's limits first so that nothing is
+    submitted for a request that will be refused."""
+    jobs = [Job(ids, sampling, echo) for sampling in body.sampling(max_tokens)]
+    tm.checks.validate_sampling(len(ids), jobs[0].sampling)
+    return jobs
+
+
+@dataclass(frozen=True, slots=True)
+class ChatJobs:
+    """A chat request made ready to submit: its jobs, the constraint every choice follows
+    (None: none), how its answers are read (None: all content), and its prompt and
+    max-tokens fields (for refusals at submission)."""
+
+    jobs: list[Job]
+    constraint: Constraint | None
+    parsing: ChatParsing | None
+    names: tuple[str, str]
+
+
+def prepare_chat(tm: TokenizerManager, template: ChatTemplate, body: ChatCompletionRequest) -> ChatJobs:
+    """The tool plan, the constraint, the parsing, the rendered and tokenized prompt, and one
+    job per choice. Raises RequestValidationError naming the field at fault, and
+    ChatTemplateUnavailable when the template cannot run at all."""
+    plan = body.tool_plan()
+    constraint = body.chat_constraint(plan)
+    reasoning = tm.config.reasoning_parser
+    parsing = ChatParsing(plan, tm.config.tool_call_parser, reasoning, body.enable_thinking()) if plan or reasoning else None
+    special = tm.tokenizer.is_special_text if tm.tokenizer is not None else None
+    if parsing is not None and special is not None and body.skip_special_tokens is None and parsing.keeps_special_tokens(special):
+        # The parser must see its marker where that is a special token (as vLLM does for
+        # Mistral's [TOOL_CALLS]); a request that says otherwise is obeyed.
+        body.skip_special_tokens = False
+    try:
+        tools = plan.template_tools if plan is not None else None
+        prompt = template.render(body.template_messages(), tools=tools, kwargs=body.chat_template_kwargs)
+    except ChatTemplateError as exc:
+        raise RequestValidationError(str(exc), "messages") from exc
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    with openai_names("messages", max_param):
+        # vLLM's default is false: the template writes the BOS itself.
+        ids = tm.checks.tokenize(prompt, None, add_special_tokens=bool(body.add_special_tokens))
+        max_tokens = body.requested_max_tokens() or room_left(tm, len(ids))
+        jobs = choice_jobs(tm, body, ids, max_tokens, None)
+    return ChatJobs(jobs, constraint, parsing, ("messages", max_param))
+
+
+def submit_jobs(
+    tm: TokenizerManager,
+    request: Request,
+    body: SamplingRequest,
+    jobs: list[Job],
+    response_id: str,
+    arrived: float,
+    operation: str,
+    names: tuple[str, str],
+    constraint: Constraint | None,
+    route: str,
+) -> list[ReqState]:
+    """Submits every job (choice ``i``'s rid is ``{response_id}-{i}``) and returns their
+    states; on any refusal, the ones already submitted are aborted and it raises."""
+    trace = trace_context(request)
+    bootstrap = body.bootstrap()
+    if bootstrap is not None and len(jobs) > 1:
+        raise RequestValidationError("PD disaggregation takes one completion per request (one bootstrap room): n and the prompts must make 1", "n")
+    states: list[ReqState] = []
+    try:
+        with openai_names(*names):
+            for index, job in enumerate(jobs):
+                state = tm.submit_generate(
+                    input_ids=job.ids,
+                    sampling=job.sampling,
+                    stream=body.streaming,
+                    rid=f"{response_id}-{index}",
+                    trace=trace,
+                    created_time=arrived,
+                    operation=operation,
+                    route=route,
+                    bootstrap=bootstrap,
+                    logprobs=body.logprob_params(),
+                    constraint=constraint,
+                )
+                states.append(state)
+                if job.echo is not None:
+                    state.echo, state.prompt_ids = job.echo, job.ids
+    except BaseException:
+        abort_unfinished(tm, states)
+        raise
+    return states
+
+
+def room_left(tm: TokenizerManager, prompt_len: int) -> int:
+    """Chat's default max_tokens, as in OpenAI: as many as fit after the prompt (the context,
+    the KV pool and --max-new-tokens-limit); at least 1, so a prompt that leaves no room gets
+    the length check's error."""
+    config = tm.config
+    pool_room = config.max_total_tokens - prompt_len
+    if config.mode == "dllm":  # the KV pool holds whole blocks
+        pool_room -= pool_room % config.dllm_block_size
+    return max(1, min(config.max_new_tokens_limit, tm.context_length - prompt_len, pool_room))
+
+
+@contextmanager
+def openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
+    """``tm.checks.tokenize`` and ``tm.checks.validate_sampling`` speak the native API's field names; an
+    OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``, ``stop``)."""
+    try:
+        yield
+    except RequestValidationError as exc:
+        message = str(exc)
+        for native, ours in (
+            ("sampling_params.max_new_tokens", max_param),
+            ("max_new_tokens", max_param),
+            ("`text`", f"`{prompt_param}`"),
+            ("input_ids", prompt_param),
+            ("sampling_params.stop", "stop"),
+            ("sampling_params.logit_bias", "logit_bias"),
+        ):
+            message = message.replace(native, ours)
+        param = {
+            "sampling_params.max_new_tokens": max_param,
+            "text": prompt_param,
+            "input_ids": prompt_param,
+            "sampling_params.stop": "stop",
+            "sampling_params.logit_bias": "logit_bias",
+        }.get(exc.param or "", exc.param)
+        raise RequestValidationError(message, param) from exc
