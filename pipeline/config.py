@@ -163,6 +163,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = None
 
+    # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id})
+    responses_store_max_count: Annotated[
+        int, Flag("chat", "stored responses kept for previous_response_id and GET /v1/responses/{id}; the oldest go first")
+    ] = 10_000
+    responses_store_bytes: Annotated[
+        int, Flag("chat", "bytes of stored responses (their JSON, conversations included) kept at most; the oldest go first")
+    ] = 256 * 1024 * 1024
+
     # Observability
     enable_metrics: Annotated[
         bool, Flag("observability", "no Prometheus metrics (/metrics is empty) and no timing collection", spelling="--disable-metrics")
@@ -247,6 +255,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append(f"--api-workers must be between 1 and {MAX_API_WORKERS - 1}")
         elif not 0 <= self.api_worker_index < self.api_workers:
             problems.append("--api-worker-index must be below --api-workers")
+        if self.responses_store_max_count < 0 or self.responses_store_bytes < 0:
+            problems.append("--responses-store-max-count and --responses-store-bytes must be 0 (store nothing) or more")
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
         if self.dllm_block_size < 1:

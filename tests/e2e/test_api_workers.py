@@ -224,6 +224,39 @@ def test_a_live_rid_sent_through_another_worker_is_refused_with_a_400(server: Se
     assert free_again.status_code == 200 and free_again.json()["meta_info"]["completion_tokens"] == 3, free_again.text
 
 
+async def conversation_over_two_workers(srv: ServerProcess) -> tuple[int, int, dict[str, Any], dict[str, Any], int, int]:
+    """A stored response made through one worker, continued (previous_response_id), read
+    and deleted through another: the store is one file the workers share. Returns both
+    workers, both responses, and the GET status codes after and before the delete."""
+    first_body = {"input": "Say hi.", "max_output_tokens": 3, "temperature": 0}
+    async with one_connection(srv) as client:
+        home = await worker_of(client)
+        first = (await client.post("/v1/responses", json=first_body)).json()
+    for _ in range(60):
+        async with one_connection(srv) as other:
+            worker = await worker_of(other)
+            if worker == home:
+                continue
+            second_body = {"input": "Again.", "previous_response_id": first["id"], "max_output_tokens": 3, "temperature": 0}
+            second = (await other.post("/v1/responses", json=second_body)).json()
+            found = (await other.get(f"/v1/responses/{first['id']}")).status_code
+            assert (await other.delete(f"/v1/responses/{first['id']}")).status_code == 200
+            break
+    else:
+        pytest.fail("no connection landed on another worker")
+    async with one_connection(srv) as client:
+        gone = (await client.get(f"/v1/responses/{first['id']}")).status_code
+    return home, worker, first, second, gone, found
+
+
+def test_a_stored_response_is_continued_through_another_worker(server: ServerProcess) -> None:
+    home, worker, first, second, gone, found = asyncio.run(conversation_over_two_workers(server))
+    assert worker != home and found == 200 and gone == 404
+    assert second["previous_response_id"] == first["id"], second
+    # The second prompt holds the first exchange: more tokens than the first's prompt and answer.
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"], (first, second)
+
+
 def api_workers(srv: ServerProcess) -> list[int]:
     return [pid for pid, role in descendants(srv.proc.pid).items() if role == "api"]
 

@@ -149,3 +149,29 @@ def test_a_marker_that_is_a_special_token_stays_in_the_text_for_the_parser(http:
     for other in ({**body, "skip_special_tokens": True}, {k: v for k, v in body.items() if k != "tools"}):
         skipped = http.post("/v1/chat/completions", json=other).json()["choices"][0]
         assert skipped["message"]["content"] == "" and skipped["finish_reason"] == "length", skipped
+
+
+def test_the_responses_api_gives_a_reasoning_item_streamed_the_same(http: httpx.Client) -> None:
+    """/v1/responses over the same parser: a reasoning item (``reasoning_text``), then the
+    message; reasoning tokens as chat counts them; streamed as ``response.reasoning_text``
+    deltas that add up to the same items."""
+    pattern = "<think>abc déf</think>answer"
+    body = {"model": MODEL, "input": "Think, then answer.", "max_output_tokens": 64, "temperature": 0, "logit_bias": TAGS}
+    body["structured_outputs"] = {"regex": pattern}
+    whole = http.post("/v1/responses", json=body).json()
+    assert whole["status"] == "completed", whole
+    reasoning, message = whole["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "abc déf"}]
+    assert message["type"] == "message" and message["content"][0]["text"] == "answer"
+    chat = http.post("/v1/chat/completions", json=_body(pattern)).json()
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == chat["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    assert whole["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
+
+    with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "abc déf"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "answer"
+    final = events[-1]
+    assert final["type"] == "response.completed"
+    assert [item["type"] for item in final["response"]["output"]] == ["reasoning", "message"]
+    assert final["response"]["usage"]["output_tokens_details"] == whole["usage"]["output_tokens_details"]

@@ -444,9 +444,13 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
             constrained = {"messages": [{"role": "user", "content": "A code"}], "max_tokens": 16, "guided_regex": r"\d{3}-[a-z]{4}"}
             answer = client.post("/v1/chat/completions", json=constrained, headers={"traceparent": traceparent})
             assert answer.status_code == 200, answer.text
+            # The Responses API runs as chat: its span says so, and its route tells it apart.
+            traceparent, responses_trace_id, _ = _traceparent()
+            responded = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 5}, headers={"traceparent": traceparent})
+            assert responded.status_code == 200, responded.text
         trace_ids = {t for _, _, t, _ in sent}
         spans = receiver.wait_for(
-            lambda got: {s.trace_id for s in got if s.kind == "SERVER"} >= trace_ids | {constrained_trace_id}
+            lambda got: {s.trace_id for s in got if s.kind == "SERVER"} >= trace_ids | {constrained_trace_id, responses_trace_id}
             and sum(s.trace_id in trace_ids for s in got) >= 15,
             timeout=15,
         )
@@ -456,6 +460,12 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
     (constrained_root,) = [s for s in spans if s.trace_id == constrained_trace_id and s.kind == "SERVER"]
     assert constrained_root.name == f"chat {MODEL}"
     assert constrained_root.attributes["tokenpipe.constraint.kind"] == "regex"
+    assert constrained_root.attributes["http.route"] == "/v1/chat/completions"
+    (responses_root,) = [s for s in spans if s.trace_id == responses_trace_id and s.kind == "SERVER"]
+    assert responses_root.name == f"chat {MODEL}" and responses_root.attributes["http.route"] == "/v1/responses"
+    usage = responded.json()["usage"]
+    assert responses_root.attributes["gen_ai.usage.output_tokens"] == usage["output_tokens"] == 5
+    assert responses_root.attributes["gen_ai.usage.input_tokens"] == usage["input_tokens"]
     assert isinstance(constrained_root.attributes["tokenpipe.grammar_wait"], float) and constrained_root.attributes["tokenpipe.grammar_wait"] >= 0
 
     for i, (body, meta, trace_id, parent_span_id) in enumerate(sent):
@@ -485,7 +495,7 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
 
         attrs = root.attributes
         sampling = body["sampling_params"]
-        assert attrs["gen_ai.operation.name"] == "generate"
+        assert attrs["gen_ai.operation.name"] == "generate" and attrs["http.route"] == "/generate"
         assert attrs["gen_ai.provider.name"] == "tokenpipe"
         assert attrs["gen_ai.request.model"] == MODEL
         assert attrs["gen_ai.request.max_tokens"] == sampling["max_new_tokens"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeGuard
 
 from fastapi import FastAPI, Request
@@ -42,6 +43,7 @@ from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.native.meta_info import build_meta_info
 from tokenizer_proc.metrics import CONTENT_TYPE
 from tokenizer_proc.openai.routes import build_openai_router
+from tokenizer_proc.openai.responses.routes import build_responses_router
 from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
 from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
 from tokenizer_proc.http.sse_stream import SseResponse
@@ -55,7 +57,16 @@ _OPEN_PATHS = frozenset({"/health", "/metrics"})
 def build_app(tm: TokenizerManager) -> ASGIApp:
     """The API's ASGI app: FastAPI's routes behind the key check and the body limit, with the
     generation routes served in front of FastAPI's stack (``HotRoutes``)."""
-    app = FastAPI(title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    responses_router, responses_store = build_responses_router(tm)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            responses_store.close()
+
+    app = FastAPI(title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     api_key = tm.config.api_key
 
     @app.exception_handler(RequestValidationError)
@@ -98,6 +109,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
             media=tuple(media),
             trace=trace_context(request),
             created_time=arrived,
+            route="/generate",
             bootstrap=obj.bootstrap(),
             logprobs=obj.logprob_params(),
             constraint=constraint,
@@ -160,8 +172,13 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     app.include_router(build_hicache_router(tm))
     app.include_router(build_tokenize_router(tm))
     app.include_router(build_worker_router(tm))
+    app.include_router(responses_router)
 
-    hot = {"/generate": generate, **post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions"))}
+    hot = {
+        "/generate": generate,
+        **post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions")),
+        **post_endpoints(responses_router, ("/v1/responses",)),
+    }
     too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
     # In front of FastAPI's own stack, so the generation routes (HotRoutes) are under them too.
     edge: ASGIApp = BodyLimit(HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large)
