@@ -208,6 +208,15 @@ MESSAGES = pool(
     st.lists(message(), max_size=3),
 )
 
+RESPONSE_ITEMS = pool(
+    [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c", "output": "x"}],
+    [{"type": "function_call_output", "call_id": "nope", "output": "x"}],
+    [{"type": "reasoning", "id": "rs", "summary": []}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
+    [{"type": "item_reference", "id": "x"}],
+    st.lists(st.dictionaries(st.sampled_from(["type", "role", "content", "call_id", "output", "name", "arguments"]), JUNK, max_size=4), max_size=3),
+)
+
 # Per endpoint: the main field (present 9 times in 10), then the others.
 FIELDS: dict[str, tuple[str, dict[str, st.SearchStrategy[Any]]]] = {
     "/generate": ("text", {
@@ -225,6 +234,14 @@ FIELDS: dict[str, tuple[str, dict[str, st.SearchStrategy[Any]]]] = {
         "response_format": pool({"type": "text"}, {"type": "json_object"}, {"type": "xml"}, {"type": "json_schema", "json_schema": {}}),
         "modalities": pool(["text"], ["audio"], ["video"]), "metadata": pool({"a": "b"}, {"a": 1}), "store": BOOL,
         "prediction": JUNK, "web_search_options": pool({}, None),
+    }),
+    "/v1/responses": ("input", {
+        **OPENAI_FIELDS, "input": pool(TEXT, TEXT, MESSAGES, RESPONSE_ITEMS), "max_output_tokens": TOKENS,
+        "instructions": TEXT, "tools": pool([], [{"type": "function"}], [{"type": "web_search"}], [{"type": "function", "name": "f"}]),
+        "tool_choice": pool("none", "auto", "required", {"type": "function", "name": "f"}, {"type": "file_search"}),
+        "text": pool({"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {"type": "json_schema"}}, {}),
+        "previous_response_id": pool("resp_x", RID), "store": BOOL, "include": pool([], ["x"]), "background": BOOL,
+        "reasoning": pool({}, {"effort": "low"}, {"effort": "x"}), "metadata": pool({"a": "b"}, {"a": 1}),
     }),
     "/v1/embeddings": ("input", {
         "input": pool(TEXT, TEXT, TEXTS, IDS, ID_LISTS), "model": MODEL, "encoding_format": pool("float", "base64", "hex"),
@@ -282,6 +299,8 @@ def cap_tokens(path: str, body: Any) -> None:
             body["sampling_params"] = {**sampling, "max_new_tokens": _capped(sampling.get("max_new_tokens", MISSING))}
     elif path == "/v1/completions":
         body["max_tokens"] = _capped(body.get("max_tokens", MISSING))
+    elif path == "/v1/responses":
+        body["max_output_tokens"] = _capped(body.get("max_output_tokens", MISSING))
     elif path == "/v1/chat/completions":
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = TOKEN_CAP
@@ -296,6 +315,7 @@ POST_TARGETS = (
     [("gen", "/generate")] * 6
     + [("gen", "/v1/completions")] * 4
     + [("gen", "/v1/chat/completions")] * 4
+    + [("gen", "/v1/responses")] * 3
     + [("gen", "/abort_request"), ("gen", "/v1/embeddings"), ("gen", "/encode")]
     + [("emb", "/v1/embeddings")] * 3
     + [("emb", "/encode")] * 3
@@ -366,6 +386,12 @@ def check_answer(case: Case, resp: httpx.Response) -> str | None:
     path = case.path.split("?", 1)[0]
     ctype = resp.headers.get("content-type", "")
     if ctype.startswith("text/event-stream"):
+        if path == "/v1/responses":  # named events, no [DONE]: the last says how it ended
+            last = [line for line in resp.text.split("\n") if line.startswith("data: ")][-1:]
+            ended = json.loads(last[0][len("data: ") :]) if last else {}
+            if ended.get("type") not in ("response.completed", "response.incomplete") and "error" not in ended:
+                return f"responses stream did not end with its response: {resp.text[-300:]}"
+            return None
         events = [line[len("data: ") :] for line in resp.text.split("\n\n") if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":
             return f"stream did not end with [DONE]: {resp.text[-300:]}"
@@ -379,6 +405,7 @@ def check_answer(case: Case, resp: httpx.Response) -> str | None:
         "/generate": "meta_info",
         "/v1/completions": "choices",
         "/v1/chat/completions": "choices",
+        "/v1/responses": "output",
         "/v1/embeddings": "data",
         "/abort_request": "aborted",
         "/health_generate": "status",
