@@ -125,7 +125,14 @@ def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, An
 def completions_body(i: int, cfg: LoadConfig, ids: list[int], stream: bool) -> dict[str, Any]:
     """The same request as ``make_body``'s /generate one, as a /v1/completions body."""
     assert cfg.top_logprobs is None, "logprobs are measured through /generate"
-    body: dict[str, Any] = {"prompt": ids, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
+    return openai_body({"prompt": ids}, i, cfg, stream)
+
+
+def openai_body(body: dict[str, Any], i: int, cfg: LoadConfig, stream: bool) -> dict[str, Any]:
+    """``body`` (the prompt) with the workload's OpenAI fields: ``max_tokens``,
+    ``temperature``, ``ignore_eos``, ``top_p``, ``seed``, the JSON schema as
+    ``response_format``, and a stream's usage on every chunk."""
+    body.update(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, ignore_eos=True)
     if cfg.top_p is not None:
         body["top_p"] = cfg.top_p
     if cfg.seeded:
@@ -143,25 +150,11 @@ def chat_body(i: int, cfg: LoadConfig, rng: random.Random, stream: bool) -> dict
     ``cfg.prompt_len`` random words, and ``cfg.tools`` with ``cfg.tool_choice``."""
     assert cfg.top_logprobs is None, "logprobs are measured through /generate"
     words = " ".join(rng.choice(PROMPT_WORDS) for _ in range(cfg.prompt_len))
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": words}],
-        "max_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "ignore_eos": True,
-    }
-    if cfg.top_p is not None:
-        body["top_p"] = cfg.top_p
-    if cfg.seeded:
-        body["seed"] = cfg.seed + i
-    if cfg.json_schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.loads(cfg.json_schema)}}
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": words}]}
     if cfg.tools is not None:
         body["tools"] = json.loads(cfg.tools)
         body["tool_choice"] = cfg.tool_choice
-    body["stream"] = stream
-    if stream:
-        body["stream_options"] = dict(CONTINUOUS_USAGE)
-    return body
+    return openai_body(body, i, cfg, stream)
 
 
 def generate_event_tokens(event: dict[str, Any], res: ReqResult) -> int:

@@ -44,18 +44,20 @@ def oai(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
 
 
-def _weather_call(oai: openai.OpenAI, seed: int, **extra: Any) -> Any:
-    return oai.responses.create(
-        model=MODEL,
-        input="Weather in Oslo?",
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=120,
-        temperature=1.0,
-        extra_body={"logit_bias": STEADY, "seed": seed},
-        **extra,
-    )
+# One call of get_weather, forced: the same request whole and streamed.
+WEATHER_CALL: Any = {
+    "model": MODEL,
+    "input": "Weather in Oslo?",
+    "tools": [WEATHER],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "max_output_tokens": 120,
+    "temperature": 1.0,
+}
+
+
+def _weather_call(oai: openai.OpenAI, seed: int) -> Any:
+    return oai.responses.create(**WEATHER_CALL, extra_body={"logit_bias": STEADY, "seed": seed})
 
 
 def test_text_answer_equals_chat_and_is_stored(oai: openai.OpenAI, server: ServerProcess) -> None:
@@ -142,16 +144,7 @@ def test_a_stream_assembles_the_same_response_as_the_whole(oai: openai.OpenAI, s
     """``responses.stream()``: the events come in OpenAI's order, numbered from 0, and the
     final response equals the non-streamed one for the same seed (ids aside)."""
     whole = _weather_call(oai, seed=5)
-    with oai.responses.stream(
-        model=MODEL,
-        input="Weather in Oslo?",
-        tools=[WEATHER],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=120,
-        temperature=1.0,
-        extra_body={"logit_bias": STEADY, "seed": 5},
-    ) as stream:
+    with oai.responses.stream(**WEATHER_CALL, extra_body={"logit_bias": STEADY, "seed": 5}) as stream:
         events = list(stream)
         final = stream.get_final_response()
     kinds = [e.type for e in events]
