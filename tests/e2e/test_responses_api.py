@@ -240,3 +240,28 @@ def test_bad_input_is_refused_naming_the_field(server: ServerProcess, body: dict
     error = response.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
     assert httpx.get(f"{server.url}/v1/responses/resp_nope").status_code == 404
+
+
+def test_an_aborted_stream_ends_cancelled_with_what_it_had(server: ServerProcess) -> None:
+    """/abort_request on a streaming response (its rid is the response id and its choice
+    index): the stream ends with response.incomplete, the response cancelled, its text what
+    the deltas carried; it is stored as such."""
+    body = {"model": MODEL, "input": "Go on forever.", "max_output_tokens": 1500, "stream": True, "logit_bias": {str(EOS): -100}}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        data = []
+        for line in lines:
+            if line.startswith("data: "):
+                data.append(json.loads(line[6:]))
+                if data[-1]["type"] == "response.output_text.delta":
+                    break
+        rid = data[0]["response"]["id"] + "-0"
+        assert httpx.post(f"{server.url}/abort_request", json={"rid": rid}).status_code == 200
+        data += [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    final = data[-1]
+    assert final["type"] == "response.incomplete" and final["response"]["status"] == "cancelled", final
+    [message] = final["response"]["output"]
+    assert message["status"] == "incomplete"
+    assert message["content"][0]["text"] == "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    assert 0 < final["response"]["usage"]["output_tokens"] < 1500
+    assert httpx.get(f"{server.url}/v1/responses/{data[0]['response']['id']}").json()["status"] == "cancelled"

@@ -182,7 +182,7 @@ def response_object(
 ) -> dict[str, Any]:
     """The response: ``head`` (its id, times and what the request asked, ``ResponseHead``)
     with its ``status``, ``output`` and ``usage``."""
-    done = status in ("completed", "incomplete")
+    done = status in ("completed", "incomplete", "cancelled")
     return {
         **head,
         "status": status,

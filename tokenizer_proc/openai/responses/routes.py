@@ -191,8 +191,9 @@ class Answer:
         if self.parsing is not None:
             reason, reasoning_tokens = finish_parsed(self.tm, self.parsing, self.splitter, state, reason)
         incomplete = "max_output_tokens" if reason == "length" else None
-        status = "incomplete" if incomplete is not None else "completed"
-        events += self.output.close(status)
+        # An abort (an operator's, or the queue's) ends the answer early: OpenAI's "cancelled".
+        status = "cancelled" if reason == "abort" else "incomplete" if incomplete is not None else "completed"
+        events += self.output.close("completed" if status == "completed" else "incomplete")
         stats = state.request_stats
         assert stats is not None, "a finished request that was not refused has its stats"
         usage = response_usage(stats, state.completion_tokens, reasoning_tokens)
@@ -247,7 +248,8 @@ class ResponseEvents:
             events += self.answer.feed(chunk.text, chunk.ids)
         if state.finished:
             done, response = self.answer.finish_events()
-            kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+            # (No stream event is named for "cancelled": it ends as an incomplete one does.)
+            kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
             events += [*done, {"type": kind, "response": response}]
         return self._encode(events)
 
