@@ -323,19 +323,19 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
     the call's name early) and no other arm has any; each arm has its API CPU per token."""
     out = tmp_path / "r.json"
     tools = Path(__file__).resolve().parents[2] / "bench" / "schemas" / "tools.json"
-    argv = ["--launch", "--api", "chat", "--tools", str(tools), "--concurrency", "4", "--requests", "8", "--max-new-tokens", "32"]
+    argv = ["--launch", "--api", "chat", "--tools", str(tools), "--concurrency", "4", "--requests", "4", "--max-new-tokens", "32"]
     assert bench.main([*argv, "--rounds", "3", "--no-progress", "--json", str(out)]) == 0
 
     r = json.loads(out.read_text())
-    assert r["config"]["api"] == "chat" and r["errors"] == 0 and r["tokens_lost"] == 0 and r["output_tokens"] == 8 * 32
+    assert r["config"]["api"] == "chat" and r["errors"] == 0 and r["tokens_lost"] == 0 and r["output_tokens"] == 4 * 32
     tc = r["tool_calling"]
     assert tc["tools"] == 4
     assert [row["first"] for row in tc["rounds"]] == ["no_tools", "tools_none", "tools"]
     for row in tc["rounds"]:
         for name in ("no_tools", "tools_none", "tools"):
-            assert row[name]["completed"] == 8 and row[name]["errors"] == row[name]["tokens_lost"] == 0, row[name]
-        assert row["no_tools"]["output_tokens"] == row["tools_none"]["output_tokens"] == 8 * 32
-        assert 0 < row["tools"]["output_tokens"] <= 8 * 32  # a call list may close before 32 tokens
+            assert row[name]["completed"] == 4 and row[name]["errors"] == row[name]["tokens_lost"] == 0, row[name]
+        assert row["no_tools"]["output_tokens"] == row["tools_none"]["output_tokens"] == 4 * 32
+        assert 0 < row["tools"]["output_tokens"] <= 4 * 32  # a call list may close before 32 tokens
         assert row["no_tools"]["tool_calls"] == row["tools_none"]["tool_calls"] == 0
     assert tc["tool_calls_per_answer"]["tools"] > 0
     for name in ("tools_none", "tools"):

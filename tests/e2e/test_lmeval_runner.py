@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,14 +16,10 @@ from bench.small_checkpoint import write
 from tests.lmeval_runner import TASK_DIR, argmax_accuracy, require_lm_eval, run_hf, run_local_completions
 
 
-def test_hf_model_scores_every_choice_of_every_doc(tmp_path: Path) -> None:
-    require_lm_eval()
-    checkpoint = tmp_path / "checkpoint"
-    write(checkpoint, layers=2, hidden=128, seed=0)
+def _assert_scores_every_choice_of_every_doc(result: Any) -> None:
+    """The ``hf`` run is whole: every document of the local task, one finite loglikelihood
+    per choice, its target, and the accuracy their argmax makes."""
     questions = [json.loads(line) for line in (TASK_DIR / "questions.jsonl").read_text().splitlines()]
-
-    result = run_hf(checkpoint, tmp_path)
-
     assert 0.0 <= result.accuracy <= 1.0
     assert sorted(result.docs) == list(range(len(questions)))
     for doc_id, doc in result.docs.items():
@@ -36,7 +33,7 @@ def test_local_completions_against_tokenpipe_equals_the_hf_model(tmp_path: Path)
     """lm-eval's multiple-choice evaluation through tokenpipe's /v1/completions (echo with
     logprobs, token-id prompts, as ``local-completions`` sends them) and through its own
     ``hf`` model on the same checkpoint: the same accuracy, each choice's loglikelihood
-    within 1e-3."""
+    within 1e-3. (One ``hf`` run serves as the reference and as the check of the runner.)"""
     from tests.server_harness import ServerProcess
 
     require_lm_eval()
@@ -45,6 +42,7 @@ def test_local_completions_against_tokenpipe_equals_the_hf_model(tmp_path: Path)
     (tmp_path / "hf").mkdir()
     (tmp_path / "served").mkdir()
     reference = run_hf(checkpoint, tmp_path / "hf")
+    _assert_scores_every_choice_of_every_doc(reference)
     server = ServerProcess(tmp_path / "srv", ["--model-path", str(checkpoint)]).wait_ready()
     try:
         import httpx
