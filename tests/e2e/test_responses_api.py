@@ -176,10 +176,11 @@ def test_a_stream_assembles_the_same_response_as_the_whole(oai: openai.OpenAI, s
     assert text == oai.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=6, temperature=0).output_text
 
 
-def test_openai_agents_sdk_responses_model_runs_a_tool_then_answers(server: ServerProcess) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_sdk_responses_model_runs_a_tool_then_answers(server: ServerProcess, streamed: bool) -> None:
     """The Agents SDK's default model (the Responses API): the first turn must call, the SDK
-    runs the function with arguments that validate and sends the result back (as items, or
-    through previous_response_id), and the next turn ends the run with a final answer."""
+    runs the function with arguments that validate and sends the result back, and the next
+    turn ends the run with a final answer; streamed, the SDK reads the same from the events."""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
@@ -207,7 +208,16 @@ def test_openai_agents_sdk_responses_model_runs_a_tool_then_answers(server: Serv
         model_settings=settings,
         reset_tool_choice=True,
     )
-    result = asyncio.run(Runner.run(agent, "Weather in Oslo?", max_turns=4))
+
+    async def run() -> Any:
+        if not streamed:
+            return await Runner.run(agent, "Weather in Oslo?", max_turns=4)
+        streaming = Runner.run_streamed(agent, "Weather in Oslo?", max_turns=4)
+        kinds = [event.type async for event in streaming.stream_events()]
+        assert "raw_response_event" in kinds and "run_item_stream_event" in kinds, kinds
+        return streaming
+
+    result = asyncio.run(run())
     assert len(called) == 1 and isinstance(called[0][0], str) and isinstance(called[0][1], int), (called, result.new_items)
     outputs = [item for item in result.new_items if item.type == "tool_call_output_item"]
     assert [item.output for item in outputs] == [f"sunny in {called[0][0]} for {called[0][1]} days"]
