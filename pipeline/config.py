@@ -23,6 +23,8 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 # The names tokenizer_proc/parsers registers (tests/unit/test_chat_parsers_flags.py keeps them equal).
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
+# The metric names /metrics serves: tokenpipe's own, or a peer's (tokenizer_proc/metrics_compat.py).
+MetricsCompat = Literal["tokenpipe", "sglang", "vllm"]
 
 # The supervisor hands its children the whole config as JSON in this variable.
 CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
@@ -175,6 +177,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_metrics: Annotated[
         bool, Flag("observability", "no Prometheus metrics (/metrics is empty) and no timing collection", spelling="--disable-metrics")
     ] = True
+    metrics_compat: Annotated[
+        MetricsCompat,
+        Flag(
+            "observability",
+            "the metric names, labels and buckets /metrics serves: tokenpipe's own, or SGLang's or vLLM's for their "
+            "dashboards and alerts (series they lack keep their tokenpipe: names)",
+        ),
+    ] = "tokenpipe"
     otlp_traces_endpoint: Annotated[
         str | None,
         Flag(

@@ -433,6 +433,10 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     hicache_host_used_tokens: int = 0
     hicache_host_capacity: int = 0
     hicache_storage_backend: str | None = None
+    # Tokens the forward steps computed since the scheduler started (prompt tokens not served
+    # by the prefix cache, plus generated ones): with forward_steps_total, the tokens per step
+    # (vLLM's iteration_tokens_total, tokenizer_proc/metrics_compat.py).
+    forward_tokens_total: int = 0
 
 
 class HiCacheStorageState(msgspec.Struct, tag="hicache_storage_state", array_like=True, omit_defaults=True, gc=False):

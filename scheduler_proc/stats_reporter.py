@@ -70,6 +70,9 @@ class SchedulerStatsReporter:
             hicache_host_used_tokens=hicache.host.num_used if hicache is not None else 0,
             hicache_host_capacity=hicache.host.capacity if hicache is not None else 0,
             hicache_storage_backend=hicache.storage_backend if hicache is not None else None,
+            # Prompt tokens count at their first admission, so a chunked prefill's tokens land in
+            # the report of the step that admitted it; retraction recomputes are not counted.
+            forward_tokens_total=s.prefill_tokens_total - s.cached_tokens_total + s.generated_tokens_total,
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total

@@ -6,32 +6,37 @@ values in prometheus-client's multiprocess directory (``PROMETHEUS_MULTIPROC_DIR
 supervisor sets) and any of them renders the sum of all: counters and histograms add up over
 the workers, and the scheduler's gauges are set by worker 0 alone ("mostrecent"). Names carry the
 ``tokenpipe:`` prefix and the ``model_name`` / ``engine_type`` labels (docs/design.md section 7).
+With ``--metrics-compat sglang`` or ``vllm`` the same values go out under that family's names,
+labels and buckets (``tokenizer_proc/metrics_compat.py``), with the family's series tokenpipe
+makes only for it alongside (``SchedulerPeerSeries``, ``RequestPeerSeries``).
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from pipeline.config import MetricsCompat
 from pipeline.io_struct import CONSTRAINT_KINDS, FinishAbort, SchedulerStatsReport
+from tokenizer_proc.metrics_compat import ABSENT, VLLM_FINISH_REASONS, Absent, Bound, Naming
 from tokenizer_proc.native.meta_info import time_per_output_token
 from tokenizer_proc.req_state import ReqState
 
 # A `*_created` series per counter and histogram doubles the scrape for no use here.
 disable_created_metrics()
 
-PREFIX = "tokenpipe:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class SchedulerGauges:
     """The scheduler metrics of docs/design.md section 4."""
 
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        names = list(labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, names, registry=registry, multiprocess_mode="mostrecent").labels(**labels)
+    def __init__(self, naming: Naming) -> None:
+        def gauge(key: str, doc: str) -> Gauge:
+            return naming.gauge(key, doc)()
 
         self.num_running_reqs = gauge("num_running_reqs", "Requests admitted to the running batch (decoding or mid-prefill).")
         self.num_queue_reqs = gauge("num_queue_reqs", "Requests waiting for admission.")
@@ -39,10 +44,9 @@ class SchedulerGauges:
         self.cache_hit_rate = gauge("cache_hit_rate", "Prefix-cache hits over prompt tokens of recent prefills.")
         self.gen_throughput = gauge("gen_throughput", "Generated tokens per second.")
         self.num_retracted_reqs = gauge("num_retracted_reqs", "Requests retracted in the last report interval.")
-        self._retracted_total = Counter(
-            PREFIX + "num_retracted_requests", "Retractions since the scheduler started.", names, registry=registry
-        ).labels(**labels)
+        self._retracted_total = naming.counter("num_retracted_requests", "Retractions since the scheduler started.")()
         self._retracted_seen = 0
+        self._peers = SchedulerPeerSeries(naming)
         self.last_report: SchedulerStatsReport | None = None
 
     def update(self, report: SchedulerStatsReport) -> None:
@@ -59,7 +63,41 @@ class SchedulerGauges:
         if report.num_retracted_requests_total > self._retracted_seen:
             self._retracted_total.inc(report.num_retracted_requests_total - self._retracted_seen)
             self._retracted_seen = report.num_retracted_requests_total
+        self._peers.update(report, self.last_report)
         self.last_report = report
+
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+def _child(bound: Bound[M] | None) -> M | Absent:
+    """The one child of a peer-only series, or ``ABSENT`` when the family has no such series."""
+    return bound() if bound is not None else ABSENT
+
+
+class SchedulerPeerSeries:
+    """A peer family's series that tokenpipe makes only for it, from the scheduler's reports:
+    vLLM's tokens per forward step, SGLang's KV tokens in use and KV pool size."""
+
+    def __init__(self, naming: Naming) -> None:
+        self.iteration_tokens = _child(naming.peer_histogram("iteration_tokens", "Tokens per forward step.", _TallyHistogram))
+        self.num_used_tokens = _child(naming.peer_gauge("num_used_tokens", "KV tokens held by requests (evictable prefix cache excluded)."))
+        self.max_total_num_tokens = _child(naming.peer_gauge("max_total_num_tokens", "Tokens the KV pool holds."))
+
+    def update(self, report: SchedulerStatsReport, previous: SchedulerStatsReport | None) -> None:
+        # Running totals, which a restarted scheduler (a new instance) starts from zero.
+        steps_before = tokens_before = 0
+        if previous is not None and previous.instance == report.instance:
+            steps_before, tokens_before = previous.forward_steps_total, previous.forward_tokens_total
+        steps = report.forward_steps_total - steps_before
+        if steps > 0:
+            # A report brings the steps of its interval and their tokens, not each step's count:
+            # each step counts with the interval's mean, so count and sum are exact and the
+            # buckets those of the mean.
+            self.iteration_tokens.observe_many((report.forward_tokens_total - tokens_before) / steps, steps)
+        # token_usage is this count over the capacity (SGLang's relation of the two).
+        self.num_used_tokens.set(round(report.token_usage * report.kv_capacity))
+        self.max_total_num_tokens.set(report.kv_capacity)
 
 
 # SGLang's bucket boundaries, extended downwards: on a CPU-sized model a token takes
@@ -96,61 +134,51 @@ class RequestMetrics:
     """Request-level metrics of docs/design.md section 7. Every value comes from the ReqState: its
     ``request_stats`` (the scheduler's numbers) and its own timing."""
 
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        names = list(labels)
-        self._labels = labels
+    def __init__(self, naming: Naming) -> None:
+        def counter(key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Counter]:
+            return naming.counter(key, doc, extra)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, names + list(extra), registry=registry)
+        def histogram(key: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Bound[Histogram]:
+            return naming.histogram(key, doc, buckets, Histogram, extra)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(PREFIX + name, doc, names + list(extra), buckets=buckets, registry=registry)
-
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**labels)
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.").labels(**labels)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")()
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")()
         cached = counter("cached_tokens", "Prompt tokens served from the prefix cache, by tier.", ("cache_source",))
-        self.cached_tokens = {src: cached.labels(**labels, cache_source=src) for src in ("device", "host", "storage", "total")}
+        self.cached_tokens = {src: cached(src) for src in ("device", "host", "storage", "total")}
         requests = counter("num_requests", "Finished requests.", ("is_streaming",))
-        self.num_requests = {s: requests.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
-        self.num_aborted = counter("num_aborted_requests", "Requests that finished by abort.").labels(**labels)
+        self.num_requests = {s: requests(str(s).lower()) for s in (True, False)}
+        self.num_aborted = counter("num_aborted_requests", "Requests that finished by abort.")()
         # Refused before they ran: body_too_large (413), queue_full (503), read_timeout.
         rejected = counter("num_rejected_requests", "Requests refused by a limit, by reason.", ("reason",))
-        self.num_rejected = {r: rejected.labels(**labels, reason=r) for r in REJECTION_REASONS}
+        self.num_rejected = {r: rejected(r) for r in REJECTION_REASONS}
         # "asgi" is the slow path: every event through an ASGI send, a task switch per frame.
         # Apart from a client gone just as its stream started, it means uvicorn's own send went
         # unrecognized (pipeline/http/uvicorn_internals.py): an upgrade changed its internals.
         streams = counter("sse_streams", "Streamed responses, by how their events reach the client's socket.", ("write_path",))
-        self.sse_streams = {p: streams.labels(**labels, write_path=p) for p in ("direct", "asgi")}
+        self.sse_streams = {p: streams(p) for p in ("direct", "asgi")}
         ttft = histogram("time_to_first_token_seconds", "Arrival to the first token at the API.", TTFT_BUCKETS, ("is_streaming",))
-        self.ttft = {s: ttft.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
-        self.itl = _TallyHistogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between tokens as the API sees them, per token.",
-            names,
-            buckets=ITL_BUCKETS,
-            registry=registry,
-        ).labels(**labels)
+        self.ttft = {s: ttft(str(s).lower()) for s in (True, False)}
+        self.itl = naming.histogram(
+            "inter_token_latency_seconds", "Time between tokens as the API sees them, per token.", ITL_BUCKETS, _TallyHistogram
+        )()
         self._itl_tally: dict[float, int] = {}  # this frame's per-token gaps, and how many tokens had each
         e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS, ("is_streaming",))
-        self.e2e = {s: e2e.labels(**labels, is_streaming=str(s).lower()) for s in (True, False)}
-        self.tpot = histogram(
-            "request_time_per_output_token_seconds", "Decode time per output token after the first.", ITL_BUCKETS
-        ).labels(**labels)
-        self.queue_time = histogram("queue_time_seconds", "Time in the scheduler's waiting queue, all stays.", QUEUE_BUCKETS).labels(**labels)
-        self.num_retractions = histogram("num_retractions", "Retractions per finished request.", RETRACTION_BUCKETS).labels(**labels)
-        self.prompt_tokens_hist = histogram("prompt_tokens_histogram", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS).labels(**labels)
-        self.generation_tokens_hist = histogram(
-            "generation_tokens_histogram", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
-        ).labels(**labels)
+        self.e2e = {s: e2e(str(s).lower()) for s in (True, False)}
+        self.tpot = histogram("request_time_per_output_token_seconds", "Decode time per output token after the first.", ITL_BUCKETS)()
+        self.queue_time = histogram("queue_time_seconds", "Time in the scheduler's waiting queue, all stays.", QUEUE_BUCKETS)()
+        self.num_retractions = histogram("num_retractions", "Retractions per finished request.", RETRACTION_BUCKETS)()
+        self.prompt_tokens_hist = histogram("prompt_tokens_histogram", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS)()
+        self.generation_tokens_hist = histogram("generation_tokens_histogram", "Generated tokens per request.", TOKEN_COUNT_BUCKETS)()
         # A chat choice whose request gave tools, by how it finished: tool_calls when it called.
         tools = counter("tool_requests", "Finished chat choices of requests with tools, by finish_reason.", ("finish_reason",))
-        self.tool_requests = {r: tools.labels(**labels, finish_reason=r) for r in TOOL_FINISH_REASONS}
-        self.tool_calls = counter("tool_calls", "Tool calls in finished chat answers.").labels(**labels)
+        self.tool_requests = {r: tools(r) for r in TOOL_FINISH_REASONS}
+        self.tool_calls = counter("tool_calls", "Tool calls in finished chat answers.")()
         constrained = counter("constrained_requests", "Finished requests with a structured output, by kind.", ("kind",))
-        self.constrained = {kind: constrained.labels(**labels, kind=kind) for kind in CONSTRAINT_KINDS}
+        self.constrained = {kind: constrained(kind) for kind in CONSTRAINT_KINDS}
         self.grammar_wait = histogram(
             "grammar_compile_wait_seconds", "Time a structured-output request waited for its grammar to compile.", GRAMMAR_WAIT_BUCKETS
-        ).labels(**labels)
+        )()
+        self.peers = RequestPeerSeries(naming)
 
     def on_tokens(self, state: ReqState, num_tokens: int, previous_token_time: float | None, now: float) -> None:
         """A row with tokens reached the API: TTFT on the first, ITL per token after (tallied
@@ -178,6 +206,7 @@ class RequestMetrics:
         lost it): a request and an abort, with no token counts or timings to observe."""
         self.num_requests[state.stream].inc()
         self.num_aborted.inc()
+        self.peers.on_lost()
 
     def on_tool_answer(self, finish_reason: str, calls: int) -> None:
         """A finished chat choice of a request with tools (``tokenizer_proc.openai.chat_answers``)."""
@@ -214,6 +243,56 @@ class RequestMetrics:
         self.num_retractions.observe(stats.num_retractions)
         self.prompt_tokens_hist.observe(stats.prompt_tokens)
         self.generation_tokens_hist.observe(state.completion_tokens)
+        self.peers.on_finish(state)
+
+
+class RequestPeerSeries:
+    """A peer family's series that tokenpipe makes only for it, from each finished request's
+    state as the rest: vLLM's requests by finish reason, prefix-cache queries and hits, request
+    parameters and phase times; SGLang's uncached prompt tokens. ``ABSENT`` stands in for the
+    ones the family lacks (all of them for tokenpipe's own names)."""
+
+    def __init__(self, naming: Naming) -> None:
+        success = naming.peer_counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.request_success: dict[str, Counter | Absent] = {r: success(r) if success is not None else ABSENT for r in VLLM_FINISH_REASONS}
+        self.prefix_cache_queries = _child(naming.peer_counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."))
+        self.prefix_cache_hits = _child(naming.peer_counter("prefix_cache_hits", "Prompt tokens served from the prefix cache."))
+        self.params_n = _child(naming.peer_histogram("request_params_n", "Choices per request (n).", Histogram))
+        self.params_max_tokens = _child(naming.peer_histogram("request_params_max_tokens", "Requested max tokens.", Histogram))
+        self.max_generation_tokens = _child(
+            naming.peer_histogram("request_max_num_generation_tokens", "Generated tokens of a request's longest choice.", Histogram)
+        )
+        self.prefill_time = _child(naming.peer_histogram("request_prefill_time_seconds", "First forward to the prefill's end.", Histogram))
+        self.decode_time = _child(naming.peer_histogram("request_decode_time_seconds", "The prefill's end to the finish.", Histogram))
+        self.inference_time = _child(naming.peer_histogram("request_inference_time_seconds", "First forward to the finish.", Histogram))
+        self.uncached_prompt_tokens = _child(
+            naming.peer_histogram("uncached_prompt_tokens_histogram", "Prompt tokens per request not served by the cache.", Histogram)
+        )
+
+    def on_lost(self) -> None:
+        """A request lost before the scheduler reported on it: an abort, nothing to observe."""
+        self.request_success["abort"].inc()
+
+    def on_finish(self, state: ReqState) -> None:
+        stats = state.request_stats
+        assert stats is not None and state.finished_reason is not None
+        self.request_success[str(type(state.finished_reason).__struct_config__.tag)].inc()
+        self.prefix_cache_queries.inc(stats.prompt_tokens)
+        self.prefix_cache_hits.inc(stats.cached_tokens)
+        # The API runs each of a request's n choices as a pipeline request of its own, and the
+        # state does not know n: each choice counts as a request with n=1, its own max tokens
+        # and its own output (exact for n=1, vLLM's figures are per request of n choices).
+        self.params_n.observe(1)
+        self.params_max_tokens.observe(state.sampling.max_new_tokens)
+        self.max_generation_tokens.observe(state.completion_tokens)
+        self.uncached_prompt_tokens.observe(stats.prompt_tokens - stats.cached_tokens)
+        ts = stats.time_stats
+        if ts is None or ts.forward_entry_time is None or ts.completion_time is None:
+            return  # metrics off, or it ended before it ran
+        self.inference_time.observe(ts.completion_time - ts.forward_entry_time)
+        if ts.prefill_finished_time is not None:
+            self.prefill_time.observe(ts.prefill_finished_time - ts.forward_entry_time)
+            self.decode_time.observe(ts.completion_time - ts.prefill_finished_time)
 
 
 REJECTION_REASONS = ("body_too_large", "queue_full", "read_timeout")
@@ -221,13 +300,21 @@ REJECTION_REASONS = ("body_too_large", "queue_full", "read_timeout")
 
 class ServiceMetrics:
     def __init__(
-        self, model_name: str, engine_type: str = "unified", registry: CollectorRegistry | None = None, *, multiprocess: bool = False
+        self,
+        model_name: str,
+        engine_type: str = "unified",
+        registry: CollectorRegistry | None = None,
+        *,
+        multiprocess: bool = False,
+        compat: MetricsCompat = "tokenpipe",
+        context_length: int = 0,  # vLLM's token-count buckets reach it; only --metrics-compat vllm needs it
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.multiprocess = multiprocess
         self.labels = {"model_name": model_name, "engine_type": engine_type}
-        self.scheduler = SchedulerGauges(self.registry, self.labels)
-        self.requests = RequestMetrics(self.registry, self.labels)
+        naming = Naming(compat, self.registry, model_name, engine_type, context_length)
+        self.scheduler = SchedulerGauges(naming)
+        self.requests = RequestMetrics(naming)
 
     def render(self) -> bytes:
         if self.multiprocess:

@@ -97,7 +97,17 @@ class TokenizerManager:
         self._next_req_id = itertools.count((self.worker_index << WORKER_SHIFT) + base)
         self._dropped_rows = RateLimitedWarning(logger)
         self.num_aborted_requests = 0
-        self.metrics = ServiceMetrics(self.model_name, config.engine_type, multiprocess=config.api_workers > 1) if config.enable_metrics else None
+        self.metrics = (
+            ServiceMetrics(
+                self.model_name,
+                config.engine_type,
+                multiprocess=config.api_workers > 1,
+                compat=config.metrics_compat,
+                context_length=context_length,
+            )
+            if config.enable_metrics
+            else None
+        )
         # The first report proves the whole path (scheduler, detokenizer, this process) is up:
         # until then the service is starting, and /health says so (``ready``).
         self.last_scheduler_report: SchedulerStatsReport | None = None

@@ -25,7 +25,7 @@ FLAGS = {
     "--graceful-timeout", "--health-generate-timeout", "--max-request-bytes", "--max-queued-requests",
     "--request-read-timeout", "--api-workers", "--api-worker-index", "--disable-metrics", "--otlp-traces-endpoint",
     "--log-level", "--scheduler-input", "--detokenizer-input", "--tokenizer-input", "--incremental-streaming-output",
-    "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count", "--responses-store-bytes",
+    "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count", "--responses-store-bytes", "--metrics-compat",
 }  # fmt: skip
 HIDDEN = {"--ready-endpoint", "--config-json"}
 

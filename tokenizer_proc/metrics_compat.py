@@ -1,0 +1,269 @@
+"""Which names ``/metrics`` serves (``--metrics-compat``, docs/design.md section 7).
+
+A family changes names, label names and bucket boundaries, never values: every series is
+still fed by ``tokenizer_proc/metrics.py`` from the same ``ReqState`` and scheduler reports,
+so dashboards, alerts and autoscalers written for SGLang or vLLM read tokenpipe unchanged
+and the totals still equal the sums of meta_info.
+
+``FAMILIES`` is the one table. Per family it lists, by tokenpipe's name without the prefix,
+the tokenpipe series it has a counterpart for, and under names tokenpipe has not, the series
+of its own that tokenpipe computes only for it (``Naming.peer_*``). A tokenpipe series the
+family lacks keeps its ``tokenpipe:`` name and labels: nothing is lost, and no name is made
+up in a peer's namespace. The names, label names and buckets are the peers' own (vLLM's v1
+Prometheus logger, SGLang's metrics collector, and their Grafana dashboards). Counters are
+listed without ``_total``, which prometheus-client appends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Generic, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+from pipeline.config import MetricsCompat
+
+OWN_PREFIX = "tokenpipe:"
+
+# Boundaries that grow with the served context length (vLLM's token-count histograms).
+Buckets = tuple[float, ...] | Callable[[int], tuple[float, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One series as a family names it."""
+
+    name: str  # the whole name, prefix included
+    # The family's names for the extra labels the code gives (tokenpipe's, in its order); ""
+    # drops one, and the values that differed only in it add up. None: the code's names.
+    labels: tuple[str, ...] | None = None
+    buckets: Buckets | None = None  # None: the code's own
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    # The labels every series of the family carries, from (model_name, engine_type).
+    base_labels: Callable[[str, str], dict[str, str]]
+    series: Mapping[str, Series]
+
+
+def one_two_five(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50... up to ``limit``: vLLM's token-count buckets, up to the context length."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return tuple(out)
+            out.append(float(mantissa * scale))
+        scale *= 10
+
+
+# SGLang's defaults (its tokenizer and scheduler metric collectors).
+SGLANG_TTFT = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+SGLANG_E2E = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+SGLANG_ITL = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+SGLANG_QUEUE = (
+    0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800,
+    900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000,
+)
+SGLANG_TOKEN_COUNTS = (
+    100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 12500, 15000, 17500, 20000,
+    22500, 25000, 27500, 30000, 35000, 40000, 60000, 80000, 100000, 200000, 300000, 400000, 600000, 800000, 1000000,
+    1100000,
+)
+
+# vLLM's (its v1 Prometheus stat logger).
+VLLM_TTFT = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)
+VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_REQUEST_LATENCY = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)
+VLLM_ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+VLLM_N = (1, 2, 5, 10, 20)
+# vLLM's finished_reason values tokenpipe produces (vLLM also has error and repetition).
+VLLM_FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _labels_with_engine_type(model_name: str, engine_type: str) -> dict[str, str]:
+    return {"model_name": model_name, "engine_type": engine_type}
+
+
+def _vllm_labels(model_name: str, engine_type: str) -> dict[str, str]:
+    # vLLM labels its series by engine index; tokenpipe is one engine. The role of a PD
+    # server has no vLLM label (vLLM's disaggregated servers are told apart by instance).
+    return {"model_name": model_name, "engine": "0"}
+
+
+def _same_names(prefix: str, *keys: str) -> dict[str, Series]:
+    return {key: Series(prefix + key) for key in keys}
+
+
+SGLANG = Family(
+    _labels_with_engine_type,
+    MappingProxyType(
+        {
+            # tokenpipe took its names and labels from SGLang: the same names, SGLang's buckets.
+            **_same_names(
+                "sglang:",
+                "num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "gen_throughput",
+                "num_retracted_reqs", "num_retracted_requests", "prompt_tokens", "generation_tokens", "cached_tokens",
+                "num_requests", "num_aborted_requests", "num_retractions",
+            ),  # fmt: skip
+            "time_to_first_token_seconds": Series("sglang:time_to_first_token_seconds", buckets=SGLANG_TTFT),
+            "inter_token_latency_seconds": Series("sglang:inter_token_latency_seconds", buckets=SGLANG_ITL),
+            "e2e_request_latency_seconds": Series("sglang:e2e_request_latency_seconds", buckets=SGLANG_E2E),
+            # SGLang's source gives no buckets of its own for this one: those of ITL, its unit.
+            "request_time_per_output_token_seconds": Series("sglang:request_time_per_output_token_seconds", buckets=SGLANG_ITL),
+            "queue_time_seconds": Series("sglang:queue_time_seconds", buckets=SGLANG_QUEUE),
+            "prompt_tokens_histogram": Series("sglang:prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS),
+            "generation_tokens_histogram": Series("sglang:generation_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS),
+            # Structured-output requests, whatever their kind.
+            "constrained_requests": Series("sglang:num_so_requests", labels=("",)),
+            # SGLang's own.
+            "num_used_tokens": Series("sglang:num_used_tokens"),
+            "max_total_num_tokens": Series("sglang:max_total_num_tokens"),
+            "uncached_prompt_tokens_histogram": Series("sglang:uncached_prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS),
+        }
+    ),
+)
+
+VLLM = Family(
+    _vllm_labels,
+    MappingProxyType(
+        {
+            "num_running_reqs": Series("vllm:num_requests_running"),
+            "num_queue_reqs": Series("vllm:num_requests_waiting"),
+            "token_usage": Series("vllm:kv_cache_usage_perc"),  # a fraction, as tokenpipe's
+            "num_retracted_requests": Series("vllm:num_preemptions"),
+            "prompt_tokens": Series("vllm:prompt_tokens"),
+            "generation_tokens": Series("vllm:generation_tokens"),
+            # vLLM splits no latency by streaming.
+            "time_to_first_token_seconds": Series("vllm:time_to_first_token_seconds", labels=("",), buckets=VLLM_TTFT),
+            "inter_token_latency_seconds": Series("vllm:inter_token_latency_seconds", buckets=VLLM_ITL),
+            "e2e_request_latency_seconds": Series("vllm:e2e_request_latency_seconds", labels=("",), buckets=VLLM_REQUEST_LATENCY),
+            "request_time_per_output_token_seconds": Series("vllm:request_time_per_output_token_seconds", buckets=VLLM_ITL),
+            "queue_time_seconds": Series("vllm:request_queue_time_seconds", buckets=VLLM_REQUEST_LATENCY),
+            "prompt_tokens_histogram": Series("vllm:request_prompt_tokens", buckets=one_two_five),
+            "generation_tokens_histogram": Series("vllm:request_generation_tokens", buckets=one_two_five),
+            # vLLM's own.
+            "request_success": Series("vllm:request_success"),
+            "prefix_cache_queries": Series("vllm:prefix_cache_queries"),
+            "prefix_cache_hits": Series("vllm:prefix_cache_hits"),
+            "iteration_tokens": Series("vllm:iteration_tokens_total", buckets=VLLM_ITERATION_TOKENS),
+            "request_params_n": Series("vllm:request_params_n", buckets=VLLM_N),
+            "request_params_max_tokens": Series("vllm:request_params_max_tokens", buckets=one_two_five),
+            "request_max_num_generation_tokens": Series("vllm:request_max_num_generation_tokens", buckets=one_two_five),
+            "request_prefill_time_seconds": Series("vllm:request_prefill_time_seconds", buckets=VLLM_REQUEST_LATENCY),
+            "request_decode_time_seconds": Series("vllm:request_decode_time_seconds", buckets=VLLM_REQUEST_LATENCY),
+            "request_inference_time_seconds": Series("vllm:request_inference_time_seconds", buckets=VLLM_REQUEST_LATENCY),
+        }
+    ),
+)
+
+TOKENPIPE = Family(_labels_with_engine_type, MappingProxyType({}))
+
+FAMILIES: Mapping[MetricsCompat, Family] = MappingProxyType({"tokenpipe": TOKENPIPE, "sglang": SGLANG, "vllm": VLLM})
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Bound(Generic[M]):
+    """A registered metric and what a tokenpipe label set becomes in it: ``bound(*values)`` is
+    the child for the values of the code's extra labels (a dropped label's value is ignored)."""
+
+    __slots__ = ("_base", "_metric", "_names")
+
+    def __init__(self, metric: M, base: dict[str, str], names: tuple[str, ...]) -> None:
+        self._metric = metric
+        self._base = base
+        self._names = names
+
+    def __call__(self, *values: str) -> M:
+        extra = {name: value for name, value in zip(self._names, values, strict=True) if name}
+        return self._metric.labels(**self._base, **extra)
+
+
+class Absent:
+    """A series of a peer family that the chosen family does not have: updates go nowhere."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+    def observe_many(self, amount: float, count: int) -> None:
+        pass
+
+
+ABSENT = Absent()
+
+H = TypeVar("H", bound=Histogram)
+
+
+class Naming:
+    """``--metrics-compat`` resolved for one server: the name, labels and buckets each series
+    is registered with. ``counter``, ``gauge`` and ``histogram`` take a tokenpipe series;
+    ``peer_*`` a family's own, and give None when the family has no such series."""
+
+    def __init__(self, compat: MetricsCompat, registry: CollectorRegistry, model_name: str, engine_type: str, context_length: int) -> None:
+        self.registry = registry
+        self._family = FAMILIES[compat]
+        self._own_labels = TOKENPIPE.base_labels(model_name, engine_type)
+        self._family_labels = self._family.base_labels(model_name, engine_type)
+        self._context_length = context_length
+
+    def counter(self, key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Counter]:
+        name, base, names, _ = self._resolve(key, extra, None)
+        return Bound(Counter(name, doc, [*base, *(n for n in names if n)], registry=self.registry), base, names)
+
+    def gauge(self, key: str, doc: str) -> Bound[Gauge]:
+        # Set by one API worker only (docs/design.md section 7): its latest value is the one.
+        name, base, names, _ = self._resolve(key, (), None)
+        return Bound(Gauge(name, doc, list(base), registry=self.registry, multiprocess_mode="mostrecent"), base, names)
+
+    def histogram(self, key: str, doc: str, buckets: tuple[float, ...], cls: type[H], extra: tuple[str, ...] = ()) -> Bound[H]:
+        name, base, names, chosen = self._resolve(key, extra, buckets)
+        assert chosen is not None
+        return Bound(cls(name, doc, [*base, *(n for n in names if n)], buckets=chosen, registry=self.registry), base, names)
+
+    def peer_counter(self, key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Counter] | None:
+        return self.counter(key, doc, extra) if key in self._family.series else None
+
+    def peer_gauge(self, key: str, doc: str) -> Bound[Gauge] | None:
+        return self.gauge(key, doc) if key in self._family.series else None
+
+    def peer_histogram(self, key: str, doc: str, cls: type[H]) -> Bound[H] | None:
+        series = self._family.series.get(key)
+        if series is None:
+            return None
+        assert series.buckets is not None, f"{series.name} lists no buckets"
+        return self.histogram(key, doc, (), cls)
+
+    def _resolve(
+        self, key: str, extra: tuple[str, ...], buckets: tuple[float, ...] | None
+    ) -> tuple[str, dict[str, str], tuple[str, ...], tuple[float, ...] | None]:
+        """(name, base labels, extra label names, buckets) of the series ``key``."""
+        series = self._family.series.get(key)
+        if series is None:
+            return OWN_PREFIX + key, self._own_labels, extra, buckets
+        names = series.labels if series.labels is not None else extra
+        assert len(names) == len(extra), f"{series.name}: {len(extra)} extra labels, the table names {len(names)}"
+        chosen = series.buckets if series.buckets is not None else buckets
+        if callable(chosen):
+            assert self._context_length > 0, f"{series.name}'s buckets reach the context length: give it"
+            chosen = chosen(self._context_length)
+        return series.name, self._family_labels, names, chosen
