@@ -208,13 +208,14 @@ MESSAGES = pool(
     st.lists(message(), max_size=3),
 )
 
+ITEM_KEYS = ["type", "role", "content", "call_id", "output", "name", "arguments"]
 RESPONSE_ITEMS = pool(
     [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
     [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c", "output": "x"}],
     [{"type": "function_call_output", "call_id": "nope", "output": "x"}],
     [{"type": "reasoning", "id": "rs", "summary": []}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
     [{"type": "item_reference", "id": "x"}],
-    st.lists(st.dictionaries(st.sampled_from(["type", "role", "content", "call_id", "output", "name", "arguments"]), JUNK, max_size=4), max_size=3),
+    st.lists(st.dictionaries(st.sampled_from(ITEM_KEYS), junk_tree, max_size=4), max_size=3),
 )
 
 # Per endpoint: the main field (present 9 times in 10), then the others.

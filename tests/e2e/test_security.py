@@ -25,6 +25,7 @@ import pytest
 import zmq
 
 from pipeline.sockets import PrivateIpcDir
+from tokenizer_proc.openai.responses.store import ResponseStore
 from tests.server_harness import REPO, RoleProcesses, ServerProcess
 from pipeline.http import edge as http_edge
 
@@ -53,7 +54,10 @@ def test_the_servers_ipc_dir_is_owner_only_and_holds_its_sockets(server: ServerP
     assert st.st_uid == os.getuid()
     names = {p.name for p in ipc_dir.iterdir()}
     assert {"scheduler", "detokenizer", "tokenizer"} <= names
-    assert all((ipc_dir / n).is_socket() for n in names)
+    # Besides the sockets: only the Responses API's store (SQLite and its WAL files), owner-only.
+    store = {n for n in names if not (ipc_dir / n).is_socket()}
+    assert all(n.startswith(ResponseStore.FILE_NAME) for n in store), store
+    assert all((ipc_dir / n).stat().st_mode & 0o777 == 0o600 for n in store), store
 
 
 def test_private_ipc_dir_is_0700_whatever_the_umask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,6 +65,8 @@ class ResponseStore:
                 directory = self._own_dir.path
         self.path = directory / self.FILE_NAME
         self.max_count, self.max_bytes = max_count, max_bytes
+        # Owner-only, as the directory is (SQLite gives its WAL files the database's mode).
+        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
         self._lock = threading.Lock()  # one connection per process; calls come from the event loop
         # Several workers open the file at once: wait for another's write instead of failing.
         self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
