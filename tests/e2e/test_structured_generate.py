@@ -1,4 +1,4 @@
-"""SGLang's structured outputs on ``/generate`` against a real server (one for the module)
+"""SGLang's structured outputs on ``/generate`` against the shared server
 and the built-in random model: ``sampling_params.json_schema`` (the schema as a JSON
 string, as SGLang takes it), ``regex`` and ``ebnf`` make every answer one the constraint
 allows, streamed or not, and a stream spells what the same seeded request answers whole;
@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from pipeline.tokenizer_loader import load_tokenizer
-from tests.server_harness import ServerProcess
 
 TOKENIZER = load_tokenizer(None)
 EOS = 0  # the built-in model's
@@ -78,16 +76,6 @@ KINDS: dict[str, tuple[dict[str, str], Any]] = {
     "regex": ({"regex": REGEX}, lambda text: re.fullmatch(REGEX, text) is not None),
     "ebnf": ({"ebnf": EBNF}, lambda text: re.fullmatch(EBNF_AS_REGEX, text) is not None),
 }
-
-
-@pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    srv = ServerProcess(tmp_path_factory.mktemp("structured-generate") / "tmp").wait_ready()
-    try:
-        with srv.client() as client:
-            yield client
-    finally:
-        srv.stop()
 
 
 def _params(fields: dict[str, str], seed: int) -> dict[str, Any]:
