@@ -22,6 +22,77 @@ from pipeline.tokenizer_loader import LoadedTokenizer
 from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 
 
+class ContextLengthError(RequestValidationError):
+    """A prompt plus its max_new_tokens beyond the context. Its message is SGLang's (the
+    native API's); ``openai_message`` is vLLM's, for the OpenAI routes. Client libraries
+    recognise a context overflow by these phrases, so they are kept word for word, with
+    tokenpipe's own detail after them."""
+
+    def __init__(self, prompt_len: int, max_new_tokens: int, context_length: int) -> None:
+        self.prompt_len, self.max_new_tokens, self.context_length = prompt_len, max_new_tokens, context_length
+        self.prompt_alone = prompt_len >= context_length  # the prompt leaves no room for any output
+        total = prompt_len + max_new_tokens
+        if self.prompt_alone:
+            message = (
+                f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} tokens)."
+            )
+        else:
+            message = (
+                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                f"You requested a total of {total} tokens: {prompt_len} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
+            )
+        detail = f" The prompt has {prompt_len} tokens and sampling_params.max_new_tokens is {max_new_tokens}."
+        super().__init__(message + detail, "text" if self.prompt_alone else "sampling_params.max_new_tokens")
+
+    def openai_message(self, prompt_param: str, max_param: str) -> str:
+        """vLLM's wording, naming the OpenAI request's own fields in the detail."""
+        head = f"This model's maximum context length is {self.context_length} tokens. "
+        if self.prompt_alone:
+            body = (
+                f"However, your request has {self.prompt_len} input tokens. Please reduce the length of the input "
+                "messages."
+            )
+        else:
+            body = (
+                f"However, you requested {self.prompt_len + self.max_new_tokens} tokens ({self.prompt_len} in the "
+                f"messages, {self.max_new_tokens} in the completion). Please reduce the length of the messages or "
+                "completion."
+            )
+        return f"{head}{body} ({prompt_param}: {self.prompt_len} tokens; {max_param}: {self.max_new_tokens})"
+
+
+_LISTED_IDS = 8  # out-of-vocabulary ids a message lists: a long prompt may hold many
+
+
+class OutOfVocabularyError(RequestValidationError):
+    """Prompt token ids not below the vocabulary size. Its message is SGLang's (listing the
+    offending ids, not the whole prompt as SGLang does); ``openai_message`` is vLLM's."""
+
+    def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
+        bad = [(i, token) for i, token in enumerate(ids) if token >= vocab_size]
+        self.first_position, self.largest, self.vocab_size = bad[0][0], max(t for _, t in bad), vocab_size
+        listed = list(dict.fromkeys(t for _, t in bad))
+        shown = ", ".join(map(str, listed[:_LISTED_IDS])) + (", ..." if len(listed) > _LISTED_IDS else "")
+        super().__init__(
+            f"The input_ids [{shown}] contains values greater than the vocab size ({vocab_size}). The first is at "
+            f"position {self.first_position}; token ids must be below {vocab_size}.",
+            "input_ids",
+        )
+
+    def openai_message(self, prompt_param: str) -> str:
+        return (
+            f"Token id {self.largest} is out of vocabulary. The first such id is at {prompt_param} position "
+            f"{self.first_position}; token ids must be below the vocabulary size {self.vocab_size}."
+        )
+
+
+def duplicate_rid_message(rid: str) -> str:
+    """A live rid sent again: SGLang's words, which its clients recognise, then ours."""
+    return f"Duplicate request ID detected: {rid} (a request with rid {rid!r} is already running)"
+
+
 def without_tokenizer(needs: str, param: str) -> RequestValidationError:
     """The 400 for a request that needs what only a tokenizer gives, on a server that
     runs with --skip-tokenizer-init. ``needs`` says what needed it and what to do instead."""
@@ -57,9 +128,8 @@ class RequestChecks:
             ids = list(input_ids or [])
         if not ids:
             raise RequestValidationError("the prompt is empty: `text` must encode to at least one token", "text")
-        vocab = self.vocab_size
-        if input_ids is not None and max(ids) >= vocab:
-            raise RequestValidationError(f"input_ids holds a token id >= the vocabulary size {vocab}", "input_ids")
+        if input_ids is not None and max(ids) >= self.vocab_size:
+            raise OutOfVocabularyError(ids, self.vocab_size)
         return ids
 
     def media_token_ids(self, items: Sequence[MediaItem]) -> Mapping[str, int]:
@@ -97,11 +167,7 @@ class RequestChecks:
                 "sampling_params.max_new_tokens",
             )
         if prompt_len + sampling.max_new_tokens > self.context_length:
-            raise RequestValidationError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}) exceeds the "
-                f"context length ({self.context_length})",
-                "sampling_params.max_new_tokens" if prompt_len < self.context_length else "text",
-            )
+            raise ContextLengthError(prompt_len, sampling.max_new_tokens, self.context_length)
         if self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens) > self.config.max_total_tokens:
             block = " (rounded up to whole dLLM blocks)" if self.config.mode == "dllm" else ""
             raise RequestValidationError(

@@ -58,7 +58,7 @@ from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 from tokenizer_proc.control_client import ControlClient
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
-from tokenizer_proc.request_checks import RequestChecks
+from tokenizer_proc.request_checks import RequestChecks, duplicate_rid_message
 
 if TYPE_CHECKING:  # imported when tracing is on: the OpenTelemetry SDK is slow to import
     from tokenizer_proc.tracing import RequestTracer
@@ -272,7 +272,7 @@ class TokenizerManager:
         req_id = next(self._next_req_id)
         rid = rid if rid is not None else f"{req_id:x}-{time.monotonic_ns() & 0xFFFFFF:06x}"
         if rid in self.rid_to_req_id:
-            raise RequestValidationError(f"a request with rid {rid!r} is already running", "rid")
+            raise RequestValidationError(duplicate_rid_message(rid), "rid")
         now = self._clock()
         state = ReqState(
             rid=rid,

@@ -48,7 +48,7 @@ def test_prompt_longer_than_context(server: ServerProcess) -> None:
     with server.client() as c:
         resp = c.post("/generate", json={"input_ids": [7] * 3000, "sampling_params": {"max_new_tokens": 4}})
     assert resp.status_code == 400
-    assert "context length" in resp.json()["error"]["message"]
+    assert "is longer than the model's context length" in resp.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,8 @@ from pipeline.tokenizer_loader import load_tokenizer
 from tokenizer_proc.native.schema import RequestValidationError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
+DUPLICATE = r"^Duplicate request ID detected: same \(a request with rid 'same' is already running\)$"
+
 
 def _manager(tmp_path: Path) -> TokenizerManager:
     config = ServerConfig(scheduler_input=f"ipc://{tmp_path}/sched", tokenizer_input=f"ipc://{tmp_path}/tm", max_total_tokens=4096)
@@ -31,7 +33,7 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(tmp_path: Path)
         await tm.start()
         try:
             first = tm.submit_generate(input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same")
-            with pytest.raises(RequestValidationError, match="'same' is already running"):
+            with pytest.raises(RequestValidationError, match=DUPLICATE):
                 tm.submit_generate(input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same")
             tm.abort(first.req_id)
             tm.forget(first)

@@ -341,6 +341,20 @@ def decode_body(body: bytes, type_: type[_T]) -> _T:
     return obj
 
 
+def convert_body(obj: object, type_: type[_T]) -> _T:
+    """``decode_body`` for a body already decoded to Python objects (one item of a /generate
+    batch): the same type checks, and the same messages."""
+    try:
+        converted = msgspec.convert(obj, type=type_)
+    except msgspec.ValidationError as exc:
+        raise RequestValidationError(str(exc), _param_of(str(exc))) from exc
+    where = _int_out_of_range(converted)
+    if where is not None:
+        message = f"Integer out of range: must fit a signed 64-bit integer - at `{where}`"
+        raise RequestValidationError(message, _param_of(message))
+    return converted
+
+
 # msgspec decodes a JSON integer of any size into an `int` field, but no wire field can carry
 # one beyond 64 bits (msgpack) and no field means anything there: refuse it as the client's
 # error here rather than fail with a 500 when the request is encoded for the scheduler. Only an

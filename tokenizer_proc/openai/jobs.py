@@ -18,6 +18,7 @@ from tokenizer_proc.native.schema import RequestValidationError
 from tokenizer_proc.openai.chat_parsing import ChatParsing
 from tokenizer_proc.openai.schema import ChatCompletionRequest, SamplingRequest
 from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.request_checks import ContextLengthError, OutOfVocabularyError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 __all__ = ["ChatJobs", "Job", "choice_jobs", "openai_names", "prepare_chat", "room_left", "submit_jobs"]
@@ -141,6 +142,11 @@ def openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
     OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``, ``stop``)."""
     try:
         yield
+    except ContextLengthError as exc:
+        # vLLM's wording, which OpenAI clients recognise (the native one is SGLang's).
+        raise RequestValidationError(exc.openai_message(prompt_param, max_param), _openai_param(exc, prompt_param, max_param)) from exc
+    except OutOfVocabularyError as exc:
+        raise RequestValidationError(exc.openai_message(prompt_param), prompt_param) from exc
     except RequestValidationError as exc:
         message = str(exc)
         for native, ours in (
@@ -152,11 +158,14 @@ def openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
             ("sampling_params.logit_bias", "logit_bias"),
         ):
             message = message.replace(native, ours)
-        param = {
-            "sampling_params.max_new_tokens": max_param,
-            "text": prompt_param,
-            "input_ids": prompt_param,
-            "sampling_params.stop": "stop",
-            "sampling_params.logit_bias": "logit_bias",
-        }.get(exc.param or "", exc.param)
-        raise RequestValidationError(message, param) from exc
+        raise RequestValidationError(message, _openai_param(exc, prompt_param, max_param)) from exc
+
+
+def _openai_param(exc: RequestValidationError, prompt_param: str, max_param: str) -> str | None:
+    return {
+        "sampling_params.max_new_tokens": max_param,
+        "text": prompt_param,
+        "input_ids": prompt_param,
+        "sampling_params.stop": "stop",
+        "sampling_params.logit_bias": "logit_bias",
+    }.get(exc.param or "", exc.param)
