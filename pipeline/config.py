@@ -146,6 +146,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "event (SGLang's flag); without it each event carries everything so far, as SGLang streams by default",
         ),
     ] = False
+    enable_tokenizer_info_endpoint: Annotated[
+        bool, Flag("http", "serve GET /tokenizer_info: the tokenizer's configuration (vLLM's flag; off: 404)")
+    ] = False
 
     # Chat: how an answer splits into content, tool calls and reasoning (vLLM's and SGLang's flags)
     tool_call_parser: Annotated[

@@ -241,7 +241,7 @@ def test_tokenize_prompt_and_messages(http: httpx.Client) -> None:
     context = http.get("/server_info").json()["context_length"]
     ids = TOKENIZER.encode(PROMPT)
     out = http.post("/tokenize", json={"prompt": PROMPT, "model": MODEL}).json()
-    assert out == {"count": len(ids), "max_model_len": context, "tokens": ids}
+    assert out == {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": None}
     with_strs = http.post("/tokenize", json={"prompt": "hi there", "return_token_strs": True}).json()
     assert "".join(with_strs["token_strs"]).replace("Ġ", " ") == "hi there"
     assert http.post("/tokenize", json={"prompt": ""}).json()["count"] == 0
@@ -267,8 +267,8 @@ def test_tokenize_add_special_tokens(llama_server: ServerProcess, llama_dir: Pat
 def test_detokenize_round_trips(http: httpx.Client) -> None:
     text = "<|im_start|>user\nnaïve café 🙂<|im_end|>"
     ids = TOKENIZER.encode(text)
-    assert http.post("/detokenize", json={"tokens": ids, "model": MODEL}).json() == {"prompt": text}
-    assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    assert http.post("/detokenize", json={"tokens": ids, "model": MODEL}).json() == {"prompt": text, "text": text}
+    assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": "", "text": ""}
 
 
 @pytest.mark.parametrize(

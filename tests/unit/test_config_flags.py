@@ -26,6 +26,7 @@ FLAGS = {
     "--request-read-timeout", "--api-workers", "--api-worker-index", "--disable-metrics", "--otlp-traces-endpoint",
     "--log-level", "--scheduler-input", "--detokenizer-input", "--tokenizer-input", "--incremental-streaming-output",
     "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count", "--responses-store-bytes", "--metrics-compat",
+    "--enable-tokenizer-info-endpoint",
 }  # fmt: skip
 HIDDEN = {"--ready-endpoint", "--config-json"}
 

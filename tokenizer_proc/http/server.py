@@ -27,8 +27,10 @@ from tokenizer_proc.native.schema import (
 from tokenizer_proc.openai.embeddings import build_embeddings_router
 from tokenizer_proc.http.hot_routes import HotRoutes, post_endpoints
 from tokenizer_proc.http.hicache_api import build_hicache_router
+from tokenizer_proc.http.peer_api import build_peer_router
 from tokenizer_proc.http.common import (
     ClientGone,
+    abort_unfinished,
     error_response,
     model_not_found,
     not_ready,
@@ -38,6 +40,7 @@ from tokenizer_proc.http.common import (
     wait_finished,
     wait_started,
 )
+from tokenizer_proc.native.batch import batch_body, batch_items, submit_batch
 from tokenizer_proc.native.logprob_meta import logprob_meta, prompt_logprob_meta
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.native.meta_info import build_meta_info
@@ -91,7 +94,14 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         arrived = time.time()
-        obj: GenerateRequest = decode_body(await request.body(), GenerateBody)
+        raw = await request.body()
+        try:
+            obj: GenerateRequest = decode_body(raw, GenerateBody)
+        except RequestValidationError:
+            batch = batch_body(raw)  # only when the body is no single request: none pays for it
+            if batch is None:
+                raise
+            return await _generate_batch(tm, request, batch, arrived, on_stream)
         obj.refuse_unsupported()
         if obj.model is not None and obj.model != tm.model_name:
             return model_not_found(obj.model)
@@ -128,12 +138,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         refused = constraint_refusal(state, constraint)
         if refused is not None:
             return refused
-        meta = build_meta_info(state)
-        if state.logprob is not None:
-            meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
-            if state.logprob.logprob_start_len >= 0:
-                meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
-        return JSONResponse(_generate_body(tm, state.text, state.output_ids, meta))
+        return JSONResponse(_finished_body(tm, state, text_of))
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -168,11 +173,14 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
 
     openai_router = build_openai_router(tm)
     app.include_router(openai_router)
-    app.include_router(build_embeddings_router(tm))
+    embeddings_router = build_embeddings_router(tm)
+    app.include_router(embeddings_router)
     app.include_router(build_hicache_router(tm))
     app.include_router(build_tokenize_router(tm))
     app.include_router(build_worker_router(tm))
     app.include_router(responses_router)
+    invocation_endpoints = post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions"))
+    app.include_router(build_peer_router(tm, {**invocation_endpoints, **post_endpoints(embeddings_router, ("/v1/embeddings",))}))
 
     hot = {
         "/generate": generate,
@@ -195,13 +203,87 @@ async def _until_finished(state: ReqState) -> None:
         state.event.clear()
 
 
-def _generate_body(tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any]) -> dict[str, Any]:
+def _generate_body(
+    tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any], index: int | None = None
+) -> dict[str, Any]:
     """A /generate answer or stream event (or its template: Holes for the text and ids).
     Under --skip-tokenizer-init there is no text, and as SGLang does then, the answer has no
-    ``text`` key at all, only ``output_ids``."""
+    ``text`` key at all, only ``output_ids``. A batch item's stream events carry its
+    ``index`` in the batch, as SGLang's do."""
     if tm.tokenizer is None:
-        return {"output_ids": output_ids, "meta_info": meta_info}
-    return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
+        body: dict[str, Any] = {"output_ids": output_ids, "meta_info": meta_info}
+    else:
+        body = {"text": text, "output_ids": output_ids, "meta_info": meta_info}
+    if index is not None:
+        body["index"] = index
+    return body
+
+
+def _finished_body(tm: TokenizerManager, state: ReqState, text_of: TokenText | None) -> dict[str, Any]:
+    """The answer of a finished, not refused, non-streamed request (or batch item)."""
+    meta = build_meta_info(state)
+    if state.logprob is not None:
+        meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
+        if state.logprob.logprob_start_len >= 0:
+            meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
+    return _generate_body(tm, state.text, state.output_ids, meta)
+
+
+async def _generate_batch(
+    tm: TokenizerManager, request: Request, body: dict[str, Any], arrived: float, on_stream: Callable[[bool], None] | None
+) -> Response:
+    """A /generate batch (``tokenizer_proc.native.batch``): every item checked, then all
+    submitted; answered with a JSON list in order, or streamed as SGLang streams a batch:
+    each event one item's, carrying its ``index``, and one ``[DONE]`` at the end. An item
+    refused when it runs (a full queue, the scheduler's check) refuses the batch with its
+    status; the others are aborted."""
+    items = batch_items(tm, body)
+    stream = items[0].obj.stream
+    states = submit_batch(tm, request, items, stream, arrived)
+    text_of = tm.token_texts if items[0].obj.return_text_in_logprobs else None
+    try:
+        if stream:
+            if await wait_started(tm, states, request) is None:
+                sources = [_GenerateEvents(tm, state, text_of, index) for index, state in enumerate(states)]
+                return SseResponse(_BatchEvents(sources), tm.call_after_frame, on_stream)
+        else:
+            for state in states:
+                await wait_finished(tm, state, request)
+    except ClientGone:
+        abort_unfinished(tm, states)
+        return Response(status_code=499)
+    for item, state in zip(items, states):
+        refused = constraint_refusal(state, item.constraint)
+        if refused is not None:
+            abort_unfinished(tm, states)
+            return refused
+    return JSONResponse([_finished_body(tm, state, text_of) for state in states])
+
+
+class _BatchEvents:
+    """A /generate batch's stream (an ``EventSource``): each item's events are its own
+    ``_GenerateEvents``' (with its ``index``), and the stream ends with one ``[DONE]``."""
+
+    def __init__(self, items: list[_GenerateEvents]) -> None:
+        self._items = items
+        self.states = tuple(item.states[0] for item in items)
+
+    @property
+    def ended(self) -> bool:
+        return any(item.ended for item in self._items)
+
+    def opening(self) -> bytes:
+        return b""
+
+    def events(self, index: int) -> bytes:
+        return self._items[index].events(0)
+
+    def closing(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def close(self) -> None:
+        for item in self._items:
+            item.close()
 
 
 class _GenerateEvents:
@@ -219,8 +301,9 @@ class _GenerateEvents:
     existed; the cumulative one copies and encodes everything so far per event, bytes
     quadratic in the output's length, as SGLang's default does."""
 
-    def __init__(self, tm: TokenizerManager, state: ReqState, text_of: TokenText | None) -> None:
+    def __init__(self, tm: TokenizerManager, state: ReqState, text_of: TokenText | None, index: int | None = None) -> None:
         self.states = (state,)
+        self._index = index  # a batch item's, on each of its events
         self.ended = False
         self._tm = tm
         self._state = state
@@ -265,7 +348,7 @@ class _GenerateEvents:
                 if state.logprob.logprob_start_len >= 0 and self._prompt_logprobs_due:
                     meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, self._text_of))
             self._prompt_logprobs_due = self._every_event_lists_the_prompt
-            out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta)))
+            out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta, self._index)))
         return b"".join(out)
 
     def _take_cumulative(self) -> list[StreamChunk]:
@@ -301,7 +384,7 @@ class _GenerateEvents:
             meta = build_meta_info(self._state, chunk)
             meta["completion_tokens"] = _COUNT
             try:
-                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta))
+                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta, self._index))
             except TemplateError:
                 self._template = None
         return self._template

@@ -1,11 +1,19 @@
-"""vLLM's tokenizer endpoints: ``POST /tokenize`` and ``POST /detokenize``.
+"""The tokenizer endpoints: vLLM's ``POST /tokenize`` and ``POST /detokenize``, and SGLang's
+``POST /v1/tokenize`` and ``POST /v1/detokenize`` (each peer serves both paths; here all four
+take both peers' requests and answer both peers' keys).
 
-``/tokenize`` takes a ``prompt`` (``add_special_tokens`` defaults to true, as in vLLM: the
-tokenizer's post-processor BOS/EOS, if it has one) or chat ``messages`` rendered through the
-same chat template as ``/v1/chat/completions`` (``add_special_tokens`` defaults to false
-there, so the ids are exactly the prompt a chat request would run). It answers
-``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` on request). ``/detokenize``
-takes ``tokens`` and answers ``{"prompt"}``, special tokens included, as vLLM does.
+``/tokenize`` takes a ``prompt`` (``add_special_tokens`` defaults to true, as in vLLM and
+SGLang: the tokenizer's post-processor BOS/EOS, if it has one), SGLang's list of prompts (then
+``tokens``, ``count`` and ``token_strs`` are lists, one per prompt), or chat ``messages``
+rendered through the same chat template as ``/v1/chat/completions`` (``add_special_tokens``
+defaults to false there, so the ids are exactly the prompt a chat request would run). It
+answers ``{"count", "max_model_len", "tokens", "token_strs"}``, ``token_strs`` null unless
+``return_token_strs`` (vLLM's model, whose optional field is always in its answer).
+
+``/detokenize`` takes ``tokens`` (SGLang's list of lists too: one text per list) and
+SGLang's ``skip_special_tokens``, and answers ``{"prompt", "text"}`` (vLLM's key and
+SGLang's, the same text). Its default differs by path as between the peers: vLLM's
+``/detokenize`` keeps special tokens, SGLang's ``/v1/detokenize`` skips them.
 
 Neither touches the scheduler: they answer from the API process's own tokenizer. Under
 ``--skip-tokenizer-init`` there is none, and both answer 400 saying so.
@@ -13,7 +21,7 @@ Neither touches the scheduler: they answer from the API process's own tokenizer.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -34,7 +42,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     objects); ``check_form`` refuses a mix of the two. None means "not given"."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: str | list[str] | None = None  # a list: SGLang's batch
     messages: Annotated[list[Message], Meta(min_length=1)] | None = None
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
@@ -48,8 +56,18 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    tokens: list[TokenId]
+    tokens: list[TokenId | list[TokenId]]  # ids, or SGLang's lists of ids (msgspec takes one array type per union)
     model: str | None = None
+    skip_special_tokens: bool | None = None  # SGLang's; None: the path's default
+
+    def batches(self) -> tuple[list[list[int]], bool]:
+        """The lists of ids to decode, and whether the request gave a list of them."""
+        flat = [t for t in self.tokens if isinstance(t, int)]
+        if len(flat) == len(self.tokens):
+            return [flat], False
+        if flat:
+            raise RequestValidationError("give `tokens` as token ids or as lists of token ids, not a mix", "tokens")
+        return [t for t in self.tokens if isinstance(t, list)], True
 
 
 def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
@@ -58,6 +76,7 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
     tools = (tm.tokenizer, ChatTemplate.for_tokenizer(tm.tokenizer)) if tm.tokenizer is not None else None
 
     @router.post("/tokenize")
+    @router.post("/v1/tokenize")
     async def tokenize(request: Request) -> Response:
         body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
         body.check_form()
@@ -66,34 +85,57 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
         if tools is None:
             raise without_tokenizer("/tokenize has nothing to encode text with", "prompt" if body.prompt is not None else "messages")
         tokenizer, template = tools
+        if isinstance(body.prompt, list):
+            batch = [_prompt_tokens(tokenizer, p, body.add_special_tokens) for p in body.prompt]
+            strs = [_token_strs(tokenizer, ids) for ids in batch] if body.return_token_strs else None
+            return JSONResponse({"count": [len(ids) for ids in batch], "max_model_len": tm.context_length, "tokens": batch, "token_strs": strs})
         try:
             ids = _tokens(tokenizer, template, body)
         except ChatTemplateUnavailable as exc:
             return error_response(500, str(exc), err_type="internal_error")
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": tm.context_length, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = [tokenizer.tokenizer.id_to_token(i) for i in ids]
-        return JSONResponse(out)
+        token_strs = _token_strs(tokenizer, ids) if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": tm.context_length, "tokens": ids, "token_strs": token_strs})
 
-    @router.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
+    async def detokenize(request: Request, skip_special_default: bool) -> Response:
         body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
         tokenizer = tm.checks.require_tokenizer("/detokenize has nothing to decode token ids with", "tokens")
+        batches, listed = body.batches()
         vocab = tokenizer.vocab_size
-        for i, token in enumerate(body.tokens):
-            if token >= vocab:
-                raise RequestValidationError(f"tokens[{i}] is {token}, not below the vocabulary size {vocab}", f"tokens[{i}]")
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        for b, ids in enumerate(batches):
+            for i, token in enumerate(ids):
+                if token >= vocab:
+                    where = f"tokens[{b}][{i}]" if listed else f"tokens[{i}]"
+                    raise RequestValidationError(f"{where} is {token}, not below the vocabulary size {vocab}", where)
+        skip = skip_special_default if body.skip_special_tokens is None else body.skip_special_tokens
+        texts = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in batches]
+        text: str | list[str] = texts if listed else texts[0]
+        return JSONResponse({"prompt": text, "text": text})
+
+    @router.post("/detokenize")
+    async def detokenize_vllm(request: Request) -> Response:
+        return await detokenize(request, skip_special_default=False)  # vLLM shows special tokens
+
+    @router.post("/v1/detokenize")
+    async def detokenize_sglang(request: Request) -> Response:
+        return await detokenize(request, skip_special_default=True)  # SGLang's default
 
     return router
 
 
+def _prompt_tokens(tokenizer: LoadedTokenizer, prompt: str, add_special_tokens: bool | None) -> list[int]:
+    return tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
+
+
+def _token_strs(tokenizer: LoadedTokenizer, ids: list[int]) -> list[str | None]:
+    """Each id's vocabulary entry (vLLM's ``token_strs``: ``convert_ids_to_tokens``)."""
+    return [tokenizer.tokenizer.id_to_token(i) for i in ids]
+
+
 def _tokens(tokenizer: LoadedTokenizer, template: ChatTemplate, body: TokenizeRequest) -> list[int]:
-    if body.prompt is not None:
-        add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        return tokenizer.encode(body.prompt, add_special_tokens=add_special)
+    if isinstance(body.prompt, str):
+        return _prompt_tokens(tokenizer, body.prompt, body.add_special_tokens)
     assert body.messages is not None
     messages = [m.to_template(i) for i, m in enumerate(body.messages)]
     try:

@@ -2,7 +2,8 @@
 drives tokenpipe as it drives SGLang):
 
 - ``GET /server_info`` and ``GET /get_server_info``: the configuration, the served model
-  and the scheduler's latest report. sglang-router reads ``model_path``,
+  and the scheduler's latest report, with SGLang's ``max_total_num_tokens`` (the KV pool's
+  size) and ``version``. sglang-router reads ``model_path``,
   ``served_model_name``, ``dp_size``, ``tp_size``, ``disaggregation_mode``, ``model_type``
   and ``architectures`` from it when it registers a worker: ``served_model_name`` becomes
   the worker's model id, and ``model_path`` is where it loads its tokenizer from, so
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pipeline.tokenizer_loader import model_directory
 from tokenizer_proc.native.schema import decode_body
 from tokenizer_proc.http.common import error_response
+from tokenizer_proc.http.peer_api import package_version
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 # What tokenpipe's scheduler runs, whatever the checkpoint (scheduler_proc/model/llama.py): the
@@ -110,6 +112,10 @@ def server_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]
         aborted_requests=tm.num_aborted_requests,
         scheduler=msgspec.structs.asdict(tm.last_scheduler_report) if tm.last_scheduler_report else None,
         engine_type=config.engine_type,
+        # SGLang's names: the KV pool's size in tokens (the scheduler's own, once it has
+        # reported) and the package's version.
+        max_total_num_tokens=tm.last_scheduler_report.kv_capacity if tm.last_scheduler_report else config.max_total_tokens,
+        version=package_version(),
         disaggregation_bootstrap_endpoint=config.bootstrap_endpoint() if config.disaggregation_mode == "prefill" else None,
     )
     return info

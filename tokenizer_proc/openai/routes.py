@@ -34,6 +34,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pipeline.io_struct import Constraint
+from pipeline.tokenizer_loader import model_directory
 from tokenizer_proc.native.schema import RequestValidationError, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
 from tokenizer_proc.http.common import (
@@ -69,6 +70,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
     template = ChatTemplate.for_tokenizer(tm.tokenizer) if tm.tokenizer is not None else None
     started = int(time.time())
+    root = str(model_directory(tm.config.model_path))
 
     def model_card() -> dict[str, Any]:
         return {
@@ -76,6 +78,7 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
             "object": "model",
             "created": started,
             "owned_by": "tokenpipe",
+            "root": root,  # vLLM's and SGLang's: the served model's path (its directory here)
             "max_model_len": tm.context_length,  # vLLM's name
         }
 
@@ -197,4 +200,4 @@ async def _respond(
         reasoning_tokens = sum(parse_choice(tm, parsing, choice, state) for choice, state in zip(choices, states, strict=True))
         if parsing.reasoning is not None:
             totals["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return JSONResponse({**head, "choices": choices, "usage": totals})
+    return JSONResponse({**head, "choices": choices, "usage": totals, **kind.response_fields})

@@ -13,12 +13,20 @@ so ``cached_tokens <= prompt_tokens`` always holds.
 ``finish_reason``: ``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``,
 ``FinishLength`` is ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``.
 A choice's ``stop_reason`` (vLLM's; streamed, on the finishing chunk) is the stop string or
-``stop_token_ids`` id that ended it, null for EOS and every other finish.
+``stop_token_ids`` id that ended it, null for EOS and every other finish. Its
+``matched_stop`` (SGLang's; streamed on the finishing chunk only) is the stop string or token
+id that ended it, the EOS id included, null for a length or abort finish.
+
+Fields the peers always send: a completion choice's ``prompt_logprobs`` and a chat
+response's (``ChatShape.response_fields``) are null, as vLLM's are without its
+``prompt_logprobs`` request field (which tokenpipe does not serve).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats
 from pipeline.token_texts import TokenText
@@ -35,6 +43,7 @@ class CompletionShape:
     route = "/v1/completions"
     operation = "text_completion"  # gen_ai.operation.name
     chunk_object = "text_completion"
+    response_fields: ClassVar[Mapping[str, Any]] = MappingProxyType({})  # its prompt_logprobs are on its choices
 
     @staticmethod
     def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
@@ -49,6 +58,8 @@ class CompletionShape:
             "logprobs": logprobs,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
+            "matched_stop": matched_stop_of(state),
+            "prompt_logprobs": None,
         }
 
     @staticmethod
@@ -57,9 +68,16 @@ class CompletionShape:
 
     @staticmethod
     def delta(
-        index: int, text: str | Hole, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+        index: int,
+        text: str | Hole,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        logprobs: dict[str, Any] | None = None,
+        matched_stop: int | str | None = None,
     ) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        """``matched_stop`` goes on the finishing chunk only (``finish_reason`` set)."""
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return _with_matched_stop(out, finish_reason, matched_stop)
 
     @staticmethod
     def echoed_text(state: ReqState) -> str:
@@ -81,6 +99,7 @@ class ChatShape:
     route = "/v1/chat/completions"
     operation = "chat"
     chunk_object = "chat.completion.chunk"
+    response_fields: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompt_logprobs": None})  # after ``usage``, as vLLM's
 
     @staticmethod
     def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
@@ -90,6 +109,7 @@ class ChatShape:
             "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of) if state.logprob is not None else None,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
+            "matched_stop": matched_stop_of(state),
         }
 
     @staticmethod
@@ -99,15 +119,21 @@ class ChatShape:
 
     @staticmethod
     def delta(
-        index: int, text: str | Hole, finish_reason: str | None, stop_reason: int | str | None, logprobs: dict[str, Any] | None = None
+        index: int,
+        text: str | Hole,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        logprobs: dict[str, Any] | None = None,
+        matched_stop: int | str | None = None,
     ) -> dict[str, Any]:
-        return {
+        out = {
             "index": index,
             "delta": {"content": text} if text else {},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
+        return _with_matched_stop(out, finish_reason, matched_stop)
 
     @staticmethod
     def echoed_text(state: ReqState) -> str:
@@ -137,6 +163,21 @@ def stop_reason_of(state: ReqState) -> int | str | None:
     if isinstance(reason.matched, str) or reason.matched in state.sampling.stop_token_ids:
         return reason.matched
     return None
+
+
+def matched_stop_of(state: ReqState) -> int | str | None:
+    """SGLang's ``matched_stop``: what ``FinishStop`` matched (a stop string, or a token id:
+    a ``stop_token_ids`` id or an EOS id alike); null for every other finish."""
+    reason = state.finished_reason
+    return reason.matched if isinstance(reason, FinishStop) else None
+
+
+def _with_matched_stop(chunk: dict[str, Any], finish_reason: str | None, matched_stop: int | str | None) -> dict[str, Any]:
+    """A stream chunk, with ``matched_stop`` when it is the choice's finishing one (as
+    SGLang's final chunk carries it); the content chunks before it stay as they were."""
+    if finish_reason is not None:
+        chunk["matched_stop"] = matched_stop
+    return chunk
 
 
 def with_ids(choice: dict[str, Any], ids: list[int], ids_out: bool) -> dict[str, Any]:

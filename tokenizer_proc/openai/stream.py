@@ -16,7 +16,7 @@ from tokenizer_proc.http.common import abort_unfinished, refusal
 from tokenizer_proc.openai.chat_answers import finish_parsed
 from tokenizer_proc.openai.chat_parsing import ChatParsing, delta_fields
 from tokenizer_proc.openai.logprobs import openai_token_text
-from tokenizer_proc.openai.shapes import Shape, finish_reason_of, request_usage, stop_reason_of, with_ids
+from tokenizer_proc.openai.shapes import Shape, finish_reason_of, matched_stop_of, request_usage, stop_reason_of, with_ids
 from tokenizer_proc.req_state import ReqState, StreamChunk
 from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -123,7 +123,7 @@ class ChoiceEvents:
         kind, text_of, ids_out = self._kind, self._text_of, self._ids_out
         # Finished or not as taken: what comes while these events are sent is the next take's.
         chunks, finish_reason = state.take_pending(), finish_reason_of(state)
-        stop_reason = stop_reason_of(state)
+        stop_reason, matched_stop = stop_reason_of(state), matched_stop_of(state)
         out = []
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1  # the finish goes on the last event only
@@ -143,7 +143,7 @@ class ChoiceEvents:
                 logprobs = kind.chunk_logprobs(chunk, text_of, self._offsets[index], state if lead else None)
                 echoed = state.prompt_ids if lead and state.echo is not None else []
                 self._offsets[index] += sum(len(text_of(t)) for t in echoed + chunk.ids)
-            delta = with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs), chunk.ids, ids_out)
+            delta = with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs, matched_stop), chunk.ids, ids_out)
             out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
         return b"".join(out)
 
@@ -171,6 +171,8 @@ class ChoiceEvents:
                 "finish_reason": final,
                 "stop_reason": stop_reason if final is not None else None,
             }
+            if final is not None:  # SGLang's, on the finishing chunk (shapes' module docstring)
+                choice["matched_stop"] = matched_stop_of(state)
             out.append(sse({**self._head, "choices": [choice], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
         return b"".join(out)
 
