@@ -22,6 +22,7 @@ from torch import nn
 from pipeline.model_config import ModelConfig
 from scheduler_proc.batch.forward_batch import AttentionLayout, ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.model.attention import pool_attention
 
 
 def _param(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
@@ -78,25 +79,8 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, layout.cos, layout.sin), apply_rotary(k, layout.cos, layout.sin)
-
-        # Write before gathering, so each sequence's new keys are read back with its prefix.
-        k_cache, v_cache = kv.k[self.layer_idx], kv.v[self.layer_idx]
-        k_cache.index_copy_(0, layout.out_slots, k)
-        v_cache.index_copy_(0, layout.out_slots, v)
-        keys = self._gather(k_cache, layout.kv_slot_table)  # [B, KH, L, D]
-        values = self._gather(v_cache, layout.kv_slot_table)
-
-        queries = layout.pad(q).transpose(1, 2)  # [B, H, Qmax, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask, enable_gqa=True)
-        out = layout.unpad(out.transpose(1, 2))  # [T, H, D]
+        out = pool_attention(q, k, v, layout, kv.k[self.layer_idx], kv.v[self.layer_idx], self.head_dim**-0.5)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    @staticmethod
-    def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        # index_select over flat rows, not cache[table]: the gather is the biggest cost of a
-        # large decode step, and advanced indexing is ~4x slower at it on the CPU.
-        b, length = table.shape
-        return cache.index_select(0, table.reshape(-1)).view(b, length, *cache.shape[1:]).transpose(1, 2)
 
 
 class LlamaMLP(nn.Module):
