@@ -25,6 +25,7 @@ ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 # The metric names /metrics serves: tokenpipe's own, or a peer's (tokenizer_proc/metrics_compat.py).
 MetricsCompat = Literal["tokenpipe", "sglang", "vllm"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # The supervisor hands its children the whole config as JSON in this variable.
 CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
@@ -44,6 +45,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     served_model_name: Annotated[str | None, Flag("model", "the model name the API reports (default: the model directory's name)")] = None
     model_seed: Annotated[int, Flag("model", "seed of the built-in model's weights")] = 0
     device: Annotated[str, Flag("model", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")] = "auto"
+    dtype: Annotated[
+        ModelDtype,
+        Flag("model", "weights and KV cache: auto (the checkpoint's torch_dtype; float32 for the built-in model), float32, bfloat16, float16"),
+    ] = "auto"
     # None: all cores but two (the other processes need them)
     torch_threads: Annotated[int | None, Flag("model", "CPU threads for the model (default: cores - 2, at least 1)")] = None
     mode: Annotated[

@@ -1,15 +1,62 @@
-"""Shape of the Llama-style model, read from and written to a HF ``config.json`` dict, and
-the context limit that follows from it. Torch-free, so the API process validates prompts
-against the same numbers the scheduler uses."""
+"""Shape of the decoder, read from and written to a HF ``config.json`` dict, and the context
+limit that follows from it. Torch-free, so the API process validates prompts against the same
+numbers the scheduler uses.
+
+One decoder serves every supported architecture (``ARCHITECTURES``): the families differ
+only in a few switches (biases on the projections, RMSNorm on each head's q and k, the
+rotary scaling, a sliding window), which ``from_hf_dict`` reads into this one config. A key
+that config.json sets and the decoder does not implement is refused, never ignored: a model
+served with a setting silently dropped computes something else than the checkpoint was
+trained to compute."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import ServerConfig
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one ``architectures`` entry means to the decoder."""
+
+    model_type: str
+    qkv_bias: bool | None  # None: config.json's ``attention_bias`` decides (q, k, v and o alike)
+    qk_norm: bool  # RMSNorm over head_dim on every head's q and k, before the rotary (Qwen3)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama", qkv_bias=None, qk_norm=False),
+    # Qwen2 always has q/k/v biases and never an o_proj one.
+    "Qwen2ForCausalLM": Architecture("qwen2", qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": Architecture("qwen3", qkv_bias=None, qk_norm=True),
+    "MistralForCausalLM": Architecture("mistral", qkv_bias=False, qk_norm=False),
+}
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """config.json's ``rope_scaling`` (``rope_parameters`` since transformers 5), as
+    transformers applies it (``transformers.modeling_rope_utils``). ``dynamic`` rescales only
+    past ``max_position_embeddings``, which the served context never is, so it computes the
+    default rotary there, as transformers does."""
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: None means from factor (and mscale)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
 
 
 @dataclass(frozen=True)
@@ -24,17 +71,29 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    architecture: str = "LlamaForCausalLM"
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    qkv_bias: bool = False  # biases on q_proj, k_proj and v_proj
+    o_bias: bool = False  # a bias on o_proj (Llama's and Qwen3's attention_bias)
+    mlp_bias: bool = False  # biases on gate_proj, up_proj and down_proj
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    # Keys are attended to only within this many positions: the served context is capped to
+    # it, where a window and full attention are the same computation.
+    sliding_window: int | None = None
+    # The checkpoint's torch_dtype ("float32", "bfloat16", "float16"): how its weights are
+    # stored, not what the decoder is, so two configs differing only here are equal.
+    dtype: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // max(1, self.num_attention_heads))
         for key in _INT_FIELDS:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelConfig.{key} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(unsupported_architecture_message(self.architecture))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
@@ -44,55 +103,98 @@ class ModelConfig:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.architecture].model_type
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence this decoder computes as the checkpoint does: its positions,
+        or its sliding window when that is shorter."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a HF LlamaConfig dict; reject settings this model does not implement
-        rather than silently computing something different from the checkpoint."""
+        """Read a HF config.json dict of a supported architecture; refuse every setting this
+        decoder does not implement rather than compute something else than the checkpoint."""
+        architecture = _architecture(d)
+        arch = ARCHITECTURES[architecture]
+        unknown = sorted(k for k in d if k not in _READ_KEYS and k not in _NEUTRAL_KEYS)
+        if unknown:
+            raise ValueError(
+                f"config keys {', '.join(repr(k) for k in unknown)} are not implemented by tokenpipe's "
+                f"{architecture}: refusing to serve the checkpoint without them"
+            )
+        for key, neutral in _NEUTRAL_KEYS.items():
+            if key in d and not neutral(d[key]):
+                raise ValueError(f"config key {key!r}={d[key]!r} is not supported by tokenpipe's {architecture}")
+
         ints = {key: _positive_int(d, key) for key in _INT_FIELDS if key != "num_key_value_heads"}
         # HF treats a missing num_key_value_heads as plain multi-head attention.
         if d.get("num_key_value_heads") is None:
             ints["num_key_value_heads"] = ints["num_attention_heads"]
         else:
             ints["num_key_value_heads"] = _positive_int(d, "num_key_value_heads")
+        head_dim = ints["hidden_size"] // ints["num_attention_heads"] if d.get("head_dim") is None else _positive_int(d, "head_dim")
 
-        head_dim = d.get("head_dim")
-        if head_dim is not None and head_dim != ints["hidden_size"] // ints["num_attention_heads"]:
-            raise ValueError(
-                f"config key 'head_dim'={head_dim!r} is not supported: expected "
-                "hidden_size // num_attention_heads"
-            )
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config key 'hidden_act'={act!r} is not supported: expected 'silu'")
-        if d.get("rope_scaling") is not None:
-            raise ValueError(
-                f"config key 'rope_scaling'={d['rope_scaling']!r} is not supported: expected null"
-            )
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key):
-                raise ValueError(f"config key {key!r}=true is not supported: this model has no biases")
+        attention_bias = _bool(d, "attention_bias")
+        if arch.qkv_bias is None:
+            qkv_bias = o_bias = attention_bias
+        else:
+            if "attention_bias" in d and attention_bias != arch.qkv_bias:
+                raise ValueError(f"config key 'attention_bias'={attention_bias!r} is not supported by {architecture}")
+            qkv_bias, o_bias = arch.qkv_bias, False
 
-        tie = d.get("tie_word_embeddings", False)
-        if not isinstance(tie, bool):
-            raise ValueError(f"config key 'tie_word_embeddings' must be a bool, got {tie!r}")
+        rope_theta, rope_scaling = _rope(d)
         return cls(
             **ints,
             rms_norm_eps=_positive_float(d, "rms_norm_eps", 1e-5),
-            rope_theta=_positive_float(d, "rope_theta", 10000.0),
-            tie_word_embeddings=tie,
+            rope_theta=rope_theta,
+            tie_word_embeddings=_bool(d, "tie_word_embeddings"),
+            architecture=architecture,
+            head_dim=head_dim,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=_bool(d, "mlp_bias"),
+            qk_norm=arch.qk_norm,
+            rope_scaling=rope_scaling,
+            sliding_window=_sliding_window(d, ints["num_hidden_layers"]),
+            dtype=_dtype(d),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        """A config.json transformers reads as the same model (the built-in model's, and
+        what ``save_pretrained`` writes)."""
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
             "hidden_act": "silu",
+            **{key: getattr(self, key) for key in _INT_FIELDS},
             "head_dim": self.head_dim,
-            **asdict(self),
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "mlp_bias": self.mlp_bias,
         }
+        if ARCHITECTURES[self.architecture].qkv_bias is None:
+            out["attention_bias"] = self.qkv_bias
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {k: v for k, v in asdict(self.rope_scaling).items() if v is not None}
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+            if self.model_type != "mistral":
+                out["use_sliding_window"] = True
+        if self.dtype is not None:
+            out["torch_dtype"] = self.dtype
+        return out
+
+
+def unsupported_architecture_message(name: object) -> str:
+    return f"architecture {name!r} is not supported; tokenpipe serves {', '.join(ARCHITECTURES)}"
 
 
 _INT_FIELDS = (
@@ -104,6 +206,179 @@ _INT_FIELDS = (
     "num_key_value_heads",
     "max_position_embeddings",
 )
+
+# Keys from_hf_dict reads (and checks) itself.
+_READ_KEYS = frozenset(
+    {
+        *_INT_FIELDS,
+        "architectures",
+        "model_type",
+        "head_dim",
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
+        "torch_dtype",
+        "dtype",
+    }
+)
+
+
+def _always(_: Any) -> bool:
+    return True
+
+
+def _falsy(value: Any) -> bool:
+    return not value
+
+
+# Keys that do not change what an inference forward computes (training, generation and
+# bookkeeping settings), or that do only at a value other than the one accepted here.
+_NEUTRAL_KEYS: dict[str, Any] = {
+    **dict.fromkeys(
+        (
+            "_name_or_path", "transformers_version", "initializer_range", "use_cache", "bos_token_id",
+            "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "id2label", "label2id",
+            "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
+            "problem_type", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task",
+            "attention_dropout", "torchscript", "tf_legacy_loss", "use_bfloat16", "architectures_map",
+            "is_llama_config", "keys_to_ignore_at_inference", "max_length", "min_length", "do_sample",
+            "num_beams", "temperature", "top_k", "top_p", "repetition_penalty", "typical_p",
+        ),
+        _always,
+    ),
+    "pretraining_tp": lambda v: v in (None, 1),  # >1 split matmuls in old transformers: refuse
+    "is_encoder_decoder": _falsy,
+    "add_cross_attention": _falsy,
+    "tie_encoder_decoder": _falsy,
+    "is_decoder": _always,
+    "rope_interleaved": _falsy,  # SmolLM2's: the rotate-half layout is the only one here
+    "partial_rotary_factor": lambda v: v in (None, 1, 1.0),
+    "quantization_config": lambda v: v is None,
+    "pruned_heads": _falsy,
+    "mlp_only_layers": _falsy,
+}
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures")
+    if archs is None:
+        # transformers' own configs written without a model class name: by model_type.
+        by_type = {a.model_type: name for name, a in ARCHITECTURES.items()}
+        if d.get("model_type") in by_type:
+            return by_type[d["model_type"]]
+        raise ValueError(f"config.json names no 'architectures'; {unsupported_architecture_message(None)}")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        raise ValueError(f"config key 'architectures' must be a list of one name, got {archs!r}")
+    if archs[0] not in ARCHITECTURES:
+        raise ValueError(unsupported_architecture_message(archs[0]))
+    model_type = d.get("model_type")
+    expected = ARCHITECTURES[archs[0]].model_type
+    if model_type is not None and model_type != expected:
+        raise ValueError(f"config key 'model_type'={model_type!r} does not match {archs[0]} (expected {expected!r})")
+    return archs[0]
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling, from the pre-5 keys (``rope_theta``, ``rope_scaling``) or
+    transformers 5's ``rope_parameters`` (both in one dict)."""
+    params = d.get("rope_parameters")
+    scaling = d.get("rope_scaling")
+    if params is not None and scaling is not None and params != scaling:
+        raise ValueError("config keys 'rope_parameters' and 'rope_scaling' disagree")
+    spec = params if params is not None else scaling
+    if spec is not None and not isinstance(spec, dict):
+        raise ValueError(f"config key 'rope_scaling' must be an object, got {spec!r}")
+    spec = dict(spec or {})
+    theta_source = spec if "rope_theta" in spec else d
+    theta = _positive_float(theta_source, "rope_theta", 10000.0)
+    spec.pop("rope_theta", None)
+    rope_type = spec.pop("rope_type", None) or spec.pop("type", None) or "default"
+    spec.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; tokenpipe applies {', '.join(ROPE_TYPES)}")
+    if spec.pop("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise ValueError("rope_scaling 'partial_rotary_factor' other than 1 is not supported")
+    if rope_type == "default":
+        if spec:
+            raise ValueError(f"rope_scaling keys {sorted(spec)} are not supported with the default rotary")
+        return theta, None
+    allowed = {
+        "linear": {"factor"},
+        "dynamic": {"factor", "original_max_position_embeddings"},
+        "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+        "yarn": {
+            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+            "mscale", "mscale_all_dim", "truncate",
+        },
+    }[rope_type]
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise ValueError(f"rope_scaling keys {unknown} are not supported with rope_type {rope_type!r}")
+    if rope_type == "yarn" and spec.get("factor") is None:
+        if spec.get("original_max_position_embeddings") is None:
+            raise ValueError("rope_scaling 'yarn' needs 'factor' or 'original_max_position_embeddings'")
+        spec["factor"] = _positive_int(d, "max_position_embeddings") / spec["original_max_position_embeddings"]
+    required = {"linear": ("factor",), "dynamic": ("factor",), "llama3": tuple(sorted(allowed)), "yarn": ("original_max_position_embeddings",)}
+    for key in required[rope_type]:
+        if spec.get(key) is None:
+            raise ValueError(f"rope_scaling {rope_type!r} needs {key!r}")
+    values: dict[str, Any] = {}
+    for key, value in spec.items():
+        if value is None:
+            continue
+        if key == "truncate":
+            if not isinstance(value, bool):
+                raise ValueError(f"rope_scaling 'truncate' must be a bool, got {value!r}")
+            values[key] = value
+        elif key == "original_max_position_embeddings":
+            values[key] = _positive_int(spec, key)
+        else:
+            values[key] = _positive_float(spec, key, 1.0)
+    if rope_type == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise ValueError("rope_scaling 'llama3' needs high_freq_factor > low_freq_factor")
+    return theta, RopeScaling(rope_type, **values)
+
+
+def _sliding_window(d: dict[str, Any], num_layers: int) -> int | None:
+    """The window, when any layer uses one: Mistral's ``sliding_window``; Qwen's only with
+    ``use_sliding_window`` (and on the layers from ``max_window_layers`` on, or as
+    ``layer_types`` says: capping the context at the window is exact for all of them)."""
+    window = d.get("sliding_window")
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ValueError(f"config key 'sliding_window' must be a positive integer or null, got {window!r}")
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"config key 'layer_types' is not supported: {layer_types!r}")
+        if "sliding_attention" not in layer_types:
+            return None
+        return window
+    if "use_sliding_window" in d and not d["use_sliding_window"]:
+        return None
+    max_window_layers = d.get("max_window_layers")
+    if "use_sliding_window" in d and isinstance(max_window_layers, int) and max_window_layers >= num_layers:
+        return None
+    return window
+
+
+def _dtype(d: dict[str, Any]) -> str | None:
+    value = d.get("torch_dtype", d.get("dtype"))
+    if value is None:
+        return None
+    if value not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"config key 'torch_dtype'={value!r} is not supported: expected float32, bfloat16 or float16")
+    return str(value)
 
 
 def default_model_config(vocab_size: int) -> ModelConfig:
@@ -126,15 +401,33 @@ def load_model_config(config: ServerConfig, vocab_size: int) -> ModelConfig:
         return default_model_config(vocab_size)
     path = Path(config.model_path) / "config.json"
     try:
-        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+        text = path.read_text()
     except FileNotFoundError as exc:
         raise ValueError(f"model directory has no config.json: {path}") from exc
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    try:
+        return ModelConfig.from_hf_dict(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
 
 
 def context_length_of(config: ServerConfig, vocab_size: int) -> int:
-    """The longest sequence (prompt plus output) a request may reach."""
-    model_max = load_model_config(config, vocab_size).max_position_embeddings
-    return min(config.context_length or model_max, model_max)
+    """The longest sequence (prompt plus output) a request may reach. A ``--context-length``
+    past a sliding window is refused: beyond it the window and full attention differ."""
+    model = load_model_config(config, vocab_size)
+    limit = model.context_limit
+    if config.context_length is not None and model.sliding_window is not None and config.context_length > limit:
+        raise ValueError(
+            f"--context-length {config.context_length} exceeds the model's sliding_window ({model.sliding_window}): "
+            f"tokenpipe attends over the whole context, which equals the window's attention only within "
+            f"{limit} tokens; pass --context-length {limit} or less"
+        )
+    return min(config.context_length or limit, limit)
 
 
 def _positive_int(d: dict[str, Any], key: str) -> int:
@@ -149,6 +442,17 @@ def _positive_int(d: dict[str, Any], key: str) -> int:
 
 def _positive_float(d: dict[str, Any], key: str, default: float) -> float:
     value = d.get(key, default)
+    if value is None:
+        value = default
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"config key {key!r} must be a positive number, got {value!r}")
     return float(value)
+
+
+def _bool(d: dict[str, Any], key: str) -> bool:
+    value = d.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"config key {key!r} must be a bool, got {value!r}")
+    return value

@@ -1,4 +1,9 @@
-"""Llama-style decoder (RMSNorm, rotary, SwiGLU, GQA) that reads and writes the token-level KV pool.
+"""The decoder (RMSNorm, rotary, SwiGLU, GQA) that reads and writes the token-level KV pool.
+
+One module serves every architecture of ``pipeline.model_config.ARCHITECTURES`` (Llama,
+Qwen2, Qwen3, Mistral): their differences are switches of ``ModelConfig`` (projection
+biases, per-head q/k RMSNorm, explicit head_dim, the rotary scaling of
+``scheduler_proc.model.rotary``), not copies of the decoder.
 
 Hot-path invariants (forward):
 - One pass per call for the whole batch: per-layer work is batched tensor ops; the only
@@ -15,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -23,6 +27,8 @@ from pipeline.model_config import ModelConfig
 from scheduler_proc.batch.forward_batch import AttentionLayout, ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.attention import pool_attention
+from scheduler_proc.model.rotary import rotary_tables
+from scheduler_proc.model.weights import checkpoint_dtype, checkpoint_files, load_weights, read_config
 
 
 def _param(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
@@ -32,12 +38,20 @@ def _param(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtyp
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, in_features: int, out_features: int, device: torch.device | str, dtype: torch.dtype, *, bias: bool = False
+    ) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), device, dtype)
+        if bias:
+            self.bias = _param((out_features,), device, dtype)
+        else:
+            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -67,17 +81,22 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h, kv_dim = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = Linear(h, h, device, dtype)
-        self.k_proj = Linear(h, kv_dim, device, dtype)
-        self.v_proj = Linear(h, kv_dim, device, dtype)
-        self.o_proj = Linear(h, h, device, dtype)
+        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = Linear(h, q_dim, device, dtype, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, kv_dim, device, dtype, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, kv_dim, device, dtype, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_dim, h, device, dtype, bias=cfg.o_bias)
+        # Qwen3: each head's q and k are RMS-normed over head_dim before the rotary.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, layout: AttentionLayout, kv: KVPool) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, layout.cos, layout.sin), apply_rotary(k, layout.cos, layout.sin)
         out = pool_attention(q, k, v, layout, kv.k[self.layer_idx], kv.v[self.layer_idx], self.head_dim**-0.5)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -87,9 +106,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(h, i, device, dtype)
-        self.up_proj = Linear(h, i, device, dtype)
-        self.down_proj = Linear(i, h, device, dtype)
+        self.gate_proj = Linear(h, i, device, dtype, bias=cfg.mlp_bias)
+        self.up_proj = Linear(h, i, device, dtype, bias=cfg.mlp_bias)
+        self.down_proj = Linear(i, h, device, dtype, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -126,14 +145,18 @@ class LlamaForCausalLM(nn.Module):
     rotary_cos: torch.Tensor
     rotary_sin: torch.Tensor
 
-    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32, *, positions: int | None = None
+    ) -> None:
+        """``positions``: the rotary table's length, the served context (default: the
+        model's context limit); a 128k-position table would cost 100+ MB for nothing."""
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, device, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, device, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = _rotary_cache(config)
+        cos, sin = rotary_tables(config, positions or config.context_limit)
         # Non-persistent: derived from the config, never part of a checkpoint.
         self.register_buffer("rotary_cos", cos.to(device), persistent=False)
         self.register_buffer("rotary_sin", sin.to(device), persistent=False)
@@ -188,17 +211,15 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None
+        cls, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None, *, positions: int | None = None
     ) -> LlamaForCausalLM:
-        """Load config.json + every *.safetensors in model_dir. dtype=None keeps the
-        checkpoint's floating dtype."""
+        """Load config.json and the checkpoint's safetensors (every shard of
+        model.safetensors.index.json). dtype=None keeps the checkpoint's dtype."""
         model_dir = Path(model_dir)
-        config = ModelConfig.from_hf_dict(_read_config(model_dir))
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in model directory {model_dir}")
-        model = cls(config, device, dtype or _checkpoint_dtype(files[0]))
-        _load_weights(model, files)
+        config = ModelConfig.from_hf_dict(read_config(model_dir))
+        files = checkpoint_files(model_dir)
+        model = cls(config, device, dtype or checkpoint_dtype(config, files), positions=positions)
+        load_weights(model, files)
         return model
 
     def save_pretrained(self, model_dir: str | Path) -> None:
@@ -223,61 +244,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def _read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"model directory {model_dir} has no config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-
-
-def _checkpoint_dtype(path: Path) -> torch.dtype:
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        for name in f.keys():
-            t = f.get_slice(name)
-            dtype = _SAFETENSORS_DTYPES.get(t.get_dtype())
-            if dtype is not None:
-                return dtype
-    return torch.float32
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """Copy every expected tensor exactly once; fail on anything missing, unknown or misshapen."""
-    tied = model.config.tie_word_embeddings
-    expected = dict(model.named_parameters())  # a tied lm_head is not listed separately
-    loaded: dict[str, Path] = {}
-    with torch.no_grad():
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    # Old HF exports persist the rotary table; tied checkpoints may still carry a head copy.
-                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                        continue
-                    param = expected.get(name)
-                    if param is None:
-                        raise ValueError(f"unexpected tensor {name!r} in {path}: not a Llama parameter")
-                    if name in loaded:
-                        raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {path}")
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(param.shape)} from config.json"
-                        )
-                    param.copy_(tensor)
-                    loaded[name] = path
-    missing = [name for name in expected if name not in loaded]
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint in {files[0].parent} is missing tensor(s) {shown}{more}")
-
-
 def _init_std(name: str) -> float:
     # With std 0.02 everywhere, attention is uniform and its output outweighs the tiny
     # embeddings, so greedy decoding sticks on one token. Larger embeddings keep the
@@ -290,11 +256,3 @@ def _init_std(name: str) -> float:
     return 0.02
 
 
-def _rotary_cache(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_position_embeddings, head_dim] in float32, HF rotate_half layout.
-    Built on the CPU so every device gets bit-identical tables."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()

@@ -13,6 +13,7 @@ from pipeline.model_config import load_model_config
 from scheduler_proc.batch.forward_batch import ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.llama import LlamaForCausalLM
+from scheduler_proc.model.weights import DTYPES
 from scheduler_proc.sampling.sampler import SamplingColumns, sample
 
 
@@ -36,14 +37,15 @@ class ModelRunner:
         torch.set_num_threads(cpu_threads(config))
         self.device = resolve_device(config.device)
         self.model_config = load_model_config(config, vocab_size)
+        # --dtype auto: the checkpoint's own; the built-in model's is float32.
+        dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         if config.model_path is None:
-            self.model = LlamaForCausalLM.random(self.model_config, seed=config.model_seed, device=self.device)
+            self.model = LlamaForCausalLM.random(self.model_config, seed=config.model_seed, device=self.device, dtype=dtype or torch.float32)
         else:
-            self.model = LlamaForCausalLM.from_pretrained(config.model_path, device=self.device)
+            self.model = LlamaForCausalLM.from_pretrained(config.model_path, device=self.device, dtype=dtype)
         self.model.eval()
         mc = self.model_config
-        dtype = next(self.model.parameters()).dtype
-        self.kv = KVPool(mc.num_hidden_layers, config.max_total_tokens, mc.num_key_value_heads, mc.head_dim, dtype, self.device)
+        self.kv = KVPool(mc.num_hidden_layers, config.max_total_tokens, mc.num_key_value_heads, mc.head_dim, self.model.dtype, self.device)
 
     def extend(
         self,
