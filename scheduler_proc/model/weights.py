@@ -85,10 +85,7 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                         raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {path}")
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(param.shape)} from config.json"
-                        )
+                        raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} from config.json")
                     param.copy_(tensor)
                     loaded[name] = path
     missing = [name for name in expected if name not in loaded]

@@ -50,12 +50,16 @@ class ModelIdentity:
     path: str  # the model directory (tokenizer files, and config and weights when given)
     model_type: str | None
     architectures: tuple[str, ...] | None
+    # generation_config.json's sampling values (vLLM reads the same keys as its defaults);
+    # None when it sets none. Reported, not applied: a request's own params decide.
+    preferred_sampling_params: dict[str, float | int] | None = None
 
     @classmethod
     def of(cls, model_path: str | None) -> ModelIdentity:
         directory = model_directory(model_path)
-        model_type, architectures = _ARCHITECTURE if model_path is None else _hf_architecture(directory)
-        return cls(str(directory), model_type, architectures)
+        if model_path is None:
+            return cls(str(directory), *_ARCHITECTURE)
+        return cls(str(directory), *_hf_architecture(directory), _generation_defaults(directory))
 
 
 def build_worker_router(tm: TokenizerManager) -> APIRouter:
@@ -128,7 +132,7 @@ def model_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]:
         "model_path": model.path,
         "tokenizer_path": model.path,
         "is_generation": tm.config.mode != "embedding",
-        "preferred_sampling_params": None,  # no such setting: requests' own params apply
+        "preferred_sampling_params": model.preferred_sampling_params,
         "weight_version": "default",  # SGLang's name for weights never updated in place
         "has_image_understanding": "image" in media,
         "has_audio_understanding": "audio" in media,
@@ -161,6 +165,25 @@ def load_of(tm: TokenizerManager) -> dict[str, int]:
     # A request's stats come with its first row, after its prefill: until then its prompt waits.
     waiting_tokens = sum(s.prompt_tokens for s in tm.states.values() if s.request_stats is None)
     return {"dp_rank": 0, "num_reqs": num_reqs, "num_waiting_reqs": num_reqs - running, "num_tokens": held + waiting_tokens}
+
+
+# generation_config.json keys that are sampling parameters of the same name and meaning.
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def _generation_defaults(directory: Path) -> dict[str, float | int] | None:
+    try:
+        config = json.loads((directory / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none, or unreadable: the tokenizer loader reports a broken one
+        return None
+    if not isinstance(config, dict):
+        return None
+    found = {
+        key: config[key]
+        for key in _GENERATION_DEFAULTS
+        if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)
+    }
+    return found or None
 
 
 def _hf_architecture(directory: Path) -> tuple[str | None, tuple[str, ...] | None]:
