@@ -54,8 +54,8 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
     grammar = None
     if isinstance(vocab, LoadedTokenizer):
         # The grammar's vocabulary is the model's logits' width; its stop tokens are EOS.
-        info = tokenizer_info(vocab.tokenizer, runner.model_config.vocab_size, vocab.eos_token_ids, vocab.special_token_ids)
-        grammar = GrammarCompiler(info)
+        tokenizer, width, eos, special = vocab.tokenizer, runner.model_config.vocab_size, vocab.eos_token_ids, vocab.special_token_ids
+        grammar = GrammarCompiler(lambda: tokenizer_info(tokenizer, width, eos, special), eos)
     return Scheduler(
         runner,
         stop_checker,

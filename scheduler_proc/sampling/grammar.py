@@ -36,13 +36,26 @@ from collections.abc import Callable, Set
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias
+
 import numpy as np
 import tokenizers
 import torch
-import xgrammar as xgr
-from transformers import PreTrainedTokenizerFast
 
 from pipeline.io_struct import FinishAbort
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr() -> ModuleType:
+    """xgrammar, imported where it is first used. With the transformers it imports it takes
+    over a second, which a scheduler's start need not wait for: ``GrammarCompiler`` imports
+    it on its worker thread while the model loads (docs/design.md, "Structured outputs")."""
+    import xgrammar
+
+    return xgrammar
 
 
 GRAMMAR_CACHE_SIZE = 256  # compile outcomes kept (LRU), as SGLang's and vLLM's caches are bounded
@@ -63,7 +76,7 @@ class GrammarError(ValueError):
 
 
 # What a compile ends in: the grammar, or why there is none. Both are cached.
-CompileOutcome = xgr.CompiledGrammar | GrammarError
+CompileOutcome: TypeAlias = "xgr.CompiledGrammar | GrammarError"
 
 
 def tokenizer_info(
@@ -76,6 +89,9 @@ def tokenizer_info(
     Special tokens are given no text, which xgrammar never allows: its own detection takes
     ``<|im_end|>`` for the ten characters of its name, so a grammar would let it into an
     answer, and the client, who sees text without special tokens, would read another."""
+    from transformers import PreTrainedTokenizerFast
+
+    xgr = _xgr()
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids))
     encoded: list[bytes | str] = [""] * vocab_size
@@ -127,22 +143,31 @@ class GrammarCompiler:
     """Compiles specs on one worker thread and keeps the last ``cache_size`` outcomes.
 
     Used from the scheduler's thread only: ``lookup``, ``submit`` and ``settle`` touch the
-    cache there; the worker runs ``compile`` and nothing else."""
+    cache there; the worker runs ``compile`` and nothing else. The worker's first task makes
+    xgrammar's compiler from ``info`` (the vocabulary, ``tokenizer_info``), so the import and
+    the vocabulary's scan run beside the model's load, and a first compile queues behind
+    them. ``stop_ids``: the EOS ids, the stop tokens ``info`` gives xgrammar."""
 
-    def __init__(self, info: xgr.TokenizerInfo, *, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
-        # Our own LRU keeps the outcomes (and bounds them); xgrammar's cache would be a
-        # second, unbounded copy.
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    def __init__(self, info: Callable[[], xgr.TokenizerInfo], stop_ids: Set[int], *, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
         self._cache: OrderedDict[Key, CompileOutcome] = OrderedDict()
         self._cache_size = cache_size
         self._inflight: dict[Key, Future[CompileOutcome]] = {}
-        self._pool: ThreadPoolExecutor | None = None  # started by the first miss
-        self.stop_ids = frozenset(info.stop_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._engine = self._pool.submit(self._start, info)
+        self.stop_ids = frozenset(stop_ids)
         # The compile step itself; a test may wrap it (to make a compile slow).
         self.compile: Callable[[str, str], CompileOutcome] = self._compile
 
+    @staticmethod
+    def _start(info: Callable[[], xgr.TokenizerInfo]) -> xgr.GrammarCompiler:
+        # Our own LRU keeps the outcomes (and bounds them); xgrammar's cache would be a
+        # second, unbounded copy.
+        return _xgr().GrammarCompiler(info(), cache_enabled=False)
+
     def _compile(self, kind: str, spec: str) -> CompileOutcome:
-        return compile_spec(self._compiler, kind, spec)
+        # On the worker, after _start (one worker: tasks run in order); a failed start
+        # raises here, a fault and not a bad spec.
+        return compile_spec(self._engine.result(), kind, spec)
 
     def lookup(self, key: Key) -> CompileOutcome | None:
         """The cached outcome (now the most recently used), or None."""
@@ -156,8 +181,6 @@ class GrammarCompiler:
         ask for the same spec at once share it)."""
         future = self._inflight.get(key)
         if future is None:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
             future = self._inflight[key] = self._pool.submit(self.compile, *key)
         return future
 
@@ -178,13 +201,12 @@ class GrammarCompiler:
         return len(self._cache)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def new_matcher(grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
     """A request's matcher, at the start of its output."""
-    return xgr.GrammarMatcher(grammar)
+    return _xgr().GrammarMatcher(grammar)
 
 
 def refused_token(param: str, token: int, status_code: int) -> FinishAbort:
@@ -214,7 +236,7 @@ class GrammarMask:
         """A float32 copy of ``logits`` with -inf on each listed row's forbidden tokens.
         A copy: logprobs stay the raw distribution (docs/design.md section 11)."""
         x = logits.to(torch.float32, copy=True)
-        xgr.apply_token_bitmask_inplace(x, self.bitmask, vocab_size=x.shape[1], indices=self.rows)
+        _xgr().apply_token_bitmask_inplace(x, self.bitmask, vocab_size=x.shape[1], indices=self.rows)
         return x
 
 
@@ -224,14 +246,19 @@ class TokenMasks:
     def __init__(self, vocab_size: int, stop_ids: Set[int], device: torch.device) -> None:
         self._vocab_size = vocab_size
         self._device = device
-        self._bitmask = xgr.allocate_token_bitmask(_FIRST_ROWS, vocab_size)
-        self._batch = xgr.BatchGrammarMatcher()
+        # Made by the first constrained step (xgrammar is imported by then: see _xgr).
+        self._bitmask: torch.Tensor | None = None
+        self._batch: xgr.BatchGrammarMatcher | None = None
         self._stop_ids = np.array(sorted(stop_ids), dtype=np.int64)
 
     def fill(self, grammar: GrammarRows, n: int) -> GrammarMask:
         """The mask of a draw over ``n`` rows of which ``grammar.rows`` are constrained."""
-        if n > len(self._bitmask):
-            self._bitmask = xgr.allocate_token_bitmask(max(n, 2 * len(self._bitmask)), self._vocab_size)
+        if self._bitmask is None or self._batch is None:
+            xgr = _xgr()
+            self._bitmask = xgr.allocate_token_bitmask(max(n, _FIRST_ROWS), self._vocab_size)
+            self._batch = xgr.BatchGrammarMatcher()
+        elif n > len(self._bitmask):
+            self._bitmask = _xgr().allocate_token_bitmask(max(n, 2 * len(self._bitmask)), self._vocab_size)
         self._batch.batch_fill_next_token_bitmask(grammar.matchers, self._bitmask, grammar.indices)
         bitmask = self._bitmask[:n]
         if bitmask.device != self._device:
@@ -243,6 +270,6 @@ class TokenMasks:
         rows whose grammar ended (it accepted a stop token) and the rows whose matcher
         refused the token (none, unless something is wrong)."""
         drawn = new[grammar.rows]
-        accepted = np.array(xgr.BatchGrammarMatcher.batch_accept_token(grammar.matchers, drawn.tolist()), dtype=bool)
+        accepted = np.array(_xgr().BatchGrammarMatcher.batch_accept_token(grammar.matchers, drawn.tolist()), dtype=bool)
         ended = grammar.rows[accepted & np.isin(drawn, self._stop_ids)]
         return ended, grammar.rows[~accepted]
