@@ -123,6 +123,11 @@ def test_a_request_sent_while_the_scheduler_is_down_is_not_run_by_the_next_one(t
     get it), so the new scheduler must not run it: no work for nobody, and none done twice
     for the client that sends it again."""
     url = three.url
+    # The API tells a restart by the new ``instance`` of the scheduler's reports, so it must
+    # hold one from the old scheduler first. Killed at once after the ready check, the old
+    # one may take its first report down with it (queued behind the answer, not yet written
+    # to the socket), and then the API rightly takes the new one for the first.
+    assert wait_until(lambda: three.scheduler_report() is not None, 30)
     three.procs["scheduler"].stop(signal.SIGKILL, timeout=30)
     with ThreadPoolExecutor(1) as pool:
         sent = pool.submit(post, url, "/generate", {"text": "sent into the gap", "sampling_params": {"max_new_tokens": 1900, **GREEDY}})
