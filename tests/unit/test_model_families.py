@@ -9,74 +9,51 @@ import dataclasses
 import importlib.util
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from bench import family_checkpoints
+from bench.family_checkpoints import Shape
 from pipeline.config import ServerConfig
 from pipeline.model_config import ARCHITECTURES, ModelConfig, context_length_of
+from pipeline.tokenizer_loader import SHIPPED_VOCAB_SIZE
 from scheduler_proc.batch.forward_batch import ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.llama import LlamaForCausalLM
 from tokenizer_proc.http.worker_api import ModelIdentity
 
-VOCAB = 320
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+TINY = Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, positions=256)
+VOCAB = SHIPPED_VOCAB_SIZE
 
 
-def _transformers() -> Any:
+def _require_transformers() -> None:
     if importlib.util.find_spec("transformers") is None:
         message = "transformers is not installed (make test installs it)"
         if os.environ.get("CI") == "true":
             pytest.fail(message + "; CI=true: a missing reference is a failure")
         pytest.skip(message)
-    import transformers
-
-    return transformers
 
 
-# Each family's config, in transformers' own classes; head_dim 32 where the family has its own
-# (hidden/heads is 16), so an explicit head_dim is exercised.
-FAMILIES: dict[str, Callable[[Any], Any]] = {
-    "llama3-tied-bias": lambda t: t.LlamaConfig(**SHAPE, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True, head_dim=32, attention_bias=True),
-    "llama-linear": lambda t: t.LlamaConfig(**SHAPE, rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "llama-dynamic": lambda t: t.LlamaConfig(**SHAPE, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-    "llama-yarn": lambda t: t.LlamaConfig(**SHAPE, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen2": lambda t: t.Qwen2Config(**SHAPE, tie_word_embeddings=True),
-    "qwen3": lambda t: t.Qwen3Config(**SHAPE, head_dim=32),
-    "mistral": lambda t: t.MistralConfig(**SHAPE, sliding_window=4096),
+# Each case: a family of bench/family_checkpoints.py and config keys that vary it. head_dim 32
+# where set (hidden/heads is 16), so an explicit head_dim is exercised.
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3-tied-bias": ("llama3", {"head_dim": 32, "attention_bias": True}),
+    "llama-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "mistral": ("mistral", {"sliding_window": 4096}),
 }
 
 
-def write_checkpoint(directory: Path, family: str, *, dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Any:
-    """transformers' model with seeded weights, rescaled from its 0.02 init so attention is
-    sharp enough that context (and so the rotary) changes the logits; saved by transformers."""
-    t = _transformers()
-    torch.manual_seed(0)
-    model = t.AutoModelForCausalLM.from_config(FAMILIES[family](t), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif "embed" in name:
-                p.normal_(0.0, 0.5)
-            elif name.endswith("bias") or "q_proj" in name or "k_proj" in name:
-                p.normal_(0.0, 0.1)
-    model = model.to(dtype)
-    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    return model
+def write_checkpoint(directory: Path, case: str, **kw: Any) -> Any:
+    _require_transformers()
+    family, overrides = CASES[case]
+    return family_checkpoints.write(directory, family, shape=TINY, **kw, **overrides)
 
 
 def pool_logprobs(model: LlamaForCausalLM, ids: list[int], chunks: list[int]) -> torch.Tensor:
@@ -97,9 +74,9 @@ def pool_logprobs(model: LlamaForCausalLM, ids: list[int], chunks: list[int]) ->
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_each_family_equals_transformers_through_the_pool(family: str, tmp_path: Path) -> None:
-    reference = write_checkpoint(tmp_path, family)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_family_equals_transformers_through_the_pool(case: str, tmp_path: Path) -> None:
+    reference = write_checkpoint(tmp_path, case)
     ours = LlamaForCausalLM.from_pretrained(tmp_path, device="cpu")
     assert ours.config.architecture == reference.config.architectures[0]
     ids = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -111,12 +88,12 @@ def test_each_family_equals_transformers_through_the_pool(family: str, tmp_path:
 def test_the_scalings_change_the_rotary() -> None:
     """The equality above proves something only if each scaling differs from plain rotary
     within the tested positions."""
-    t = _transformers()
-    plain = LlamaForCausalLM(ModelConfig.from_hf_dict(t.LlamaConfig(**SHAPE).to_dict() | {"architectures": ["LlamaForCausalLM"]}), "cpu")
-    for family in ("llama3-tied-bias", "llama-linear", "llama-yarn"):
-        cfg = ModelConfig.from_hf_dict(FAMILIES[family](t).to_dict() | {"architectures": ["LlamaForCausalLM"]})
-        scaled = LlamaForCausalLM(dataclasses.replace(cfg, head_dim=16), "cpu")
-        assert (scaled.rotary_cos[:70] - plain.rotary_cos[:70]).abs().max() > 0.1, family
+    for case in ("llama3-tied-bias", "llama-linear", "llama-yarn"):
+        cfg = ModelConfig.from_hf_dict(_config(case))
+        assert cfg.rope_scaling is not None
+        plain = LlamaForCausalLM(dataclasses.replace(cfg, rope_scaling=None), "cpu")
+        scaled = LlamaForCausalLM(cfg, "cpu")
+        assert (scaled.rotary_cos[:70] - plain.rotary_cos[:70]).abs().max() > 0.1, case
 
 
 def test_a_sharded_checkpoint_loads_every_shard(tmp_path: Path) -> None:
@@ -137,10 +114,12 @@ def test_dtype_is_the_checkpoints_unless_asked(tmp_path: Path) -> None:
     assert LlamaForCausalLM.from_pretrained(tmp_path, device="cpu", dtype=torch.float32).dtype == torch.float32
 
 
-def _config(family: str) -> dict[str, Any]:
-    t = _transformers()
-    cfg = FAMILIES[family](t).to_dict()
-    return cfg | {"architectures": [type(t.AutoModelForCausalLM.from_config(FAMILIES[family](t))).__name__]}
+def _config(case: str) -> dict[str, Any]:
+    """The config.json transformers writes for ``case``."""
+    _require_transformers()
+    family, overrides = CASES[case]
+    cfg = family_checkpoints.hf_config(family, TINY, **overrides)
+    return json.loads(cfg.to_json_string()) | {"architectures": [cfg.__class__.__name__.replace("Config", "ForCausalLM")]}
 
 
 @pytest.mark.parametrize(
@@ -169,7 +148,7 @@ def test_a_sliding_window_caps_the_context_and_a_longer_one_is_refused(tmp_path:
         context_length_of(ServerConfig(model_path=str(tmp_path), context_length=200), VOCAB)
     # Qwen's window is off unless use_sliding_window says so.
     qwen = _config("qwen2") | {"sliding_window": 128, "use_sliding_window": False}
-    assert ModelConfig.from_hf_dict(qwen).context_limit == SHAPE["max_position_embeddings"]
+    assert ModelConfig.from_hf_dict(qwen).context_limit == TINY.positions
 
 
 def test_model_info_reports_generation_config_sampling_defaults(tmp_path: Path) -> None:
