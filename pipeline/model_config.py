@@ -252,6 +252,7 @@ _NEUTRAL_KEYS: dict[str, Any] = {
             "attention_dropout", "torchscript", "tf_legacy_loss", "use_bfloat16", "architectures_map",
             "is_llama_config", "keys_to_ignore_at_inference", "max_length", "min_length", "do_sample",
             "num_beams", "temperature", "top_k", "top_p", "repetition_penalty", "typical_p",
+            "transformers.js_config",  # SmolLM2's: settings of the JavaScript runtime
         ),
         _always,
     ),
