@@ -19,6 +19,12 @@ them; none without), ``documents`` as none, a request's ``chat_template_kwargs``
 ``enable_thinking``) as variables, and the tokenizer's special tokens (``bos_token``,
 ``eos_token``, ...: ``LoadedTokenizer.special_tokens``) as variables, which Llama-style
 templates open with.
+
+``continue_final_message`` (vLLM's request field, transformers' argument) leaves the last
+message open so that the model continues it, as ``apply_chat_template`` does: the message's
+text gets a marker at its end, the conversation renders as usual, and the prompt is cut where
+the marker stands (the whitespace the template trimmed from the text's end stays trimmed). A
+template that drops or rewrites the message's text is a ``FinalMessageError``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ DEFAULT_CHAT_TEMPLATE = (DEFAULT_TOKENIZER_DIR / "chat_template.jinja").read_tex
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered: the template refused them (``raise_exception``) or
     failed on them. A client error."""
+
+
+class FinalMessageError(ChatTemplateError):
+    """``continue_final_message``: the last message cannot be left open (it has no text, or
+    the template does not show it as it is)."""
+
+
+# transformers' marker, so that a template renders the open message exactly as there.
+_CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateUnavailable(RuntimeError):
@@ -107,20 +122,48 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """``messages`` are plain dicts (``role``, ``content`` as a string, optional ``name``,
         ``tool_calls``, ``tool_call_id``); ``tools`` the request's tool definitions (None:
         none); ``kwargs`` its ``chat_template_kwargs``, extra variables that cannot replace
-        the ones above (as in vLLM). Raises ChatTemplateError for messages the template
-        refuses or fails on."""
+        the ones above (as in vLLM); ``continue_final_message``: the last message is left
+        open (module docstring). Raises ChatTemplateError for messages the template refuses
+        or fails on."""
         if self._template is None:
             raise ChatTemplateUnavailable(self._compile_error)
+        final = ""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise FinalMessageError("continue_final_message and add_generation_prompt are not compatible")
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise FinalMessageError('continue_final_message is set but the final message has no "content" to continue')
+            final = messages[-1]["content"]
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARKER}]
         # As apply_chat_template: none, not undefined, so that `tools is not none` is false.
         fixed = {"messages": messages, "tools": tools or None, "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render({**self._special_tokens, **(kwargs or {}), **fixed})
+            rendered = self._template.render({**self._special_tokens, **(kwargs or {}), **fixed})
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # A template indexing a missing key or adding str to None fails on these messages.
             raise ChatTemplateError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
+        return _left_open(rendered, final) if continue_final_message else rendered
+
+
+def _left_open(rendered: str, final: str) -> str:
+    """The rendered conversation cut at the marker after the final message's text. A
+    template that trimmed the marker's trailing space trimmed the text's too: what stands
+    before the marker is then right-stripped, as transformers does."""
+    marker = _CONTINUE_MARKER.strip()
+    if final.strip() not in rendered or marker not in rendered:
+        raise FinalMessageError(
+            "continue_final_message is set but the final message does not appear in the chat after applying the chat "
+            "template! This can happen if the chat template deletes portions of the final message. Please verify the "
+            "chat template and final message in your chat to ensure they are compatible."
+        )
+    at = rendered.rindex(marker)
+    if rendered.startswith(_CONTINUE_MARKER, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()

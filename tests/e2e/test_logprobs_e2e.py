@@ -276,6 +276,34 @@ def assert_prompt_entries(meta: dict[str, Any], prompt_ids: list[int], start: in
         assert [e[0] for e in meta["input_token_ids_logprobs"][q - start]] == pytest.approx([float(ref[q - 1, t]) for t in ASKED_IDS], abs=1e-4)
 
 
+def test_openai_prompt_logprobs_equal_transformers(server: ServerProcess, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's ``prompt_logprobs`` (on a completion choice, at a chat response's top level):
+    each position's prompt token and its ``TOP`` most likely ones are transformers'
+    log-softmax of the logits before it (within 1e-4), ranked 1..TOP; the prompt token's rank
+    is its place among them, and null outside them (an exact rank there needs a scheduler
+    column)."""
+    asked = {"prompt_logprobs": TOP, "return_token_ids": True}
+    with server.openai_client() as client:
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body=asked)
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=1, extra_body=asked)  # type: ignore[list-item]
+    answers = [(out.choices[0].model_extra, "completion"), (chat.model_extra, "chat")]
+    for fields, where in answers:
+        assert fields is not None
+        entries, prompt_ids = fields["prompt_logprobs"], fields["prompt_token_ids"]
+        ref = prompt_reference(hf_model, prompt_ids)
+        assert entries[0] is None and len(entries) == len(prompt_ids), where
+        for q in range(1, len(prompt_ids)):
+            token, entry, row = prompt_ids[q], entries[q], ref[q - 1]
+            assert entry[str(token)]["logprob"] == pytest.approx(float(row[token]), abs=1e-4), (where, q)
+            top_ids = row.topk(TOP).indices.tolist()
+            ranked = sorted((v["rank"], int(k), v["logprob"]) for k, v in entry.items() if v["rank"] is not None)
+            assert [(r, t) for r, t, _ in ranked] == list(enumerate(top_ids, 1)), (where, q)
+            assert [lp for _, _, lp in ranked] == pytest.approx([float(row[t]) for t in top_ids], abs=1e-4), (where, q)
+            exact = int((row >= row[token]).sum())
+            assert entry[str(token)]["rank"] == (exact if token in top_ids else None), (where, q)
+
+
 @pytest.fixture(scope="module")
 def chunked_server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--model-path", str(checkpoint), "--chunked-prefill-size", "3"]

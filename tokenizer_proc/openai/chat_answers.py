@@ -35,12 +35,16 @@ def finish_parsed(tm: TokenizerManager, parsing: ChatParsing, splitter: ChatSpli
     return final, reasoning_tokens
 
 
-def parse_choice(tm: TokenizerManager, parsing: ChatParsing, choice: dict[str, Any], state: ReqState) -> int:
+def parse_choice(tm: TokenizerManager, parsing: ChatParsing, choice: dict[str, Any], state: ReqState, role: str = "assistant", echo: str = "") -> int:
     """A non-streaming choice: its ``message`` and ``finish_reason`` as the parsers read its
-    whole text. Returns its reasoning tokens."""
+    whole text, in ``role``, ``echo`` in front of its content (vLLM's chat echo, which
+    leads the parsed content). Returns its reasoning tokens."""
     splitter = parsing.splitter()
     splitter.feed(state.text, state.output_ids)
     splitter.finish()
-    choice["message"] = message_fields(parsing, splitter)
+    message = choice["message"] = message_fields(parsing, splitter)
+    message["role"] = role
+    if echo:
+        message["content"] = echo + (message["content"] or "")
     choice["finish_reason"], reasoning_tokens = finish_parsed(tm, parsing, splitter, state, choice["finish_reason"])
     return reasoning_tokens

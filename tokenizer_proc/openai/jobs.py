@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pipeline.io_struct import Constraint, SamplingParams
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, FinalMessageError
 from tokenizer_proc.http.common import abort_unfinished, trace_context
 from tokenizer_proc.native.schema import RequestValidationError
 from tokenizer_proc.openai.chat_parsing import ChatParsing
 from tokenizer_proc.openai.schema import ChatCompletionRequest, SamplingRequest
+from tokenizer_proc.openai.vllm_extras import truncate_prompt
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_checks import ContextLengthError, OutOfVocabularyError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -69,14 +70,24 @@ def prepare_chat(tm: TokenizerManager, template: ChatTemplate, body: ChatComplet
         body.skip_special_tokens = False
     try:
         tools = plan.template_tools if plan is not None else None
-        prompt = template.render(body.template_messages(), tools=tools, kwargs=body.chat_template_kwargs)
+        prompt = template.render(
+            body.template_messages(),
+            add_generation_prompt=body.add_generation_prompt is not False,
+            tools=tools,
+            kwargs=body.chat_template_kwargs,
+            continue_final_message=bool(body.continue_final_message),
+        )
+    except FinalMessageError as exc:
+        raise RequestValidationError(str(exc), "continue_final_message") from exc
     except ChatTemplateError as exc:
         raise RequestValidationError(str(exc), "messages") from exc
-    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_param = body.max_tokens_param()
     with openai_names("messages", max_param):
         # vLLM's default is false: the template writes the BOS itself.
         ids = tm.checks.tokenize(prompt, None, add_special_tokens=bool(body.add_special_tokens))
-        max_tokens = body.requested_max_tokens() or room_left(tm, len(ids))
+        requested = body.requested_max_tokens()
+        ids = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, tm.context_length, requested or 0, max_param)
+        max_tokens = requested or room_left(tm, len(ids))
         jobs = choice_jobs(tm, body, ids, max_tokens, None)
     return ChatJobs(jobs, constraint, parsing, ("messages", max_param))
 
@@ -100,6 +111,7 @@ def submit_jobs(
     if bootstrap is not None and len(jobs) > 1:
         raise RequestValidationError("PD disaggregation takes one completion per request (one bootstrap room): n and the prompts must make 1", "n")
     states: list[ReqState] = []
+    logprobs = body.logprob_params()
     try:
         with openai_names(*names):
             for index, job in enumerate(jobs):
@@ -113,12 +125,12 @@ def submit_jobs(
                     operation=operation,
                     route=route,
                     bootstrap=bootstrap,
-                    logprobs=body.logprob_params(),
+                    logprobs=logprobs,
                     constraint=constraint,
                 )
                 states.append(state)
-                if job.echo is not None:
-                    state.echo, state.prompt_ids = job.echo, job.ids
+                # The prompt as sent: what echo, prompt logprobs and return_token_ids show.
+                state.echo, state.prompt_ids = job.echo, job.ids
     except BaseException:
         abort_unfinished(tm, states)
         raise

@@ -22,6 +22,10 @@ Under ``--skip-tokenizer-init`` a completions prompt must be token ids, and each
 each stream delta) also carries its ``token_ids``, the field SGLang and vLLM answer
 ``return_token_ids`` with; its ``text`` is empty, as vLLM's is without a tokenizer. Chat needs a
 tokenizer and a chat template, so it is refused with a 400.
+
+vLLM's extra fields (``prompt_logprobs``, ``return_token_ids``, ``truncate_prompt_tokens``, ...)
+are ``tokenizer_proc.openai.vllm_extras``': the prompt is truncated here and in ``prepare_chat``,
+and the answer shows what ``body.extras()`` says.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from tokenizer_proc.openai.chat_parsing import ChatParsing
 from tokenizer_proc.openai.chat_answers import parse_choice
 from tokenizer_proc.openai.jobs import Job, choice_jobs, openai_names, prepare_chat, room_left, submit_jobs
 from tokenizer_proc.openai.logprobs import openai_token_text
+from tokenizer_proc.openai.vllm_extras import truncate_prompt
 from tokenizer_proc.openai.schema import (
     MAX_CHOICES,
     ChatCompletionBody,
@@ -114,7 +119,10 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
                     ids = tm.checks.tokenize(prompt, None, add_special_tokens=add_special_tokens)
                 else:
                     ids = tm.checks.tokenize(None, prompt, add_special_tokens=add_special_tokens)
-                echo = _echo_text(tm, prompt) if body.echo else None
+                kept = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, tm.context_length, body.max_output(), "max_tokens")
+                # A truncated prompt echoes what is left of it, the tokens its logprobs are of.
+                echo = _echo_text(tm, prompt if kept is ids else kept) if body.echo else None
+                ids = kept
                 jobs.extend(choice_jobs(tm, body, ids, _completion_max_tokens(tm, body, len(ids)), echo))
         return await _respond(tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint)
 
@@ -169,6 +177,7 @@ async def _respond(
     ``constraint``: the structured output every choice follows (None: none). ``parsing``: how
     a chat answer splits into reasoning, content and tool calls (None: all content)."""
     response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
+    extras = body.extras()
     states = submit_jobs(tm, request, body, jobs, response_id, arrived, kind.operation, names, constraint, kind.route)
     head = {"id": response_id, "object": kind.object, "created": int(arrived), "model": tm.model_name}
     try:
@@ -179,7 +188,7 @@ async def _respond(
             head["object"] = kind.chunk_object
             usage = StreamUsage(body.choices, body.include_usage, body.include_usage and body.continuous_usage)
             on_stream = tm.metrics.requests.on_sse_stream if tm.metrics is not None else None  # tokenpipe:sse_streams_total
-            events = ChoiceEvents(tm, kind, states, head, usage, parsing)
+            events = ChoiceEvents(tm, kind, states, head, usage, parsing, extras)
             return SseResponse(events, tm.call_after_frame, on_stream)
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
@@ -193,11 +202,13 @@ async def _respond(
         if refused is not None:
             return refused
     ids_out = tm.tokenizer is None
-    text_of = openai_token_text(tm.token_texts)
-    choices = [with_ids(kind.choice(i, s, text_of), s.output_ids, ids_out) for i, s in enumerate(states)]
+    text_of, texts = openai_token_text(tm.token_texts, extras.token_id_texts), tm.token_texts
+    choices = [with_ids(kind.choice(i, s, text_of, extras, texts), s.output_ids, ids_out) for i, s in enumerate(states)]
     totals = request_usage(states, body.choices)
     if parsing is not None:
-        reasoning_tokens = sum(parse_choice(tm, parsing, choice, state) for choice, state in zip(choices, states, strict=True))
+        reasoning_tokens = sum(
+            parse_choice(tm, parsing, choice, state, extras.role, extras.echo) for choice, state in zip(choices, states, strict=True)
+        )
         if parsing.reasoning is not None:
             totals["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return JSONResponse({**head, "choices": choices, "usage": totals, **kind.response_fields})
+    return JSONResponse({**head, "choices": choices, "usage": totals, **kind.response_fields(states, extras, texts)})

@@ -14,7 +14,10 @@ OpenAI's ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` work (do
 Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``no_stop_trim`` and ``stream_options.continuous_usage_stats`` work
-(``extra_body`` in the official client). So do structured outputs, in OpenAI's, vLLM's and
+(``extra_body`` in the official client), and so do vLLM's ``prompt_logprobs``,
+``return_tokens_as_token_ids``, ``return_token_ids``, ``truncate_prompt_tokens`` and chat's
+``echo``, ``add_generation_prompt`` and ``continue_final_message``
+(``tokenizer_proc.openai.vllm_extras``). So do structured outputs, in OpenAI's, vLLM's and
 SGLang's fields (``tokenizer_proc.openai.constraints``). Every other field of SGLang's and
 vLLM's request schemas is known (``known_fields``): accepted at its neutral value, refused
 otherwise. The routes decode ``CompletionBody`` and ``ChatCompletionBody``: the request types with those
@@ -61,6 +64,7 @@ from tokenizer_proc.openai.constraints import (
     structured_outputs_constraint,
 )
 from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
+from tokenizer_proc.openai.vllm_extras import AnswerExtras, check_prompt_logprobs, check_truncation
 
 MAX_CHOICES = 128
 """OpenAI's limit on ``n``; also the limit on prompts x n of one completions request."""
@@ -104,6 +108,12 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None  # SGLang's: the text is not cut at a stop string
+    # vLLM's extras (tokenizer_proc.openai.vllm_extras)
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # Structured outputs, one per request: OpenAI's, vLLM's (current and older), SGLang's.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -122,9 +132,13 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = ()  # each request type's own refusals
 
+    def extras(self) -> AnswerExtras:
+        """What the answer shows beyond its text (vLLM's extras)."""
+        return AnswerExtras()
+
     def logprob_params(self) -> LogprobParams | None:
         """The logprobs each choice asks of the scheduler; None: none."""
-        return None
+        return self.extras().logprob_params(echo_prompt=False)
 
     def constraint(self) -> Constraint | None:
         """The structured output every choice follows; None: unconstrained. Two fields that
@@ -168,6 +182,8 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise RequestValidationError("stream_options is only allowed when stream is true", "stream_options")
         if self.top_k == 0:
             raise RequestValidationError("top_k must be -1 (off) or at least 1", "top_k")
+        check_prompt_logprobs(self.prompt_logprobs, self.streaming)
+        check_truncation(self.truncate_prompt_tokens)
 
     def sampling(self, max_tokens: int) -> list[SamplingParams]:
         """The wire sampling params of each choice: a seeded request gives choice i the seed
@@ -225,7 +241,6 @@ COMMON_REFUSED: tuple[Refusal, ...] = _neutrals(
     ("return_routed_experts", (False,)),
     ("routed_experts_start_len", (0,)),
     ("return_cached_tokens_details", (False,)),
-    ("return_token_ids", (False,)),
     # vLLM
     ("use_beam_search", (False,)),
     ("length_penalty", (1.0,)),
@@ -233,16 +248,13 @@ COMMON_REFUSED: tuple[Refusal, ...] = _neutrals(
     # Not no_stop_trim: vLLM cuts the text right after the stop string, SGLang keeps the
     # whole token that completed it.
     ("include_stop_str_in_output", (False,)),
-    ("truncate_prompt_tokens", ()),
     ("allowed_token_ids", ()),
-    ("prompt_logprobs", ()),
     ("bad_words", ([],)),
     # Structured outputs have one backend: asking for it by name, or for vLLM's default, is served.
     ("guided_decoding_backend", ("xgrammar", "auto")),
     ("guided_whitespace_pattern", ()),
     ("structural_tag", ()),
     ("logits_processors", ()),
-    ("return_tokens_as_token_ids", (False,)),
     ("request_id", ()),
     ("kv_transfer_params", ()),
     ("vllm_xargs", ()),
@@ -290,11 +302,25 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
             # API and vLLM allow; without it there would be nothing to answer.
             raise RequestValidationError("max_tokens 0 is only allowed with echo: true", "max_tokens")
 
+    def extras(self) -> AnswerExtras:
+        """vLLM's: an echo with logprobs lists the prompt's logprobs too, with the same top
+        count, unless ``prompt_logprobs`` says otherwise; a stream never lists them."""
+        prompt_top = self.prompt_logprobs if self.prompt_logprobs is not None else (self.logprobs if self.echo else None)
+        return AnswerExtras(
+            output_top=self.logprobs,
+            prompt_top=None if self.streaming else prompt_top,
+            token_id_texts=bool(self.return_tokens_as_token_ids),
+            token_ids=bool(self.return_token_ids),
+        )
+
     def logprob_params(self) -> LogprobParams | None:
-        """With ``echo`` the prompt's logprobs too (from position 0, whose is null)."""
-        if self.logprobs is None:
-            return None
-        return LogprobParams(top_logprobs_num=self.logprobs, logprob_start_len=0 if self.echo else -1, return_text=True)
+        """With ``echo`` and ``logprobs`` the prompt's logprobs too (from position 0, whose is
+        null), as with ``prompt_logprobs``."""
+        return self.extras().logprob_params(echo_prompt=bool(self.echo) and self.logprobs is not None)
+
+    def max_output(self) -> int:
+        """The output the request asks room for, as vLLM's truncation counts it."""
+        return self.DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt as a string or as token ids."""
@@ -450,6 +476,10 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     # vLLM's: false by default, since the chat template writes the BOS itself (a second
     # one would be the tokenizer's post-processor's).
     add_special_tokens: bool | None = None
+    # vLLM's (tokenizer_proc.openai.vllm_extras); None: the default (false, true, false).
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("functions", bool, "functions (function calling) are not supported by this server"),
@@ -462,7 +492,6 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         ("return_prompt_token_ids", (False,)),
         ("return_meta_info", (False,)),
         ("task", ()),
-        ("continue_final_message", (False,)),
         # Taken with either value: an answer is split whenever --reasoning-parser is set.
         ("separate_reasoning", (True, False)),
         ("stream_reasoning", (True, False)),
@@ -471,23 +500,47 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         ("use_audio_in_video", (False,)),
         ("input_ids", ()),
         # vLLM
-        ("echo", (False,)),
-        ("add_generation_prompt", (True,)),
         ("documents", ()),
         ("chat_template", ()),
         ("mm_processor_kwargs", ()),
         ("include_reasoning", (True, False)),
     )
 
-    def logprob_params(self) -> LogprobParams | None:
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            # vLLM's words; add_generation_prompt is true unless sent false.
+            raise RequestValidationError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "continue_final_message"
+            )
+
+    def extras(self) -> AnswerExtras:
+        """vLLM's: an echo lists the prompt's logprobs with ``top_logprobs``' count unless
+        ``prompt_logprobs`` says otherwise (a stream never lists them); the answer's role is
+        the last message's without a generation prompt, and an echo is that message's text
+        when its role is the answer's."""
         if self.top_logprobs and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
-        return LogprobParams(top_logprobs_num=self.top_logprobs or 0, return_text=True) if self.logprobs else None
+        prompt_top = self.prompt_logprobs if self.prompt_logprobs is not None else ((self.top_logprobs or 0) if self.echo else None)
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt is not False else last.role
+        echo = last.to_template(len(self.messages) - 1)["content"] if self.echo and last.role == role else ""
+        return AnswerExtras(
+            output_top=(self.top_logprobs or 0) if self.logprobs else None,
+            prompt_top=None if self.streaming else prompt_top,
+            token_id_texts=bool(self.return_tokens_as_token_ids),
+            token_ids=bool(self.return_token_ids),
+            echo=echo,
+            role=role,
+        )
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over ``max_tokens`` (deprecated);
         None when neither is given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]

@@ -18,23 +18,25 @@ A choice's ``stop_reason`` (vLLM's; streamed, on the finishing chunk) is the sto
 id that ended it, the EOS id included, null for a length or abort finish.
 
 Fields the peers always send: a completion choice's ``prompt_logprobs`` and a chat
-response's (``ChatShape.response_fields``) are null, as vLLM's are without its
-``prompt_logprobs`` request field (which tokenpipe does not serve).
+response's (``ChatShape.response_fields``), null unless the request asked for them. What
+vLLM's extra request fields add (``AnswerExtras``: prompt logprobs, token ids, token-id
+texts, a chat echo and role) is placed where vLLM places it (``tokenizer_proc.openai.vllm_extras``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any
 
 from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats
 from pipeline.token_texts import TokenText
 from tokenizer_proc.openai.logprobs import chat_logprobs, completion_logprobs, echoed_completion_logprobs
+from tokenizer_proc.openai.vllm_extras import AnswerExtras, prompt_logprobs_entries
 from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
 from tokenizer_proc.http.sse_events import Hole
 
 _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
+
+NO_EXTRAS = AnswerExtras()
 
 
 class CompletionShape:
@@ -43,27 +45,39 @@ class CompletionShape:
     route = "/v1/completions"
     operation = "text_completion"  # gen_ai.operation.name
     chunk_object = "text_completion"
-    response_fields: ClassVar[Mapping[str, Any]] = MappingProxyType({})  # its prompt_logprobs are on its choices
 
     @staticmethod
-    def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
+    def choice(
+        index: int, state: ReqState, text_of: TokenText, extras: AnswerExtras = NO_EXTRAS, texts: TokenText | None = None
+    ) -> dict[str, Any]:
+        """``texts``: the tokens' own texts, for prompt logprobs (None: no tokenizer)."""
+        top = extras.output_top
         logprobs = None
-        if state.logprob is not None and state.echo is not None:
-            logprobs = echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, state.logprobs, state.output_ids, text_of)
-        elif state.logprob is not None:
-            logprobs = completion_logprobs(state.logprobs, state.output_ids, text_of)
-        return {
+        if top is not None and state.echo is not None:
+            logprobs = echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, state.logprobs, state.output_ids, text_of, top)
+        elif top is not None:
+            logprobs = completion_logprobs(state.logprobs, state.output_ids, text_of, top_n=top)
+        out = {
             "index": index,
-            "text": CompletionShape.echoed_text(state) + state.text,
+            "text": CompletionShape.echoed_text(state, extras) + state.text,
             "logprobs": logprobs,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
             "matched_stop": matched_stop_of(state),
-            "prompt_logprobs": None,
         }
+        if extras.token_ids:  # vLLM's order: token_ids, prompt_logprobs, prompt_token_ids
+            out["token_ids"] = state.output_ids
+        out["prompt_logprobs"] = prompt_logprobs_of(state, extras, texts)
+        if extras.token_ids:
+            out["prompt_token_ids"] = state.prompt_ids
+        return out
 
     @staticmethod
-    def opening(index: int) -> dict[str, Any] | None:
+    def response_fields(states: list[ReqState], extras: AnswerExtras, texts: TokenText | None) -> dict[str, Any]:
+        return {}  # its prompt_logprobs are on its choices
+
+    @staticmethod
+    def opening(index: int, role: str = "assistant") -> dict[str, Any] | None:
         return None
 
     @staticmethod
@@ -80,17 +94,21 @@ class CompletionShape:
         return _with_matched_stop(out, finish_reason, matched_stop)
 
     @staticmethod
-    def echoed_text(state: ReqState) -> str:
-        """The prompt's text, for ``echo`` (nothing otherwise)."""
-        return state.echo or ""
+    def echoed_text(state: ReqState, extras: AnswerExtras = NO_EXTRAS) -> str:
+        """The prompt's text, for ``echo`` (nothing otherwise). With ``return_token_ids``
+        vLLM echoes no text: the prompt is in ``prompt_token_ids``."""
+        return "" if extras.token_ids else state.echo or ""
 
     @staticmethod
-    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None) -> dict[str, Any]:
-        """``state``: on a choice's first chunk, whose logprobs lead with the echoed prompt's."""
+    def chunk_logprobs(
+        chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None, top: int | None = None
+    ) -> dict[str, Any]:
+        """``state``: on a choice's first chunk, whose logprobs lead with the echoed prompt's.
+        ``top``: the top entries shown per token."""
         entries = chunk.logprobs or LogprobEntries()
         if state is not None and state.echo is not None:
-            return echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, entries, chunk.ids, text_of)
-        return completion_logprobs(entries, chunk.ids, text_of, offset)
+            return echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, entries, chunk.ids, text_of, top)
+        return completion_logprobs(entries, chunk.ids, text_of, offset, top)
 
 
 class ChatShape:
@@ -99,23 +117,37 @@ class ChatShape:
     route = "/v1/chat/completions"
     operation = "chat"
     chunk_object = "chat.completion.chunk"
-    response_fields: ClassVar[Mapping[str, Any]] = MappingProxyType({"prompt_logprobs": None})  # after ``usage``, as vLLM's
 
     @staticmethod
-    def choice(index: int, state: ReqState, text_of: TokenText) -> dict[str, Any]:
-        return {
+    def choice(
+        index: int, state: ReqState, text_of: TokenText, extras: AnswerExtras = NO_EXTRAS, texts: TokenText | None = None
+    ) -> dict[str, Any]:
+        top = extras.output_top
+        out = {
             "index": index,
-            "message": {"role": "assistant", "content": state.text},
-            "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of) if state.logprob is not None else None,
+            "message": {"role": extras.role, "content": extras.echo + state.text},
+            "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of, top) if top is not None else None,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
             "matched_stop": matched_stop_of(state),
         }
+        if extras.token_ids:
+            out["token_ids"] = state.output_ids
+        return out
 
     @staticmethod
-    def opening(index: int) -> dict[str, Any] | None:
+    def response_fields(states: list[ReqState], extras: AnswerExtras, texts: TokenText | None) -> dict[str, Any]:
+        """After ``usage``, as vLLM's: the prompt's logprobs (one prompt for every choice)
+        and, asked, its ids."""
+        out: dict[str, Any] = {"prompt_logprobs": prompt_logprobs_of(states[0], extras, texts)}
+        if extras.token_ids:
+            out["prompt_token_ids"] = states[0].prompt_ids
+        return out
+
+    @staticmethod
+    def opening(index: int, role: str = "assistant") -> dict[str, Any] | None:
         """OpenAI's first chunk of each choice names the role."""
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        return {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
 
     @staticmethod
     def delta(
@@ -136,12 +168,14 @@ class ChatShape:
         return _with_matched_stop(out, finish_reason, matched_stop)
 
     @staticmethod
-    def echoed_text(state: ReqState) -> str:
-        return ""
+    def echoed_text(state: ReqState, extras: AnswerExtras = NO_EXTRAS) -> str:
+        return ""  # a chat echo is a chunk of its own (ChoiceEvents.opening)
 
     @staticmethod
-    def chunk_logprobs(chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None) -> dict[str, Any]:
-        return chat_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of)
+    def chunk_logprobs(
+        chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None, top: int | None = None
+    ) -> dict[str, Any]:
+        return chat_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of, top)
 
 
 COMPLETION = CompletionShape()
@@ -178,6 +212,13 @@ def _with_matched_stop(chunk: dict[str, Any], finish_reason: str | None, matched
     if finish_reason is not None:
         chunk["matched_stop"] = matched_stop
     return chunk
+
+
+def prompt_logprobs_of(state: ReqState, extras: AnswerExtras, texts: TokenText | None) -> list[dict[str, Any] | None] | None:
+    """A choice's ``prompt_logprobs``: null unless asked."""
+    if extras.prompt_top is None:
+        return None
+    return prompt_logprobs_entries(state.prompt_ids, state.prompt_logprobs, extras.prompt_top, texts)
 
 
 def with_ids(choice: dict[str, Any], ids: list[int], ids_out: bool) -> dict[str, Any]:

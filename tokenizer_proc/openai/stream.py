@@ -16,7 +16,8 @@ from tokenizer_proc.http.common import abort_unfinished, refusal
 from tokenizer_proc.openai.chat_answers import finish_parsed
 from tokenizer_proc.openai.chat_parsing import ChatParsing, delta_fields
 from tokenizer_proc.openai.logprobs import openai_token_text
-from tokenizer_proc.openai.shapes import Shape, finish_reason_of, matched_stop_of, request_usage, stop_reason_of, with_ids
+from tokenizer_proc.openai.shapes import NO_EXTRAS, CompletionShape, Shape, finish_reason_of, matched_stop_of, request_usage, stop_reason_of, with_ids
+from tokenizer_proc.openai.vllm_extras import AnswerExtras
 from tokenizer_proc.req_state import ReqState, StreamChunk
 from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -60,7 +61,9 @@ class ChoiceEvents:
     nothing but text and usage (no finish, logprobs, echo or ids) is the choice's template
     filled with the text (and with ``continuous`` usage, its counts: one template per
     choice and stats, which change at a few points of a request only); every other chunk
-    is encoded whole."""
+    is encoded whole. ``extras``: what vLLM's extra fields add (``vllm_extras``): a chat
+    role and echo on the opening chunks, the prompt's ids on each choice's first chunk, each
+    chunk's ids."""
 
     def __init__(
         self,
@@ -70,6 +73,7 @@ class ChoiceEvents:
         head: dict[str, Any],
         usage: StreamUsage,
         parsing: ChatParsing | None = None,
+        extras: AnswerExtras = NO_EXTRAS,
     ) -> None:
         self.states = states
         self.ended = False
@@ -77,14 +81,17 @@ class ChoiceEvents:
         self._kind = kind
         self._head = head
         self._usage = usage
+        self._extras = extras
         self._ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
-        self._text_of = openai_token_text(tm.token_texts)
+        self._text_of = openai_token_text(tm.token_texts, extras.token_id_texts)
+        self._top = extras.output_top  # None: no output logprobs shown
         self._offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
         self._leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
         # Per choice: the stats its template was made for (continuous usage), and the template.
         self._templates: list[tuple[RequestOutputStats | None, EventTemplate | None] | None] = [None] * len(states)
         # Every content chunk before a choice's finish is its template filled in.
-        self._plain = parsing is None and not self._ids_out and all(s.logprob is None and s.echo is None for s in states)
+        shows_more = self._ids_out or extras.token_ids or self._top is not None or any(s.echo is not None for s in states)
+        self._plain = parsing is None and not shows_more
         # A chat answer read for reasoning and tool calls: one splitter per choice, and each
         # choice's reasoning tokens once it has finished.
         self._parsing = parsing
@@ -92,12 +99,18 @@ class ChoiceEvents:
         self._reasoning_tokens = [0] * len(states)
 
     def opening(self) -> bytes:
-        head, usage = self._head, self._usage
+        """Chat's role chunk of each choice (with ``return_token_ids`` the prompt's ids, as
+        vLLM's first chunks), then each choice's echo chunk (vLLM's chat echo)."""
+        head, usage, extras = self._head, self._usage, self._extras
         out = b""
         for index, state in enumerate(self.states):
-            opening = self._kind.opening(index)
+            opening = self._kind.opening(index, extras.role)
             if opening is not None:
-                out += sse({**head, "choices": [opening], **usage.on_chunk(state.request_stats, 0)})
+                ids = {"prompt_token_ids": state.prompt_ids} if extras.token_ids else {}
+                out += sse({**head, "choices": [opening], **usage.on_chunk(state.request_stats, 0), **ids})
+        for index, state in enumerate(self.states if extras.echo else ()):
+            echo = {"index": index, "delta": {"content": extras.echo}, "logprobs": None, "finish_reason": None}
+            out += sse({**head, "choices": [echo], **usage.on_chunk(state.request_stats, 0)})
         return out
 
     def events(self, index: int) -> bytes:
@@ -128,8 +141,9 @@ class ChoiceEvents:
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1  # the finish goes on the last event only
             final = finish_reason if last else None
-            # Ids that decode to no text yet are nothing to show, unless the ids are the output.
-            if not (chunk.text or final is not None or (ids_out and chunk.ids) or (state.logprob is not None and chunk.ids)):
+            # Ids that decode to no text yet are nothing to show, unless ids or logprobs are shown.
+            shows_ids = ids_out or self._top is not None or self._extras.token_ids
+            if not (chunk.text or final is not None or (shows_ids and chunk.ids)):
                 continue
             lead = self._leading[index]
             self._leading[index] = False
@@ -137,13 +151,14 @@ class ChoiceEvents:
             if template is not None:
                 out.append(self._filled(template, chunk))
                 continue
-            text = kind.echoed_text(state) + chunk.text if lead else chunk.text
+            text = kind.echoed_text(state, self._extras) + chunk.text if lead else chunk.text
             logprobs = None
-            if state.logprob is not None:
-                logprobs = kind.chunk_logprobs(chunk, text_of, self._offsets[index], state if lead else None)
+            if self._top is not None:
+                logprobs = kind.chunk_logprobs(chunk, text_of, self._offsets[index], state if lead else None, self._top)
                 echoed = state.prompt_ids if lead and state.echo is not None else []
                 self._offsets[index] += sum(len(text_of(t)) for t in echoed + chunk.ids)
             delta = with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs, matched_stop), chunk.ids, ids_out)
+            self._add_ids(delta, state, chunk, lead)
             out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
         return b"".join(out)
 
@@ -161,8 +176,8 @@ class ChoiceEvents:
             if i == len(chunks) - 1 and reason is not None:
                 delta += splitter.finish()
                 final, self._reasoning_tokens[index] = finish_parsed(self._tm, parsing, splitter, state, reason)
-            logprobs = self._kind.chunk_logprobs(chunk, self._text_of, 0) if state.logprob is not None and chunk.ids else None
-            if delta.empty and final is None and logprobs is None:
+            logprobs = self._kind.chunk_logprobs(chunk, self._text_of, 0, top=self._top) if self._top is not None and chunk.ids else None
+            if delta.empty and final is None and logprobs is None and not (self._extras.token_ids and chunk.ids):
                 continue
             choice = {
                 "index": index,
@@ -173,8 +188,18 @@ class ChoiceEvents:
             }
             if final is not None:  # SGLang's, on the finishing chunk (shapes' module docstring)
                 choice["matched_stop"] = matched_stop_of(state)
+            self._add_ids(choice, state, chunk, lead=False)
             out.append(sse({**self._head, "choices": [choice], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
         return b"".join(out)
+
+    def _add_ids(self, choice: dict[str, Any], state: ReqState, chunk: StreamChunk, lead: bool) -> None:
+        """``return_token_ids``: a chunk's own ids, and on a completion choice's first chunk
+        the prompt's before them (vLLM's order; chat sends the prompt's on its role chunk)."""
+        if not self._extras.token_ids:
+            return
+        if lead and isinstance(self._kind, CompletionShape):
+            choice["prompt_token_ids"] = state.prompt_ids
+        choice["token_ids"] = chunk.ids
 
     def _template(self, index: int, stats: RequestOutputStats | None) -> EventTemplate | None:
         """Choice ``index``'s content-chunk template for chunks with ``stats`` (continuous
