@@ -32,7 +32,7 @@ from pipeline.tokenizer_loader import LoadedTokenizer
 from tokenizer_proc.native.schema import RequestValidationError, TokenId, decode_body
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http.common import error_response, model_not_found
-from tokenizer_proc.openai.schema import Message
+from tokenizer_proc.openai.messages import Message
 from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
