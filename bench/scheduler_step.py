@@ -41,9 +41,21 @@ host_ms.
 (each sampling mode) under cProfile and prints the top entries (by own time and by
 cumulative time).
 
+``--model-path DIR`` serves that checkpoint instead of the built-in model (prompt ids are
+drawn from its vocabulary).
+
+``--compare-forward`` times the forward before and after issue 31's item 5 in one run:
+``--rounds`` rounds (default 3), each running both arms in child processes of this script,
+in alternating order (before first in even rounds), so the machine's drift and the other
+processes' load fall on both. "before" is the padded gather and masked SDPA for every pass
+and glibc's default allocator thresholds (``--forward before``); "after" is the code as it
+is. It prints each arm's median row and the after/before tokens/s ratios, per round and
+their median.
+
 Usage: ``python bench/scheduler_step.py [--batch-sizes 1,16,64,256]
 [--sampling greedy,sampled] [--constrained] [--steps 50] [--context 32] [--torch-threads N]
-[--device auto] [--profile] [--json PATH]``.
+[--device auto] [--model-path DIR] [--profile] [--json PATH]
+[--compare-forward [--rounds 3]]``.
 """
 
 from __future__ import annotations
@@ -58,7 +70,9 @@ import platform
 import pstats
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -106,6 +120,7 @@ SAMPLING_MODES = ("greedy", "sampled")
 SAMPLED_TEMPERATURE = 0.7
 SAMPLED_TOP_P = 0.9
 FIRST_TOKEN = 16  # prompt ids start above the tokenizer's special tokens
+FORWARD_ARMS = ("before", "after")
 
 
 # --- timing wrappers ---------------------------------------------------------------------
@@ -200,7 +215,7 @@ def _prompts(batch_size: int, context: int, vocab_size: int, seed: int) -> list[
 
 
 def _build(
-    batch_size: int, tokens_per_req: int, torch_threads: int | None, device: str
+    batch_size: int, tokens_per_req: int, torch_threads: int | None, device: str, model_path: str | None = None
 ) -> Scheduler:
     # Headroom beyond the requests' own KV: the pool also leaves slots for the next decode
     # step during admission, and nothing here may ever trigger a retraction.
@@ -210,6 +225,7 @@ def _build(
         max_running_requests=max(batch_size, ServerConfig().max_running_requests),
         torch_threads=torch_threads,
         device=device,
+        model_path=model_path,
     )
     return build_scheduler(config)
 
@@ -293,6 +309,7 @@ def run_batch(
     profile_top: int = 25,
     seed: int = 0,
     constrained: bool = False,
+    model_path: str | None = None,
 ) -> dict[str, Any]:
     if batch_size < 1 or steps < 1 or context < 1 or warmup < 0:
         raise ValueError("batch size, steps and context must be >= 1, warmup >= 0")
@@ -302,7 +319,7 @@ def run_batch(
     chunk = ServerConfig().chunked_prefill_size
     prefill_steps_bound = (-(-batch_size * context // chunk) if chunk > 0 else 1) + 2
     max_new = warmup + steps + profile_steps + prefill_steps_bound + 8
-    scheduler = _build(batch_size, context + max_new, torch_threads, device)
+    scheduler = _build(batch_size, context + max_new, torch_threads, device, model_path)
     if context + max_new >= scheduler.context_length:
         max_new = scheduler.context_length - context - 1
     needed = context + warmup + steps + profile_steps + 2
@@ -448,6 +465,7 @@ def run(
     profile_top: int = 25,
     seed: int = 0,
     constrained: bool = False,
+    model_path: str | None = None,
 ) -> dict[str, Any]:
     results = []
     profiled = max(batch_sizes) if profile else None
@@ -468,13 +486,14 @@ def run(
                 profile_top=profile_top,
                 seed=seed,
                 constrained=constrained,
+                model_path=model_path,
             )
             results.append(row)
         if not machine:  # after the first build: build_scheduler sets the torch threads
             from scheduler_proc.model.runner import resolve_device
 
             machine = machine_info(str(resolve_device(device)))
-            model = _model_info(device)
+            model = _model_info(device, model_path)
     return {
         "config": {
             "batch_sizes": list(batch_sizes),
@@ -488,6 +507,7 @@ def run(
             "device": device,
             "seed": seed,
             "constrained": constrained,
+            "model_path": model_path,
         },
         "machine": machine,
         "model": model,
@@ -495,14 +515,14 @@ def run(
     }
 
 
-def _model_info(device: str) -> dict[str, Any]:
+def _model_info(device: str, model_path: str | None = None) -> dict[str, Any]:
     from pipeline.model_config import load_model_config
     from pipeline.tokenizer_loader import load_tokenizer
 
-    config = ServerConfig(device=device)
+    config = ServerConfig(device=device, model_path=model_path)
     mc = load_model_config(config, load_tokenizer(config.model_path).vocab_size)
     return {
-        "name": "built-in seeded (model_path=None)",
+        "name": "built-in seeded (model_path=None)" if model_path is None else model_path,
         "hidden": mc.hidden_size,
         "layers": mc.num_hidden_layers,
         "heads": f"{mc.num_attention_heads}/{mc.num_key_value_heads}",
@@ -538,6 +558,96 @@ def format_report(report: dict[str, Any]) -> str:
             lines += ["", f"cProfile, {which}: top entries by cumulative time", prof["cumulative"].strip()]
             lines += ["", f"cProfile, {which}: callees of the step's own functions", prof["callees"].strip()]
     return "\n".join(lines)
+
+
+# --- before and after the forward change (issue 31, item 5) ------------------------------
+
+
+def use_forward_before() -> None:
+    """Puts this process's forward back as it was before issue 31's item 5: every pass
+    through the padded gather and masked SDPA (``attention.padded_attention``), and glibc's
+    default allocator thresholds. Call it before the first scheduler is built: a
+    ``ModelRunner`` sets the thresholds when it is made, and they cannot be unset."""
+    from scheduler_proc.model import attention, llama, runner
+
+    # Checked, not assumed: if the decoder stopped calling pool_attention by that name, or
+    # the runner the allocator setting, "before" would silently run the new forward.
+    if getattr(llama, "pool_attention", None) is not attention.pool_attention or not hasattr(runner, "keep_freed_host_memory"):
+        raise RuntimeError(
+            "--forward before: llama.py no longer calls attention.pool_attention by that name, or runner.py "
+            "keep_freed_host_memory; update use_forward_before in bench/scheduler_step.py"
+        )
+
+    def default_thresholds() -> bool:
+        return False
+
+    # setattr, as in _instrument: swapping a module's function is what the types forbid.
+    for owner, name, value in ((llama, "pool_attention", attention.padded_attention), (runner, "keep_freed_host_memory", default_thresholds)):
+        setattr(owner, name, value)
+
+
+def compare_forward(child_args: list[str], rounds: int) -> dict[str, Any]:
+    """Runs this script with ``--forward before`` and ``--forward after`` (and
+    ``child_args``) in child processes, ``rounds`` times, the order alternating. A child
+    per arm: the allocator setting is process-wide and has no undo."""
+    if rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    reports: dict[str, list[dict[str, Any]]] = {arm: [] for arm in FORWARD_ARMS}
+    with tempfile.TemporaryDirectory(prefix="scheduler_step_") as tmp:
+        for r in range(rounds):
+            for arm in FORWARD_ARMS if r % 2 == 0 else FORWARD_ARMS[::-1]:
+                out = Path(tmp) / f"{arm}-{r}.json"
+                cmd = [sys.executable, str(Path(__file__).resolve()), *child_args, "--forward", arm, "--json", str(out)]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                reports[arm].append(json.loads(out.read_text()))
+    return {"rounds": rounds, "arms": reports}
+
+
+def format_comparison(comparison: dict[str, Any]) -> str:
+    """Each arm's median row (by tokens/s over the rounds) per batch size and sampling, then
+    the after/before tokens/s ratio of each round (the two arms of a round ran back to
+    back) and their median."""
+    arms: dict[str, list[dict[str, Any]]] = comparison["arms"]
+    first = arms["after"][0]
+    header = format_report({**first, "results": []}).split("\n")[:3]
+    columns = COLUMNS + (GRAMMAR_COLUMNS if first["config"].get("constrained") else ())
+    lines = [
+        *header,
+        f"forward before/after (issue 31, item 5): {comparison['rounds']} rounds, the arms alternating in child processes; "
+        "before = padded gather + masked SDPA, glibc default allocator thresholds; each row is the arm's median round",
+        "",
+        "batch".rjust(6) + f"{'sampling':>10}{'forward':>9}" + "".join(f"{c:>12}" for c in columns),
+    ]
+    ratios: list[str] = []
+    for i, row in enumerate(first["results"]):
+        per_arm = {arm: [report["results"][i] for report in arms[arm]] for arm in FORWARD_ARMS}
+        for arm in FORWARD_ARMS:
+            rows = sorted(per_arm[arm], key=lambda r: r["tokens/s"])
+            median = rows[(len(rows) - 1) // 2]
+            cells = [f"{median['steps']:>12d}"] + [f"{median[c]:>12.{_digits(c)}f}" for c in columns[1:]]
+            lines.append(f"{median['batch_size']:>6d}{median['sampling']:>10}{arm:>9}" + "".join(cells))
+        rounds = [a["tokens/s"] / b["tokens/s"] for a, b in zip(per_arm["after"], per_arm["before"])]
+        ratios.append(
+            f"B={row['batch_size']} {row['sampling']}: {statistics.median(rounds):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in rounds)})"
+        )
+    lines += ["", "after/before tokens/s, median of the rounds' ratios: " + "; ".join(ratios), "", COLUMN_HELP]
+    return "\n".join(lines)
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    """The flags a --compare-forward child runs with: this run's, without the comparison."""
+    out = [
+        "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--sampling", ",".join(args.sampling),
+        "--steps", str(args.steps), "--max-seconds", str(args.max_seconds), "--warmup", str(args.warmup),
+        "--context", str(args.context), "--device", args.device, "--seed", str(args.seed),
+    ]  # fmt: skip
+    if args.torch_threads is not None:
+        out += ["--torch-threads", str(args.torch_threads)]
+    if args.model_path is not None:
+        out += ["--model-path", args.model_path]
+    if args.constrained:
+        out.append("--constrained")
+    return out
 
 
 def _digits(column: str) -> int:
@@ -583,12 +693,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=32, help="prompt tokens per request (default 32)")
     parser.add_argument("--torch-threads", type=int, default=None, help="default: the server's (cores - 2, at least 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    parser.add_argument("--model-path", default=None, metavar="DIR", help="serve this checkpoint instead of the built-in model")
+    parser.add_argument(
+        "--compare-forward",
+        action="store_true",
+        help="time the forward before and after issue 31's item 5 in alternating child processes; print both and the ratio",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--compare-forward: rounds of both arms (default 3)")
+    parser.add_argument(
+        "--forward",
+        choices=FORWARD_ARMS,
+        default="after",
+        help="before: the padded-SDPA forward with glibc's default allocator thresholds; after (default): as the code is",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile extra steps of the largest batch size")
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    if args.compare_forward:
+        if args.profile:
+            parser.error("--compare-forward does not profile; run --profile on its own")
+        comparison = compare_forward(_child_args(args), args.rounds)
+        print(format_comparison(comparison))
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(comparison, indent=2) + "\n")
+        return 0
+    if args.forward == "before":
+        use_forward_before()
     report = run(
         args.batch_sizes,
         samplings=args.sampling,
@@ -603,6 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_top=args.profile_top,
         seed=args.seed,
         constrained=args.constrained,
+        model_path=args.model_path,
     )
     print(format_report(report))
     if args.json is not None:

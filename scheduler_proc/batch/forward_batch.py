@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -122,6 +122,26 @@ def _cat_cpu(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out.to(device="cpu", dtype=torch.long)
 
 
+# A decode pass reads each row's keys padded to a multiple of this many columns. Without it
+# a row's scores and softmax change in the last bit with the batch's longest row: the CPU
+# kernels (a gemm's edge tiles, softmax's vector tail) take a different path for the last
+# width % 16 columns. Aligned, the padding adds only exact zeros, so a row's output is the
+# same bits alone or in any batch (tests/unit/test_attention.py), which keeps a seeded
+# request's tokens the same beside any neighbours. It costs at most 15 padded columns.
+DECODE_KEY_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class DecodeReads:
+    """How a decode pass reads one layer's pool head-major: the pool [slots, KH, D] viewed as
+    [slots * KH, D] has sequence b's keys of kv head h at rows ``slot * KH + h``, so one
+    ``index_select`` of ``rows`` yields the [B * KH, L, D] block the batched matmuls read,
+    with no copy to reorder it."""
+
+    rows: torch.Tensor  # [B * KH * L] int64, in (b, h, column) order
+    bias: torch.Tensor  # [B * KH, 1, L] model dtype: 0 on a key, -inf on a padded column
+
+
 @dataclass
 class AttentionLayout:
     """Per-pass view of a ForwardBatch for attention, computed once and shared by every layer.
@@ -129,16 +149,24 @@ class AttentionLayout:
     Queries are padded to [B, Qmax] so a single SDPA call covers the batch. A padded query
     gets position 0, so its mask row still allows key 0: an all-masked row would make SDPA
     return NaN. Its output is dropped by unpad().
+
+    A decode pass (``is_decode``: one new token per sequence, all causal) is read head-major
+    instead (``decode_reads``); its key columns past ``kv_lens[b]`` are padding.
     """
 
     cos: torch.Tensor  # [T, 1, D] rotary rows of the new tokens, model dtype
     sin: torch.Tensor  # [T, 1, D]
     out_slots: torch.Tensor  # [T]
     kv_slot_table: torch.Tensor  # [B, Lmax]
+    kv_lens: torch.Tensor  # [B]
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool, True = may attend
     batch_size: int
     max_new_len: int
     pad_index: torch.Tensor | None  # [T] row in the flattened [B * Qmax]; None = no padding
+    is_decode: bool
+    # decode_reads' result for the one kv head count a model has: built by the first layer,
+    # read by the rest (the head count is the pool's, which from_batch does not see).
+    _decode_reads: DecodeReads | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_batch(
@@ -173,11 +201,37 @@ class AttentionLayout:
             sin=sin_cache[batch.positions].to(dtype).unsqueeze(1),
             out_slots=batch.out_slots,
             kv_slot_table=batch.kv_slot_table,
+            kv_lens=batch.kv_lens,
             mask=mask,
             batch_size=b,
             max_new_len=max_new,
             pad_index=pad_index,
+            is_decode=max_new == 1 and batch.bidirectional_from is None,
         )
+
+    def decode_reads(self, num_kv_heads: int) -> DecodeReads:
+        """The head-major rows and padding bias of a decode pass, for pools of
+        ``num_kv_heads`` heads; built once per pass."""
+        if not self.is_decode:
+            raise ValueError("AttentionLayout.decode_reads: not a decode pass (one causal new token per sequence)")
+        reads = self._decode_reads
+        if reads is None or reads.bias.shape[0] != self.batch_size * num_kv_heads:
+            reads = self._decode_reads = self._build_decode_reads(num_kv_heads)
+        return reads
+
+    def _build_decode_reads(self, num_kv_heads: int) -> DecodeReads:
+        table = self.kv_slot_table
+        b, width = table.shape
+        # Key columns padded to a multiple of DECODE_KEY_ALIGN (slot 0, weight 0): see there.
+        length = -(-width // DECODE_KEY_ALIGN) * DECODE_KEY_ALIGN
+        table = torch.nn.functional.pad(table, (0, length - width))
+        heads = torch.arange(num_kv_heads, device=table.device).view(1, num_kv_heads, 1)
+        rows = (table.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
+        # The new token is the last of its sequence, so causality is just "a key exists".
+        padded = torch.arange(length, device=table.device).view(1, length) >= self.kv_lens.view(b, 1)
+        bias = torch.zeros((b, length), dtype=self.cos.dtype, device=table.device).masked_fill_(padded, float("-inf"))
+        bias = bias.view(b, 1, 1, length).expand(b, num_kv_heads, 1, length).reshape(b * num_kv_heads, 1, length)
+        return DecodeReads(rows=rows, bias=bias)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [B, Qmax, ...]"""

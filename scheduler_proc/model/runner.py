@@ -12,6 +12,7 @@ from pipeline.config import ServerConfig
 from pipeline.model_config import load_model_config
 from scheduler_proc.batch.forward_batch import ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.model.host_memory import keep_freed_host_memory
 from scheduler_proc.model.llama import LlamaForCausalLM
 from scheduler_proc.model.weights import DTYPES
 from scheduler_proc.sampling.sampler import SamplingColumns, sample
@@ -34,6 +35,7 @@ def cpu_threads(config: ServerConfig) -> int:
 
 class ModelRunner:
     def __init__(self, config: ServerConfig, vocab_size: int) -> None:
+        keep_freed_host_memory()  # before the model's first allocation: see host_memory.py
         torch.set_num_threads(cpu_threads(config))
         self.device = resolve_device(config.device)
         self.model_config = load_model_config(config, vocab_size)
