@@ -7,7 +7,8 @@ Families (``FAMILIES``): ``llama`` (plain), ``llama3`` (``rope_scaling`` llama3,
 embeddings), ``qwen2`` (q/k/v biases, tied embeddings), ``qwen3`` (per-head q/k RMSNorm and
 its own head_dim) and ``mistral`` (a sliding window no shorter than the positions).
 transformers initialises with std 0.02, which makes attention near-uniform and greedy text
-stick on one token; the weights are rescaled so context (and so the rotary) changes the logits.
+stick on one token; the weights are redrawn (``_init``) so context (and so the rotary) changes
+the logits and the next-token distribution is far from flat.
 
 Usage: ``python bench/family_checkpoints.py DIR FAMILY [--hidden 256] [--layers 4]
 [--dtype float32] [--max-shard-size 200KB]``.
@@ -96,13 +97,8 @@ def write(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family, shape, **overrides), dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 0.5)
-            elif name.endswith("bias") or "q_proj" in name or "k_proj" in name:
-                p.normal_(0.0, 0.1)
+        for name, p in model.named_parameters():  # a tied lm_head is the embeddings, listed once
+            p.normal_(*_init(name))
     model = model.to(dtype)
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -110,6 +106,22 @@ def write(
     # The built-in model's EOS, so the checkpoint stops where it would.
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(SHIPPED_EOS_TOKEN_IDS)}))
     return model
+
+
+def _init(name: str) -> tuple[float, float]:
+    """(mean, std) of a parameter. Embeddings large enough that the current token shows
+    through; q and k sharp enough that attention is not uniform; the projections that write
+    into the residual stream (v, o, the MLP) wide enough that the context, not the current
+    token's embedding, decides what comes next (with a tied head at 0.02 every family echoed
+    its last input token); an untied head like the embeddings, or every greedy pick is a
+    near tie."""
+    if "norm" in name:
+        return 1.0, 0.1
+    if "embed_tokens" in name or name == "lm_head.weight":
+        return 0.0, 0.5
+    if name.endswith("bias") or "q_proj" in name or "k_proj" in name:
+        return 0.0, 0.1
+    return 0.0, 0.15
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

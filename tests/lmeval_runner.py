@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import subprocess
 import sys
@@ -145,3 +146,16 @@ def argmax_accuracy(docs: dict[int, DocScores]) -> float:
     """The accuracy the loglikelihoods imply (the first of tied maxima wins, as in lm-eval)."""
     right = sum(max(range(len(d.loglikelihoods)), key=d.loglikelihoods.__getitem__) == d.target for d in docs.values())
     return right / len(docs)
+
+
+def assert_scores_every_choice_of_every_doc(result: LmEvalResult) -> None:
+    """The ``hf`` run is whole: every document of the local task, one finite loglikelihood
+    per choice, its target, and the accuracy their argmax makes."""
+    questions = [json.loads(line) for line in (TASK_DIR / "questions.jsonl").read_text().splitlines()]
+    assert 0.0 <= result.accuracy <= 1.0
+    assert sorted(result.docs) == list(range(len(questions)))
+    for doc_id, doc in result.docs.items():
+        assert len(doc.loglikelihoods) == len(questions[doc_id]["choices"]), doc_id
+        assert all(math.isfinite(x) and x <= 0.0 for x in doc.loglikelihoods), doc
+        assert doc.target == questions[doc_id]["answer"]
+    assert result.accuracy == argmax_accuracy(result.docs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from pipeline.config import ServerConfig, add_server_args, config_from_args, storage_dir_problem
+from pipeline.model_config import context_length_of
 from pipeline.process_util import setup_logging
 
 
@@ -41,6 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         problem = storage_dir_problem(config.hicache_storage_dir)
         if problem is not None:
             parser.error(f"--hicache-storage-dir: {problem}")
+    if config.model_path is not None and args.command != "detokenizer":
+        # A checkpoint the decoder cannot serve (an architecture or config key it does not
+        # implement, a context past its sliding window) fails here, in one line, not as a
+        # traceback in each child.
+        try:
+            context_length_of(config, vocab_size=0)  # the vocabulary only sizes the built-in model
+        except ValueError as exc:
+            parser.error(f"--model-path: {exc}")
     setup_logging(config.log_level, args.command)
     if args.command == "serve":
         from tokenpipe.supervisor import serve

@@ -64,10 +64,14 @@ def decode_attention(
     values = v_cache.view(-1, d).index_select(0, reads.rows).view(b * kh, -1, d)
     # Query head i reads kv head i // G (SDPA's enable_gqa, HF's repeat_kv): the G query
     # heads of a kv head are adjacent, so [B, H, D] is [B*KH, G, D] without a copy.
-    scores = torch.baddbmm(reads.bias, q.reshape(b * kh, h // kh, d), keys.transpose(1, 2), alpha=scale)
-    # float32 softmax, as SDPA does for half precision; a no-op cast for float32 models.
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.bmm(probs, values).view(b, h, d)
+    # Half-precision models attend in float32, as SDPA's kernels do (scores, softmax and the
+    # weighted sum never rounded to 16 bits): a bfloat16 bmm would round every score, and
+    # greedy tokens would leave transformers' at many more near ties. No-op casts in float32.
+    wide = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    queries = q.reshape(b * kh, h // kh, d).to(wide)
+    scores = torch.baddbmm(reads.bias.to(wide), queries, keys.to(wide).transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, values.to(wide)).to(q.dtype).view(b, h, d)
 
 
 def padded_attention(
