@@ -6,9 +6,7 @@ implemented fails at load, naming it."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +14,16 @@ import pytest
 import torch
 
 from bench import family_checkpoints
-from bench.family_checkpoints import Shape
 from pipeline.config import ServerConfig
 from pipeline.model_config import ARCHITECTURES, ModelConfig, context_length_of
 from pipeline.tokenizer_loader import SHIPPED_VOCAB_SIZE
 from scheduler_proc.batch.forward_batch import ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.llama import LlamaForCausalLM
+from tests.hf_checkpoints import TINY, require_transformers
 from tokenizer_proc.http.worker_api import ModelIdentity
 
-TINY = Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, positions=256)
 VOCAB = SHIPPED_VOCAB_SIZE
-
-
-def _require_transformers() -> None:
-    if importlib.util.find_spec("transformers") is None:
-        message = "transformers is not installed (make test installs it)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message + "; CI=true: a missing reference is a failure")
-        pytest.skip(message)
 
 
 # Each case: a family of bench/family_checkpoints.py and config keys that vary it. head_dim 32
@@ -51,7 +40,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def write_checkpoint(directory: Path, case: str, **kw: Any) -> Any:
-    _require_transformers()
+    require_transformers()
     family, overrides = CASES[case]
     return family_checkpoints.write(directory, family, shape=TINY, **kw, **overrides)
 
@@ -116,7 +105,7 @@ def test_dtype_is_the_checkpoints_unless_asked(tmp_path: Path) -> None:
 
 def _config(case: str) -> dict[str, Any]:
     """The config.json transformers writes for ``case``."""
-    _require_transformers()
+    require_transformers()
     family, overrides = CASES[case]
     cfg = family_checkpoints.hf_config(family, TINY, **overrides)
     return json.loads(cfg.to_json_string()) | {"architectures": [cfg.__class__.__name__.replace("Config", "ForCausalLM")]}
