@@ -206,7 +206,7 @@ class RequestMetrics:
         lost it): a request and an abort, with no token counts or timings to observe."""
         self.num_requests[state.stream].inc()
         self.num_aborted.inc()
-        self.peers.on_lost()
+        self.peers.on_lost(state)
 
     def on_tool_answer(self, finish_reason: str, calls: int) -> None:
         """A finished chat choice of a request with tools (``tokenizer_proc.openai.chat_answers``)."""
@@ -269,9 +269,25 @@ class RequestPeerSeries:
             naming.peer_histogram("uncached_prompt_tokens_histogram", "Prompt tokens per request not served by the cache.", Histogram)
         )
 
-    def on_lost(self) -> None:
-        """A request lost before the scheduler reported on it: an abort, nothing to observe."""
+    def on_lost(self, state: ReqState) -> None:
+        """A request lost before the scheduler reported on it: an abort, and no tokens."""
         self.request_success["abort"].inc()
+        if state.choices is not None:  # its group still ends with it
+            self._end_choice(state, 0)
+
+    def _end_choice(self, state: ReqState, completion_tokens: int) -> None:
+        """vLLM's request parameters, once per request: a choice of n > 1 waits for the
+        rest of its group (the API runs each choice as a pipeline request of its own)."""
+        group = state.choices
+        if group is None:
+            n, longest = 1, completion_tokens
+        elif group.end_choice(completion_tokens):
+            n, longest = group.n, group.longest
+        else:
+            return
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(state.sampling.max_new_tokens)
+        self.max_generation_tokens.observe(longest)
 
     def on_finish(self, state: ReqState) -> None:
         stats = state.request_stats
@@ -279,12 +295,7 @@ class RequestPeerSeries:
         self.request_success[str(type(state.finished_reason).__struct_config__.tag)].inc()
         self.prefix_cache_queries.inc(stats.prompt_tokens)
         self.prefix_cache_hits.inc(stats.cached_tokens)
-        # The API runs each of a request's n choices as a pipeline request of its own, and the
-        # state does not know n: each choice counts as a request with n=1, its own max tokens
-        # and its own output (exact for n=1, vLLM's figures are per request of n choices).
-        self.params_n.observe(1)
-        self.params_max_tokens.observe(state.sampling.max_new_tokens)
-        self.max_generation_tokens.observe(state.completion_tokens)
+        self._end_choice(state, state.completion_tokens)
         self.uncached_prompt_tokens.observe(stats.prompt_tokens - stats.cached_tokens)
         ts = stats.time_stats
         if ts is None or ts.forward_entry_time is None or ts.completion_time is None:

@@ -54,6 +54,23 @@ class LogprobEntries:
         self.ids.extend(row.ids)
 
 
+@dataclass(slots=True)
+class ChoiceGroup:
+    """The n choices of one prompt of an OpenAI request, each a pipeline request (and a
+    ReqState) of its own. vLLM's per-request figures (``request_params_n``, the longest
+    choice's tokens) are the group's, taken when its last choice ends."""
+
+    n: int
+    unfinished: int
+    longest: int = 0
+
+    def end_choice(self, completion_tokens: int) -> bool:
+        """Records a choice that ended; True when it was the group's last."""
+        self.longest = max(self.longest, completion_tokens)
+        self.unfinished -= 1
+        return self.unfinished == 0
+
+
 @dataclass
 class ReqState:
     rid: str
@@ -69,6 +86,7 @@ class ReqState:
     # The structured output's kind (``Constraint.kind``), for the metrics and the span;
     # None: unconstrained.
     constraint_kind: str | None = None
+    choices: ChoiceGroup | None = None  # the n > 1 choices this one is of; None: a request of its own
     tokenized_time: float | None = None  # when the request left for the scheduler
     prompt_tokens: int = 0  # as sent to the scheduler; /get_load counts them until stats arrive
     request_stats: RequestOutputStats | None = None

@@ -178,3 +178,30 @@ def test_tokenpipe_names_remain_only_where_the_peer_has_none(prometheus: str, lo
     assert scalar(prometheus, "count(tokenpipe:num_rejected_requests_total)") == 2 * 3
     # ... and the renamed ones are served under the peer's name only.
     assert query(prometheus, "tokenpipe:prompt_tokens_total") == {}
+
+
+def _histogram(srv: ServerProcess, name: str) -> tuple[float, float]:
+    """(count, sum) of a histogram on the server's /metrics, over its labels."""
+    text = httpx.get(f"{srv.url}/metrics", timeout=30).text
+    total = {"_count": 0.0, "_sum": 0.0}
+    for line in text.splitlines():
+        for suffix in total:
+            if line.startswith(name + suffix + "{"):
+                total[suffix] += float(line.rsplit(" ", 1)[1])
+    return total["_count"], total["_sum"]
+
+
+def test_vllm_counts_a_request_of_n_choices_once_with_its_n(stack: Stack, loads: dict[str, list[tuple[int, int]]]) -> None:
+    """vLLM's request parameters are per request, not per choice: n=3 is one observation of
+    3, and the longest choice's tokens one observation too. (Last in the module: the totals
+    above count the load alone.)"""
+    srv = stack.servers["vllm"]
+    names = ("vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens")
+    before = {name: _histogram(srv, name) for name in names}
+    model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Count with me:", "n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+    assert len(answer["choices"]) == 3 and answer["usage"]["completion_tokens"] == 15
+    after = {name: _histogram(srv, name) for name in names}
+    grew = {name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in names}
+    assert grew == {names[0]: (1, 3), names[1]: (1, 5), names[2]: (1, 5)}

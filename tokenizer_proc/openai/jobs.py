@@ -18,7 +18,7 @@ from tokenizer_proc.native.schema import RequestValidationError
 from tokenizer_proc.openai.chat_parsing import ChatParsing
 from tokenizer_proc.openai.schema import ChatCompletionRequest, SamplingRequest
 from tokenizer_proc.openai.vllm_extras import truncate_prompt
-from tokenizer_proc.req_state import ReqState
+from tokenizer_proc.req_state import ChoiceGroup, ReqState
 from tokenizer_proc.request_checks import ContextLengthError, OutOfVocabularyError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -134,6 +134,13 @@ def submit_jobs(
     except BaseException:
         abort_unfinished(tm, states)
         raise
+    # Each prompt's n choices (jobs are prompt-major): vLLM counts them as one request. No
+    # choice can have ended yet: outputs are handled on this loop, after this returns.
+    if body.choices > 1:
+        for first in range(0, len(states), body.choices):
+            group = ChoiceGroup(n=body.choices, unfinished=body.choices)
+            for state in states[first : first + body.choices]:
+                state.choices = group
     return states
 
 
