@@ -30,6 +30,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from pipeline.peer_errors import duplicate_rid_message
 from pipeline.io_struct import (
     AbortReq,
     AbortResult,
@@ -166,7 +167,7 @@ class Scheduler:
         )
         self.pd.bind(req, room, endpoint)
         if msg.rid in self.live_rids:  # each API worker knows only its own live rids
-            problem: str | None = f"a request with rid {msg.rid!r} is already running"
+            problem: str | None = duplicate_rid_message(msg.rid)
         else:
             problem = self.admission.problem(req)
         if problem is not None:

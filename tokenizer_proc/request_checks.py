@@ -88,11 +88,6 @@ class OutOfVocabularyError(RequestValidationError):
         )
 
 
-def duplicate_rid_message(rid: str) -> str:
-    """A live rid sent again: SGLang's words, which its clients recognise, then ours."""
-    return f"Duplicate request ID detected: {rid} (a request with rid {rid!r} is already running)"
-
-
 def without_tokenizer(needs: str, param: str) -> RequestValidationError:
     """The 400 for a request that needs what only a tokenizer gives, on a server that
     runs with --skip-tokenizer-init. ``needs`` says what needed it and what to do instead."""

@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from pipeline.config import ServerConfig
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
+from pipeline.peer_errors import duplicate_rid_message
 from pipeline.io_struct import (
     DETOKENIZER_LOST_TEXT,
     WORKER_SHIFT,
@@ -58,7 +59,7 @@ from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 from tokenizer_proc.control_client import ControlClient
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
-from tokenizer_proc.request_checks import RequestChecks, duplicate_rid_message
+from tokenizer_proc.request_checks import RequestChecks
 
 if TYPE_CHECKING:  # imported when tracing is on: the OpenTelemetry SDK is slow to import
     from tokenizer_proc.tracing import RequestTracer

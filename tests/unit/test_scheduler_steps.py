@@ -270,7 +270,7 @@ def test_a_duplicate_live_rid_is_refused_with_a_400_naming_it() -> None:
         finished = _finishes(s.step())
         reason = finished[req_id]
         assert isinstance(reason, FinishAbort) and reason.status_code == 400, reason
-        assert reason.message == "a request with rid 'same' is already running"
+        assert reason.message == "Duplicate request ID detected: same (a request with rid 'same' is already running)"
         assert 1 not in finished and 1 in s.live
     rest: dict[int, FinishReason] = {}
     while s.has_work():

@@ -25,7 +25,7 @@ from tokenizer_proc.http.common import abort_unfinished, trace_context
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.native.schema import GenerateBody, GenerateRequest, RequestValidationError, convert_body
 from tokenizer_proc.req_state import ReqState
-from tokenizer_proc.request_checks import duplicate_rid_message
+from pipeline.peer_errors import duplicate_rid_message
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 MAX_BATCH = 1024
