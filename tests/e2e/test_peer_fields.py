@@ -150,8 +150,9 @@ def test_load_counts_requests_in_flight(server: ServerProcess, http: httpx.Clien
         assert stream.status_code == 200
         next(stream.iter_lines())  # the request is running
         load = http.get("/load").json()
-        # Still running after that answer (the abort finds it), so it was in flight throughout.
-        assert http.post("/abort_request", json={"rid": "load-probe"}).status_code == 200
+        # Stop it if it still runs: with a fast forward its 2000 tokens may already be done,
+        # so the abort's answer proves nothing. The load of 1 does: nothing else was live.
+        http.post("/abort_request", json={"rid": "load-probe"})
     assert load == {"server_load": 1}
 
 
