@@ -145,18 +145,14 @@ class LlamaForCausalLM(nn.Module):
     rotary_cos: torch.Tensor
     rotary_sin: torch.Tensor
 
-    def __init__(
-        self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32, *, positions: int | None = None
-    ) -> None:
-        """``positions``: the rotary table's length, the served context (default: the
-        model's context limit); a 128k-position table would cost 100+ MB for nothing."""
+    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, device, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, device, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos, sin = rotary_tables(config, positions or config.context_limit)
+        cos, sin = rotary_tables(config, config.context_limit)
         # Non-persistent: derived from the config, never part of a checkpoint.
         self.register_buffer("rotary_cos", cos.to(device), persistent=False)
         self.register_buffer("rotary_sin", sin.to(device), persistent=False)
@@ -211,14 +207,14 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None, *, positions: int | None = None
+        cls, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None
     ) -> LlamaForCausalLM:
         """Load config.json and the checkpoint's safetensors (every shard of
         model.safetensors.index.json). dtype=None keeps the checkpoint's dtype."""
         model_dir = Path(model_dir)
         config = ModelConfig.from_hf_dict(read_config(model_dir))
         files = checkpoint_files(model_dir)
-        model = cls(config, device, dtype or checkpoint_dtype(config, files), positions=positions)
+        model = cls(config, device, dtype or checkpoint_dtype(config, files))
         load_weights(model, files)
         return model
 
