@@ -64,3 +64,22 @@ def test_a_store_of_its_own_lives_in_a_private_directory_removed_at_close(monkey
     assert store.path.exists() and (store.path.parent.stat().st_mode & 0o777) == 0o700
     store.close()
     assert not store.path.parent.exists()
+
+
+def _open_store(directory: str) -> None:
+    ResponseStore(10, 1 << 20, Path(directory))
+
+
+def test_workers_opening_a_new_store_at_once_all_succeed(tmp_path: Path) -> None:
+    """API workers start together and each opens the shared file: the first ones switch it
+    to WAL, which SQLite refuses at once ("database is locked") to a concurrent switcher."""
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(20):
+        directory = tmp_path / str(round_)
+        directory.mkdir()
+        procs = [ctx.Process(target=_open_store, args=(str(directory),)) for _ in range(8)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0] * 8, round_

@@ -17,6 +17,7 @@ the request's own tokenizing, and happens once per request, never per token.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import threading
@@ -70,9 +71,17 @@ class ResponseStore:
         self._lock = threading.Lock()  # one connection per process; calls come from the event loop
         # Several workers open the file at once: wait for another's write instead of failing.
         self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        # Switching to WAL needs the file to itself, and SQLite answers "database is locked"
+        # at once, without its busy wait, when another worker is switching too: the workers
+        # set the file up one at a time, behind an exclusive lock of a file beside it.
+        lock_fd = os.open(directory / (self.FILE_NAME + ".setup-lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(_SCHEMA)
+        finally:
+            os.close(lock_fd)  # closing releases the lock
         self._db.execute("PRAGMA synchronous=OFF")  # the store dies with the service anyway
-        self._db.execute(_SCHEMA)
         self._encoder = msgspec.json.Encoder()
 
     def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
