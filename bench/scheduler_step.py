@@ -47,9 +47,9 @@ drawn from its vocabulary).
 ``--compare-forward`` times the forward before and after issue 31's item 5 in one run:
 ``--rounds`` rounds (default 3), each running both arms in child processes of this script,
 in alternating order (before first in even rounds), so the machine's drift and the other
-processes' load fall on both. "before" is the padded gather and masked SDPA for every pass
-and glibc's default allocator thresholds (``--forward before``); "after" is the code as it
-is. It prints each arm's median row and the after/before tokens/s ratios, per round and
+processes' load fall on both. "before" is the padded gather and masked SDPA for every pass,
+no dense KV copy of the running batch, and glibc's default allocator thresholds
+(``--forward before``); "after" is the code as it is. It prints each arm's median row and the after/before tokens/s ratios, per round and
 their median.
 
 Usage: ``python bench/scheduler_step.py [--batch-sizes 1,16,64,256]
@@ -565,24 +565,39 @@ def format_report(report: dict[str, Any]) -> str:
 
 def use_forward_before() -> None:
     """Puts this process's forward back as it was before issue 31's item 5: every pass
-    through the padded gather and masked SDPA (``attention.padded_attention``), and glibc's
-    default allocator thresholds. Call it before the first scheduler is built: a
+    through the padded gather and masked SDPA (``attention.padded_attention``), no dense KV
+    copy of the running batch (``scheduler_proc.cache.row_kv``), and glibc's default
+    allocator thresholds. Call it before the first scheduler is built: a
     ``ModelRunner`` sets the thresholds when it is made, and they cannot be unset."""
     from scheduler_proc.model import attention, llama, runner
 
     # Checked, not assumed: if the decoder stopped calling pool_attention by that name, or
-    # the runner the allocator setting, "before" would silently run the new forward.
-    if getattr(llama, "pool_attention", None) is not attention.pool_attention or not hasattr(runner, "keep_freed_host_memory"):
+    # the runner the allocator setting or the KV copy's budget, "before" would silently run
+    # the new forward.
+    missing = [name for name in ("keep_freed_host_memory", "row_kv_budget") if not hasattr(runner, name)]
+    if getattr(llama, "pool_attention", None) is not attention.pool_attention or missing:
         raise RuntimeError(
-            "--forward before: llama.py no longer calls attention.pool_attention by that name, or runner.py "
-            "keep_freed_host_memory; update use_forward_before in bench/scheduler_step.py"
+            "--forward before: llama.py no longer calls attention.pool_attention by that name, or runner.py has no "
+            f"{' or '.join(missing) or 'missing name'}; update use_forward_before in bench/scheduler_step.py"
         )
+
+    def padded_everywhere(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, layer: int
+    ) -> torch.Tensor:
+        return attention.padded_attention(q, k, v, layout, k_cache, v_cache, scale)
 
     def default_thresholds() -> bool:
         return False
 
+    def no_row_kv(config: Any, device: Any) -> int:
+        return 0
+
     # setattr, as in _instrument: swapping a module's function is what the types forbid.
-    for owner, name, value in ((llama, "pool_attention", attention.padded_attention), (runner, "keep_freed_host_memory", default_thresholds)):
+    for owner, name, value in (
+        (llama, "pool_attention", padded_everywhere),
+        (runner, "keep_freed_host_memory", default_thresholds),
+        (runner, "row_kv_budget", no_row_kv),
+    ):
         setattr(owner, name, value)
 
 

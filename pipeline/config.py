@@ -26,6 +26,7 @@ ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 # The metric names /metrics serves: tokenpipe's own, or a peer's (tokenizer_proc/metrics_compat.py).
 MetricsCompat = Literal["tokenpipe", "sglang", "vllm"]
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Switch = Literal["auto", "on", "off"]
 
 # The supervisor hands its children the whole config as JSON in this variable.
 CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
@@ -69,6 +70,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Scheduler
     max_total_tokens: Annotated[int, Flag("scheduler", "KV pool capacity in tokens")] = 32768
     max_running_requests: Annotated[int, Flag("scheduler", "requests decoded together in one batch, at most")] = 256
+    decode_kv_rows: Annotated[
+        Switch,
+        Flag(
+            "scheduler",
+            "decode passes read a dense copy of the running requests' KV, a row each, of at most --max-total-tokens "
+            "positions, instead of gathering it from the pool: auto (on for the CPU, off on CUDA), on, off",
+        ),
+    ] = "auto"
     chunked_prefill_size: Annotated[int, Flag("scheduler", "prompt tokens prefilled per step, at most; -1 disables chunking")] = 512
     stream_interval: Annotated[int, Flag("scheduler", "a streaming request emits every N tokens (and on its first and last)")] = 1
     max_new_tokens_limit: Annotated[int, Flag("scheduler", "the largest max_new_tokens a request may ask for")] = 4096

@@ -50,7 +50,7 @@ class BatchDecoder:
         Rows with an event are queued in ``rows`` as requests (a finished one leaves the
         batch); the other due rows come back as columns."""
         n = len(batch)
-        logits = self.runner.decode(batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots))
+        logits = self.runner.decode(batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots), batch.joined[:n])
         bans = self.stop_checker.min_new_bans(batch.output_len(), batch.min_new[:n], batch.stop_ids[:n])
         grammar = batch.grammar_rows()
         mask = None

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler_proc.cache.row_kv import RowKVPass
+
 
 @dataclass
 class ForwardBatch:
@@ -26,6 +28,9 @@ class ForwardBatch:
     # token of its sequence (the block sees itself both ways); earlier ones stay causal.
     # None: every sequence is causal (prefill, decode).
     bidirectional_from: torch.Tensor | None = None  # [B] int64
+    # A decode pass that reads the running batch's dense KV copy (scheduler_proc.cache.row_kv)
+    # rather than gathering from the pool; None: it reads the pool.
+    row_kv: RowKVPass | None = None
 
     @property
     def batch_size(self) -> int:
@@ -94,7 +99,12 @@ class ForwardBatch:
 
     @classmethod
     def decode(
-        cls, last_tokens: torch.Tensor, seq_lens: torch.Tensor, kv_slot_table: torch.Tensor, device: torch.device | str
+        cls,
+        last_tokens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        kv_slot_table: torch.Tensor,
+        device: torch.device | str,
+        row_kv: RowKVPass | None = None,
     ) -> ForwardBatch:
         """A decode pass from the running batch's columns: one new token per sequence (its
         last), whose KV slot is already in ``kv_slot_table`` at column ``seq_lens - 1``.
@@ -108,6 +118,7 @@ class ForwardBatch:
             out_slots=out_slots.to(device),
             kv_slot_table=kv_slot_table.to(device),
             kv_lens=seq_lens.to(device),
+            row_kv=row_kv,
         )
 
 
@@ -131,14 +142,20 @@ def _cat_cpu(tensors: list[torch.Tensor]) -> torch.Tensor:
 DECODE_KEY_ALIGN = 16
 
 
+def decode_key_columns(max_kv_len: int) -> int:
+    """The key columns a decode pass reads when its longest sequence has ``max_kv_len``."""
+    return -(-max_kv_len // DECODE_KEY_ALIGN) * DECODE_KEY_ALIGN
+
+
 @dataclass(frozen=True)
 class DecodeReads:
-    """How a decode pass reads one layer's pool head-major: the pool [slots, KH, D] viewed as
-    [slots * KH, D] has sequence b's keys of kv head h at rows ``slot * KH + h``, so one
-    ``index_select`` of ``rows`` yields the [B * KH, L, D] block the batched matmuls read,
-    with no copy to reorder it."""
+    """How a decode pass reads one layer's keys head-major. From the pool: the pool
+    [slots, KH, D] viewed as [slots * KH, D] has sequence b's keys of kv head h at rows
+    ``slot * KH + h``, so one ``index_select`` of ``rows`` yields the [B * KH, L, D] block the
+    batched matmuls read, with no copy to reorder it. From the running batch's dense copy
+    (``AttentionLayout.row_kv``): views of it, no gather, and no ``rows``."""
 
-    rows: torch.Tensor  # [B * KH * L] int64, in (b, h, column) order
+    rows: torch.Tensor | None  # [B * KH * L] int64, in (b, h, column) order; None: the pass reads row_kv
     bias: torch.Tensor  # [B * KH, 1, L] model dtype: 0 on a key, -inf on a padded column
 
 
@@ -164,6 +181,7 @@ class AttentionLayout:
     max_new_len: int
     pad_index: torch.Tensor | None  # [T] row in the flattened [B * Qmax]; None = no padding
     is_decode: bool
+    row_kv: RowKVPass | None  # the decode pass's dense KV copy, or None: gather from the pool
     # decode_reads' result for the one kv head count a model has: built by the first layer,
     # read by the rest (the head count is the pool's, which from_batch does not see).
     _decode_reads: DecodeReads | None = field(default=None, init=False, repr=False)
@@ -207,6 +225,7 @@ class AttentionLayout:
             max_new_len=max_new,
             pad_index=pad_index,
             is_decode=max_new == 1 and batch.bidirectional_from is None,
+            row_kv=batch.row_kv,
         )
 
     def decode_reads(self, num_kv_heads: int) -> DecodeReads:
@@ -222,11 +241,13 @@ class AttentionLayout:
     def _build_decode_reads(self, num_kv_heads: int) -> DecodeReads:
         table = self.kv_slot_table
         b, width = table.shape
-        # Key columns padded to a multiple of DECODE_KEY_ALIGN (slot 0, weight 0): see there.
-        length = -(-width // DECODE_KEY_ALIGN) * DECODE_KEY_ALIGN
-        table = torch.nn.functional.pad(table, (0, length - width))
-        heads = torch.arange(num_kv_heads, device=table.device).view(1, num_kv_heads, 1)
-        rows = (table.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
+        # Key columns padded to a multiple of DECODE_KEY_ALIGN (weight 0): see there.
+        length = decode_key_columns(width)
+        rows = None
+        if self.row_kv is None:
+            table = torch.nn.functional.pad(table, (0, length - width))  # slot 0: finite, by the KVPool invariant
+            heads = torch.arange(num_kv_heads, device=table.device).view(1, num_kv_heads, 1)
+            rows = (table.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
         # The new token is the last of its sequence, so causality is just "a key exists".
         padded = torch.arange(length, device=table.device).view(1, length) >= self.kv_lens.view(b, 1)
         bias = torch.zeros((b, length), dtype=self.cos.dtype, device=table.device).masked_fill_(padded, float("-inf"))

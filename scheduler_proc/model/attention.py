@@ -8,15 +8,16 @@ a faster kernel replaces this module and nothing else.
 Two paths, chosen by the pass's shape (``AttentionLayout.is_decode``), never by the rows in
 it, so a row's output does not depend on its neighbours' kind:
 
-- decode (one new token per sequence, causal): ``decode_attention`` gathers each row's keys
-  head-major, straight into the [B * KH, L, D] block that ``bmm`` reads, and attends with
-  two batched matmuls and a softmax. At batch 256 and ~60 keys on one CPU thread a layer
-  takes ~4 ms instead of ~6.5 (SDPA reorders the gathered keys and expands them for GQA);
-  two thirds of what is left are the two gathers, random reads of the pool.
+- decode (one new token per sequence, causal): ``decode_attention`` attends over each row's
+  keys as a head-major [B * KH, L, D] block with two batched matmuls and a softmax (SDPA
+  would reorder the keys and expand them for GQA). The block is a view of the running
+  batch's dense KV copy (``scheduler_proc.cache.row_kv``) when the pass has one, else it is
+  gathered from the pool head-major, straight into that shape; the gathers, random reads
+  of the pool, were two fifths of a batch-256 decode step on the CPU.
 - everything else (prefill chunks, mixed lengths, dLLM blocks): ``padded_attention``, one
   masked SDPA call over queries padded to [B, Qmax].
 
-Both read padded key columns (slot 0, finite by the KVPool invariant) and weight them 0.
+Both read padded key columns (finite: the KVPool's and RowKV's invariant) and weight them 0.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from scheduler_proc.batch.forward_batch import AttentionLayout, DecodeReads
+from scheduler_proc.batch.forward_batch import AttentionLayout
 
 
 def pool_attention(
@@ -35,33 +36,33 @@ def pool_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    layer: int,
 ) -> torch.Tensor:
     """q [T, H, D], k and v [T, KH, D] of the new tokens; k_cache and v_cache one layer's
-    pool [slots, KH, D]. Returns the attention output [T, H, D]."""
-    if layout.is_decode:
-        return decode_attention(q, k, v, layout.decode_reads(k_cache.shape[1]), k_cache, v_cache, scale, layout.out_slots)
-    return padded_attention(q, k, v, layout, k_cache, v_cache, scale)
+    pool [slots, KH, D], that of layer ``layer``. Returns the attention output [T, H, D]."""
+    if not layout.is_decode:
+        return padded_attention(q, k, v, layout, k_cache, v_cache, scale)
+    reads = layout.decode_reads(k_cache.shape[1])
+    # The pool stays the truth (the prefix cache, retraction and PD read it); write before
+    # reading, so each sequence's new key is read back with its prefix.
+    k_cache.index_copy_(0, layout.out_slots, k)
+    v_cache.index_copy_(0, layout.out_slots, v)
+    if layout.row_kv is not None:
+        keys, values = layout.row_kv.append(layer, k, v)
+    else:
+        assert reads.rows is not None, "a decode pass without a KV copy has its gather rows"
+        b, kh, d = k.shape
+        # view, not reshape: a non-contiguous layer slice would make reshape copy the whole pool.
+        keys = k_cache.view(-1, d).index_select(0, reads.rows).view(b * kh, -1, d)  # [B*KH, L, D]
+        values = v_cache.view(-1, d).index_select(0, reads.rows).view(b * kh, -1, d)
+    return decode_attention(q, keys, values, reads.bias, scale)
 
 
-def decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    reads: DecodeReads,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-    out_slots: torch.Tensor,
-) -> torch.Tensor:
-    """One new token per sequence: q [B, H, D], k and v [B, KH, D]. Returns [B, H, D]."""
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence: q [B, H, D]; keys and values [B * KH, L, D], sequence b's
+    kv head h at b * KH + h; bias [B * KH, 1, L] (-inf on padded columns). Returns [B, H, D]."""
     b, h, d = q.shape
-    kh = k_cache.shape[1]
-    # Write before gathering, so each sequence's new key is read back with its prefix.
-    k_cache.index_copy_(0, out_slots, k)
-    v_cache.index_copy_(0, out_slots, v)
-    # view, not reshape: a non-contiguous layer slice would make reshape copy the whole pool.
-    keys = k_cache.view(-1, d).index_select(0, reads.rows).view(b * kh, -1, d)  # [B*KH, L, D]
-    values = v_cache.view(-1, d).index_select(0, reads.rows).view(b * kh, -1, d)
+    kh = keys.shape[0] // b
     # Query head i reads kv head i // G (SDPA's enable_gqa, HF's repeat_kv): the G query
     # heads of a kv head are adjacent, so [B, H, D] is [B*KH, G, D] without a copy.
     # Half-precision models attend in float32, as SDPA's kernels do (scores, softmax and the
@@ -69,7 +70,7 @@ def decode_attention(
     # greedy tokens would leave transformers' at many more near ties. No-op casts in float32.
     wide = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     queries = q.reshape(b * kh, h // kh, d).to(wide)
-    scores = torch.baddbmm(reads.bias.to(wide), queries, keys.to(wide).transpose(1, 2), alpha=scale)
+    scores = torch.baddbmm(bias.to(wide), queries, keys.to(wide).transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1)
     return torch.bmm(probs, values.to(wide)).to(q.dtype).view(b, h, d)
 

@@ -98,7 +98,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, layout.cos, layout.sin), apply_rotary(k, layout.cos, layout.sin)
-        out = pool_attention(q, k, v, layout, kv.k[self.layer_idx], kv.v[self.layer_idx], self.head_dim**-0.5)
+        out = pool_attention(q, k, v, layout, kv.k[self.layer_idx], kv.v[self.layer_idx], self.head_dim**-0.5, self.layer_idx)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -10,8 +10,9 @@ import torch
 
 from pipeline.config import ServerConfig
 from pipeline.model_config import load_model_config
-from scheduler_proc.batch.forward_batch import ForwardBatch
+from scheduler_proc.batch.forward_batch import ForwardBatch, decode_key_columns
 from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.cache.row_kv import RowKV
 from scheduler_proc.model.host_memory import keep_freed_host_memory
 from scheduler_proc.model.llama import LlamaForCausalLM
 from scheduler_proc.model.weights import DTYPES
@@ -33,6 +34,16 @@ def cpu_threads(config: ServerConfig) -> int:
     return max(1, (os.cpu_count() or 1) - 2)
 
 
+def row_kv_budget(config: ServerConfig, device: torch.device) -> int:
+    """Token positions the running batch's dense KV copy may hold (0: none; decode passes
+    gather from the pool). As many as the pool, so KV memory at most doubles. Off on CUDA
+    by default: a GPU gathers rows at memory bandwidth, and its pool is sized to the memory
+    it has."""
+    if config.decode_kv_rows == "off" or (config.decode_kv_rows == "auto" and device.type == "cuda"):
+        return 0
+    return config.max_total_tokens
+
+
 class ModelRunner:
     def __init__(self, config: ServerConfig, vocab_size: int) -> None:
         keep_freed_host_memory()  # before the model's first allocation: see host_memory.py
@@ -48,6 +59,8 @@ class ModelRunner:
         self.model.eval()
         mc = self.model_config
         self.kv = KVPool(mc.num_hidden_layers, config.max_total_tokens, mc.num_key_value_heads, mc.head_dim, self.model.dtype, self.device)
+        budget = row_kv_budget(config, self.device)
+        self.row_kv = RowKV(self.kv, budget) if budget else None
 
     def extend(
         self,
@@ -64,12 +77,16 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.forward(batch, self.kv, return_hidden=return_hidden)
 
-    def decode(self, last_tokens: np.ndarray, seq_lens: np.ndarray, kv_slot_table: torch.Tensor) -> torch.Tensor:
+    def decode(self, last_tokens: np.ndarray, seq_lens: np.ndarray, kv_slot_table: torch.Tensor, joined: np.ndarray) -> torch.Tensor:
         """One decode pass over the running batch (``RunningBatch``'s columns): row b's last
-        token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``.
-        Returns last-token logits [B, V]."""
+        token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``; the
+        request in row b joined the batch as ``joined[b]`` (which says whether the dense KV
+        copy's row b is still its). Returns last-token logits [B, V]."""
+        row_kv = None
+        if self.row_kv is not None:
+            row_kv = self.row_kv.prepare(joined, seq_lens, kv_slot_table, decode_key_columns(kv_slot_table.shape[1]))
         batch = ForwardBatch.decode(
-            torch.from_numpy(last_tokens.astype(np.int64)), torch.from_numpy(seq_lens), kv_slot_table, self.device
+            torch.from_numpy(last_tokens.astype(np.int64)), torch.from_numpy(seq_lens), kv_slot_table, self.device, row_kv
         )
         with torch.inference_mode():
             logits, _ = self.model.forward(batch, self.kv)

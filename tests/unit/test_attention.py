@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from scheduler_proc.batch.forward_batch import DECODE_KEY_ALIGN, AttentionLayout, ForwardBatch
-from scheduler_proc.model.attention import decode_attention, padded_attention, pool_attention
+from scheduler_proc.model.attention import padded_attention, pool_attention
 from scheduler_proc.model.host_memory import keep_freed_host_memory
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 32  # GQA: two query heads per kv head
@@ -73,8 +73,8 @@ def run(path: str, pool: Pool, layout: AttentionLayout, q: torch.Tensor, k: torc
     k_cache, v_cache = pool.k.clone(), pool.v.clone()
     scale = HEAD_DIM**-0.5
     if path == "decode":
-        reads = layout.decode_reads(KV_HEADS)
-        return decode_attention(q, k, v, reads, k_cache, v_cache, scale, layout.out_slots)
+        assert layout.is_decode and layout.row_kv is None  # the pool gather; test_row_kv.py reads the copy
+        return pool_attention(q, k, v, layout, k_cache, v_cache, scale, 0)
     return padded_attention(q, k, v, layout, k_cache, v_cache, scale)
 
 
@@ -102,7 +102,7 @@ def test_decode_path_writes_the_new_keys_and_values() -> None:
     batch, layout = decode_batch(pool, ragged_prefixes(pool, [5, 1, 9]))
     q, k, v = pool.new_tokens(3)
     k_cache, v_cache = pool.k.clone(), pool.v.clone()
-    pool_attention(q, k, v, layout, k_cache, v_cache, HEAD_DIM**-0.5)
+    pool_attention(q, k, v, layout, k_cache, v_cache, HEAD_DIM**-0.5, 0)
     assert torch.equal(k_cache[batch.out_slots], k) and torch.equal(v_cache[batch.out_slots], v)
     untouched = torch.ones(SLOTS, dtype=torch.bool)
     untouched[batch.out_slots] = False
@@ -145,12 +145,12 @@ def test_only_a_decode_pass_takes_the_decode_path() -> None:
         with pytest.raises(ValueError, match="not a decode pass"):
             layout.decode_reads(KV_HEADS)
         q, k, v = pool.new_tokens(batch.num_tokens)
-        got = pool_attention(q, k, v, layout, pool.k.clone(), pool.v.clone(), HEAD_DIM**-0.5)
+        got = pool_attention(q, k, v, layout, pool.k.clone(), pool.v.clone(), HEAD_DIM**-0.5, 0)
         assert torch.equal(got, run("padded", pool, layout, q, k, v))
     batch, layout = decode_batch(pool, prefixes)
     assert layout.is_decode
     q, k, v = pool.new_tokens(2)
-    got = pool_attention(q, k, v, layout, pool.k.clone(), pool.v.clone(), HEAD_DIM**-0.5)
+    got = pool_attention(q, k, v, layout, pool.k.clone(), pool.v.clone(), HEAD_DIM**-0.5, 0)
     assert torch.equal(got, run("decode", pool, layout, q, k, v))
 
 
@@ -160,7 +160,8 @@ def test_decode_reads_are_built_once_per_pass() -> None:
     reads = layout.decode_reads(KV_HEADS)
     assert layout.decode_reads(KV_HEADS) is reads
     # 7 columns (the longer row's 6 keys and its new one), read as DECODE_KEY_ALIGN.
-    assert reads.rows.shape == (2 * KV_HEADS * DECODE_KEY_ALIGN,) and reads.bias.shape == (2 * KV_HEADS, 1, DECODE_KEY_ALIGN)
+    assert reads.rows is not None and reads.rows.shape == (2 * KV_HEADS * DECODE_KEY_ALIGN,)
+    assert reads.bias.shape == (2 * KV_HEADS, 1, DECODE_KEY_ALIGN)
     # Row 0 has 4 keys: every later column is padding, for every kv head.
     assert torch.isinf(reads.bias[:KV_HEADS, 0, 4:]).all() and (reads.bias[:KV_HEADS, 0, :4] == 0).all()
     assert (reads.bias[KV_HEADS:, 0, :7] == 0).all() and torch.isinf(reads.bias[KV_HEADS:, 0, 7:]).all()
@@ -191,7 +192,7 @@ def test_scale_is_applied_once() -> None:
     batch, layout = decode_batch(pool, ragged_prefixes(pool, [6, 2]))
     q, k, v = pool.new_tokens(2)
     k_cache, v_cache = pool.k.clone(), pool.v.clone()
-    out = decode_attention(q, k, v, layout.decode_reads(KV_HEADS), k_cache, v_cache, 0.0, layout.out_slots)
+    out = pool_attention(q, k, v, layout, k_cache, v_cache, 0.0, 0)
     for b in range(2):
         slots = batch.kv_slot_table[b, : int(batch.kv_lens[b])]
         mean = v_cache[slots].mean(0).repeat_interleave(HEADS // KV_HEADS, 0)

@@ -18,7 +18,7 @@ from tokenpipe.cli import main
 # Every flag tokenpipe has ever taken, as deploy/, README, docs/ and the tests spell them.
 FLAGS = {
     "--model-path", "--served-model-name", "--model-seed", "--device", "--dtype", "--torch-threads", "--mode", "--context-length",
-    "--skip-tokenizer-init", "--max-total-tokens", "--max-running-requests", "--chunked-prefill-size", "--stream-interval",
+    "--skip-tokenizer-init", "--max-total-tokens", "--max-running-requests", "--decode-kv-rows", "--chunked-prefill-size", "--stream-interval",
     "--max-new-tokens-limit", "--dllm-block-size", "--dllm-steps", "--discard-output", "--dense-usage-columns",
     "--hicache-host-tokens", "--hicache-storage-dir", "--disaggregation-mode", "--disaggregation-bootstrap-port",
     "--disaggregation-bootstrap-endpoint", "--disaggregation-bootstrap-timeout", "--host", "--port", "--api-key",
