@@ -25,10 +25,10 @@ The copy is exactly as wide as the pass reads (``width`` key columns), so its fi
 rows are one contiguous block: strided batches (a wider copy, read ``[:, :, :width]``) made
 the batched matmuls copy or crawl, and a batch-256 step slower by a fifth. When the width
 changes (every 16 tokens the longest row grows, or when it leaves) the copy is laid out
-again, in place: its storage is reserved once at the budget's size (the kernel commits
-pages only when they are first written), and rows move block by block through a small
-staging buffer. A fresh tensor per layout instead had the kernel fault in every page again
-(tens of MB at batch 256; about 100 ms under a VM).
+again, in place: its storage is reserved once at the budget's size (pages are committed as
+they are first written), and rows move block by block, through a staging copy only where a
+block overlaps its new place. A fresh tensor per layout instead had the kernel fault in
+every page again (tens of MB at batch 256; about 100 ms under a VM).
 
 Memory is bounded: the copy holds at most ``budget_tokens`` token positions (rows times
 columns). A pass that would need more reads the pool instead (``prepare`` returns None) and
