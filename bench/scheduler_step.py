@@ -49,8 +49,8 @@ drawn from its vocabulary).
 in alternating order (before first in even rounds), so the machine's drift and the other
 processes' load fall on both. "before" is the padded gather and masked SDPA for every pass,
 no dense KV copy of the running batch, and glibc's default allocator thresholds
-(``--forward before``); "after" is the code as it is. It prints each arm's median row and the after/before tokens/s ratios, per round and
-their median.
+(``--forward before``); "after" is the code as it is. It prints each arm's median row and
+the after/before tokens/s ratios, per round and their median.
 
 Usage: ``python bench/scheduler_step.py [--batch-sizes 1,16,64,256]
 [--sampling greedy,sampled] [--constrained] [--steps 50] [--context 32] [--torch-threads N]
@@ -574,12 +574,11 @@ def use_forward_before() -> None:
     # Checked, not assumed: if the decoder stopped calling pool_attention by that name, or
     # the runner the allocator setting or the KV copy's budget, "before" would silently run
     # the new forward.
-    missing = [name for name in ("keep_freed_host_memory", "row_kv_budget") if not hasattr(runner, name)]
-    if getattr(llama, "pool_attention", None) is not attention.pool_attention or missing:
-        raise RuntimeError(
-            "--forward before: llama.py no longer calls attention.pool_attention by that name, or runner.py has no "
-            f"{' or '.join(missing) or 'missing name'}; update use_forward_before in bench/scheduler_step.py"
-        )
+    problems = [f"runner.py has no {name}" for name in ("keep_freed_host_memory", "row_kv_budget") if not hasattr(runner, name)]
+    if getattr(llama, "pool_attention", None) is not attention.pool_attention:
+        problems.append("llama.py no longer calls attention.pool_attention by that name")
+    if problems:
+        raise RuntimeError(f"--forward before: {'; '.join(problems)}; update use_forward_before in bench/scheduler_step.py")
 
     def padded_everywhere(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, layer: int
