@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler_proc.cache.kv_pool import head_major_rows
 from scheduler_proc.cache.row_kv import RowKVPass
 
 
@@ -243,11 +244,7 @@ class AttentionLayout:
         b, width = table.shape
         # Key columns padded to a multiple of DECODE_KEY_ALIGN (weight 0): see there.
         length = decode_key_columns(width)
-        rows = None
-        if self.row_kv is None:
-            table = torch.nn.functional.pad(table, (0, length - width))  # slot 0: finite, by the KVPool invariant
-            heads = torch.arange(num_kv_heads, device=table.device).view(1, num_kv_heads, 1)
-            rows = (table.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
+        rows = head_major_rows(table, num_kv_heads, length) if self.row_kv is None else None
         # The new token is the last of its sequence, so causality is just "a key exists".
         padded = torch.arange(length, device=table.device).view(1, length) >= self.kv_lens.view(b, 1)
         bias = torch.zeros((b, length), dtype=self.cos.dtype, device=table.device).masked_fill_(padded, float("-inf"))

@@ -85,3 +85,13 @@ class KVPool:
             self._in_use[slots] = False
         self._free[self._top : self._top + n] = slots
         self._top += n
+
+
+def head_major_rows(slot_table: torch.Tensor, num_kv_heads: int, columns: int) -> torch.Tensor:
+    """Where a layer's pool ``[slots, KH, D]``, viewed as ``[slots * KH, D]``, holds the keys
+    of ``slot_table`` ([B, L] slots), in (row, kv head, column) order: one ``index_select``
+    of them is the ``[B * KH, columns, D]`` block a decode pass attends over. Columns past L
+    read slot 0, finite by the pool's invariant (the pass weights them 0)."""
+    table = torch.nn.functional.pad(slot_table, (0, columns - slot_table.shape[1]))
+    heads = torch.arange(num_kv_heads, device=table.device).view(1, num_kv_heads, 1)
+    return (table.unsqueeze(1) * num_kv_heads + heads).reshape(-1)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.cache.kv_pool import KVPool, head_major_rows
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,7 @@ class RowKV:
         that column), then slot 0, finite by the KVPool invariant, as the pool path pads."""
         device, width = k.device, k.shape[3]
         table = kv_slot_table.index_select(0, torch.from_numpy(stale).to(kv_slot_table.device)).to(device)
-        table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-        heads = torch.arange(self._heads, device=device).view(1, -1, 1)
-        reads = (table.unsqueeze(1) * self._heads + heads).reshape(-1)  # (row, head, column) order
+        reads = head_major_rows(table, self._heads, width)
         rows = torch.from_numpy(stale).to(device)
         for layer in range(self._layers):
             for pool, copy in ((self._pool.k[layer], k[layer]), (self._pool.v[layer], v[layer])):
