@@ -34,8 +34,9 @@ system-deps:
 		else echo "note: prometheus/promtool missing and cannot apt-get install them; their tests will skip"; fi; \
 	fi
 
-# The gate the tests stand behind: lint, then types (both configured in pyproject.toml).
+# The gate the tests stand behind: layout, lint, then types (all configured in pyproject.toml).
 check: $(STAMP)
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 

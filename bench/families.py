@@ -33,7 +33,9 @@ BASELINE = "llama"
 STEP_BENCH = Path(__file__).resolve().parent / "scheduler_step.py"
 
 
-def _one_run(directory: Path, batch_sizes: Sequence[int], steps: int, out: Path) -> list[dict[str, Any]]:
+def _one_run(
+    directory: Path, batch_sizes: Sequence[int], steps: int, out: Path
+) -> list[dict[str, Any]]:
     command = [
         sys.executable, str(STEP_BENCH), "--model-path", str(directory), "--sampling", "greedy",
         "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(steps), "--json", str(out),
@@ -43,7 +45,9 @@ def _one_run(directory: Path, batch_sizes: Sequence[int], steps: int, out: Path)
     return rows
 
 
-def run(families: Sequence[str], batch_sizes: Sequence[int], rounds: int, steps: int) -> dict[str, Any]:
+def run(
+    families: Sequence[str], batch_sizes: Sequence[int], rounds: int, steps: int
+) -> dict[str, Any]:
     if BASELINE not in families:
         families = [BASELINE, *families]
     samples: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -54,12 +58,20 @@ def run(families: Sequence[str], batch_sizes: Sequence[int], rounds: int, steps:
         for r in range(rounds):
             order = list(families) if r % 2 == 0 else list(reversed(families))
             for family in order:
-                for row in _one_run(dirs[family], batch_sizes, steps, Path(tmp) / f"{family}-{r}.json"):
+                for row in _one_run(
+                    dirs[family], batch_sizes, steps, Path(tmp) / f"{family}-{r}.json"
+                ):
                     samples.setdefault((family, row["batch_size"]), []).append(
-                        {"ms_per_step": row["ms/step"], "tokens_per_s": row["tokens/s"], "fwd_ms": row["fwd_ms"]}
+                        {
+                            "ms_per_step": row["ms/step"],
+                            "tokens_per_s": row["tokens/s"],
+                            "fwd_ms": row["fwd_ms"],
+                        }
                     )
     table = []
-    for (family, b), runs in sorted(samples.items(), key=lambda kv: (kv[0][1], families.index(kv[0][0]))):
+    for (family, b), runs in sorted(
+        samples.items(), key=lambda kv: (kv[0][1], families.index(kv[0][0]))
+    ):
         tokens = statistics.median(x["tokens_per_s"] for x in runs)
         base = statistics.median(x["tokens_per_s"] for x in samples[(BASELINE, b)])
         table.append(
@@ -72,7 +84,13 @@ def run(families: Sequence[str], batch_sizes: Sequence[int], rounds: int, steps:
                 "vs_llama": tokens / base,
             }
         )
-    return {"families": list(families), "batch_sizes": list(batch_sizes), "rounds": rounds, "steps": steps, "rows": table}
+    return {
+        "families": list(families),
+        "batch_sizes": list(batch_sizes),
+        "rounds": rounds,
+        "steps": steps,
+        "rows": table,
+    }
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -30,7 +30,11 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch  # noqa: E402
 
-from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, SHIPPED_EOS_TOKEN_IDS, SHIPPED_VOCAB_SIZE  # noqa: E402
+from pipeline.tokenizer_loader import (
+    DEFAULT_TOKENIZER_DIR,
+    SHIPPED_EOS_TOKEN_IDS,
+    SHIPPED_VOCAB_SIZE,
+)  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,13 @@ class Shape:
 
 # original_max_position_embeddings well inside the context, so the scaling changes
 # frequencies that short prompts use.
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 # family -> (transformers config class name, its config keys beyond the shape)
 FAMILIES: dict[str, tuple[str, Callable[[Shape], dict[str, Any]]]] = {
@@ -95,16 +105,22 @@ def write(
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, shape, **overrides), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(family, shape, **overrides), dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied lm_head is the embeddings, listed once
             p.normal_(*_init(name))
     model = model.to(dtype)
-    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    model.save_pretrained(
+        directory, **({"max_shard_size": max_shard_size} if max_shard_size else {})
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(DEFAULT_TOKENIZER_DIR / name, directory / name)
     # The built-in model's EOS, so the checkpoint stops where it would.
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(SHIPPED_EOS_TOKEN_IDS)}))
+    (directory / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": sorted(SHIPPED_EOS_TOKEN_IDS)})
+    )
     return model
 
 
@@ -137,8 +153,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    shape = Shape(hidden=args.hidden, layers=args.layers, heads=max(1, args.hidden // 32), kv_heads=max(1, args.hidden // 64))
-    write(args.directory, args.family, shape=shape, seed=args.seed, dtype=_DTYPES[args.dtype], max_shard_size=args.max_shard_size)
+    shape = Shape(
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=max(1, args.hidden // 32),
+        kv_heads=max(1, args.hidden // 64),
+    )
+    write(
+        args.directory,
+        args.family,
+        shape=shape,
+        seed=args.seed,
+        dtype=_DTYPES[args.dtype],
+        max_shard_size=args.max_shard_size,
+    )
     print(f"wrote {args.directory}: {args.family} {shape}")
     return 0
 

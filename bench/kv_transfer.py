@@ -54,12 +54,24 @@ def _runner(pool: int, threads: int | None) -> ModelRunner:
     return ModelRunner(config, load_tokenizer(None).vocab_size)
 
 
-def _transfer_once(src: ModelRunner, dst: ModelRunner, server: KVFetchServer, client: KVFetchClient, identity: bytes, n: int) -> float:
+def _transfer_once(
+    src: ModelRunner,
+    dst: ModelRunner,
+    server: KVFetchServer,
+    client: KVFetchClient,
+    identity: bytes,
+    n: int,
+) -> float:
     layout = pool_layout(src.kv)
     slots = torch.arange(n, dtype=torch.long)
     started = time.perf_counter()
     k, v = gather_kv(src.kv, slots)
-    server.send(identity, KVTransferHeader(room=0, attempt=0, ok=True, num_tokens=n, layout=layout, first_token=1), k, v)
+    server.send(
+        identity,
+        KVTransferHeader(room=0, attempt=0, ok=True, num_tokens=n, layout=layout, first_token=1),
+        k,
+        v,
+    )
     got: list[tuple[str, KVTransferHeader, list[bytes]]] = []
     while not got:
         got = client.receive()
@@ -76,7 +88,9 @@ def _prefill_once(runner: ModelRunner, tokens: list[int]) -> float:
     return time.perf_counter() - started
 
 
-def run(lengths: Sequence[int], rounds: int, transport: str, threads: int | None) -> list[dict[str, float]]:
+def run(
+    lengths: Sequence[int], rounds: int, transport: str, threads: int | None
+) -> list[dict[str, float]]:
     pool = max(lengths) + 16
     src, dst = _runner(pool, threads), _runner(pool, threads)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -85,7 +99,10 @@ def run(lengths: Sequence[int], rounds: int, transport: str, threads: int | None
         server = KVFetchServer(ctx, endpoint)
         client = KVFetchClient(ctx)
         # One fetch gives the server the decode side's identity, as in a real bootstrap.
-        client.send(endpoint, KVFetch(room=0, attempt=0, token_ids=[1], prompt_tokens=1, layout=pool_layout(dst.kv)))
+        client.send(
+            endpoint,
+            KVFetch(room=0, attempt=0, token_ids=[1], prompt_tokens=1, layout=pool_layout(dst.kv)),
+        )
         received: list[tuple[bytes, KVFetch]] = []
         while not received:
             received = server.receive()
@@ -120,7 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lengths", default="64,256,1024", help="prompt lengths in tokens")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--transport", default="ipc,tcp")
-    parser.add_argument("--torch-threads", type=int, default=None, help="model threads (default: cores - 2, at least 1)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="model threads (default: cores - 2, at least 1)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -99,7 +99,11 @@ class Launched:
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
-        with open(self.log_path, "w") if self.log_path is not None else contextlib.nullcontext() as log:
+        with (
+            open(self.log_path, "w")
+            if self.log_path is not None
+            else contextlib.nullcontext() as log
+        ):
             for raw in self.proc.stdout:
                 line = raw.decode(errors="replace")
                 if log is not None:
@@ -118,7 +122,9 @@ class Launched:
         return self.ready
 
     def wait_ready(self, timeout: float = 180.0) -> Self:
-        wait_ready(self.probe, [self], timeout, what=f"{self.name} did not become ready", wake=self._news)
+        wait_ready(
+            self.probe, [self], timeout, what=f"{self.name} did not become ready", wake=self._news
+        )
         return self
 
     @property
@@ -168,7 +174,10 @@ def wait_ready(
         exited = [p for p in processes if not p.alive()]
         if exited or time.monotonic() >= deadline:
             stop_all(processes)
-            why = ", ".join(f"{p.name} exited with {p.proc.returncode}" for p in exited) or f"not within {timeout:g} s"
+            why = (
+                ", ".join(f"{p.name} exited with {p.proc.returncode}" for p in exited)
+                or f"not within {timeout:g} s"
+            )
             outputs = "\n".join(f"--- {p.name} output:\n{p.output()[-4000:]}" for p in processes)
             raise RuntimeError(f"{what} ({why}):\n{outputs}")
         if wake is not None and not wake.is_set():
@@ -214,7 +223,9 @@ class LaunchedServer(Launched):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(
-            tokenpipe_command("serve", "--host", "127.0.0.1", "--port", str(self.port), *server_args),
+            tokenpipe_command(
+                "serve", "--host", "127.0.0.1", "--port", str(self.port), *server_args
+            ),
             name="server",
             env=env,
             log_path=log_dir / f"server-{self.port}.log" if log_dir is not None else None,
@@ -250,7 +261,9 @@ def cmdline_role(args: Sequence[bytes]) -> str | None:
     anything else."""
     if TOKENPIPE_MODULE.encode() not in args:
         return None
-    return next((name for name in ("scheduler", "detokenizer", "api") if name.encode() in args), None)
+    return next(
+        (name for name in ("scheduler", "detokenizer", "api") if name.encode() in args), None
+    )
 
 
 def child_roles(supervisor_pid: int) -> dict[str, int]:

@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.launch import INCREMENTAL_STREAMS, LaunchedServer, raise_open_files_limit  # noqa: E402
+
 DEFAULT_CLIENTS = 1000
 
 
@@ -114,7 +115,9 @@ class Connection:
 
 
 class HttpResponse:
-    def __init__(self, conn: Connection, reader: asyncio.StreamReader, status: int, headers: dict[str, str]) -> None:
+    def __init__(
+        self, conn: Connection, reader: asyncio.StreamReader, status: int, headers: dict[str, str]
+    ) -> None:
         self.conn, self.status, self.headers = conn, status, headers
         self._reader = reader
 
@@ -213,10 +216,17 @@ class OpenStreams:
         self.now -= 1
 
 
-def make_body(index: int, *, vocab: int, prompt_len: int, max_new_tokens: int, seed: int, stream: bool = True) -> dict[str, Any]:
+def make_body(
+    index: int, *, vocab: int, prompt_len: int, max_new_tokens: int, seed: int, stream: bool = True
+) -> dict[str, Any]:
     rng = random.Random(seed * 1_000_003 + index)
     ids = [rng.randrange(16, vocab) for _ in range(prompt_len)]  # low ids hold the special tokens
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.7, "seed": seed + index, "ignore_eos": True}
+    sampling = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": 0.7,
+        "seed": seed + index,
+        "ignore_eos": True,
+    }
     return {"input_ids": ids, "sampling_params": sampling, "stream": stream}
 
 
@@ -287,16 +297,20 @@ async def stream_one(
 # --- the run ------------------------------------------------------------------------------------
 
 
-
-
-
 async def warm_up(url: str) -> int:
     """The vocabulary size, after one short request so the model's first (slow) forward
     is not timed."""
     info = await get_json(url, "/server_info")
     conn = Connection.for_url(url)
     try:
-        resp = await conn.request("POST", "/generate", {"input_ids": [16, 17, 18, 19], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+        resp = await conn.request(
+            "POST",
+            "/generate",
+            {
+                "input_ids": [16, 17, 18, 19],
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+            },
+        )
         await resp.read()
         if resp.status != 200:
             raise HttpError(f"warm-up request failed: HTTP {resp.status}")
@@ -318,10 +332,15 @@ async def run_load(
     ``StreamResult`` per stream, which the JSON output leaves out)."""
     soft = raise_open_files_limit(clients + 64)
     if soft != resource.RLIM_INFINITY and soft < clients + 64:
-        raise RuntimeError(f"open files limit {soft} is too low for {clients} connections (ulimit -n)")
+        raise RuntimeError(
+            f"open files limit {soft} is too low for {clients} connections (ulimit -n)"
+        )
     vocab = await warm_up(url)
     gauge = OpenStreams()
-    bodies = [make_body(i, vocab=vocab, prompt_len=prompt_len, max_new_tokens=max_new_tokens, seed=seed) for i in range(clients)]
+    bodies = [
+        make_body(i, vocab=vocab, prompt_len=prompt_len, max_new_tokens=max_new_tokens, seed=seed)
+        for i in range(clients)
+    ]
 
     async def guarded(i: int) -> StreamResult:
         try:
@@ -332,11 +351,19 @@ async def run_load(
     t0 = time.perf_counter()
     results = await asyncio.gather(*(guarded(i) for i in range(clients)))
     wall = time.perf_counter() - t0
-    config = {"clients": clients, "max_new_tokens": max_new_tokens, "prompt_len": prompt_len, "seed": seed, "url": url}
+    config = {
+        "clients": clients,
+        "max_new_tokens": max_new_tokens,
+        "prompt_len": prompt_len,
+        "seed": seed,
+        "url": url,
+    }
     return summarize(results, wall, held=gauge.max, config=config)
 
 
-def summarize(results: Sequence[StreamResult], wall: float, *, held: int, config: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    results: Sequence[StreamResult], wall: float, *, held: int, config: dict[str, Any]
+) -> dict[str, Any]:
     errors = [r for r in results if r.error is not None]
     tokens = sum(r.tokens for r in results)
     mismatched = [r for r in results if r.tokens_lost]
@@ -360,7 +387,10 @@ def format_table(summary: dict[str, Any]) -> str:
         ("streams", f"{summary['streams']}"),
         ("held (max open at once)", f"{summary['held']}"),
         ("errors", f"{summary['errors']}"),
-        ("tokens lost", f"{summary['tokens_lost']} ({summary['streams_with_lost_tokens']} streams)"),
+        (
+            "tokens lost",
+            f"{summary['tokens_lost']} ({summary['streams_with_lost_tokens']} streams)",
+        ),
         ("tokens streamed", f"{summary['tokens']}"),
         ("wall time", f"{summary['wall_s']:.2f} s"),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
@@ -383,12 +413,24 @@ def to_json(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:30000")
-    where.add_argument("--launch", action="store_true", help="start tokenpipe serve on a free port, stop it at the end")
-    p.add_argument("--server-args", default="--log-level warning", help="flags for the launched server (one string)")
-    p.add_argument("--clients", type=int, default=DEFAULT_CLIENTS, help="concurrent streaming clients")
+    where.add_argument(
+        "--launch",
+        action="store_true",
+        help="start tokenpipe serve on a free port, stop it at the end",
+    )
+    p.add_argument(
+        "--server-args",
+        default="--log-level warning",
+        help="flags for the launched server (one string)",
+    )
+    p.add_argument(
+        "--clients", type=int, default=DEFAULT_CLIENTS, help="concurrent streaming clients"
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -399,9 +441,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    kwargs = dict(clients=args.clients, max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len, seed=args.seed, timeout=args.timeout)
+    kwargs = dict(
+        clients=args.clients,
+        max_new_tokens=args.max_new_tokens,
+        prompt_len=args.prompt_len,
+        seed=args.seed,
+        timeout=args.timeout,
+    )
     if args.launch:
-        with LaunchedServer([INCREMENTAL_STREAMS, *shlex.split(args.server_args)], open_files=args.clients + 256) as server:
+        with LaunchedServer(
+            [INCREMENTAL_STREAMS, *shlex.split(args.server_args)], open_files=args.clients + 256
+        ) as server:
             summary = uvloop.run(run_load(server.url, **kwargs))
     else:
         summary = uvloop.run(run_load(args.url, **kwargs))

@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench import load  # noqa: E402
 from bench.launch import INCREMENTAL_STREAMS, LaunchedServer, child_roles  # noqa: E402
+
 ROLES = ("scheduler", "detokenizer", "api")
 
 
@@ -70,9 +71,16 @@ def malloc_trim(pid: int) -> None:
     gdb = shutil.which("gdb")
     if gdb is None:
         raise RuntimeError("--malloc-trim needs gdb")
-    done = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "call (int)malloc_trim(0)"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [gdb, "-p", str(pid), "-batch", "-ex", "call (int)malloc_trim(0)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if "$1 = " not in done.stdout:
-        raise RuntimeError(f"gdb could not call malloc_trim in pid {pid}: {(done.stdout + done.stderr)[-500:]}")
+        raise RuntimeError(
+            f"gdb could not call malloc_trim in pid {pid}: {(done.stdout + done.stderr)[-500:]}"
+        )
 
 
 def sample_trimmed(pids: dict[str, int]) -> dict[str, int]:
@@ -116,13 +124,27 @@ def leftover_state(info: dict[str, Any]) -> dict[str, Any]:
 
 
 def no_state_left(left: dict[str, Any]) -> bool:
-    return left["live_requests"] == 0 and left["scheduler_live_reqs"] == 0 and left["detokenizer_live_reqs"] == 0 and left["token_usage"] == 0.0
+    return (
+        left["live_requests"] == 0
+        and left["scheduler_live_reqs"] == 0
+        and left["detokenizer_live_reqs"] == 0
+        and left["token_usage"] == 0.0
+    )
 
 
 class Traffic:
     """Hands out request indices to the clients and counts the results."""
 
-    def __init__(self, vocab: int, *, prompt_len: int, max_new_tokens: int, stream_ratio: float, seed: int, progress: bool) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        prompt_len: int,
+        max_new_tokens: int,
+        stream_ratio: float,
+        seed: int,
+        progress: bool,
+    ) -> None:
         self.vocab, self.prompt_len, self.max_new_tokens = vocab, prompt_len, max_new_tokens
         self.stream_ratio, self.seed, self.progress = stream_ratio, seed, progress
         self.next = 0
@@ -140,14 +162,23 @@ class Traffic:
 
     async def one(self, conn: load.Connection, i: int) -> None:
         stream = (i * 0.6180339887) % 1.0 < self.stream_ratio  # spread evenly, reproducibly
-        body = load.make_body(i, vocab=self.vocab, prompt_len=self.prompt_len, max_new_tokens=self.max_new_tokens, seed=self.seed, stream=stream)
+        body = load.make_body(
+            i,
+            vocab=self.vocab,
+            prompt_len=self.prompt_len,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            stream=stream,
+        )
         want = self.max_new_tokens
         if stream:
             res = await load.stream_one("", i, body, conn=conn)
             if res.error is not None:
                 self.error(res.error)
             elif res.tokens != want or res.completion_tokens != want:
-                self.error(f"stream got {res.tokens} tokens, completion_tokens {res.completion_tokens}, wanted {want}")
+                self.error(
+                    f"stream got {res.tokens} tokens, completion_tokens {res.completion_tokens}, wanted {want}"
+                )
             self.tokens += res.tokens
             return
         try:
@@ -181,13 +212,19 @@ class Traffic:
         now = time.monotonic()
         if self.progress and (now - self._last_print > 10.0 or self.done == self.total):
             self._last_print = now
-            print(f"  {self.done}/{self.total} requests, {self.errors} errors", file=sys.stderr, flush=True)
+            print(
+                f"  {self.done}/{self.total} requests, {self.errors} errors",
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def run(self, url: str, upto: int, concurrency: int) -> float:
         """Sends requests until ``upto`` have been sent in all; returns the seconds it took."""
         self.total = upto
         t0 = time.perf_counter()
-        await asyncio.gather(*(self.client(url) for _ in range(min(concurrency, max(1, upto - self.next)))))
+        await asyncio.gather(
+            *(self.client(url) for _ in range(min(concurrency, max(1, upto - self.next))))
+        )
         return time.perf_counter() - t0
 
 
@@ -208,19 +245,32 @@ async def measure(
 ) -> dict[str, Any]:
     missing = [r for r in ROLES if r not in pids]
     if missing:
-        raise RuntimeError(f"no {', '.join(missing)} process found among the supervisor's children: {pids}")
+        raise RuntimeError(
+            f"no {', '.join(missing)} process found among the supervisor's children: {pids}"
+        )
     warmup = min(warmup, requests)
     vocab = await load.warm_up(url)
-    traffic = Traffic(vocab, prompt_len=prompt_len, max_new_tokens=max_new_tokens, stream_ratio=stream_ratio, seed=seed, progress=progress)
+    traffic = Traffic(
+        vocab,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        stream_ratio=stream_ratio,
+        seed=seed,
+        progress=progress,
+    )
 
     warm_s = await traffic.run(url, warmup, concurrency)
-    steps = ((await load.get_json(url, "/server_info")).get("scheduler") or {}).get("forward_steps_total", 0)
+    steps = ((await load.get_json(url, "/server_info")).get("scheduler") or {}).get(
+        "forward_steps_total", 0
+    )
     info = await wait_idle(url, min_steps=steps)
     rss_warm = sample_rss(pids)
     trimmed_warm = sample_trimmed(pids) if trim else None
 
     main_s = await traffic.run(url, requests, concurrency)
-    steps = ((await load.get_json(url, "/server_info")).get("scheduler") or {}).get("forward_steps_total", 0)
+    steps = ((await load.get_json(url, "/server_info")).get("scheduler") or {}).get(
+        "forward_steps_total", 0
+    )
     info = await wait_idle(url, min_steps=steps)
     rss_end = sample_rss(pids)
     trimmed_end = sample_trimmed(pids) if trim else None
@@ -254,7 +304,9 @@ async def measure(
         "growth_ok": all(g < target for g in growth.values()),
         "trimmed_rss_kib_warmup": trimmed_warm,
         "trimmed_rss_kib_end": trimmed_end,
-        "trimmed_rss_growth_percent": growth_percent(trimmed_warm, trimmed_end) if trimmed_warm and trimmed_end else None,
+        "trimmed_rss_growth_percent": growth_percent(trimmed_warm, trimmed_end)
+        if trimmed_warm and trimmed_end
+        else None,
         "state_left": left,
         "no_state_left": no_state_left(left),
     }
@@ -266,7 +318,11 @@ def format_table(result: dict[str, Any]) -> str:
     head = f"{'process':<12} {'warm-up RSS':>12} {'end RSS':>12} {'growth':>8}"
     lines = [head + (f" {'trimmed: warm-up':>16} {'end':>12} {'growth':>8}" if trimmed else "")]
     for role in ROLES:
-        w, e, g = result["rss_kib_warmup"][role], result["rss_kib_end"][role], result["rss_growth_percent"][role]
+        w, e, g = (
+            result["rss_kib_warmup"][role],
+            result["rss_kib_end"][role],
+            result["rss_growth_percent"][role],
+        )
         line = f"{role:<12} {w / 1024:>8.1f} MiB {e / 1024:>8.1f} MiB {g:>+7.2f}%"
         if trimmed:
             tw, te = result["trimmed_rss_kib_warmup"][role], result["trimmed_rss_kib_end"][role]
@@ -286,11 +342,23 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--launch", action="store_true", help="start tokenpipe serve on a free port (the default without --url)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--launch",
+        action="store_true",
+        help="start tokenpipe serve on a free port (the default without --url)",
+    )
     p.add_argument("--url", help="a running server; needs --supervisor-pid")
-    p.add_argument("--supervisor-pid", type=int, help="pid of the running server's `tokenpipe serve`")
-    p.add_argument("--server-args", default="--log-level warning", help="flags for the launched server (one string)")
+    p.add_argument(
+        "--supervisor-pid", type=int, help="pid of the running server's `tokenpipe serve`"
+    )
+    p.add_argument(
+        "--server-args",
+        default="--log-level warning",
+        help="flags for the launched server (one string)",
+    )
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--warmup", type=int, default=5_000)
     p.add_argument("--concurrency", type=int, default=64)
@@ -299,7 +367,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-ratio", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=5.0, help="largest RSS growth allowed, percent")
-    p.add_argument("--malloc-trim", action="store_true", help="also sample RSS after glibc malloc_trim(0) in each process (needs gdb)")
+    p.add_argument(
+        "--malloc-trim",
+        action="store_true",
+        help="also sample RSS after glibc malloc_trim(0) in each process (needs gdb)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON ('-' for stdout)")
     args = p.parse_args(argv)

@@ -243,7 +243,12 @@ def build_baseline_output(
 
 
 def make_steady_reqs(
-    n: int, stats_pending: StatsPending, *, metrics: bool, seed: int = 0, logprob: LogprobParams | None = None
+    n: int,
+    stats_pending: StatsPending,
+    *,
+    metrics: bool,
+    seed: int = 0,
+    logprob: LogprobParams | None = None,
 ) -> list[Req]:
     """``n`` running requests that have all emitted before: prefilled (with prefix-cache
     hits, a few media items, time stats when metrics are on), a few tokens generated and
@@ -258,7 +263,8 @@ def make_steady_reqs(
         media = (MediaItem(kind="image", num_tokens=256),) if i % 8 == 0 else ()
         req = Req(
             rid=uuid.UUID(int=rng.getrandbits(128), version=4).hex,
-            req_id=(1 << 40) + i,  # worker index in the high bits, as with several tokenizer workers
+            req_id=(1 << 40)
+            + i,  # worker index in the high bits, as with several tokenizer workers
             input_ids=[rng.randrange(32000) for _ in range(prompt_len)],
             sampling=SamplingParams(max_new_tokens=4096),
             stream=True,
@@ -272,7 +278,9 @@ def make_steady_reqs(
         req.enter_waiting_queue(now - 0.9)
         req.leave_waiting_queue(now - 0.8)
         cached = rng.randrange(0, prompt_len, 16)
-        req.update_stats(cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0))
+        req.update_stats(
+            cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0)
+        )
         req.update_time_stats(prefill_finished_time=now - 0.7)
         req.output_ids.extend(rng.randrange(32000) for _ in range(rng.randint(1, 16)))
         reqs.append(req)
@@ -305,7 +313,9 @@ def step_logits(n: int, seed: int) -> torch.Tensor:
     return torch.randn((n, VOCAB), generator=torch.Generator().manual_seed(seed)) * 4
 
 
-def _tokenpipe_variant(reqs: list[Req], stats_pending: StatsPending, logits: torch.Tensor | None = None) -> Callable[[int], Timings]:
+def _tokenpipe_variant(
+    reqs: list[Req], stats_pending: StatsPending, logits: torch.Tensor | None = None
+) -> Callable[[int], Timings]:
     """``stats_pending``: the requests' set. ``logits``: every request asked for logprobs;
     the step keeps them from these."""
     encoder = make_encoder()
@@ -318,7 +328,9 @@ def _tokenpipe_variant(reqs: list[Req], stats_pending: StatsPending, logits: tor
         new = np.full(len(reqs), token, dtype=np.int64)
         batch.append_tokens(new)  # set-up, not timed
         if logits is not None:  # set-up, not timed: as BatchDecoder.step keeps them
-            keep_decode_logprobs(batch, logits, np.flatnonzero(batch.wants_logprobs[: len(batch)]), new)
+            keep_decode_logprobs(
+                batch, logits, np.flatnonzero(batch.wants_logprobs[: len(batch)]), new
+            )
         t0 = clock()
         steady = batch.take_steady(np.flatnonzero(batch.due(none_finished)))
         frame = build_token_output([], stats_pending, steady=steady)
@@ -333,7 +345,9 @@ def _tokenpipe_variant(reqs: list[Req], stats_pending: StatsPending, logits: tor
         counts = from_column(msg.output_counts, COUNT_DTYPE)
         completion = from_column(msg.completion_tokens, COUNT_DTYPE)
         if logits is not None:
-            assert msg.logprobs is not None and msg.logprobs.output is not None  # as a reader checks for them
+            assert (
+                msg.logprobs is not None and msg.logprobs.output is not None
+            )  # as a reader checks for them
             lp = msg.logprobs.output
             lp_rows = from_column(lp.rows, np.dtype("<i4"))
             chosen = from_column(lp.token_logprobs, LOGPROB_DTYPE)
@@ -344,20 +358,31 @@ def _tokenpipe_variant(reqs: list[Req], stats_pending: StatsPending, logits: tor
             from_column(lp.ids_logprobs, LOGPROB_DTYPE)
         t3 = clock()
         # Checks, not timed: a steady step, decoded intact.
-        assert msg.request_stats is None and msg.decode_options is None and msg.finished_reasons is None
+        assert (
+            msg.request_stats is None
+            and msg.decode_options is None
+            and msg.finished_reasons is None
+        )
         assert len(req_ids) == len(tokens) == len(counts) == len(completion) == len(reqs)
         assert int(tokens[-1]) == token and int(counts.max()) == 1
         if logits is None:
             assert msg.logprobs is None
         else:
-            assert len(lp_rows) == len(chosen) == len(reqs) and int(top_k.min()) == int(top_k.max()) == TOP_K
-            assert len(top_ids) == len(top_values) == TOP_K * len(reqs) and float(chosen.max()) <= 0.0
+            assert (
+                len(lp_rows) == len(chosen) == len(reqs)
+                and int(top_k.min()) == int(top_k.max()) == TOP_K
+            )
+            assert (
+                len(top_ids) == len(top_values) == TOP_K * len(reqs) and float(chosen.max()) <= 0.0
+            )
         return t1 - t0, t2 - t1, t3 - t2, len(data)
 
     return step
 
 
-def _keep_baseline_logprobs(logprobs: Sequence[BaselineLogprobs], logits: torch.Tensor, token: int) -> None:
+def _keep_baseline_logprobs(
+    logprobs: Sequence[BaselineLogprobs], logits: torch.Tensor, token: int
+) -> None:
     """SGLang's decode output processing: the batched values as lists, then one append per
     request and list."""
     lp = torch.log_softmax(logits.float(), dim=-1)
@@ -371,7 +396,9 @@ def _keep_baseline_logprobs(logprobs: Sequence[BaselineLogprobs], logits: torch.
         row.top_idx.append(top_idx[i])
 
 
-def _baseline_variant(reqs: list[Req], metrics: bool, logits: torch.Tensor | None = None) -> Callable[[int], Timings]:
+def _baseline_variant(
+    reqs: list[Req], metrics: bool, logits: torch.Tensor | None = None
+) -> Callable[[int], Timings]:
     """``logits``: every request asked for logprobs (top 5), kept as SGLang keeps them."""
     clock = time.perf_counter_ns
     dumps, loads, protocol = pickle.dumps, pickle.loads, pickle.HIGHEST_PROTOCOL
@@ -391,7 +418,10 @@ def _baseline_variant(reqs: list[Req], metrics: bool, logits: torch.Tensor | Non
         assert len(msg.rids) == len(reqs) and msg.output_ids[-1] == [token]
         assert (msg.queue_time is not None) == metrics
         if logprobs is not None:
-            assert len(msg.output_top_logprobs_idx) == len(reqs) and len(msg.output_top_logprobs_idx[-1][0]) == TOP_K
+            assert (
+                len(msg.output_top_logprobs_idx) == len(reqs)
+                and len(msg.output_top_logprobs_idx[-1][0]) == TOP_K
+            )
             assert all(len(v) == 1 for v in msg.output_token_logprobs_val)
         return t1 - t0, t2 - t1, t3 - t2, len(data)
 
@@ -402,7 +432,9 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("inf")
 
 
-def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed: int = 0) -> dict[str, Any]:
+def run(
+    requests: int = 512, rounds: int = 200, warmup: int | None = None, seed: int = 0
+) -> dict[str, Any]:
     """Run the benchmark; returns the per-variant minima, the ratios and the targets."""
     if requests < 1 or rounds < 1:
         raise ValueError("requests and rounds must be >= 1")
@@ -413,13 +445,23 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
     variants: dict[str, Callable[[int], Timings]] = {
         ROWS[0]: _tokenpipe_variant(make_steady_reqs(requests, on, metrics=True, seed=seed), on),
         ROWS[1]: _tokenpipe_variant(make_steady_reqs(requests, off, metrics=False, seed=seed), off),
-        ROWS[2]: _baseline_variant(make_steady_reqs(requests, StatsPending(), metrics=True, seed=seed), metrics=True),
-        ROWS[3]: _baseline_variant(make_steady_reqs(requests, StatsPending(), metrics=False, seed=seed), metrics=False),
+        ROWS[2]: _baseline_variant(
+            make_steady_reqs(requests, StatsPending(), metrics=True, seed=seed), metrics=True
+        ),
+        ROWS[3]: _baseline_variant(
+            make_steady_reqs(requests, StatsPending(), metrics=False, seed=seed), metrics=False
+        ),
     }
     logits = step_logits(requests, seed)
     top5 = LogprobParams(top_logprobs_num=TOP_K)
-    variants[ROWS[4]] = _tokenpipe_variant(make_steady_reqs(requests, top, metrics=False, seed=seed, logprob=top5), top, logits)
-    variants[ROWS[5]] = _baseline_variant(make_steady_reqs(requests, StatsPending(), metrics=False, seed=seed, logprob=top5), False, logits)
+    variants[ROWS[4]] = _tokenpipe_variant(
+        make_steady_reqs(requests, top, metrics=False, seed=seed, logprob=top5), top, logits
+    )
+    variants[ROWS[5]] = _baseline_variant(
+        make_steady_reqs(requests, StatsPending(), metrics=False, seed=seed, logprob=top5),
+        False,
+        logits,
+    )
     names = list(variants)
     best: dict[str, list[float]] = {name: [float("inf")] * 4 for name in names}
     size: dict[str, int] = {}
@@ -453,20 +495,36 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
     }
     ratios = {
         f"metrics={m}": {
-            col: _ratio(results[f"tokenpipe metrics={m}"][col], results[f"baseline(pickle) metrics={m}"][col])
+            col: _ratio(
+                results[f"tokenpipe metrics={m}"][col],
+                results[f"baseline(pickle) metrics={m}"][col],
+            )
             for col in COLUMNS
         }
         for m in ("on", "off")
     }
-    ratios["top5 logprobs"] = {col: _ratio(results[ROWS[4]][col], results[ROWS[5]][col]) for col in COLUMNS}
+    ratios["top5 logprobs"] = {
+        col: _ratio(results[ROWS[4]][col], results[ROWS[5]][col]) for col in COLUMNS
+    }
     # What top-5 logprobs on every row add to tokenpipe's step (the same step without them).
-    logprobs_cost = {"metrics=off": {col: _ratio(results[ROWS[4]][col], results[ROWS[1]][col]) for col in COLUMNS}}
+    logprobs_cost = {
+        "metrics=off": {
+            col: _ratio(results[ROWS[4]][col], results[ROWS[1]][col]) for col in COLUMNS
+        }
+    }
     on_off = _ratio(results[ROWS[0]]["build+encode_us"], results[ROWS[1]]["build+encode_us"])
     targets = []
     for col, limit in TARGETS.items():
         for key in ("metrics=on", "metrics=off"):
             value = ratios[key][col]
-            targets.append({"name": f"{col} tokenpipe/baseline {key}", "value": value, "limit": limit, "pass": value <= limit})
+            targets.append(
+                {
+                    "name": f"{col} tokenpipe/baseline {key}",
+                    "value": value,
+                    "limit": limit,
+                    "pass": value <= limit,
+                }
+            )
     targets.append(
         {
             "name": "tokenpipe build+encode_us metrics on/off",
@@ -476,7 +534,13 @@ def run(requests: int = 512, rounds: int = 200, warmup: int | None = None, seed:
         }
     )
     return {
-        "config": {"requests": requests, "rounds": rounds, "warmup": warmup, "seed": seed, "python": sys.version.split()[0]},
+        "config": {
+            "requests": requests,
+            "rounds": rounds,
+            "warmup": warmup,
+            "seed": seed,
+            "python": sys.version.split()[0],
+        },
         "results": results,
         "ratios": ratios,
         "logprobs_cost": logprobs_cost,
@@ -527,9 +591,16 @@ def format_report(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=512, help="rows per step (default 512)")
-    parser.add_argument("--rounds", type=int, default=200, help="timed rounds; the minimum is reported (default 200)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=200,
+        help="timed rounds; the minimum is reported (default 200)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON"
+    )
     args = parser.parse_args(argv)
     report = run(requests=args.requests, rounds=args.rounds, seed=args.seed)
     print(format_report(report))

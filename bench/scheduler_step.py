@@ -84,7 +84,13 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import torch  # noqa: E402
 
 from pipeline.config import ServerConfig  # noqa: E402
-from pipeline.io_struct import REQ_ID_DTYPE, Constraint, SamplingParams, TokenizedGenerateReqInput, from_column  # noqa: E402
+from pipeline.io_struct import (
+    REQ_ID_DTYPE,
+    Constraint,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    from_column,
+)  # noqa: E402
 from scheduler_proc.main import build_scheduler  # noqa: E402
 from scheduler_proc.sampling.grammar import GrammarMask  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
@@ -194,7 +200,12 @@ def _instrument(scheduler: Scheduler) -> tuple[_Timer, _Timer, _Timer]:
     forward = _Timer(runner.model.forward, sync)
     sample = _Timer(runner.sample, sync)
     # setattr: replacing a method of one instance is what the types forbid, and the point here.
-    shadowed = ((runner, "extend", extend), (runner, "decode", decode), (runner.model, "forward", forward), (runner, "sample", sample))
+    shadowed = (
+        (runner, "extend", extend),
+        (runner, "decode", decode),
+        (runner.model, "forward", forward),
+        (runner, "sample", sample),
+    )
     for owner, name, timer in shadowed:
         setattr(owner, name, timer)
     return extend, forward, sample
@@ -215,7 +226,11 @@ def _prompts(batch_size: int, context: int, vocab_size: int, seed: int) -> list[
 
 
 def _build(
-    batch_size: int, tokens_per_req: int, torch_threads: int | None, device: str, model_path: str | None = None
+    batch_size: int,
+    tokens_per_req: int,
+    torch_threads: int | None,
+    device: str,
+    model_path: str | None = None,
 ) -> Scheduler:
     # Headroom beyond the requests' own KV: the pool also leaves slots for the next decode
     # step during admission, and nothing here may ever trigger a retraction.
@@ -241,14 +256,20 @@ def _sampling_params(sampling: str, max_new_tokens: int, seed: int) -> SamplingP
             seed=seed,
             ignore_eos=True,
         )
-    raise ValueError(f"unknown sampling mode {sampling!r}; expected one of {', '.join(SAMPLING_MODES)}")
+    raise ValueError(
+        f"unknown sampling mode {sampling!r}; expected one of {', '.join(SAMPLING_MODES)}"
+    )
 
 
 def bench_schema(min_items: int) -> dict[str, Any]:
     """An array of at least ``min_items`` objects, each nested two deep (an object holding an
     object): every object takes several tokens, so no answer ends within ``min_items``
     tokens."""
-    owner = {"type": "object", "properties": {"name": {"type": "string"}, "since": {"type": "integer"}}, "required": ["name", "since"]}
+    owner = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "since": {"type": "integer"}},
+        "required": ["name", "since"],
+    }
     meta = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}, "owner": owner},
@@ -256,21 +277,43 @@ def bench_schema(min_items: int) -> dict[str, Any]:
     }
     item = {
         "type": "object",
-        "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}, "meta": meta},
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "meta": meta,
+        },
         "required": ["id", "name", "tags", "meta"],
     }
-    return {"type": "object", "properties": {"items": {"type": "array", "items": item, "minItems": min_items}}, "required": ["items"]}
+    return {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": item, "minItems": min_items}},
+        "required": ["items"],
+    }
 
 
 def _submit(
-    scheduler: Scheduler, prompts: list[list[int]], max_new_tokens: int, sampling: str, seed: int, constraint: Constraint | None = None
+    scheduler: Scheduler,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: str,
+    seed: int,
+    constraint: Constraint | None = None,
 ) -> None:
     now = time.time()
     for i, ids in enumerate(prompts):
-        params = _sampling_params(sampling, max_new_tokens, seed * 1_000_003 + i)  # a distinct seed per request
+        params = _sampling_params(
+            sampling, max_new_tokens, seed * 1_000_003 + i
+        )  # a distinct seed per request
         scheduler.add_request(
             TokenizedGenerateReqInput(
-                rid=f"bench-{i}", req_id=i, input_ids=ids, sampling_params=params, stream=True, arrival_time=now, constraint=constraint
+                rid=f"bench-{i}",
+                req_id=i,
+                input_ids=ids,
+                sampling_params=params,
+                stream=True,
+                arrival_time=now,
+                constraint=constraint,
             )
         )
 
@@ -328,8 +371,19 @@ def run_batch(
             f"context ({context}) + warm-up + steps + profile steps does not fit the model's "
             f"context length ({scheduler.context_length})"
         )
-    constraint = Constraint("json_schema", json.dumps(bench_schema(max_new)), "bench") if constrained else None
-    _submit(scheduler, _prompts(batch_size, context, scheduler.vocab_size, seed), max_new, sampling, seed, constraint)
+    constraint = (
+        Constraint("json_schema", json.dumps(bench_schema(max_new)), "bench")
+        if constrained
+        else None
+    )
+    _submit(
+        scheduler,
+        _prompts(batch_size, context, scheduler.vocab_size, seed),
+        max_new,
+        sampling,
+        seed,
+        constraint,
+    )
     if len(scheduler.live) != batch_size:
         raise RuntimeError("the scheduler refused some benchmark requests")
     _await_grammars(scheduler)
@@ -498,7 +552,11 @@ def run(
         "config": {
             "batch_sizes": list(batch_sizes),
             "samplings": list(samplings),
-            "sampled_params": {"temperature": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P, "seeded": True},
+            "sampled_params": {
+                "temperature": SAMPLED_TEMPERATURE,
+                "top_p": SAMPLED_TOP_P,
+                "seeded": True,
+            },
             "steps": steps,
             "context": context,
             "warmup": warmup,
@@ -534,7 +592,8 @@ def format_report(report: dict[str, Any]) -> str:
     m, cfg, model = report["machine"], report["config"], report["model"]
     lines = [
         f"machine: cpu_count={m['cpu_count']} (usable {m['cpus_usable']}), torch_threads={m['torch_threads']}, "
-        f"torch {m['torch']}, device={m['device']}" + (f" ({m['gpu']})" if "gpu" in m else "")
+        f"torch {m['torch']}, device={m['device']}"
+        + (f" ({m['gpu']})" if "gpu" in m else "")
         + f", python {m['python']}",
         f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, heads {model['heads']}, "
         f"vocab {model['vocab']}",
@@ -555,8 +614,16 @@ def format_report(report: dict[str, Any]) -> str:
         if prof:
             which = f"B={row['batch_size']} {row['sampling']}"
             lines += ["", f"cProfile, {which}: top entries by own time", prof["tottime"].strip()]
-            lines += ["", f"cProfile, {which}: top entries by cumulative time", prof["cumulative"].strip()]
-            lines += ["", f"cProfile, {which}: callees of the step's own functions", prof["callees"].strip()]
+            lines += [
+                "",
+                f"cProfile, {which}: top entries by cumulative time",
+                prof["cumulative"].strip(),
+            ]
+            lines += [
+                "",
+                f"cProfile, {which}: callees of the step's own functions",
+                prof["callees"].strip(),
+            ]
     return "\n".join(lines)
 
 
@@ -574,14 +641,27 @@ def use_forward_before() -> None:
     # Checked, not assumed: if the decoder stopped calling pool_attention by that name, or
     # the runner the allocator setting or the KV copy's budget, "before" would silently run
     # the new forward.
-    problems = [f"runner.py has no {name}" for name in ("keep_freed_host_memory", "row_kv_budget") if not hasattr(runner, name)]
+    problems = [
+        f"runner.py has no {name}"
+        for name in ("keep_freed_host_memory", "row_kv_budget")
+        if not hasattr(runner, name)
+    ]
     if getattr(llama, "pool_attention", None) is not attention.pool_attention:
         problems.append("llama.py no longer calls attention.pool_attention by that name")
     if problems:
-        raise RuntimeError(f"--forward before: {'; '.join(problems)}; update use_forward_before in bench/scheduler_step.py")
+        raise RuntimeError(
+            f"--forward before: {'; '.join(problems)}; update use_forward_before in bench/scheduler_step.py"
+        )
 
     def padded_everywhere(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Any, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, layer: int
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: Any,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        layer: int,
     ) -> torch.Tensor:
         return attention.padded_attention(q, k, v, layout, k_cache, v_cache, scale)
 
@@ -611,7 +691,15 @@ def compare_forward(child_args: list[str], rounds: int) -> dict[str, Any]:
         for r in range(rounds):
             for arm in FORWARD_ARMS if r % 2 == 0 else FORWARD_ARMS[::-1]:
                 out = Path(tmp) / f"{arm}-{r}.json"
-                cmd = [sys.executable, str(Path(__file__).resolve()), *child_args, "--forward", arm, "--json", str(out)]
+                cmd = [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    *child_args,
+                    "--forward",
+                    arm,
+                    "--json",
+                    str(out),
+                ]
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 reports[arm].append(json.loads(out.read_text()))
     return {"rounds": rounds, "arms": reports}
@@ -638,13 +726,24 @@ def format_comparison(comparison: dict[str, Any]) -> str:
         for arm in FORWARD_ARMS:
             rows = sorted(per_arm[arm], key=lambda r: r["tokens/s"])
             median = rows[(len(rows) - 1) // 2]
-            cells = [f"{median['steps']:>12d}"] + [f"{median[c]:>12.{_digits(c)}f}" for c in columns[1:]]
-            lines.append(f"{median['batch_size']:>6d}{median['sampling']:>10}{arm:>9}" + "".join(cells))
-        rounds = [a["tokens/s"] / b["tokens/s"] for a, b in zip(per_arm["after"], per_arm["before"])]
+            cells = [f"{median['steps']:>12d}"] + [
+                f"{median[c]:>12.{_digits(c)}f}" for c in columns[1:]
+            ]
+            lines.append(
+                f"{median['batch_size']:>6d}{median['sampling']:>10}{arm:>9}" + "".join(cells)
+            )
+        rounds = [
+            a["tokens/s"] / b["tokens/s"] for a, b in zip(per_arm["after"], per_arm["before"])
+        ]
         ratios.append(
             f"B={row['batch_size']} {row['sampling']}: {statistics.median(rounds):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in rounds)})"
         )
-    lines += ["", "after/before tokens/s, median of the rounds' ratios: " + "; ".join(ratios), "", COLUMN_HELP]
+    lines += [
+        "",
+        "after/before tokens/s, median of the rounds' ratios: " + "; ".join(ratios),
+        "",
+        COLUMN_HELP,
+    ]
     return "\n".join(lines)
 
 
@@ -672,7 +771,9 @@ def _batch_sizes(text: str) -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from exc
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from exc
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError("batch sizes must be positive integers")
     return sizes
@@ -690,7 +791,9 @@ def _samplings(text: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 16, 64, 256], help="default 1,16,64,256")
+    parser.add_argument(
+        "--batch-sizes", type=_batch_sizes, default=[1, 16, 64, 256], help="default 1,16,64,256"
+    )
     parser.add_argument(
         "--sampling",
         type=_samplings,
@@ -699,32 +802,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"top_p {SAMPLED_TOP_P}, a seed per request); default greedy,sampled",
     )
     parser.add_argument(
-        "--constrained", action="store_true", help="every request follows a nested JSON schema; adds the grammar's cost per step"
+        "--constrained",
+        action="store_true",
+        help="every request follows a nested JSON schema; adds the grammar's cost per step",
     )
-    parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size (default 50)")
-    parser.add_argument("--max-seconds", type=float, default=60.0, help="stop timing a batch size after this (default 60)")
-    parser.add_argument("--warmup", type=int, default=3, help="decode steps after every request is decoding (default 3)")
-    parser.add_argument("--context", type=int, default=32, help="prompt tokens per request (default 32)")
-    parser.add_argument("--torch-threads", type=int, default=None, help="default: the server's (cores - 2, at least 1)")
+    parser.add_argument(
+        "--steps", type=int, default=50, help="timed decode steps per batch size (default 50)"
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=60.0,
+        help="stop timing a batch size after this (default 60)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="decode steps after every request is decoding (default 3)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=32, help="prompt tokens per request (default 32)"
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="default: the server's (cores - 2, at least 1)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    parser.add_argument("--model-path", default=None, metavar="DIR", help="serve this checkpoint instead of the built-in model")
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        metavar="DIR",
+        help="serve this checkpoint instead of the built-in model",
+    )
     parser.add_argument(
         "--compare-forward",
         action="store_true",
         help="time the forward before and after issue 31's item 5 in alternating child processes; print both and the ratio",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="--compare-forward: rounds of both arms (default 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="--compare-forward: rounds of both arms (default 3)"
+    )
     parser.add_argument(
         "--forward",
         choices=FORWARD_ARMS,
         default="after",
         help="before: the padded-SDPA forward with glibc's default allocator thresholds; after (default): as the code is",
     )
-    parser.add_argument("--profile", action="store_true", help="cProfile extra steps of the largest batch size")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile extra steps of the largest batch size"
+    )
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON"
+    )
     args = parser.parse_args(argv)
     if args.compare_forward:
         if args.profile:

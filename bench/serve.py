@@ -79,11 +79,23 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--url", default="http://127.0.0.1:30000", help="a running server (default %(default)s)")
-    where.add_argument("--launch", action="store_true", help="start `tokenpipe serve` on a free port and stop it at the end")
-    p.add_argument("--server-args", default="", help="extra `tokenpipe serve` flags for --launch, as one string")
+    where.add_argument(
+        "--url", default="http://127.0.0.1:30000", help="a running server (default %(default)s)"
+    )
+    where.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `tokenpipe serve` on a free port and stop it at the end",
+    )
     p.add_argument(
-        "--info-url", default=None, help="when --url is a router: a server behind it, for the vocabulary size (no step rate is measured then)"
+        "--server-args",
+        default="",
+        help="extra `tokenpipe serve` flags for --launch, as one string",
+    )
+    p.add_argument(
+        "--info-url",
+        default=None,
+        help="when --url is a router: a server behind it, for the vocabulary size (no step rate is measured then)",
     )
     p.add_argument(
         "--pids",
@@ -99,8 +111,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "chat: /v1/chat/completions with word prompts and usage on every chunk",
     )
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--requests", type=int, default=None, help="total requests (default 4 x concurrency)")
-    p.add_argument("--stream-ratio", type=float, default=0.5, help="fraction of streaming requests (default 0.5)")
+    p.add_argument(
+        "--requests", type=int, default=None, help="total requests (default 4 x concurrency)"
+    )
+    p.add_argument(
+        "--stream-ratio",
+        type=float,
+        default=0.5,
+        help="fraction of streaming requests (default 0.5)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -110,14 +129,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help=f"default {DEFAULT_TEMPERATURE} ({SAMPLED_TEMPERATURE} for --compare-sampling's sampled runs)",
     )
-    p.add_argument("--top-p", type=float, default=None, help=f"default: not sent ({SAMPLED_TOP_P} for --compare-sampling's sampled runs)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help=f"default: not sent ({SAMPLED_TOP_P} for --compare-sampling's sampled runs)",
+    )
     p.add_argument(
         "--seeded",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="a distinct seed per request, --seed plus its index (default on)",
     )
-    p.add_argument("--compare-discard", action="store_true", help="with --launch: also measure a --discard-output server")
+    p.add_argument(
+        "--compare-discard",
+        action="store_true",
+        help="with --launch: also measure a --discard-output server",
+    )
     p.add_argument(
         "--compare-sampling",
         action="store_true",
@@ -207,7 +235,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.compare_api_workers < 1:
             p.error("--compare-api-workers must be >= 1")
         if "--api-workers" in shlex.split(args.server_args):
-            p.error("--compare-api-workers runs the main server with one API process: leave --api-workers out of --server-args")
+            p.error(
+                "--compare-api-workers runs the main server with one API process: leave --api-workers out of --server-args"
+            )
     if args.rounds < 2:
         p.error("--rounds must be >= 2")
     if args.temperature is not None and args.temperature < 0.0:
@@ -237,10 +267,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         api=args.api,
     )
     server_args = [INCREMENTAL_STREAMS, *shlex.split(args.server_args)]
-    launched = LaunchedServer(["--log-level", "warning", *server_args]) if args.launch else contextlib.nullcontext(None)
+    launched = (
+        LaunchedServer(["--log-level", "warning", *server_args])
+        if args.launch
+        else contextlib.nullcontext(None)
+    )
     with launched as server:
         url = server.url if server is not None else args.url
-        procs = server_processes(server.proc.pid) if server is not None else given_processes(args.pids) if args.pids else None
+        procs = (
+            server_processes(server.proc.pid)
+            if server is not None
+            else given_processes(args.pids)
+            if args.pids
+            else None
+        )
         report = run_async(run_load(url, cfg, args.info_url, procs))
         next_set = 1  # every run has prompts of its own: the main run had set 0
         if args.compare_sampling:
@@ -248,27 +288,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["sampling"] = run_async(run_sampling(url, variants, args.rounds, procs))
             next_set += 2 * args.rounds
         if args.top_logprobs is not None:
-            report["logprobs"] = run_async(run_logprobs(url, cfg, args.top_logprobs, args.rounds, next_set, procs))
+            report["logprobs"] = run_async(
+                run_logprobs(url, cfg, args.top_logprobs, args.rounds, next_set, procs)
+            )
             next_set += 2 * args.rounds
         if args.json_schema is not None:
-            report["structured"] = run_async(run_structured(url, cfg, args.json_schema, args.rounds, next_set, procs))
+            report["structured"] = run_async(
+                run_structured(url, cfg, args.json_schema, args.rounds, next_set, procs)
+            )
             next_set += 2 * args.rounds + 1
         if args.tools is not None:
-            report["tool_calling"] = run_async(run_tools(url, cfg, args.tools, args.rounds, next_set, procs))
+            report["tool_calling"] = run_async(
+                run_tools(url, cfg, args.tools, args.rounds, next_set, procs)
+            )
             next_set += 3 * args.rounds
         if args.compare_api_workers is not None:
             flags = api_workers_flags(args.compare_api_workers)
             # Both servers stay up, on their own ports, so the rounds alternate without a
             # restart; the idle one waits on its sockets meanwhile.
             with LaunchedServer(["--log-level", "warning", *server_args, *flags]) as multi:
-                arms = {SINGLE: Arm(cfg, url, procs), MULTI: Arm(cfg, multi.url, server_processes(multi.proc.pid))}
-                report["api_workers"] = run_async(run_api_workers(arms, args.compare_api_workers, args.rounds, next_set))
+                arms = {
+                    SINGLE: Arm(cfg, url, procs),
+                    MULTI: Arm(cfg, multi.url, server_processes(multi.proc.pid)),
+                }
+                report["api_workers"] = run_async(
+                    run_api_workers(arms, args.compare_api_workers, args.rounds, next_set)
+                )
     if args.compare_discard:
         lo, hi = report["steady_s"]
-        with LaunchedServer(["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"]) as discard:
+        with LaunchedServer(
+            ["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"]
+        ) as discard:
             report["discard"] = run_async(run_discard(discard.url, cfg, max(2.0, hi - lo)))
         a, d = report.get("scheduler_steps"), report["discard"]["scheduler_steps"]
-        report["steps_ratio"] = ratio(a["steps_per_s"] if a else None, d["steps_per_s"] if d else None)
+        report["steps_ratio"] = ratio(
+            a["steps_per_s"] if a else None, d["steps_per_s"] if d else None
+        )
     results: list[ReqResult] = report.pop("_results")
     print(format_report(report))
     if args.json is not None:
@@ -277,8 +332,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         write_plot(args.plot, report, results)
-    runs = [report, *(report[k] for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers") if k in report)]
-    ok = all(run["errors"] == 0 and run["tokens_lost"] == 0 and run["logprobs_lost"] == 0 for run in runs)
+    runs = [
+        report,
+        *(
+            report[k]
+            for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers")
+            if k in report
+        ),
+    ]
+    ok = all(
+        run["errors"] == 0 and run["tokens_lost"] == 0 and run["logprobs_lost"] == 0 for run in runs
+    )
     return 0 if ok else 1
 
 

@@ -46,7 +46,11 @@ from typing import Any
 import httpx
 
 DEFAULT_TEMPERATURE = 0.7
-ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}  # --api
+ENDPOINTS = {
+    "generate": "/generate",
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}  # --api
 USAGE_COUNTED = ("completions", "chat")  # the APIs whose chunks are counted by their usage
 # Usage so far on every chunk: a chunk's text holds one or more tokens (or none yet), and
 # the default server sends no token ids in completions chunks, so this is how to count them.
@@ -74,10 +78,16 @@ class LoadConfig:
     top_p: float | None = None  # None: not sent (the server's default, 1.0)
     seeded: bool = True  # a distinct seed per request: seed + its index
     prompt_set: int = 0  # runs on one server with different sets share no prompt
-    top_logprobs: int | None = None  # None: no logprobs asked; K: return_logprob, top_logprobs_num K
+    top_logprobs: int | None = (
+        None  # None: no logprobs asked; K: return_logprob, top_logprobs_num K
+    )
     api: str = "generate"  # a key of ENDPOINTS
-    json_schema: str | None = None  # None: unconstrained; a JSON schema's text: every answer follows it
-    tools: str | None = None  # chat only. None: no tools; a JSON list of tools: sent with tool_choice
+    json_schema: str | None = (
+        None  # None: unconstrained; a JSON schema's text: every answer follows it
+    )
+    tools: str | None = (
+        None  # chat only. None: no tools; a JSON list of tools: sent with tool_choice
+    )
     tool_choice: str = "required"  # with tools: "none", "auto" or "required"
 
 
@@ -98,18 +108,23 @@ class ReqResult:
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, tokens)
 
 
-
 # --- requests ---------------------------------------------------------------------------------
 
 
 def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
     rng = random.Random(f"{cfg.seed}/{cfg.prompt_set}/{i}")
-    ids = [rng.randrange(16, vocab) for _ in range(cfg.prompt_len)]  # low ids hold the special tokens
+    ids = [
+        rng.randrange(16, vocab) for _ in range(cfg.prompt_len)
+    ]  # low ids hold the special tokens
     if cfg.api == "completions":
         return completions_body(i, cfg, ids, stream)
     if cfg.api == "chat":
         return chat_body(i, cfg, rng, stream)
-    sampling: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "ignore_eos": True}
+    sampling: dict[str, Any] = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "ignore_eos": True,
+    }
     if cfg.top_p is not None:
         sampling["top_p"] = cfg.top_p
     if cfg.seeded:
@@ -138,7 +153,10 @@ def openai_body(body: dict[str, Any], i: int, cfg: LoadConfig, stream: bool) -> 
     if cfg.seeded:
         body["seed"] = cfg.seed + i
     if cfg.json_schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": json.loads(cfg.json_schema)}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": json.loads(cfg.json_schema)},
+        }
     body["stream"] = stream
     if stream:
         body["stream_options"] = dict(CONTINUOUS_USAGE)
@@ -182,12 +200,16 @@ def usage_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
     a call: they are counted."""
     usage = event.get("usage")
     if usage is None:
-        raise ValueError("a chunk without usage: the server does not honour stream_options.continuous_usage_stats")
+        raise ValueError(
+            "a chunk without usage: the server does not honour stream_options.continuous_usage_stats"
+        )
     if not event["choices"]:
         res.completion_tokens = int(usage["completion_tokens"])
         return 0
     for choice in event["choices"]:
-        res.tool_calls += sum("id" in call for call in (choice.get("delta") or {}).get("tool_calls") or ())
+        res.tool_calls += sum(
+            "id" in call for call in (choice.get("delta") or {}).get("tool_calls") or ()
+        )
     return int(usage["completion_tokens"]) - res.tokens
 
 
@@ -196,7 +218,9 @@ def whole_response_tokens(api: str, data: dict[str, Any], res: ReqResult) -> Non
     (the text is not countable in tokens), so nothing can be lost there by this measure."""
     if api in USAGE_COUNTED:
         res.tokens = res.completion_tokens = int(data["usage"]["completion_tokens"])
-        res.tool_calls = sum(len((c.get("message") or {}).get("tool_calls") or ()) for c in data["choices"])
+        res.tool_calls = sum(
+            len((c.get("message") or {}).get("tool_calls") or ()) for c in data["choices"]
+        )
         return
     res.tokens = len(data["output_ids"])
     res.completion_tokens = data["meta_info"]["completion_tokens"]

@@ -96,7 +96,9 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
     last_sent = 0.0
     seen: Sample | None = None  # the sample that first showed the latest report
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=30.0), limits=limits
+    ) as client:
 
         def send(n: int) -> None:
             nonlocal last_sent
@@ -118,7 +120,11 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
                 continue
             # The scheduler takes in new requests between steps, so one that arrived during
             # the step before the report is not in it yet: allow two steps, plus transit.
-            step_s = (samples[-1].answered - seen.answered) / (samples[-1].steps - seen.steps) if seen is not None else 0.5
+            step_s = (
+                (samples[-1].answered - seen.answered) / (samples[-1].steps - seen.steps)
+                if seen is not None
+                else 0.5
+            )
             seen = samples[-1]
             cut = samples[-2].asked - 0.02 - min(1.0, 2 * step_s)
             counted = bisect.bisect_left([t for t, _ in acked], cut)
@@ -128,25 +134,38 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
                 closed += 1
             send(max(0, cfg.concurrency - live - (len(tasks) - counted)))
         deadline = time.perf_counter() + SETTLE_TIMEOUT
-        while time.perf_counter() < deadline and any(not t.done() for t in set(tasks) - {t for _, t in acked}):
+        while time.perf_counter() < deadline and any(
+            not t.done() for t in set(tasks) - {t for _, t in acked}
+        ):
             await asyncio.sleep(POLL_INTERVAL / 2)  # (one done before its acknowledgement failed)
         async with httpx.AsyncClient(timeout=10.0) as ctl:
             await ctl.post(f"{url}/abort_request", json={"abort_all": True})
             end_t = time.perf_counter() - t0
             stop.set()
             await sampler
-            end = await settle(ctl, url, latest_steps(start, samples, last_sent), SETTLE_TIMEOUT) if start is not None else None
+            end = (
+                await settle(ctl, url, latest_steps(start, samples, last_sent), SETTLE_TIMEOUT)
+                if start is not None
+                else None
+            )
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     rate = run_step_rate(start, samples, end, end_t, full_at, full_at + window_s)
-    return {"requests_sent": len(tasks), "window_s": window_s, "scheduler_steps": rate, "samples": [asdict(s) for s in samples]}
+    return {
+        "requests_sent": len(tasks),
+        "window_s": window_s,
+        "scheduler_steps": rate,
+        "samples": [asdict(s) for s in samples],
+    }
 
 
 # --- greedy against sampled ------------------------------------------------------------------
 
 
-def sampling_variants(cfg: LoadConfig, temperature: float | None, top_p: float | None, seeded: bool | None) -> dict[str, LoadConfig]:
+def sampling_variants(
+    cfg: LoadConfig, temperature: float | None, top_p: float | None, seeded: bool | None
+) -> dict[str, LoadConfig]:
     """The workload of ``cfg`` greedy and sampled; the sampled one takes ``SAMPLED_*`` for
     each parameter not given (None)."""
     return {
@@ -160,8 +179,25 @@ def sampling_variants(cfg: LoadConfig, temperature: float | None, top_p: float |
     }
 
 
-BRIEF_KEYS: tuple[str, ...] = ("requests", "completed", "duration_s", "requests_per_s", "output_tokens", "output_tokens_per_s")
-BRIEF_KEYS += ("ttft_ms", "itl_ms", "errors", "error_examples", "tokens_lost", "logprobs_lost", "tool_calls", "scheduler_steps", "cpu")
+BRIEF_KEYS: tuple[str, ...] = (
+    "requests",
+    "completed",
+    "duration_s",
+    "requests_per_s",
+    "output_tokens",
+    "output_tokens_per_s",
+)
+BRIEF_KEYS += (
+    "ttft_ms",
+    "itl_ms",
+    "errors",
+    "error_examples",
+    "tokens_lost",
+    "logprobs_lost",
+    "tool_calls",
+    "scheduler_steps",
+    "cpu",
+)
 
 
 def brief(run: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +215,9 @@ class Arm:
     procs: dict[str, int] | None = None
 
 
-def same_server(variants: dict[str, LoadConfig], url: str, procs: dict[str, int] | None) -> dict[str, Arm]:
+def same_server(
+    variants: dict[str, LoadConfig], url: str, procs: dict[str, int] | None
+) -> dict[str, Arm]:
     return {name: Arm(cfg, url, procs) for name, cfg in variants.items()}
 
 
@@ -199,16 +237,29 @@ async def run_rounds(arms: dict[str, Arm], rounds: int, prompt_set: int) -> dict
         row: dict[str, Any] = {"first": order[0]}
         for name in order:
             arm = arms[name]
-            row[name] = brief(await run_load(arm.url, replace(arm.cfg, prompt_set=prompt_set), procs=arm.procs))
+            row[name] = brief(
+                await run_load(arm.url, replace(arm.cfg, prompt_set=prompt_set), procs=arm.procs)
+            )
             prompt_set += 1
-        row["ratios"] = {name: ratio(row[name]["output_tokens_per_s"], row[base]["output_tokens_per_s"]) for name in others}
+        row["ratios"] = {
+            name: ratio(row[name]["output_tokens_per_s"], row[base]["output_tokens_per_s"])
+            for name in others
+        }
         row["ratio"] = row["ratios"][others[0]]
         runs.append(row)
     ratios = {name: [row["ratios"][name] for row in runs] for name in others}
-    medians = {name: statistics.median(values) if None not in values else None for name, values in ratios.items()}
+    medians = {
+        name: statistics.median(values) if None not in values else None
+        for name, values in ratios.items()
+    }
     return {
         "rounds": runs,
-        **{f"{name}_output_tokens_per_s": statistics.median([row[name]["output_tokens_per_s"] for row in runs]) for name in arms},
+        **{
+            f"{name}_output_tokens_per_s": statistics.median(
+                [row[name]["output_tokens_per_s"] for row in runs]
+            )
+            for name in arms
+        },
         "ratios": medians,
         "ratio": medians[others[0]],
         "errors": sum(row[name]["errors"] for row in runs for name in arms),
@@ -217,23 +268,40 @@ async def run_rounds(arms: dict[str, Arm], rounds: int, prompt_set: int) -> dict
     }
 
 
-async def run_sampling(url: str, variants: dict[str, LoadConfig], rounds: int, procs: dict[str, int] | None = None) -> dict[str, Any]:
+async def run_sampling(
+    url: str, variants: dict[str, LoadConfig], rounds: int, procs: dict[str, int] | None = None
+) -> dict[str, Any]:
     """Greedy against sampled (``sampling_variants``), in ``run_rounds``."""
-    result = await run_rounds(same_server(variants, url, procs), rounds, prompt_set=1)  # the main run had set 0
-    params = {name: {k: getattr(v, k) for k in ("temperature", "top_p", "seeded")} for name, v in variants.items()}
+    result = await run_rounds(
+        same_server(variants, url, procs), rounds, prompt_set=1
+    )  # the main run had set 0
+    params = {
+        name: {k: getattr(v, k) for k in ("temperature", "top_p", "seeded")}
+        for name, v in variants.items()
+    }
     return {"params": params, **result}
 
 
 def logprobs_variants(cfg: LoadConfig, top_logprobs: int) -> dict[str, LoadConfig]:
     """The workload of ``cfg`` without logprobs, and with ``top_logprobs`` on every request."""
-    return {"without": replace(cfg, top_logprobs=None), "logprobs": replace(cfg, top_logprobs=top_logprobs)}
+    return {
+        "without": replace(cfg, top_logprobs=None),
+        "logprobs": replace(cfg, top_logprobs=top_logprobs),
+    }
 
 
 async def run_logprobs(
-    url: str, cfg: LoadConfig, top_logprobs: int, rounds: int, prompt_set: int, procs: dict[str, int] | None = None
+    url: str,
+    cfg: LoadConfig,
+    top_logprobs: int,
+    rounds: int,
+    prompt_set: int,
+    procs: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Without logprobs against with top ``top_logprobs`` on every request, in ``run_rounds``."""
-    result = await run_rounds(same_server(logprobs_variants(cfg, top_logprobs), url, procs), rounds, prompt_set)
+    result = await run_rounds(
+        same_server(logprobs_variants(cfg, top_logprobs), url, procs), rounds, prompt_set
+    )
     return {"top_logprobs": top_logprobs, **result}
 
 
@@ -254,18 +322,28 @@ def median_cpu(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per process, the median over ``runs`` of its cores in each run's steady window, and
     the median of the runs' tokens per API CPU-second."""
     cpus = [run["cpu"] for run in runs if run.get("cpu")]
-    names = [name for name in (cpus[0]["processes"] if cpus else {}) if all(name in c["processes"] for c in cpus)]
+    names = [
+        name
+        for name in (cpus[0]["processes"] if cpus else {})
+        if all(name in c["processes"] for c in cpus)
+    ]
     cores = {name: [c["processes"][name]["cores"] for c in cpus] for name in names}
     per_token = [c["tokens_per_api_cpu_s"] for c in cpus]
     client = [c["client"]["cores"] for c in cpus]
     return {
-        "cores": {name: statistics.median(v) if None not in v else None for name, v in cores.items()},
+        "cores": {
+            name: statistics.median(v) if None not in v else None for name, v in cores.items()
+        },
         "client_cores": statistics.median(client) if cpus and None not in client else None,
-        "tokens_per_api_cpu_s": statistics.median(per_token) if cpus and None not in per_token else None,
+        "tokens_per_api_cpu_s": statistics.median(per_token)
+        if cpus and None not in per_token
+        else None,
     }
 
 
-async def run_api_workers(arms: dict[str, Arm], workers: int, rounds: int, prompt_set: int) -> dict[str, Any]:
+async def run_api_workers(
+    arms: dict[str, Arm], workers: int, rounds: int, prompt_set: int
+) -> dict[str, Any]:
     """The same workload on the one-API-process server and the ``workers`` one, in
     ``run_rounds``, with each arm's per-process CPU (``median_cpu``)."""
     result = await run_rounds(arms, rounds, prompt_set)

@@ -35,7 +35,9 @@ from bench.serve_readings import (
 # --- the attached run -------------------------------------------------------------------------
 
 
-async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None, procs: dict[str, int] | None = None) -> dict[str, Any]:
+async def run_load(
+    url: str, cfg: LoadConfig, info_url: str | None = None, procs: dict[str, int] | None = None
+) -> dict[str, Any]:
     """The workload ``cfg`` against ``url``; with ``procs`` (the server's processes by name)
     their CPU over the steady part too (``window_cpu``)."""
     vocab, start = await prepare(url, info_url=info_url)
@@ -52,8 +54,12 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None, procs
     cpu_dry: CpuReading | None = None
     watched = procs or {}
     target = min(cfg.concurrency, cfg.requests)
-    limits = httpx.Limits(max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8)
-    bar = tqdm(total=cfg.requests, file=sys.stderr, disable=not cfg.progress, desc="requests", unit="req")
+    limits = httpx.Limits(
+        max_connections=cfg.concurrency + 8, max_keepalive_connections=cfg.concurrency + 8
+    )
+    bar = tqdm(
+        total=cfg.requests, file=sys.stderr, disable=not cfg.progress, desc="requests", unit="req"
+    )
     stop = asyncio.Event()
     t0 = time.perf_counter()
 
@@ -76,7 +82,9 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None, procs
             cpu_dry = read_cpu(watched, t0)
 
     sampler = asyncio.create_task(sample_loop(url, t0, samples, stop))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=30.0), limits=limits
+    ) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(cfg.concurrency)))
     duration = time.perf_counter() - t0
     stop.set()
@@ -89,7 +97,11 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None, procs
     summary = summarize(results, duration)
     lo, hi = full_at or 0.0, dry_at or duration
     rate = run_step_rate(start, samples, end, duration, lo, hi)
-    cpu = window_cpu(cpu_full, cpu_dry, watched, results) if cpu_full is not None and cpu_dry is not None else None
+    cpu = (
+        window_cpu(cpu_full, cpu_dry, watched, results)
+        if cpu_full is not None and cpu_dry is not None
+        else None
+    )
     if cpu is not None and procs is None:
         cpu["note"] = "server processes not measured: give --pids (or use --launch)"
     summary.update(
@@ -99,7 +111,9 @@ async def run_load(url: str, cfg: LoadConfig, info_url: str | None = None, procs
         scheduler_steps=rate,
         cpu=cpu,
         samples=[asdict(s) for s in samples],
-        requests_detail=[{k: v for k, v in asdict(r).items() if k not in ("itl", "arrivals")} for r in results],
+        requests_detail=[
+            {k: v for k, v in asdict(r).items() if k not in ("itl", "arrivals")} for r in results
+        ],
     )
     summary["_results"] = results  # for the plot; dropped before the JSON
     return summary
@@ -113,7 +127,12 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
             return None
         return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000.0
 
-    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "mean": sum(ordered) * 1000.0 / len(ordered) if ordered else None}
+    return {
+        "p50": pick(0.50),
+        "p90": pick(0.90),
+        "p99": pick(0.99),
+        "mean": sum(ordered) * 1000.0 / len(ordered) if ordered else None,
+    }
 
 
 def summarize(results: Sequence[ReqResult], duration: float) -> dict[str, Any]:

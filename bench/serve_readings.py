@@ -80,7 +80,9 @@ async def read_report(client: httpx.AsyncClient, url: str, t0: float) -> Sample 
         sched = None
     if sched is None:
         return None
-    return Sample(asked, time.perf_counter() - t0, int(sched["forward_steps_total"]), int(sched["live_reqs"]))
+    return Sample(
+        asked, time.perf_counter() - t0, int(sched["forward_steps_total"]), int(sched["live_reqs"])
+    )
 
 
 async def sample_loop(url: str, t0: float, out: list[Sample], stop: asyncio.Event) -> None:
@@ -96,7 +98,9 @@ async def sample_loop(url: str, t0: float, out: list[Sample], stop: asyncio.Even
                 pass
 
 
-async def settle(client: httpx.AsyncClient, url: str, older_steps: int, timeout: float) -> Settled | None:
+async def settle(
+    client: httpx.AsyncClient, url: str, older_steps: int, timeout: float
+) -> Settled | None:
     """The step count once the work handed to the scheduler is done: from the report it
     sends when it runs out of work (no live request), once that report counts more steps
     than ``older_steps``. ``older_steps`` is the count of a report the scheduler sent before
@@ -122,7 +126,9 @@ def latest_steps(start: Settled, samples: Sequence[Sample], before: float) -> in
     return max([start.steps, *(s.steps for s in samples if s.answered < before)])
 
 
-def phase_readings(start: Settled, samples: Sequence[Sample], end: Settled, end_t: float) -> list[tuple[float, int]]:
+def phase_readings(
+    start: Settled, samples: Sequence[Sample], end: Settled, end_t: float
+) -> list[tuple[float, int]]:
     """(seconds since the run's start, forward steps): the count before the run at 0, each
     new report at the first sample that saw it, and the count after the run at ``end_t``."""
     out = [(0.0, start.steps)]
@@ -146,7 +152,9 @@ def step_rate(readings: Sequence[tuple[float, int]], lo: float, hi: float) -> di
     return {"steps_per_s": (sb - sa) / (tb - ta), "steps": sb - sa, "window_s": [ta, tb]}
 
 
-async def prepare(url: str, discarding: bool = False, info_url: str | None = None) -> tuple[int, Settled | None]:
+async def prepare(
+    url: str, discarding: bool = False, info_url: str | None = None
+) -> tuple[int, Settled | None]:
     """The vocabulary size, from the ``/server_info`` of ``info_url`` (a server behind the
     router at ``url``: a router has none of its own) or else of ``url``; and the scheduler's
     step count (None: ``url`` has no scheduler reports, as a router) after one short
@@ -158,8 +166,13 @@ async def prepare(url: str, discarding: bool = False, info_url: str | None = Non
         info = resp.json()
         vocab = int(info["vocab_size"])
         reports = info_url is None and "scheduler" in info
-        older = int(info["scheduler"]["forward_steps_total"]) if reports and info["scheduler"] else 0
-        warm = {"input_ids": [16, 17, 18, 19], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        older = (
+            int(info["scheduler"]["forward_steps_total"]) if reports and info["scheduler"] else 0
+        )
+        warm = {
+            "input_ids": [16, 17, 18, 19],
+            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+        }
         if not discarding:
             (await client.post(f"{url}/generate", json=warm)).raise_for_status()
             return vocab, await settle(client, url, older, SETTLE_TIMEOUT) if reports else None
@@ -171,7 +184,12 @@ async def prepare(url: str, discarding: bool = False, info_url: str | None = Non
 
 
 def run_step_rate(
-    start: Settled | None, samples: Sequence[Sample], end: Settled | None, end_t: float, lo: float, hi: float
+    start: Settled | None,
+    samples: Sequence[Sample],
+    end: Settled | None,
+    end_t: float,
+    lo: float,
+    hi: float,
 ) -> dict[str, Any] | None:
     if start is None or end is None:
         return None
@@ -219,7 +237,9 @@ def name_processes(roles: dict[int, str | None]) -> dict[str, int]:
             continue  # gone already
         held.setdefault(role, []).append((started, pid))
     names: dict[str, int] = {}
-    for role in sorted(held, key=lambda r: (ROLE_ORDER.index(r) if r in ROLE_ORDER else len(ROLE_ORDER), r)):
+    for role in sorted(
+        held, key=lambda r: (ROLE_ORDER.index(r) if r in ROLE_ORDER else len(ROLE_ORDER), r)
+    ):
         ordered = sorted(held[role])
         for i, (_, pid) in enumerate(ordered):
             names[role if len(ordered) == 1 else f"{role}-{i}"] = pid
@@ -241,7 +261,9 @@ def given_processes(pids: Sequence[int]) -> dict[str, int]:
         if children:
             roles.update(children)
             continue
-        role = cmdline_role(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))  # a pid not there stops the run
+        role = cmdline_role(
+            Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        )  # a pid not there stops the run
         if role is None:
             others[f"pid-{pid}"] = pid
         else:
@@ -278,18 +300,26 @@ def is_api(name: str) -> bool:
     return name == "api" or name.startswith("api-")
 
 
-def window_cpu(a: CpuReading, b: CpuReading, procs: dict[str, int], results: Sequence[ReqResult]) -> dict[str, Any]:
+def window_cpu(
+    a: CpuReading, b: CpuReading, procs: dict[str, int], results: Sequence[ReqResult]
+) -> dict[str, Any]:
     """Each process's CPU-seconds and cores (CPU-s / window-s) between the readings ``a``
     and ``b``, and the output tokens the clients received between them (by each event's
     arrival time) per CPU-second of all the API processes together."""
     span = b.at - a.at
     per = {
-        name: {"pid": pid, "cpu_s": b.procs[name] - a.procs[name], "cores": ratio(b.procs[name] - a.procs[name], span)}
+        name: {
+            "pid": pid,
+            "cpu_s": b.procs[name] - a.procs[name],
+            "cores": ratio(b.procs[name] - a.procs[name], span),
+        }
         for name, pid in procs.items()
         if name in a.procs and name in b.procs
     }
     tokens = sum(n for r in results for t, n in r.arrivals if a.at <= t <= b.at)
-    api = [b.procs[name] - a.procs[name] for name in per if is_api(name)]  # the API processes' cpu_s
+    api = [
+        b.procs[name] - a.procs[name] for name in per if is_api(name)
+    ]  # the API processes' cpu_s
     api_cpu = sum(api) if api else None
     client = b.client - a.client
     return {

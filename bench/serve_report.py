@@ -24,7 +24,9 @@ TARGET_STREAMS = 256
 
 
 def fmt_pcts(p: dict[str, float | None]) -> str:
-    return "  ".join(f"{k} {v:9.1f}" if v is not None else f"{k}       n/a" for k, v in p.items() if k != "mean")
+    return "  ".join(
+        f"{k} {v:9.1f}" if v is not None else f"{k}       n/a" for k, v in p.items() if k != "mean"
+    )
 
 
 def fmt_rate(label: str, rate: dict[str, Any] | None, extra: str = "") -> str:
@@ -33,7 +35,9 @@ def fmt_rate(label: str, rate: dict[str, Any] | None, extra: str = "") -> str:
     lo, hi = rate["window_s"]
     line = f"  {label:<20}{rate['steps_per_s']:10.2f}   ({rate['steps']} steps, {lo:.1f}-{hi:.1f} s{extra})"
     if not rate.get("confirmed", True):
-        line += f"  [no report of the work done within {SETTLE_TIMEOUT:g} s: may miss the last steps]"
+        line += (
+            f"  [no report of the work done within {SETTLE_TIMEOUT:g} s: may miss the last steps]"
+        )
     return line
 
 
@@ -42,24 +46,42 @@ def fmt_target(label: str, value: float | None, target: float, c: dict[str, Any]
     if value is None:
         return f"  {label:<20}{'n/a':>10}"
     verdict = "PASS" if value >= target else "MISS"
-    note = "" if c["concurrency"] == TARGET_STREAMS and c["stream_ratio"] == 1.0 else f"; target is set at {TARGET_STREAMS} streams"
+    note = (
+        ""
+        if c["concurrency"] == TARGET_STREAMS and c["stream_ratio"] == 1.0
+        else f"; target is set at {TARGET_STREAMS} streams"
+    )
     return f"  {label:<20}{value:10.3f}x  target >= {target}x: {verdict}{note}"
 
 
 def fmt_params(p: dict[str, Any]) -> str:
     if p["temperature"] == 0.0:
         return "temperature 0"
-    return f"temperature {p['temperature']:g}" + (f", top_p {p['top_p']:g}" if p["top_p"] is not None else "") + (", seeded" if p["seeded"] else "")
+    return (
+        f"temperature {p['temperature']:g}"
+        + (f", top_p {p['top_p']:g}" if p["top_p"] is not None else "")
+        + (", seeded" if p["seeded"] else "")
+    )
 
 
 def fmt_rounds(
-    s: dict[str, Any], c: dict[str, Any], title: str, base: str, other: str, target: float | None, where: str = "same server"
+    s: dict[str, Any],
+    c: dict[str, Any],
+    title: str,
+    base: str,
+    other: str,
+    target: float | None,
+    where: str = "same server",
 ) -> list[str]:
     """A ``run_rounds`` result: each round's output tokens/s and ratio, then the medians;
     the ratio against its target, if it has one."""
     label = f"{other}/{base}"
     w = max(16, len(label) + 2)
-    fw, bw, ow = max(10, len(base) + 2, len(other) + 2), max(14, len(base) + 8), max(15, len(other) + 8)
+    fw, bw, ow = (
+        max(10, len(base) + 2, len(other) + 2),
+        max(14, len(base) + 8),
+        max(15, len(other) + 8),
+    )
     lines = [
         f"  {title}, {where}, {len(s['rounds'])} rounds (order swapped each round)",
         f"  {'round':<8}{'first':<{fw}}{base + ' tok/s':>{bw}}{other + ' tok/s':>{ow}}{label:>{w}}",
@@ -74,7 +96,9 @@ def fmt_rounds(
         f"  {'median':<{8 + fw}}{s[base + '_output_tokens_per_s']:{bw}.1f}{s[other + '_output_tokens_per_s']:{ow}.1f}{value}"
     )
     lost = f", logprobs lost {s['logprobs_lost']}" if s["logprobs_lost"] else ""
-    lines.append(f"  errors {s['errors']}, tokens lost {s['tokens_lost']}{lost} over the comparison's runs")
+    lines.append(
+        f"  errors {s['errors']}, tokens lost {s['tokens_lost']}{lost} over the comparison's runs"
+    )
     if target is not None:
         lines.append(fmt_target(label, s["ratio"], target, c))
     return lines
@@ -89,10 +113,16 @@ def fmt_cpu(cpu: dict[str, Any] | None) -> list[str]:
     if cpu is None:
         return [f"  {'CPU':<20}{'n/a':>10}   (no steady window)"]
     lo, hi = cpu["window_s"]
-    lines = [f"  CPU, steady window  {'CPU-s':>10}{'cores':>10}   ({lo:.1f}-{hi:.1f} s; cores = CPU-s / {hi - lo:.1f} s)"]
+    lines = [
+        f"  CPU, steady window  {'CPU-s':>10}{'cores':>10}   ({lo:.1f}-{hi:.1f} s; cores = CPU-s / {hi - lo:.1f} s)"
+    ]
     for name, p in cpu["processes"].items():
-        lines.append(f"    {name:<18}{p['cpu_s']:10.2f}{fmt_num(p['cores'], 10, 3)}   (pid {p['pid']})")
-    lines.append(f"    {'bench client':<18}{cpu['client']['cpu_s']:10.2f}{fmt_num(cpu['client']['cores'], 10, 3)}")
+        lines.append(
+            f"    {name:<18}{p['cpu_s']:10.2f}{fmt_num(p['cores'], 10, 3)}   (pid {p['pid']})"
+        )
+    lines.append(
+        f"    {'bench client':<18}{cpu['client']['cpu_s']:10.2f}{fmt_num(cpu['client']['cores'], 10, 3)}"
+    )
     if "note" in cpu:
         lines.append(f"    {cpu['note']}")
     api = f"{cpu['api_cpu_s']:.2f}" if cpu["api_cpu_s"] is not None else "n/a"
@@ -105,15 +135,23 @@ def fmt_cpu(cpu: dict[str, Any] | None) -> list[str]:
 
 def fmt_api_workers(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
     n = s["workers"]
-    flags = f"plus {' '.join(s['flags'])}" if s["flags"] else "(N = 1: no --api-workers flag, one API process as the default)"
+    flags = (
+        f"plus {' '.join(s['flags'])}"
+        if s["flags"]
+        else "(N = 1: no --api-workers flag, one API process as the default)"
+    )
     title = f"one API process against {n}: {SINGLE} = the main server; {MULTI} = a second one, the same flags {flags}"
     lines = fmt_rounds(s, c, title, SINGLE, MULTI, None, where="two servers up at once")
     for name in (SINGLE, MULTI):
         m = s["cpu"][name]
-        api = "  ".join(f"{k} {fmt_num(v, 0, 3)}" for k, v in m["cores"].items() if is_api(k)) or "n/a"
+        api = (
+            "  ".join(f"{k} {fmt_num(v, 0, 3)}" for k, v in m["cores"].items() if is_api(k))
+            or "n/a"
+        )
         lines.append(
             f"  {name:<8}API cores: {api}; tokens/API CPU-s {fmt_num(m['tokens_per_api_cpu_s'], 0, 1)} "
-            f"(medians over rounds; " + ", ".join(f"{k} {fmt_num(v, 0, 3)}" for k, v in m["cores"].items() if not is_api(k))
+            f"(medians over rounds; "
+            + ", ".join(f"{k} {fmt_num(v, 0, 3)}" for k, v in m["cores"].items() if not is_api(k))
             + f", client {fmt_num(m['client_cores'], 0, 3)} cores)"
         )
     return lines
@@ -152,14 +190,19 @@ def format_report(r: dict[str, Any]) -> str:
         f"  TTFT ms             {fmt_pcts(r['ttft_ms'])}",
         f"  ITL ms              {fmt_pcts(r['itl_ms'])}",
         f"  e2e ms              {fmt_pcts(r['e2e_ms'])}",
-        f"  errors              {r['errors']:10d}" + (f"   e.g. {r['error_examples'][0]}" if r["error_examples"] else ""),
+        f"  errors              {r['errors']:10d}"
+        + (f"   e.g. {r['error_examples'][0]}" if r["error_examples"] else ""),
         f"  tokens lost         {r['tokens_lost']:10d}   ({r['requests_with_lost_tokens']} requests)",
     ]
     lines.append(fmt_rate("scheduler steps/s", r.get("scheduler_steps")))
     lines += fmt_cpu(r.get("cpu"))
     d = r.get("discard")
     if d is not None:
-        lines.append(fmt_rate("discarded steps/s", d["scheduler_steps"], f", {d['requests_sent']} requests sent"))
+        lines.append(
+            fmt_rate(
+                "discarded steps/s", d["scheduler_steps"], f", {d['requests_sent']} requests sent"
+            )
+        )
         lines.append(fmt_target("attached/discarded", r.get("steps_ratio"), TARGET_RATIO, c))
     s = r.get("sampling")
     if s is not None:
@@ -186,7 +229,10 @@ def write_plot(path: Path, r: dict[str, Any], results: Sequence[ReqResult]) -> N
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    ttft = [[x.ttft * 1000 for x in results if x.ok and x.ttft is not None and x.stream == st] for st in (True, False)]
+    ttft = [
+        [x.ttft * 1000 for x in results if x.ok and x.ttft is not None and x.stream == st]
+        for st in (True, False)
+    ]
     itl = [v * 1000 for x in results if x.ok for v in x.itl]
     axes[0].hist(ttft, bins=40, stacked=True, label=["streaming", "non-streaming (= e2e)"])
     axes[0].set(title="TTFT", xlabel="ms", ylabel="requests")
@@ -199,7 +245,12 @@ def write_plot(path: Path, r: dict[str, Any], results: Sequence[ReqResult]) -> N
     for x in results:
         for t, n in x.arrivals:
             per_bin[min(nbins - 1, int(t / bin_s))] += n
-    axes[2].plot([i * bin_s for i in range(nbins)], [n / bin_s for n in per_bin], drawstyle="steps-post", label="client tokens/s")
+    axes[2].plot(
+        [i * bin_s for i in range(nbins)],
+        [n / bin_s for n in per_bin],
+        drawstyle="steps-post",
+        label="client tokens/s",
+    )
     times, rates = step_rates(r.get("samples") or [])
     if rates:
         ax2 = axes[2].twinx()
@@ -214,5 +265,8 @@ def write_plot(path: Path, r: dict[str, Any], results: Sequence[ReqResult]) -> N
 def step_rates(samples: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
     """Steps/s between consecutive new scheduler reports, at the time each was first seen."""
     changes = [b for a, b in zip(samples, samples[1:]) if b["steps"] != a["steps"]]
-    pairs = [(b["answered"], (b["steps"] - a["steps"]) / (b["answered"] - a["answered"])) for a, b in zip(changes, changes[1:])]
+    pairs = [
+        (b["answered"], (b["steps"] - a["steps"]) / (b["answered"] - a["answered"]))
+        for a, b in zip(changes, changes[1:])
+    ]
     return [t for t, _ in pairs], [v for _, v in pairs]

@@ -48,7 +48,10 @@ def read_schema(text: str) -> str:
 
 def structured_variants(cfg: LoadConfig, schema: str) -> dict[str, LoadConfig]:
     """The workload of ``cfg`` unconstrained, and with every request following ``schema``."""
-    return {"unconstrained": replace(cfg, json_schema=None), "constrained": replace(cfg, json_schema=schema)}
+    return {
+        "unconstrained": replace(cfg, json_schema=None),
+        "constrained": replace(cfg, json_schema=schema),
+    }
 
 
 def fresh_schema(schema: str) -> str:
@@ -59,17 +62,23 @@ def fresh_schema(schema: str) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-async def probe_ttft(url: str, cfg: LoadConfig, vocab: int, index: int, schema: str | None) -> float:
+async def probe_ttft(
+    url: str, cfg: LoadConfig, vocab: int, index: int, schema: str | None
+) -> float:
     """The TTFT of one streaming request (prompt ``index`` of ``cfg.prompt_set``), in ms."""
     probe = replace(cfg, json_schema=schema, max_new_tokens=COMPILE_PROBE_TOKENS)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-        res = await send_one(client, url, make_body(index, probe, vocab, True), time.perf_counter(), api=cfg.api)
+        res = await send_one(
+            client, url, make_body(index, probe, vocab, True), time.perf_counter(), api=cfg.api
+        )
     if not res.ok or res.ttft is None:
         raise RuntimeError(f"compile probe failed: {res.error}")
     return res.ttft * 1000.0
 
 
-async def measure_compile_cost(url: str, cfg: LoadConfig, schema: str, prompt_set: int) -> dict[str, Any]:
+async def measure_compile_cost(
+    url: str, cfg: LoadConfig, schema: str, prompt_set: int
+) -> dict[str, Any]:
     """TTFT of a request with a new schema, the same schema cached, and no schema
     (``COMPILE_TRIALS`` each, medians); see the module docstring."""
     async with httpx.AsyncClient(timeout=30.0) as client:
@@ -82,7 +91,10 @@ async def measure_compile_cost(url: str, cfg: LoadConfig, schema: str, prompt_se
         new.append(await probe_ttft(url, probe_cfg, vocab, 3 * trial, this))
         cached.append(await probe_ttft(url, probe_cfg, vocab, 3 * trial + 1, this))
         none.append(await probe_ttft(url, probe_cfg, vocab, 3 * trial + 2, None))
-    medians = {name: statistics.median(v) for name, v in (("new", new), ("cached", cached), ("unconstrained", none))}
+    medians = {
+        name: statistics.median(v)
+        for name, v in (("new", new), ("cached", cached), ("unconstrained", none))
+    }
     return {
         "trials": COMPILE_TRIALS,
         "ttft_ms": {"new": new, "cached": cached, "unconstrained": none},
@@ -92,9 +104,16 @@ async def measure_compile_cost(url: str, cfg: LoadConfig, schema: str, prompt_se
 
 
 async def run_structured(
-    url: str, cfg: LoadConfig, schema: str, rounds: int, prompt_set: int, procs: dict[str, int] | None = None
+    url: str,
+    cfg: LoadConfig,
+    schema: str,
+    rounds: int,
+    prompt_set: int,
+    procs: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Unconstrained against constrained in ``run_rounds``, then the compile cost."""
-    result = await run_rounds(same_server(structured_variants(cfg, schema), url, procs), rounds, prompt_set)
+    result = await run_rounds(
+        same_server(structured_variants(cfg, schema), url, procs), rounds, prompt_set
+    )
     compile_cost = await measure_compile_cost(url, cfg, schema, prompt_set + 2 * rounds)
     return {"schema_bytes": len(schema), **result, "compile": compile_cost}

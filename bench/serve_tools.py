@@ -46,8 +46,14 @@ def read_tools(text: str) -> str:
     if not isinstance(tools, list) or not tools:
         raise ValueError("--tools FILE must hold a non-empty JSON list of tools")
     for tool in tools:
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise ValueError('--tools FILE: every tool must be {"type": "function", "function": {...}}')
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(tool.get("function"), dict)
+        ):
+            raise ValueError(
+                '--tools FILE: every tool must be {"type": "function", "function": {...}}'
+            )
     return json.dumps(tools, separators=(",", ":"))
 
 
@@ -68,20 +74,34 @@ def api_us_per_token(run: dict[str, Any]) -> float | None:
 
 
 async def run_tools(
-    url: str, cfg: LoadConfig, tools: str, rounds: int, prompt_set: int, procs: dict[str, int] | None = None
+    url: str,
+    cfg: LoadConfig,
+    tools: str,
+    rounds: int,
+    prompt_set: int,
+    procs: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The three arms in ``run_rounds``, with the API's CPU per token, tokens per answer and
     tool calls per answer of each."""
-    result = await run_rounds(same_server(tools_variants(cfg, tools), url, procs), rounds, prompt_set)
+    result = await run_rounds(
+        same_server(tools_variants(cfg, tools), url, procs), rounds, prompt_set
+    )
     runs = {name: [row[name] for row in result["rounds"]] for name in ARMS}
     answers = {name: max(1, sum(run["completed"] for run in r)) for name, r in runs.items()}
     us = {name: [api_us_per_token(run) for run in r] for name, r in runs.items()}
     return {
         "tools": len(json.loads(tools)),
         **result,
-        "api_us_per_token": {name: statistics.median(v) if None not in v else None for name, v in us.items()},  # type: ignore[type-var]
-        "tokens_per_answer": {name: sum(run["output_tokens"] for run in r) / answers[name] for name, r in runs.items()},
-        "tool_calls_per_answer": {name: sum(run["tool_calls"] for run in r) / answers[name] for name, r in runs.items()},
+        "api_us_per_token": {
+            name: statistics.median(v) if None not in v else None  # type: ignore[type-var]
+            for name, v in us.items()
+        },
+        "tokens_per_answer": {
+            name: sum(run["output_tokens"] for run in r) / answers[name] for name, r in runs.items()
+        },
+        "tool_calls_per_answer": {
+            name: sum(run["tool_calls"] for run in r) / answers[name] for name, r in runs.items()
+        },
     }
 
 
@@ -95,11 +115,19 @@ def fmt_tool_calling(s: dict[str, Any]) -> list[str]:
         f"  {'round':<8}{'first':<12}" + "".join(f"{name + ' tok/s':>{w + 4}}" for name in ARMS),
     ]
     for i, row in enumerate(s["rounds"], 1):
-        lines.append(f"  {i:<8d}{row['first']:<12}" + "".join(f"{row[name]['output_tokens_per_s']:{w + 4}.1f}" for name in ARMS))
-    lines.append(f"  {'median':<20}" + "".join(f"{s[name + '_output_tokens_per_s']:{w + 4}.1f}" for name in ARMS))
+        lines.append(
+            f"  {i:<8d}{row['first']:<12}"
+            + "".join(f"{row[name]['output_tokens_per_s']:{w + 4}.1f}" for name in ARMS)
+        )
+    lines.append(
+        f"  {'median':<20}"
+        + "".join(f"{s[name + '_output_tokens_per_s']:{w + 4}.1f}" for name in ARMS)
+    )
     ratio = s["ratios"]
     fmt = lambda v: f"{v:.3f}x" if v is not None else "n/a"  # noqa: E731
-    tools_none = ratio[TOOLS] / ratio[TOOLS_NONE] if ratio[TOOLS] is not None and ratio[TOOLS_NONE] else None
+    tools_none = (
+        ratio[TOOLS] / ratio[TOOLS_NONE] if ratio[TOOLS] is not None and ratio[TOOLS_NONE] else None
+    )
     lines.append(
         f"  tools/no_tools {fmt(ratio[TOOLS])}, tools_none/no_tools {fmt(ratio[TOOLS_NONE])}, "
         f"tools/tools_none {fmt(tools_none)} (the constraint and the parser alone)"
@@ -107,11 +135,17 @@ def fmt_tool_calling(s: dict[str, Any]) -> list[str]:
     us = s["api_us_per_token"]
     lines.append(
         "  API CPU us per streamed token, medians: "
-        + ", ".join(f"{name} {us[name]:.1f}" if us[name] is not None else f"{name} n/a" for name in ARMS)
+        + ", ".join(
+            f"{name} {us[name]:.1f}" if us[name] is not None else f"{name} n/a" for name in ARMS
+        )
     )
     per, calls = s["tokens_per_answer"], s["tool_calls_per_answer"]
     lines.append(
-        "  tokens per answer: " + ", ".join(f"{name} {per[name]:.1f}" for name in ARMS) + f"; tool calls per answer ({TOOLS}) {calls[TOOLS]:.2f}"
+        "  tokens per answer: "
+        + ", ".join(f"{name} {per[name]:.1f}" for name in ARMS)
+        + f"; tool calls per answer ({TOOLS}) {calls[TOOLS]:.2f}"
     )
-    lines.append(f"  errors {s['errors']}, tokens lost {s['tokens_lost']} over the comparison's runs")
+    lines.append(
+        f"  errors {s['errors']}, tokens lost {s['tokens_lost']} over the comparison's runs"
+    )
     return lines

@@ -21,12 +21,22 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import tokenizers  # noqa: E402
 
 from pipeline.model_config import ModelConfig  # noqa: E402
-from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, SHIPPED_EOS_TOKEN_IDS, SHIPPED_VOCAB_SIZE  # noqa: E402
+from pipeline.tokenizer_loader import (
+    DEFAULT_TOKENIZER_DIR,
+    SHIPPED_EOS_TOKEN_IDS,
+    SHIPPED_VOCAB_SIZE,
+)  # noqa: E402
 from scheduler_proc.model.llama import LlamaForCausalLM  # noqa: E402
 
 
 def write(
-    directory: Path, *, layers: int, hidden: int, seed: int, added_tokens: Sequence[str] = (), special_tokens: Sequence[str] = ()
+    directory: Path,
+    *,
+    layers: int,
+    hidden: int,
+    seed: int,
+    added_tokens: Sequence[str] = (),
+    special_tokens: Sequence[str] = (),
 ) -> ModelConfig:
     """``added_tokens``: texts the tokenizer takes as single tokens after the shipped
     vocabulary (as Qwen3's ``<think>``: added, not special), then ``special_tokens`` (as
@@ -37,8 +47,12 @@ def write(
         shutil.copy(DEFAULT_TOKENIZER_DIR / name, directory / name)
     if added_tokens or special_tokens:
         tokenizer = tokenizers.Tokenizer.from_file(str(DEFAULT_TOKENIZER_DIR / "tokenizer.json"))
-        tokenizer.add_tokens([tokenizers.AddedToken(text, special=False, normalized=False) for text in added_tokens])
-        tokenizer.add_special_tokens([tokenizers.AddedToken(text, special=True, normalized=False) for text in special_tokens])
+        tokenizer.add_tokens(
+            [tokenizers.AddedToken(text, special=False, normalized=False) for text in added_tokens]
+        )
+        tokenizer.add_special_tokens(
+            [tokenizers.AddedToken(text, special=True, normalized=False) for text in special_tokens]
+        )
         tokenizer.save(str(directory / "tokenizer.json"))
     shape = ModelConfig(
         vocab_size=SHIPPED_VOCAB_SIZE + len(added_tokens) + len(special_tokens),
@@ -51,7 +65,9 @@ def write(
     )
     LlamaForCausalLM.random(shape, seed=seed, device="cpu").save_pretrained(directory)
     # The built-in model's EOS, so the checkpoint stops where it would.
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(SHIPPED_EOS_TOKEN_IDS)}))
+    (directory / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": sorted(SHIPPED_EOS_TOKEN_IDS)})
+    )
     return shape
 
 

@@ -57,7 +57,11 @@ def _bytes_per_token(tokenizer: Tokenizer, skip_special_tokens: bool) -> bytes:
     for i, added in tokenizer.get_added_tokens_decoder().items():
         if 0 <= i < size:
             # Kept as text, an added token ends the run before it (decode splits there).
-            counts[i] = 0 if skip_special_tokens and added.special else max(1, min(len(added.content.encode()), 255))
+            counts[i] = (
+                0
+                if skip_special_tokens and added.special
+                else max(1, min(len(added.content.encode()), 255))
+            )
     return bytes(counts)
 
 
@@ -92,7 +96,11 @@ class _RequestText:
 
 def _trimmed_stop_string(reason: FinishReason | None, state: _RequestText) -> str | None:
     """The stop string whose occurrence ends the text, when it is to be cut off."""
-    if isinstance(reason, FinishStop) and isinstance(reason.matched, str) and not state.options.no_stop_trim:
+    if (
+        isinstance(reason, FinishStop)
+        and isinstance(reason.matched, str)
+        and not state.options.no_stop_trim
+    ):
         return reason.matched
     return None
 
@@ -100,7 +108,11 @@ def _trimmed_stop_string(reason: FinishReason | None, state: _RequestText) -> st
 def _trims_stop_token(reason: FinishReason | None, state: _RequestText) -> bool:
     """A stop token id (or EOS) ends the row it finishes; its text is not output (SGLang
     and vLLM leave it out unless asked to keep it)."""
-    return isinstance(reason, FinishStop) and isinstance(reason.matched, int) and not state.options.no_stop_trim
+    return (
+        isinstance(reason, FinishStop)
+        and isinstance(reason.matched, int)
+        and not state.options.no_stop_trim
+    )
 
 
 class IncrementalDetokenizer:
@@ -114,14 +126,18 @@ class IncrementalDetokenizer:
     def num_live(self) -> int:
         return len(self._states)
 
-    def shows_logprob_texts(self, req_ids: Sequence[int], options: Sequence[DecodeOptions | None] | None) -> np.ndarray:
+    def shows_logprob_texts(
+        self, req_ids: Sequence[int], options: Sequence[DecodeOptions | None] | None
+    ) -> np.ndarray:
         """Per row, whether its request asked for its logprob tokens' texts (a first row
         says so in its options, later rows by the state kept). Called before ``process``,
         which drops the state of the requests that finish."""
         shows = np.zeros(len(req_ids), dtype=bool)
         for i, rid in enumerate(req_ids):
             state = self._states.get(rid)
-            opt = state.options if state is not None else options[i] if options is not None else None
+            opt = (
+                state.options if state is not None else options[i] if options is not None else None
+            )
             shows[i] = opt is not None and opt.logprob_texts
         return shows
 
@@ -154,7 +170,11 @@ class IncrementalDetokenizer:
         if finished is None:  # the steady step: nothing ends, nothing is trimmed
             self._advance(states, [new_ids[i] for i, _ in rows], final=False)
         else:
-            self._advance(states, self._chunks_of_finishing_frame(rows, new_ids, finished), final=[finished[i] is not None for i, _ in rows])
+            self._advance(
+                states,
+                self._chunks_of_finishing_frame(rows, new_ids, finished),
+                final=[finished[i] is not None for i, _ in rows],
+            )
 
         deltas = [""] * len(req_ids)
         for i, st in rows:
@@ -166,7 +186,9 @@ class IncrementalDetokenizer:
             return FrameText(deltas, finished)
         return FrameText(deltas, self._fail_lost(req_ids, lost, finished))
 
-    def _fail_lost(self, req_ids: Sequence[int], lost: list[int], finished: list[FinishReason | None] | None) -> list[FinishReason | None]:
+    def _fail_lost(
+        self, req_ids: Sequence[int], lost: list[int], finished: list[FinishReason | None] | None
+    ) -> list[FinishReason | None]:
         """The finish column with the ``lost`` rows failed. Rare: only after a restart."""
         self._unknown.warn(
             "%d rows have no decode state (req_ids %s...): their requests began before this detokenizer started, "
@@ -174,19 +196,28 @@ class IncrementalDetokenizer:
             len(lost),
             [req_ids[i] for i in lost[:5]],
         )
-        column: list[FinishReason | None] = list(finished) if finished is not None else [None] * len(req_ids)
+        column: list[FinishReason | None] = (
+            list(finished) if finished is not None else [None] * len(req_ids)
+        )
         for i in lost:
             column[i] = DETOKENIZER_LOST_TEXT
         return column
 
     def _chunks_of_finishing_frame(
-        self, rows: list[tuple[int, _RequestText]], new_ids: Sequence[Sequence[int]], finished: Sequence[FinishReason | None]
+        self,
+        rows: list[tuple[int, _RequestText]],
+        new_ids: Sequence[Sequence[int]],
+        finished: Sequence[FinishReason | None],
     ) -> list[Sequence[int]]:
         """The ids each row adds, less a stop token that is trimmed. A matched stop string
         ends in its row's last token (the scheduler checks after every token), so its
         occurrence starts past the text of the tokens before it: those are decoded first
         here, and the trim searches from where their text ends."""
-        split = [(i, st) for i, st in rows if _trimmed_stop_string(finished[i], st) is not None and len(new_ids[i]) > 1]
+        split = [
+            (i, st)
+            for i, st in rows
+            if _trimmed_stop_string(finished[i], st) is not None and len(new_ids[i]) > 1
+        ]
         if split:
             self._advance([st for _, st in split], [new_ids[i][:-1] for i, _ in split], final=False)
         last_only = {i for i, _ in split}
@@ -200,7 +231,13 @@ class IncrementalDetokenizer:
             chunks.append(ids)
         return chunks
 
-    def _advance(self, states: list[_RequestText], chunks: Sequence[Sequence[int]], *, final: bool | list[bool]) -> None:
+    def _advance(
+        self,
+        states: list[_RequestText],
+        chunks: Sequence[Sequence[int]],
+        *,
+        final: bool | list[bool],
+    ) -> None:
         """Appends each state's new ids and the text they complete: two ``decode_batch``
         calls for all rows. A text ending in U+FFFD is an unfinished UTF-8 sequence and is
         held, unless the row is final (then it goes out as the decode shows it: nothing
@@ -245,7 +282,9 @@ class IncrementalDetokenizer:
                 return start  # fewer than 3 bytes past the run's first token: nothing settled
             token = ids[cut]
             after += run_bytes[token] if 0 <= token < len(run_bytes) else 0
-        before = self._tokenizer.decode(ids[st.prefix_offset : cut], skip_special_tokens=st.options.skip_special_tokens)
+        before = self._tokenizer.decode(
+            ids[st.prefix_offset : cut], skip_special_tokens=st.options.skip_special_tokens
+        )
         agreed = len(os.path.commonprefix([before, new_text]))
         if agreed <= start:
             return start

@@ -10,7 +10,12 @@ from pipeline.io_struct import FrameLogprobs, OutputLogprobs
 from pipeline.logprob_columns import LOGPROB_ID_DTYPE
 
 
-def logprob_text_ids(logprobs: FrameLogprobs, output_ids: np.ndarray, output_counts: np.ndarray, shows_text: np.ndarray) -> np.ndarray:
+def logprob_text_ids(
+    logprobs: FrameLogprobs,
+    output_ids: np.ndarray,
+    output_counts: np.ndarray,
+    shows_text: np.ndarray,
+) -> np.ndarray:
     """The ids (with repeats) whose texts the frame's answers show. ``output_ids`` and
     ``output_counts`` are the frame's token columns; ``shows_text`` is a bool per frame row.
     The chosen output tokens and the top ids of the rows that show texts; a prompt's own
@@ -39,7 +44,9 @@ def _rows(block: OutputLogprobs, num_rows: int) -> np.ndarray:
     return rows
 
 
-def _top_ids(block: OutputLogprobs, rows: np.ndarray, tokens: np.ndarray, shows_text: np.ndarray) -> np.ndarray:
+def _top_ids(
+    block: OutputLogprobs, rows: np.ndarray, tokens: np.ndarray, shows_text: np.ndarray
+) -> np.ndarray:
     """The top ids of the listed rows that show texts (the block holds ``tokens[i] *
     top_k[i]`` ids for listed row i, row after row)."""
     top_k = np.frombuffer(block.top_k, dtype=np.int32)

@@ -42,7 +42,11 @@ from detokenizer_proc.logprob_texts import logprob_text_ids
 logger = logging.getLogger("tokenpipe.detokenizer")
 
 
-def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOutput, texts: TokenTextCache | None = None) -> BatchStrOutput:
+def detokenize_frame(
+    detok: IncrementalDetokenizer | None,
+    frame: BatchTokenIDOutput,
+    texts: TokenTextCache | None = None,
+) -> BatchStrOutput:
     """``detok`` None: --skip-tokenizer-init, the ids pass on without text. ``texts``: where
     the texts of logprob tokens come from, for the rows that show them. A row of a request
     whose first row this process never saw finishes as ``DETOKENIZER_LOST_TEXT``
@@ -59,8 +63,12 @@ def detokenize_frame(detok: IncrementalDetokenizer | None, frame: BatchTokenIDOu
             if shows.any():
                 ids = from_column(frame.output_ids, TOKEN_DTYPE)
                 counts = from_column(frame.output_counts, COUNT_DTYPE)
-                token_texts = texts.frame_texts(logprob_text_ids(frame.logprobs, ids, counts, shows))
-        deltas, finished = detok.process(rows.req_ids, rows.tokens, frame.finished_reasons, frame.decode_options)
+                token_texts = texts.frame_texts(
+                    logprob_text_ids(frame.logprobs, ids, counts, shows)
+                )
+        deltas, finished = detok.process(
+            rows.req_ids, rows.tokens, frame.finished_reasons, frame.decode_options
+        )
     return BatchStrOutput(
         req_ids=frame.req_ids,
         text_deltas=deltas,
@@ -84,7 +92,11 @@ def send_parts(
     for worker, part in split.parts:
         outboxes[worker].send(encoder.encode(part), copy=False)
     if split.stray:
-        warning.warn("dropped %d output rows of API workers that do not exist (req_ids %s)", len(split.stray), split.stray[:5])
+        warning.warn(
+            "dropped %d output rows of API workers that do not exist (req_ids %s)",
+            len(split.stray),
+            split.stray[:5],
+        )
 
 
 def run_detokenizer(config: ServerConfig) -> None:
@@ -97,7 +109,9 @@ def run_detokenizer(config: ServerConfig) -> None:
     outboxes = [connect_push(ctx, config.tokenizer_endpoint(i)) for i in range(config.api_workers)]
     outbox = outboxes[0]
     several = len(outboxes) > 1
-    decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(DetokenizerInput, logger, "detokenizer input")
+    decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(
+        DetokenizerInput, logger, "detokenizer input"
+    )
     encoder = make_encoder()
     inconsistent = RateLimitedWarning(logger)
     report_ready(ctx, config, "detokenizer")
@@ -110,9 +124,13 @@ def run_detokenizer(config: ServerConfig) -> None:
         if isinstance(msg, (HiCacheStorageState, FlushCacheResult, AbortResult)):
             worker = worker_of(msg.control_id)
             if 0 <= worker < len(outboxes):
-                outboxes[worker].send(frame, copy=False)  # not ours to change: forward the frame as it came
+                outboxes[worker].send(
+                    frame, copy=False
+                )  # not ours to change: forward the frame as it came
             else:
-                inconsistent.warn("dropped a control answer for API worker %d, which does not exist", worker)
+                inconsistent.warn(
+                    "dropped a control answer for API worker %d, which does not exist", worker
+                )
         elif isinstance(msg, BatchEmbeddingOutput):
             if not several:
                 outbox.send(frame, copy=False)

@@ -42,21 +42,41 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``add_server_args`` and ``config_from_args`` are generated from these declarations."""
 
     # Model
-    model_path: Annotated[str | None, Flag("model", "local Hugging Face-style model directory")] = None
-    served_model_name: Annotated[str | None, Flag("model", "the model name the API reports (default: the model directory's name)")] = None
+    model_path: Annotated[str | None, Flag("model", "local Hugging Face-style model directory")] = (
+        None
+    )
+    served_model_name: Annotated[
+        str | None,
+        Flag("model", "the model name the API reports (default: the model directory's name)"),
+    ] = None
     model_seed: Annotated[int, Flag("model", "seed of the built-in model's weights")] = 0
-    device: Annotated[str, Flag("model", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")] = "auto"
+    device: Annotated[
+        str, Flag("model", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+    ] = "auto"
     dtype: Annotated[
         ModelDtype,
-        Flag("model", "weights and KV cache: auto (the checkpoint's torch_dtype; float32 for the built-in model), float32, bfloat16, float16"),
+        Flag(
+            "model",
+            "weights and KV cache: auto (the checkpoint's torch_dtype; float32 for the built-in model), float32, bfloat16, float16",
+        ),
     ] = "auto"
     # None: all cores but two (the other processes need them)
-    torch_threads: Annotated[int | None, Flag("model", "CPU threads for the model (default: cores - 2, at least 1)")] = None
+    torch_threads: Annotated[
+        int | None, Flag("model", "CPU threads for the model (default: cores - 2, at least 1)")
+    ] = None
     mode: Annotated[
-        Mode, Flag("model", "generate: text generation; embedding: mean-pooled embeddings (/v1/embeddings, /encode); dllm: block diffusion decoding")
+        Mode,
+        Flag(
+            "model",
+            "generate: text generation; embedding: mean-pooled embeddings (/v1/embeddings, /encode); dllm: block diffusion decoding",
+        ),
     ] = "generate"
     context_length: Annotated[
-        int | None, Flag("model", "longest prompt plus output of a request (default, and at most: the model's max_position_embeddings)")
+        int | None,
+        Flag(
+            "model",
+            "longest prompt plus output of a request (default, and at most: the model's max_position_embeddings)",
+        ),
     ] = None
     skip_tokenizer_init: Annotated[
         bool,
@@ -69,7 +89,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # Scheduler
     max_total_tokens: Annotated[int, Flag("scheduler", "KV pool capacity in tokens")] = 32768
-    max_running_requests: Annotated[int, Flag("scheduler", "requests decoded together in one batch, at most")] = 256
+    max_running_requests: Annotated[
+        int, Flag("scheduler", "requests decoded together in one batch, at most")
+    ] = 256
     decode_kv_rows: Annotated[
         Switch,
         Flag(
@@ -78,13 +100,26 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "positions, instead of gathering it from the pool: auto (on for the CPU, off on CUDA), on, off",
         ),
     ] = "auto"
-    chunked_prefill_size: Annotated[int, Flag("scheduler", "prompt tokens prefilled per step, at most; -1 disables chunking")] = 512
-    stream_interval: Annotated[int, Flag("scheduler", "a streaming request emits every N tokens (and on its first and last)")] = 1
-    max_new_tokens_limit: Annotated[int, Flag("scheduler", "the largest max_new_tokens a request may ask for")] = 4096
-    dllm_block_size: Annotated[int, Flag("scheduler", "--mode dllm: tokens per block (one output row each)")] = 4
+    chunked_prefill_size: Annotated[
+        int, Flag("scheduler", "prompt tokens prefilled per step, at most; -1 disables chunking")
+    ] = 512
+    stream_interval: Annotated[
+        int,
+        Flag("scheduler", "a streaming request emits every N tokens (and on its first and last)"),
+    ] = 1
+    max_new_tokens_limit: Annotated[
+        int, Flag("scheduler", "the largest max_new_tokens a request may ask for")
+    ] = 4096
+    dllm_block_size: Annotated[
+        int, Flag("scheduler", "--mode dllm: tokens per block (one output row each)")
+    ] = 4
     dllm_steps: Annotated[int, Flag("scheduler", "--mode dllm: refinement passes per block")] = 4
     discard_output: Annotated[
-        bool, Flag("scheduler", "benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output")
+        bool,
+        Flag(
+            "scheduler",
+            "benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output",
+        ),
     ] = False
     dense_usage_columns: Annotated[
         bool,
@@ -122,33 +157,69 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "prebuilt from a prefill server (run both behind sglang-router); null: one unified server",
         ),
     ] = "null"
-    disaggregation_bootstrap_port: Annotated[int, Flag("PD disaggregation", "prefill: TCP port on --host where decode servers fetch KV")] = 8998
+    disaggregation_bootstrap_port: Annotated[
+        int, Flag("PD disaggregation", "prefill: TCP port on --host where decode servers fetch KV")
+    ] = 8998
     disaggregation_bootstrap_endpoint: Annotated[
-        str | None, Flag("PD disaggregation", "prefill: a tcp:// or ipc:// ZeroMQ endpoint for KV fetches, instead of --host and the port")
+        str | None,
+        Flag(
+            "PD disaggregation",
+            "prefill: a tcp:// or ipc:// ZeroMQ endpoint for KV fetches, instead of --host and the port",
+        ),
     ] = None
     disaggregation_bootstrap_timeout: Annotated[
         float,
-        Flag("PD disaggregation", "decode: seconds to wait for a request's KV before failing it; prefill: seconds unclaimed KV is kept"),
+        Flag(
+            "PD disaggregation",
+            "decode: seconds to wait for a request's KV before failing it; prefill: seconds unclaimed KV is kept",
+        ),
     ] = 30.0
 
     # HTTP
     host: Annotated[str, Flag("http", "address the HTTP server listens on")] = "127.0.0.1"
     port: Annotated[int, Flag("http", "HTTP port")] = 30000
-    api_key: Annotated[str | None, Flag("http", "every endpoint but /health and /metrics needs Authorization: Bearer KEY")] = None
-    graceful_timeout: Annotated[float, Flag("http", "on SIGTERM, seconds in-flight requests get to finish")] = 30.0
-    health_generate_timeout: Annotated[float, Flag("http", "seconds /health_generate waits for its one-token request")] = 20.0
-    max_request_bytes: Annotated[int, Flag("http", "a larger request body gets 413 and is read no further")] = 64 * 1024 * 1024
+    api_key: Annotated[
+        str | None,
+        Flag("http", "every endpoint but /health and /metrics needs Authorization: Bearer KEY"),
+    ] = None
+    graceful_timeout: Annotated[
+        float, Flag("http", "on SIGTERM, seconds in-flight requests get to finish")
+    ] = 30.0
+    health_generate_timeout: Annotated[
+        float, Flag("http", "seconds /health_generate waits for its one-token request")
+    ] = 20.0
+    max_request_bytes: Annotated[
+        int, Flag("http", "a larger request body gets 413 and is read no further")
+    ] = 64 * 1024 * 1024
     max_queued_requests: Annotated[
-        int | None, Flag("http", "when this many requests wait for admission, a new one gets 503 with Retry-After (default: no bound)")
+        int | None,
+        Flag(
+            "http",
+            "when this many requests wait for admission, a new one gets 503 with Retry-After (default: no bound)",
+        ),
     ] = None
     request_read_timeout: Annotated[
-        float, Flag("http", "seconds a client may take to send its request headers, and between parts of its body")
+        float,
+        Flag(
+            "http",
+            "seconds a client may take to send its request headers, and between parts of its body",
+        ),
     ] = 30.0
     api_workers: Annotated[
-        int, Flag("http", "API processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections over them)")
+        int,
+        Flag(
+            "http",
+            "API processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections over them)",
+        ),
     ] = 1
     # Which of them this process is: the supervisor sets it per child.
-    api_worker_index: Annotated[int, Flag("http", "`tokenpipe api` run alone: which of the --api-workers this process is (serve sets it)")] = 0
+    api_worker_index: Annotated[
+        int,
+        Flag(
+            "http",
+            "`tokenpipe api` run alone: which of the --api-workers this process is (serve sets it)",
+        ),
+    ] = 0
     # SGLang's flag and default: without it each /generate stream event repeats the whole
     # output so far (what SGLang's own clients slice with output[prev:]), which costs bytes
     # quadratic in the output's length; with it an event carries only what is new.
@@ -161,7 +232,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = False
     enable_tokenizer_info_endpoint: Annotated[
-        bool, Flag("http", "serve GET /tokenizer_info: the tokenizer's configuration (vLLM's flag; off: 404)")
+        bool,
+        Flag(
+            "http",
+            "serve GET /tokenizer_info: the tokenizer's configuration (vLLM's flag; off: 404)",
+        ),
     ] = False
 
     # Chat: how an answer splits into content, tool calls and reasoning (vLLM's and SGLang's flags)
@@ -184,15 +259,28 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id})
     responses_store_max_count: Annotated[
-        int, Flag("chat", "stored responses kept for previous_response_id and GET /v1/responses/{id}; the oldest go first")
+        int,
+        Flag(
+            "chat",
+            "stored responses kept for previous_response_id and GET /v1/responses/{id}; the oldest go first",
+        ),
     ] = 10_000
     responses_store_bytes: Annotated[
-        int, Flag("chat", "bytes of stored responses (their JSON, conversations included) kept at most; the oldest go first")
+        int,
+        Flag(
+            "chat",
+            "bytes of stored responses (their JSON, conversations included) kept at most; the oldest go first",
+        ),
     ] = 256 * 1024 * 1024
 
     # Observability
     enable_metrics: Annotated[
-        bool, Flag("observability", "no Prometheus metrics (/metrics is empty) and no timing collection", spelling="--disable-metrics")
+        bool,
+        Flag(
+            "observability",
+            "no Prometheus metrics (/metrics is empty) and no timing collection",
+            spelling="--disable-metrics",
+        ),
     ] = True
     metrics_compat: Annotated[
         MetricsCompat,
@@ -211,13 +299,21 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = None
     otlp_traces_protocol: Annotated[
-        str, NoFlag("OpenTelemetry's own variable sets it; there is no flag", env="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        str,
+        NoFlag(
+            "OpenTelemetry's own variable sets it; there is no flag",
+            env="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        ),
     ] = "http/protobuf"
     log_level: Annotated[str, Flag("observability", "debug, info, warning or error")] = "info"
 
     # Sockets (the PULL side of each binds); `tokenpipe serve` picks ipc:// ones when not given
-    scheduler_input: Annotated[str, Flag("sockets", "ipc:// or tcp:// endpoint the scheduler reads")] = ""
-    detokenizer_input: Annotated[str, Flag("sockets", "ipc:// or tcp:// endpoint the detokenizer reads")] = ""
+    scheduler_input: Annotated[
+        str, Flag("sockets", "ipc:// or tcp:// endpoint the scheduler reads")
+    ] = ""
+    detokenizer_input: Annotated[
+        str, Flag("sockets", "ipc:// or tcp:// endpoint the detokenizer reads")
+    ] = ""
     tokenizer_input: Annotated[str, Flag("sockets", "ipc:// or tcp:// endpoint the API reads")] = ""
     # Where a child reports ready: the supervisor's, set per child.
     ready_endpoint: Annotated[str | None, Flag("sockets", hidden=True)] = None
@@ -283,24 +379,32 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         elif not 0 <= self.api_worker_index < self.api_workers:
             problems.append("--api-worker-index must be below --api-workers")
         if self.responses_store_max_count < 0 or self.responses_store_bytes < 0:
-            problems.append("--responses-store-max-count and --responses-store-bytes must be 0 (store nothing) or more")
+            problems.append(
+                "--responses-store-max-count and --responses-store-bytes must be 0 (store nothing) or more"
+            )
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
         if self.dllm_block_size < 1:
             problems.append("--dllm-block-size must be at least 1")
         if not 1 <= self.dllm_steps <= self.dllm_block_size:
-            problems.append("--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least one position)")
+            problems.append(
+                "--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least one position)"
+            )
         if self.hicache_host_tokens < 0:
             problems.append("--hicache-host-tokens must be 0 (off) or positive")
         if self.hicache_storage_dir is not None and self.hicache_host_tokens == 0:
-            problems.append("--hicache-storage-dir needs the host tier: give --hicache-host-tokens N too")
+            problems.append(
+                "--hicache-storage-dir needs the host tier: give --hicache-host-tokens N too"
+            )
         if self.disaggregation_mode != "null" and self.mode != "generate":
             problems.append("--disaggregation-mode needs --mode generate")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             problems.append("--disaggregation-bootstrap-port must be a TCP port (1-65535)")
         endpoint = self.disaggregation_bootstrap_endpoint
         if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
-            problems.append("--disaggregation-bootstrap-endpoint must be a tcp:// or ipc:// endpoint")
+            problems.append(
+                "--disaggregation-bootstrap-endpoint must be a tcp:// or ipc:// endpoint"
+            )
         if self.disaggregation_bootstrap_timeout <= 0:
             problems.append("--disaggregation-bootstrap-timeout must be positive")
         if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
@@ -331,7 +435,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
 
 
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> ServerConfig:
     """The validated config: given whole (``--config-json``, or ``TOKENPIPE_CONFIG_JSON`` from
     the supervisor), or built from the flags and the OpenTelemetry variables."""
     given = args.config_json or environ.get(CONFIG_ENV)

@@ -72,7 +72,9 @@ def field_flags(struct: type[msgspec.Struct]) -> list[FieldFlag]:
         extras = hint.__metadata__ if typing.get_origin(hint) is typing.Annotated else ()
         markers = [m for m in extras if isinstance(m, (Flag, NoFlag))]
         if len(markers) != 1:
-            raise TypeError(f"{struct.__name__}.{field.name} needs exactly one Flag(...) or NoFlag(...) marker, has {len(markers)}")
+            raise TypeError(
+                f"{struct.__name__}.{field.name} needs exactly one Flag(...) or NoFlag(...) marker, has {len(markers)}"
+            )
         annotation = typing.get_args(hint)[0] if extras else hint
         found.append(FieldFlag(field.name, annotation, field.default, markers[0]))
     return found
@@ -100,11 +102,17 @@ def add_flags(parser: argparse.ArgumentParser, struct: type[msgspec.Struct]) -> 
             groups[flag.group] = parser.add_argument_group(flag.group)
         group = groups[flag.group]
         option = flag.option(f.name)
-        settings: dict[str, Any] = {"dest": f.name, "default": f.default, "help": argparse.SUPPRESS if flag.hidden else flag.help}
+        settings: dict[str, Any] = {
+            "dest": f.name,
+            "default": f.default,
+            "help": argparse.SUPPRESS if flag.hidden else flag.help,
+        }
         kind = _without_none(f.annotation)
         if kind is bool:
             if f.default and flag.spelling is None:
-                raise TypeError(f"{struct.__name__}.{f.name} defaults to True: its flag needs a spelling that clears it")
+                raise TypeError(
+                    f"{struct.__name__}.{f.name} defaults to True: its flag needs a spelling that clears it"
+                )
             settings["action"] = "store_false" if f.default else "store_true"
         elif typing.get_origin(kind) is Literal:
             settings["choices"] = list(typing.get_args(kind))
@@ -115,7 +123,9 @@ def add_flags(parser: argparse.ArgumentParser, struct: type[msgspec.Struct]) -> 
         group.add_argument(option, **settings)
 
 
-def from_args(struct: type[S], args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> S:
+def from_args(
+    struct: type[S], args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> S:
     """``struct`` from a namespace ``add_flags`` parsed, with the environment variables the
     markers name filling in where a flag is absent or empty."""
     values = {}

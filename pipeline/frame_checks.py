@@ -88,7 +88,9 @@ def read_embedding_rows(frame: BatchEmbeddingOutput) -> tuple[list[int], np.ndar
     req_ids = _column(frame, "req_ids", REQ_ID_DTYPE)
     rows, dim = frame.shape
     if rows != len(req_ids) or dim < 0:
-        raise ValueError(f"embedding frame of shape {frame.shape} disagrees with its {len(req_ids)} req_ids")
+        raise ValueError(
+            f"embedding frame of shape {frame.shape} disagrees with its {len(req_ids)} req_ids"
+        )
     _expect_rows("request_stats", frame.request_stats, rows)
     _expect_rows("finished_reasons", frame.finished_reasons, rows)
     matrix = _column(frame, "embeddings", EMBEDDING_DTYPE)

@@ -61,7 +61,9 @@ def split_token_rows(output_ids: bytes, output_counts: bytes) -> list[list[int]]
             raise ValueError(f"a frame with no rows holds {len(tokens)} tokens")
         return []
     if counts.min() < 0 or int(counts.sum()) != len(tokens):
-        raise ValueError(f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens")
+        raise ValueError(
+            f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens"
+        )
     # The steady decode step: one token per row. Equal lengths alone do not say so: counts
     # [2, 0] also sum to two tokens over two rows (an abort's empty row beside a long one).
     if len(counts) == len(tokens) and counts.max() == 1:
@@ -152,7 +154,9 @@ class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     param: str
 
 
-class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit_defaults=True, gc=False):
+class TokenizedGenerateReqInput(
+    msgspec.Struct, tag="gen", array_like=True, omit_defaults=True, gc=False
+):
     rid: str
     req_id: int
     input_ids: list[int]
@@ -169,7 +173,9 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag="gen", array_like=True, omit
     constraint: Constraint | None = None  # structured output; None: unconstrained
 
 
-class TokenizedEmbeddingReqInput(msgspec.Struct, tag="emb", array_like=True, omit_defaults=True, gc=False):
+class TokenizedEmbeddingReqInput(
+    msgspec.Struct, tag="emb", array_like=True, omit_defaults=True, gc=False
+):
     rid: str
     req_id: int
     input_ids: list[int]
@@ -191,7 +197,9 @@ class AbortReq(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True,
     control_id: int = 0
 
 
-class HiCacheStorageControl(msgspec.Struct, tag="hicache_storage", array_like=True, omit_defaults=True, gc=False):
+class HiCacheStorageControl(
+    msgspec.Struct, tag="hicache_storage", array_like=True, omit_defaults=True, gc=False
+):
     """API -> scheduler: attach (``backend`` at ``dir``) or detach the HiCache storage
     tier at runtime. The scheduler answers with a ``HiCacheStorageState`` of the same
     ``control_id``."""
@@ -202,14 +210,22 @@ class HiCacheStorageControl(msgspec.Struct, tag="hicache_storage", array_like=Tr
     dir: str = ""
 
 
-class FlushCacheControl(msgspec.Struct, tag="flush_cache", array_like=True, omit_defaults=True, gc=False):
+class FlushCacheControl(
+    msgspec.Struct, tag="flush_cache", array_like=True, omit_defaults=True, gc=False
+):
     """API -> scheduler: drop the prefix cache, on every tier (``POST /flush_cache``). The
     scheduler answers with a ``FlushCacheResult`` of the same ``control_id``."""
 
     control_id: int
 
 
-SchedulerInput = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput | AbortReq | HiCacheStorageControl | FlushCacheControl
+SchedulerInput = (
+    TokenizedGenerateReqInput
+    | TokenizedEmbeddingReqInput
+    | AbortReq
+    | HiCacheStorageControl
+    | FlushCacheControl
+)
 
 
 # --- finish reasons --------------------------------------------------------------------
@@ -236,7 +252,9 @@ FinishReason = FinishStop | FinishLength | FinishAbort
 # The finish the detokenizer gives a row whose request's first row it never saw (it
 # restarted): that request's earlier text is gone, so the row fails it rather than pass as
 # output, and the tokenizer manager, seeing this reason, stops the request in the scheduler.
-DETOKENIZER_LOST_TEXT = FinishAbort(message="the detokenizer restarted and lost this request's text; send it again", status_code=503)
+DETOKENIZER_LOST_TEXT = FinishAbort(
+    message="the detokenizer restarted and lost this request's text; send it again", status_code=503
+)
 
 
 def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
@@ -252,7 +270,9 @@ def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
 # --- per-request stats -----------------------------------------------------------------
 
 
-class SchedulerTimeStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+class SchedulerTimeStats(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True
+):
     """Wall-clock seconds (``time.time()``) and durations recorded by the scheduler."""
 
     wait_queue_entry_time: float | None = None
@@ -276,7 +296,9 @@ class CachedTokensDetails(msgspec.Struct, omit_defaults=True, gc=False, frozen=T
     storage_backend: str | None = None
 
 
-class RequestOutputStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+class RequestOutputStats(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True
+):
     """Frozen: a ``Req`` replaces its stats through one setter, so a sent object never
     changes under a consumer that still holds it."""
 
@@ -428,7 +450,9 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     forward_steps_total: int
     live_reqs: int  # requests the scheduler holds in any state
     instance: int  # random per scheduler start: a change means every in-flight request was lost
-    detokenizer_live_reqs: int = -1  # the detokenizer's live decode states (it fills this in); -1: not filled in
+    detokenizer_live_reqs: int = (
+        -1
+    )  # the detokenizer's live decode states (it fills this in); -1: not filled in
     # HiCache (zeros and None when it is off)
     hicache_host_used_tokens: int = 0
     hicache_host_capacity: int = 0
@@ -439,7 +463,9 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     forward_tokens_total: int = 0
 
 
-class HiCacheStorageState(msgspec.Struct, tag="hicache_storage_state", array_like=True, omit_defaults=True, gc=False):
+class HiCacheStorageState(
+    msgspec.Struct, tag="hicache_storage_state", array_like=True, omit_defaults=True, gc=False
+):
     """Scheduler -> API (through the detokenizer, untouched): the answer to one
     ``HiCacheStorageControl``. ``ok`` False carries the reason in ``error`` (and the request
     field it is about in ``param``) and leaves the state as it was. ``backend`` and ``dir``
@@ -453,7 +479,9 @@ class HiCacheStorageState(msgspec.Struct, tag="hicache_storage_state", array_lik
     dir: str | None = None
 
 
-class FlushCacheResult(msgspec.Struct, tag="flush_cache_result", array_like=True, omit_defaults=True, gc=False):
+class FlushCacheResult(
+    msgspec.Struct, tag="flush_cache_result", array_like=True, omit_defaults=True, gc=False
+):
     """Scheduler -> API (through the detokenizer, untouched): the answer to one
     ``FlushCacheControl``. ``ok`` False (requests were running or waiting: nothing was
     dropped) carries the reason in ``error``. The token counts are what the flush dropped
@@ -478,8 +506,22 @@ class AbortResult(msgspec.Struct, tag="abort_result", array_like=True, gc=False)
 # The scheduler's answers to control messages: each goes back to the API worker whose
 # index its control_id carries.
 ControlAnswer = HiCacheStorageState | FlushCacheResult | AbortResult
-DetokenizerInput = BatchTokenIDOutput | BatchEmbeddingOutput | SchedulerStatsReport | HiCacheStorageState | FlushCacheResult | AbortResult
-TokenizerManagerInput = BatchStrOutput | BatchEmbeddingOutput | SchedulerStatsReport | HiCacheStorageState | FlushCacheResult | AbortResult
+DetokenizerInput = (
+    BatchTokenIDOutput
+    | BatchEmbeddingOutput
+    | SchedulerStatsReport
+    | HiCacheStorageState
+    | FlushCacheResult
+    | AbortResult
+)
+TokenizerManagerInput = (
+    BatchStrOutput
+    | BatchEmbeddingOutput
+    | SchedulerStatsReport
+    | HiCacheStorageState
+    | FlushCacheResult
+    | AbortResult
+)
 
 
 # --- PD disaggregation: KV transfer between a prefill and a decode scheduler -------------

@@ -66,7 +66,12 @@ class LogprobBlock:
 
     def then(self, later: LogprobBlock, offset: int) -> LogprobBlock:
         """These rows, then ``later``'s, whose row indices start at ``offset``."""
-        return LogprobBlock(*(np.concatenate((a, b)) for a, b in zip(self._arrays(), later.shifted(offset)._arrays())))
+        return LogprobBlock(
+            *(
+                np.concatenate((a, b))
+                for a, b in zip(self._arrays(), later.shifted(offset)._arrays())
+            )
+        )
 
     def shifted(self, offset: int) -> LogprobBlock:
         if not offset:
@@ -74,7 +79,15 @@ class LogprobBlock:
         return LogprobBlock(self.rows + offset, *self._arrays()[1:])
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return (self.rows, self.chosen, self.top_k, self.top_ids, self.top_values, self.ids_count, self.ids_values)
+        return (
+            self.rows,
+            self.chosen,
+            self.top_k,
+            self.top_ids,
+            self.top_values,
+            self.ids_count,
+            self.ids_values,
+        )
 
     def columns(self) -> OutputLogprobs:
         return OutputLogprobs(
@@ -88,7 +101,9 @@ class LogprobBlock:
         )
 
 
-def build_output_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> OutputLogprobs | None:
+def build_output_logprobs(
+    rows: Sequence[int], parts: Sequence[TokenLogprobs]
+) -> OutputLogprobs | None:
     """The frame's logprob columns: ``rows`` are frame row indices (ascending), ``parts``
     each row's logprobs for exactly the tokens it carries."""
     return LogprobBlock.of_parts(rows, parts).columns() if rows else None
@@ -109,7 +124,9 @@ def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int,
     becomes a list once, and the rows are slices of those lists (the API process reads
     every frame: no per-row numpy calls)."""
     block = checked_logprobs(lp, counts)
-    chosen, top_ids, top_values, ids_values = (a.tolist() for a in (block.chosen, block.top_ids, block.top_values, block.ids_values))
+    chosen, top_ids, top_values, ids_values = (
+        a.tolist() for a in (block.chosen, block.top_ids, block.top_values, block.ids_values)
+    )
     out: dict[int, RowLogprobs] = {}
     c = t = v = 0
     for row, n, k, m in block.per_row():
@@ -162,13 +179,17 @@ class LogprobArrays:
 
     def per_row(self) -> Iterator[tuple[int, int, int, int]]:
         """(frame row, tokens, k, m) of each listed row, in order."""
-        return zip(self.rows.tolist(), self.tokens.tolist(), self.top_k.tolist(), self.ids_count.tolist())
+        return zip(
+            self.rows.tolist(), self.tokens.tolist(), self.top_k.tolist(), self.ids_count.tolist()
+        )
 
     def select(self, keep: np.ndarray, rows: np.ndarray) -> OutputLogprobs:
         """The ``keep`` listed rows (a bool each) as a block of their own, listed as ``rows``
         (e.g. renumbered to a part of the frame): each flat column keeps those rows'
         entries, found by repeating ``keep`` over each row's entries."""
-        chosen, top, ids = (np.repeat(keep, size) for size in (self.tokens, self.top_sizes, self.ids_sizes))
+        chosen, top, ids = (
+            np.repeat(keep, size) for size in (self.tokens, self.top_sizes, self.ids_sizes)
+        )
         return OutputLogprobs(
             rows=rows.astype(np.int32, copy=False).tobytes(),
             token_logprobs=self.chosen[chosen].tobytes(),
@@ -215,18 +236,37 @@ def _checked(lp: OutputLogprobs, rows: np.ndarray, tokens: np.ndarray) -> Logpro
     top_values = np.frombuffer(lp.top_logprobs, dtype=LOGPROB_DTYPE)
     ids_values = np.frombuffer(lp.ids_logprobs, dtype=LOGPROB_DTYPE)
     top_sizes, ids_sizes = tokens * top_k, tokens * ids_count
-    if len(chosen) != tokens.sum() or len(top_ids) != len(top_values) or len(top_ids) != top_sizes.sum():
+    if (
+        len(chosen) != tokens.sum()
+        or len(top_ids) != len(top_values)
+        or len(top_ids) != top_sizes.sum()
+    ):
         raise ValueError("logprob columns do not match the frame's token counts")
     if len(ids_values) != ids_sizes.sum():
         raise ValueError("token_ids_logprob columns do not match the frame's token counts")
-    return LogprobArrays(rows, tokens, top_k, ids_count, chosen, top_ids, top_values, ids_values, top_sizes, ids_sizes)
+    return LogprobArrays(
+        rows,
+        tokens,
+        top_k,
+        ids_count,
+        chosen,
+        top_ids,
+        top_values,
+        ids_values,
+        top_sizes,
+        ids_sizes,
+    )
 
 
-def build_input_logprobs(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> InputLogprobs | None:
+def build_input_logprobs(
+    rows: Sequence[int], parts: Sequence[TokenLogprobs]
+) -> InputLogprobs | None:
     block = build_output_logprobs(rows, parts)
     if block is None:
         return None
-    return InputLogprobs(counts=np.array([len(p.chosen) for p in parts], dtype=np.int32).tobytes(), logprobs=block)
+    return InputLogprobs(
+        counts=np.array([len(p.chosen) for p in parts], dtype=np.int32).tobytes(), logprobs=block
+    )
 
 
 def read_input_logprobs(lp: InputLogprobs, num_rows: int) -> dict[int, RowLogprobs]:

@@ -87,7 +87,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // max(1, self.num_attention_heads))
+            object.__setattr__(
+                self, "head_dim", self.hidden_size // max(1, self.num_attention_heads)
+            )
         for key in _INT_FIELDS:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -128,7 +130,9 @@ class ModelConfig:
             )
         for key, neutral in _NEUTRAL_KEYS.items():
             if key in d and not neutral(d[key]):
-                raise ValueError(f"config key {key!r}={d[key]!r} is not supported by tokenpipe's {architecture}")
+                raise ValueError(
+                    f"config key {key!r}={d[key]!r} is not supported by tokenpipe's {architecture}"
+                )
 
         ints = {key: _positive_int(d, key) for key in _INT_FIELDS if key != "num_key_value_heads"}
         # HF treats a missing num_key_value_heads as plain multi-head attention.
@@ -136,7 +140,11 @@ class ModelConfig:
             ints["num_key_value_heads"] = ints["num_attention_heads"]
         else:
             ints["num_key_value_heads"] = _positive_int(d, "num_key_value_heads")
-        head_dim = ints["hidden_size"] // ints["num_attention_heads"] if d.get("head_dim") is None else _positive_int(d, "head_dim")
+        head_dim = (
+            ints["hidden_size"] // ints["num_attention_heads"]
+            if d.get("head_dim") is None
+            else _positive_int(d, "head_dim")
+        )
 
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -146,7 +154,9 @@ class ModelConfig:
             qkv_bias = o_bias = attention_bias
         else:
             if "attention_bias" in d and attention_bias != arch.qkv_bias:
-                raise ValueError(f"config key 'attention_bias'={attention_bias!r} is not supported by {architecture}")
+                raise ValueError(
+                    f"config key 'attention_bias'={attention_bias!r} is not supported by {architecture}"
+                )
             qkv_bias, o_bias = arch.qkv_bias, False
 
         rope_theta, rope_scaling = _rope(d)
@@ -183,7 +193,9 @@ class ModelConfig:
         if ARCHITECTURES[self.architecture].qkv_bias is None:
             out["attention_bias"] = self.qkv_bias
         if self.rope_scaling is not None:
-            out["rope_scaling"] = {k: v for k, v in asdict(self.rope_scaling).items() if v is not None}
+            out["rope_scaling"] = {
+                k: v for k, v in asdict(self.rope_scaling).items() if v is not None
+            }
         if self.sliding_window is not None:
             out["sliding_window"] = self.sliding_window
             if self.model_type != "mistral":
@@ -245,13 +257,42 @@ def _falsy(value: Any) -> bool:
 _NEUTRAL_KEYS: dict[str, Any] = {
     **dict.fromkeys(
         (
-            "_name_or_path", "transformers_version", "initializer_range", "use_cache", "bos_token_id",
-            "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "id2label", "label2id",
-            "return_dict", "output_attentions", "output_hidden_states", "chunk_size_feed_forward",
-            "problem_type", "tokenizer_class", "prefix", "task_specific_params", "finetuning_task",
-            "attention_dropout", "torchscript", "tf_legacy_loss", "use_bfloat16", "architectures_map",
-            "is_llama_config", "keys_to_ignore_at_inference", "max_length", "min_length", "do_sample",
-            "num_beams", "temperature", "top_k", "top_p", "repetition_penalty", "typical_p",
+            "_name_or_path",
+            "transformers_version",
+            "initializer_range",
+            "use_cache",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "sep_token_id",
+            "decoder_start_token_id",
+            "id2label",
+            "label2id",
+            "return_dict",
+            "output_attentions",
+            "output_hidden_states",
+            "chunk_size_feed_forward",
+            "problem_type",
+            "tokenizer_class",
+            "prefix",
+            "task_specific_params",
+            "finetuning_task",
+            "attention_dropout",
+            "torchscript",
+            "tf_legacy_loss",
+            "use_bfloat16",
+            "architectures_map",
+            "is_llama_config",
+            "keys_to_ignore_at_inference",
+            "max_length",
+            "min_length",
+            "do_sample",
+            "num_beams",
+            "temperature",
+            "top_k",
+            "top_p",
+            "repetition_penalty",
+            "typical_p",
             "transformers.js_config",  # SmolLM2's: settings of the JavaScript runtime
         ),
         _always,
@@ -276,7 +317,9 @@ def _architecture(d: dict[str, Any]) -> str:
         by_type = {a.model_type: name for name, a in ARCHITECTURES.items()}
         if d.get("model_type") in by_type:
             return by_type[d["model_type"]]
-        raise ValueError(f"config.json names no 'architectures'; {unsupported_architecture_message(None)}")
+        raise ValueError(
+            f"config.json names no 'architectures'; {unsupported_architecture_message(None)}"
+        )
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
         raise ValueError(f"config key 'architectures' must be a list of one name, got {archs!r}")
     if archs[0] not in ARCHITECTURES:
@@ -284,7 +327,9 @@ def _architecture(d: dict[str, Any]) -> str:
     model_type = d.get("model_type")
     expected = ARCHITECTURES[archs[0]].model_type
     if model_type is not None and model_type != expected:
-        raise ValueError(f"config key 'model_type'={model_type!r} does not match {archs[0]} (expected {expected!r})")
+        raise ValueError(
+            f"config key 'model_type'={model_type!r} does not match {archs[0]} (expected {expected!r})"
+        )
     return archs[0]
 
 
@@ -305,30 +350,56 @@ def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = spec.pop("rope_type", None) or spec.pop("type", None) or "default"
     spec.pop("type", None)
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported; tokenpipe applies {', '.join(ROPE_TYPES)}")
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; tokenpipe applies {', '.join(ROPE_TYPES)}"
+        )
     if spec.pop("partial_rotary_factor", 1.0) not in (1, 1.0):
         raise ValueError("rope_scaling 'partial_rotary_factor' other than 1 is not supported")
     if rope_type == "default":
         if spec:
-            raise ValueError(f"rope_scaling keys {sorted(spec)} are not supported with the default rotary")
+            raise ValueError(
+                f"rope_scaling keys {sorted(spec)} are not supported with the default rotary"
+            )
         return theta, None
     allowed = {
         "linear": {"factor"},
         "dynamic": {"factor", "original_max_position_embeddings"},
-        "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+        "llama3": {
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        },
         "yarn": {
-            "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-            "mscale", "mscale_all_dim", "truncate",
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
         },
     }[rope_type]
     unknown = sorted(set(spec) - allowed)
     if unknown:
-        raise ValueError(f"rope_scaling keys {unknown} are not supported with rope_type {rope_type!r}")
+        raise ValueError(
+            f"rope_scaling keys {unknown} are not supported with rope_type {rope_type!r}"
+        )
     if rope_type == "yarn" and spec.get("factor") is None:
         if spec.get("original_max_position_embeddings") is None:
-            raise ValueError("rope_scaling 'yarn' needs 'factor' or 'original_max_position_embeddings'")
-        spec["factor"] = _positive_int(d, "max_position_embeddings") / spec["original_max_position_embeddings"]
-    required = {"linear": ("factor",), "dynamic": ("factor",), "llama3": tuple(sorted(allowed)), "yarn": ("original_max_position_embeddings",)}
+            raise ValueError(
+                "rope_scaling 'yarn' needs 'factor' or 'original_max_position_embeddings'"
+            )
+        spec["factor"] = (
+            _positive_int(d, "max_position_embeddings") / spec["original_max_position_embeddings"]
+        )
+    required = {
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+        "llama3": tuple(sorted(allowed)),
+        "yarn": ("original_max_position_embeddings",),
+    }
     for key in required[rope_type]:
         if spec.get(key) is None:
             raise ValueError(f"rope_scaling {rope_type!r} needs {key!r}")
@@ -357,10 +428,16 @@ def _sliding_window(d: dict[str, Any], num_layers: int) -> int | None:
     if window is None:
         return None
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        raise ValueError(f"config key 'sliding_window' must be a positive integer or null, got {window!r}")
+        raise ValueError(
+            f"config key 'sliding_window' must be a positive integer or null, got {window!r}"
+        )
     layer_types = d.get("layer_types")
     if layer_types is not None:
-        if not isinstance(layer_types, list) or len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
+        if (
+            not isinstance(layer_types, list)
+            or len(layer_types) != num_layers
+            or not set(layer_types) <= {"full_attention", "sliding_attention"}
+        ):
             raise ValueError(f"config key 'layer_types' is not supported: {layer_types!r}")
         if "sliding_attention" not in layer_types:
             return None
@@ -368,7 +445,11 @@ def _sliding_window(d: dict[str, Any], num_layers: int) -> int | None:
     if "use_sliding_window" in d and not d["use_sliding_window"]:
         return None
     max_window_layers = d.get("max_window_layers")
-    if "use_sliding_window" in d and isinstance(max_window_layers, int) and max_window_layers >= num_layers:
+    if (
+        "use_sliding_window" in d
+        and isinstance(max_window_layers, int)
+        and max_window_layers >= num_layers
+    ):
         return None
     return window
 
@@ -378,7 +459,9 @@ def _dtype(d: dict[str, Any]) -> str | None:
     if value is None:
         return None
     if value not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"config key 'torch_dtype'={value!r} is not supported: expected float32, bfloat16 or float16")
+        raise ValueError(
+            f"config key 'torch_dtype'={value!r} is not supported: expected float32, bfloat16 or float16"
+        )
     return str(value)
 
 
@@ -422,7 +505,11 @@ def context_length_of(config: ServerConfig, vocab_size: int) -> int:
     past a sliding window is refused: beyond it the window and full attention differ."""
     model = load_model_config(config, vocab_size)
     limit = model.context_limit
-    if config.context_length is not None and model.sliding_window is not None and config.context_length > limit:
+    if (
+        config.context_length is not None
+        and model.sliding_window is not None
+        and config.context_length > limit
+    ):
         raise ValueError(
             f"--context-length {config.context_length} exceeds the model's sliding_window ({model.sliding_window}): "
             f"tokenpipe attends over the whole context, which equals the window's attention only within "

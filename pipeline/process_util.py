@@ -47,7 +47,9 @@ def die_with_parent() -> None:
     imports) is noticed at once: the parent is then no longer the supervisor's pid."""
     supervisor = int(os.environ.get(SUPERVISOR_PID_ENV) or os.getppid())
     ipc_dir = os.environ.get(IPC_DIR_ENV)
-    threading.Thread(target=_watch_parent, args=(supervisor, ipc_dir), name="parent-watch", daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(supervisor, ipc_dir), name="parent-watch", daemon=True
+    ).start()
 
 
 def _watch_parent(supervisor: int, ipc_dir: str | None) -> None:

@@ -71,7 +71,9 @@ class FrameDecoder(Generic[T]):
         try:
             return self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
-            self._warning.warn("dropped a malformed %s frame (%d bytes): %s", self._what, len(frame), exc)
+            self._warning.warn(
+                "dropped a malformed %s frame (%d bytes): %s", self._what, len(frame), exc
+            )
             return None
 
 

@@ -32,7 +32,11 @@ class TokenText(Protocol):
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's vocabulary spells byte b as one printable character: b itself for
     the printable ranges, 256 + n for the n-th other byte (GPT-2's bytes_to_unicode)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {chr(b): b for b in printable}
     others = [b for b in range(256) if b not in set(printable)]
     chars.update({chr(256 + n): b for n, b in enumerate(others)})
@@ -47,7 +51,9 @@ class TokenTextCache:
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
         self._raw: dict[int, bytes] = {}
-        self._alphabet = _byte_level_alphabet() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+        self._alphabet = (
+            _byte_level_alphabet() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+        )
 
     def raw(self, token: int) -> bytes:
         """The token's bytes from its vocabulary entry: byte-level BPE spells them out, a

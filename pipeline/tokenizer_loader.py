@@ -48,7 +48,15 @@ SHIPPED_EOS_TOKEN_IDS: frozenset[int] = frozenset({0})
 MEDIA_TOKENS: dict[str, str] = {"image": "<|image|>", "audio": "<|audio|>", "video": "<|video|>"}
 """Placeholder token per media kind; a tokenizer without one simply cannot take that kind."""
 
-SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_FIELDS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 """The single special tokens of ``transformers``' special-token map, which it hands to chat
 templates (``{{ bos_token }}``)."""
 
@@ -110,7 +118,9 @@ class ModelVocab:
     name: str
 
 
-def load_vocab(model_path: str | os.PathLike[str] | None, *, skip_tokenizer_init: bool) -> LoadedTokenizer | ModelVocab:
+def load_vocab(
+    model_path: str | os.PathLike[str] | None, *, skip_tokenizer_init: bool
+) -> LoadedTokenizer | ModelVocab:
     """The tokenizer, or under ``--skip-tokenizer-init`` only what the model's configs say."""
     return load_model_vocab(model_path) if skip_tokenizer_init else load_tokenizer(model_path)
 
@@ -125,23 +135,33 @@ def load_model_vocab(model_path: str | os.PathLike[str] | None) -> ModelVocab:
     Raises TokenizerLoadError naming the missing or bad file/field.
     """
     if model_path is None:
-        return ModelVocab(vocab_size=SHIPPED_VOCAB_SIZE, eos_token_ids=SHIPPED_EOS_TOKEN_IDS, name=DEFAULT_MODEL_NAME)
+        return ModelVocab(
+            vocab_size=SHIPPED_VOCAB_SIZE,
+            eos_token_ids=SHIPPED_EOS_TOKEN_IDS,
+            name=DEFAULT_MODEL_NAME,
+        )
     directory = Path(model_path).expanduser()
     if not directory.is_dir():
         raise TokenizerLoadError(f"model path {str(directory)!r} is not a directory")
     directory = directory.resolve()
     model_config = _read_json(directory / "config.json")
     if model_config is None:
-        raise TokenizerLoadError(f"config.json not found in {directory}: --skip-tokenizer-init reads the vocabulary size there")
+        raise TokenizerLoadError(
+            f"config.json not found in {directory}: --skip-tokenizer-init reads the vocabulary size there"
+        )
     vocab_size = model_config.get("vocab_size")
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
-        raise TokenizerLoadError(f"config.json: 'vocab_size' must be a positive integer, got {vocab_size!r}")
+        raise TokenizerLoadError(
+            f"config.json: 'vocab_size' must be a positive integer, got {vocab_size!r}"
+        )
     generation_config = _read_json(directory / "generation_config.json")
     if generation_config is None:
         eos_ids = _id_list(model_config, "eos_token_id", "config.json", vocab_size)
     else:
         eos_ids = _id_list(generation_config, "eos_token_id", "generation_config.json", vocab_size)
     return ModelVocab(vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids), name=directory.name)
+
+
 def model_directory(model_path: str | os.PathLike[str] | None) -> Path:
     """The absolute directory :func:`load_tokenizer` reads: ``--model-path``, or the shipped
     tokenizer's for the built-in model."""
@@ -187,7 +207,9 @@ def load_tokenizer(model_path: str | os.PathLike[str] | None) -> LoadedTokenizer
     if tokenizer_config is not None and tokenizer_config.get("eos_token") is not None:
         eos_ids.add(_token_id(tokenizer, tokenizer_config, "eos_token"))
     if generation_config is not None:
-        eos_ids.update(_id_list(generation_config, "eos_token_id", generation_config_name, vocab_size))
+        eos_ids.update(
+            _id_list(generation_config, "eos_token_id", generation_config_name, vocab_size)
+        )
     if not eos_ids:
         raise TokenizerLoadError(
             f"{directory}: no EOS token: set 'eos_token' in tokenizer_config.json or "
@@ -195,7 +217,9 @@ def load_tokenizer(model_path: str | os.PathLike[str] | None) -> LoadedTokenizer
         )
 
     special_ids = frozenset(
-        token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special
+        token_id
+        for token_id, added in tokenizer.get_added_tokens_decoder().items()
+        if added.special
     )
     media_ids = {
         kind: token_id
@@ -234,7 +258,9 @@ def _token_content(config: dict[str, Any], field: str) -> str:
     value = config[field]
     content = value.get("content") if isinstance(value, dict) else value
     if not isinstance(content, str):
-        raise TokenizerLoadError(f"tokenizer_config.json: '{field}' must be a string or {{\"content\": str}}")
+        raise TokenizerLoadError(
+            f"tokenizer_config.json: '{field}' must be a string or {{\"content\": str}}"
+        )
     return content
 
 
@@ -243,14 +269,20 @@ def _special_tokens(config: dict[str, Any] | None) -> dict[str, str]:
     config leaves out or sets to null is simply not there (undefined in the template)."""
     if config is None:
         return {}
-    return {name: _token_content(config, name) for name in SPECIAL_TOKEN_FIELDS if config.get(name) is not None}
+    return {
+        name: _token_content(config, name)
+        for name in SPECIAL_TOKEN_FIELDS
+        if config.get(name) is not None
+    }
 
 
 def _token_id(tokenizer: tokenizers.Tokenizer, config: dict[str, Any], field: str) -> int:
     content = _token_content(config, field)
     token_id = tokenizer.token_to_id(content)
     if token_id is None:
-        raise TokenizerLoadError(f"tokenizer_config.json: '{field}' {content!r} is not in the vocabulary")
+        raise TokenizerLoadError(
+            f"tokenizer_config.json: '{field}' {content!r} is not in the vocabulary"
+        )
     return token_id
 
 
@@ -277,7 +309,9 @@ def _chat_template(directory: Path, tokenizer_config: dict[str, Any] | None) -> 
     template = tokenizer_config.get("chat_template") if tokenizer_config is not None else None
     if isinstance(template, list):
         named = {
-            entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)
+            entry.get("name"): entry.get("template")
+            for entry in template
+            if isinstance(entry, dict)
         }
         template = named.get("default", next(iter(named.values()), None))
     if template is None:

@@ -37,7 +37,12 @@ from pipeline.io_struct import (
     TokenTexts,
     from_column,
 )
-from pipeline.logprob_columns import LOGPROB_ID_DTYPE, LogprobArrays, checked_logprobs, checked_prompt_logprobs
+from pipeline.logprob_columns import (
+    LOGPROB_ID_DTYPE,
+    LogprobArrays,
+    checked_logprobs,
+    checked_prompt_logprobs,
+)
 
 Frame = TypeVar("Frame", BatchStrOutput, BatchEmbeddingOutput)
 T = TypeVar("T")
@@ -118,10 +123,16 @@ def split_str_output(frame: BatchStrOutput, workers: int) -> WorkerSplit[BatchSt
     counts = from_column(frame.output_counts, COUNT_DTYPE).astype(np.int64)
     tokens = from_column(frame.output_ids, TOKEN_DTYPE)
     if (len(counts) and counts.min() < 0) or int(counts.sum()) != len(tokens):
-        raise ValueError(f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens")
+        raise ValueError(
+            f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens"
+        )
     lp = frame.logprobs
-    output = checked_logprobs(lp.output, counts) if lp is not None and lp.output is not None else None
-    prompt = checked_prompt_logprobs(lp.input, n) if lp is not None and lp.input is not None else None
+    output = (
+        checked_logprobs(lp.output, counts) if lp is not None and lp.output is not None else None
+    )
+    prompt = (
+        checked_prompt_logprobs(lp.input, n) if lp is not None and lp.input is not None else None
+    )
     texts = _Texts.of(frame.token_texts) if frame.token_texts is not None else None
     route = _route(req_ids, workers)
     completion = from_column(frame.completion_tokens, COUNT_DTYPE)
@@ -191,7 +202,9 @@ class _Texts:
             raise ValueError(f"token_texts has {len(ids)} ids and {len(texts.texts)} texts")
         return _Texts(ids, texts.texts)
 
-    def part(self, chosen: np.ndarray, out: OutputLogprobs | None, inp: InputLogprobs | None) -> TokenTexts | None:
+    def part(
+        self, chosen: np.ndarray, out: OutputLogprobs | None, inp: InputLogprobs | None
+    ) -> TokenTexts | None:
         """The entries a part's logprob rows show: its listed rows' tokens and its top ids
         (output and prompt), as the detokenizer picked them for the whole frame. A subset
         of ascending unique ids stays ascending and unique: valid for ``TokenTextCache.add``."""
@@ -209,7 +222,9 @@ class _Texts:
 # --- embedding frames ------------------------------------------------------------------
 
 
-def split_embedding_output(frame: BatchEmbeddingOutput, workers: int) -> WorkerSplit[BatchEmbeddingOutput]:
+def split_embedding_output(
+    frame: BatchEmbeddingOutput, workers: int
+) -> WorkerSplit[BatchEmbeddingOutput]:
     """``split_str_output`` for an embedding frame: each part holds its worker's rows of
     the matrix, ``request_stats`` (one per row: every embedding row is finished) and
     ``finished_reasons``. A single-worker frame is returned itself; otherwise a frame whose

@@ -36,7 +36,9 @@ class AdmissionCheck:
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= self.vocab_size:
             return f"input_ids holds a token id outside the vocabulary [0, {self.vocab_size})"
         max_new = req.sampling.max_new_tokens
-        if n > self.pool_capacity - (max_new if self.dllm is None else self.dllm.peak_output_slots(max_new)):
+        if n > self.pool_capacity - (
+            max_new if self.dllm is None else self.dllm.peak_output_slots(max_new)
+        ):
             return (
                 f"prompt ({n} tokens) plus max_new_tokens ({max_new}{' in whole blocks' if self.dllm else ''}) exceeds "
                 f"the KV pool ({self.pool_capacity} tokens)"
@@ -46,7 +48,9 @@ class AdmissionCheck:
             return f"prompt ({n} tokens) does not fit the context length ({self.context_length})"
         bias_ids = [token for token, _ in req.sampling.logit_bias]
         if bias_ids and (min(bias_ids) < 0 or max(bias_ids) >= self.model_vocab_size):
-            return f"logit_bias holds a token id outside the vocabulary [0, {self.model_vocab_size})"
+            return (
+                f"logit_bias holds a token id outside the vocabulary [0, {self.model_vocab_size})"
+            )
         stop_ids = len(req.sampling.stop_token_ids)
         if stop_ids > MAX_STOP_TOKEN_IDS:
             return f"stop_token_ids holds {stop_ids} ids; at most {MAX_STOP_TOKEN_IDS} are allowed"
@@ -81,7 +85,9 @@ def record_admission(req: Req, fetched: Fetched | None, storage_backend: str | N
     the cached tokens per tier (fixed at the first one). True for the first admission."""
     ts = req.stats.time_stats
     if fetched is not None and fetched.storage_seconds > 0 and ts is not None:
-        req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + fetched.storage_seconds)
+        req.update_time_stats(
+            storage_prefetch_wait=ts.storage_prefetch_wait + fetched.storage_seconds
+        )
     if req.admitted_once:
         return False
     req.admitted_once = True

@@ -27,11 +27,15 @@ def abort_targets(msg: AbortReq, live: dict[int, Req]) -> list[Req]:
     if msg.abort_all:
         return [r for r in live.values() if msg.worker is None or worker_of(r.req_id) == msg.worker]
     if msg.rid is not None:  # from an API worker that does not hold the request
-        return [r for r in live.values() if r.rid == msg.rid and r.req_id >= 0]  # never an internal one
+        return [
+            r for r in live.values() if r.rid == msg.rid and r.req_id >= 0
+        ]  # never an internal one
     return [live[msg.req_id]] if msg.req_id in live else []
 
 
-def storage_control(hicache: HiCache | None, live: Iterable[Req], msg: HiCacheStorageControl) -> HiCacheStorageState:
+def storage_control(
+    hicache: HiCache | None, live: Iterable[Req], msg: HiCacheStorageControl
+) -> HiCacheStorageState:
     """Attaches or detaches HiCache storage. On a change, every admitted live request's
     ``cached_tokens_details`` changes keys through the one stats setter, so its next row
     shows the storage keys appear or go."""
@@ -45,7 +49,9 @@ def storage_control(hicache: HiCache | None, live: Iterable[Req], msg: HiCacheSt
     return state
 
 
-def flush_cache(prefix_kv: PrefixKV, num_live: int, num_waiting: int, num_running: int, msg: FlushCacheControl) -> FlushCacheResult:
+def flush_cache(
+    prefix_kv: PrefixKV, num_live: int, num_waiting: int, num_running: int, msg: FlushCacheControl
+) -> FlushCacheResult:
     """Drops the prefix cache, as SGLang's ``flush_cache`` does: only when no request is
     live (waiting, running, or in a PD hand-over), else nothing changes and the answer
     says why."""
@@ -59,5 +65,9 @@ def flush_cache(prefix_kv: PrefixKV, num_live: int, num_waiting: int, num_runnin
     dropped = prefix_kv.flush()
     logger.info("cache flushed: %d device, %d host and %d storage tokens dropped", *dropped)
     return FlushCacheResult(
-        control_id=msg.control_id, ok=True, device_tokens=dropped.device, host_tokens=dropped.host, storage_tokens=dropped.storage
+        control_id=msg.control_id,
+        ok=True,
+        device_tokens=dropped.device,
+        host_tokens=dropped.host,
+        storage_tokens=dropped.storage,
     )

@@ -140,7 +140,9 @@ class DllmDecoder:
         prefixes: list[torch.Tensor] = []
         new_slots: list[torch.Tensor] = []
         block_start: list[int] = []
-        fresh_slots: list[torch.Tensor | None] = []  # per request: slots of committed tokens recomputed
+        fresh_slots: list[
+            torch.Tensor | None
+        ] = []  # per request: slots of committed tokens recomputed
         masked: list[list[int]] = []  # per request: its masked block positions
         rows_of_masked: list[int] = []  # the rows predicting them among the pass's new tokens, flat
         owners: list[Req] = []  # and their requests
@@ -157,7 +159,9 @@ class DllmDecoder:
                 slots = self._alloc(stale + size)
                 assert slots is not None, "the scheduler made room for every block"
                 fresh = slots[:stale]
-                block = req.dllm_block = Block(size, self.config.mask_token_id, slots[stale:], req.logprob)
+                block = req.dllm_block = Block(
+                    size, self.config.mask_token_id, slots[stale:], req.logprob
+                )
             # The head: tokens before the block that this pass writes. At least the anchor
             # (the last committed token, rewritten with the causal KV it already had), as
             # its hidden state predicts the block's first position.
@@ -180,7 +184,11 @@ class DllmDecoder:
             offset += len(head) + len(block.tokens)
 
         logits = self.runner.logits_at(
-            new_ids, prefixes, new_slots, torch.tensor(rows_of_masked, dtype=torch.long), block_start
+            new_ids,
+            prefixes,
+            new_slots,
+            torch.tensor(rows_of_masked, dtype=torch.long),
+            block_start,
         )
         params = [r.sampling for r in owners]
         cols = SamplingColumns.from_requests(
@@ -198,11 +206,17 @@ class DllmDecoder:
         confidence = torch.softmax(logits, dim=-1).gather(1, picked).squeeze(1).tolist()
         candidates = drawn.tolist()
 
-        lp_rows: list[int] = []  # rows of ``logits`` whose positions this pass commits, of requests that asked
-        lp_where: list[tuple[BlockLogprobs, list[int]]] = []  # per such request: those positions, in that order
+        lp_rows: list[
+            int
+        ] = []  # rows of ``logits`` whose positions this pass commits, of requests that asked
+        lp_where: list[
+            tuple[BlockLogprobs, list[int]]
+        ] = []  # per such request: those positions, in that order
         first = 0
         for req, fresh, positions in zip(reqs, fresh_slots, masked):
-            if fresh is not None and fresh.numel():  # their KV is final now: they join the request's KV
+            if (
+                fresh is not None and fresh.numel()
+            ):  # their KV is final now: they join the request's KV
                 held = req.kv_slots
                 assert held is not None
                 req.kv_slots = torch.cat((held, fresh))
@@ -217,7 +231,9 @@ class DllmDecoder:
         if lp_rows:
             index = np.array(lp_rows, dtype=np.int64)
             spans = [(kept.ask, len(where)) for kept, where in lp_where]
-            for (kept, where), part in zip(lp_where, span_logprobs(logits, index, drawn[index], spans)):
+            for (kept, where), part in zip(
+                lp_where, span_logprobs(logits, index, drawn[index], spans)
+            ):
                 kept.keep(where, part)
 
         still_running: list[Req] = []
@@ -231,7 +247,9 @@ class DllmDecoder:
                 still_running.append(req)
         return still_running, committed
 
-    def _unmask(self, block: Block, positions: list[int], candidates: list[int], confidence: list[float]) -> list[int]:
+    def _unmask(
+        self, block: Block, positions: list[int], candidates: list[int], confidence: list[float]
+    ) -> list[int]:
         """Commits this pass's share of the masked positions: the most confident ones
         (ties to the earlier position), and all that remain on the last pass. Returns the
         indices into ``positions`` it committed."""
@@ -262,7 +280,10 @@ class DllmDecoder:
             req.pending_logprobs.append(block.logprobs.first(appended))
         if not req.finished:
             cached = req.seq_len
-            req.update_stats(cached_tokens=cached, cached_tokens_details=CachedTokensDetails(device=cached, host=0))
+            req.update_stats(
+                cached_tokens=cached,
+                cached_tokens_details=CachedTokensDetails(device=cached, host=0),
+            )
         if req.finished or req.stream:
             rows.append(req)
         return appended

@@ -49,7 +49,9 @@ class Block:
 
     __slots__ = ("logprobs", "masked", "passes", "slots", "tokens")
 
-    def __init__(self, size: int, mask_token_id: int, slots: torch.Tensor, ask: LogprobParams | None) -> None:
+    def __init__(
+        self, size: int, mask_token_id: int, slots: torch.Tensor, ask: LogprobParams | None
+    ) -> None:
         self.tokens = [mask_token_id] * size
         self.masked = [True] * size
         self.slots = slots

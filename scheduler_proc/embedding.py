@@ -9,7 +9,9 @@ import torch
 from scheduler_proc.req import Req
 
 
-def accumulate_hidden(batch: list[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor) -> None:
+def accumulate_hidden(
+    batch: list[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor
+) -> None:
     """Adds each embedding request's new hidden states into its running sum, so a
     prompt prefilled in chunks pools exactly like one prefilled at once."""
     offset = 0

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 from pipeline.io_struct import FinishAbort, FinishReason, FinishStop
 from scheduler_proc.req import Req
-from scheduler_proc.sampling.grammar import CompileOutcome, GrammarCompiler, GrammarError, Key, new_matcher, refused_token
+from scheduler_proc.sampling.grammar import (
+    CompileOutcome,
+    GrammarCompiler,
+    GrammarError,
+    Key,
+    new_matcher,
+    refused_token,
+)
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
@@ -74,8 +81,16 @@ class GrammarQueue:
             try:
                 outcome = self.compiler.settle(w.key, w.future)
             except Exception as exc:  # a fault of the engine, not a bad spec: not cached
-                logger.exception("compiling the grammar of req_id=%d rid=%s failed", w.req.req_id, w.req.rid)
-                w.req.finish(FinishAbort(message=f"compiling the grammar failed: {type(exc).__name__}", status_code=500), now)
+                logger.exception(
+                    "compiling the grammar of req_id=%d rid=%s failed", w.req.req_id, w.req.rid
+                )
+                w.req.finish(
+                    FinishAbort(
+                        message=f"compiling the grammar failed: {type(exc).__name__}",
+                        status_code=500,
+                    ),
+                    now,
+                )
                 continue
             w.req.update_time_stats(grammar_wait=now - w.since)
             _settle(w.req, outcome, now)

@@ -54,7 +54,12 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
     grammar = None
     if isinstance(vocab, LoadedTokenizer):
         # The grammar's vocabulary is the model's logits' width; its stop tokens are EOS.
-        tokenizer, width, eos, special = vocab.tokenizer, runner.model_config.vocab_size, vocab.eos_token_ids, vocab.special_token_ids
+        tokenizer, width, eos, special = (
+            vocab.tokenizer,
+            runner.model_config.vocab_size,
+            vocab.eos_token_ids,
+            vocab.special_token_ids,
+        )
         grammar = GrammarCompiler(lambda: tokenizer_info(tokenizer, width, eos, special), eos)
     return Scheduler(
         runner,
@@ -79,7 +84,9 @@ def dllm_config(config: ServerConfig, eos_token_ids: frozenset[int]) -> DllmConf
     if config.mode != "dllm":
         return None
     if not eos_token_ids:
-        raise SystemExit("--mode dllm masks with an EOS id, and the model's configs name none (generation_config.json eos_token_id)")
+        raise SystemExit(
+            "--mode dllm masks with an EOS id, and the model's configs name none (generation_config.json eos_token_id)"
+        )
     return DllmConfig(config.dllm_block_size, config.dllm_steps, min(eos_token_ids))
 
 
@@ -100,7 +107,9 @@ def build_hicache(config: ServerConfig, runner: ModelRunner) -> HiCache | None:
     return hicache
 
 
-def attach_pd(scheduler: Scheduler, config: ServerConfig, ctx: zmq.Context[Any], poller: zmq.Poller) -> None:
+def attach_pd(
+    scheduler: Scheduler, config: ServerConfig, ctx: zmq.Context[Any], poller: zmq.Poller
+) -> None:
     """The scheduler's PD side for --disaggregation-mode prefill or decode, with its KV
     transfer sockets registered with the loop's poller so a fetch or a transfer wakes an
     idle scheduler. Without PD the scheduler keeps its ``Unified`` one."""
@@ -110,12 +119,16 @@ def attach_pd(scheduler: Scheduler, config: ServerConfig, ctx: zmq.Context[Any],
         try:
             server = KVFetchServer(ctx, endpoint)
         except zmq.ZMQError as exc:
-            raise SystemExit(f"--disaggregation-bootstrap-port/endpoint: cannot bind {endpoint}: {exc}") from None
+            raise SystemExit(
+                f"--disaggregation-bootstrap-port/endpoint: cannot bind {endpoint}: {exc}"
+            ) from None
         poller.register(server.socket, zmq.POLLIN)
         scheduler.pd = PrefillKVSender(server, scheduler.kv, timeout)
         logger.info("prefill server: decode servers fetch KV at %s", endpoint)
     elif config.disaggregation_mode == "decode":
-        scheduler.pd = DecodeBootstrapper(KVFetchClient(ctx, poller), scheduler.kv, timeout, scheduler.vocab_size)
+        scheduler.pd = DecodeBootstrapper(
+            KVFetchClient(ctx, poller), scheduler.kv, timeout, scheduler.vocab_size
+        )
 
 
 def release_free_heap() -> None:

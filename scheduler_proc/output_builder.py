@@ -53,7 +53,13 @@ def build_usage_columns(reqs: Sequence[Req]) -> UsageColumns:
         dtype=COUNT_DTYPE,
     ).reshape(5, len(stats))
     prompt, cached, image, audio, video = (column.tobytes() for column in matrix)
-    return UsageColumns(prompt_tokens=prompt, cached_tokens=cached, image_tokens=image, audio_tokens=audio, video_tokens=video)
+    return UsageColumns(
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        image_tokens=image,
+        audio_tokens=audio,
+        video_tokens=video,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +81,11 @@ class SteadyRows:
 
 
 def build_token_output(
-    reqs: Sequence[Req], stats_pending: StatsPending, *, steady: SteadyRows | None = None, dense_usage: bool = False
+    reqs: Sequence[Req],
+    stats_pending: StatsPending,
+    *,
+    steady: SteadyRows | None = None,
+    dense_usage: bool = False,
 ) -> BatchTokenIDOutput:
     """One row per request: the tokens generated since its last row; the ``steady`` rows
     (already columns) follow the ``reqs`` rows.
@@ -86,18 +96,41 @@ def build_token_output(
     pending, so a steady decode step skips those calls.
     ``dense_usage`` adds ``UsageColumns`` on every row (``--dense-usage-columns``)."""
     # Logprobs first: taking them is what marks them sent, whichever rows exist.
-    logprobs = [(i, part) for i, part in ((i, r.take_pending_logprobs()) for i, r in enumerate(reqs) if r.pending_logprobs) if part]
+    logprobs = [
+        (i, part)
+        for i, part in (
+            (i, r.take_pending_logprobs()) for i, r in enumerate(reqs) if r.pending_logprobs
+        )
+        if part
+    ]
     if steady is None or not len(steady):
         frame = _build_request_rows(reqs, stats_pending, dense_usage)
     elif not reqs:
         frame = _steady_frame(steady, dense_usage)
     else:
-        frame = _concat(_build_request_rows(reqs, stats_pending, dense_usage), _steady_frame(steady, dense_usage))
-    block = LogprobBlock.of_parts([i for i, _ in logprobs], [part for _, part in logprobs]) if logprobs else None
+        frame = _concat(
+            _build_request_rows(reqs, stats_pending, dense_usage),
+            _steady_frame(steady, dense_usage),
+        )
+    block = (
+        LogprobBlock.of_parts([i for i, _ in logprobs], [part for _, part in logprobs])
+        if logprobs
+        else None
+    )
     if steady is not None and steady.logprobs is not None:
-        block = steady.logprobs.shifted(len(reqs)) if block is None else block.then(steady.logprobs, len(reqs))
+        block = (
+            steady.logprobs.shifted(len(reqs))
+            if block is None
+            else block.then(steady.logprobs, len(reqs))
+        )
     # A request's first row is always a per-request row (its stats are due).
-    prompt = [(i, part) for i, part in ((i, r.take_prompt_logprobs()) for i, r in enumerate(reqs) if r.prompt_logprobs) if part]
+    prompt = [
+        (i, part)
+        for i, part in (
+            (i, r.take_prompt_logprobs()) for i, r in enumerate(reqs) if r.prompt_logprobs
+        )
+        if part
+    ]
     if block is not None or prompt:
         frame.logprobs = FrameLogprobs(
             output=block.columns() if block is not None else None,
@@ -126,7 +159,10 @@ def _concat(first: BatchTokenIDOutput, second: BatchTokenIDOutput) -> BatchToken
     usage = None
     if first.usage is not None and second.usage is not None:
         usage = UsageColumns(
-            **{f: getattr(first.usage, f) + getattr(second.usage, f) for f in UsageColumns.__struct_fields__}
+            **{
+                f: getattr(first.usage, f) + getattr(second.usage, f)
+                for f in UsageColumns.__struct_fields__
+            }
         )
     return BatchTokenIDOutput(
         req_ids=first.req_ids + second.req_ids,
@@ -140,7 +176,9 @@ def _concat(first: BatchTokenIDOutput, second: BatchTokenIDOutput) -> BatchToken
     )
 
 
-def _build_request_rows(reqs: Sequence[Req], stats_pending: StatsPending, dense_usage: bool) -> BatchTokenIDOutput:
+def _build_request_rows(
+    reqs: Sequence[Req], stats_pending: StatsPending, dense_usage: bool
+) -> BatchTokenIDOutput:
     n = len(reqs)
     outputs = [r.output_ids for r in reqs]
     completion = np.array([len(o) for o in outputs], dtype=COUNT_DTYPE)
@@ -150,7 +188,9 @@ def _build_request_rows(reqs: Sequence[Req], stats_pending: StatsPending, dense_
         tokens = np.array([o[-1] for o in outputs], dtype=TOKEN_DTYPE)
     else:
         tokens = np.fromiter(
-            chain.from_iterable(o[k:] for o, k in zip(outputs, sent.tolist())), dtype=TOKEN_DTYPE, count=int(counts.sum())
+            chain.from_iterable(o[k:] for o, k in zip(outputs, sent.tolist())),
+            dtype=TOKEN_DTYPE,
+            count=int(counts.sum()),
         )
     for r, done in zip(reqs, completion.tolist()):
         r.num_sent_tokens = done
@@ -164,7 +204,10 @@ def _build_request_rows(reqs: Sequence[Req], stats_pending: StatsPending, dense_
             stats = None
         else:
             # A request's first row always carries stats, so options ride on stats rows.
-            options = [r.take_decode_options_due() if st is not None else None for r, st in zip(reqs, stats)]
+            options = [
+                r.take_decode_options_due() if st is not None else None
+                for r, st in zip(reqs, stats)
+            ]
             if options.count(None) == n:
                 options = None
             finished = [r.finished_reason for r in reqs]
@@ -190,7 +233,9 @@ def build_embedding_output(reqs: Sequence[Req], embeddings: np.ndarray) -> Batch
     matrix = np.ascontiguousarray(embeddings, dtype=EMBEDDING_DTYPE)
     finished = [r.finished_reason for r in reqs]
     return BatchEmbeddingOutput(
-        req_ids=np.fromiter((r.req_id for r in reqs), dtype=REQ_ID_DTYPE, count=len(reqs)).tobytes(),
+        req_ids=np.fromiter(
+            (r.req_id for r in reqs), dtype=REQ_ID_DTYPE, count=len(reqs)
+        ).tobytes(),
         embeddings=matrix.tobytes(),
         shape=(int(matrix.shape[0]), int(matrix.shape[1])),
         request_stats=stats,

@@ -131,8 +131,12 @@ class Req:
         # predicting position to compute (None: none asked, or all computed).
         self.prompt_logprobs: list[TokenLogprobs] = []
         start = logprob.logprob_start_len if logprob is not None else -1
-        self.prompt_logprobs_next: int | None = max(start, 1) - 1 if 0 <= start and max(start, 1) < len(input_ids) else None
-        self.seed = (sampling.seed if sampling.seed is not None else random.getrandbits(64)) & _SEED_MASK
+        self.prompt_logprobs_next: int | None = (
+            max(start, 1) - 1 if 0 <= start and max(start, 1) < len(input_ids) else None
+        )
+        self.seed = (
+            sampling.seed if sampling.seed is not None else random.getrandbits(64)
+        ) & _SEED_MASK
         self.is_embedding = is_embedding
         self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits

@@ -14,7 +14,9 @@ def take_victim(prefilling: list[Req], running: RunningBatch | list[Req]) -> Req
     if prefilling:
         return prefilling.pop()
     if len(running) <= 1:
-        raise RuntimeError("a single request does not fit the KV pool; admission should have refused it")
+        raise RuntimeError(
+            "a single request does not fit the KV pool; admission should have refused it"
+        )
     if isinstance(running, RunningBatch):
         victim = running.retraction_victim()
     else:

@@ -102,7 +102,11 @@ class Scheduler:
         self.stream_interval = stream_interval
         self.collect_time_stats = collect_time_stats
         self.dense_usage_columns = dense_usage_columns  # UsageColumns on every token frame
-        self.dllm = None if dllm is None else DllmDecoder(dllm, runner, stop_checker, context_length, self.prefix_kv.alloc)
+        self.dllm = (
+            None
+            if dllm is None
+            else DllmDecoder(dllm, runner, stop_checker, context_length, self.prefix_kv.alloc)
+        )
         self.admission = AdmissionCheck(
             vocab_size,
             runner.model_config.vocab_size,
@@ -115,17 +119,27 @@ class Scheduler:
         # Structured outputs (None without a tokenizer): constrained requests wait for their
         # grammar here, and each step's mask of the constrained rows is filled in ``masks``.
         self.grammars = GrammarQueue(grammar) if grammar is not None else None
-        self.masks = TokenMasks(runner.model_config.vocab_size, grammar.stop_ids, runner.device) if grammar is not None else None
+        self.masks = (
+            TokenMasks(runner.model_config.vocab_size, grammar.stop_ids, runner.device)
+            if grammar is not None
+            else None
+        )
         # This scheduler's requests whose next row carries stats (never another scheduler's).
         self.stats_pending = StatsPending()
-        self.decoder = BatchDecoder(runner, stop_checker, self.stats_pending, dense_usage_columns, self.masks)
-        self.pd: PdRole = Unified()  # --disaggregation-mode prefill or decode: set by scheduler_proc.main
+        self.decoder = BatchDecoder(
+            runner, stop_checker, self.stats_pending, dense_usage_columns, self.masks
+        )
+        self.pd: PdRole = (
+            Unified()
+        )  # --disaggregation-mode prefill or decode: set by scheduler_proc.main
 
         self.waiting: deque[Req] = deque()
         self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
         # Generate mode: the running requests as columns (a steady decode step is column
         # work). dLLM mode refines blocks request by request and keeps a plain list.
-        self.running: RunningBatch | list[Req] = RunningBatch(context_length, runner.model_config.vocab_size) if dllm is None else []
+        self.running: RunningBatch | list[Req] = (
+            RunningBatch(context_length, runner.model_config.vocab_size) if dllm is None else []
+        )
         self.live: dict[int, Req] = {}
         # The clients' live requests by rid: several API workers each check only their own
         # rids, and only this process sees them all. Internal requests (PD KV fetches) have
@@ -142,11 +156,20 @@ class Scheduler:
 
     def add_request(self, msg: TokenizedGenerateReqInput | TokenizedEmbeddingReqInput) -> None:
         if msg.req_id in self.live:
-            logger.warning("dropped a request with a duplicate req_id %d (rid %r)", msg.req_id, msg.rid)
+            logger.warning(
+                "dropped a request with a duplicate req_id %d (rid %r)", msg.req_id, msg.rid
+            )
             return
         now = time.time()
         if isinstance(msg, TokenizedEmbeddingReqInput):
-            sampling, stream, logprob, room, endpoint, constraint = _EMBEDDING_SAMPLING, False, None, None, None, None
+            sampling, stream, logprob, room, endpoint, constraint = (
+                _EMBEDDING_SAMPLING,
+                False,
+                None,
+                None,
+                None,
+                None,
+            )
         else:
             sampling, stream, logprob = msg.sampling_params, msg.stream, msg.logprobs
             room, endpoint, constraint = msg.bootstrap_room, msg.bootstrap_endpoint, msg.constraint
@@ -219,22 +242,38 @@ class Scheduler:
         now = time.time()
         for req in targets:
             self._remove(req)
-            req.finish(FinishAbort(message=msg.reason, status_code=499 if not msg.abort_all else 503), now)
+            req.finish(
+                FinishAbort(message=msg.reason, status_code=499 if not msg.abort_all else 503), now
+            )
             self._release(req)
             if not req.kv_only:  # internal: no client waits for a row
                 self._rows_due.append(req)
-        return AbortResult(control_id=msg.control_id, aborted=len(targets)) if msg.control_id else None
+        return (
+            AbortResult(control_id=msg.control_id, aborted=len(targets)) if msg.control_id else None
+        )
 
     # --- the step ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._rows_due or self.pd.has_work or self.grammars)
+        return bool(
+            self.waiting
+            or self.prefilling
+            or self.running
+            or self._rows_due
+            or self.pd.has_work
+            or self.grammars
+        )
 
     def only_compiling(self) -> bool:
         """Whether all this scheduler has to do is wait for grammars to compile: a step now
         would do nothing, so the loop may wait on its sockets instead of spinning."""
         busy = self.waiting or self.prefilling or self.running or self._rows_due or self.pd.has_work
-        return not busy and bool(self.grammars) and self.grammars is not None and not self.grammars.any_done()
+        return (
+            not busy
+            and bool(self.grammars)
+            and self.grammars is not None
+            and not self.grammars.any_done()
+        )
 
     def close(self) -> None:
         """Stops the grammar compiler's worker (a compile under way is left to finish)."""
@@ -258,9 +297,17 @@ class Scheduler:
         if embedded:
             rows = [r for r in rows if not r.is_embedding]
             size = self.runner.model_config.hidden_size
-            frames.append(build_embedding_output(embedded, np.stack([pooled_embedding(r, size) for r in embedded])))
+            frames.append(
+                build_embedding_output(
+                    embedded, np.stack([pooled_embedding(r, size) for r in embedded])
+                )
+            )
         if rows or steady is not None:
-            frames.append(build_token_output(rows, self.stats_pending, steady=steady, dense_usage=self.dense_usage_columns))
+            frames.append(
+                build_token_output(
+                    rows, self.stats_pending, steady=steady, dense_usage=self.dense_usage_columns
+                )
+            )
         batch = self.running if isinstance(self.running, RunningBatch) else None
         for req in rows + embedded:
             if req.finished:
@@ -291,7 +338,12 @@ class Scheduler:
                 self._requeue_unscheduled(req)
                 continue
             # Pooling needs every prompt token's hidden state, so embeddings skip the cache.
-            got = self.prefix_kv.admit(req, match=from_waiting and not req.is_embedding, budget=budget, reserve=slots_for_decode)
+            got = self.prefix_kv.admit(
+                req,
+                match=from_waiting and not req.is_embedding,
+                budget=budget,
+                reserve=slots_for_decode,
+            )
             if got is None:
                 self._requeue_unscheduled(req)
                 budget = 0  # arrival order: nobody overtakes a request that does not fit
@@ -334,7 +386,11 @@ class Scheduler:
         done = [batch[i][0] for i in generating]
         if self.dllm is not None:
             return done  # they decode block by block from the next step on: nothing to sample
-        picked = logits if len(generating) == len(batch) else logits[torch.tensor(generating, device=logits.device)]
+        picked = (
+            logits
+            if len(generating) == len(batch)
+            else logits[torch.tensor(generating, device=logits.device)]
+        )
         tokens = sample_first_tokens(self.runner, picked, done, self.stop_checker, self.masks)
         self.pd.on_first_token(done)  # before their rows take the first token's logprobs
         return self.append_tokens(done, tokens, rows)
@@ -414,7 +470,12 @@ class Scheduler:
         self.waiting.appendleft(req)
         # A warning: retraction means the pool is too small for the load, and tests and
         # operators count these lines.
-        logger.warning("retracted req_id=%d rid=%s retraction_count=%d", req.req_id, req.rid, req.retraction_count)
+        logger.warning(
+            "retracted req_id=%d rid=%s retraction_count=%d",
+            req.req_id,
+            req.rid,
+            req.retraction_count,
+        )
 
     def slots_for_joining(self, num_tokens: int, joining: int) -> torch.Tensor | None:
         """Slots for the KV of a prebuilt request joining after ``joining`` others this step:
@@ -458,4 +519,8 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests not yet admitted: queued, waiting for PD KV or for their grammar."""
-        return len(self.waiting) + self.pd.num_waiting + (len(self.grammars) if self.grammars is not None else 0)
+        return (
+            len(self.waiting)
+            + self.pd.num_waiting
+            + (len(self.grammars) if self.grammars is not None else 0)
+        )

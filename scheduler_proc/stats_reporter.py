@@ -16,7 +16,12 @@ IDLE_REPORT_INTERVAL = 2.0
 
 
 class SchedulerStatsReporter:
-    def __init__(self, scheduler: Scheduler, interval: float = REPORT_INTERVAL, idle_interval: float = IDLE_REPORT_INTERVAL) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        interval: float = REPORT_INTERVAL,
+        idle_interval: float = IDLE_REPORT_INTERVAL,
+    ) -> None:
         self._s = scheduler
         self._interval = interval
         self._idle_interval = idle_interval
@@ -37,7 +42,12 @@ class SchedulerStatsReporter:
         ``forward_steps_total`` would stay behind for good. While idle, one every
         ``idle_interval`` seconds (``IDLE_REPORT_INTERVAL``)."""
         idle = not self._s.has_work()
-        if idle and self._reported_idle and self._s.forward_steps == self._last_steps and now - self._last_time < self._idle_interval:
+        if (
+            idle
+            and self._reported_idle
+            and self._s.forward_steps == self._last_steps
+            and now - self._last_time < self._idle_interval
+        ):
             return None
         if not idle and now - self._last_time < self._interval:
             return None
@@ -72,7 +82,9 @@ class SchedulerStatsReporter:
             hicache_storage_backend=hicache.storage_backend if hicache is not None else None,
             # Prompt tokens count at their first admission, so a chunked prefill's tokens land in
             # the report of the step that admitted it; retraction recomputes are not counted.
-            forward_tokens_total=s.prefill_tokens_total - s.cached_tokens_total + s.generated_tokens_total,
+            forward_tokens_total=s.prefill_tokens_total
+            - s.cached_tokens_total
+            + s.generated_tokens_total,
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total

@@ -24,7 +24,9 @@ RUNNING, STOP_TOKEN, LENGTH, CONTEXT = 0, 1, 2, 3
 
 
 class StopChecker:
-    def __init__(self, eos_token_ids: frozenset[int], decode: Decode | None, context_length: int) -> None:
+    def __init__(
+        self, eos_token_ids: frozenset[int], decode: Decode | None, context_length: int
+    ) -> None:
         """``decode`` None: no tokenizer (``--skip-tokenizer-init``), so no stop strings."""
         self._eos = eos_token_ids
         self._eos_ids = np.array(sorted(eos_token_ids), dtype=np.int64)
@@ -74,14 +76,28 @@ class StopChecker:
         LENGTH, CONTEXT) and the rows whose stop strings must still be checked: those go
         through ``check`` one by one, since only text can tell, and its answer wins."""
         may_stop = out_len >= min_new
-        hit = (stop_ids == new[:, None]).any(axis=1) if stop_ids.shape[1] else np.zeros(len(new), dtype=bool)
+        hit = (
+            (stop_ids == new[:, None]).any(axis=1)
+            if stop_ids.shape[1]
+            else np.zeros(len(new), dtype=bool)
+        )
         if self._eos_ids.size:
             hit |= np.isin(new, self._eos_ids) & ~ignore_eos
         hit &= may_stop
-        code = np.where(hit, STOP_TOKEN, np.where(out_len >= max_new, LENGTH, np.where(seq_len >= self._context_length, CONTEXT, RUNNING)))
+        code = np.where(
+            hit,
+            STOP_TOKEN,
+            np.where(
+                out_len >= max_new,
+                LENGTH,
+                np.where(seq_len >= self._context_length, CONTEXT, RUNNING),
+            ),
+        )
         return code, has_stop_strings & may_stop & ~hit
 
-    def min_new_bans(self, out_len: np.ndarray, min_new: np.ndarray, stop_ids: np.ndarray) -> BannedTokens | None:
+    def min_new_bans(
+        self, out_len: np.ndarray, min_new: np.ndarray, stop_ids: np.ndarray
+    ) -> BannedTokens | None:
         """The tokens each row of a decode step may not draw: while its output (``out_len``
         tokens before this draw) is shorter than ``min_new``, its stop ids (``stop_ids``,
         the running batch's table, padded with -1) and EOS. Column work; None at once when
@@ -100,7 +116,9 @@ class StopChecker:
             return None
         return BannedTokens(np.broadcast_to(rows[:, None], table.shape)[keep], table[keep])
 
-    def min_new_bans_of(self, params: Sequence[SamplingParams], out_lens: Sequence[int]) -> BannedTokens | None:
+    def min_new_bans_of(
+        self, params: Sequence[SamplingParams], out_lens: Sequence[int]
+    ) -> BannedTokens | None:
         """``min_new_bans`` for draws outside the running batch (a first token, a dLLM
         pass): draw i is of output index ``out_lens[i]`` under ``params[i]``."""
         rows: list[int] = []

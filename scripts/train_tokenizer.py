@@ -113,17 +113,59 @@ VERBS = (
 ).split()
 
 IRREGULAR_PAST = {
-    "be": "was", "have": "had", "do": "did", "say": "said", "go": "went", "get": "got",
-    "make": "made", "know": "knew", "think": "thought", "take": "took", "see": "saw",
-    "come": "came", "find": "found", "give": "gave", "tell": "told", "feel": "felt",
-    "become": "became", "leave": "left", "put": "put", "mean": "meant", "keep": "kept",
-    "let": "let", "begin": "began", "hear": "heard", "run": "ran", "hold": "held",
-    "bring": "brought", "write": "wrote", "sit": "sat", "stand": "stood", "lose": "lost",
-    "pay": "paid", "meet": "met", "lead": "led", "understand": "understood", "speak": "spoke",
-    "read": "read", "spend": "spent", "grow": "grew", "win": "won", "buy": "bought",
-    "send": "sent", "build": "built", "fall": "fell", "cut": "cut", "sell": "sold",
-    "break": "broke", "eat": "ate", "catch": "caught", "draw": "drew", "choose": "chose",
-    "swim": "swam", "die": "died",
+    "be": "was",
+    "have": "had",
+    "do": "did",
+    "say": "said",
+    "go": "went",
+    "get": "got",
+    "make": "made",
+    "know": "knew",
+    "think": "thought",
+    "take": "took",
+    "see": "saw",
+    "come": "came",
+    "find": "found",
+    "give": "gave",
+    "tell": "told",
+    "feel": "felt",
+    "become": "became",
+    "leave": "left",
+    "put": "put",
+    "mean": "meant",
+    "keep": "kept",
+    "let": "let",
+    "begin": "began",
+    "hear": "heard",
+    "run": "ran",
+    "hold": "held",
+    "bring": "brought",
+    "write": "wrote",
+    "sit": "sat",
+    "stand": "stood",
+    "lose": "lost",
+    "pay": "paid",
+    "meet": "met",
+    "lead": "led",
+    "understand": "understood",
+    "speak": "spoke",
+    "read": "read",
+    "spend": "spent",
+    "grow": "grew",
+    "win": "won",
+    "buy": "bought",
+    "send": "sent",
+    "build": "built",
+    "fall": "fell",
+    "cut": "cut",
+    "sell": "sold",
+    "break": "broke",
+    "eat": "ate",
+    "catch": "caught",
+    "draw": "drew",
+    "choose": "chose",
+    "swim": "swam",
+    "die": "died",
 }
 
 ADVERBS = (
@@ -154,12 +196,33 @@ ACCENTED = "café naïve résumé façade jalapeño über déjà fiancée São Z
 # A little non-Latin text so common multi-byte sequences get merges; anything else still
 # round-trips through the 256 byte tokens.
 FOREIGN_SNIPPETS = [
-    "你好，世界。", "今日は良い天気です。", "안녕하세요", "Привет, мир!", "Γειά σου κόσμε",
-    "مرحبا بالعالم", "שלום עולם", "नमस्ते दुनिया", "こんにちは", "谢谢你的帮助。",
-    "🙂", "🚀", "👍", "🎉", "✅", "❤️", "→", "…", "—", "€", "°C", "½",
+    "你好，世界。",
+    "今日は良い天気です。",
+    "안녕하세요",
+    "Привет, мир!",
+    "Γειά σου κόσμε",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "नमस्ते दुनिया",
+    "こんにちは",
+    "谢谢你的帮助。",
+    "🙂",
+    "🚀",
+    "👍",
+    "🎉",
+    "✅",
+    "❤️",
+    "→",
+    "…",
+    "—",
+    "€",
+    "°C",
+    "½",
 ]
 
-SYLLABLE_ONSETS = "b c d f g h j k l m n p r s t v w z br ch cl cr dr fl gr pl pr sh st str th tr".split()
+SYLLABLE_ONSETS = (
+    "b c d f g h j k l m n p r s t v w z br ch cl cr dr fl gr pl pr sh st str th tr".split()
+)
 SYLLABLE_VOWELS = "a e i o u a e i o ai ea ee ie oo ou".split()
 SYLLABLE_CODAS = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck", "ng", "rt", "sh"]
 
@@ -234,8 +297,16 @@ def gerund(verb: str) -> str:
 
 
 def plural(noun: str) -> str:
-    irregular = {"man": "men", "woman": "women", "child": "children", "person": "people",
-                 "foot": "feet", "mouse": "mice", "life": "lives", "wife": "wives"}
+    irregular = {
+        "man": "men",
+        "woman": "women",
+        "child": "children",
+        "person": "people",
+        "foot": "feet",
+        "mouse": "mice",
+        "life": "lives",
+        "wife": "wives",
+    }
     if noun in irregular:
         return irregular[noun]
     if noun.endswith(("s", "sh", "ch", "x", "z")):
@@ -298,7 +369,9 @@ def verb_phrase(rng: SplitMix64) -> str:
     if rng.chance(1, 2):
         parts.append(rng.skewed(PREPOSITIONS) + " " + noun_phrase(rng))
     if rng.chance(1, 8):
-        parts.append(rng.choice(RELATIVES) + " " + past_tense(rng.skewed(VERBS)) + " " + noun_phrase(rng))
+        parts.append(
+            rng.choice(RELATIVES) + " " + past_tense(rng.skewed(VERBS)) + " " + noun_phrase(rng)
+        )
     return " ".join(parts)
 
 
@@ -318,10 +391,14 @@ def number(rng: SplitMix64) -> str:
 def sentence(rng: SplitMix64) -> str:
     if rng.chance(1, 8):
         subject = noun_phrase(rng)
-        question = f"{rng.choice(QUESTION_WORDS)} {rng.choice(['does', 'did', 'can', 'should', 'will'])} "
+        question = (
+            f"{rng.choice(QUESTION_WORDS)} {rng.choice(['does', 'did', 'can', 'should', 'will'])} "
+        )
         return question + subject + " " + rng.skewed(VERBS) + "?"
     if rng.chance(1, 10):
-        clause = rng.choice(["there are", "there were", "here are", "there is"]) + " " + noun_phrase(rng)
+        clause = (
+            rng.choice(["there are", "there were", "here are", "there is"]) + " " + noun_phrase(rng)
+        )
         return clause[0].upper() + clause[1:] + "."
     clause = noun_phrase(rng) + " " + verb_phrase(rng)
     if rng.chance(1, 6):
@@ -350,7 +427,8 @@ def code_snippet(rng: SplitMix64) -> str:
     """Python and JSON fragments: prompts often contain code, and it exercises whitespace runs."""
     if rng.chance(1, 3):
         fields = ", ".join(
-            f'"{rng.skewed(NOUNS)}": ' + (f'"{rng.skewed(ADJECTIVES)}"' if rng.chance(1, 2) else number(rng))
+            f'"{rng.skewed(NOUNS)}": '
+            + (f'"{rng.skewed(ADJECTIVES)}"' if rng.chance(1, 2) else number(rng))
             for _ in range(1 + rng.below(4))
         )
         return "{" + fields + "}\n"
@@ -365,7 +443,7 @@ def code_snippet(rng: SplitMix64) -> str:
             lines.append(f"    {target} = {identifier(rng)}({rng.skewed(NOUNS)})")
         else:
             lines.append(f"    if {target} is None:")
-            lines.append(f"        raise ValueError(\"{rng.skewed(ADJECTIVES)} {target}\")")
+            lines.append(f'        raise ValueError("{rng.skewed(ADJECTIVES)} {target}")')
     lines.append(f"    return {rng.skewed(NOUNS)}")
     return "\n".join(lines) + "\n"
 
@@ -418,7 +496,9 @@ def tokenizer_config() -> dict[str, object]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: %(default)s)")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="output directory (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
 
     tokenizer = train()
@@ -433,7 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    print(f"wrote {out / 'tokenizer.json'} (vocab size {tokenizer.get_vocab_size(with_added_tokens=True)})")
+    print(
+        f"wrote {out / 'tokenizer.json'} (vocab size {tokenizer.get_vocab_size(with_added_tokens=True)})"
+    )
     return 0
 
 

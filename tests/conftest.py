@@ -31,5 +31,9 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--lifecycles", default="10000", help="lifecycles for the differential test (the suite runs 10,000; 20,000 on request)")
+    parser.addoption(
+        "--lifecycles",
+        default="10000",
+        help="lifecycles for the differential test (the suite runs 10,000; 20,000 on request)",
+    )
     parser.addoption("--lifecycle-seed", default="0", help="first seed of the differential test")

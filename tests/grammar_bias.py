@@ -17,7 +17,11 @@ TOKENIZER = load_tokenizer(None)
 
 def _byte_level_table() -> dict[str, int]:
     """The byte-level BPE alphabet (GPT-2's): the character each byte is written as."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     table = {chr(b): b for b in printable}
     table.update({chr(256 + n): b for n, b in enumerate(others)})
@@ -34,5 +38,9 @@ def _unwanted(token_id: int) -> bool:
     return bool(text) and (not text.strip() or any(ord(c) < 0x20 for c in text) or 0xED in raw)
 
 
-UNWANTED_TOKENS = [i for i in range(TOKENIZER.vocab_size) if i not in TOKENIZER.special_token_ids and _unwanted(i)]
-STEADY = {str(i): -100 for i in UNWANTED_TOKENS}  # logit_bias: keeps every answer short and well formed
+UNWANTED_TOKENS = [
+    i for i in range(TOKENIZER.vocab_size) if i not in TOKENIZER.special_token_ids and _unwanted(i)
+]
+STEADY = {
+    str(i): -100 for i in UNWANTED_TOKENS
+}  # logit_bias: keeps every answer short and well formed

@@ -55,14 +55,29 @@ def require_transformers() -> None:
         pytest.skip(message)
 
 
-def write_case(directory: Path, case: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, sharded: bool | None = None) -> Any:
+def write_case(
+    directory: Path,
+    case: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    sharded: bool | None = None,
+) -> Any:
     """Writes ``case``'s checkpoint (sharded as ``CASES`` says unless ``sharded`` is given)
     and returns transformers' model of it in ``dtype``, eval mode."""
     require_transformers()
     family, overrides, shard_size = CASES[case]
     if sharded is not None:
         shard_size = SHARD_SIZE if sharded else None
-    return family_checkpoints.write(directory, family, shape=TINY, seed=seed, dtype=dtype, max_shard_size=shard_size, **overrides)
+    return family_checkpoints.write(
+        directory,
+        family,
+        shape=TINY,
+        seed=seed,
+        dtype=dtype,
+        max_shard_size=shard_size,
+        **overrides,
+    )
 
 
 def context_length(case: str) -> int:
@@ -76,5 +91,12 @@ def write_unsupported(directory: Path, architecture: str = "GPT2LMHeadModel") ->
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(DEFAULT_TOKENIZER_DIR / name, directory / name)
-    config = {"architectures": [architecture], "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000}
+    config = {
+        "architectures": [architecture],
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": 1000,
+    }
     (directory / "config.json").write_text(json.dumps(config))

@@ -85,11 +85,17 @@ class SimWorld:
     live: set[Req] = field(default_factory=set)
     queue_time: dict[int, float] = field(default_factory=dict)  # req_id -> expected queue_time
     _queue_entry: dict[int, float] = field(default_factory=dict)  # req_id -> open stay's entry
-    prompt_computed: set[int] = field(default_factory=set)  # req_ids prefilled up to the prompt's last token
-    stats_pending: StatsPending = field(default_factory=StatsPending)  # as a scheduler's: its requests only
+    prompt_computed: set[int] = field(
+        default_factory=set
+    )  # req_ids prefilled up to the prompt's last token
+    stats_pending: StatsPending = field(
+        default_factory=StatsPending
+    )  # as a scheduler's: its requests only
 
     def __post_init__(self) -> None:
-        self.stop_checker = StopChecker(self.tokenizer.eos_token_ids, self.tokenizer.decode, context_length=1 << 20)
+        self.stop_checker = StopChecker(
+            self.tokenizer.eos_token_ids, self.tokenizer.decode, context_length=1 << 20
+        )
         self.stop_pieces = self.tokenizer.encode(STOP_TEXT)
         self.planned: dict[int, list[int]] = {}  # req_id -> the next tokens it draws
         self._tokens_of: dict[str, list[int]] = {}
@@ -147,7 +153,9 @@ class SimWorld:
     def toggle_storage(self) -> None:
         """Attach or detach HiCache storage: every running request's details change keys,
         through the one setter, as the real attach/detach does (``Scheduler.storage_control``)."""
-        self.storage_backend = None if self.storage_backend else self.rng.choice(["file", "mooncake"])
+        self.storage_backend = (
+            None if self.storage_backend else self.rng.choice(["file", "mooncake"])
+        )
         for req in self.live:
             details = self.details(*req.cached_by_tier)
             if details != req.stats.cached_tokens_details:
@@ -220,7 +228,9 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int, kind: str) -> Step:
     if rng.random() < 0.04:  # aborted before admission: a row with no tokens
         yield from abort_waiting(world, req)
         return
-    if not (yield from admit(world, req, kind, first=True)) and not (yield from readmit(world, req, kind)):
+    if not (yield from admit(world, req, kind, first=True)) and not (
+        yield from readmit(world, req, kind)
+    ):
         return
     while True:
         roll = rng.random()
@@ -233,7 +243,9 @@ def lifecycle(world: SimWorld, req: Req, stop_token: int, kind: str) -> Step:
         elif roll < 0.13:
             ts = req.stats.time_stats
             if ts is not None:
-                req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + rng.random() / 100)
+                req.update_time_stats(
+                    storage_prefetch_wait=ts.storage_prefetch_wait + rng.random() / 100
+                )
         if not req.finished:
             for _ in range(block):
                 if append_token(world, req, stop_token, pressure):
@@ -300,17 +312,23 @@ def admit(world: SimWorld, req: Req, kind: str, *, first: bool) -> Admission:
     if kind == "pd_decode":
         # Prebuilt: the KV arrives from the prefill server, which reports its cached tokens.
         world.set_cached(req, rng.randint(0, len(req.origin_input_ids) - 1))
-        req.update_time_stats(bootstrap_done_time=world.now, decode_prebuilt_finish_time=world.now + 0.001)
+        req.update_time_stats(
+            bootstrap_done_time=world.now, decode_prebuilt_finish_time=world.now + 0.001
+        )
     elif first:
         device = rng.randint(0, len(req.origin_input_ids) - 1) if rng.random() < 0.5 else 0
         host = rng.randint(0, 8) if device and rng.random() < 0.3 else 0
-        storage = rng.randint(0, 8) if device and world.storage_backend and rng.random() < 0.3 else 0
+        storage = (
+            rng.randint(0, 8) if device and world.storage_backend and rng.random() < 0.3 else 0
+        )
         if device + host + storage > limit:
             device, host, storage = min(device, limit), 0, 0
         if storage:  # read from storage files before the prefill
             ts = req.stats.time_stats
             if ts is not None:
-                req.update_time_stats(storage_prefetch_wait=ts.storage_prefetch_wait + rng.random() / 100)
+                req.update_time_stats(
+                    storage_prefetch_wait=ts.storage_prefetch_wait + rng.random() / 100
+                )
         world.set_cached(req, device, host, storage)
         start = device + host + storage
     # Chunked prefill: no row until the last chunk. A prefilling request is the first a
@@ -344,7 +362,9 @@ def append_token(world: SimWorld, req: Req, stop_token: int, pressure: float) ->
         # One of its stop strings spelled out, a run of special tokens between each two of
         # its tokens: skipped, they have no text, and the stop must match all the same.
         first, *rest = world.tokens_of(rng.choice(s.stop))
-        world.planned[req.req_id] = [t for piece in rest for t in (*rng.choices(SPECIAL_TOKENS, k=rng.randint(0, 3)), piece)]
+        world.planned[req.req_id] = [
+            t for piece in rest for t in (*rng.choices(SPECIAL_TOKENS, k=rng.randint(0, 3)), piece)
+        ]
         token = first
     elif roll < 0.4 and s.stop:
         token = rng.choice(world.stop_pieces)
@@ -357,7 +377,11 @@ def append_token(world: SimWorld, req: Req, stop_token: int, pressure: float) ->
             token = rng.randint(6, 4095)
     req.output_ids.append(token)
     if req.logprob is not None:  # as the sampling step keeps them, one entry per token
-        req.pending_logprobs.append(token_logprobs(req.req_id, OUTPUT, [len(req.output_ids) - 1], req.logprob, world.vocab_size))
+        req.pending_logprobs.append(
+            token_logprobs(
+                req.req_id, OUTPUT, [len(req.output_ids) - 1], req.logprob, world.vocab_size
+            )
+        )
     reason = world.stop_checker.check(req)
     if reason is not None:
         world.finish(req, reason)
@@ -381,11 +405,15 @@ def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str:
     allowed = len(tokenizer.decode(ids[: max(s.min_new_tokens - 1, 0)], skip))
     starts = [at for stop in s.stop for at in _occurrences(text, stop) if at + len(stop) > allowed]
     if isinstance(reason, FinishStop) and isinstance(reason.matched, str):
-        assert starts, f"{req.rid}: finished on {reason.matched!r} but its text {text!r} holds no such stop"
+        assert starts, (
+            f"{req.rid}: finished on {reason.matched!r} but its text {text!r} holds no such stop"
+        )
         # The first of them ends in the last token's text: the checker missed none before.
         before_last = len(tokenizer.decode(ids[:-1], skip))
         first = min(starts)
-        assert any(text.startswith(stop, first) and first + len(stop) > before_last for stop in s.stop), (
+        assert any(
+            text.startswith(stop, first) and first + len(stop) > before_last for stop in s.stop
+        ), (
             f"{req.rid}: a stop string at {first} of {text!r} was missed before the one it finished on"
         )
         return text if s.no_stop_trim else text[:first]
@@ -393,8 +421,12 @@ def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str:
     # is not looked at (its stop came first).
     if isinstance(reason, FinishStop) and s.no_stop_trim:
         checked = tokenizer.decode(ids[:-1], skip)
-        starts = [at for stop in s.stop for at in _occurrences(checked, stop) if at + len(stop) > allowed]
-    assert not starts, f"{req.rid}: finished with {reason} though its text {text!r} holds a stop string at {starts}"
+        starts = [
+            at for stop in s.stop for at in _occurrences(checked, stop) if at + len(stop) > allowed
+        ]
+    assert not starts, (
+        f"{req.rid}: finished with {reason} though its text {text!r} holds a stop string at {starts}"
+    )
     return text
 
 

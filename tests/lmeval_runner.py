@@ -40,7 +40,9 @@ import pytest
 
 from tests.server_harness import offline_hub_env
 
-LM_EVAL_VERSION = "0.4.13"  # its request body and samples file are what we read: keep in step with pyproject
+LM_EVAL_VERSION = (
+    "0.4.13"  # its request body and samples file are what we read: keep in step with pyproject
+)
 TASK_DIR = Path(__file__).resolve().parent / "lmeval_task"
 TASK = "tokenpipe_mc"
 
@@ -85,7 +87,9 @@ def run_hf(checkpoint: Path, workdir: Path) -> LmEvalResult:
     return _run("hf", model_args, workdir, ["--device", "cpu"], env={})
 
 
-def run_local_completions(server_url: str, tokenizer_dir: Path, workdir: Path, *, model: str, api_key: str | None = None) -> LmEvalResult:
+def run_local_completions(
+    server_url: str, tokenizer_dir: Path, workdir: Path, *, model: str, api_key: str | None = None
+) -> LmEvalResult:
     """lm-eval's ``local-completions`` model against ``{server_url}/v1/completions``, asking
     for ``model`` and tokenizing with the tokenizer in ``tokenizer_dir``. The tokenizer backend
     is named: left to ``auto``, lm-eval first probes the server's ``/tokenizer_info`` and
@@ -105,7 +109,9 @@ def run_local_completions(server_url: str, tokenizer_dir: Path, workdir: Path, *
     return _run("local-completions", model_args, workdir, [], env={"OPENAI_API_KEY": api_key or ""})
 
 
-def _run(model: str, model_args: str, workdir: Path, extra_args: list[str], env: dict[str, str]) -> LmEvalResult:
+def _run(
+    model: str, model_args: str, workdir: Path, extra_args: list[str], env: dict[str, str]
+) -> LmEvalResult:
     output = workdir / "lmeval-out"
     command = [
         sys.executable, "-m", "lm_eval", "run",
@@ -119,8 +125,12 @@ def _run(model: str, model_args: str, workdir: Path, extra_args: list[str], env:
         *extra_args,
     ]  # fmt: skip
     full_env = offline_hub_env(workdir, **env)
-    run = subprocess.run(command, check=False, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, f"lm-eval exited with {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = subprocess.run(
+        command, check=False, cwd=workdir, env=full_env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, (
+        f"lm-eval exited with {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    )
     return read_output(output)
 
 
@@ -138,20 +148,27 @@ def read_output(output: Path) -> LmEvalResult:
         # the numbers as strings.
         loglikelihoods = tuple(float(resp[0][0]) for resp in sample["resps"])
         assert len(loglikelihoods) == len(sample["arguments"]), sample
-        docs[int(sample["doc_id"])] = DocScores(target=int(sample["target"]), loglikelihoods=loglikelihoods)
+        docs[int(sample["doc_id"])] = DocScores(
+            target=int(sample["target"]), loglikelihoods=loglikelihoods
+        )
     return LmEvalResult(accuracy=accuracy, docs=docs)
 
 
 def argmax_accuracy(docs: dict[int, DocScores]) -> float:
     """The accuracy the loglikelihoods imply (the first of tied maxima wins, as in lm-eval)."""
-    right = sum(max(range(len(d.loglikelihoods)), key=d.loglikelihoods.__getitem__) == d.target for d in docs.values())
+    right = sum(
+        max(range(len(d.loglikelihoods)), key=d.loglikelihoods.__getitem__) == d.target
+        for d in docs.values()
+    )
     return right / len(docs)
 
 
 def assert_scores_every_choice_of_every_doc(result: LmEvalResult) -> None:
     """The ``hf`` run is whole: every document of the local task, one finite loglikelihood
     per choice, its target, and the accuracy their argmax makes."""
-    questions = [json.loads(line) for line in (TASK_DIR / "questions.jsonl").read_text().splitlines()]
+    questions = [
+        json.loads(line) for line in (TASK_DIR / "questions.jsonl").read_text().splitlines()
+    ]
     assert 0.0 <= result.accuracy <= 1.0
     assert sorted(result.docs) == list(range(len(questions)))
     for doc_id, doc in result.docs.items():

@@ -34,7 +34,11 @@ _KINDS = {
     Span.SPAN_KIND_PRODUCER: "PRODUCER",
     Span.SPAN_KIND_CONSUMER: "CONSUMER",
 }
-_STATUS = {Status.STATUS_CODE_UNSET: "UNSET", Status.STATUS_CODE_OK: "OK", Status.STATUS_CODE_ERROR: "ERROR"}
+_STATUS = {
+    Status.STATUS_CODE_UNSET: "UNSET",
+    Status.STATUS_CODE_OK: "OK",
+    Status.STATUS_CODE_ERROR: "ERROR",
+}
 
 
 def any_value(value: AnyValue) -> Any:
@@ -112,7 +116,9 @@ class OtlpReceiver:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass  # keep test output quiet
 
-            def _reply(self, status: int, body: bytes, content_type: str = "application/x-protobuf") -> None:
+            def _reply(
+                self, status: int, body: bytes, content_type: str = "application/x-protobuf"
+            ) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
@@ -142,7 +148,9 @@ class OtlpReceiver:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="otlp-receiver", daemon=True
+        )
 
     @property
     def port(self) -> int:
@@ -169,7 +177,9 @@ class OtlpReceiver:
         with self._cond:
             return list(self._spans)
 
-    def wait_for(self, predicate: Callable[[list[ReceivedSpan]], bool], timeout: float) -> list[ReceivedSpan]:
+    def wait_for(
+        self, predicate: Callable[[list[ReceivedSpan]], bool], timeout: float
+    ) -> list[ReceivedSpan]:
         """Waits until ``predicate(spans)`` holds and returns the spans; raises
         TimeoutError with what arrived when it does not within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
@@ -178,7 +188,9 @@ class OtlpReceiver:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     names = [(s.name, s.trace_id) for s in self._spans]
-                    raise TimeoutError(f"OTLP receiver: condition not met in {timeout} s; spans so far: {names}")
+                    raise TimeoutError(
+                        f"OTLP receiver: condition not met in {timeout} s; spans so far: {names}"
+                    )
                 self._cond.wait(left)
             return list(self._spans)
 

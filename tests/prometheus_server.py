@@ -24,7 +24,9 @@ def require_program(name: str) -> str:
     path = shutil.which(name)
     if path is None:
         if IN_CI:
-            pytest.fail(f"{name} is required in CI (.ci/run installs the Debian package prometheus)")
+            pytest.fail(
+                f"{name} is required in CI (.ci/run installs the Debian package prometheus)"
+            )
         pytest.skip(f"{name} is not installed")
     return path
 
@@ -41,14 +43,25 @@ def running_prometheus(target_port: int, workdir: Path) -> Iterator[str]:
     )
     port = free_port()
     proc = Launched(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
         name="prometheus",
         log_path=workdir / "prometheus.log",
         stop_timeout=10.0,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(lambda: answers_200(f"{url}/-/ready", timeout=2), [proc], 30, what="prometheus did not become ready", interval=0.2)
+        wait_ready(
+            lambda: answers_200(f"{url}/-/ready", timeout=2),
+            [proc],
+            30,
+            what="prometheus did not become ready",
+            interval=0.2,
+        )
         yield url
     finally:
         proc.stop()
@@ -57,7 +70,10 @@ def running_prometheus(target_port: int, workdir: Path) -> Iterator[str]:
 def query(prom: str, expr: str) -> dict[str, float]:
     data = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10).json()
     assert data["status"] == "success", data
-    return {json.dumps(r["metric"], sort_keys=True): float(r["value"][1]) for r in data["data"]["result"]}
+    return {
+        json.dumps(r["metric"], sort_keys=True): float(r["value"][1])
+        for r in data["data"]["result"]
+    }
 
 
 def scalar(prom: str, expr: str) -> float | None:

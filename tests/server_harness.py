@@ -42,7 +42,14 @@ __all__ = [
 ]
 
 # Small and fast for a 2-core CI machine; individual tests override what they exercise.
-SMALL_SERVER_ARGS = ["--max-total-tokens", "8192", "--chunked-prefill-size", "256", "--log-level", "warning"]
+SMALL_SERVER_ARGS = [
+    "--max-total-tokens",
+    "8192",
+    "--chunked-prefill-size",
+    "256",
+    "--log-level",
+    "warning",
+]
 
 
 class ServerProcess(LaunchedServer):
@@ -50,7 +57,9 @@ class ServerProcess(LaunchedServer):
     server creates (and must remove) is observable, the small test settings, the whole
     output kept, and a log file next to the TMPDIR."""
 
-    def __init__(self, tmp_dir: Path, args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tmp_dir: Path, args: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.tmp_dir = tmp_dir
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         super().__init__(
@@ -105,14 +114,20 @@ class RoleProcesses:
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = headers or {}
         self.log_dir = log_dir
-        endpoint_args = [arg for name in inputs for arg in (f"--{name}-input", self.endpoints[name])]
+        endpoint_args = [
+            arg for name in inputs for arg in (f"--{name}-input", self.endpoints[name])
+        ]
         self.args = [*endpoint_args, "--port", str(self.port), *SMALL_ROLE_ARGS, *args]
         self.procs = {role: self.start(role) for role in roles}
 
     @property
     def zmq_ports(self) -> dict[str, int]:
         """The port of each tcp:// input ("scheduler", "detokenizer", "tokenizer")."""
-        return {name: int(url.rsplit(":", 1)[1]) for name, url in self.endpoints.items() if url.startswith("tcp://")}
+        return {
+            name: int(url.rsplit(":", 1)[1])
+            for name, url in self.endpoints.items()
+            if url.startswith("tcp://")
+        }
 
     def start(self, role: str) -> Launched:
         log_path = self.log_dir / f"{role}.log" if self.log_dir is not None else None

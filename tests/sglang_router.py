@@ -23,7 +23,9 @@ IN_CI = os.environ.get("CI") == "true"
 def router_binary() -> str:
     """The sglang-router console script of this interpreter's environment. Skips the test
     where it is not installed, except in CI (``make test`` installs it), where that fails."""
-    found = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which("sglang-router")
+    found = shutil.which("sglang-router", path=str(Path(sys.executable).parent)) or shutil.which(
+        "sglang-router"
+    )
     if found is None:
         if IN_CI:
             pytest.fail("sglang-router is required in CI (the test extra installs it)")
@@ -38,7 +40,13 @@ class SglangRouter(Launched):
     "--decode", url]``. Its log goes to ``log_path``, and all of it is kept for ``output()``."""
 
     def __init__(
-        self, args: Sequence[str], log_path: Path, *, policy: str = "cache_aware", api_key: str | None = None, log_level: str = "warn"
+        self,
+        args: Sequence[str],
+        log_path: Path,
+        *,
+        policy: str = "cache_aware",
+        api_key: str | None = None,
+        log_level: str = "warn",
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -50,7 +58,14 @@ class SglangRouter(Launched):
         ]  # fmt: skip
         if api_key is not None:
             command += ["--api-key", api_key]  # required from clients, and sent to the workers
-        super().__init__(command, name="sglang-router", env={"NO_COLOR": "1"}, log_path=log_path, keep_lines=None, stop_timeout=15.0)
+        super().__init__(
+            command,
+            name="sglang-router",
+            env={"NO_COLOR": "1"},
+            log_path=log_path,
+            keep_lines=None,
+            stop_timeout=15.0,
+        )
 
     def wait_ready(self, timeout: float = 60.0, *, workers: int = 1) -> Self:
         """Until the router has registered ``workers`` healthy workers (its ``/workers``)."""

@@ -31,17 +31,20 @@ OUTPUT, PROMPT = 1, 2  # which positions a value belongs to: generated tokens or
 _MASK = (1 << 32) - 1
 
 
-
 def make_logprob_params(rng: random.Random, vocab_size: int) -> LogprobParams:
     """What a client may ask: 0 to 5 top logprobs, 0 to 3 ids, and prompt logprobs from the
     start (0), from a position (possibly past the prompt's end: none), or none (-1). A
     request asking for prompt logprobs gets a short prompt (``make_req``)."""
     start = rng.choice([-1, -1, -1, 0, 1, rng.randint(0, 60)])
     ids = tuple(rng.randrange(vocab_size) for _ in range(rng.choice([0, 0, 1, 3])))
-    return LogprobParams(top_logprobs_num=rng.randint(0, 5), logprob_start_len=start, token_ids_logprob=ids)
+    return LogprobParams(
+        top_logprobs_num=rng.randint(0, 5), logprob_start_len=start, token_ids_logprob=ids
+    )
 
 
-def _values(req_id: int, where: int, positions: Sequence[int], ask: LogprobParams, vocab_size: int) -> tuple[list[Any], ...]:
+def _values(
+    req_id: int, where: int, positions: Sequence[int], ask: LogprobParams, vocab_size: int
+) -> tuple[list[Any], ...]:
     """The values of these positions (float64, not float32-exact), one row each: the chosen
     token's, the top ids and values (values strictly descending, ids distinct) and the
     values of the asked ids. Plain Python: most calls are for one position."""
@@ -61,7 +64,9 @@ def _values(req_id: int, where: int, positions: Sequence[int], ask: LogprobParam
     return chosen, top_ids, top_values, ids_values
 
 
-def token_logprobs(req_id: int, where: int, positions: Sequence[int], ask: LogprobParams, vocab_size: int) -> TokenLogprobs:
+def token_logprobs(
+    req_id: int, where: int, positions: Sequence[int], ask: LogprobParams, vocab_size: int
+) -> TokenLogprobs:
     """The ``TokenLogprobs`` of these positions, as the scheduler's batched pass hands them over."""
     chosen, top_ids, top_values, ids_values = _values(req_id, where, positions, ask, vocab_size)
     t, k, m = len(chosen), ask.top_logprobs_num, len(ask.token_ids_logprob)
@@ -73,7 +78,9 @@ def token_logprobs(req_id: int, where: int, positions: Sequence[int], ask: Logpr
     )
 
 
-def expected_entries(req_id: int, where: int, positions: Sequence[int], ask: LogprobParams, vocab_size: int) -> LogprobEntries:
+def expected_entries(
+    req_id: int, where: int, positions: Sequence[int], ask: LogprobParams, vocab_size: int
+) -> LogprobEntries:
     """What the tokenizer manager must hold for these positions: the same values, each
     rounded to float32 once (the wire's dtype), as Python floats."""
     chosen, top_ids, top_values, ids_values = _values(req_id, where, positions, ask, vocab_size)
@@ -102,7 +109,9 @@ class LogprobTruth:
         """The entries of the first ``count`` generated tokens."""
         have = self._output.setdefault(req_id, LogprobEntries())
         if count > len(have.chosen):
-            more = expected_entries(req_id, OUTPUT, range(len(have.chosen), count), ask, self.vocab_size)
+            more = expected_entries(
+                req_id, OUTPUT, range(len(have.chosen), count), ask, self.vocab_size
+            )
             have.chosen += more.chosen
             have.top += more.top
             have.ids += more.ids
@@ -118,7 +127,9 @@ class LogprobTruth:
     def prompt(self, req_id: int, ask: LogprobParams, prompt_len: int) -> LogprobEntries:
         """The entries of all the prompt positions asked for."""
         if req_id not in self._prompt:
-            self._prompt[req_id] = expected_entries(req_id, PROMPT, prompt_positions(ask, prompt_len), ask, self.vocab_size)
+            self._prompt[req_id] = expected_entries(
+                req_id, PROMPT, prompt_positions(ask, prompt_len), ask, self.vocab_size
+            )
         return self._prompt[req_id]
 
     def forget(self, req_id: int) -> None:
@@ -143,12 +154,18 @@ def prefill_chunk(req: Req, lo: int, hi: int, vocab_size: int) -> None:
     last = len(req.origin_input_ids) - 1  # the last predicting position is the one before the end
     first, end = max(nxt, lo), min(hi, last)
     if first < end:
-        req.prompt_logprobs.append(token_logprobs(req.req_id, PROMPT, range(first + 1, end + 1), ask, vocab_size))
+        req.prompt_logprobs.append(
+            token_logprobs(req.req_id, PROMPT, range(first + 1, end + 1), ask, vocab_size)
+        )
         req.prompt_logprobs_next = None if end == last else end
 
 
 def expected_meta(
-    ask: LogprobParams, ids: Sequence[int], out: LogprobEntries, prompt_ids: Sequence[int] | None, prompt: LogprobEntries | None,
+    ask: LogprobParams,
+    ids: Sequence[int],
+    out: LogprobEntries,
+    prompt_ids: Sequence[int] | None,
+    prompt: LogprobEntries | None,
     text_of: Callable[[int], str] | None,
 ) -> dict[str, Any]:
     """The /generate logprob keys (docs/design.md section 11) for output tokens ``ids`` with entries
@@ -158,11 +175,15 @@ def expected_meta(
     def text(token: int) -> str | None:
         return text_of(token) if text_of is not None else None
 
-    meta: dict[str, Any] = {"output_token_logprobs": [[v, t, text(t)] for v, t in zip(out.chosen, ids, strict=True)]}
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [[v, t, text(t)] for v, t in zip(out.chosen, ids, strict=True)]
+    }
     if ask.top_logprobs_num:
         meta["output_top_logprobs"] = [[[v, i, text(i)] for v, i in top] for top in out.top]
     if ask.token_ids_logprob:
-        meta["output_token_ids_logprobs"] = [[[v, i, text(i)] for v, i in zip(vs, ask.token_ids_logprob)] for vs in out.ids]
+        meta["output_token_ids_logprobs"] = [
+            [[v, i, text(i)] for v, i in zip(vs, ask.token_ids_logprob)] for vs in out.ids
+        ]
     if prompt_ids is None or prompt is None:
         return meta
     start = ask.logprob_start_len
@@ -172,10 +193,13 @@ def expected_meta(
     assert computed in (0, len(shown) - len(null)), "prompt entries are all there or none are"
     with_values = shown[len(null) :] if computed else []
     meta["input_token_logprobs"] = [[None, prompt_ids[q], text(prompt_ids[q])] for q in null] + [
-        [v, prompt_ids[q], text(prompt_ids[q])] for v, q in zip(prompt.chosen, with_values, strict=True)
+        [v, prompt_ids[q], text(prompt_ids[q])]
+        for v, q in zip(prompt.chosen, with_values, strict=True)
     ]
     if ask.top_logprobs_num:
-        meta["input_top_logprobs"] = [None] * len(null) + [[[v, i, text(i)] for v, i in top] for top in prompt.top]
+        meta["input_top_logprobs"] = [None] * len(null) + [
+            [[v, i, text(i)] for v, i in top] for top in prompt.top
+        ]
     if ask.token_ids_logprob:
         meta["input_token_ids_logprobs"] = [None] * len(null) + [
             [[v, i, text(i)] for v, i in zip(vs, ask.token_ids_logprob)] for vs in prompt.ids

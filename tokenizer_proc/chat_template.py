@@ -83,8 +83,16 @@ def _raise_exception(message: str) -> None:
 
 
 # A template's own arguments, whatever it passes: json.dumps judges them.
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -100,7 +108,9 @@ class ChatTemplate:
         self.source = source if source is not None else DEFAULT_CHAT_TEMPLATE
         self.is_default = source is None
         self._special_tokens = dict(special_tokens or {})
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -135,20 +145,38 @@ class ChatTemplate:
         final = ""
         if continue_final_message:
             if add_generation_prompt:
-                raise FinalMessageError("continue_final_message and add_generation_prompt are not compatible")
+                raise FinalMessageError(
+                    "continue_final_message and add_generation_prompt are not compatible"
+                )
             if not messages or not isinstance(messages[-1].get("content"), str):
-                raise FinalMessageError('continue_final_message is set but the final message has no "content" to continue')
+                raise FinalMessageError(
+                    'continue_final_message is set but the final message has no "content" to continue'
+                )
             final = messages[-1]["content"]
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARKER}]
         # As apply_chat_template: none, not undefined, so that `tools is not none` is false.
-        fixed = {"messages": messages, "tools": tools or None, "documents": None, "add_generation_prompt": add_generation_prompt}
+        fixed = {
+            "messages": messages,
+            "tools": tools or None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             rendered = self._template.render({**self._special_tokens, **(kwargs or {}), **fixed})
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except (
+            jinja2.TemplateError,
+            TypeError,
+            ValueError,
+            KeyError,
+            IndexError,
+            AttributeError,
+        ) as exc:
             # A template indexing a missing key or adding str to None fails on these messages.
-            raise ChatTemplateError(f"the chat template cannot render these messages: {type(exc).__name__}: {exc}") from exc
+            raise ChatTemplateError(
+                f"the chat template cannot render these messages: {type(exc).__name__}: {exc}"
+            ) from exc
         return _left_open(rendered, final) if continue_final_message else rendered
 
 

@@ -33,7 +33,9 @@ class ControlClient:
         # The worker index lives in the high bits, as in a req_id (``io_struct.WORKER_SHIFT``),
         # so the scheduler's answer goes back to the worker that asked.
         self._next_control_id = itertools.count((worker_index << WORKER_SHIFT) + 1)
-        self._controls: dict[int, asyncio.Future[ControlAnswer]] = {}  # the calls waiting, by control_id
+        self._controls: dict[
+            int, asyncio.Future[ControlAnswer]
+        ] = {}  # the calls waiting, by control_id
 
     def answer(self, frame: ControlAnswer) -> None:
         """Hands the scheduler's answer to the call waiting for it (none: it timed out)."""
@@ -45,10 +47,17 @@ class ControlClient:
         """Asks the scheduler to stop request ``rid`` of another API worker (--api-workers);
         whether it stopped one. Its finished row goes to its own worker."""
         control_id = next(self._next_control_id)
-        answer = await self._round_trip(control_id, AbortReq(rid=rid, reason=reason, control_id=control_id), AbortResult, timeout)
+        answer = await self._round_trip(
+            control_id,
+            AbortReq(rid=rid, reason=reason, control_id=control_id),
+            AbortResult,
+            timeout,
+        )
         return answer is not None and answer.aborted > 0
 
-    async def hicache_storage(self, *, attach: bool, backend: str = "", dir: str = "", timeout: float = 30.0) -> HiCacheStorageState | None:
+    async def hicache_storage(
+        self, *, attach: bool, backend: str = "", dir: str = "", timeout: float = 30.0
+    ) -> HiCacheStorageState | None:
         """Asks the scheduler to attach or detach HiCache storage and waits for its answer
         (it comes between two scheduler steps); None when none came within ``timeout``."""
         control_id = next(self._next_control_id)
@@ -59,9 +68,13 @@ class ControlClient:
         """Asks the scheduler to drop its prefix cache and waits for its answer; None when
         none came within ``timeout``."""
         control_id = next(self._next_control_id)
-        return await self._round_trip(control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout)
+        return await self._round_trip(
+            control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout
+        )
 
-    async def _round_trip(self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float) -> _Answer | None:
+    async def _round_trip(
+        self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float
+    ) -> _Answer | None:
         """Sends one control message and waits for the scheduler's answer of the same id."""
         future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
         self._controls[control_id] = future

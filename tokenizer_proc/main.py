@@ -25,7 +25,9 @@ async def _serve(config: ServerConfig) -> None:
     several = config.api_workers > 1
     if several and config.enable_metrics and METRICS_DIR_ENV not in os.environ:
         # prometheus-client reads it when it is imported; `tokenpipe serve` sets it.
-        raise SystemExit(f"--api-workers {config.api_workers} with metrics on: set {METRICS_DIR_ENV} to a directory the workers share")
+        raise SystemExit(
+            f"--api-workers {config.api_workers} with metrics on: set {METRICS_DIR_ENV} to a directory the workers share"
+        )
     # Under --skip-tokenizer-init only the model's configs are read, never a tokenizer file.
     vocab = load_vocab(config.model_path, skip_tokenizer_init=config.skip_tokenizer_init)
     tm = TokenizerManager(config, vocab, context_length=context_length_of(config, vocab.vocab_size))
@@ -41,13 +43,25 @@ async def _serve(config: ServerConfig) -> None:
         # frozen out of the scans altogether.
         gc.freeze()
         gc.set_threshold(50_000, 20, 20)
-        reporting.append(asyncio.get_running_loop().create_task(_report_ready_once_served(tm, config)))
-        logger.info("%s serving %s on http://%s:%d", config.api_name, tm.model_name, config.host, config.port)
+        reporting.append(
+            asyncio.get_running_loop().create_task(_report_ready_once_served(tm, config))
+        )
+        logger.info(
+            "%s serving %s on http://%s:%d",
+            config.api_name,
+            tm.model_name,
+            config.host,
+            config.port,
+        )
 
     # The counter of clients dropped for sending their request too slowly (None: metrics off).
-    on_read_timeout = tm.metrics.requests.num_rejected["read_timeout"].inc if tm.metrics is not None else None
+    on_read_timeout = (
+        tm.metrics.requests.num_rejected["read_timeout"].inc if tm.metrics is not None else None
+    )
     try:
-        await serve_http(app, config, on_started=started, on_read_timeout=on_read_timeout, reuse_port=several)
+        await serve_http(
+            app, config, on_started=started, on_read_timeout=on_read_timeout, reuse_port=several
+        )
     finally:
         await tm.close()
 

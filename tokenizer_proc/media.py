@@ -169,7 +169,11 @@ def parse_media(
     order it was given. Raises ``MediaError`` naming the field and index of the first bad item.
     """
     items: list[MediaItem] = []
-    given: tuple[tuple[MediaKind, str | Sequence[str] | None], ...] = (("image", image_data), ("audio", audio_data), ("video", video_data))
+    given: tuple[tuple[MediaKind, str | Sequence[str] | None], ...] = (
+        ("image", image_data),
+        ("audio", audio_data),
+        ("video", video_data),
+    )
     for kind, data in given:
         field = f"{kind}_data"
         for param, value in _entries(kind, field, data):
@@ -178,7 +182,9 @@ def parse_media(
     return items
 
 
-def expand_prompt(input_ids: list[int], items: list[MediaItem], media_token_ids: Mapping[str, int]) -> list[int]:
+def expand_prompt(
+    input_ids: list[int], items: list[MediaItem], media_token_ids: Mapping[str, int]
+) -> list[int]:
     """Placeholder tokens go before the text, in the order image, audio, video and item order:
     for each item num_tokens copies of its kind's token id. Raises MediaError if the tokenizer
     has no token for a kind that was given.
@@ -188,7 +194,9 @@ def expand_prompt(input_ids: list[int], items: list[MediaItem], media_token_ids:
     unknown = {item.kind for item in items} - set(MEDIA_KINDS)
     if unknown:
         kind = sorted(unknown)[0]
-        raise MediaError(f"unknown media kind {kind!r}; expected one of {', '.join(MEDIA_KINDS)}", f"{kind}_data")
+        raise MediaError(
+            f"unknown media kind {kind!r}; expected one of {', '.join(MEDIA_KINDS)}", f"{kind}_data"
+        )
     placeholders: list[int] = []
     for kind in MEDIA_KINDS:
         for item in items:
@@ -230,16 +238,23 @@ def _decode_string(kind: str, param: str, value: object) -> bytes:
     """The bytes of one item, from raw base64 or a base64 data URL."""
     expected = f"expected raw base64 or a base64 data URL such as {_DATA_URL_EXAMPLE[kind]}"
     if not isinstance(value, str):
-        raise MediaError(f"{param} must be a string ({expected}), got {type(value).__name__}", param)
+        raise MediaError(
+            f"{param} must be a string ({expected}), got {type(value).__name__}", param
+        )
     if not value.strip():
         raise MediaError(f"{param} is empty; {expected}", param)
     payload = value
     if value[:5].lower() == "data:":
         header, comma, payload = value.partition(",")
         if not comma:
-            raise MediaError(f"{param} is a data URL without a ',' before its data; {expected}", param)
+            raise MediaError(
+                f"{param} is a data URL without a ',' before its data; {expected}", param
+            )
         if not header.lower().endswith(";base64"):
-            raise MediaError(f"{param} is a data URL that is not base64-encoded (no ';base64' before ','); {expected}", param)
+            raise MediaError(
+                f"{param} is a data URL that is not base64-encoded (no ';base64' before ','); {expected}",
+                param,
+            )
     elif value.lstrip()[:8].lower().startswith(("http://", "https://", "file://")):
         raise MediaError(f"{param} is a URL; the server does not fetch URLs, {expected}", param)
 
@@ -250,7 +265,9 @@ def _decode_string(kind: str, param: str, value: object) -> bytes:
     if (len(payload) // 4) * 3 > MAX_ITEM_BYTES + 3:
         raise MediaError(_too_large(param, (len(payload) // 4) * 3), param)
     if len(payload) % 4 == 1:
-        raise MediaError(f"{param} is not valid base64 (its length cannot be a base64 length); {expected}", param)
+        raise MediaError(
+            f"{param} is not valid base64 (its length cannot be a base64 length); {expected}", param
+        )
     payload += "=" * (-len(payload) % 4)
     try:
         raw = base64.b64decode(payload, validate=True)
@@ -299,14 +316,23 @@ def _image_header(kind: str, param: str, raw: bytes) -> tuple[int, int, int]:
             with Image.open(BytesIO(raw), formats=IMAGE_FORMATS) as im:
                 n_frames = int(getattr(im, "n_frames", 1))
     except Image.DecompressionBombError:
-        raise MediaError(f"{param} declares too many pixels to be accepted; expected {what}", param) from None
+        raise MediaError(
+            f"{param} declares too many pixels to be accepted; expected {what}", param
+        ) from None
     except Image.UnidentifiedImageError:
         sniffed = _sniff(raw)
         if sniffed is not None:
-            raise MediaError(f"{param} starts like a {sniffed} file but its header is broken; expected {what}", param) from None
-        raise MediaError(f"{param} is not an image of an accepted format; expected {what}", param) from None
+            raise MediaError(
+                f"{param} starts like a {sniffed} file but its header is broken; expected {what}",
+                param,
+            ) from None
+        raise MediaError(
+            f"{param} is not an image of an accepted format; expected {what}", param
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any failure of a parser of untrusted bytes means a bad file
-        raise MediaError(f"{param} is a broken or truncated image file ({_reason(exc)}); expected {what}", param) from None
+        raise MediaError(
+            f"{param} is a broken or truncated image file ({_reason(exc)}); expected {what}", param
+        ) from None
     if width <= 0 or height <= 0 or n_frames <= 0:
         raise MediaError(
             f"{param} is a {fmt} file of {width}x{height} pixels and {n_frames} frames; expected {what} "
@@ -334,7 +360,10 @@ def _sniff(raw: bytes) -> str | None:
 def _audio(param: str, raw: bytes) -> int:
     what = _EXPECTED["audio"]
     if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
-        raise MediaError(f"{param} is not a WAV file (it does not start with a RIFF/WAVE header); expected {what}", param)
+        raise MediaError(
+            f"{param} is not a WAV file (it does not start with a RIFF/WAVE header); expected {what}",
+            param,
+        )
     try:
         with wave.open(BytesIO(raw), "rb") as w:
             nframes = w.getnframes()
@@ -342,9 +371,13 @@ def _audio(param: str, raw: bytes) -> int:
             frame_size = w.getsampwidth() * w.getnchannels()
             data = w.readframes(nframes)
     except Exception as exc:  # noqa: BLE001 - any failure of a parser of untrusted bytes means a bad file
-        raise MediaError(f"{param} is a broken or unsupported WAV file ({_reason(exc)}); expected {what}", param) from None
+        raise MediaError(
+            f"{param} is a broken or unsupported WAV file ({_reason(exc)}); expected {what}", param
+        ) from None
     if framerate <= 0 or frame_size <= 0:
-        raise MediaError(f"{param} is a WAV file with a sample rate of {framerate} Hz; expected {what}", param)
+        raise MediaError(
+            f"{param} is a WAV file with a sample rate of {framerate} Hz; expected {what}", param
+        )
     if len(data) < nframes * frame_size:
         raise MediaError(
             f"{param} is a truncated WAV file: its header declares {nframes} frames but only "

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -38,13 +45,24 @@ class SchedulerGauges:
         def gauge(key: str, doc: str) -> Gauge:
             return naming.gauge(key, doc)()
 
-        self.num_running_reqs = gauge("num_running_reqs", "Requests admitted to the running batch (decoding or mid-prefill).")
+        self.num_running_reqs = gauge(
+            "num_running_reqs", "Requests admitted to the running batch (decoding or mid-prefill)."
+        )
         self.num_queue_reqs = gauge("num_queue_reqs", "Requests waiting for admission.")
-        self.token_usage = gauge("token_usage", "Fraction of the KV pool held by requests (evictable prefix cache excluded).")
-        self.cache_hit_rate = gauge("cache_hit_rate", "Prefix-cache hits over prompt tokens of recent prefills.")
+        self.token_usage = gauge(
+            "token_usage",
+            "Fraction of the KV pool held by requests (evictable prefix cache excluded).",
+        )
+        self.cache_hit_rate = gauge(
+            "cache_hit_rate", "Prefix-cache hits over prompt tokens of recent prefills."
+        )
         self.gen_throughput = gauge("gen_throughput", "Generated tokens per second.")
-        self.num_retracted_reqs = gauge("num_retracted_reqs", "Requests retracted in the last report interval.")
-        self._retracted_total = naming.counter("num_retracted_requests", "Retractions since the scheduler started.")()
+        self.num_retracted_reqs = gauge(
+            "num_retracted_reqs", "Requests retracted in the last report interval."
+        )
+        self._retracted_total = naming.counter(
+            "num_retracted_requests", "Retractions since the scheduler started."
+        )()
         self._retracted_seen = 0
         self._peers = SchedulerPeerSeries(naming)
         self.last_report: SchedulerStatsReport | None = None
@@ -80,21 +98,34 @@ class SchedulerPeerSeries:
     vLLM's tokens per forward step, SGLang's KV tokens in use and KV pool size."""
 
     def __init__(self, naming: Naming) -> None:
-        self.iteration_tokens = _child(naming.peer_histogram("iteration_tokens", "Tokens per forward step.", _TallyHistogram))
-        self.num_used_tokens = _child(naming.peer_gauge("num_used_tokens", "KV tokens held by requests (evictable prefix cache excluded)."))
-        self.max_total_num_tokens = _child(naming.peer_gauge("max_total_num_tokens", "Tokens the KV pool holds."))
+        self.iteration_tokens = _child(
+            naming.peer_histogram("iteration_tokens", "Tokens per forward step.", _TallyHistogram)
+        )
+        self.num_used_tokens = _child(
+            naming.peer_gauge(
+                "num_used_tokens", "KV tokens held by requests (evictable prefix cache excluded)."
+            )
+        )
+        self.max_total_num_tokens = _child(
+            naming.peer_gauge("max_total_num_tokens", "Tokens the KV pool holds.")
+        )
 
     def update(self, report: SchedulerStatsReport, previous: SchedulerStatsReport | None) -> None:
         # Running totals, which a restarted scheduler (a new instance) starts from zero.
         steps_before = tokens_before = 0
         if previous is not None and previous.instance == report.instance:
-            steps_before, tokens_before = previous.forward_steps_total, previous.forward_tokens_total
+            steps_before, tokens_before = (
+                previous.forward_steps_total,
+                previous.forward_tokens_total,
+            )
         steps = report.forward_steps_total - steps_before
         if steps > 0:
             # A report brings the steps of its interval and their tokens, not each step's count:
             # each step counts with the interval's mean, so count and sum are exact and the
             # buckets those of the mean.
-            self.iteration_tokens.observe_many((report.forward_tokens_total - tokens_before) / steps, steps)
+            self.iteration_tokens.observe_many(
+                (report.forward_tokens_total - tokens_before) / steps, steps
+            )
         # token_usage is this count over the capacity (SGLang's relation of the two).
         self.num_used_tokens.set(round(report.token_usage * report.kv_capacity))
         self.max_total_num_tokens.set(report.kv_capacity)
@@ -103,16 +134,117 @@ class SchedulerPeerSeries:
 # SGLang's bucket boundaries, extended downwards: on a CPU-sized model a token takes
 # milliseconds, and SGLang's smallest latency buckets (0.1 s TTFT, 2 ms ITL) would put
 # every observation of a small deployment into one bucket.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 25.0, 30.0, 60.0, 120.0)
-ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 90.0, 120.0, 300.0, 600.0)
-QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    25.0,
+    30.0,
+    60.0,
+    120.0,
+)
+ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.035,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1.0,
+    2.0,
+    4.0,
+    6.0,
+    8.0,
+)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    90.0,
+    120.0,
+    300.0,
+    600.0,
+)
+QUEUE_BUCKETS = (
+    0.0001,
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    60.0,
+    120.0,
+    300.0,
+)
 RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20, 50)
 TOOL_FINISH_REASONS = ("tool_calls", "stop", "length", "abort")
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(17))  # 1 .. 65536
 # A grammar found in the scheduler's cache waits 0 s; xgrammar compiles a small schema or
 # regex in milliseconds and a large schema or grammar in up to seconds.
-GRAMMAR_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+GRAMMAR_WAIT_BUCKETS = (
+    0.0001,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 class _TallyHistogram(Histogram):
@@ -138,49 +270,99 @@ class RequestMetrics:
         def counter(key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Counter]:
             return naming.counter(key, doc, extra)
 
-        def histogram(key: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()) -> Bound[Histogram]:
+        def histogram(
+            key: str, doc: str, buckets: tuple[float, ...], extra: tuple[str, ...] = ()
+        ) -> Bound[Histogram]:
             return naming.histogram(key, doc, buckets, Histogram, extra)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")()
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")()
-        cached = counter("cached_tokens", "Prompt tokens served from the prefix cache, by tier.", ("cache_source",))
+        self.generation_tokens = counter(
+            "generation_tokens", "Generated tokens of finished requests."
+        )()
+        cached = counter(
+            "cached_tokens",
+            "Prompt tokens served from the prefix cache, by tier.",
+            ("cache_source",),
+        )
         self.cached_tokens = {src: cached(src) for src in ("device", "host", "storage", "total")}
         requests = counter("num_requests", "Finished requests.", ("is_streaming",))
         self.num_requests = {s: requests(str(s).lower()) for s in (True, False)}
         self.num_aborted = counter("num_aborted_requests", "Requests that finished by abort.")()
         # Refused before they ran: body_too_large (413), queue_full (503), read_timeout.
-        rejected = counter("num_rejected_requests", "Requests refused by a limit, by reason.", ("reason",))
+        rejected = counter(
+            "num_rejected_requests", "Requests refused by a limit, by reason.", ("reason",)
+        )
         self.num_rejected = {r: rejected(r) for r in REJECTION_REASONS}
         # "asgi" is the slow path: every event through an ASGI send, a task switch per frame.
         # Apart from a client gone just as its stream started, it means uvicorn's own send went
         # unrecognized (pipeline/http/uvicorn_internals.py): an upgrade changed its internals.
-        streams = counter("sse_streams", "Streamed responses, by how their events reach the client's socket.", ("write_path",))
+        streams = counter(
+            "sse_streams",
+            "Streamed responses, by how their events reach the client's socket.",
+            ("write_path",),
+        )
         self.sse_streams = {p: streams(p) for p in ("direct", "asgi")}
-        ttft = histogram("time_to_first_token_seconds", "Arrival to the first token at the API.", TTFT_BUCKETS, ("is_streaming",))
+        ttft = histogram(
+            "time_to_first_token_seconds",
+            "Arrival to the first token at the API.",
+            TTFT_BUCKETS,
+            ("is_streaming",),
+        )
         self.ttft = {s: ttft(str(s).lower()) for s in (True, False)}
         self.itl = naming.histogram(
-            "inter_token_latency_seconds", "Time between tokens as the API sees them, per token.", ITL_BUCKETS, _TallyHistogram
+            "inter_token_latency_seconds",
+            "Time between tokens as the API sees them, per token.",
+            ITL_BUCKETS,
+            _TallyHistogram,
         )()
-        self._itl_tally: dict[float, int] = {}  # this frame's per-token gaps, and how many tokens had each
-        e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS, ("is_streaming",))
+        self._itl_tally: dict[
+            float, int
+        ] = {}  # this frame's per-token gaps, and how many tokens had each
+        e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS, ("is_streaming",)
+        )
         self.e2e = {s: e2e(str(s).lower()) for s in (True, False)}
-        self.tpot = histogram("request_time_per_output_token_seconds", "Decode time per output token after the first.", ITL_BUCKETS)()
-        self.queue_time = histogram("queue_time_seconds", "Time in the scheduler's waiting queue, all stays.", QUEUE_BUCKETS)()
-        self.num_retractions = histogram("num_retractions", "Retractions per finished request.", RETRACTION_BUCKETS)()
-        self.prompt_tokens_hist = histogram("prompt_tokens_histogram", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS)()
-        self.generation_tokens_hist = histogram("generation_tokens_histogram", "Generated tokens per request.", TOKEN_COUNT_BUCKETS)()
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time per output token after the first.",
+            ITL_BUCKETS,
+        )()
+        self.queue_time = histogram(
+            "queue_time_seconds", "Time in the scheduler's waiting queue, all stays.", QUEUE_BUCKETS
+        )()
+        self.num_retractions = histogram(
+            "num_retractions", "Retractions per finished request.", RETRACTION_BUCKETS
+        )()
+        self.prompt_tokens_hist = histogram(
+            "prompt_tokens_histogram", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS
+        )()
+        self.generation_tokens_hist = histogram(
+            "generation_tokens_histogram", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        )()
         # A chat choice whose request gave tools, by how it finished: tool_calls when it called.
-        tools = counter("tool_requests", "Finished chat choices of requests with tools, by finish_reason.", ("finish_reason",))
+        tools = counter(
+            "tool_requests",
+            "Finished chat choices of requests with tools, by finish_reason.",
+            ("finish_reason",),
+        )
         self.tool_requests = {r: tools(r) for r in TOOL_FINISH_REASONS}
         self.tool_calls = counter("tool_calls", "Tool calls in finished chat answers.")()
-        constrained = counter("constrained_requests", "Finished requests with a structured output, by kind.", ("kind",))
+        constrained = counter(
+            "constrained_requests",
+            "Finished requests with a structured output, by kind.",
+            ("kind",),
+        )
         self.constrained = {kind: constrained(kind) for kind in CONSTRAINT_KINDS}
         self.grammar_wait = histogram(
-            "grammar_compile_wait_seconds", "Time a structured-output request waited for its grammar to compile.", GRAMMAR_WAIT_BUCKETS
+            "grammar_compile_wait_seconds",
+            "Time a structured-output request waited for its grammar to compile.",
+            GRAMMAR_WAIT_BUCKETS,
         )()
         self.peers = RequestPeerSeries(naming)
 
-    def on_tokens(self, state: ReqState, num_tokens: int, previous_token_time: float | None, now: float) -> None:
+    def on_tokens(
+        self, state: ReqState, num_tokens: int, previous_token_time: float | None, now: float
+    ) -> None:
         """A row with tokens reached the API: TTFT on the first, ITL per token after (tallied
         for ``end_frame``)."""
         if previous_token_time is None:
@@ -253,20 +435,54 @@ class RequestPeerSeries:
     ones the family lacks (all of them for tokenpipe's own names)."""
 
     def __init__(self, naming: Naming) -> None:
-        success = naming.peer_counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
-        self.request_success: dict[str, Counter | Absent] = {r: success(r) if success is not None else ABSENT for r in VLLM_FINISH_REASONS}
-        self.prefix_cache_queries = _child(naming.peer_counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."))
-        self.prefix_cache_hits = _child(naming.peer_counter("prefix_cache_hits", "Prompt tokens served from the prefix cache."))
-        self.params_n = _child(naming.peer_histogram("request_params_n", "Choices per request (n).", Histogram))
-        self.params_max_tokens = _child(naming.peer_histogram("request_params_max_tokens", "Requested max tokens.", Histogram))
-        self.max_generation_tokens = _child(
-            naming.peer_histogram("request_max_num_generation_tokens", "Generated tokens of a request's longest choice.", Histogram)
+        success = naming.peer_counter(
+            "request_success", "Finished requests, by finish reason.", ("finished_reason",)
         )
-        self.prefill_time = _child(naming.peer_histogram("request_prefill_time_seconds", "First forward to the prefill's end.", Histogram))
-        self.decode_time = _child(naming.peer_histogram("request_decode_time_seconds", "The prefill's end to the finish.", Histogram))
-        self.inference_time = _child(naming.peer_histogram("request_inference_time_seconds", "First forward to the finish.", Histogram))
+        self.request_success: dict[str, Counter | Absent] = {
+            r: success(r) if success is not None else ABSENT for r in VLLM_FINISH_REASONS
+        }
+        self.prefix_cache_queries = _child(
+            naming.peer_counter(
+                "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            )
+        )
+        self.prefix_cache_hits = _child(
+            naming.peer_counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        )
+        self.params_n = _child(
+            naming.peer_histogram("request_params_n", "Choices per request (n).", Histogram)
+        )
+        self.params_max_tokens = _child(
+            naming.peer_histogram("request_params_max_tokens", "Requested max tokens.", Histogram)
+        )
+        self.max_generation_tokens = _child(
+            naming.peer_histogram(
+                "request_max_num_generation_tokens",
+                "Generated tokens of a request's longest choice.",
+                Histogram,
+            )
+        )
+        self.prefill_time = _child(
+            naming.peer_histogram(
+                "request_prefill_time_seconds", "First forward to the prefill's end.", Histogram
+            )
+        )
+        self.decode_time = _child(
+            naming.peer_histogram(
+                "request_decode_time_seconds", "The prefill's end to the finish.", Histogram
+            )
+        )
+        self.inference_time = _child(
+            naming.peer_histogram(
+                "request_inference_time_seconds", "First forward to the finish.", Histogram
+            )
+        )
         self.uncached_prompt_tokens = _child(
-            naming.peer_histogram("uncached_prompt_tokens_histogram", "Prompt tokens per request not served by the cache.", Histogram)
+            naming.peer_histogram(
+                "uncached_prompt_tokens_histogram",
+                "Prompt tokens per request not served by the cache.",
+                Histogram,
+            )
         )
 
     def on_lost(self, state: ReqState) -> None:

@@ -64,27 +64,199 @@ def one_two_five(limit: int) -> tuple[float, ...]:
 
 # SGLang's defaults (its tokenizer and scheduler metric collectors).
 SGLANG_TTFT = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
-SGLANG_E2E = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
-SGLANG_ITL = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8)
+SGLANG_E2E = (
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    2,
+    4,
+    6,
+    8,
+    10,
+    20,
+    40,
+    60,
+    80,
+    100,
+    200,
+    400,
+    600,
+    1200,
+    1800,
+    2400,
+)
+SGLANG_ITL = (
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.035,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    2,
+    4,
+    6,
+    8,
+)
 SGLANG_QUEUE = (
-    0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800,
-    900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000,
+    0.0,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    3,
+    4,
+    5,
+    10,
+    15,
+    20,
+    30,
+    40,
+    50,
+    60,
+    70,
+    80,
+    90,
+    100,
+    200,
+    300,
+    400,
+    500,
+    600,
+    700,
+    800,
+    900,
+    1000,
+    1200,
+    1400,
+    1600,
+    1800,
+    2000,
+    2500,
+    3000,
 )
 SGLANG_TOKEN_COUNTS = (
-    100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 12500, 15000, 17500, 20000,
-    22500, 25000, 27500, 30000, 35000, 40000, 60000, 80000, 100000, 200000, 300000, 400000, 600000, 800000, 1000000,
+    100,
+    300,
+    500,
+    700,
+    1000,
+    1500,
+    2000,
+    3000,
+    4000,
+    5000,
+    6000,
+    7000,
+    8000,
+    9000,
+    10000,
+    12500,
+    15000,
+    17500,
+    20000,
+    22500,
+    25000,
+    27500,
+    30000,
+    35000,
+    40000,
+    60000,
+    80000,
+    100000,
+    200000,
+    300000,
+    400000,
+    600000,
+    800000,
+    1000000,
     1100000,
 )
 
 # vLLM's (its v1 Prometheus stat logger).
 VLLM_TTFT = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
-VLLM_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_ITL = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 VLLM_REQUEST_LATENCY = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-    1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 VLLM_ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 VLLM_N = (1, 2, 5, 10, 20)
@@ -113,24 +285,48 @@ SGLANG = Family(
             # tokenpipe took its names and labels from SGLang: the same names, SGLang's buckets.
             **_same_names(
                 "sglang:",
-                "num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "gen_throughput",
-                "num_retracted_reqs", "num_retracted_requests", "prompt_tokens", "generation_tokens", "cached_tokens",
-                "num_requests", "num_aborted_requests", "num_retractions",
+                "num_running_reqs",
+                "num_queue_reqs",
+                "token_usage",
+                "cache_hit_rate",
+                "gen_throughput",
+                "num_retracted_reqs",
+                "num_retracted_requests",
+                "prompt_tokens",
+                "generation_tokens",
+                "cached_tokens",
+                "num_requests",
+                "num_aborted_requests",
+                "num_retractions",
             ),  # fmt: skip
-            "time_to_first_token_seconds": Series("sglang:time_to_first_token_seconds", buckets=SGLANG_TTFT),
-            "inter_token_latency_seconds": Series("sglang:inter_token_latency_seconds", buckets=SGLANG_ITL),
-            "e2e_request_latency_seconds": Series("sglang:e2e_request_latency_seconds", buckets=SGLANG_E2E),
+            "time_to_first_token_seconds": Series(
+                "sglang:time_to_first_token_seconds", buckets=SGLANG_TTFT
+            ),
+            "inter_token_latency_seconds": Series(
+                "sglang:inter_token_latency_seconds", buckets=SGLANG_ITL
+            ),
+            "e2e_request_latency_seconds": Series(
+                "sglang:e2e_request_latency_seconds", buckets=SGLANG_E2E
+            ),
             # SGLang's source gives no buckets of its own for this one: those of ITL, its unit.
-            "request_time_per_output_token_seconds": Series("sglang:request_time_per_output_token_seconds", buckets=SGLANG_ITL),
+            "request_time_per_output_token_seconds": Series(
+                "sglang:request_time_per_output_token_seconds", buckets=SGLANG_ITL
+            ),
             "queue_time_seconds": Series("sglang:queue_time_seconds", buckets=SGLANG_QUEUE),
-            "prompt_tokens_histogram": Series("sglang:prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS),
-            "generation_tokens_histogram": Series("sglang:generation_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS),
+            "prompt_tokens_histogram": Series(
+                "sglang:prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS
+            ),
+            "generation_tokens_histogram": Series(
+                "sglang:generation_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS
+            ),
             # Structured-output requests, whatever their kind.
             "constrained_requests": Series("sglang:num_so_requests", labels=("",)),
             # SGLang's own.
             "num_used_tokens": Series("sglang:num_used_tokens"),
             "max_total_num_tokens": Series("sglang:max_total_num_tokens"),
-            "uncached_prompt_tokens_histogram": Series("sglang:uncached_prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS),
+            "uncached_prompt_tokens_histogram": Series(
+                "sglang:uncached_prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS
+            ),
         }
     ),
 )
@@ -146,31 +342,57 @@ VLLM = Family(
             "prompt_tokens": Series("vllm:prompt_tokens"),
             "generation_tokens": Series("vllm:generation_tokens"),
             # vLLM splits no latency by streaming.
-            "time_to_first_token_seconds": Series("vllm:time_to_first_token_seconds", labels=("",), buckets=VLLM_TTFT),
-            "inter_token_latency_seconds": Series("vllm:inter_token_latency_seconds", buckets=VLLM_ITL),
-            "e2e_request_latency_seconds": Series("vllm:e2e_request_latency_seconds", labels=("",), buckets=VLLM_REQUEST_LATENCY),
-            "request_time_per_output_token_seconds": Series("vllm:request_time_per_output_token_seconds", buckets=VLLM_ITL),
-            "queue_time_seconds": Series("vllm:request_queue_time_seconds", buckets=VLLM_REQUEST_LATENCY),
+            "time_to_first_token_seconds": Series(
+                "vllm:time_to_first_token_seconds", labels=("",), buckets=VLLM_TTFT
+            ),
+            "inter_token_latency_seconds": Series(
+                "vllm:inter_token_latency_seconds", buckets=VLLM_ITL
+            ),
+            "e2e_request_latency_seconds": Series(
+                "vllm:e2e_request_latency_seconds", labels=("",), buckets=VLLM_REQUEST_LATENCY
+            ),
+            "request_time_per_output_token_seconds": Series(
+                "vllm:request_time_per_output_token_seconds", buckets=VLLM_ITL
+            ),
+            "queue_time_seconds": Series(
+                "vllm:request_queue_time_seconds", buckets=VLLM_REQUEST_LATENCY
+            ),
             "prompt_tokens_histogram": Series("vllm:request_prompt_tokens", buckets=one_two_five),
-            "generation_tokens_histogram": Series("vllm:request_generation_tokens", buckets=one_two_five),
+            "generation_tokens_histogram": Series(
+                "vllm:request_generation_tokens", buckets=one_two_five
+            ),
             # vLLM's own.
             "request_success": Series("vllm:request_success"),
             "prefix_cache_queries": Series("vllm:prefix_cache_queries"),
             "prefix_cache_hits": Series("vllm:prefix_cache_hits"),
-            "iteration_tokens": Series("vllm:iteration_tokens_total", buckets=VLLM_ITERATION_TOKENS),
+            "iteration_tokens": Series(
+                "vllm:iteration_tokens_total", buckets=VLLM_ITERATION_TOKENS
+            ),
             "request_params_n": Series("vllm:request_params_n", buckets=VLLM_N),
-            "request_params_max_tokens": Series("vllm:request_params_max_tokens", buckets=one_two_five),
-            "request_max_num_generation_tokens": Series("vllm:request_max_num_generation_tokens", buckets=one_two_five),
-            "request_prefill_time_seconds": Series("vllm:request_prefill_time_seconds", buckets=VLLM_REQUEST_LATENCY),
-            "request_decode_time_seconds": Series("vllm:request_decode_time_seconds", buckets=VLLM_REQUEST_LATENCY),
-            "request_inference_time_seconds": Series("vllm:request_inference_time_seconds", buckets=VLLM_REQUEST_LATENCY),
+            "request_params_max_tokens": Series(
+                "vllm:request_params_max_tokens", buckets=one_two_five
+            ),
+            "request_max_num_generation_tokens": Series(
+                "vllm:request_max_num_generation_tokens", buckets=one_two_five
+            ),
+            "request_prefill_time_seconds": Series(
+                "vllm:request_prefill_time_seconds", buckets=VLLM_REQUEST_LATENCY
+            ),
+            "request_decode_time_seconds": Series(
+                "vllm:request_decode_time_seconds", buckets=VLLM_REQUEST_LATENCY
+            ),
+            "request_inference_time_seconds": Series(
+                "vllm:request_inference_time_seconds", buckets=VLLM_REQUEST_LATENCY
+            ),
         }
     ),
 )
 
 TOKENPIPE = Family(_labels_with_engine_type, MappingProxyType({}))
 
-FAMILIES: Mapping[MetricsCompat, Family] = MappingProxyType({"tokenpipe": TOKENPIPE, "sglang": SGLANG, "vllm": VLLM})
+FAMILIES: Mapping[MetricsCompat, Family] = MappingProxyType(
+    {"tokenpipe": TOKENPIPE, "sglang": SGLANG, "vllm": VLLM}
+)
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -219,7 +441,14 @@ class Naming:
     is registered with. ``counter``, ``gauge`` and ``histogram`` take a tokenpipe series;
     ``peer_*`` a family's own, and give None when the family has no such series."""
 
-    def __init__(self, compat: MetricsCompat, registry: CollectorRegistry, model_name: str, engine_type: str, context_length: int) -> None:
+    def __init__(
+        self,
+        compat: MetricsCompat,
+        registry: CollectorRegistry,
+        model_name: str,
+        engine_type: str,
+        context_length: int,
+    ) -> None:
         self.registry = registry
         self._family = FAMILIES[compat]
         self._own_labels = TOKENPIPE.base_labels(model_name, engine_type)
@@ -228,19 +457,42 @@ class Naming:
 
     def counter(self, key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Counter]:
         name, base, names, _ = self._resolve(key, extra, None)
-        return Bound(Counter(name, doc, [*base, *(n for n in names if n)], registry=self.registry), base, names)
+        return Bound(
+            Counter(name, doc, [*base, *(n for n in names if n)], registry=self.registry),
+            base,
+            names,
+        )
 
     def gauge(self, key: str, doc: str) -> Bound[Gauge]:
         # Set by one API worker only (docs/design.md section 7): its latest value is the one.
         name, base, names, _ = self._resolve(key, (), None)
-        return Bound(Gauge(name, doc, list(base), registry=self.registry, multiprocess_mode="mostrecent"), base, names)
+        return Bound(
+            Gauge(name, doc, list(base), registry=self.registry, multiprocess_mode="mostrecent"),
+            base,
+            names,
+        )
 
-    def histogram(self, key: str, doc: str, buckets: tuple[float, ...], cls: type[H], extra: tuple[str, ...] = ()) -> Bound[H]:
+    def histogram(
+        self,
+        key: str,
+        doc: str,
+        buckets: tuple[float, ...],
+        cls: type[H],
+        extra: tuple[str, ...] = (),
+    ) -> Bound[H]:
         name, base, names, chosen = self._resolve(key, extra, buckets)
         assert chosen is not None
-        return Bound(cls(name, doc, [*base, *(n for n in names if n)], buckets=chosen, registry=self.registry), base, names)
+        return Bound(
+            cls(
+                name, doc, [*base, *(n for n in names if n)], buckets=chosen, registry=self.registry
+            ),
+            base,
+            names,
+        )
 
-    def peer_counter(self, key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Counter] | None:
+    def peer_counter(
+        self, key: str, doc: str, extra: tuple[str, ...] = ()
+    ) -> Bound[Counter] | None:
         return self.counter(key, doc, extra) if key in self._family.series else None
 
     def peer_gauge(self, key: str, doc: str) -> Bound[Gauge] | None:
@@ -261,9 +513,13 @@ class Naming:
         if series is None:
             return OWN_PREFIX + key, self._own_labels, extra, buckets
         names = series.labels if series.labels is not None else extra
-        assert len(names) == len(extra), f"{series.name}: {len(extra)} extra labels, the table names {len(names)}"
+        assert len(names) == len(extra), (
+            f"{series.name}: {len(extra)} extra labels, the table names {len(names)}"
+        )
         chosen = series.buckets if series.buckets is not None else buckets
         if callable(chosen):
-            assert self._context_length > 0, f"{series.name}'s buckets reach the context length: give it"
+            assert self._context_length > 0, (
+                f"{series.name}'s buckets reach the context length: give it"
+            )
             chosen = chosen(self._context_length)
         return series.name, self._family_labels, names, chosen

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.io_struct import FinishReason, LogprobParams, RequestOutputStats, SamplingParams, TraceContext
+from pipeline.io_struct import (
+    FinishReason,
+    LogprobParams,
+    RequestOutputStats,
+    SamplingParams,
+    TraceContext,
+)
 from pipeline.logprob_columns import RowLogprobs
 
 # Beyond this many unread chunks every row merges into the last: a defensive bound for a
@@ -80,13 +86,17 @@ class ReqState:
     created_time: float  # time.time() when the HTTP request arrived
     logprob: LogprobParams | None = None  # the logprobs asked; None: none
     trace: TraceContext | None = None
-    operation: str = "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
+    operation: str = (
+        "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
+    )
     route: str | None = None  # the HTTP route it came by (the span's http.route); None: internal
     internal: bool = False  # a health probe: served, but kept out of metrics and traces
     # The structured output's kind (``Constraint.kind``), for the metrics and the span;
     # None: unconstrained.
     constraint_kind: str | None = None
-    choices: ChoiceGroup | None = None  # the n > 1 choices this one is of; None: a request of its own
+    choices: ChoiceGroup | None = (
+        None  # the n > 1 choices this one is of; None: a request of its own
+    )
     tokenized_time: float | None = None  # when the request left for the scheduler
     prompt_tokens: int = 0  # as sent to the scheduler; /get_load counts them until stats arrive
     request_stats: RequestOutputStats | None = None
@@ -121,14 +131,25 @@ class ReqState:
             # A retraction re-enters the waiting queue, so its time is the new queue entry
             # time (metrics on); otherwise the best we know is when the news arrived.
             ts = stats.time_stats
-            at = ts.wait_queue_entry_time if ts is not None and ts.wait_queue_entry_time is not None else now
+            at = (
+                ts.wait_queue_entry_time
+                if ts is not None and ts.wait_queue_entry_time is not None
+                else now
+            )
             self.retract_times.extend([at] * missed)
 
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def add_output(self, text: str, ids: list[int], completion_tokens: int, now: float, logprobs: RowLogprobs | None = None) -> None:
+    def add_output(
+        self,
+        text: str,
+        ids: list[int],
+        completion_tokens: int,
+        now: float,
+        logprobs: RowLogprobs | None = None,
+    ) -> None:
         if ids:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -142,7 +163,9 @@ class ReqState:
             if logprobs is not None:
                 self.logprobs.extend(logprobs)
 
-    def _queue(self, text: str, ids: list[int], completion_tokens: int, logprobs: RowLogprobs | None) -> None:
+    def _queue(
+        self, text: str, ids: list[int], completion_tokens: int, logprobs: RowLogprobs | None
+    ) -> None:
         if not text and not ids:
             return  # nothing to show: a finish without output gets its event from take_pending
         if self.pending and (self.sending or len(self.pending) >= MAX_PENDING_CHUNKS):

@@ -29,13 +29,15 @@ class ContextLengthError(RequestValidationError):
     tokenpipe's own detail after them."""
 
     def __init__(self, prompt_len: int, max_new_tokens: int, context_length: int) -> None:
-        self.prompt_len, self.max_new_tokens, self.context_length = prompt_len, max_new_tokens, context_length
+        self.prompt_len, self.max_new_tokens, self.context_length = (
+            prompt_len,
+            max_new_tokens,
+            context_length,
+        )
         self.prompt_alone = prompt_len >= context_length  # the prompt leaves no room for any output
         total = prompt_len + max_new_tokens
         if self.prompt_alone:
-            message = (
-                f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} tokens)."
-            )
+            message = f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} tokens)."
         else:
             message = (
                 f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
@@ -44,7 +46,9 @@ class ContextLengthError(RequestValidationError):
                 "messages or the completion to fit within the limit."
             )
         detail = f" The prompt has {prompt_len} tokens and sampling_params.max_new_tokens is {max_new_tokens}."
-        super().__init__(message + detail, "text" if self.prompt_alone else "sampling_params.max_new_tokens")
+        super().__init__(
+            message + detail, "text" if self.prompt_alone else "sampling_params.max_new_tokens"
+        )
 
     def openai_message(self, prompt_param: str, max_param: str) -> str:
         """vLLM's wording, naming the OpenAI request's own fields in the detail."""
@@ -72,9 +76,15 @@ class OutOfVocabularyError(RequestValidationError):
 
     def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
         bad = [(i, token) for i, token in enumerate(ids) if token >= vocab_size]
-        self.first_position, self.largest, self.vocab_size = bad[0][0], max(t for _, t in bad), vocab_size
+        self.first_position, self.largest, self.vocab_size = (
+            bad[0][0],
+            max(t for _, t in bad),
+            vocab_size,
+        )
         listed = list(dict.fromkeys(t for _, t in bad))
-        shown = ", ".join(map(str, listed[:_LISTED_IDS])) + (", ..." if len(listed) > _LISTED_IDS else "")
+        shown = ", ".join(map(str, listed[:_LISTED_IDS])) + (
+            ", ..." if len(listed) > _LISTED_IDS else ""
+        )
         super().__init__(
             f"The input_ids [{shown}] contains values greater than the vocab size ({vocab_size}). The first is at "
             f"position {self.first_position}; token ids must be below {vocab_size}.",
@@ -91,14 +101,23 @@ class OutOfVocabularyError(RequestValidationError):
 def without_tokenizer(needs: str, param: str) -> RequestValidationError:
     """The 400 for a request that needs what only a tokenizer gives, on a server that
     runs with --skip-tokenizer-init. ``needs`` says what needed it and what to do instead."""
-    return RequestValidationError(f"this server runs with --skip-tokenizer-init and loads no tokenizer: {needs}", param)
+    return RequestValidationError(
+        f"this server runs with --skip-tokenizer-init and loads no tokenizer: {needs}", param
+    )
 
 
 class RequestChecks:
     """The checks of one server: its config, tokenizer (None under --skip-tokenizer-init),
     vocabulary size and context length, all fixed for the process's life."""
 
-    def __init__(self, config: ServerConfig, tokenizer: LoadedTokenizer | None, *, vocab_size: int, context_length: int) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        tokenizer: LoadedTokenizer | None,
+        *,
+        vocab_size: int,
+        context_length: int,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -109,7 +128,9 @@ class RequestChecks:
             raise without_tokenizer(needs, param)
         return self.tokenizer
 
-    def tokenize(self, text: str | None, input_ids: list[int] | None, *, add_special_tokens: bool) -> list[int]:
+    def tokenize(
+        self, text: str | None, input_ids: list[int] | None, *, add_special_tokens: bool
+    ) -> list[int]:
         """The prompt's ids. ``add_special_tokens``: whether a text prompt gets the tokenizer's
         post-processor tokens (a Llama tokenizer's BOS); each route passes its own API's
         default or the request's field, never a default of this function's (token ids are
@@ -122,7 +143,9 @@ class RequestChecks:
         else:
             ids = list(input_ids or [])
         if not ids:
-            raise RequestValidationError("the prompt is empty: `text` must encode to at least one token", "text")
+            raise RequestValidationError(
+                "the prompt is empty: `text` must encode to at least one token", "text"
+            )
         if input_ids is not None and max(ids) >= self.vocab_size:
             raise OutOfVocabularyError(ids, self.vocab_size)
         return ids
@@ -135,7 +158,8 @@ class RequestChecks:
         if items:
             kind = items[0].kind
             raise without_tokenizer(
-                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request without media", f"{kind}_data"
+                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request without media",
+                f"{kind}_data",
             )
         return {}
 
@@ -143,7 +167,8 @@ class RequestChecks:
         """Everything a generate request is checked for before it is submitted."""
         if sampling.stop and self.tokenizer is None:
             raise without_tokenizer(
-                "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids", "sampling_params.stop"
+                "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids",
+                "sampling_params.stop",
             )
         # Sorted by id: the last is the largest.
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
@@ -163,7 +188,10 @@ class RequestChecks:
             )
         if prompt_len + sampling.max_new_tokens > self.context_length:
             raise ContextLengthError(prompt_len, sampling.max_new_tokens, self.context_length)
-        if self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens) > self.config.max_total_tokens:
+        if (
+            self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens)
+            > self.config.max_total_tokens
+        ):
             block = " (rounded up to whole dLLM blocks)" if self.config.mode == "dllm" else ""
             raise RequestValidationError(
                 f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}){block} can never fit the "
@@ -193,13 +221,19 @@ class RequestChecks:
             )
 
     def validate_logprobs(self, logprobs: LogprobParams | None) -> None:
-        if logprobs is not None and logprobs.token_ids_logprob and max(logprobs.token_ids_logprob) >= self.vocab_size:
+        if (
+            logprobs is not None
+            and logprobs.token_ids_logprob
+            and max(logprobs.token_ids_logprob) >= self.vocab_size
+        ):
             raise RequestValidationError(
                 f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below the vocabulary size {self.vocab_size}",
                 "token_ids_logprob",
             )
 
-    def answered_logprobs(self, logprobs: LogprobParams | None, bootstrap: Bootstrap | None) -> LogprobParams | None:
+    def answered_logprobs(
+        self, logprobs: LogprobParams | None, bootstrap: Bootstrap | None
+    ) -> LogprobParams | None:
         """The logprobs a request's own answer lists: those it asked, except on a PD prefill
         half (a prefill server's request with a bootstrap room), whose answer lists its
         first token's only. Its scheduler still computes the prompt's, and they travel with
@@ -215,7 +249,9 @@ class RequestChecks:
             return logprobs
         return msgspec.structs.replace(logprobs, logprob_start_len=-1)
 
-    def pd_half(self, sampling: SamplingParams, bootstrap: Bootstrap | None, internal: bool) -> tuple[SamplingParams, Bootstrap | None]:
+    def pd_half(
+        self, sampling: SamplingParams, bootstrap: Bootstrap | None, internal: bool
+    ) -> tuple[SamplingParams, Bootstrap | None]:
         """A prefill server computes the prompt's KV and the first token only, whatever the
         request asked (the decode server generates the rest). A decode server takes only
         requests it can fetch KV for (its own health check prefills locally)."""

@@ -53,7 +53,14 @@ from pipeline.io_struct import (
 )
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
-from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder, receive_frames
+from pipeline.sockets import (
+    FrameDecoder,
+    RateLimitedWarning,
+    bind_pull,
+    connect_push,
+    make_encoder,
+    receive_frames,
+)
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 from tokenizer_proc.control_client import ControlClient
@@ -83,7 +90,9 @@ class TokenizerManager:
         # None under --skip-tokenizer-init: the process then never loads one.
         self.tokenizer = vocab if isinstance(vocab, LoadedTokenizer) else None
         # Logprob entries' token texts, mostly sent by the detokenizer with each frame.
-        self.token_texts = TokenTextCache(self.tokenizer.tokenizer) if self.tokenizer is not None else None
+        self.token_texts = (
+            TokenTextCache(self.tokenizer.tokenizer) if self.tokenizer is not None else None
+        )
         self.vocab_size = vocab.vocab_size
         self.context_length = context_length
         self.model_name = config.served_model_name or vocab.name
@@ -124,7 +133,9 @@ class TokenizerManager:
         self._loop_task: asyncio.Task[None] | None = None
         # Validation and the control round trips have their own owners; the routes reach
         # them through these (``tm.checks.tokenize``, ``tm.controls.flush_cache``).
-        self.checks = RequestChecks(config, self.tokenizer, vocab_size=self.vocab_size, context_length=context_length)
+        self.checks = RequestChecks(
+            config, self.tokenizer, vocab_size=self.vocab_size, context_length=context_length
+        )
         self.controls = ControlClient(self._send_obj, self.worker_index)
         self._after_frame: dict[Callable[[], None], None] = {}  # an ordered set
 
@@ -147,7 +158,9 @@ class TokenizerManager:
         # Requests a previous incarnation of this process left in the scheduler have no
         # client any more: stop them rather than let them run to completion. Only this
         # worker's: the other API workers' clients are still there.
-        self._send_obj(AbortReq(abort_all=True, worker=self.worker_index, reason="the API process restarted"))
+        self._send_obj(
+            AbortReq(abort_all=True, worker=self.worker_index, reason="the API process restarted")
+        )
 
     async def close(self) -> None:
         if self.tracer is not None:
@@ -160,7 +173,9 @@ class TokenizerManager:
             self._recv_ctx.destroy(linger=0)
 
     async def _receive_loop(self, sock: zmq.Socket[bytes]) -> None:
-        decoder: FrameDecoder[TokenizerManagerInput] = FrameDecoder(TokenizerManagerInput, logger, "tokenizer manager input")
+        decoder: FrameDecoder[TokenizerManagerInput] = FrameDecoder(
+            TokenizerManagerInput, logger, "tokenizer manager input"
+        )
         inconsistent = RateLimitedWarning(logger)
         async for frame in receive_frames(sock):
             msg = decoder.decode(frame.buffer)
@@ -190,20 +205,37 @@ class TokenizerManager:
 
     def _send_obj(self, obj: SchedulerInput) -> None:
         if self._send is None:
-            raise RuntimeError("TokenizerManager.start() has not run: there is no socket to the scheduler yet")
+            raise RuntimeError(
+                "TokenizerManager.start() has not run: there is no socket to the scheduler yet"
+            )
         self._send.send(self._encoder.encode(obj), copy=False)
 
     # --- requests ------------------------------------------------------------------------
 
-    def submit_embedding(self, *, input_ids: list[int], rid: str | None, created_time: float | None = None) -> ReqState:
+    def submit_embedding(
+        self, *, input_ids: list[int], rid: str | None, created_time: float | None = None
+    ) -> ReqState:
         if len(input_ids) > self.context_length:
             raise RequestValidationError(
-                f"input ({len(input_ids)} tokens) is longer than the context length ({self.context_length})", "input"
+                f"input ({len(input_ids)} tokens) is longer than the context length ({self.context_length})",
+                "input",
             )
-        state = self.open_state(sampling=SamplingParams(max_new_tokens=0), stream=False, rid=rid, created_time=created_time)
+        state = self.open_state(
+            sampling=SamplingParams(max_new_tokens=0),
+            stream=False,
+            rid=rid,
+            created_time=created_time,
+        )
         state.operation = "embeddings"
         state.prompt_tokens = len(input_ids)
-        self._send_obj(TokenizedEmbeddingReqInput(rid=state.rid, req_id=state.req_id, input_ids=input_ids, arrival_time=state.created_time))
+        self._send_obj(
+            TokenizedEmbeddingReqInput(
+                rid=state.rid,
+                req_id=state.req_id,
+                input_ids=input_ids,
+                arrival_time=state.created_time,
+            )
+        )
         return state
 
     def submit_generate(
@@ -225,18 +257,23 @@ class TokenizerManager:
     ) -> ReqState:
         if self.config.mode == "embedding" and not internal:
             raise RequestValidationError(
-                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate", "model"
+                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate",
+                "model",
             )
         sampling, bootstrap = self.checks.pd_half(sampling, bootstrap, internal)
         self.checks.validate_sampling(len(input_ids), sampling)
         self.checks.validate_logprobs(logprobs)
         self.checks.validate_constraint(constraint)
-        state = self.open_state(sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time)
+        state = self.open_state(
+            sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time
+        )
         state.logprob = self.checks.answered_logprobs(logprobs, bootstrap)
         if state.logprob is not None and state.logprob.logprob_start_len >= 0:
             state.prompt_ids = input_ids  # the tokens the prompt logprobs belong to
             if state.logprob.return_text and self.token_texts is not None:
-                self.token_texts.fill(input_ids[state.logprob.logprob_start_len :])  # one batch; the frames bring the rest
+                self.token_texts.fill(
+                    input_ids[state.logprob.logprob_start_len :]
+                )  # one batch; the frames bring the rest
         state.operation = operation
         state.route = route
         state.internal = internal
@@ -319,12 +356,20 @@ class TokenizerManager:
         if isinstance(frame, SchedulerStatsReport):
             last = self.last_scheduler_report
             if last is not None and last.instance != frame.instance:
-                self._fail_in_flight("the scheduler restarted and lost this request; send it again", 503)
+                self._fail_in_flight(
+                    "the scheduler restarted and lost this request; send it again", 503
+                )
                 # Requests sent while no scheduler ran wait in the socket and reach the new
                 # one, but their clients were just told they were lost: stop them there. Only
                 # this worker's, and only those: whatever is sent from now on comes after this
                 # message on the same socket.
-                self._send_obj(AbortReq(abort_all=True, worker=self.worker_index, reason="reported lost to the client after a scheduler restart"))
+                self._send_obj(
+                    AbortReq(
+                        abort_all=True,
+                        worker=self.worker_index,
+                        reason="reported lost to the client after a scheduler restart",
+                    )
+                )
             self.last_scheduler_report = frame
             # Every worker gets the reports; one sets the gauges, or a multiprocess /metrics
             # would count the retraction total once per worker.
@@ -346,8 +391,14 @@ class TokenizerManager:
         n = len(req_ids)
         # Also a ValueError (nothing applied) when the logprob columns disagree with the rows.
         lp = frame.logprobs
-        logprobs = read_output_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
-        prompt_logprobs = read_input_logprobs(lp.input, n) if lp is not None and lp.input is not None else {}
+        logprobs = (
+            read_output_logprobs(lp.output, [len(r) for r in rows])
+            if lp is not None and lp.output is not None
+            else {}
+        )
+        prompt_logprobs = (
+            read_input_logprobs(lp.input, n) if lp is not None and lp.input is not None else {}
+        )
         if frame.token_texts is not None and self.token_texts is not None:
             self.token_texts.add(frame.token_texts)  # ValueError when its columns disagree
         stats_col = frame.request_stats
@@ -369,7 +420,9 @@ class TokenizerManager:
                 continue
             if state is None or state.request_stats is None:
                 self._dropped_rows.warn(
-                    "dropped an output row for req_id %d: %s", req_ids[i], "no live request" if state is None else "no stats yet"
+                    "dropped an output row for req_id %d: %s",
+                    req_ids[i],
+                    "no live request" if state is None else "no stats yet",
                 )
                 continue
             if i in prompt_logprobs:
@@ -391,7 +444,9 @@ class TokenizerManager:
         for i in range(len(req_ids)):
             state = self.states.get(req_ids[i])
             if state is None:
-                self._dropped_rows.warn("dropped an embedding row for req_id %d: no live request", req_ids[i])
+                self._dropped_rows.warn(
+                    "dropped an embedding row for req_id %d: no live request", req_ids[i]
+                )
                 continue
             state.update_request_stats(frame.request_stats[i], now)
             state.embedding = matrix[i]
@@ -424,7 +479,11 @@ class TokenizerManager:
         if state.internal:
             return
         reason = state.finished_reason
-        if self.metrics is not None and isinstance(reason, FinishAbort) and reason.retry_after is not None:
+        if (
+            self.metrics is not None
+            and isinstance(reason, FinishAbort)
+            and reason.retry_after is not None
+        ):
             # Counted here, once per pipeline request the scheduler refused for a full
             # waiting queue (an OpenAI request of n choices may count up to n), whichever
             # route it came by; it is also a request and an abort, as any refusal is.

@@ -71,7 +71,9 @@ def _ns(seconds: float) -> int:
     return int(round(seconds * 1e9))
 
 
-def span_attributes(state: ReqState, model_name: str, operation: str = "generate") -> dict[str, Any]:
+def span_attributes(
+    state: ReqState, model_name: str, operation: str = "generate"
+) -> dict[str, Any]:
     """The SERVER span's attributes, from ``state.request_stats`` and the request itself.
 
     Keys that have no value are left out rather than set to a placeholder: ``seed`` when
@@ -103,7 +105,9 @@ def span_attributes(state: ReqState, model_name: str, operation: str = "generate
         attrs["gen_ai.request.stream"] = state.stream
     attrs["gen_ai.response.id"] = state.rid
     if state.finished_reason is not None:
-        attrs["gen_ai.response.finish_reasons"] = (str(finish_reason_to_dict(state.finished_reason)["type"]),)
+        attrs["gen_ai.response.finish_reasons"] = (
+            str(finish_reason_to_dict(state.finished_reason)["type"]),
+        )
     if generates:
         attrs["gen_ai.usage.output_tokens"] = state.completion_tokens
     if state.first_token_time is not None:
@@ -146,14 +150,26 @@ def stage_intervals(state: ReqState, operation: str = "generate") -> list[tuple[
     ``queue`` includes the KV transfer. An interval whose end precedes its start (clocks of
     different hosts) is clamped to zero length rather than dropped."""
     end_of_request = state.finished_time if state.finished_time is not None else time.time()
-    stages: list[tuple[str, float | None, float | None]] = [("tokenize", state.created_time, state.tokenized_time)]
+    stages: list[tuple[str, float | None, float | None]] = [
+        ("tokenize", state.created_time, state.tokenized_time)
+    ]
     stats = state.request_stats
     ts = stats.time_stats if stats is not None else None
     if ts is not None:
         done = ts.completion_time if ts.completion_time is not None else end_of_request
         if ts.wait_queue_entry_time is not None or ts.forward_entry_time is not None:
-            queue_start = state.tokenized_time if state.tokenized_time is not None else ts.wait_queue_entry_time
-            stages.append(("queue", queue_start, ts.forward_entry_time if ts.forward_entry_time is not None else done))
+            queue_start = (
+                state.tokenized_time
+                if state.tokenized_time is not None
+                else ts.wait_queue_entry_time
+            )
+            stages.append(
+                (
+                    "queue",
+                    queue_start,
+                    ts.forward_entry_time if ts.forward_entry_time is not None else done,
+                )
+            )
         prebuilt = ts.bootstrap_done_time is not None
         if ts.forward_entry_time is not None and not prebuilt:
             prefill_end = ts.prefill_finished_time if ts.prefill_finished_time is not None else done
@@ -161,7 +177,11 @@ def stage_intervals(state: ReqState, operation: str = "generate") -> list[tuple[
         decode_start = ts.forward_entry_time if prebuilt else ts.prefill_finished_time
         if decode_start is not None and operation != EMBEDDINGS:
             stages.append(("decode", decode_start, done))
-    return [(name, start, max(start, end)) for name, start, end in stages if start is not None and end is not None]
+    return [
+        (name, start, max(start, end))
+        for name, start, end in stages
+        if start is not None and end is not None
+    ]
 
 
 def _parent_context(state: ReqState) -> Context | None:
@@ -177,10 +197,14 @@ def _default_exporter(config: ServerConfig) -> SpanExporter:
     endpoint = config.otlp_traces_endpoint
     assert endpoint, "tracing needs config.otlp_traces_endpoint"
     if config.otlp_traces_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
 
         return GrpcExporter(endpoint=endpoint)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
 
     return HttpExporter(endpoint=http_traces_url(endpoint))
 
@@ -233,14 +257,20 @@ def _install_queue_full_filter() -> None:
 class RequestTracer:
     """Builds and exports one span tree per finished request."""
 
-    def __init__(self, config: ServerConfig, model_name: str, exporter: SpanExporter | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, model_name: str, exporter: SpanExporter | None = None
+    ) -> None:
         self.model_name = model_name
         env = OTELResourceDetector().detect()  # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win
-        resource = Resource.create({SERVICE_NAME: env.attributes.get(SERVICE_NAME) or DEFAULT_SERVICE_NAME})
+        resource = Resource.create(
+            {SERVICE_NAME: env.attributes.get(SERVICE_NAME) or DEFAULT_SERVICE_NAME}
+        )
         # shutdown_on_exit=False: the SDK's atexit hook would wait up to 30 s for an
         # unreachable collector; ``shutdown`` is bounded instead.
         self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        self._processor = BatchSpanProcessor(exporter if exporter is not None else _default_exporter(config))
+        self._processor = BatchSpanProcessor(
+            exporter if exporter is not None else _default_exporter(config)
+        )
         self._provider.add_span_processor(self._processor)
         self._tracer = self._provider.get_tracer("tokenpipe")
         self._closed = False
@@ -257,7 +287,11 @@ class RequestTracer:
         except Exception:  # noqa: BLE001
             self._failures += 1
             if self._failures == 1 or self._failures % 1000 == 0:
-                logger.exception("could not record the span of request %s (%d failures so far)", state.rid, self._failures)
+                logger.exception(
+                    "could not record the span of request %s (%d failures so far)",
+                    state.rid,
+                    self._failures,
+                )
 
     def _record(self, state: ReqState, operation: str) -> None:
         end = state.finished_time if state.finished_time is not None else time.time()
@@ -276,14 +310,18 @@ class RequestTracer:
             server.set_status(Status(StatusCode.ERROR, state.finished_reason.message))
         inside = trace.set_span_in_context(server)
         for name, start, stop in stage_intervals(state, operation):
-            child = self._tracer.start_span(name, context=inside, kind=SpanKind.INTERNAL, start_time=_ns(start))
+            child = self._tracer.start_span(
+                name, context=inside, kind=SpanKind.INTERNAL, start_time=_ns(start)
+            )
             child.end(end_time=_ns(stop))
         server.end(end_time=_ns(max(end, state.created_time)))
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Exports what is queued now; False when it did not finish within ``timeout_s``
         (default ``SHUTDOWN_TIMEOUT_S``)."""
-        return _bounded(self._provider.force_flush, SHUTDOWN_TIMEOUT_S if timeout_s is None else timeout_s)
+        return _bounded(
+            self._provider.force_flush, SHUTDOWN_TIMEOUT_S if timeout_s is None else timeout_s
+        )
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Flushes queued spans and stops the exporter, waiting at most ``timeout_s``
@@ -297,7 +335,10 @@ class RequestTracer:
         self._closed = True
         timeout_s = SHUTDOWN_TIMEOUT_S if timeout_s is None else timeout_s
         if not _bounded(self._provider.shutdown, timeout_s):
-            logger.warning("trace export did not finish within %.1f s at shutdown; queued spans are dropped", timeout_s)
+            logger.warning(
+                "trace export did not finish within %.1f s at shutdown; queued spans are dropped",
+                timeout_s,
+            )
 
 
 def _bounded(fn: Callable[[], object], timeout_s: float) -> bool:

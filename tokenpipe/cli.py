@@ -11,10 +11,16 @@ from pipeline.process_util import setup_logging
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenpipe", description="LLM serving pipeline: scheduler, detokenizer, HTTP API")
+    parser = argparse.ArgumentParser(
+        prog="tokenpipe", description="LLM serving pipeline: scheduler, detokenizer, HTTP API"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add_server_args(sub.add_parser("serve", help="run all three processes under a supervisor"))
-    for name, what in (("scheduler", "the scheduler process"), ("detokenizer", "the detokenizer process"), ("api", "the HTTP API process")):
+    for name, what in (
+        ("scheduler", "the scheduler process"),
+        ("detokenizer", "the detokenizer process"),
+        ("api", "the HTTP API process"),
+    ):
         add_server_args(sub.add_parser(name, help=f"run {what} alone"))
     return parser
 
@@ -68,4 +74,3 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     run(config)
     return 0
-

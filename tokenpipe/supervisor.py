@@ -56,7 +56,9 @@ class Supervisor:
             tokenizer_input=config.tokenizer_input or self.ipc.endpoint("tokenizer"),
             ready_endpoint=self.ipc.endpoint("ready"),
         )
-        self.api_names = ["api"] if config.api_workers == 1 else [f"api-{i}" for i in range(config.api_workers)]
+        self.api_names = (
+            ["api"] if config.api_workers == 1 else [f"api-{i}" for i in range(config.api_workers)]
+        )
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         # A plain flag: setting a threading.Event from a signal handler can deadlock.
         self._stopping = False
@@ -78,7 +80,10 @@ class Supervisor:
                 if dead is not None:
                     return self._fail(*dead)
                 time.sleep(0.1)
-            logger.info("shutting down: letting in-flight requests finish (up to %.0f s)", self.config.graceful_timeout)
+            logger.info(
+                "shutting down: letting in-flight requests finish (up to %.0f s)",
+                self.config.graceful_timeout,
+            )
             self._stop_children(self.api_names, self.config.graceful_timeout + _STOP_TIMEOUT)
             self._stop_children(BACKENDS, _STOP_TIMEOUT)
             logger.info("stopped")
@@ -97,12 +102,18 @@ class Supervisor:
         # The pid and the directory let a child clean up and stop when this process is killed.
         env = dict(
             os.environ,
-            **{CONFIG_ENV: self.config.encode(), SUPERVISOR_PID_ENV: str(os.getpid()), IPC_DIR_ENV: str(self.ipc.path)},
+            **{
+                CONFIG_ENV: self.config.encode(),
+                SUPERVISOR_PID_ENV: str(os.getpid()),
+                IPC_DIR_ENV: str(self.ipc.path),
+            },
         )
         if len(self.api_names) > 1:
             ensure_port_free(self.config.host, self.config.port)
         for name in BACKENDS:
-            self.children[name] = subprocess.Popen([sys.executable, "-m", "tokenpipe", name], env=env, process_group=0)
+            self.children[name] = subprocess.Popen(
+                [sys.executable, "-m", "tokenpipe", name], env=env, process_group=0
+            )
         api_env = dict(env)
         if len(self.api_names) > 1:
             if self.config.enable_metrics:
@@ -110,8 +121,12 @@ class Supervisor:
                 metrics_dir.mkdir(mode=0o700)
                 api_env[METRICS_DIR_ENV] = str(metrics_dir)
         for index, name in enumerate(self.api_names):
-            api_env[CONFIG_ENV] = msgspec.structs.replace(self.config, api_worker_index=index).encode()
-            self.children[name] = subprocess.Popen([sys.executable, "-m", "tokenpipe", "api"], env=api_env, process_group=0)
+            api_env[CONFIG_ENV] = msgspec.structs.replace(
+                self.config, api_worker_index=index
+            ).encode()
+            self.children[name] = subprocess.Popen(
+                [sys.executable, "-m", "tokenpipe", "api"], env=api_env, process_group=0
+            )
 
     def _wait_ready(self, sock: zmq.Socket) -> int | None:
         decoder: FrameDecoder[ProcessReady] = FrameDecoder(ProcessReady, logger, "ready")
@@ -125,7 +140,11 @@ class Supervisor:
             if dead is not None:
                 return self._fail(*dead)
             if time.monotonic() > deadline:
-                logger.error("children %s did not report ready within %.0f s", sorted(pending), _STARTUP_TIMEOUT)
+                logger.error(
+                    "children %s did not report ready within %.0f s",
+                    sorted(pending),
+                    _STARTUP_TIMEOUT,
+                )
                 return 1
             if sock.poll(100):
                 msg = decoder.decode(sock.recv())
@@ -135,11 +154,13 @@ class Supervisor:
 
     def _announce(self, elapsed: float) -> None:
         c = self.config
-        auth = " -H 'Authorization: Bearer $TOKENPIPE_API_KEY'" if c.api_key else ""  # never print the key
+        auth = (
+            " -H 'Authorization: Bearer $TOKENPIPE_API_KEY'" if c.api_key else ""
+        )  # never print the key
         print(
             f"tokenpipe ready on http://{c.host}:{c.port} in {elapsed:.1f} s. Try:\n"
             f"  curl -s http://{c.host}:{c.port}/generate{auth} -H 'Content-Type: application/json' "
-            "-d '{\"text\": \"Hello\", \"sampling_params\": {\"max_new_tokens\": 16, \"temperature\": 0}}'",
+            '-d \'{"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}\'',
             flush=True,
         )
 
@@ -152,7 +173,9 @@ class Supervisor:
 
     def _fail(self, name: str, code: int) -> int:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        logger.error("child process %s (pid %d) %s; stopping the service", name, self.children[name].pid, how)
+        logger.error(
+            "child process %s (pid %d) %s; stopping the service", name, self.children[name].pid, how
+        )
         return 1
 
     def _stop_children(self, names: Sequence[str], timeout: float) -> None:
@@ -192,7 +215,9 @@ def ensure_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise SystemExit(f"the HTTP server could not start on {host}:{port}: {exc.strerror}") from None
+            raise SystemExit(
+                f"the HTTP server could not start on {host}:{port}: {exc.strerror}"
+            ) from None
 
 
 def serve(config: ServerConfig) -> int:

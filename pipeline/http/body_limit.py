@@ -30,7 +30,9 @@ class BodyLimit:
     detection). ``on_reject`` runs once per refused request (the API counts it as
     ``num_rejected_requests_total{reason="body_too_large"}``)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject

@@ -27,15 +27,18 @@ from pipeline.http.uvicorn_internals import graceful_shutdown_timeout
 logger = logging.getLogger("tokenpipe.http")
 
 
-
-def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, err_type: str, param: str | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {"message": message, "type": err_type, "code": status}
     if param is not None:
         body["param"] = param
     return {"error": body}
 
 
-def error_response(status: int, message: str, *, err_type: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, *, err_type: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, err_type, param), status_code=status)
 
 
@@ -60,7 +63,9 @@ class BearerAuth:
             # Constant-time compare, so the key cannot be guessed byte by byte from timing.
             if not hmac.compare_digest(given, self._expected):
                 response = error_response(
-                    401, "missing or invalid API key (expected `Authorization: Bearer KEY`)", err_type="authentication_error"
+                    401,
+                    "missing or invalid API key (expected `Authorization: Bearer KEY`)",
+                    err_type="authentication_error",
                 )
                 # Without it uvicorn would read (and discard) the rest of an unread body
                 # before the connection could serve another request: a keyless client
@@ -84,12 +89,18 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _client_gone(request: Request, _: ClientDisconnect) -> Response:
         # Expected, not an error (uncaught, uvicorn would log it with a traceback). The
         # answer goes nowhere: the client is gone.
-        logger.info("a client disconnected while sending its request (%s %s)", request.method, request.url.path)
+        logger.info(
+            "a client disconnected while sending its request (%s %s)",
+            request.method,
+            request.url.path,
+        )
         return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(exc).__name__}", err_type="internal_error")
+        return error_response(
+            500, f"internal error: {type(exc).__name__}", err_type="internal_error"
+        )
 
 
 class _GracefulServer(uvicorn.Server):
@@ -99,7 +110,9 @@ class _GracefulServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -128,7 +141,9 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"the HTTP server could not start on {host}:{port}: {exc.strerror}") from None
+        raise SystemExit(
+            f"the HTTP server could not start on {host}:{port}: {exc.strerror}"
+        ) from None
     sock.set_inheritable(False)
     return sock
 

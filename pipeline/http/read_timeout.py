@@ -97,18 +97,25 @@ class _ReadTimeoutProtocol(HttpToolsBase):
         # uvicorn closes an idle kept-alive one: silently, and not counted as a request.
         began = self._began
         if began:
-            logger.info("dropped a client too slow sending its request %s (%s)", self._reading, self.peer)
+            logger.info(
+                "dropped a client too slow sending its request %s (%s)", self._reading, self.peer
+            )
         self._stop_reading()
         self.abort()
         if began and self.on_read_timeout is not None:
             self.on_read_timeout()
 
 
-def read_timeout_protocol(read_timeout: float, on_read_timeout: Callable[[], None] | None) -> type[HttpToolsBase]:
+def read_timeout_protocol(
+    read_timeout: float, on_read_timeout: Callable[[], None] | None
+) -> type[HttpToolsBase]:
     """The uvicorn ``http`` protocol class for one server: a subclass per server, so the
     settings live on it and nothing is shared between servers."""
     return type(
         "ReadTimeoutHttpToolsProtocol",
         (_ReadTimeoutProtocol,),
-        {"read_timeout": read_timeout, "on_read_timeout": staticmethod(on_read_timeout) if on_read_timeout else None},
+        {
+            "read_timeout": read_timeout,
+            "on_read_timeout": staticmethod(on_read_timeout) if on_read_timeout else None,
+        },
     )

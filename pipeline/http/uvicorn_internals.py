@@ -149,7 +149,11 @@ def direct_writer(send: Send) -> DirectWriter | None:
     protocol, a middleware's wrapper, a response with a content-length, or one not started),
     and every body part then goes through ``send``."""
     cycle = getattr(send, "__self__", None)
-    if type(cycle) is RequestResponseCycle and cycle.chunked_encoding and getattr(send, "__func__", None) is RequestResponseCycle.send:
+    if (
+        type(cycle) is RequestResponseCycle
+        and cycle.chunked_encoding
+        and getattr(send, "__func__", None) is RequestResponseCycle.send
+    ):
         return DirectWriter(cycle)
     return None
 

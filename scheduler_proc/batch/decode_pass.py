@@ -50,8 +50,12 @@ class BatchDecoder:
         Rows with an event are queued in ``rows`` as requests (a finished one leaves the
         batch); the other due rows come back as columns."""
         n = len(batch)
-        logits = self.runner.decode(batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots), batch.joined[:n])
-        bans = self.stop_checker.min_new_bans(batch.output_len(), batch.min_new[:n], batch.stop_ids[:n])
+        logits = self.runner.decode(
+            batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots), batch.joined[:n]
+        )
+        bans = self.stop_checker.min_new_bans(
+            batch.output_len(), batch.min_new[:n], batch.stop_ids[:n]
+        )
         grammar = batch.grammar_rows()
         mask = None
         if grammar is not None:
@@ -73,31 +77,49 @@ class BatchDecoder:
             code[refused] = OUTSIDE_GRAMMAR
         due = batch.due(code != RUNNING)
         event = (code != RUNNING) | check_strings
-        if self.stats_pending:  # stats changed since their last row: that row goes the per-request way
+        if (
+            self.stats_pending
+        ):  # stats changed since their last row: that row goes the per-request way
             for req in list(self.stats_pending):
                 if req in batch:
                     row = batch.row_of(req)
                     event[row] |= due[row]
         steady_rows = np.flatnonzero(due & ~event)
-        steady = batch.take_steady(steady_rows, with_reqs=self.dense_usage_columns) if steady_rows.size else None
+        steady = (
+            batch.take_steady(steady_rows, with_reqs=self.dense_usage_columns)
+            if steady_rows.size
+            else None
+        )
         event_rows = np.flatnonzero(event)
         if event_rows.size:
             self._events(batch, event_rows, code, new, out_len, rows)
         return steady
 
     def _events(
-        self, batch: RunningBatch, event_rows: np.ndarray, code: np.ndarray, new: np.ndarray, out_len: np.ndarray, rows: list[Req]
+        self,
+        batch: RunningBatch,
+        event_rows: np.ndarray,
+        code: np.ndarray,
+        new: np.ndarray,
+        out_len: np.ndarray,
+        rows: list[Req],
     ) -> None:
         """The rows of a decode step that need their request: a finish (the request leaves
         the batch), a stop string to check, stats due. Per-row work, for these rows only."""
-        events = [(batch.reqs[i], int(code[i]), int(new[i]), int(out_len[i])) for i in event_rows.tolist()]
+        events = [
+            (batch.reqs[i], int(code[i]), int(new[i]), int(out_len[i])) for i in event_rows.tolist()
+        ]
         for req, outcome, token, length in events:
             batch.sync(req)
             reason: FinishReason | None = None
             if outcome == OUTSIDE_GRAMMAR:
                 assert req.constraint is not None
                 reason = refused_token(req.constraint.param, token, 500)
-            elif req.sampling.stop and outcome != STOP_TOKEN and length >= req.sampling.min_new_tokens:
+            elif (
+                req.sampling.stop
+                and outcome != STOP_TOKEN
+                and length >= req.sampling.min_new_tokens
+            ):
                 reason = self.stop_checker.check(req)  # the text decides; its order of checks wins
             elif outcome == STOP_TOKEN:
                 reason = FinishStop(matched=token)

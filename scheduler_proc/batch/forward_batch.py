@@ -93,10 +93,11 @@ class ForwardBatch:
             kv_slot_table=kv_slot_table.to(device),
             kv_lens=kv_lens.to(device),
             bidirectional_from=(
-                None if bidirectional_from is None else torch.tensor(bidirectional_from, dtype=torch.long).to(device)
+                None
+                if bidirectional_from is None
+                else torch.tensor(bidirectional_from, dtype=torch.long).to(device)
             ),
         )
-
 
     @classmethod
     def decode(
@@ -156,7 +157,9 @@ class DecodeReads:
     batched matmuls read, with no copy to reorder it. From the running batch's dense copy
     (``AttentionLayout.row_kv``): views of it, no gather, and no ``rows``."""
 
-    rows: torch.Tensor | None  # [B * KH * L] int64, in (b, h, column) order; None: the pass reads row_kv
+    rows: (
+        torch.Tensor | None
+    )  # [B * KH * L] int64, in (b, h, column) order; None: the pass reads row_kv
     bias: torch.Tensor  # [B * KH, 1, L] model dtype: 0 on a key, -inf on a padded column
 
 
@@ -189,7 +192,11 @@ class AttentionLayout:
 
     @classmethod
     def from_batch(
-        cls, batch: ForwardBatch, cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype
+        cls,
+        batch: ForwardBatch,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        dtype: torch.dtype,
     ) -> AttentionLayout:
         b, t = batch.batch_size, batch.num_tokens
         device = batch.input_ids.device
@@ -200,7 +207,9 @@ class AttentionLayout:
             pad_index = None
             q_pos = batch.positions.view(b, max_new)
         else:
-            seq = torch.repeat_interleave(torch.arange(b, device=device), batch.new_lens, output_size=t)
+            seq = torch.repeat_interleave(
+                torch.arange(b, device=device), batch.new_lens, output_size=t
+            )
             starts = torch.cumsum(batch.new_lens, 0) - batch.new_lens
             pad_index = seq * max_new + (torch.arange(t, device=device) - starts[seq])
             q_pos = torch.zeros(b * max_new, dtype=torch.long, device=device)
@@ -209,7 +218,7 @@ class AttentionLayout:
         # Column j of kv_slot_table holds position j, so causality is a position compare;
         # columns past kv_lens[b] are beyond every real query's position and drop out too.
         key_pos = torch.arange(batch.kv_slot_table.shape[1], device=device)
-        mask = (key_pos.view(1, 1, 1, -1) <= q_pos.view(b, 1, max_new, 1))
+        mask = key_pos.view(1, 1, 1, -1) <= q_pos.view(b, 1, max_new, 1)
         if batch.bidirectional_from is not None:
             # A padded query has position 0, below every bidirectional_from (prompts are
             # never empty), so its row stays causal and keeps key 0.
@@ -233,7 +242,9 @@ class AttentionLayout:
         """The head-major rows and padding bias of a decode pass, for pools of
         ``num_kv_heads`` heads; built once per pass."""
         if not self.is_decode:
-            raise ValueError("AttentionLayout.decode_reads: not a decode pass (one causal new token per sequence)")
+            raise ValueError(
+                "AttentionLayout.decode_reads: not a decode pass (one causal new token per sequence)"
+            )
         reads = self._decode_reads
         if reads is None or reads.bias.shape[0] != self.batch_size * num_kv_heads:
             reads = self._decode_reads = self._build_decode_reads(num_kv_heads)
@@ -246,9 +257,17 @@ class AttentionLayout:
         length = decode_key_columns(width)
         rows = head_major_rows(table, num_kv_heads, length) if self.row_kv is None else None
         # The new token is the last of its sequence, so causality is just "a key exists".
-        padded = torch.arange(length, device=table.device).view(1, length) >= self.kv_lens.view(b, 1)
-        bias = torch.zeros((b, length), dtype=self.cos.dtype, device=table.device).masked_fill_(padded, float("-inf"))
-        bias = bias.view(b, 1, 1, length).expand(b, num_kv_heads, 1, length).reshape(b * num_kv_heads, 1, length)
+        padded = torch.arange(length, device=table.device).view(1, length) >= self.kv_lens.view(
+            b, 1
+        )
+        bias = torch.zeros((b, length), dtype=self.cos.dtype, device=table.device).masked_fill_(
+            padded, float("-inf")
+        )
+        bias = (
+            bias.view(b, 1, 1, length)
+            .expand(b, num_kv_heads, 1, length)
+            .reshape(b * num_kv_heads, 1, length)
+        )
         return DecodeReads(rows=rows, bias=bias)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:

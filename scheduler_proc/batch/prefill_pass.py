@@ -27,7 +27,9 @@ Chunk = tuple[Req, list[int], torch.Tensor]
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.long)
 
 
-def forward_chunks(runner: ModelRunner, batch: list[Chunk]) -> tuple[torch.Tensor, list[int], list[Req]]:
+def forward_chunks(
+    runner: ModelRunner, batch: list[Chunk]
+) -> tuple[torch.Tensor, list[int], list[Req]]:
     """Runs the pass and records each chunk on its request. Returns the last-token logits
     of every chunk, the rows whose request has now computed all its tokens, and the other
     requests (mid-chunk), in batch order."""
@@ -57,7 +59,11 @@ def forward_chunks(runner: ModelRunner, batch: list[Chunk]) -> tuple[torch.Tenso
 
 
 def sample_first_tokens(
-    runner: ModelRunner, logits: torch.Tensor, reqs: list[Req], stop_checker: StopChecker, masks: TokenMasks | None = None
+    runner: ModelRunner,
+    logits: torch.Tensor,
+    reqs: list[Req],
+    stop_checker: StopChecker,
+    masks: TokenMasks | None = None,
 ) -> list[int]:
     """The next token of each of these requests (not in the running batch: a first token
     after a prefill), each drawn at its output index, never a stop token while the output

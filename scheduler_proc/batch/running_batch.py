@@ -209,7 +209,11 @@ class RunningBatch:
     def _widen_logprobs(self, *, t: int = 0, k: int = 0, m: int = 0) -> None:
         """Room for ``t`` pending tokens a row (doubling), ``k`` top entries and ``m``
         asked ids a token; the columns only grow."""
-        have_t, have_k, have_m = self.lp_chosen.shape[1], self.lp_top_ids.shape[2], self.lp_ids_values.shape[2]
+        have_t, have_k, have_m = (
+            self.lp_chosen.shape[1],
+            self.lp_top_ids.shape[2],
+            self.lp_ids_values.shape[2],
+        )
         if t <= have_t and k <= have_k and m <= have_m:
             return
         new_t = max(have_t, 1) if t <= have_t else max(t, 2 * have_t)
@@ -231,7 +235,9 @@ class RunningBatch:
         s = req.sampling
         if s.frequency_penalty or s.presence_penalty:
             if self.output_counts is None:
-                self.output_counts = torch.zeros((len(self.req_id), self._vocab_size), dtype=torch.float32)
+                self.output_counts = torch.zeros(
+                    (len(self.req_id), self._vocab_size), dtype=torch.float32
+                )
             counts = np.bincount(req.output_ids, minlength=self._vocab_size)
             self.output_counts[row] = torch.from_numpy(counts.astype(np.float32))
         elif self.output_counts is not None:
@@ -240,12 +246,16 @@ class RunningBatch:
             if self.seen is None:
                 self.seen = torch.zeros((len(self.req_id), self._vocab_size), dtype=torch.bool)
             self.seen[row] = False
-            self.seen[row, torch.from_numpy(self.tokens[row, : req.seq_len].astype(np.int64))] = True
+            self.seen[row, torch.from_numpy(self.tokens[row, : req.seq_len].astype(np.int64))] = (
+                True
+            )
         elif self.seen is not None:
             self.seen[row] = False
         if s.logit_bias:
             if self.logit_bias is None:
-                self.logit_bias = torch.zeros((len(self.req_id), self._vocab_size), dtype=torch.float32)
+                self.logit_bias = torch.zeros(
+                    (len(self.req_id), self._vocab_size), dtype=torch.float32
+                )
             self.logit_bias[row] = 0
             ids, values = zip(*s.logit_bias)
             self.logit_bias[row, list(ids)] = torch.tensor(values, dtype=torch.float32)
@@ -381,7 +391,9 @@ class RunningBatch:
             self._grammar_rows = GrammarRows(rows, rows.tolist(), matchers)
         return self._grammar_rows
 
-    def sampling_columns(self, banned: BannedTokens | None = None, grammar: GrammarMask | None = None) -> SamplingColumns:
+    def sampling_columns(
+        self, banned: BannedTokens | None = None, grammar: GrammarMask | None = None
+    ) -> SamplingColumns:
         """The rows' sampling columns; ``banned``: the tokens rows may not draw this step
         (``StopChecker.min_new_bans``); ``grammar``: the constrained rows' mask."""
         n = self._n
@@ -396,9 +408,15 @@ class RunningBatch:
             frequency_penalty=self.frequency_penalty[:n],
             presence_penalty=self.presence_penalty[:n],
             repetition_penalty=self.repetition_penalty[:n],
-            output_counts=self.output_counts[:n] if any_penalty and self.output_counts is not None else None,
-            seen=self.seen[:n] if self.seen is not None and bool((self.repetition_penalty[:n] != 1.0).any()) else None,
-            logit_bias=self.logit_bias[:n] if self.logit_bias is not None and bool(self.has_bias[:n].any()) else None,
+            output_counts=self.output_counts[:n]
+            if any_penalty and self.output_counts is not None
+            else None,
+            seen=self.seen[:n]
+            if self.seen is not None and bool((self.repetition_penalty[:n] != 1.0).any())
+            else None,
+            logit_bias=self.logit_bias[:n]
+            if self.logit_bias is not None and bool(self.has_bias[:n].any())
+            else None,
             banned=banned,
             grammar=grammar,
         )
@@ -445,7 +463,9 @@ class RunningBatch:
             tokens = self.tokens[np.repeat(rows, counts), np.repeat(starts, counts) + offsets]
         self.sent[rows] = completion
         reqs = [self.reqs[i] for i in rows.tolist()] if with_reqs else []
-        return SteadyRows(self.req_id[rows], tokens, counts, completion, reqs, self._take_logprobs(rows))
+        return SteadyRows(
+            self.req_id[rows], tokens, counts, completion, reqs, self._take_logprobs(rows)
+        )
 
     # --- logprobs --------------------------------------------------------------------------
 
@@ -454,9 +474,13 @@ class RunningBatch:
         padded with 0, m the most any of them asks)."""
         if not rows.size:
             return 0, self.ids_asked[rows, :0]
-        return int(self.top_k_asked[rows].max()), self.ids_asked[rows, : int(self.ids_count[rows].max())]
+        return int(self.top_k_asked[rows].max()), self.ids_asked[
+            rows, : int(self.ids_count[rows].max())
+        ]
 
-    def keep_logprobs(self, rows: np.ndarray, step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+    def keep_logprobs(
+        self, rows: np.ndarray, step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    ) -> None:
         """One new token's logprobs for each of ``rows`` (chosen ``[r]``, top ids and values
         ``[r, k]``, ids values ``[r, m]``, as ``logprobs.batched_logprobs`` makes them),
         appended to their pending ones: one write per column."""
@@ -495,16 +519,24 @@ class RunningBatch:
             per_token, token_k, token_m = r, k, m
         else:
             at = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            per_token, token_k, token_m = np.repeat(r, counts), np.repeat(k, counts), np.repeat(m, counts)
+            per_token, token_k, token_m = (
+                np.repeat(r, counts),
+                np.repeat(k, counts),
+                np.repeat(m, counts),
+            )
         top_ids, top_values = _ragged(token_k, self.lp_top_ids, self.lp_top_values, per_token, at)
         if self.lp_ids_values.shape[2]:
             ids_values = _ragged(token_m, self.lp_ids_values, None, per_token, at)[0]
         else:  # no running request ever asked for ids
             ids_values = self.lp_ids_values[:0, 0, :0].reshape(0)
-        return LogprobBlock(held, self.lp_chosen[per_token, at], k, top_ids, top_values, m, ids_values)
+        return LogprobBlock(
+            held, self.lp_chosen[per_token, at], k, top_ids, top_values, m, ids_values
+        )
 
 
-def _ragged(width: np.ndarray, a: np.ndarray, b: np.ndarray | None, rows: np.ndarray, at: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+def _ragged(
+    width: np.ndarray, a: np.ndarray, b: np.ndarray | None, rows: np.ndarray, at: np.ndarray | int
+) -> tuple[np.ndarray, np.ndarray]:
     """The first ``width[i]`` entries of ``a[rows[i], at[i]]`` (and of ``b``'s), flat, row
     after row: one gather, then a mask only where widths differ."""
     most = int(width.max())

@@ -65,22 +65,30 @@ class StorageError(ValueError):
         self.param = param
 
 
-def cached_details(device: int, host: int, storage: int, backend: str | None) -> CachedTokensDetails | None:
+def cached_details(
+    device: int, host: int, storage: int, backend: str | None
+) -> CachedTokensDetails | None:
     """``cached_tokens_details`` for hits per tier: the storage keys only while storage is
     attached; None when nothing was cached and no storage is attached. After a detach a
     request's storage hits no longer show, though ``cached_tokens`` still counts them."""
     if backend is not None:
-        return CachedTokensDetails(device=device, host=host, storage=storage, storage_backend=backend)
+        return CachedTokensDetails(
+            device=device, host=host, storage=storage, storage_backend=backend
+        )
     if device + host + storage == 0:
         return None
     return CachedTokensDetails(device=device, host=host)
 
 
-def apply_storage_control(hicache: HiCache | None, msg: HiCacheStorageControl) -> HiCacheStorageState:
+def apply_storage_control(
+    hicache: HiCache | None, msg: HiCacheStorageControl
+) -> HiCacheStorageState:
     """Carries out one attach/detach; the answer tells the storage attached afterwards."""
     error: StorageError | None = None
     if hicache is None:
-        error = StorageError("HiCache is off on this server: start it with --hicache-host-tokens N to use a storage tier")
+        error = StorageError(
+            "HiCache is off on this server: start it with --hicache-host-tokens N to use a storage tier"
+        )
     elif msg.attach:
         try:
             hicache.attach_storage(msg.backend, msg.dir)
@@ -128,7 +136,10 @@ class FileStorage:
             return True
         tmp = self.dir / f".{key}.{os.getpid()}.tmp"
         try:
-            save_file({"k": k.detach().to("cpu").contiguous(), "v": v.detach().to("cpu").contiguous()}, str(tmp))
+            save_file(
+                {"k": k.detach().to("cpu").contiguous(), "v": v.detach().to("cpu").contiguous()},
+                str(tmp),
+            )
             os.replace(tmp, self._path(key))
             self.index[key] = self._path(key).stat().st_size
             return True
@@ -200,13 +211,24 @@ class HiCache:
         """Raises StorageError (nothing changes) when the backend or directory is unusable,
         or when another storage is attached. Attaching the attached one again is a no-op."""
         if backend not in STORAGE_BACKENDS:
-            raise StorageError(f"unknown storage backend {backend!r}; this server supports: {', '.join(STORAGE_BACKENDS)}", "backend")
+            raise StorageError(
+                f"unknown storage backend {backend!r}; this server supports: {', '.join(STORAGE_BACKENDS)}",
+                "backend",
+            )
         if self.storage is not None:
             if self.storage.backend == backend and str(self.storage.dir) == directory:
                 return
-            raise StorageError(f"storage is already attached ({self.storage.backend} at {self.storage.dir}): detach it first", "dir")
+            raise StorageError(
+                f"storage is already attached ({self.storage.backend} at {self.storage.dir}): detach it first",
+                "dir",
+            )
         self.storage = FileStorage(directory)
-        logger.info("HiCache storage attached: %s at %s (%d stored segments)", backend, directory, len(self.storage.index))
+        logger.info(
+            "HiCache storage attached: %s at %s (%d stored segments)",
+            backend,
+            directory,
+            len(self.storage.index),
+        )
 
     def detach_storage(self) -> None:
         """Drops every storage node from the tree (their files stay on disk)."""
@@ -222,7 +244,12 @@ class HiCache:
                 cache.remove_subtree(node)  # a storage node has only storage nodes below
             else:
                 stack.extend(node.children.values())
-        logger.info("HiCache storage detached (%s at %s); %d stored prefixes dropped from the tree", self.storage.backend, self.storage.dir, dropped)
+        logger.info(
+            "HiCache storage detached (%s at %s); %d stored prefixes dropped from the tree",
+            self.storage.backend,
+            self.storage.dir,
+            dropped,
+        )
         self.storage = None
 
     # --- LowerTiers: what the radix tree calls ---------------------------------------------
@@ -266,13 +293,17 @@ class HiCache:
 
     @staticmethod
     def _is_host_leaf(node: RadixNode) -> bool:
-        return node.host_value is not None and all(c.host_value is None for c in node.children.values())
+        return node.host_value is not None and all(
+            c.host_value is None for c in node.children.values()
+        )
 
     def _evict_host(self, num_tokens: int) -> None:
         """Frees at least num_tokens host slots, least recently used host leaves first:
         each goes to storage when it is attached, and out of the tree otherwise. One pass
         over the host nodes per call (calls come only when the host pool is full)."""
-        heap = [(n.last_access, next(self._seq), n) for n in self._host_nodes if self._is_host_leaf(n)]
+        heap = [
+            (n.last_access, next(self._seq), n) for n in self._host_nodes if self._is_host_leaf(n)
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -411,7 +442,13 @@ class HiCache:
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            tier = "device" if node.value is not None else "host" if node.host_value is not None else "storage"
+            tier = (
+                "device"
+                if node.value is not None
+                else "host"
+                if node.host_value is not None
+                else "storage"
+            )
             sizes[tier] += len(node)
         return sizes
 

@@ -81,7 +81,9 @@ class KVPool:
             )
         if self._in_use is not None:
             assert slots.unique().numel() == n, "KVPool.free: duplicate slots in one call"
-            assert bool(self._in_use[slots].all()), "KVPool.free: slot freed twice or never allocated"
+            assert bool(self._in_use[slots].all()), (
+                "KVPool.free: slot freed twice or never allocated"
+            )
             self._in_use[slots] = False
         self._free[self._top : self._top + n] = slots
         self._top += n

@@ -29,7 +29,9 @@ class PrefixKV:
     def storage_backend(self) -> str | None:
         return self.hicache.storage_backend if self.hicache is not None else None
 
-    def admit(self, req: Req, *, match: bool, budget: int, reserve: int) -> tuple[torch.Tensor, Fetched | None] | None:
+    def admit(
+        self, req: Req, *, match: bool, budget: int, reserve: int
+    ) -> tuple[torch.Tensor, Fetched | None] | None:
         """Slots for the next ``<= budget`` tokens of req's (re-)prefill, leaving ``reserve``
         slots for the next decode step; None (and req as it was) when they do not fit.
 
@@ -64,7 +66,9 @@ class PrefixKV:
             take = min(len(fill) - req.num_computed - to_load, budget)
         slots = self.alloc(to_load + take)
         assert slots is not None, "fits() promised these slots"
-        if to_load and hicache is not None and fetched is not None:  # to_load > 0: something was fetched
+        if (
+            to_load and hicache is not None and fetched is not None
+        ):  # to_load > 0: something was fetched
             prefix, held = req.prefix_node, req.kv_slots
             assert prefix is not None and held is not None, "the match above set them"
             node = hicache.install(fetched, slots[:to_load])

@@ -54,7 +54,16 @@ class StorageRef(NamedTuple):
 
 
 class RadixNode:
-    __slots__ = ("children", "key", "value", "lock_ref", "last_access", "parent", "host_value", "storage")
+    __slots__ = (
+        "children",
+        "key",
+        "value",
+        "lock_ref",
+        "last_access",
+        "parent",
+        "host_value",
+        "storage",
+    )
 
     def __init__(
         self,
@@ -155,7 +164,9 @@ class RadixCache:
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
-            assert child.value is not None  # a split of a device node keeps both halves on the device
+            assert (
+                child.value is not None
+            )  # a split of a device node keeps both halves on the device
             values.append(child.value)
             node = child
             # After a split the next lookup misses (the tail starts with another token),
@@ -265,7 +276,9 @@ class RadixCache:
         assert 0 < at < len(child.key) and child.parent is not None
         parent = child.parent
         value = child.value
-        head = RadixNode(child.key[:at], None if value is None else value[:at], parent, child.last_access)
+        head = RadixNode(
+            child.key[:at], None if value is None else value[:at], parent, child.last_access
+        )
         # Every lock on child also passes through head, so head inherits the count; the
         # evictable/protected totals do not change since the tokens are the same.
         head.lock_ref = child.lock_ref

@@ -57,10 +57,14 @@ class RowKVPass:
 
     k: torch.Tensor  # [layers, rows, KH, width, D], the copy itself
     v: torch.Tensor
-    write_rows: torch.Tensor  # [n * KH] int64: (row * KH + head) * width + position of the new token
+    write_rows: (
+        torch.Tensor
+    )  # [n * KH] int64: (row * KH + head) * width + position of the new token
     n: int
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes the new tokens' k and v ([n, KH, D]) into layer ``layer``'s copy, and
         returns that layer's keys and values as [n * KH, width, D] views."""
         keys, values = self.k[layer], self.v[layer]
@@ -99,7 +103,9 @@ class RowKV:
         k, v = self._storage
         return k[:size].view(shape), v[:size].view(shape)
 
-    def prepare(self, joined: np.ndarray, seq_len: np.ndarray, kv_slot_table: torch.Tensor, width: int) -> RowKVPass | None:
+    def prepare(
+        self, joined: np.ndarray, seq_len: np.ndarray, kv_slot_table: torch.Tensor, width: int
+    ) -> RowKVPass | None:
         """Readies the copy for a decode pass over ``len(joined)`` rows, row ``r`` holding
         the request that joined as ``joined[r]``, with ``seq_len[r]`` tokens whose slots
         are ``kv_slot_table[r]`` (the last one's KV is the pass's to write), read over
@@ -115,7 +121,9 @@ class RowKV:
             self._fill(k, v, stale, kv_slot_table)
             self._owner[stale] = joined[stale]
         self._filled[:n] = seq_len  # after the pass: its new token's column too
-        heads = np.arange(n, dtype=np.int64)[:, None] * self._heads + np.arange(self._heads)[None, :]
+        heads = (
+            np.arange(n, dtype=np.int64)[:, None] * self._heads + np.arange(self._heads)[None, :]
+        )
         write_rows = (heads * width + (seq_len.astype(np.int64) - 1)[:, None]).reshape(-1)
         return RowKVPass(k, v, torch.from_numpy(write_rows).to(k.device), n)
 
@@ -148,7 +156,13 @@ class RowKV:
         kept, cols = min(keep, rows, self._rows), min(width, self._width)
         if kept:
             for store in self._storage or ():
-                _move_rows(store, (self._layers, self._rows, self._heads, self._width, self._dim), rows, width, kept)
+                _move_rows(
+                    store,
+                    (self._layers, self._rows, self._heads, self._width, self._dim),
+                    rows,
+                    width,
+                    kept,
+                )
         owner = np.full(rows, -1, dtype=np.int64)
         filled = np.zeros(rows, dtype=np.int64)
         # A row cut shorter than its KV is not current any more.
@@ -163,24 +177,34 @@ class RowKV:
         self._owner = np.zeros(0, dtype=np.int64)
         self._filled = np.zeros(0, dtype=np.int64)
 
-    def _fill(self, k: torch.Tensor, v: torch.Tensor, stale: np.ndarray, kv_slot_table: torch.Tensor) -> None:
+    def _fill(
+        self, k: torch.Tensor, v: torch.Tensor, stale: np.ndarray, kv_slot_table: torch.Tensor
+    ) -> None:
         """Rows ``stale`` of the copy (``k`` and ``v``, [layers, rows, KH, width, D]) from
         the pool, every column: the table's (the new token's slot too; the pass overwrites
         that column), then slot 0, finite by the KVPool invariant, as the pool path pads."""
         device, width = k.device, k.shape[3]
-        table = kv_slot_table.index_select(0, torch.from_numpy(stale).to(kv_slot_table.device)).to(device)
+        table = kv_slot_table.index_select(0, torch.from_numpy(stale).to(kv_slot_table.device)).to(
+            device
+        )
         reads = head_major_rows(table, self._heads, width)
         rows = torch.from_numpy(stale).to(device)
         for layer in range(self._layers):
             for pool, copy in ((self._pool.k[layer], k[layer]), (self._pool.v[layer], v[layer])):
-                copy[rows] = pool.view(-1, self._dim).index_select(0, reads).view(len(stale), self._heads, width, self._dim)
+                copy[rows] = (
+                    pool.view(-1, self._dim)
+                    .index_select(0, reads)
+                    .view(len(stale), self._heads, width, self._dim)
+                )
 
 
 # Rows moved per staging copy: a few MB at most for any model this runs on a CPU.
 _MOVE_BLOCK_BYTES = 4 << 20
 
 
-def _move_rows(store: torch.Tensor, old: tuple[int, int, int, int, int], rows: int, width: int, kept: int) -> None:
+def _move_rows(
+    store: torch.Tensor, old: tuple[int, int, int, int, int], rows: int, width: int, kept: int
+) -> None:
     """Rewrites the flat ``store``, laid out as ``old`` = (layers, old rows, KH, old width,
     D), as (layers, ``rows``, KH, ``width``, D), keeping rows ``[0, kept)`` of each layer
     (cut or zero-padded to ``width``). Blocks of rows go through a staging copy, in the
@@ -191,13 +215,24 @@ def _move_rows(store: torch.Tensor, old: tuple[int, int, int, int, int], rows: i
     old_row, new_row = heads * old_width * dim, heads * width * dim  # elements per row
     cols = min(width, old_width)
     per_block = max(1, _MOVE_BLOCK_BYTES // (store.element_size() * max(old_row, new_row)))
-    blocks = [(layer, start, min(start + per_block, kept)) for layer in range(layers) for start in range(0, kept, per_block)]
+    blocks = [
+        (layer, start, min(start + per_block, kept))
+        for layer in range(layers)
+        for start in range(0, kept, per_block)
+    ]
     # A row's shift, (layer * rows + r) * new_row - (layer * old_rows + r) * old_row, has
     # one sign for every row when rows and width both grow or both shrink; otherwise the
     # layout goes through a whole staging copy.
-    up, down = rows * new_row >= old_rows * old_row and new_row >= old_row, rows * new_row <= old_rows * old_row and new_row <= old_row
+    up, down = (
+        rows * new_row >= old_rows * old_row and new_row >= old_row,
+        rows * new_row <= old_rows * old_row and new_row <= old_row,
+    )
     if not (up or down):
-        staged = store[: layers * old_rows * old_row].view(layers, old_rows, heads, old_width, dim)[:, :kept].clone()
+        staged = (
+            store[: layers * old_rows * old_row]
+            .view(layers, old_rows, heads, old_width, dim)[:, :kept]
+            .clone()
+        )
         target = store[: layers * rows * new_row].view(layers, rows, heads, width, dim)
         target[:, :kept, :, :cols] = staged[..., :cols, :]
         target[:, :kept, :, cols:] = 0

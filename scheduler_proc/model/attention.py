@@ -58,7 +58,9 @@ def pool_attention(
     return decode_attention(q, keys, values, reads.bias, scale)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One new token per sequence: q [B, H, D]; keys and values [B * KH, L, D], sequence b's
     kv head h at b * KH + h; bias [B * KH, 1, L] (-inf on padded columns). Returns [B, H, D]."""
     b, h, d = q.shape
@@ -92,7 +94,9 @@ def padded_attention(
     keys = _gather(k_cache, layout.kv_slot_table)  # [B, KH, L, D]
     values = _gather(v_cache, layout.kv_slot_table)
     queries = layout.pad(q).transpose(1, 2)  # [B, H, Qmax, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=layout.mask, enable_gqa=True, scale=scale)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=layout.mask, enable_gqa=True, scale=scale
+    )
     return layout.unpad(out.transpose(1, 2))  # [T, H, D]
 
 
@@ -100,4 +104,6 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     # index_select over flat rows, not cache[table]: advanced indexing is ~4x slower at it
     # on the CPU.
     b, length = table.shape
-    return cache.index_select(0, table.reshape(-1)).view(b, length, *cache.shape[1:]).transpose(1, 2)
+    return (
+        cache.index_select(0, table.reshape(-1)).view(b, length, *cache.shape[1:]).transpose(1, 2)
+    )

@@ -50,4 +50,6 @@ def keep_freed_host_memory() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success, 0 when glibc refuses the value.
-    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES)
+    )

@@ -28,7 +28,12 @@ from scheduler_proc.batch.forward_batch import AttentionLayout, ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.attention import pool_attention
 from scheduler_proc.model.rotary import rotary_tables
-from scheduler_proc.model.weights import checkpoint_dtype, checkpoint_files, load_weights, read_config
+from scheduler_proc.model.weights import (
+    checkpoint_dtype,
+    checkpoint_files,
+    load_weights,
+    read_config,
+)
 
 
 def _param(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
@@ -41,7 +46,13 @@ class Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(
-        self, in_features: int, out_features: int, device: torch.device | str, dtype: torch.dtype, *, bias: bool = False
+        self,
+        in_features: int,
+        out_features: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        *,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), device, dtype)
@@ -64,7 +75,9 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, dim: int, eps: float, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.weight = _param((dim,), device, dtype)
         self.eps = eps
@@ -77,18 +90,32 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        h, q_dim, kv_dim = (
+            cfg.hidden_size,
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+        )
         self.q_proj = Linear(h, q_dim, device, dtype, bias=cfg.qkv_bias)
         self.k_proj = Linear(h, kv_dim, device, dtype, bias=cfg.qkv_bias)
         self.v_proj = Linear(h, kv_dim, device, dtype, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_dim, h, device, dtype, bias=cfg.o_bias)
         # Qwen3: each head's q and k are RMS-normed over head_dim before the rotary.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        self.q_norm = (
+            RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        )
 
     def forward(self, x: torch.Tensor, layout: AttentionLayout, kv: KVPool) -> torch.Tensor:
         t = x.shape[0]
@@ -98,7 +125,16 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, layout.cos, layout.sin), apply_rotary(k, layout.cos, layout.sin)
-        out = pool_attention(q, k, v, layout, kv.k[self.layer_idx], kv.v[self.layer_idx], self.head_dim**-0.5, self.layer_idx)
+        out = pool_attention(
+            q,
+            k,
+            v,
+            layout,
+            kv.k[self.layer_idx],
+            kv.v[self.layer_idx],
+            self.head_dim**-0.5,
+            self.layer_idx,
+        )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -115,7 +151,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype)
         self.mlp = LlamaMLP(cfg, device, dtype)
@@ -145,7 +183,9 @@ class LlamaForCausalLM(nn.Module):
     rotary_cos: torch.Tensor
     rotary_sin: torch.Tensor
 
-    def __init__(self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, device, dtype)
@@ -191,7 +231,11 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def random(
-        cls, config: ModelConfig, seed: int, device: torch.device | str, dtype: torch.dtype = torch.float32
+        cls,
+        config: ModelConfig,
+        seed: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
     ) -> LlamaForCausalLM:
         """Seeded init, drawn on the CPU in float32 so the weights are the same on every
         device and dtype conversion is the only difference."""
@@ -202,7 +246,9 @@ class LlamaForCausalLM(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * _init_std(name))
+                    p.copy_(
+                        torch.randn(p.shape, generator=gen, dtype=torch.float32) * _init_std(name)
+                    )
         return model
 
     @classmethod
@@ -250,5 +296,3 @@ def _init_std(name: str) -> float:
     if "q_proj" in name or "k_proj" in name:
         return 0.1
     return 0.02
-
-

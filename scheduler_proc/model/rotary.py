@@ -53,7 +53,9 @@ def _yarn(cfg: ModelConfig, s: RopeScaling) -> tuple[torch.Tensor, float]:
     attention_factor = s.attention_factor
     if attention_factor is None:
         if s.mscale and s.mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, s.mscale) / _yarn_mscale(factor, s.mscale_all_dim)
+            attention_factor = _yarn_mscale(factor, s.mscale) / _yarn_mscale(
+                factor, s.mscale_all_dim
+            )
         else:
             attention_factor = _yarn_mscale(factor)
 

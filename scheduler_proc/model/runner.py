@@ -39,7 +39,9 @@ def row_kv_budget(config: ServerConfig, device: torch.device) -> int:
     gather from the pool). As many as the pool, so KV memory at most doubles. Off on CUDA
     by default: a GPU gathers rows at memory bandwidth, and its pool is sized to the memory
     it has."""
-    if config.decode_kv_rows == "off" or (config.decode_kv_rows == "auto" and device.type == "cuda"):
+    if config.decode_kv_rows == "off" or (
+        config.decode_kv_rows == "auto" and device.type == "cuda"
+    ):
         return 0
     return config.max_total_tokens
 
@@ -53,12 +55,26 @@ class ModelRunner:
         # --dtype auto: the checkpoint's own; the built-in model's is float32.
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         if config.model_path is None:
-            self.model = LlamaForCausalLM.random(self.model_config, seed=config.model_seed, device=self.device, dtype=dtype or torch.float32)
+            self.model = LlamaForCausalLM.random(
+                self.model_config,
+                seed=config.model_seed,
+                device=self.device,
+                dtype=dtype or torch.float32,
+            )
         else:
-            self.model = LlamaForCausalLM.from_pretrained(config.model_path, device=self.device, dtype=dtype)
+            self.model = LlamaForCausalLM.from_pretrained(
+                config.model_path, device=self.device, dtype=dtype
+            )
         self.model.eval()
         mc = self.model_config
-        self.kv = KVPool(mc.num_hidden_layers, config.max_total_tokens, mc.num_key_value_heads, mc.head_dim, self.model.dtype, self.device)
+        self.kv = KVPool(
+            mc.num_hidden_layers,
+            config.max_total_tokens,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            self.model.dtype,
+            self.device,
+        )
         budget = row_kv_budget(config, self.device)
         self.row_kv = RowKV(self.kv, budget) if budget else None
 
@@ -77,16 +93,28 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model.forward(batch, self.kv, return_hidden=return_hidden)
 
-    def decode(self, last_tokens: np.ndarray, seq_lens: np.ndarray, kv_slot_table: torch.Tensor, joined: np.ndarray) -> torch.Tensor:
+    def decode(
+        self,
+        last_tokens: np.ndarray,
+        seq_lens: np.ndarray,
+        kv_slot_table: torch.Tensor,
+        joined: np.ndarray,
+    ) -> torch.Tensor:
         """One decode pass over the running batch (``RunningBatch``'s columns): row b's last
         token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``; the
         request in row b joined the batch as ``joined[b]`` (which says whether the dense KV
         copy's row b is still its). Returns last-token logits [B, V]."""
         row_kv = None
         if self.row_kv is not None:
-            row_kv = self.row_kv.prepare(joined, seq_lens, kv_slot_table, decode_key_columns(kv_slot_table.shape[1]))
+            row_kv = self.row_kv.prepare(
+                joined, seq_lens, kv_slot_table, decode_key_columns(kv_slot_table.shape[1])
+            )
         batch = ForwardBatch.decode(
-            torch.from_numpy(last_tokens.astype(np.int64)), torch.from_numpy(seq_lens), kv_slot_table, self.device, row_kv
+            torch.from_numpy(last_tokens.astype(np.int64)),
+            torch.from_numpy(seq_lens),
+            kv_slot_table,
+            self.device,
+            row_kv,
         )
         with torch.inference_mode():
             logits, _ = self.model.forward(batch, self.kv)
@@ -104,7 +132,9 @@ class ModelRunner:
         from ``bidirectional_from[b]`` on attend to each other both ways (a dLLM block).
         Returns float32 logits [len(rows), V] at ``rows``, indices into the concatenated
         new tokens."""
-        batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device, bidirectional_from)
+        batch = ForwardBatch.build(
+            new_token_ids, prefix_slots, new_slots, self.device, bidirectional_from
+        )
         with torch.inference_mode():
             h = self.model.hidden_states(batch, self.kv)
             return self.model.logits(h.index_select(0, rows.to(h.device)))

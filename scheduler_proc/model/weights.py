@@ -41,7 +41,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise FileNotFoundError(f"{index} lists shard(s) {', '.join(missing)} that are not in {model_dir}")
+            raise FileNotFoundError(
+                f"{index} lists shard(s) {', '.join(missing)} that are not in {model_dir}"
+            )
         return files
     single = model_dir / "model.safetensors"
     if single.is_file():
@@ -80,12 +82,18 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                         continue
                     param = expected.get(name)
                     if param is None:
-                        raise ValueError(f"unexpected tensor {name!r} in {path}: not a parameter of {config.architecture}")
+                        raise ValueError(
+                            f"unexpected tensor {name!r} in {path}: not a parameter of {config.architecture}"
+                        )
                     if name in loaded:
-                        raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {path}")
+                        raise ValueError(
+                            f"tensor {name!r} appears in both {loaded[name]} and {path}"
+                        )
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} from config.json")
+                        raise ValueError(
+                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} from config.json"
+                        )
                     param.copy_(tensor)
                     loaded[name] = path
     missing = [name for name in expected if name not in loaded]

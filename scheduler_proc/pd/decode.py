@@ -32,7 +32,13 @@ from pipeline.io_struct import FinishAbort, KVFetch, KVTransferHeader
 from pipeline.logprob_columns import TokenLogprobs, read_input_token_logprobs, read_token_logprobs
 from pipeline.sockets import RateLimitedWarning
 from scheduler_proc.cache.kv_pool import KVPool
-from scheduler_proc.pd.kv_transfer import KVFetchClient, KVTransferError, pool_layout, scatter_kv, tensors_from_frames
+from scheduler_proc.pd.kv_transfer import (
+    KVFetchClient,
+    KVTransferError,
+    pool_layout,
+    scatter_kv,
+    tensors_from_frames,
+)
 from scheduler_proc.pd.role import PdHost
 from scheduler_proc.pd.state import DecodeBootstrap, Prebuilt
 from scheduler_proc.req import Req
@@ -65,7 +71,9 @@ def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> N
     req.prompt_logprobs_next = None  # a decode server never computes prompt logprobs itself
     req.leave_waiting_queue(now)
     # A re-bootstrap's new cached tokens show on the request's next row (the epoch).
-    req.update_stats(cached_tokens=header.cached_tokens, cached_tokens_details=header.cached_tokens_details)
+    req.update_stats(
+        cached_tokens=header.cached_tokens, cached_tokens_details=header.cached_tokens_details
+    )
     times = {"bootstrap_done_time": prebuilt.received_time, "decode_prebuilt_finish_time": now}
     ts = req.stats.time_stats
     if ts is not None and ts.prefill_finished_time is None:
@@ -74,14 +82,23 @@ def install_prebuilt(req: Req, kv: KVPool, slots: torch.Tensor, now: float) -> N
 
 
 class DecodeBootstrapper:
-    def __init__(self, client: KVFetchClient, kv: KVPool, timeout: float, vocab_size: int, connect_grace: float = 3.0) -> None:
+    def __init__(
+        self,
+        client: KVFetchClient,
+        kv: KVPool,
+        timeout: float,
+        vocab_size: int,
+        connect_grace: float = 3.0,
+    ) -> None:
         self.client = client
         self.kv = kv
         self.vocab_size = vocab_size
         self.connect_grace = connect_grace
         self.layout = pool_layout(kv)
         self.timeout = timeout
-        self._pending: dict[tuple[str, int], Req] = {}  # (endpoint, room) -> request waiting for its KV
+        self._pending: dict[
+            tuple[str, int], Req
+        ] = {}  # (endpoint, room) -> request waiting for its KV
         self.ready: deque[Req] = deque()  # KV arrived, waiting for pool slots
         self._stray = RateLimitedWarning(logger)
         self._failed: list[Req] = []  # failed in start(), reported by the next poll()
@@ -154,7 +171,13 @@ class DecodeBootstrapper:
         other = self._pending.get((pd.endpoint, pd.room))
         if other is not None and other is not req:
             # Its transfer could not be told from the other's: refuse rather than mix them up.
-            req.finish(FinishAbort(message=f"bootstrap room {pd.room} is already in use by another request", status_code=400), now)
+            req.finish(
+                FinishAbort(
+                    message=f"bootstrap room {pd.room} is already in use by another request",
+                    status_code=400,
+                ),
+                now,
+            )
             self._failed.append(req)
             return
         pd.attempt += 1
@@ -162,11 +185,22 @@ class DecodeBootstrapper:
         pd.sent_time = now
         pd.prebuilt = None
         token_ids = req.fill_ids[:-1] if req.output_ids else req.origin_input_ids
-        fetch = KVFetch(room=pd.room, attempt=pd.attempt, token_ids=token_ids, prompt_tokens=len(req.origin_input_ids), layout=self.layout)
+        fetch = KVFetch(
+            room=pd.room,
+            attempt=pd.attempt,
+            token_ids=token_ids,
+            prompt_tokens=len(req.origin_input_ids),
+            layout=self.layout,
+        )
         try:
             self.client.send(pd.endpoint, fetch)
         except KVTransferError as exc:
-            req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {exc}", status_code=502), now)
+            req.finish(
+                FinishAbort(
+                    message=f"PD bootstrap of room {pd.room} failed: {exc}", status_code=502
+                ),
+                now,
+            )
             self._failed.append(req)
             return
         self._pending[(pd.endpoint, pd.room)] = req
@@ -180,14 +214,23 @@ class DecodeBootstrapper:
             pd = req.pd if req is not None else None
             if req is None or not isinstance(pd, DecodeBootstrap) or pd.attempt != header.attempt:
                 self._stray.warn(
-                    "dropped a KV transfer for room %d (attempt %d) from %s: no request waits for it", header.room, header.attempt, endpoint
+                    "dropped a KV transfer for room %d (attempt %d) from %s: no request waits for it",
+                    header.room,
+                    header.attempt,
+                    endpoint,
                 )
                 continue
             del self._pending[(endpoint, header.room)]
             try:
                 pd.prebuilt = self._prebuilt(header, frames, req, now)
             except KVTransferError as exc:
-                req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} from {endpoint} failed: {exc}", status_code=502), now)
+                req.finish(
+                    FinishAbort(
+                        message=f"PD bootstrap of room {pd.room} from {endpoint} failed: {exc}",
+                        status_code=502,
+                    ),
+                    now,
+                )
                 failed.append(req)
                 continue
             self.ready.append(req)
@@ -224,28 +267,45 @@ class DecodeBootstrapper:
             else:
                 continue
             del self._pending[key]
-            req.finish(FinishAbort(message=f"PD bootstrap of room {pd.room} failed: {why}", status_code=502), now)
+            req.finish(
+                FinishAbort(
+                    message=f"PD bootstrap of room {pd.room} failed: {why}", status_code=502
+                ),
+                now,
+            )
             self._failed.append(req)
 
-    def _prebuilt(self, header: KVTransferHeader, frames: list[bytes], req: Req, now: float) -> Prebuilt:
+    def _prebuilt(
+        self, header: KVTransferHeader, frames: list[bytes], req: Req, now: float
+    ) -> Prebuilt:
         """The arrived KV of the tokens req asked for: all it holds but its last token."""
         asked = req.seq_len - 1 if req.output_ids else len(req.origin_input_ids)
         prompt = len(req.origin_input_ids)
         if not header.ok:
             raise KVTransferError(header.error or "the prefill server refused without a reason")
         if len(frames) != 2:
-            raise KVTransferError(f"a transfer has a header and 2 tensor frames, got {len(frames)} after the header")
+            raise KVTransferError(
+                f"a transfer has a header and 2 tensor frames, got {len(frames)} after the header"
+            )
         if header.num_tokens != asked:
             raise KVTransferError(f"asked for the KV of {asked} tokens, got {header.num_tokens}")
-        if not req.output_ids and not (header.first_token is not None and 0 <= header.first_token < self.vocab_size):
-            raise KVTransferError(f"the first transfer must carry a first token in [0, {self.vocab_size}), got {header.first_token}")
+        if not req.output_ids and not (
+            header.first_token is not None and 0 <= header.first_token < self.vocab_size
+        ):
+            raise KVTransferError(
+                f"the first transfer must carry a first token in [0, {self.vocab_size}), got {header.first_token}"
+            )
         if not 0 <= header.cached_tokens <= prompt:
-            raise KVTransferError(f"cached_tokens {header.cached_tokens} is outside [0, {prompt}], the prompt")
+            raise KVTransferError(
+                f"cached_tokens {header.cached_tokens} is outside [0, {prompt}], the prompt"
+            )
         first, prompt_lp = self._logprobs(header, req)
         k, v = tensors_from_frames(header, frames[0], frames[1], self.layout)
         return Prebuilt(header, k, v, now, first, prompt_lp)
 
-    def _logprobs(self, header: KVTransferHeader, req: Req) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
+    def _logprobs(
+        self, header: KVTransferHeader, req: Req
+    ) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
         """The first token's and the prompt's logprobs a first transfer carries for a
         request that asked, checked as the tokenizer manager checks a frame's, and against
         what this request asked: one token, then the prompt positions it still needs
@@ -253,7 +313,9 @@ class DecodeBootstrapper:
         lp = header.logprobs
         if req.output_ids:
             if lp is not None:
-                raise KVTransferError("a re-bootstrap carries no logprobs: the first transfer sent them")
+                raise KVTransferError(
+                    "a re-bootstrap carries no logprobs: the first transfer sent them"
+                )
             return None, None
         ask = req.logprob
         if ask is None:
@@ -272,14 +334,22 @@ class DecodeBootstrapper:
         got_prompt = 0 if prompt is None else len(prompt.chosen)
         if first is None or got_prompt != want_prompt:
             got_first = 0 if first is None else 1
-            raise KVTransferError(f"asked for the logprobs of 1 first token and {want_prompt} prompt positions, got {got_first} and {got_prompt}")
+            raise KVTransferError(
+                f"asked for the logprobs of 1 first token and {want_prompt} prompt positions, got {got_first} and {got_prompt}"
+            )
         k, m = ask.top_logprobs_num, len(ask.token_ids_logprob)
         for part in (first, prompt) if prompt is not None else (first,):
             if part.top_ids.shape[1] != k or part.ids_values.shape[1] != m:
                 got_k, got_m = part.top_ids.shape[1], part.ids_values.shape[1]
-                raise KVTransferError(f"asked for {k} top logprobs and {m} token ids per position, got {got_k} and {got_m}")
-            if part.top_ids.size and not (0 <= part.top_ids.min() and part.top_ids.max() < self.vocab_size):
-                raise KVTransferError(f"a top logprob names a token id outside [0, {self.vocab_size})")
+                raise KVTransferError(
+                    f"asked for {k} top logprobs and {m} token ids per position, got {got_k} and {got_m}"
+                )
+            if part.top_ids.size and not (
+                0 <= part.top_ids.min() and part.top_ids.max() < self.vocab_size
+            ):
+                raise KVTransferError(
+                    f"a top logprob names a token id outside [0, {self.vocab_size})"
+                )
         return first, prompt if got_prompt else None
 
     def discard(self, req: Req) -> None:

@@ -31,7 +31,12 @@ _MAX_FETCH_BYTES = 16 << 20
 
 def pool_layout(kv: KVPool) -> KVLayout:
     layers, _, heads, head_dim = kv.k.shape
-    return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=str(kv.k.dtype).removeprefix("torch."))
+    return KVLayout(
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=str(kv.k.dtype).removeprefix("torch."),
+    )
 
 
 def gather_kv(kv: KVPool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,16 +62,22 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-def tensors_from_frames(header: KVTransferHeader, k_raw: bytes, v_raw: bytes, expected: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def tensors_from_frames(
+    header: KVTransferHeader, k_raw: bytes, v_raw: bytes, expected: KVLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V from a transfer's raw frames, checked against the receiver's own layout."""
     layout = header.layout
     if layout != expected:
-        raise KVTransferError(f"the prefill server's KV layout {layout} differs from this server's {expected} (different models?)")
+        raise KVTransferError(
+            f"the prefill server's KV layout {layout} differs from this server's {expected} (different models?)"
+        )
     dtype = getattr(torch, expected.dtype)
     shape = (expected.num_layers, header.num_tokens, expected.num_kv_heads, expected.head_dim)
     size = shape[0] * shape[1] * shape[2] * shape[3] * torch.empty((), dtype=dtype).element_size()
     if header.num_tokens <= 0 or len(k_raw) != size or len(v_raw) != size:
-        raise KVTransferError(f"KV frames of {len(k_raw)} and {len(v_raw)} bytes do not hold {header.num_tokens} tokens ({size} bytes each)")
+        raise KVTransferError(
+            f"KV frames of {len(k_raw)} and {len(v_raw)} bytes do not hold {header.num_tokens} tokens ({size} bytes each)"
+        )
     # bytearray: a writable copy, which torch.frombuffer wants.
     k = torch.frombuffer(bytearray(k_raw), dtype=torch.uint8).view(dtype).reshape(shape)
     v = torch.frombuffer(bytearray(v_raw), dtype=torch.uint8).view(dtype).reshape(shape)
@@ -103,14 +114,22 @@ class KVFetchServer:
             if fetch is not None:
                 got.append((parts[0], fetch))
 
-    def send(self, identity: bytes, header: KVTransferHeader, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
+    def send(
+        self,
+        identity: bytes,
+        header: KVTransferHeader,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> None:
         frames: list[bytes | memoryview] = [identity, self._encoder.encode(header)]
         if k is not None and v is not None:
             frames += [_tensor_bytes(k), _tensor_bytes(v)]
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:  # the decode server is not reading: it times the request out
-            logger.warning("could not send KV for room %d: the decode server's queue is full", header.room)
+            logger.warning(
+                "could not send KV for room %d: the decode server's queue is full", header.room
+            )
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -138,8 +157,12 @@ class KVFetchClient:
         self._sockets: dict[str, zmq.Socket[Any]] = {}
         self._monitors: dict[str, zmq.Socket[Any]] = {}
         self._connected: dict[str, bool] = {}
-        self._down_since: dict[str, float] = {}  # endpoints refusing or dropping connections, since when
-        self._decoder: FrameDecoder[KVTransferHeader] = FrameDecoder(KVTransferHeader, logger, "KV transfer header")
+        self._down_since: dict[
+            str, float
+        ] = {}  # endpoints refusing or dropping connections, since when
+        self._decoder: FrameDecoder[KVTransferHeader] = FrameDecoder(
+            KVTransferHeader, logger, "KV transfer header"
+        )
         self._shape = RateLimitedWarning(logger)
         self._encoder = make_encoder()
 
@@ -147,7 +170,9 @@ class KVFetchClient:
         sock = self._sockets.get(endpoint)
         if sock is None:
             if len(self._sockets) >= MAX_PREFILL_PEERS:
-                raise KVTransferError(f"this decode server already fetches from {MAX_PREFILL_PEERS} prefill endpoints, its limit")
+                raise KVTransferError(
+                    f"this decode server already fetches from {MAX_PREFILL_PEERS} prefill endpoints, its limit"
+                )
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)
@@ -218,4 +243,3 @@ class KVFetchClient:
             sock.close(linger=0)
         self._sockets.clear()
         self._monitors.clear()
-

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.io_struct import CachedTokensDetails, FinishAbort, FrameLogprobs, KVFetch, KVTransferHeader, SamplingParams
+from pipeline.io_struct import (
+    CachedTokensDetails,
+    FinishAbort,
+    FrameLogprobs,
+    KVFetch,
+    KVTransferHeader,
+    SamplingParams,
+)
 from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.pd.kv_transfer import KVFetchServer, gather_kv, pool_layout
@@ -42,7 +49,9 @@ def keep_first_logprobs(req: Req) -> None:
     pd = req.pd
     if not isinstance(pd, PrefillHalf) or req.logprob is None or not req.pending_logprobs:
         return
-    assert req.prompt_logprobs_next is None, "a prefill half samples its first token after its whole prompt"
+    assert req.prompt_logprobs_next is None, (
+        "a prefill half samples its first token after its whole prompt"
+    )
     prompt = req.take_prompt_logprobs()
     pd.logprobs = FrameLogprobs(
         output=build_output_logprobs([0], [TokenLogprobs.join(req.pending_logprobs)]),
@@ -54,7 +63,14 @@ def keep_first_logprobs(req: Req) -> None:
 _KV_ONLY = SamplingParams(max_new_tokens=0)
 
 
-def kv_job_request(identity: bytes, fetch: KVFetch, req_id: int, now: float, collect_time_stats: bool, stats_pending: StatsPending) -> Req:
+def kv_job_request(
+    identity: bytes,
+    fetch: KVFetch,
+    req_id: int,
+    now: float,
+    collect_time_stats: bool,
+    stats_pending: StatsPending,
+) -> Req:
     """The internal request that computes a re-bootstrap's KV; it emits no row."""
     req = Req(
         rid=f"kv-fetch-{fetch.room}-{fetch.attempt}",
@@ -95,15 +111,25 @@ class _WaitingFetch:
 
 
 class PrefillKVSender:
-    def __init__(self, server: KVFetchServer, kv: KVPool, timeout: float, stash_limit_bytes: int = STASH_LIMIT_BYTES) -> None:
+    def __init__(
+        self,
+        server: KVFetchServer,
+        kv: KVPool,
+        timeout: float,
+        stash_limit_bytes: int = STASH_LIMIT_BYTES,
+    ) -> None:
         self.server = server
         self.stash_limit_bytes = stash_limit_bytes
         self._stash_bytes = 0
         self.kv = kv
         self.layout = pool_layout(kv)
         self.timeout = timeout
-        self._waiting: dict[int, _WaitingFetch] = {}  # room -> a first fetch that came before its prefill ended
-        self._stash: dict[int, _Stashed] = {}  # room -> KV of a finished prefill that nobody fetched yet
+        self._waiting: dict[
+            int, _WaitingFetch
+        ] = {}  # room -> a first fetch that came before its prefill ended
+        self._stash: dict[
+            int, _Stashed
+        ] = {}  # room -> KV of a finished prefill that nobody fetched yet
         self._next_job_id = -1  # re-bootstrap requests count down: never a client's req_id
 
     # --- the scheduler's hooks (PdRole) ----------------------------------------------------
@@ -120,9 +146,13 @@ class PrefillKVSender:
         that computes the KV of ``fetch.token_ids`` (from the prefix cache where it can)
         and emits no row; nothing joins the running batch directly."""
         for identity, fetch in self.receive(now):
-            req = kv_job_request(identity, fetch, self._next_job_id, now, host.collect_time_stats, host.stats_pending)
+            req = kv_job_request(
+                identity, fetch, self._next_job_id, now, host.collect_time_stats, host.stats_pending
+            )
             self._next_job_id -= 1
-            problem = host.admission.problem(req) if fetch.token_ids else "the fetch names no tokens"
+            problem = (
+                host.admission.problem(req) if fetch.token_ids else "the fetch names no tokens"
+            )
             if problem is not None:
                 self.refuse(identity, fetch, problem)
             else:
@@ -156,7 +186,12 @@ class PrefillKVSender:
         for identity, fetch in self.server.receive():
             if fetch.layout != self.layout:
                 message = f"this prefill server's KV layout {self.layout} differs from the decode server's {fetch.layout} (different models?)"
-                self.server.send(identity, KVTransferHeader(room=fetch.room, attempt=fetch.attempt, ok=False, error=message))
+                self.server.send(
+                    identity,
+                    KVTransferHeader(
+                        room=fetch.room, attempt=fetch.attempt, ok=False, error=message
+                    ),
+                )
             elif fetch.attempt > 0:
                 jobs.append((identity, fetch))
             else:
@@ -169,7 +204,10 @@ class PrefillKVSender:
         return jobs
 
     def refuse(self, identity: bytes, fetch: KVFetch, message: str) -> None:
-        self.server.send(identity, KVTransferHeader(room=fetch.room, attempt=fetch.attempt, ok=False, error=message))
+        self.server.send(
+            identity,
+            KVTransferHeader(room=fetch.room, attempt=fetch.attempt, ok=False, error=message),
+        )
 
     def on_release(self, req: Req, now: float) -> None:
         """Called just before a request's KV is released: a PD request's is packaged and
@@ -179,11 +217,19 @@ class PrefillKVSender:
             return
         if isinstance(pd, KVFetchJob):
             # A re-bootstrap's header carries no logprobs: the first transfer sent them.
-            header, k, v = self._package(req, pd.fetch.room, pd.fetch.attempt, len(pd.fetch.token_ids), pd.fetch.prompt_tokens)
+            header, k, v = self._package(
+                req,
+                pd.fetch.room,
+                pd.fetch.attempt,
+                len(pd.fetch.token_ids),
+                pd.fetch.prompt_tokens,
+            )
             self.server.send(pd.identity, header, k, v)
             return
         assert isinstance(pd, PrefillHalf)
-        header, k, v = self._package(req, pd.room, 0, len(req.origin_input_ids), len(req.origin_input_ids), pd.logprobs)
+        header, k, v = self._package(
+            req, pd.room, 0, len(req.origin_input_ids), len(req.origin_input_ids), pd.logprobs
+        )
         waiting = self._waiting.pop(pd.room, None)
         if waiting is not None:
             self.server.send(waiting.identity, header, k, v)
@@ -198,7 +244,11 @@ class PrefillKVSender:
         while self._stash_bytes > self.stash_limit_bytes and len(self._stash) > 1:
             oldest = next(iter(self._stash))
             self._unstash(oldest)
-            logger.warning("dropped the unfetched KV of bootstrap room %d: unfetched KV is over %d bytes", oldest, self.stash_limit_bytes)
+            logger.warning(
+                "dropped the unfetched KV of bootstrap room %d: unfetched KV is over %d bytes",
+                oldest,
+                self.stash_limit_bytes,
+            )
 
     def _unstash(self, room: int) -> _Stashed | None:
         stashed = self._stash.pop(room, None)
@@ -207,12 +257,31 @@ class PrefillKVSender:
         return stashed
 
     def _package(
-        self, req: Req, room: int, attempt: int, num_tokens: int, prompt_tokens: int, logprobs: FrameLogprobs | None = None
+        self,
+        req: Req,
+        room: int,
+        attempt: int,
+        num_tokens: int,
+        prompt_tokens: int,
+        logprobs: FrameLogprobs | None = None,
     ) -> tuple[KVTransferHeader, torch.Tensor | None, torch.Tensor | None]:
         reason = req.finished_reason
         if req.kv_slots is None or req.num_computed < num_tokens:
-            why = reason.message if isinstance(reason, FinishAbort) else "its prefill did not complete"
-            return KVTransferHeader(room=room, attempt=attempt, ok=False, error=f"the prefill server dropped the request: {why}"), None, None
+            why = (
+                reason.message
+                if isinstance(reason, FinishAbort)
+                else "its prefill did not complete"
+            )
+            return (
+                KVTransferHeader(
+                    room=room,
+                    attempt=attempt,
+                    ok=False,
+                    error=f"the prefill server dropped the request: {why}",
+                ),
+                None,
+                None,
+            )
         k, v = gather_kv(self.kv, req.kv_slots[:num_tokens])
         stats = req.stats
         cached = min(stats.cached_tokens, prompt_tokens)
@@ -224,8 +293,12 @@ class PrefillKVSender:
             layout=self.layout,
             first_token=req.output_ids[0] if attempt == 0 and req.output_ids else None,
             cached_tokens=cached,
-            cached_tokens_details=_capped(stats.cached_tokens_details, stats.cached_tokens - cached),
-            prefill_finished_time=stats.time_stats.prefill_finished_time if stats.time_stats is not None else None,
+            cached_tokens_details=_capped(
+                stats.cached_tokens_details, stats.cached_tokens - cached
+            ),
+            prefill_finished_time=stats.time_stats.prefill_finished_time
+            if stats.time_stats is not None
+            else None,
             logprobs=logprobs,
         )
         return header, k, v
@@ -233,11 +306,17 @@ class PrefillKVSender:
     def _expire(self, now: float) -> None:
         for room in [room for room, s in self._stash.items() if s.deadline < now]:
             self._unstash(room)
-            logger.warning("dropped the KV of bootstrap room %d: no decode server fetched it within %g s", room, self.timeout)
+            logger.warning(
+                "dropped the KV of bootstrap room %d: no decode server fetched it within %g s",
+                room,
+                self.timeout,
+            )
         for room in [room for room, w in self._waiting.items() if w.deadline < now]:
             waiting = self._waiting.pop(room)
             message = f"the prefill server got no request for bootstrap room {room} within {self.timeout:g} s"
-            self.server.send(waiting.identity, KVTransferHeader(room=room, attempt=0, ok=False, error=message))
+            self.server.send(
+                waiting.identity, KVTransferHeader(room=room, attempt=0, ok=False, error=message)
+            )
 
     @property
     def num_held(self) -> int:

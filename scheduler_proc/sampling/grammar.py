@@ -63,7 +63,9 @@ _FIRST_ROWS = 64  # bitmask rows allocated up front; doubled when a step has mor
 # A JSON object of any shape: xgrammar's builtin JSON grammar would also take an array at
 # the root, and OpenAI's json_object (and vLLM's) means an object.
 _ANY_OBJECT = '{"type": "object"}'
-_MAX_REASON = 500  # characters of the engine's reason in a 400 (a JSON parse error quotes the whole spec)
+_MAX_REASON = (
+    500  # characters of the engine's reason in a 400 (a JSON parse error quotes the whole spec)
+)
 # xgrammar's error text starts with its log prefix ("[12:00:00] /project/cpp/file.cc:94: ")
 # and, for a failed check, the check ("Check failed: (error.empty()) is false: ").
 _LOG_PREFIX = re.compile(r"^\[[0-9:.]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -80,7 +82,10 @@ CompileOutcome: TypeAlias = "xgr.CompiledGrammar | GrammarError"
 
 
 def tokenizer_info(
-    tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: Set[int], special_token_ids: Set[int]
+    tokenizer: tokenizers.Tokenizer,
+    vocab_size: int,
+    eos_token_ids: Set[int],
+    special_token_ids: Set[int],
 ) -> xgr.TokenizerInfo:
     """xgrammar's vocabulary: ``vocab_size`` is the model's (its logits' width; ids past the
     tokenizer's are never allowed), and the EOS ids are the stop tokens a grammar allows
@@ -93,7 +98,9 @@ def tokenizer_info(
 
     xgr = _xgr()
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
-    detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids))
+    detected = xgr.TokenizerInfo.from_huggingface(
+        hf, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
+    )
     encoded: list[bytes | str] = [""] * vocab_size
     for token, token_id in hf.get_vocab().items():
         if token_id < vocab_size and token_id not in special_token_ids:
@@ -110,7 +117,9 @@ def choice_grammar(spec: str) -> str:
         raise GrammarError(f"the choices are not valid JSON: {exc}") from None
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
         raise GrammarError("the choices must be a non-empty list of strings")
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+    return "root ::= " + " | ".join(
+        json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices)
+    )
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> CompileOutcome:
@@ -148,7 +157,13 @@ class GrammarCompiler:
     the vocabulary's scan run beside the model's load, and a first compile queues behind
     them. ``stop_ids``: the EOS ids, the stop tokens ``info`` gives xgrammar."""
 
-    def __init__(self, info: Callable[[], xgr.TokenizerInfo], stop_ids: Set[int], *, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        info: Callable[[], xgr.TokenizerInfo],
+        stop_ids: Set[int],
+        *,
+        cache_size: int = GRAMMAR_CACHE_SIZE,
+    ) -> None:
         self._cache: OrderedDict[Key, CompileOutcome] = OrderedDict()
         self._cache_size = cache_size
         self._inflight: dict[Key, Future[CompileOutcome]] = {}
@@ -212,7 +227,9 @@ def new_matcher(grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
 def refused_token(param: str, token: int, status_code: int) -> FinishAbort:
     """The finish of a request whose matcher refused a token: never one the mask let through
     (a fault, 500), or a PD prefill server's first token that ignored the grammar (502)."""
-    return FinishAbort(message=f"{param}: token {token} is outside the grammar", status_code=status_code)
+    return FinishAbort(
+        message=f"{param}: token {token} is outside the grammar", status_code=status_code
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +253,9 @@ class GrammarMask:
         """A float32 copy of ``logits`` with -inf on each listed row's forbidden tokens.
         A copy: logprobs stay the raw distribution (docs/design.md section 11)."""
         x = logits.to(torch.float32, copy=True)
-        _xgr().apply_token_bitmask_inplace(x, self.bitmask, vocab_size=x.shape[1], indices=self.rows)
+        _xgr().apply_token_bitmask_inplace(
+            x, self.bitmask, vocab_size=x.shape[1], indices=self.rows
+        )
         return x
 
 
@@ -258,7 +277,9 @@ class TokenMasks:
             self._bitmask = xgr.allocate_token_bitmask(max(n, _FIRST_ROWS), self._vocab_size)
             self._batch = xgr.BatchGrammarMatcher()
         elif n > len(self._bitmask):
-            self._bitmask = _xgr().allocate_token_bitmask(max(n, 2 * len(self._bitmask)), self._vocab_size)
+            self._bitmask = _xgr().allocate_token_bitmask(
+                max(n, 2 * len(self._bitmask)), self._vocab_size
+            )
         self._batch.batch_fill_next_token_bitmask(grammar.matchers, self._bitmask, grammar.indices)
         bitmask = self._bitmask[:n]
         if bitmask.device != self._device:
@@ -270,6 +291,9 @@ class TokenMasks:
         rows whose grammar ended (it accepted a stop token) and the rows whose matcher
         refused the token (none, unless something is wrong)."""
         drawn = new[grammar.rows]
-        accepted = np.array(_xgr().BatchGrammarMatcher.batch_accept_token(grammar.matchers, drawn.tolist()), dtype=bool)
+        accepted = np.array(
+            _xgr().BatchGrammarMatcher.batch_accept_token(grammar.matchers, drawn.tolist()),
+            dtype=bool,
+        )
         ended = grammar.rows[accepted & np.isin(drawn, self._stop_ids)]
         return ended, grammar.rows[~accepted]

@@ -26,18 +26,28 @@ if TYPE_CHECKING:
     from scheduler_proc.batch.running_batch import RunningBatch
 
 
-StepLogprobs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # chosen [r], top ids, top values [r, k], ids values [r, m]
+StepLogprobs = tuple[
+    np.ndarray, np.ndarray, np.ndarray, np.ndarray
+]  # chosen [r], top ids, top values [r, k], ids values [r, m]
 
 
-def batched_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, k: int, ids: np.ndarray) -> StepLogprobs:
+def batched_logprobs(
+    logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, k: int, ids: np.ndarray
+) -> StepLogprobs:
     """The logprobs of ``tokens`` at ``rows`` (indices into ``logits``, in any order): one
     log-softmax over those rows only, one gather of the chosen tokens, one top-``k`` (sorted,
     most likely first), one gather of ``ids`` (``[rows, m]``, padded with 0)."""
-    if len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all():  # every row in order: no copy
+    if (
+        len(rows) == logits.shape[0] and (rows == np.arange(len(rows))).all()
+    ):  # every row in order: no copy
         lp = torch.log_softmax(logits.float(), dim=-1)
     else:
-        lp = torch.log_softmax(logits.index_select(0, torch.from_numpy(rows).to(logits.device)).float(), dim=-1)
-    chosen = lp.gather(1, torch.from_numpy(tokens.astype(np.int64)).to(lp.device).unsqueeze(1)).squeeze(1)
+        lp = torch.log_softmax(
+            logits.index_select(0, torch.from_numpy(rows).to(logits.device)).float(), dim=-1
+        )
+    chosen = lp.gather(
+        1, torch.from_numpy(tokens.astype(np.int64)).to(lp.device).unsqueeze(1)
+    ).squeeze(1)
     if k:
         top_values, top_ids = lp.topk(k, dim=1)
         top_v, top_i = top_values.cpu().numpy(), top_ids.cpu().numpy().astype(LOGPROB_ID_DTYPE)
@@ -51,23 +61,38 @@ def batched_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray,
     return chosen.cpu().numpy(), top_i, top_v, ids_v
 
 
-def step_logprobs(logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams]) -> list[TokenLogprobs]:
+def step_logprobs(
+    logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, asks: Sequence[LogprobParams]
+) -> list[TokenLogprobs]:
     """The logprobs of this step's token for each of ``rows`` (indices into ``logits``,
     whose requests ask ``asks``), from one ``batched_logprobs`` over the largest k and all
     the asked ids; the per-request results are views of those batched arrays."""
     ks = [a.top_logprobs_num for a in asks]
     ms = [len(a.token_ids_logprob) for a in asks]
     m = max(ms)
-    ids = np.array([list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks], dtype=np.int64)
-    chosen_v, top_i, top_v, ids_v = batched_logprobs(logits, rows, tokens, max(ks), ids.reshape(len(asks), m))
+    ids = np.array(
+        [list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks],
+        dtype=np.int64,
+    )
+    chosen_v, top_i, top_v, ids_v = batched_logprobs(
+        logits, rows, tokens, max(ks), ids.reshape(len(asks), m)
+    )
     return [
-        TokenLogprobs(chosen_v[i : i + 1], top_i[i : i + 1, : ks[i]], top_v[i : i + 1, : ks[i]], ids_v[i : i + 1, : ms[i]])
+        TokenLogprobs(
+            chosen_v[i : i + 1],
+            top_i[i : i + 1, : ks[i]],
+            top_v[i : i + 1, : ks[i]],
+            ids_v[i : i + 1, : ms[i]],
+        )
         for i in range(len(rows))
     ]
 
 
 def span_logprobs(
-    logits: torch.Tensor, rows: np.ndarray, tokens: np.ndarray, spans: Sequence[tuple[LogprobParams, int]]
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    tokens: np.ndarray,
+    spans: Sequence[tuple[LogprobParams, int]],
 ) -> list[TokenLogprobs]:
     """As ``step_logprobs`` where a request has several tokens in one pass (a dLLM block's
     positions): ``spans`` are (ask, count) per request, its ``count`` rows consecutive in
@@ -75,19 +100,33 @@ def span_logprobs(
     asks = [a for a, _ in spans]
     counts = [n for _, n in spans]
     m = max(len(a.token_ids_logprob) for a in asks)
-    ids = np.array([list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks], dtype=np.int64)
+    ids = np.array(
+        [list(a.token_ids_logprob) + [0] * (m - len(a.token_ids_logprob)) for a in asks],
+        dtype=np.int64,
+    )
     ids = np.repeat(ids.reshape(len(asks), m), counts, axis=0)
-    chosen_v, top_i, top_v, ids_v = batched_logprobs(logits, rows, tokens, max(a.top_logprobs_num for a in asks), ids)
+    chosen_v, top_i, top_v, ids_v = batched_logprobs(
+        logits, rows, tokens, max(a.top_logprobs_num for a in asks), ids
+    )
     out: list[TokenLogprobs] = []
     first = 0
     for ask, n in spans:
         k, m, last = ask.top_logprobs_num, len(ask.token_ids_logprob), first + n
-        out.append(TokenLogprobs(chosen_v[first:last], top_i[first:last, :k], top_v[first:last, :k], ids_v[first:last, :m]))
+        out.append(
+            TokenLogprobs(
+                chosen_v[first:last],
+                top_i[first:last, :k],
+                top_v[first:last, :k],
+                ids_v[first:last, :m],
+            )
+        )
         first = last
     return out
 
 
-def keep_decode_logprobs(batch: RunningBatch, logits: torch.Tensor, rows: np.ndarray, new: np.ndarray) -> None:
+def keep_decode_logprobs(
+    batch: RunningBatch, logits: torch.Tensor, rows: np.ndarray, new: np.ndarray
+) -> None:
     """The logprobs of a decode step's token for the running batch's ``rows`` that asked
     (``new``: the step's token of every row), kept in the batch's columns until each row
     goes out: what the rows ask is read from the batch's columns too, so no ``Req`` is read."""
@@ -96,7 +135,9 @@ def keep_decode_logprobs(batch: RunningBatch, logits: torch.Tensor, rows: np.nda
 
 
 def keep_prompt_logprobs(
-    batch: Sequence[tuple[Req, list[int], torch.Tensor]], hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor]
+    batch: Sequence[tuple[Req, list[int], torch.Tensor]],
+    hidden: torch.Tensor,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
     """Prompt logprobs from a prefill pass's hidden states (``hidden``: every new token of
     ``batch`` in order): for each request still computing them, the positions of this chunk

@@ -85,19 +85,30 @@ def _column(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def output_count_tensor(
-    rows: np.ndarray, outputs: Sequence[Sequence[int]], n: int, vocab: int, device: torch.device | str
+    rows: np.ndarray,
+    outputs: Sequence[Sequence[int]],
+    n: int,
+    vocab: int,
+    device: torch.device | str,
 ) -> torch.Tensor | None:
     """Times each token was generated, for ``rows`` (zeros elsewhere); None without rows."""
     if not rows.size:
         return None
     counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
     r, t = _flatten(rows, [outputs])
-    counts.index_put_((r.to(device), t.to(device)), torch.ones(len(t), device=device), accumulate=True)
+    counts.index_put_(
+        (r.to(device), t.to(device)), torch.ones(len(t), device=device), accumulate=True
+    )
     return counts
 
 
 def seen_tensor(
-    rows: np.ndarray, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], n: int, vocab: int, device: torch.device | str
+    rows: np.ndarray,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    n: int,
+    vocab: int,
+    device: torch.device | str,
 ) -> torch.Tensor | None:
     """Whether each token occurs in the prompt or the output, for ``rows``; None without rows."""
     if not rows.size:
@@ -108,21 +119,27 @@ def seen_tensor(
     return seen
 
 
-def bias_tensor(biases: Sequence[Sequence[tuple[int, float]]], vocab: int, device: torch.device | str) -> torch.Tensor | None:
+def bias_tensor(
+    biases: Sequence[Sequence[tuple[int, float]]], vocab: int, device: torch.device | str
+) -> torch.Tensor | None:
     """The dense [n, V] logit_bias; None when no row has one."""
     if not any(biases):
         return None
     rows = [i for i, pairs in enumerate(biases) for _ in pairs]
     ids = [tok for pairs in biases for tok, _ in pairs]
     if min(ids) < 0 or max(ids) >= vocab:
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        raise ValueError(
+            f"logit_bias token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}"
+        )
     bias = torch.zeros(len(biases), vocab, dtype=torch.float32, device=device)
     values = torch.tensor([b for pairs in biases for _, b in pairs], dtype=torch.float32)
     bias[torch.tensor(rows).to(device), torch.tensor(ids).to(device)] = values.to(device)
     return bias
 
 
-def _flatten(rows: np.ndarray, token_lists: list[Sequence[Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _flatten(
+    rows: np.ndarray, token_lists: list[Sequence[Sequence[int]]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs of the given rows' tokens, as two flat int64 tensors."""
     r: list[int] = []
     t: list[int] = []

@@ -48,7 +48,14 @@ from scheduler_proc.sampling.penalties import (
     seen_tensor,
 )
 
-__all__ = ["GREEDY_EPS", "BannedTokens", "SamplingColumns", "adjusted_logits", "draw_counter", "sample"]
+__all__ = [
+    "GREEDY_EPS",
+    "BannedTokens",
+    "SamplingColumns",
+    "adjusted_logits",
+    "draw_counter",
+    "sample",
+]
 
 GREEDY_EPS = 1e-5
 _BLOCK = 64  # width of the inverse CDF's first level (the vocabulary is padded to whole blocks)
@@ -152,7 +159,9 @@ class SamplingColumns:
             frequency_penalty=freq,
             presence_penalty=pres,
             repetition_penalty=rep,
-            output_counts=output_count_tensor(np.flatnonzero((freq != 0) | (pres != 0)), outputs, n, vocab_size, device),
+            output_counts=output_count_tensor(
+                np.flatnonzero((freq != 0) | (pres != 0)), outputs, n, vocab_size, device
+            ),
             seen=seen_tensor(np.flatnonzero(rep != 1), prompts, outputs, n, vocab_size, device),
             logit_bias=bias_tensor([p.logit_bias for p in params], vocab_size, device),
             banned=banned,
@@ -251,15 +260,21 @@ def _draw_full(x: torch.Tensor, r: _Rows) -> np.ndarray:
     # with both, computed as the draw computes it for the others (the same row then gets
     # the same total whatever its neighbours ask).
     both = np.flatnonzero(cut_top_p & cut_min_p)
-    total_before_min_p = np.cumsum(_block_sums(e[both]), axis=1, dtype=np.float64)[:, -1] if both.size else None
+    total_before_min_p = (
+        np.cumsum(_block_sums(e[both]), axis=1, dtype=np.float64)[:, -1] if both.size else None
+    )
     if cut_min_p.any():
-        np.multiply(e, e >= r.min_p[:, None], out=e)  # e * True is e: rows without min_p keep theirs
+        np.multiply(
+            e, e >= r.min_p[:, None], out=e
+        )  # e * True is e: rows without min_p keep theirs
     tokens, total = _inverse_cdf(e, r.uniforms(0))
     if nucleus.size:
         if total_before_min_p is not None:
             total[both] = total_before_min_p
         w = e if nucleus.size == len(e) else e[nucleus]
-        tokens[nucleus] = _reject_outside_nucleus(w, tokens[nucleus], total[nucleus] * r.top_p[nucleus], r, nucleus)
+        tokens[nucleus] = _reject_outside_nucleus(
+            w, tokens[nucleus], total[nucleus] * r.top_p[nucleus], r, nucleus
+        )
     return tokens
 
 
@@ -317,7 +332,9 @@ def _first_above(cum: np.ndarray, target: np.ndarray, weights: np.ndarray) -> np
     return idx
 
 
-def _reject_outside_nucleus(e: np.ndarray, tokens: np.ndarray, mass: np.ndarray, r: _Rows, rows: np.ndarray) -> np.ndarray:
+def _reject_outside_nucleus(
+    e: np.ndarray, tokens: np.ndarray, mass: np.ndarray, r: _Rows, rows: np.ndarray
+) -> np.ndarray:
     """Exact top_p by rejection (as FlashInfer's): the nucleus keeps token t when the weight
     of the tokens strictly heavier than t is below ``mass`` (top_p of the total; the top
     token always stays). A draw outside it rules out every token as light as it, so the row
@@ -356,7 +373,9 @@ def _draw_top_k(x: torch.Tensor, k: int, r: _Rows) -> np.ndarray:
     return ids.cpu().numpy()[np.arange(len(j)), j]
 
 
-def _sorted_draw(w: np.ndarray, mass: np.ndarray, u: np.ndarray, *, presorted: bool = False) -> np.ndarray:
+def _sorted_draw(
+    w: np.ndarray, mass: np.ndarray, u: np.ndarray, *, presorted: bool = False
+) -> np.ndarray:
     """Inverse CDF over the nucleus of ``w`` in descending order: a token stays when the
     weight strictly heavier than it is below ``mass`` (ties all stay or all go, as in the
     rejection), and the top token always stays. Returns indices into ``w``'s columns."""

@@ -37,7 +37,9 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[ServerProcess]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver
+) -> Iterator[ServerProcess]:
     srv = ServerProcess(
         tmp_path_factory.mktemp("workers") / "tmp",
         ["--api-workers", str(WORKERS), "--otlp-traces-endpoint", receiver.endpoint],
@@ -62,7 +64,12 @@ async def stream_one(srv: ServerProcess, i: int) -> dict[str, Any]:
         "text": f"worker stream {i}:",
         "rid": f"stream-{i}",
         "stream": True,
-        "sampling_params": {"max_new_tokens": 4 + i % 13, "temperature": 0.7, "seed": i, "ignore_eos": True},
+        "sampling_params": {
+            "max_new_tokens": 4 + i % 13,
+            "temperature": 0.7,
+            "seed": i,
+            "ignore_eos": True,
+        },
     }
     async with one_connection(srv) as client:
         worker = await worker_of(client)
@@ -91,31 +98,52 @@ def test_streams_spread_over_the_workers_and_one_metrics_counts_them_all(
         assert all(served.values()), f"a worker served no stream: {served}"
         for r in results:
             assert r["meta"]["finish_reason"]["type"] == "length", r
-            assert r["tokens"] == r["meta"]["completion_tokens"] == 4 + int(r["rid"].split("-")[1]) % 13, r
+            assert (
+                r["tokens"]
+                == r["meta"]["completion_tokens"]
+                == 4 + int(r["rid"].split("-")[1]) % 13
+            ), r
 
         generated = sum(r["meta"]["completion_tokens"] for r in results)
         prompt = sum(r["meta"]["prompt_tokens"] for r in results)
         deadline = time.monotonic() + 30
         while scalar(prom, "tokenpipe:generation_tokens_total") != generated:
-            assert time.monotonic() < deadline, (scalar(prom, "tokenpipe:generation_tokens_total"), generated)
+            assert time.monotonic() < deadline, (
+                scalar(prom, "tokenpipe:generation_tokens_total"),
+                generated,
+            )
             time.sleep(0.5)
         assert scalar(prom, "tokenpipe:prompt_tokens_total") == prompt
         assert scalar(prom, 'tokenpipe:num_requests_total{is_streaming="true"}') == STREAMS
-        assert scalar(prom, 'tokenpipe:time_to_first_token_seconds_count{is_streaming="true"}') == STREAMS
+        assert (
+            scalar(prom, 'tokenpipe:time_to_first_token_seconds_count{is_streaming="true"}')
+            == STREAMS
+        )
         assert scalar(prom, "tokenpipe:inter_token_latency_seconds_count") == generated - STREAMS
-        assert scalar(prom, "tokenpipe:num_retractions_sum") == sum(r["meta"]["num_retractions"] for r in results)
+        assert scalar(prom, "tokenpipe:num_retractions_sum") == sum(
+            r["meta"]["num_retractions"] for r in results
+        )
         # The scheduler's gauges are one series, not one per worker.
         assert scalar(prom, "count(tokenpipe:num_running_reqs)") == 1
 
     # Every worker exported the spans of the requests it served.
-    spans = receiver.wait_for(lambda got: sum(s.kind == "SERVER" for s in got) >= STREAMS, timeout=30)
+    spans = receiver.wait_for(
+        lambda got: sum(s.kind == "SERVER" for s in got) >= STREAMS, timeout=30
+    )
     traced = {s.attributes.get("gen_ai.response.id") for s in spans if s.kind == "SERVER"}
     for w in range(WORKERS):
-        assert {r["rid"] for r in results if r["worker"] == w} <= traced, f"worker {w}'s spans are missing"
+        assert {r["rid"] for r in results if r["worker"] == w} <= traced, (
+            f"worker {w}'s spans are missing"
+        )
 
 
 async def abort_from_other_workers(srv: ServerProcess) -> tuple[int, list[int], dict[str, Any]]:
-    body = {"text": "a long one", "rid": "long-1", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    body = {
+        "text": "a long one",
+        "rid": "long-1",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
     async with one_connection(srv) as client:
         home = await worker_of(client)
         async with client.stream("POST", "/generate", json=body) as resp:
@@ -172,20 +200,36 @@ async def control_calls(srv: ServerProcess) -> dict[int, dict[str, Any]]:
 
 def test_every_worker_answers_health_and_control_calls(server: ServerProcess) -> None:
     answers = asyncio.run(control_calls(server))
-    assert sorted(answers) == list(range(WORKERS)), f"not every worker was reached: {sorted(answers)}"
+    assert sorted(answers) == list(range(WORKERS)), (
+        f"not every worker was reached: {sorted(answers)}"
+    )
     for worker, got in answers.items():
         # The flush's answer comes back through the detokenizer to the worker that asked.
-        assert (got["health"], got["health_generate"], got["flush"]) == (200, 200, 200), (worker, got)
+        assert (got["health"], got["health_generate"], got["flush"]) == (200, 200, 200), (
+            worker,
+            got,
+        )
         assert got["scheduler"] is not None, f"worker {worker} has no scheduler report"
 
 
-async def same_rid_on_two_workers(srv: ServerProcess) -> tuple[int, int, httpx.Response, dict[str, Any], httpx.Response]:
+async def same_rid_on_two_workers(
+    srv: ServerProcess,
+) -> tuple[int, int, httpx.Response, dict[str, Any], httpx.Response]:
     """A long request with rid "dup-1" runs on one worker; the same rid is sent through
     another worker (each worker knows only its own rids), then the first is aborted and
     the rid sent again. Returns both workers, the duplicate's answer, the first request's
     last meta_info, and the answer once the rid is free."""
-    body = {"text": "a long one", "rid": "dup-1", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
-    again = {"text": "a short one", "rid": "dup-1", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    body = {
+        "text": "a long one",
+        "rid": "dup-1",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
+    again = {
+        "text": "a short one",
+        "rid": "dup-1",
+        "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+    }
     async with one_connection(srv) as client:
         home = await worker_of(client)
         async with client.stream("POST", "/generate", json=body) as resp:
@@ -199,7 +243,9 @@ async def same_rid_on_two_workers(srv: ServerProcess) -> tuple[int, int, httpx.R
                     worker = await worker_of(other)
                     if worker == home:
                         continue
-                    duplicate = await other.post("/generate", json={**again, "text": "the same rid"})
+                    duplicate = await other.post(
+                        "/generate", json={**again, "text": "the same rid"}
+                    )
                     aborted = await other.post("/abort_request", json={"rid": "dup-1"})
                     assert aborted.status_code == 200, aborted.text
                     break
@@ -214,19 +260,29 @@ async def same_rid_on_two_workers(srv: ServerProcess) -> tuple[int, int, httpx.R
     return home, worker, duplicate, last, free_again
 
 
-def test_a_live_rid_sent_through_another_worker_is_refused_with_a_400(server: ServerProcess) -> None:
+def test_a_live_rid_sent_through_another_worker_is_refused_with_a_400(
+    server: ServerProcess,
+) -> None:
     home, worker, duplicate, first, free_again = asyncio.run(same_rid_on_two_workers(server))
     assert worker != home
     assert duplicate.status_code == 400, duplicate.text
     # SGLang's words, as the worker holding it would answer (the scheduler answers here).
     message = duplicate.json()["error"]["message"]
-    assert message.startswith("Duplicate request ID detected: dup-1 (a request with rid 'dup-1' is already running)"), message
+    assert message.startswith(
+        "Duplicate request ID detected: dup-1 (a request with rid 'dup-1' is already running)"
+    ), message
     # The refusal left the running request alone: it ran until the abort.
-    assert first["finish_reason"]["type"] == "abort" and 0 < first["completion_tokens"] < 2000, first
-    assert free_again.status_code == 200 and free_again.json()["meta_info"]["completion_tokens"] == 3, free_again.text
+    assert first["finish_reason"]["type"] == "abort" and 0 < first["completion_tokens"] < 2000, (
+        first
+    )
+    assert (
+        free_again.status_code == 200 and free_again.json()["meta_info"]["completion_tokens"] == 3
+    ), free_again.text
 
 
-async def conversation_over_two_workers(srv: ServerProcess) -> tuple[int, int, dict[str, Any], dict[str, Any], int, int]:
+async def conversation_over_two_workers(
+    srv: ServerProcess,
+) -> tuple[int, int, dict[str, Any], dict[str, Any], int, int]:
     """A stored response made through one worker, continued (previous_response_id), read
     and deleted through another: the store is one file the workers share. Returns both
     workers, both responses, and the GET status codes after and before the delete."""
@@ -239,7 +295,12 @@ async def conversation_over_two_workers(srv: ServerProcess) -> tuple[int, int, d
             worker = await worker_of(other)
             if worker == home:
                 continue
-            second_body = {"input": "Again.", "previous_response_id": first["id"], "max_output_tokens": 3, "temperature": 0}
+            second_body = {
+                "input": "Again.",
+                "previous_response_id": first["id"],
+                "max_output_tokens": 3,
+                "temperature": 0,
+            }
             second = (await other.post("/v1/responses", json=second_body)).json()
             found = (await other.get(f"/v1/responses/{first['id']}")).status_code
             assert (await other.delete(f"/v1/responses/{first['id']}")).status_code == 200
@@ -256,7 +317,10 @@ def test_a_stored_response_is_continued_through_another_worker(server: ServerPro
     assert worker != home and found == 200 and gone == 404
     assert second["previous_response_id"] == first["id"], second
     # The second prompt holds the first exchange: more tokens than the first's prompt and answer.
-    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"], (first, second)
+    assert (
+        second["usage"]["input_tokens"]
+        > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    ), (first, second)
 
 
 def api_workers(srv: ServerProcess) -> list[int]:
@@ -285,6 +349,8 @@ def test_a_taken_port_fails_at_start(tmp_path: Path) -> None:
     try:
         second = ServerProcess(tmp_path / "b", ["--api-workers", "2", "--port", str(first.port)])
         code = second.proc.wait(timeout=60)
-        assert code != 0 and f"could not start on 127.0.0.1:{first.port}" in second.output(), second.output()[-2000:]
+        assert code != 0 and f"could not start on 127.0.0.1:{first.port}" in second.output(), (
+            second.output()[-2000:]
+        )
     finally:
         assert first.stop() == 0

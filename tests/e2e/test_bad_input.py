@@ -9,18 +9,37 @@ import pytest
 
 from tests.server_harness import ServerProcess
 
-GOOD = {"text": "Hello there", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+GOOD = {
+    "text": "Hello there",
+    "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+}
 
 CASES = [
     ("empty text", {"text": "", "sampling_params": {"max_new_tokens": 4}}, "empty"),
     ("empty input_ids", {"input_ids": []}, "empty"),
     ("neither text nor ids", {"sampling_params": {"max_new_tokens": 4}}, "text"),
     ("both text and ids", {"text": "a", "input_ids": [1]}, "exactly one"),
-    ("unknown sampling key", {"text": "a", "sampling_params": {"max_new_tokenz": 4}}, "max_new_tokenz"),
+    (
+        "unknown sampling key",
+        {"text": "a", "sampling_params": {"max_new_tokenz": 4}},
+        "max_new_tokenz",
+    ),
     ("unknown top-level key", {"text": "a", "prompt": "b"}, "prompt"),
-    ("negative max_new_tokens", {"text": "a", "sampling_params": {"max_new_tokens": -5}}, "max_new_tokens"),
-    ("absurd max_new_tokens", {"text": "a", "sampling_params": {"max_new_tokens": 10**12}}, "max_new_tokens"),
-    ("max_new_tokens as string", {"text": "a", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+    (
+        "negative max_new_tokens",
+        {"text": "a", "sampling_params": {"max_new_tokens": -5}},
+        "max_new_tokens",
+    ),
+    (
+        "absurd max_new_tokens",
+        {"text": "a", "sampling_params": {"max_new_tokens": 10**12}},
+        "max_new_tokens",
+    ),
+    (
+        "max_new_tokens as string",
+        {"text": "a", "sampling_params": {"max_new_tokens": "ten"}},
+        "max_new_tokens",
+    ),
     ("temperature negative", {"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
     ("top_p zero", {"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
     ("text as number", {"text": 42}, "text"),
@@ -35,7 +54,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,body,needle", CASES, ids=[c[0] for c in CASES])
-def test_bad_body_gets_400_naming_the_field(server: ServerProcess, name: str, body: object, needle: str) -> None:
+def test_bad_body_gets_400_naming_the_field(
+    server: ServerProcess, name: str, body: object, needle: str
+) -> None:
     with server.client() as c:
         resp = c.post("/generate", json=body)
     assert resp.status_code == 400, resp.text
@@ -46,14 +67,21 @@ def test_bad_body_gets_400_naming_the_field(server: ServerProcess, name: str, bo
 
 def test_prompt_longer_than_context(server: ServerProcess) -> None:
     with server.client() as c:
-        resp = c.post("/generate", json={"input_ids": [7] * 3000, "sampling_params": {"max_new_tokens": 4}})
+        resp = c.post(
+            "/generate", json={"input_ids": [7] * 3000, "sampling_params": {"max_new_tokens": 4}}
+        )
     assert resp.status_code == 400
     assert "is longer than the model's context length" in resp.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
     "raw,needle",
-    [(b"\xff\xfe{not utf8", "utf-8"), (b"{\"text\": \"a\"", "json"), (b"", "empty"), (b"null", "object")],
+    [
+        (b"\xff\xfe{not utf8", "utf-8"),
+        (b'{"text": "a"', "json"),
+        (b"", "empty"),
+        (b"null", "object"),
+    ],
     ids=["non-utf8", "truncated-json", "empty-body", "null"],
 )
 def test_unparsable_bodies(server: ServerProcess, raw: bytes, needle: str) -> None:

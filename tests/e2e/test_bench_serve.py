@@ -17,6 +17,7 @@ from types import ModuleType
 
 import pytest
 
+
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     pytest.importorskip("tqdm")
@@ -42,10 +43,34 @@ def compare(bench: ModuleType) -> ModuleType:
 
 
 @pytest.mark.timeout(60)
-def test_launch_run_writes_json_and_png(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_launch_run_writes_json_and_png(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out, png = tmp_path / "r.json", tmp_path / "p.png"
-    argv = ["--launch", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--no-progress"]
-    assert bench.main([*argv, "--json", str(out), "--plot", str(png), "--server-args", "--max-total-tokens 4096"]) == 0
+    argv = [
+        "--launch",
+        "--concurrency",
+        "4",
+        "--requests",
+        "8",
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+    ]
+    assert (
+        bench.main(
+            [
+                *argv,
+                "--json",
+                str(out),
+                "--plot",
+                str(png),
+                "--server-args",
+                "--max-total-tokens 4096",
+            ]
+        )
+        == 0
+    )
 
     r = json.loads(out.read_text())
     assert r["requests"] == r["completed"] == 8
@@ -62,7 +87,16 @@ def test_launch_run_writes_json_and_png(bench: ModuleType, tmp_path: Path, capsy
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     table = capsys.readouterr().out
-    for label in ("requests/s", "output tokens/s", "TTFT ms", "ITL ms", "e2e ms", "errors", "tokens lost", "scheduler steps/s"):
+    for label in (
+        "requests/s",
+        "output tokens/s",
+        "TTFT ms",
+        "ITL ms",
+        "e2e ms",
+        "errors",
+        "tokens lost",
+        "scheduler steps/s",
+    ):
         assert label in table
 
 
@@ -73,21 +107,57 @@ def test_step_rate_needs_no_report_inside_the_run(readings: ModuleType) -> None:
     start, end = readings.Settled(10, True), readings.Settled(110, True)
     short = readings.phase_readings(start, [readings.Sample(0.05, 0.06, 10, 0)], end, 0.4)
     assert short == [(0.0, 10), (0.4, 110)]
-    assert readings.step_rate(short, 0.01, 0.39) == {"steps_per_s": 250.0, "steps": 100, "window_s": [0.0, 0.4]}
+    assert readings.step_rate(short, 0.01, 0.39) == {
+        "steps_per_s": 250.0,
+        "steps": 100,
+        "window_s": [0.0, 0.4],
+    }
 
-    samples = [readings.Sample(t - 0.01, t, n, 4) for t, n in ((0.5, 20), (0.6, 20), (1.0, 40), (1.5, 60), (2.0, 80))]
+    samples = [
+        readings.Sample(t - 0.01, t, n, 4)
+        for t, n in ((0.5, 20), (0.6, 20), (1.0, 40), (1.5, 60), (2.0, 80))
+    ]
     long = readings.phase_readings(start, samples, end, 2.6)
     assert long == [(0.0, 10), (0.5, 20), (1.0, 40), (1.5, 60), (2.0, 80), (2.6, 110)]
-    assert readings.step_rate(long, 0.55, 1.9) == {"steps_per_s": 40.0, "steps": 60, "window_s": [0.5, 2.0]}
+    assert readings.step_rate(long, 0.55, 1.9) == {
+        "steps_per_s": 40.0,
+        "steps": 60,
+        "window_s": [0.5, 2.0],
+    }
 
 
 @pytest.mark.timeout(90)
-def test_compare_discard_reports_a_ratio(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_discard_reports_a_ratio(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Both step rates exist however fast the runs go: each is bounded by the scheduler's
     step count before the run and the one it reports when the run's work is done."""
     out = tmp_path / "r.json"
-    argv = ["--launch", "--compare-discard", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "96"]
-    assert bench.main([*argv, "--stream-ratio", "1", "--no-progress", "--json", str(out), "--server-args", "--max-total-tokens 4096"]) == 0
+    argv = [
+        "--launch",
+        "--compare-discard",
+        "--concurrency",
+        "4",
+        "--requests",
+        "8",
+        "--max-new-tokens",
+        "96",
+    ]
+    assert (
+        bench.main(
+            [
+                *argv,
+                "--stream-ratio",
+                "1",
+                "--no-progress",
+                "--json",
+                str(out),
+                "--server-args",
+                "--max-total-tokens 4096",
+            ]
+        )
+        == 0
+    )
 
     r = json.loads(out.read_text())
     assert r["errors"] == 0 and r["tokens_lost"] == 0 and r["streaming"] == 8
@@ -102,7 +172,9 @@ def test_compare_discard_reports_a_ratio(bench: ModuleType, tmp_path: Path, caps
     assert "PASS" in table or "MISS" in table
 
 
-def test_request_options_reach_the_request_body(bench: ModuleType, client: ModuleType, compare: ModuleType) -> None:
+def test_request_options_reach_the_request_body(
+    bench: ModuleType, client: ModuleType, compare: ModuleType
+) -> None:
     """Today's body by default (temperature 0.7, a seed per request, no top_p); the options
     replace their parts; --compare-sampling's greedy runs send temperature 0 and no seed,
     its sampled runs temperature 0.7, top_p 0.9 and a seed unless told otherwise."""
@@ -118,16 +190,26 @@ def test_request_options_reach_the_request_body(bench: ModuleType, client: Modul
     variants = compare.sampling_variants(cfg, None, None, None)
     seeds = set()
     for i in range(4):
-        greedy, sampled = (client.make_body(i, variants[k], 4096, True)["sampling_params"] for k in ("greedy", "sampled"))
+        greedy, sampled = (
+            client.make_body(i, variants[k], 4096, True)["sampling_params"]
+            for k in ("greedy", "sampled")
+        )
         assert greedy["temperature"] == 0.0 and "seed" not in greedy and "top_p" not in greedy
         assert (sampled["temperature"], sampled["top_p"]) == (0.7, 0.9)
         seeds.add(sampled["seed"])
     assert len(seeds) == 4  # a distinct seed per request
     sampled_given = compare.sampling_variants(cfg, 1.0, 0.5, False)["sampled"]
-    assert (sampled_given.temperature, sampled_given.top_p, sampled_given.seeded) == (1.0, 0.5, False)
+    assert (sampled_given.temperature, sampled_given.top_p, sampled_given.seeded) == (
+        1.0,
+        0.5,
+        False,
+    )
     # Runs with different prompt sets share no prompt (the prefix cache serves neither).
     other_set = dataclasses.replace(cfg, prompt_set=1)
-    assert client.make_body(0, cfg, 4096, True)["input_ids"] != client.make_body(0, other_set, 4096, True)["input_ids"]
+    assert (
+        client.make_body(0, cfg, 4096, True)["input_ids"]
+        != client.make_body(0, other_set, 4096, True)["input_ids"]
+    )
 
     refused = (
         ["--compare-sampling"],  # needs --launch
@@ -141,20 +223,42 @@ def test_request_options_reach_the_request_body(bench: ModuleType, client: Modul
 
 
 @pytest.mark.timeout(60)
-def test_compare_sampling_reports_a_ratio(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_sampling_reports_a_ratio(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Greedy and sampled runs alternate on the one launched server; each completes every
     request with no token lost, and the medians and their ratio are there. The ratio's
     value is not judged (a shared CI machine says nothing about it)."""
     out = tmp_path / "r.json"
-    argv = ["--launch", "--compare-sampling", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--top-p", "0.95"]
-    assert bench.main([*argv, "--no-progress", "--json", str(out), "--server-args", "--max-total-tokens 4096"]) == 0
+    argv = [
+        "--launch",
+        "--compare-sampling",
+        "--concurrency",
+        "4",
+        "--requests",
+        "8",
+        "--max-new-tokens",
+        "8",
+        "--top-p",
+        "0.95",
+    ]
+    assert (
+        bench.main(
+            [*argv, "--no-progress", "--json", str(out), "--server-args", "--max-total-tokens 4096"]
+        )
+        == 0
+    )
 
     r = json.loads(out.read_text())
     assert r["errors"] == 0 and r["tokens_lost"] == 0 and r["config"]["top_p"] == 0.95
     s = r["sampling"]
     assert s["params"] == {
         "greedy": {"temperature": 0.0, "top_p": None, "seeded": False},
-        "sampled": {"temperature": 0.7, "top_p": 0.95, "seeded": True},  # the --top-p given replaces 0.9
+        "sampled": {
+            "temperature": 0.7,
+            "top_p": 0.95,
+            "seeded": True,
+        },  # the --top-p given replaces 0.9
     }
     assert [row["first"] for row in s["rounds"]] == ["greedy", "sampled"]
     for row in s["rounds"]:
@@ -167,7 +271,9 @@ def test_compare_sampling_reports_a_ratio(bench: ModuleType, tmp_path: Path, cap
     assert s["errors"] == 0 and s["tokens_lost"] == 0
     for key in ("greedy_output_tokens_per_s", "sampled_output_tokens_per_s", "ratio"):
         assert 0 < s[key] < math.inf, key
-    assert s["ratio"] == pytest.approx(sum(row["ratio"] for row in s["rounds"]) / 2)  # the median of two
+    assert s["ratio"] == pytest.approx(
+        sum(row["ratio"] for row in s["rounds"]) / 2
+    )  # the median of two
 
     table = capsys.readouterr().out
     assert "greedy tok/s" in table and "sampled tok/s" in table and "sampled/greedy" in table
@@ -176,27 +282,52 @@ def test_compare_sampling_reports_a_ratio(bench: ModuleType, tmp_path: Path, cap
 
 @pytest.mark.timeout(60)
 def test_top_logprobs_reports_both_arms_and_a_ratio(
-    bench: ModuleType, client: ModuleType, compare: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    bench: ModuleType,
+    client: ModuleType,
+    compare: ModuleType,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Runs without and with top-5 logprobs alternate on the one launched server; every
     request of the logprobs arm gets one logprob entry per token, and the medians and
     their ratio are there (its value is not judged)."""
     out = tmp_path / "r.json"
-    argv = ["--launch", "--top-logprobs", "5", "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--no-progress"]
+    argv = [
+        "--launch",
+        "--top-logprobs",
+        "5",
+        "--concurrency",
+        "4",
+        "--requests",
+        "8",
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+    ]
     assert bench.main([*argv, "--json", str(out), "--server-args", "--max-total-tokens 4096"]) == 0
 
     lp = json.loads(out.read_text())["logprobs"]
-    assert lp["top_logprobs"] == 5 and [row["first"] for row in lp["rounds"]] == ["without", "logprobs"]
+    assert lp["top_logprobs"] == 5 and [row["first"] for row in lp["rounds"]] == [
+        "without",
+        "logprobs",
+    ]
     for row in lp["rounds"]:
         for name in ("without", "logprobs"):
             assert row[name]["completed"] == 8 and row[name]["output_tokens"] == 8 * 8, row[name]
-            assert row[name]["errors"] == row[name]["tokens_lost"] == row[name]["logprobs_lost"] == 0
+            assert (
+                row[name]["errors"] == row[name]["tokens_lost"] == row[name]["logprobs_lost"] == 0
+            )
         assert 0 < row["ratio"] < math.inf
     for key in ("without_output_tokens_per_s", "logprobs_output_tokens_per_s", "ratio"):
         assert 0 < lp[key] < math.inf, key
     table = capsys.readouterr().out
     assert "without tok/s" in table and "logprobs tok/s" in table and "logprobs/without" in table
-    assert client.make_body(0, compare.logprobs_variants(client.LoadConfig(), 5)["logprobs"], 4096, True)["top_logprobs_num"] == 5
+    assert (
+        client.make_body(
+            0, compare.logprobs_variants(client.LoadConfig(), 5)["logprobs"], 4096, True
+        )["top_logprobs_num"]
+        == 5
+    )
     with pytest.raises(SystemExit):
         bench.parse_args(["--top-logprobs", "5"])  # needs --launch
 
@@ -210,7 +341,18 @@ def test_json_schema_reports_both_arms_a_ratio_and_the_compile_cost(
     schema asks for four order lines, so no constrained answer ends within 8 tokens."""
     out = tmp_path / "r.json"
     schema = Path(__file__).resolve().parents[2] / "bench" / "schemas" / "order.json"
-    argv = ["--launch", "--json-schema", str(schema), "--concurrency", "4", "--requests", "8", "--max-new-tokens", "8", "--no-progress"]
+    argv = [
+        "--launch",
+        "--json-schema",
+        str(schema),
+        "--concurrency",
+        "4",
+        "--requests",
+        "8",
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+    ]
     assert bench.main([*argv, "--json", str(out)]) == 0
 
     st = json.loads(out.read_text())["structured"]
@@ -221,7 +363,9 @@ def test_json_schema_reports_both_arms_a_ratio_and_the_compile_cost(
             assert row[name]["errors"] == row[name]["tokens_lost"] == 0
     assert 0 < st["ratio"] < math.inf
     k = st["compile"]
-    assert all(len(k["ttft_ms"][name]) == k["trials"] for name in ("new", "cached", "unconstrained"))
+    assert all(
+        len(k["ttft_ms"][name]) == k["trials"] for name in ("new", "cached", "unconstrained")
+    )
     assert k["compile_ms"] == pytest.approx(k["new_ttft_ms"] - k["cached_ttft_ms"])
     table = capsys.readouterr().out
     assert "constrained/unconstrained" in table and "a compile adds" in table
@@ -229,7 +373,9 @@ def test_json_schema_reports_both_arms_a_ratio_and_the_compile_cost(
     text = json.dumps(json.loads(schema.read_text()), separators=(",", ":"))
     constrained = dataclasses.replace(client.LoadConfig(), json_schema=text)
     assert client.make_body(0, constrained, 4096, True)["sampling_params"]["json_schema"] == text
-    format_ = client.make_body(0, dataclasses.replace(constrained, api="completions"), 4096, True)["response_format"]
+    format_ = client.make_body(0, dataclasses.replace(constrained, api="completions"), 4096, True)[
+        "response_format"
+    ]
     assert format_["type"] == "json_schema" and format_["json_schema"]["schema"] == json.loads(text)
     with pytest.raises(SystemExit):
         bench.parse_args(["--json-schema", str(schema)])  # needs --launch
@@ -238,15 +384,37 @@ def test_json_schema_reports_both_arms_a_ratio_and_the_compile_cost(
 
 
 @pytest.mark.timeout(90)
-def test_completions_run_reports_cpu_per_process(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_completions_run_reports_cpu_per_process(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Streaming /v1/completions on a launched server, then the same workload on it and on a
     second server (--compare-api-workers 1: no --api-workers flag, so it runs on a server
     without it too). Every run has each process's CPU over its steady window, named by
     role, and tokens per API CPU-second; their values are not judged, only that they were
     measured (about 0.1 s of API CPU a run: ten clock ticks or more)."""
     out = tmp_path / "r.json"
-    argv = ["--launch", "--api", "completions", "--stream-ratio", "1", "--concurrency", "8", "--requests", "16", "--max-new-tokens", "32"]
-    argv += ["--compare-api-workers", "1", "--no-progress", "--json", str(out), "--server-args", "--max-total-tokens 4096"]
+    argv = [
+        "--launch",
+        "--api",
+        "completions",
+        "--stream-ratio",
+        "1",
+        "--concurrency",
+        "8",
+        "--requests",
+        "16",
+        "--max-new-tokens",
+        "32",
+    ]
+    argv += [
+        "--compare-api-workers",
+        "1",
+        "--no-progress",
+        "--json",
+        str(out),
+        "--server-args",
+        "--max-total-tokens 4096",
+    ]
     assert bench.main(argv) == 0
 
     r = json.loads(out.read_text())
@@ -266,14 +434,29 @@ def test_completions_run_reports_cpu_per_process(bench: ModuleType, tmp_path: Pa
     w = r["api_workers"]
     assert w["workers"] == 1 and w["flags"] == [] and w["errors"] == 0 and w["tokens_lost"] == 0
     assert [row["first"] for row in w["rounds"]] == ["single", "multi"]
-    pids = {name: {row[name]["cpu"]["processes"]["api"]["pid"] for row in w["rounds"]} for name in ("single", "multi")}
-    assert len(pids["single"]) == len(pids["multi"]) == 1 and pids["single"] != pids["multi"]  # two servers
+    pids = {
+        name: {row[name]["cpu"]["processes"]["api"]["pid"] for row in w["rounds"]}
+        for name in ("single", "multi")
+    }
+    assert (
+        len(pids["single"]) == len(pids["multi"]) == 1 and pids["single"] != pids["multi"]
+    )  # two servers
     for name in ("single", "multi"):
         assert 0 < w[f"{name}_output_tokens_per_s"] < math.inf
-        assert 0 < w["cpu"][name]["cores"]["api"] < math.inf and 0 < w["cpu"][name]["tokens_per_api_cpu_s"] < math.inf
+        assert (
+            0 < w["cpu"][name]["cores"]["api"] < math.inf
+            and 0 < w["cpu"][name]["tokens_per_api_cpu_s"] < math.inf
+        )
 
     table = capsys.readouterr().out
-    for label in ("through /v1/completions", "CPU, steady window", "scheduler", "detokenizer", "bench client", "tokens/API CPU-s"):
+    for label in (
+        "through /v1/completions",
+        "CPU, steady window",
+        "scheduler",
+        "detokenizer",
+        "bench client",
+        "tokens/API CPU-s",
+    ):
         assert label in table
     assert "single tok/s" in table and "multi/single" in table and "API cores: api" in table
 
@@ -283,19 +466,30 @@ def test_completions_bodies_and_chunk_counts(bench: ModuleType, client: ModuleTy
     prompt, usage on every chunk), and counts each chunk's tokens from the usage so far."""
     cfg = client.LoadConfig(seed=5, api="completions", max_new_tokens=16)
     body = client.make_body(3, cfg, 4096, True)
-    assert body["prompt"] == client.make_body(3, dataclasses.replace(cfg, api="generate"), 4096, True)["input_ids"]
+    assert (
+        body["prompt"]
+        == client.make_body(3, dataclasses.replace(cfg, api="generate"), 4096, True)["input_ids"]
+    )
     assert {k: body[k] for k in ("max_tokens", "temperature", "ignore_eos", "seed", "stream")} == {
-        "max_tokens": 16, "temperature": 0.7, "ignore_eos": True, "seed": 8, "stream": True
+        "max_tokens": 16,
+        "temperature": 0.7,
+        "ignore_eos": True,
+        "seed": 8,
+        "stream": True,
     }
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert "stream_options" not in client.make_body(3, cfg, 4096, False)
 
     res = client.ReqResult(stream=True)
     for so_far in (1, 3, 3, 4):  # a chunk may carry several tokens, or none yet
-        res.tokens += client.usage_event_tokens({"choices": [{"text": "x"}], "usage": {"completion_tokens": so_far}}, res)
+        res.tokens += client.usage_event_tokens(
+            {"choices": [{"text": "x"}], "usage": {"completion_tokens": so_far}}, res
+        )
     assert res.tokens == 4 and res.completion_tokens is None
     assert client.usage_event_tokens({"choices": [], "usage": {"completion_tokens": 5}}, res) == 0
-    assert res.completion_tokens == 5  # the final usage: one token more than the chunks said, so lost
+    assert (
+        res.completion_tokens == 5
+    )  # the final usage: one token more than the chunks said, so lost
     with pytest.raises(ValueError):
         client.usage_event_tokens({"choices": [{"text": "x"}], "usage": None}, res)
 
@@ -323,17 +517,36 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
     the call's name early) and no other arm has any; each arm has its API CPU per token."""
     out = tmp_path / "r.json"
     tools = Path(__file__).resolve().parents[2] / "bench" / "schemas" / "tools.json"
-    argv = ["--launch", "--api", "chat", "--tools", str(tools), "--concurrency", "4", "--requests", "4", "--max-new-tokens", "32"]
+    argv = [
+        "--launch",
+        "--api",
+        "chat",
+        "--tools",
+        str(tools),
+        "--concurrency",
+        "4",
+        "--requests",
+        "4",
+        "--max-new-tokens",
+        "32",
+    ]
     assert bench.main([*argv, "--rounds", "3", "--no-progress", "--json", str(out)]) == 0
 
     r = json.loads(out.read_text())
-    assert r["config"]["api"] == "chat" and r["errors"] == 0 and r["tokens_lost"] == 0 and r["output_tokens"] == 4 * 32
+    assert (
+        r["config"]["api"] == "chat"
+        and r["errors"] == 0
+        and r["tokens_lost"] == 0
+        and r["output_tokens"] == 4 * 32
+    )
     tc = r["tool_calling"]
     assert tc["tools"] == 4
     assert [row["first"] for row in tc["rounds"]] == ["no_tools", "tools_none", "tools"]
     for row in tc["rounds"]:
         for name in ("no_tools", "tools_none", "tools"):
-            assert row[name]["completed"] == 4 and row[name]["errors"] == row[name]["tokens_lost"] == 0, row[name]
+            assert (
+                row[name]["completed"] == 4 and row[name]["errors"] == row[name]["tokens_lost"] == 0
+            ), row[name]
         assert row["no_tools"]["output_tokens"] == row["tools_none"]["output_tokens"] == 4 * 32
         assert 0 < row["tools"]["output_tokens"] <= 4 * 32  # a call list may close before 32 tokens
         assert row["no_tools"]["tool_calls"] == row["tools_none"]["tool_calls"] == 0
@@ -343,20 +556,34 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
     for name in ("no_tools", "tools_none", "tools"):
         assert 0 < tc["api_us_per_token"][name] < math.inf, tc["api_us_per_token"]
     table = capsys.readouterr().out
-    assert "tools/tools_none" in table and "API CPU us per streamed token" in table and "tool calls per answer" in table
+    assert (
+        "tools/tools_none" in table
+        and "API CPU us per streamed token" in table
+        and "tool calls per answer" in table
+    )
 
     text = json.dumps(json.loads(tools.read_text()), separators=(",", ":"))
     cfg = client.LoadConfig(api="chat", prompt_len=12, max_new_tokens=16, tools=text)
     body = client.make_body(2, cfg, 4096, True)
     assert body["tools"] == json.loads(text) and body["tool_choice"] == "required"
-    assert body["messages"][0]["role"] == "user" and len(body["messages"][0]["content"].split()) == 12
+    assert (
+        body["messages"][0]["role"] == "user" and len(body["messages"][0]["content"].split()) == 12
+    )
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert "tools" not in client.make_body(2, dataclasses.replace(cfg, tools=None), 4096, True)
     res = client.ReqResult(stream=True)
-    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    call = {
+        "index": 0,
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": ""},
+    }
     more = {"index": 0, "function": {"arguments": "{}"}}
     for so_far, calls in ((2, [call]), (3, [more])):
-        res.tokens += client.usage_event_tokens({"choices": [{"delta": {"tool_calls": calls}}], "usage": {"completion_tokens": so_far}}, res)
+        res.tokens += client.usage_event_tokens(
+            {"choices": [{"delta": {"tool_calls": calls}}], "usage": {"completion_tokens": so_far}},
+            res,
+        )
     assert res.tokens == 3 and res.tool_calls == 1
     for argv in (
         ["--launch", "--tools", str(tools)],  # needs --api chat
@@ -369,7 +596,9 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
 
 
 @pytest.mark.parametrize("cumulative", [True, False], ids=["sglang-default", "incremental"])
-def test_generate_events_count_their_new_tokens_in_either_stream_mode(client: ModuleType, cumulative: bool) -> None:
+def test_generate_events_count_their_new_tokens_in_either_stream_mode(
+    client: ModuleType, cumulative: bool
+) -> None:
     """A /generate stream's events hold the ids so far (SGLang's default) or only their new
     ones (--incremental-streaming-output): either way each event counts its new tokens, and
     a lost one shows as a count that disagrees with completion_tokens."""
@@ -382,7 +611,13 @@ def test_generate_events_count_their_new_tokens_in_either_stream_mode(client: Mo
         for ids, count in zip(rows, counts):
             so_far += ids
             shown = list(so_far) if cumulative else ids
-            event = {"output_ids": shown, "meta_info": {"completion_tokens": count, "output_token_logprobs": [[0.0, t, None] for t in shown]}}
+            event = {
+                "output_ids": shown,
+                "meta_info": {
+                    "completion_tokens": count,
+                    "output_token_logprobs": [[0.0, t, None] for t in shown],
+                },
+            }
             n = client.generate_event_tokens(event, res)
             res.tokens += n
             seen.append(n)
@@ -404,7 +639,11 @@ def test_several_processes_of_a_role_are_numbered_by_start(readings: ModuleType)
         second = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         try:
             roles = {second.pid: "api", os.getpid(): "scheduler", first.pid: "api", 1: None}
-            assert readings.name_processes(roles) == {"scheduler": os.getpid(), "api-0": first.pid, "api-1": second.pid}
+            assert readings.name_processes(roles) == {
+                "scheduler": os.getpid(),
+                "api-0": first.pid,
+                "api-1": second.pid,
+            }
             assert readings.cpu_seconds(os.getpid()) > 0
         finally:
             second.kill()

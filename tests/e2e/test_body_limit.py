@@ -28,7 +28,9 @@ API_KEY = "tp-body-limit-Secret-0123456789"
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("body-limit") / "tmp", ["--max-request-bytes", str(LIMIT)]).wait_ready()
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("body-limit") / "tmp", ["--max-request-bytes", str(LIMIT)]
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -59,7 +61,9 @@ def json_of_size(size: int) -> bytes:
     return head + b"a " * words + b"a" * odd + tail
 
 
-def post(url: str, body: Iterator[bytes] | bytes, declared: int | None, key: str | None = None) -> httpx.Response:
+def post(
+    url: str, body: Iterator[bytes] | bytes, declared: int | None, key: str | None = None
+) -> httpx.Response:
     headers = {"content-type": "application/json"}
     if key is not None:
         headers["authorization"] = f"Bearer {key}"
@@ -94,38 +98,58 @@ def vm_hwm_kib(pid: int) -> int:
 
 def rejected(server: ServerProcess) -> float:
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    lines = [line for line in text.splitlines() if line.startswith(COUNTER) and 'reason="body_too_large"' in line]
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith(COUNTER) and 'reason="body_too_large"' in line
+    ]
     assert len(lines) == 1, text
     return float(lines[0].rsplit(" ", 1)[1])
 
 
 @pytest.mark.parametrize("declared", [None, HUGE], ids=["chunked", "content-length"])
-def test_eight_concurrent_200mib_bodies_get_413_and_the_api_does_not_hold_them(limited: ServerProcess, declared: int | None) -> None:
+def test_eight_concurrent_200mib_bodies_get_413_and_the_api_does_not_hold_them(
+    limited: ServerProcess, declared: int | None
+) -> None:
     pid = api_pid(limited)
     reset_peak(pid)
     before_kib, before_count = vm_hwm_kib(pid), rejected(limited)
     with ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda _: post(limited.url + "/generate", chunks(HUGE), declared), range(8)))
+        responses = list(
+            pool.map(lambda _: post(limited.url + "/generate", chunks(HUGE), declared), range(8))
+        )
     after_kib = vm_hwm_kib(pid)
-    print(f"API VmHWM before {before_kib / 1024:.1f} MiB, after {after_kib / 1024:.1f} MiB ({declared=})")
+    print(
+        f"API VmHWM before {before_kib / 1024:.1f} MiB, after {after_kib / 1024:.1f} MiB ({declared=})"
+    )
     assert after_kib - before_kib < 128 * 1024
     for response in responses:
         assert_too_large(response)
     assert rejected(limited) - before_count == 8
 
 
-@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize"])
-def test_every_route_refuses_a_chunked_body_over_the_limit(limited: ServerProcess, path: str) -> None:
+@pytest.mark.parametrize(
+    "path", ["/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize"]
+)
+def test_every_route_refuses_a_chunked_body_over_the_limit(
+    limited: ServerProcess, path: str
+) -> None:
     before = rejected(limited)
     assert_too_large(post(limited.url + path, chunks(LIMIT + 1, 64 * 1024), None))
     assert rejected(limited) - before == 1
 
 
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
-def test_a_body_at_the_limit_is_read_and_one_byte_more_is_not(limited: ServerProcess, declared: bool) -> None:
+def test_a_body_at_the_limit_is_read_and_one_byte_more_is_not(
+    limited: ServerProcess, declared: bool
+) -> None:
     at_limit = json_of_size(LIMIT)
     assert len(at_limit) == LIMIT
-    answer = post(limited.url + "/generate", iter([at_limit[: LIMIT // 2], at_limit[LIMIT // 2 :]]), LIMIT if declared else None)
+    answer = post(
+        limited.url + "/generate",
+        iter([at_limit[: LIMIT // 2], at_limit[LIMIT // 2 :]]),
+        LIMIT if declared else None,
+    )
     # The server read it all and judged the prompt: too many tokens, an ordinary 400.
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["type"] == "invalid_request_error"
@@ -137,7 +161,10 @@ def declared_huge_post(port: int) -> tuple[bytes, bytes]:
     """Headers and a few bytes of a body declared as 200 MiB, on a raw socket; the answer's
     head and body, read until the server closes the connection (a timeout fails the test)."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {HUGE}\r\n\r\n".encode() + b"{" * 1024)
+        sock.sendall(
+            f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {HUGE}\r\n\r\n".encode()
+            + b"{" * 1024
+        )
         received = b""
         while chunk := sock.recv(65536):
             received += chunk
@@ -159,7 +186,9 @@ def test_a_media_item_over_the_body_limit_is_refused_by_it_first(limited: Server
     assert 4 * -(-MAX_ITEM_BYTES // 3) < ServerConfig().max_request_bytes
     # ... and one over a smaller body limit never reaches the media decoding (whose error is a 400).
     image = base64.b64encode(b"\x89PNG" + b"\0" * LIMIT).decode()
-    response = httpx.post(limited.url + "/generate", json={"text": "hi", "image_data": image}, timeout=120.0)
+    response = httpx.post(
+        limited.url + "/generate", json={"text": "hi", "image_data": image}, timeout=120.0
+    )
     assert_too_large(response)
 
 

@@ -47,7 +47,12 @@ TOK_FIELDS = (
     "decode_options",
     "usage",
 )
-TOK_DEFAULTS: dict[str, Any] = {"finished_reasons": None, "request_stats": None, "decode_options": None, "usage": None}
+TOK_DEFAULTS: dict[str, Any] = {
+    "finished_reasons": None,
+    "request_stats": None,
+    "decode_options": None,
+    "usage": None,
+}
 STATS_FIELDS = (
     "prompt_tokens",
     "cached_tokens",
@@ -99,14 +104,24 @@ def decode_token_frame(frame: bytes) -> dict[str, Any] | None:
     assert sum(rows["counts"]) == len(tokens)
     starts = np.concatenate([[0], np.cumsum(rows["counts"])]).tolist()
     rows["tokens"] = [tokens[starts[i] : starts[i + 1]] for i in range(n)]
-    rows["finished"] = tok["finished_reasons"] if tok["finished_reasons"] is not None else [None] * n
+    rows["finished"] = (
+        tok["finished_reasons"] if tok["finished_reasons"] is not None else [None] * n
+    )
     raw_stats = tok["request_stats"]
     rows["stats_present"] = raw_stats is not None
-    rows["stats"] = [None if s is None else fields_of(s, STATS_FIELDS, STATS_DEFAULTS) for s in raw_stats] if raw_stats is not None else [None] * n
-    assert tok["usage"] is not None, "--dense-usage-columns is on: every token frame must carry usage"
+    rows["stats"] = (
+        [None if s is None else fields_of(s, STATS_FIELDS, STATS_DEFAULTS) for s in raw_stats]
+        if raw_stats is not None
+        else [None] * n
+    )
+    assert tok["usage"] is not None, (
+        "--dense-usage-columns is on: every token frame must carry usage"
+    )
     usage = fields_of(tok["usage"], USAGE_FIELDS, {})
     columns = {name: np.frombuffer(usage[name], dtype="<i4").tolist() for name in USAGE_FIELDS}
-    assert all(len(col) == n for col in columns.values()), "a usage column must have one value per row"
+    assert all(len(col) == n for col in columns.values()), (
+        "a usage column must have one value per row"
+    )
     rows["usage"] = [{name: columns[name][i] for name in USAGE_FIELDS} for i in range(n)]
     for key in ("finished", "stats"):
         assert len(rows[key]) == n
@@ -124,7 +139,9 @@ def _media_ids() -> dict[str, int]:
     return ids  # type: ignore[return-value]
 
 
-def _prompt(media_ids: dict[str, int], media: dict[str, int], text: list[int]) -> tuple[list[int], tuple[MediaItem, ...]]:
+def _prompt(
+    media_ids: dict[str, int], media: dict[str, int], text: list[int]
+) -> tuple[list[int], tuple[MediaItem, ...]]:
     """Placeholders in front (images, then audio, then video), as the tokenizer manager does."""
     ids: list[int] = []
     items = []
@@ -152,7 +169,10 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
     tail5 = [t for t in text(16) if t != p3[30]][:12]
     p5, m5 = p3[:30] + tail5, ()  # 30 tokens shared with request 3
     tail6 = [t for t in text(16) if t != p1[20]][:7]
-    p6, m6 = p1[:20] + tail6, (MediaItem("image", 6),)  # 6 image placeholders + 14 text tokens shared with request 1
+    p6, m6 = (
+        p1[:20] + tail6,
+        (MediaItem("image", 6),),
+    )  # 6 image placeholders + 14 text tokens shared with request 1
     phases = [
         {1: (p1, m1, 9), 2: (p2, m2, 6), 3: (p3, m3, 7), 4: (p4, m4, 5)},
         {5: (p5, m5, 6), 6: (p6, m6, 8)},
@@ -188,7 +208,12 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
                             rid=f"dense-{req_id}",
                             req_id=req_id,
                             input_ids=ids,
-                            sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, stream_interval=1),
+                            sampling_params=SamplingParams(
+                                max_new_tokens=max_new,
+                                temperature=0.0,
+                                ignore_eos=True,
+                                stream_interval=1,
+                            ),
                             stream=True,
                             arrival_time=time.time(),
                             media=media,
@@ -197,8 +222,12 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
                 )
             deadline = time.monotonic() + 180
             while not set(phase) <= finished:
-                assert proc.alive(), f"the scheduler exited with {proc.proc.returncode}:\n{proc.output()[-4000:]}"
-                assert time.monotonic() < deadline, f"requests {sorted(set(phase) - finished)} never finished"
+                assert proc.alive(), (
+                    f"the scheduler exited with {proc.proc.returncode}:\n{proc.output()[-4000:]}"
+                )
+                assert time.monotonic() < deadline, (
+                    f"requests {sorted(set(phase) - finished)} never finished"
+                )
                 if not pull.poll(200):
                     continue
                 rows = decode_token_frame(pull.recv())
@@ -207,8 +236,13 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
                 frames += 1
                 for i in range(rows["n"]):
                     req_id = rows["req_ids"][i]
-                    assert req_id not in finished, f"a row for req_id {req_id} after its finished row"
-                    row = {key: rows[key][i] for key in ("tokens", "counts", "completion", "finished", "stats", "usage")}
+                    assert req_id not in finished, (
+                        f"a row for req_id {req_id} after its finished row"
+                    )
+                    row = {
+                        key: rows[key][i]
+                        for key in ("tokens", "counts", "completion", "finished", "stats", "usage")
+                    }
                     seen.setdefault(req_id, []).append(row)
                     rows_without_stats += row["stats"] is None
                     if row["finished"] is not None:
@@ -230,14 +264,20 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
             "video_tokens": sum(m.num_tokens for m in media if m.kind == "video"),
         }
         rows = seen[req_id]
-        assert len(rows) == max_new, f"req_id {req_id}: stream_interval 1 should give one row per token"
+        assert len(rows) == max_new, (
+            f"req_id {req_id}: stream_interval 1 should give one row per token"
+        )
         assert [r["completion"] for r in rows] == list(range(1, max_new + 1))
-        assert rows[0]["stats"] is not None and rows[-1]["stats"] is not None  # first and finished rows
+        assert (
+            rows[0]["stats"] is not None and rows[-1]["stats"] is not None
+        )  # first and finished rows
         assert rows[-1]["finished"] == ["length", max_new]
         for k, row in enumerate(rows):
             assert row["usage"] == want, f"req_id {req_id} row {k}: dense {row['usage']} != {want}"
             if row["stats"] is not None:
-                assert {name: row["stats"][name] for name in USAGE_FIELDS} == row["usage"], f"req_id {req_id} row {k}"
+                assert {name: row["stats"][name] for name in USAGE_FIELDS} == row["usage"], (
+                    f"req_id {req_id} row {k}"
+                )
         details = rows[0]["stats"]["cached_tokens_details"]
         if want["cached_tokens"]:
             assert details == {"device": want["cached_tokens"], "host": 0}
@@ -270,7 +310,9 @@ def _req(req_id: int, ids: list[int], media: tuple[MediaItem, ...] = (), interva
 
 def _usage(frame: BatchTokenIDOutput) -> list[tuple[int, ...]]:
     assert frame.usage is not None
-    cols = [np.frombuffer(getattr(frame.usage, name), dtype="<i4").tolist() for name in USAGE_FIELDS]
+    cols = [
+        np.frombuffer(getattr(frame.usage, name), dtype="<i4").tolist() for name in USAGE_FIELDS
+    ]
     return list(zip(*cols))
 
 
@@ -347,7 +389,10 @@ def test_flag_off_leaves_usage_none_and_adds_one_nil_byte() -> None:
     assert msgspec.msgpack.decode(before, type=BatchTokenIDOutput) == steady
     assert msgspec.msgpack.decode(new, type=_TokFrameBefore).req_ids == steady.req_ids
     on = build_token_output(reqs, PENDING, dense_usage=True)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(on), type=_TokFrameBefore).output_counts == on.output_counts
+    assert (
+        msgspec.msgpack.decode(msgspec.msgpack.encode(on), type=_TokFrameBefore).output_counts
+        == on.output_counts
+    )
 
 
 def test_flag_parses_and_travels_in_the_config() -> None:
@@ -356,7 +401,9 @@ def test_flag_parses_and_travels_in_the_config() -> None:
     assert config_from_args(parser.parse_args([]), environ={}).dense_usage_columns is False
     config = config_from_args(parser.parse_args(["--dense-usage-columns"]), environ={})
     assert config.dense_usage_columns is True
-    assert ServerConfig.decode(config.encode()).dense_usage_columns is True  # the supervisor's --config-json
+    assert (
+        ServerConfig.decode(config.encode()).dense_usage_columns is True
+    )  # the supervisor's --config-json
 
 
 def test_docs_worked_example_is_what_the_code_writes() -> None:
@@ -388,7 +435,13 @@ def test_docs_worked_example_is_what_the_code_writes() -> None:
     assert rows["req_ids"] == [7, 8, 9] and rows["tokens"] == [[1000], [1002], [1004, 0]]
     assert rows["finished"] == [None, None, ["stop", 0]]
     assert rows["stats"][1] is None
-    assert rows["usage"][1] == {"prompt_tokens": 4, "cached_tokens": 0, "image_tokens": 0, "audio_tokens": 1, "video_tokens": 0}
+    assert rows["usage"][1] == {
+        "prompt_tokens": 4,
+        "cached_tokens": 0,
+        "image_tokens": 0,
+        "audio_tokens": 1,
+        "video_tokens": 0,
+    }
 
 
 @pytest.mark.parametrize("n", [1, 512])

@@ -29,13 +29,24 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_harness import SMALL_SERVER_ARGS, REPO, ServerProcess, descendants, free_port, pid_alive, wait_until
+from tests.server_harness import (
+    SMALL_SERVER_ARGS,
+    REPO,
+    ServerProcess,
+    descendants,
+    free_port,
+    pid_alive,
+    wait_until,
+)
 from tests.sglang_router import router_binary
 
 DEPLOY = REPO / "deploy"
 BIN = Path(sys.executable).parent  # the venv's scripts: supervisord, supervisorctl
 DASHBOARD = DEPLOY / "grafana" / "tokenpipe-dashboard.json"
-GENERATE = {"text": "supervised", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+GENERATE = {
+    "text": "supervised",
+    "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+}
 
 
 def write_console_script(directory: Path) -> Path:
@@ -45,7 +56,9 @@ def write_console_script(directory: Path) -> Path:
     entry = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["tokenpipe"]
     module, function = entry.split(":")
     script = directory / "tokenpipe"
-    script.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+    script.write_text(
+        f"#!{sys.executable}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+    )
     script.chmod(0o755)
     return script
 
@@ -65,9 +78,13 @@ class Supervisord:
     private temporary run directory and a free port (TOKENPIPE_PORT, plus one for each
     variable in ``port_vars``: a PD deployment has three servers), and ``env`` on top."""
 
-    def __init__(self, conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ) -> None:
         self.supervisord = require_tool(BIN / "supervisord", "supervisord (pip install supervisor)")
-        self.supervisorctl = require_tool(BIN / "supervisorctl", "supervisorctl (pip install supervisor)")
+        self.supervisorctl = require_tool(
+            BIN / "supervisorctl", "supervisorctl (pip install supervisor)"
+        )
         self.conf = DEPLOY / conf
         # Short (ipc socket paths are limited to ~107 bytes) and mode 0700, as the config asks.
         self.run_dir = Path(tempfile.mkdtemp(prefix="tp-deploy-"))
@@ -88,7 +105,10 @@ class Supervisord:
         )
         self._out = open(self.run_dir / "supervisord.out", "wb")
         self.proc = subprocess.Popen(
-            [str(self.supervisord), "-c", str(self.conf), "-n"], env=self.env, stdout=self._out, stderr=subprocess.STDOUT
+            [str(self.supervisord), "-c", str(self.conf), "-n"],
+            env=self.env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
         )
 
     @property
@@ -97,7 +117,11 @@ class Supervisord:
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(self.supervisorctl), "-c", str(self.conf), *args], env=self.env, capture_output=True, text=True, timeout=90
+            [str(self.supervisorctl), "-c", str(self.conf), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=90,
         )
 
     def pid(self, program: str) -> int:
@@ -120,7 +144,9 @@ class Supervisord:
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"supervisord exited with {self.proc.returncode}\n{self.logs()}"
+            assert self.proc.poll() is None, (
+                f"supervisord exited with {self.proc.returncode}\n{self.logs()}"
+            )
             try:
                 if httpx.get(self.url + "/health_generate", timeout=30).status_code == 200:
                     return
@@ -141,7 +167,9 @@ class Supervisord:
         deadline = time.monotonic() + timeout
         last = "no answer"
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"supervisord exited with {self.proc.returncode}\n{self.logs()}"
+            assert self.proc.poll() is None, (
+                f"supervisord exited with {self.proc.returncode}\n{self.logs()}"
+            )
             try:
                 r = httpx.post(self.url + "/generate", json=GENERATE, timeout=60)
             except httpx.HTTPError as exc:
@@ -153,7 +181,9 @@ class Supervisord:
                     return out
                 last = f"{r.status_code} {r.text[:500]}"
             time.sleep(0.2)
-        raise AssertionError(f"/generate never answered 200 within {timeout:g} s; last: {last}\n{self.logs()}")
+        raise AssertionError(
+            f"/generate never answered 200 within {timeout:g} s; last: {last}\n{self.logs()}"
+        )
 
     def tokenpipe_processes(self) -> list[int]:
         """Live processes of this service: a command line naming its run directory (ipc
@@ -171,7 +201,11 @@ class Supervisord:
                 environ = (entry / "environ").read_bytes()
             except OSError:
                 continue
-            named = run_dir in cmdline or run_dir in environ or not ports.isdisjoint(cmdline.split(b"\0"))
+            named = (
+                run_dir in cmdline
+                or run_dir in environ
+                or not ports.isdisjoint(cmdline.split(b"\0"))
+            )
             if named and pid_alive(int(entry.name)):
                 found.append(int(entry.name))
         return found
@@ -198,7 +232,9 @@ class Supervisord:
 def supervisord_factory():  # type: ignore[no-untyped-def]
     started: list[Supervisord] = []
 
-    def start(conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Supervisord:
+    def start(
+        conf: str, port_vars: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ) -> Supervisord:
         sd = Supervisord(conf, port_vars, env)
         started.append(sd)
         return sd
@@ -217,12 +253,16 @@ PROGRAMS = ("tokenpipe-scheduler", "tokenpipe-detokenizer", "tokenpipe-api")
 
 
 @pytest.mark.timeout(240)
-def test_supervisord_three_programs_serve_restart_a_killed_scheduler_and_stop_clean(supervisord_factory) -> None:  # type: ignore[no-untyped-def]
+def test_supervisord_three_programs_serve_restart_a_killed_scheduler_and_stop_clean(
+    supervisord_factory,
+) -> None:  # type: ignore[no-untyped-def]
     sd = supervisord_factory("supervisord.conf")
     sd.wait_healthy()
     sd.generate()
     # Serving can come before supervisord's startsecs (2 s) has passed: wait for RUNNING.
-    assert wait_until(lambda: sd.states() == dict.fromkeys(PROGRAMS, "RUNNING"), 15, 0.2), f"{sd.states()}\n{sd.logs()}"
+    assert wait_until(lambda: sd.states() == dict.fromkeys(PROGRAMS, "RUNNING"), 15, 0.2), (
+        f"{sd.states()}\n{sd.logs()}"
+    )
     pids = {name: sd.pid(name) for name in PROGRAMS}
     assert all(pids.values()), pids
     assert (sd.run_dir.stat().st_mode & 0o777) == 0o700
@@ -232,13 +272,19 @@ def test_supervisord_three_programs_serve_restart_a_killed_scheduler_and_stop_cl
     # Every metric the dashboard queries exists on the live /metrics.
     metrics = httpx.get(sd.url + "/metrics", timeout=30).text
     exposed = set(re.findall(r"^(tokenpipe:[A-Za-z0-9_]+)", metrics, re.M))
-    wanted = {name for expr in dashboard_exprs() for name in re.findall(r"tokenpipe:[A-Za-z0-9_]+", expr)}
-    assert wanted <= exposed, f"the dashboard queries metrics /metrics lacks: {sorted(wanted - exposed)}"
+    wanted = {
+        name for expr in dashboard_exprs() for name in re.findall(r"tokenpipe:[A-Za-z0-9_]+", expr)
+    }
+    assert wanted <= exposed, (
+        f"the dashboard queries metrics /metrics lacks: {sorted(wanted - exposed)}"
+    )
 
     # SIGKILL the scheduler: supervisord starts a new one, the API and the detokenizer keep
     # their sockets (their PUSH sides reconnect), and requests sent afterwards get through.
     os.kill(pids["tokenpipe-scheduler"], signal.SIGKILL)
-    assert wait_until(lambda: sd.pid("tokenpipe-scheduler") not in (0, pids["tokenpipe-scheduler"]), 30, 0.2), sd.logs()
+    assert wait_until(
+        lambda: sd.pid("tokenpipe-scheduler") not in (0, pids["tokenpipe-scheduler"]), 30, 0.2
+    ), sd.logs()
     assert "exited: tokenpipe-scheduler (terminated by SIGKILL; not expected)" in sd.logs()
     sd.wait_healthy(60)
     sd.generate()
@@ -249,19 +295,27 @@ def test_supervisord_three_programs_serve_restart_a_killed_scheduler_and_stop_cl
 
     stop = sd.ctl("stop", "all")
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), (
+        f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    )
     assert not any(pid_alive(pid) for pid in pids.values())
     assert sd.ctl("shutdown").returncode == 0
     assert sd.proc.wait(30) == 0
 
 
 @pytest.mark.timeout(240)
-def test_supervisord_shutdown_stops_the_api_first_and_in_flight_requests_finish(supervisord_factory) -> None:  # type: ignore[no-untyped-def]
+def test_supervisord_shutdown_stops_the_api_first_and_in_flight_requests_finish(
+    supervisord_factory,
+) -> None:  # type: ignore[no-untyped-def]
     """SIGTERM to supervisord stops programs one by one, highest priority first: the API
     drains while the scheduler and the detokenizer still run."""
     sd = supervisord_factory("supervisord.conf")
     sd.wait_healthy()
-    body = {"text": "drain", "stream": True, "sampling_params": {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": "drain",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True},
+    }
     events: list[dict[str, Any]] = []
     done = False
     with httpx.stream("POST", sd.url + "/generate", json=body, timeout=60) as r:
@@ -280,13 +334,20 @@ def test_supervisord_shutdown_stops_the_api_first_and_in_flight_requests_finish(
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert sd.proc.wait(60) == 0, sd.logs()
     log = (sd.run_dir / "supervisord.log").read_text()
-    stopped = [log.index(f"stopped: {name}") for name in ("tokenpipe-api", "tokenpipe-detokenizer", "tokenpipe-scheduler")]
+    stopped = [
+        log.index(f"stopped: {name}")
+        for name in ("tokenpipe-api", "tokenpipe-detokenizer", "tokenpipe-scheduler")
+    ]
     assert stopped == sorted(stopped), log
-    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}"
+    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), (
+        f"left behind: {sd.tokenpipe_processes()}"
+    )
 
 
 @pytest.mark.timeout(240)
-def test_supervisord_serve_variant_restarts_when_a_child_dies_and_stops_clean(supervisord_factory) -> None:  # type: ignore[no-untyped-def]
+def test_supervisord_serve_variant_restarts_when_a_child_dies_and_stops_clean(
+    supervisord_factory,
+) -> None:  # type: ignore[no-untyped-def]
     sd = supervisord_factory("supervisord-serve.conf")
     sd.wait_healthy()
     sd.generate()
@@ -294,7 +355,9 @@ def test_supervisord_serve_variant_restarts_when_a_child_dies_and_stops_clean(su
     children = {role: pid for pid, role in descendants(serve_pid).items() if role}
     assert set(children) == {"scheduler", "detokenizer", "api"}, children
     ipc_dirs = list(sd.run_dir.glob("tokenpipe-*"))
-    assert len(ipc_dirs) == 1 and ipc_dirs[0].is_dir(), "serve makes its private ipc dir under TMPDIR (the run dir)"
+    assert len(ipc_dirs) == 1 and ipc_dirs[0].is_dir(), (
+        "serve makes its private ipc dir under TMPDIR (the run dir)"
+    )
 
     # A killed child makes `tokenpipe serve` stop the others and exit non-zero; supervisord
     # starts it again and the service serves again.
@@ -308,14 +371,21 @@ def test_supervisord_serve_variant_restarts_when_a_child_dies_and_stops_clean(su
 
     stop = sd.ctl("stop", "all")
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), (
+        f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    )
     assert not list(sd.run_dir.glob("tokenpipe-*")), "ipc dir left behind"
     assert sd.ctl("shutdown").returncode == 0
     assert sd.proc.wait(30) == 0
 
 
 PD_PROGRAMS = ("tokenpipe-prefill", "tokenpipe-decode", "sglang-router")
-PD_PORTS = ("TOKENPIPE_PREFILL_PORT", "TOKENPIPE_DECODE_PORT", "TOKENPIPE_BOOTSTRAP_PORT", "TOKENPIPE_ROUTER_METRICS_PORT")
+PD_PORTS = (
+    "TOKENPIPE_PREFILL_PORT",
+    "TOKENPIPE_DECODE_PORT",
+    "TOKENPIPE_BOOTSTRAP_PORT",
+    "TOKENPIPE_ROUTER_METRICS_PORT",
+)
 
 
 @pytest.mark.timeout(300)
@@ -325,12 +395,17 @@ def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_pref
     sd = supervisord_factory(
         "supervisord-pd.conf",
         PD_PORTS,
-        {"TOKENPIPE_SGLANG_ROUTER_BIN": router_binary(), "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn"},
+        {
+            "TOKENPIPE_SGLANG_ROUTER_BIN": router_binary(),
+            "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn",
+        },
     )
     with server.client() as unified:
         expected = unified.post("/generate", json=GENERATE).json()["output_ids"]
     assert sd.wait_generate(180)["output_ids"] == expected
-    assert wait_until(lambda: sd.states() == dict.fromkeys(PD_PROGRAMS, "RUNNING"), 15, 0.2), f"{sd.states()}\n{sd.logs()}"
+    assert wait_until(lambda: sd.states() == dict.fromkeys(PD_PROGRAMS, "RUNNING"), 15, 0.2), (
+        f"{sd.states()}\n{sd.logs()}"
+    )
     pids = {name: sd.pid(name) for name in PD_PROGRAMS}
     assert all(pids.values()), pids
     prefill_children = [pid for pid, role in descendants(pids["tokenpipe-prefill"]).items() if role]
@@ -341,9 +416,13 @@ def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_pref
     # SIGKILL the prefill server's `tokenpipe serve`: its children die with it, supervisord
     # starts it again, and sglang-router (and the decode server's KV fetches) reach it again.
     os.kill(pids["tokenpipe-prefill"], signal.SIGKILL)
-    assert wait_until(lambda: sd.pid("tokenpipe-prefill") not in (0, pids["tokenpipe-prefill"]), 30, 0.2), sd.logs()
+    assert wait_until(
+        lambda: sd.pid("tokenpipe-prefill") not in (0, pids["tokenpipe-prefill"]), 30, 0.2
+    ), sd.logs()
     assert "exited: tokenpipe-prefill (terminated by SIGKILL; not expected)" in sd.logs()
-    assert wait_until(lambda: not any(pid_alive(pid) for pid in prefill_children), 10), prefill_children
+    assert wait_until(lambda: not any(pid_alive(pid) for pid in prefill_children), 10), (
+        prefill_children
+    )
     assert sd.wait_generate(60)["output_ids"] == expected
     assert sd.pid("tokenpipe-decode") == pids["tokenpipe-decode"]
     assert sd.pid("sglang-router") == pids["sglang-router"]
@@ -352,27 +431,45 @@ def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_pref
     # environment that tokenpipe_processes() reads: it is followed by its pid instead.
     router = pids.pop("sglang-router")
     every = sd.tokenpipe_processes()
-    assert set(pids.values()) <= set(every) and len(every) == 8, f"two servers with three children each: {every}"
+    assert set(pids.values()) <= set(every) and len(every) == 8, (
+        f"two servers with three children each: {every}"
+    )
 
     stop = sd.ctl("stop", "all")
     assert stop.returncode == 0, stop.stdout + stop.stderr
-    assert wait_until(lambda: not sd.tokenpipe_processes() and not pid_alive(router), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    assert wait_until(lambda: not sd.tokenpipe_processes() and not pid_alive(router), 15), (
+        f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    )
     assert sd.ctl("shutdown").returncode == 0
     assert sd.proc.wait(30) == 0
 
 
 REPLICA_PROGRAMS = ("tokenpipe-replica1", "tokenpipe-replica2", "sglang-router")
-REPLICA_PORTS = ("TOKENPIPE_REPLICA1_PORT", "TOKENPIPE_REPLICA2_PORT", "TOKENPIPE_ROUTER_METRICS_PORT")
+REPLICA_PORTS = (
+    "TOKENPIPE_REPLICA1_PORT",
+    "TOKENPIPE_REPLICA2_PORT",
+    "TOKENPIPE_ROUTER_METRICS_PORT",
+)
 
 
 def replica_ports(sd: Supervisord) -> dict[str, int]:
-    return {"tokenpipe-replica1": sd.ports["TOKENPIPE_REPLICA1_PORT"], "tokenpipe-replica2": sd.ports["TOKENPIPE_REPLICA2_PORT"]}
+    return {
+        "tokenpipe-replica1": sd.ports["TOKENPIPE_REPLICA1_PORT"],
+        "tokenpipe-replica2": sd.ports["TOKENPIPE_REPLICA2_PORT"],
+    }
 
 
 def requests_served(port: int) -> int:
     """A replica's ``tokenpipe:num_requests_total``, streaming and not."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    return int(sum(float(v) for v in re.findall(r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE)))
+    return int(
+        sum(
+            float(v)
+            for v in re.findall(
+                r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE
+            )
+        )
+    )
 
 
 def one_request_on_each_replica(sd: Supervisord) -> bool:
@@ -382,8 +479,15 @@ def one_request_on_each_replica(sd: Supervisord) -> bool:
     replicas in its rotation, the second request goes where the stream is not."""
     ports = replica_ports(sd).values()
     before = [requests_served(port) for port in ports]
-    held = {"text": uuid.uuid4().hex, "stream": True, "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
-    second = {"text": uuid.uuid4().hex, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
+    held = {
+        "text": uuid.uuid4().hex,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 64, "ignore_eos": True},
+    }
+    second = {
+        "text": uuid.uuid4().hex,
+        "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+    }
     with httpx.stream("POST", sd.url + "/generate", json=held, timeout=60) as stream:
         if stream.status_code != 200:
             return False
@@ -402,14 +506,26 @@ def test_supervisord_replicas_behind_sglang_router_share_requests_survive_a_kill
     sd = supervisord_factory(
         "supervisord-replicas.conf",
         REPLICA_PORTS,
-        {"TOKENPIPE_SGLANG_ROUTER_BIN": router_binary(), "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn"},
+        {
+            "TOKENPIPE_SGLANG_ROUTER_BIN": router_binary(),
+            "TOKENPIPE_SGLANG_ROUTER_ARGS": "--log-level warn",
+        },
     )
     sd.wait_generate(180)
-    assert wait_until(lambda: sd.states() == dict.fromkeys(REPLICA_PROGRAMS, "RUNNING"), 15, 0.2), f"{sd.states()}\n{sd.logs()}"
+    assert wait_until(lambda: sd.states() == dict.fromkeys(REPLICA_PROGRAMS, "RUNNING"), 15, 0.2), (
+        f"{sd.states()}\n{sd.logs()}"
+    )
     ports = replica_ports(sd)
     # The model the replicas serve: the router passes the request's model on.
-    model = httpx.get(f"http://127.0.0.1:{ports['tokenpipe-replica1']}/v1/models", timeout=30).json()["data"][0]["id"]
-    chat = {"model": model, "messages": [{"role": "user", "content": "replicas"}], "max_tokens": 5, "temperature": 0}
+    model = httpx.get(
+        f"http://127.0.0.1:{ports['tokenpipe-replica1']}/v1/models", timeout=30
+    ).json()["data"][0]["id"]
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": "replicas"}],
+        "max_tokens": 5,
+        "temperature": 0,
+    }
     r = httpx.post(sd.url + "/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 200, f"{r.status_code} {r.text}\n{sd.logs()}"
     assert r.json()["usage"]["completion_tokens"] == 5
@@ -441,7 +557,11 @@ def test_supervisord_replicas_behind_sglang_router_share_requests_survive_a_kill
 
     # SIGTERM to supervisord stops the router first, which lets a stream in flight finish,
     # then the replicas; nothing is left behind.
-    body = {"text": uuid.uuid4().hex, "stream": True, "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}}
+    body = {
+        "text": uuid.uuid4().hex,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 150, "ignore_eos": True},
+    }
     events: list[dict[str, Any]] = []
     with httpx.stream("POST", sd.url + "/generate", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -457,14 +577,24 @@ def test_supervisord_replicas_behind_sglang_router_share_requests_survive_a_kill
     assert events[-1]["meta_info"]["completion_tokens"] == 150
     assert sd.proc.wait(90) == 0, sd.logs()
     log = (sd.run_dir / "supervisord.log").read_text()
-    stopped = [log.index(f"stopped: {name}") for name in ("sglang-router", "tokenpipe-replica2", "tokenpipe-replica1")]
+    stopped = [
+        log.index(f"stopped: {name}")
+        for name in ("sglang-router", "tokenpipe-replica2", "tokenpipe-replica1")
+    ]
     assert stopped == sorted(stopped), log
-    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    assert wait_until(lambda: not sd.tokenpipe_processes(), 15), (
+        f"left behind: {sd.tokenpipe_processes()}\n{sd.logs()}"
+    )
 
 
 def test_prometheus_config_passes_promtool() -> None:
     promtool = require_tool(shutil.which("promtool"), "promtool (apt-get install prometheus)")
-    run = subprocess.run([str(promtool), "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [str(promtool), "check", "config", str(DEPLOY / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "tokenpipe"]
@@ -477,17 +607,24 @@ def test_dashboard_panels_query_tokenpipe_metrics() -> None:
     dash = json.loads(DASHBOARD.read_text())
     assert 36 <= dash["schemaVersion"] <= 41
     variables = {v["name"]: v for v in dash["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource"
+        and variables["datasource"]["query"] == "prometheus"
+    )
     assert "model_name" in variables
     assert dash["panels"]
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dash["panels"]:
         exprs = [t.get("expr", "") for t in panel.get("targets", [])]
-        assert any("tokenpipe:" in e for e in exprs), f"panel {panel['title']!r} queries no tokenpipe metric"
+        assert any("tokenpipe:" in e for e in exprs), (
+            f"panel {panel['title']!r} queries no tokenpipe metric"
+        )
         assert panel["datasource"]["uid"] == "${datasource}"
         for expr in exprs:
-            assert 'model_name=~"$model_name"' in expr, f"panel {panel['title']!r}: {expr} does not filter by model"
+            assert 'model_name=~"$model_name"' in expr, (
+                f"panel {panel['title']!r}: {expr} does not filter by model"
+            )
     joined = "\n".join(dashboard_exprs())
     for needed in (
         "tokenpipe:time_to_first_token_seconds_bucket",
@@ -507,19 +644,27 @@ def test_dashboard_panels_query_tokenpipe_metrics() -> None:
     ):
         assert needed in joined, needed
     for q in ("0.5", "0.9", "0.99"):
-        assert f"histogram_quantile({q}, sum by (le) (rate(tokenpipe:time_to_first_token_seconds_bucket" in joined
+        assert (
+            f"histogram_quantile({q}, sum by (le) (rate(tokenpipe:time_to_first_token_seconds_bucket"
+            in joined
+        )
 
 
 def test_dashboard_promql_parses(tmp_path: Path) -> None:
     """promtool parses each panel query as a recording rule (Grafana's variables filled in)."""
     promtool = require_tool(shutil.which("promtool"), "promtool (apt-get install prometheus)")
     rules = [
-        {"record": f"tokenpipe_dashboard:query_{i}", "expr": expr.replace("$__rate_interval", "1m").replace("$model_name", ".*")}
+        {
+            "record": f"tokenpipe_dashboard:query_{i}",
+            "expr": expr.replace("$__rate_interval", "1m").replace("$model_name", ".*"),
+        }
         for i, expr in enumerate(dashboard_exprs())
     ]
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    run = subprocess.run([str(promtool), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [str(promtool), "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -60,7 +60,10 @@ class LiveStream:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "the stream never ended"
         assert self.failure is None, self.failure
-        assert self.status == 200 and self.payloads[-1] == "[DONE]", (self.status, self.payloads[-3:])
+        assert self.status == 200 and self.payloads[-1] == "[DONE]", (
+            self.status,
+            self.payloads[-3:],
+        )
         return [json.loads(p) for p in self.payloads[:-1]]
 
 
@@ -85,7 +88,9 @@ def listening(ipc_endpoint: str) -> bool:
 
 @pytest.fixture
 def three() -> Iterator[RoleProcesses]:
-    run_dir = Path(tempfile.mkdtemp(prefix="tp-detok-"))  # short: ipc paths are limited to ~107 bytes
+    run_dir = Path(
+        tempfile.mkdtemp(prefix="tp-detok-")
+    )  # short: ipc paths are limited to ~107 bytes
     procs = RoleProcesses(["--max-total-tokens", "8192"], ipc_dir=run_dir)
     try:
         procs.wait_ready()
@@ -106,15 +111,24 @@ def scheduler_report(url: str) -> dict[str, Any] | None:
 @pytest.mark.timeout(300)
 def test_streams_lost_by_a_restarted_detokenizer_end_with_503(three: RoleProcesses) -> None:
     url = three.url
-    generate = LiveStream(url + "/generate", {"text": "a long stream", "sampling_params": {"max_new_tokens": MAX_NEW, **GREEDY}})
-    completion = LiveStream(url + "/v1/completions", {"prompt": "another long stream", "max_tokens": MAX_NEW, **GREEDY})
-    assert wait_until(lambda: len(generate.payloads) >= 3 and len(completion.payloads) >= 3, 120), "the streams never started"
+    generate = LiveStream(
+        url + "/generate",
+        {"text": "a long stream", "sampling_params": {"max_new_tokens": MAX_NEW, **GREEDY}},
+    )
+    completion = LiveStream(
+        url + "/v1/completions", {"prompt": "another long stream", "max_tokens": MAX_NEW, **GREEDY}
+    )
+    assert wait_until(lambda: len(generate.payloads) >= 3 and len(completion.payloads) >= 3, 120), (
+        "the streams never started"
+    )
 
     scheduler = three.procs["scheduler"].proc
     os.kill(scheduler.pid, signal.SIGSTOP)
     try:
         three.restart("detokenizer")
-        assert wait_until(lambda: listening(three.endpoints["detokenizer"]), 120), "the new detokenizer never listened"
+        assert wait_until(lambda: listening(three.endpoints["detokenizer"]), 120), (
+            "the new detokenizer never listened"
+        )
     finally:
         os.kill(scheduler.pid, signal.SIGCONT)
 
@@ -151,7 +165,9 @@ def test_streams_lost_by_a_restarted_detokenizer_end_with_503(three: RoleProcess
     streamed = LiveStream(url + "/generate", body).events(120)
     assert streamed[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
     assert client_output(streamed) == (after["text"], after["output_ids"])
-    assert wait_until(lambda: httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 0, 60)
+    assert wait_until(
+        lambda: httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 0, 60
+    )
 
     def no_decode_state() -> bool:
         report = scheduler_report(url)

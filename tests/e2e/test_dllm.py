@@ -39,12 +39,25 @@ PROMPTS = [[(13 * i + 7 * k + 5) % 4000 + 50 for i in range(12 + 5 * k)] for k i
 def make(pool: int = 4096, block: int = B, steps: int = S, chunk: int = 512) -> Scheduler:
     return build_scheduler(
         ServerConfig(
-            mode="dllm", dllm_block_size=block, dllm_steps=steps, max_total_tokens=pool, chunked_prefill_size=chunk, torch_threads=1
+            mode="dllm",
+            dllm_block_size=block,
+            dllm_steps=steps,
+            max_total_tokens=pool,
+            chunked_prefill_size=chunk,
+            torch_threads=1,
         )
     )
 
 
-def submit(s: Scheduler, req_id: int, ids: list[int], *, max_new: int = 12, stream: bool = True, **sampling: object) -> None:
+def submit(
+    s: Scheduler,
+    req_id: int,
+    ids: list[int],
+    *,
+    max_new: int = 12,
+    stream: bool = True,
+    **sampling: object,
+) -> None:
     params = {"temperature": 0.0, "ignore_eos": True, **sampling}
     s.add_request(
         TokenizedGenerateReqInput(
@@ -66,7 +79,9 @@ class Row(msgspec.Struct):
     finish: object
 
 
-def run(s: Scheduler, *, until: int | None = None, at_step: dict[int, object] | None = None) -> dict[int, list[Row]]:
+def run(
+    s: Scheduler, *, until: int | None = None, at_step: dict[int, object] | None = None
+) -> dict[int, list[Row]]:
     """Rows per req_id (through a msgpack round trip); ``at_step[n]()`` runs before step n."""
     rows: dict[int, list[Row]] = {}
     step = 0
@@ -83,7 +98,9 @@ def run(s: Scheduler, *, until: int | None = None, at_step: dict[int, object] | 
             for i, rid in enumerate(ids):
                 stats = frame.request_stats[i] if frame.request_stats else None
                 finish = frame.finished_reasons[i] if frame.finished_reasons else None
-                rows.setdefault(rid, []).append(Row(step, [int(t) for t in toks[i]], done[i], stats, finish))
+                rows.setdefault(rid, []).append(
+                    Row(step, [int(t) for t in toks[i]], done[i], stats, finish)
+                )
     return rows
 
 
@@ -105,7 +122,9 @@ def assert_stats_exactly_when_changed(rows: list[Row]) -> None:
         if row.stats is None:
             assert i > 0 and row.finish is None, f"row {i} should carry stats"
             continue
-        assert i == 0 or row.finish is not None or row.stats != sent, f"row {i} resent unchanged stats"
+        assert i == 0 or row.finish is not None or row.stats != sent, (
+            f"row {i} resent unchanged stats"
+        )
         sent = row.stats
 
 
@@ -145,7 +164,9 @@ def test_rows_are_whole_blocks_and_cached_tokens_grow_per_block() -> None:
     assert [r.completion for r in streamed] == [4, 8, 10]
     # One prefill step, then S passes per block: a row every S steps.
     assert [r.step for r in streamed] == [1 + S, 1 + 2 * S, 1 + 3 * S]
-    assert streamed[-1].finish == FinishLength(length=10) and all(r.finish is None for r in streamed[:-1])
+    assert streamed[-1].finish == FinishLength(length=10) and all(
+        r.finish is None for r in streamed[:-1]
+    )
     # After each committed block the next block reuses the prompt's and every committed
     # block's KV; the last block has no successor, so the finished row repeats the value.
     cached = [r.stats.cached_tokens for r in streamed]  # type: ignore[union-attr]
@@ -181,7 +202,10 @@ def test_greedy_is_reproducible_across_runs_and_batch_compositions() -> None:
     # committed tokens recomputed in front), mid-block passes and prefill chunks.
     s = make(chunk=16)
     submit(s, 1, PROMPTS[2], max_new=14)
-    late = {2: lambda: submit(s, 2, PROMPTS[3], max_new=9), 4: lambda: submit(s, 3, PROMPTS[4] * 2, max_new=20)}
+    late = {
+        2: lambda: submit(s, 2, PROMPTS[3], max_new=9),
+        4: lambda: submit(s, 3, PROMPTS[4] * 2, max_new=20),
+    }
     rows = run(s, at_step=late)
     assert tokens(rows[1]) == first
     others = tokens(rows[2])
@@ -315,7 +339,8 @@ def test_admission_counts_the_whole_last_block() -> None:
 @pytest.fixture(scope="module")
 def dllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = ServerProcess(
-        Path(tmp_path_factory.mktemp("dllm-server")) / "tmp", ["--mode", "dllm", "--dllm-block-size", "4", "--dllm-steps", "2"]
+        Path(tmp_path_factory.mktemp("dllm-server")) / "tmp",
+        ["--mode", "dllm", "--dllm-block-size", "4", "--dllm-steps", "2"],
     ).wait_ready()
     yield srv
     srv.stop()
@@ -336,7 +361,10 @@ def _stream(srv: ServerProcess, body: dict) -> list[dict]:  # type: ignore[type-
 
 def test_serve_streams_one_event_per_block(dllm_server: ServerProcess) -> None:
     n = 32
-    body = {"text": "Once upon a time in a dLLM", "sampling_params": {"max_new_tokens": n, "temperature": 0.8, "seed": 5, "ignore_eos": True}}
+    body = {
+        "text": "Once upon a time in a dLLM",
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.8, "seed": 5, "ignore_eos": True},
+    }
     events = _stream(dllm_server, body)
     # One event per block, each holding the output so far. The API merges the rows of a
     # reader that falls behind (on a busy machine two blocks can reach it before it writes),
@@ -354,7 +382,10 @@ def test_serve_streams_one_event_per_block(dllm_server: ServerProcess) -> None:
     assert cached[:-1] == sorted(set(cached[:-1])) and cached[-1] >= cached[-2]
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": n}
     again = _stream(dllm_server, body)
-    assert again[-1]["text"] == events[-1]["text"] and again[-1]["output_ids"] == events[-1]["output_ids"]
+    assert (
+        again[-1]["text"] == events[-1]["text"]
+        and again[-1]["output_ids"] == events[-1]["output_ids"]
+    )
     with dllm_server.client() as c:
         whole = c.post("/generate", json=body).json()
     assert whole["output_ids"] == events[-1]["output_ids"]
@@ -386,15 +417,25 @@ def test_serve_logprobs_of_each_block_token(dllm_server: ServerProcess) -> None:
         assert meta["output_token_logprobs"][j][0] == pytest.approx(float(ref[j][token]), abs=1e-4)
         values, ids = ref[j].topk(3)
         assert [e[1] for e in meta["output_top_logprobs"][j]] == ids.tolist()
-        assert [e[0] for e in meta["output_top_logprobs"][j]] == pytest.approx(values.tolist(), abs=1e-4)
-        assert [e[0] for e in meta["output_token_ids_logprobs"][j]] == pytest.approx([float(ref[j][t]) for t in (5, 77)], abs=1e-4)
-    assert [e[1] for e in meta["input_token_logprobs"]] == prompt and meta["input_token_logprobs"][0][0] is None
+        assert [e[0] for e in meta["output_top_logprobs"][j]] == pytest.approx(
+            values.tolist(), abs=1e-4
+        )
+        assert [e[0] for e in meta["output_token_ids_logprobs"][j]] == pytest.approx(
+            [float(ref[j][t]) for t in (5, 77)], abs=1e-4
+        )
+    assert [e[1] for e in meta["input_token_logprobs"]] == prompt and meta["input_token_logprobs"][
+        0
+    ][0] is None
     events = _stream(dllm_server, body)
     keys = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
     for e in events:
         for key in keys:
-            assert len(e["meta_info"][key]) == len(e["output_ids"]), "an event's entries are those of its tokens"
-        assert [entry[1] for entry in e["meta_info"]["input_token_logprobs"]] == prompt, "the prompt's on every event"
+            assert len(e["meta_info"][key]) == len(e["output_ids"]), (
+                "an event's entries are those of its tokens"
+            )
+        assert [entry[1] for entry in e["meta_info"]["input_token_logprobs"]] == prompt, (
+            "the prompt's on every event"
+        )
     for key in keys:
         # Per token: one [logprob, id, text] entry (chosen) or a list of them (top, ids).
         joined = _flat(events[-1]["meta_info"][key])
@@ -405,4 +446,8 @@ def test_serve_logprobs_of_each_block_token(dllm_server: ServerProcess) -> None:
 
 
 def _flat(per_token: list[list]) -> list[list]:  # type: ignore[type-arg]
-    return [x for entry in per_token for x in (entry if entry and isinstance(entry[0], list) else [entry])]
+    return [
+        x
+        for entry in per_token
+        for x in (entry if entry and isinstance(entry[0], list) else [entry])
+    ]

@@ -20,7 +20,9 @@ PROMPT = "Once upon a time"  # greedy: " 15 wanting sources 51 cho losing ...", 
 
 
 def generate(c: httpx.Client, sampling: dict[str, Any], *, text: str = PROMPT) -> dict[str, Any]:
-    resp = c.post("/generate", json={"text": text, "sampling_params": {"temperature": 0, **sampling}})
+    resp = c.post(
+        "/generate", json={"text": text, "sampling_params": {"temperature": 0, **sampling}}
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()  # type: ignore[no-any-return]
 
@@ -30,7 +32,11 @@ def generate_streamed(
 ) -> tuple[str, list[int], dict[str, Any]]:
     """The text and ids a stream delivered (its last event's: each holds the output so far,
     and each must hold the one before it), and its last meta_info."""
-    body: dict[str, Any] = {"text": text, "sampling_params": {"temperature": 0, **sampling}, "stream": True}
+    body: dict[str, Any] = {
+        "text": text,
+        "sampling_params": {"temperature": 0, **sampling},
+        "stream": True,
+    }
     if rid is not None:
         body["rid"] = rid
     text, ids, meta = "", [], {}
@@ -40,7 +46,9 @@ def generate_streamed(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
-            assert event["text"].startswith(text) and event["output_ids"][: len(ids)] == ids, "an event took back what was sent"
+            assert event["text"].startswith(text) and event["output_ids"][: len(ids)] == ids, (
+                "an event took back what was sent"
+            )
             text, ids, meta = event["text"], event["output_ids"], event["meta_info"]
     return text, ids, meta
 
@@ -82,12 +90,17 @@ def test_a_stop_token_leaves_no_text(server: ServerProcess, greedy: tuple[str, l
         assert both(c, {"max_new_tokens": 24, "stop_token_ids": [ids[k]]}) == expected
         kept = generate(c, {"max_new_tokens": 24, "stop_token_ids": [ids[k]], "no_stop_trim": True})
         assert kept["text"] == TOKENIZER.decode(ids[: k + 1])
-        resp = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop_token_ids": [ids[k]]})
+        resp = c.post(
+            "/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop_token_ids": [ids[k]]},
+        )
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == expected
 
 
-def test_min_new_tokens_keeps_an_early_stop_string_and_cuts_at_a_later_one(server: ServerProcess, greedy: tuple[str, list[int]]) -> None:
+def test_min_new_tokens_keeps_an_early_stop_string_and_cuts_at_a_later_one(
+    server: ServerProcess, greedy: tuple[str, list[int]]
+) -> None:
     """The first token's text is a stop string; min_new_tokens 3 lets it through, and the
     request ends only where the string occurs again, cut there, streamed or not."""
     text, ids = greedy
@@ -98,12 +111,16 @@ def test_min_new_tokens_keeps_an_early_stop_string_and_cuts_at_a_later_one(serve
     later = text.find(stop, before_min - len(stop) + 1)
     expected = text[:later] if later >= 0 else text[: len("".join(pieces[:12]))]
     with server.client() as c:
-        got = both(c, {"max_new_tokens": 12, "min_new_tokens": 3, "stop": [stop], "ignore_eos": True})
+        got = both(
+            c, {"max_new_tokens": 12, "min_new_tokens": 3, "stop": [stop], "ignore_eos": True}
+        )
     assert got == expected
     assert got.startswith(pieces[0]), "the occurrence before min_new_tokens stays in the text"
 
 
-def test_the_earliest_of_several_stop_strings_wins_and_the_text_holds_none(server: ServerProcess, greedy: tuple[str, list[int]]) -> None:
+def test_the_earliest_of_several_stop_strings_wins_and_the_text_holds_none(
+    server: ServerProcess, greedy: tuple[str, list[int]]
+) -> None:
     """Two stop strings completed by the same token: the text is cut where the earlier one
     starts, whichever is listed first, and holds neither."""
     text, ids = greedy
@@ -136,14 +153,23 @@ def test_aborted_queued_requests_never_take_a_running_streams_tokens(tmp_path: P
         with server.client() as c:
             reference = generate(c, sampling)["output_ids"]
             result: dict[str, Any] = {}
-            streamer = threading.Thread(target=lambda: result.update(a=generate_streamed(c, sampling, rid="A")))
+            streamer = threading.Thread(
+                target=lambda: result.update(a=generate_streamed(c, sampling, rid="A"))
+            )
             streamer.start()
             assert wait_until(lambda: c.get("/server_info").json()["live_requests"] >= 1, 30)
             victims: dict[str, dict[str, Any]] = {}
 
             def queued(rid: str) -> None:
                 with server.client() as own:
-                    resp = own.post("/generate", json={"text": f"victim {rid}", "rid": rid, "sampling_params": {"max_new_tokens": 8}})
+                    resp = own.post(
+                        "/generate",
+                        json={
+                            "text": f"victim {rid}",
+                            "rid": rid,
+                            "sampling_params": {"max_new_tokens": 8},
+                        },
+                    )
                     victims[rid] = resp.json()
 
             threads = [threading.Thread(target=queued, args=(f"v{i}",)) for i in range(16)]

@@ -48,7 +48,9 @@ GET_EXAMPLES = 500
 WORKERS = 8
 REQUEST_TIMEOUT = 30.0  # a hang: no answer within this is a failure
 TOKEN_CAP = 4
-MAX_NEW_TOKENS_LIMIT = 4096  # the server's default --max-new-tokens-limit: above it, a 400 without generating
+MAX_NEW_TOKENS_LIMIT = (
+    4096  # the server's default --max-new-tokens-limit: above it, a 400 without generating
+)
 MISSING: Any = object()
 
 
@@ -130,7 +132,9 @@ junk_scalar = st.one_of(
 )
 junk_tree = st.recursive(
     junk_scalar,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=5,
 )
 JUNK = pool(
@@ -146,22 +150,64 @@ TEXT = pool(
     "", " ", "Hello", "Once upon a time", "<|im_start|>user", "<|endoftext|>", "\x00\x01", "日本語のテキスト", "\U0001f642", "a" * 200,
     st.text(max_size=16),
 )  # fmt: skip
-IDS = pool([], [1], [1, 2, 3], [0], [4095], [4096], [-1], [2**63], [2**64], [10**30], [1, "2"], [1.0], st.lists(st.integers(0, 4095), max_size=6))
+IDS = pool(
+    [],
+    [1],
+    [1, 2, 3],
+    [0],
+    [4095],
+    [4096],
+    [-1],
+    [2**63],
+    [2**64],
+    [10**30],
+    [1, "2"],
+    [1.0],
+    st.lists(st.integers(0, 4095), max_size=6),
+)
 ID_LISTS = pool(
     [[1, 2]], [[1], [2, 3]], [[]], [[1], []], [[5000]], [[1], "a"],
     st.lists(st.lists(st.integers(0, 4095), min_size=1, max_size=4), max_size=3),
 )  # fmt: skip
 TEXTS = pool(["a", "b"], ["hi"], [""], [], ["a", 1], st.lists(st.text(max_size=8), max_size=3))
-MEDIA = pool(*MEDIA_ITEMS, MEDIA_ITEMS[:3], MEDIA_ITEMS[4:7], [MEDIA_ITEMS[0]] * 17, [], [1], st.lists(st.sampled_from(MEDIA_ITEMS), max_size=3))
+MEDIA = pool(
+    *MEDIA_ITEMS,
+    MEDIA_ITEMS[:3],
+    MEDIA_ITEMS[4:7],
+    [MEDIA_ITEMS[0]] * 17,
+    [],
+    [1],
+    st.lists(st.sampled_from(MEDIA_ITEMS), max_size=3),
+)
 BOOL = pool(True, False)
 TOKENS = pool(1, 2, 3, 4, 4, 0, -1, 4096, 4097, 10**12, 2**63, 10**30)
-FLOAT = pool(0, 0.0, 0.5, 1, 1.0, 1e-9, 1.5e-5, 2.0, 100, 100.5, -0.1, 1e308, 5e-324, st.floats(-1, 3))
+FLOAT = pool(
+    0, 0.0, 0.5, 1, 1.0, 1e-9, 1.5e-5, 2.0, 100, 100.5, -0.1, 1e308, 5e-324, st.floats(-1, 3)
+)
 # No top_p below float32's smallest subnormal (~1.4e-45) until the sampler takes it: it kills the
 # scheduler, and with it the shared server (test_top_p_that_rounds_to_zero_in_float32_...).
 TOP_P = pool(1, 0.9, 0.5, 1e-9, 1e-45, 5e-324, 0, -0.1, 1.1, st.floats(1e-40, 1))
-INT = pool(-1, 0, 1, 5, 4095, 4096, 10**6, -2, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, st.integers(-5, 50))
+INT = pool(
+    -1,
+    0,
+    1,
+    5,
+    4095,
+    4096,
+    10**6,
+    -2,
+    2**31,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    st.integers(-5, 50),
+)
 STOP = pool("\n", "the", "", ["a", "b"], [""], [], [1], st.text(max_size=4))
-MODEL = pool(DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, "gpt-4o", "", "../etc/passwd")
+MODEL = pool(
+    DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, "gpt-4o", "", "../etc/passwd"
+)
 RID = pool("r1", "r2", "", "x" * 256, "x" * 257, st.text(max_size=8))
 
 SAMPLING_FIELDS = {
@@ -181,7 +227,11 @@ OPENAI_FIELDS = {
 
 @st.composite
 def message(draw: Any) -> dict[str, Any]:
-    out = {"role": draw(pool("system", "developer", "user", "user", "assistant", "tool", "function", "bot", ""))}
+    out = {
+        "role": draw(
+            pool("system", "developer", "user", "user", "assistant", "tool", "function", "bot", "")
+        )
+    }
     content = _value(draw, pool(
         MISSING, None, "hi", "Tell me a story", "", "<|im_end|>", [],
         [{"type": "text", "text": "a"}], [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}],
@@ -203,7 +253,11 @@ MESSAGES = pool(
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}],
     [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "more"},
+    ],
     st.lists(message(), min_size=1, max_size=3),
     st.lists(message(), max_size=3),
 )
@@ -211,9 +265,16 @@ MESSAGES = pool(
 ITEM_KEYS = ["type", "role", "content", "call_id", "output", "name", "arguments"]
 RESPONSE_ITEMS = pool(
     [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
-    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c", "output": "x"}],
+    [
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "x"},
+    ],
     [{"type": "function_call_output", "call_id": "nope", "output": "x"}],
-    [{"type": "reasoning", "id": "rs", "summary": []}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}],
+    [
+        {"type": "reasoning", "id": "rs", "summary": []},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"},
+    ],
     [{"type": "item_reference", "id": "x"}],
     st.lists(st.dictionaries(st.sampled_from(ITEM_KEYS), junk_tree, max_size=4), max_size=3),
 )
@@ -251,7 +312,9 @@ FIELDS: dict[str, tuple[str, dict[str, st.SearchStrategy[Any]]]] = {
     "/encode": ("text", {"text": pool(TEXT, TEXTS), "input_ids": pool(IDS, ID_LISTS), "rid": RID}),
     "/abort_request": ("rid", {"rid": RID, "abort_all": BOOL}),
 }  # fmt: skip
-ALL_FIELD_NAMES = sorted({name for _, fields in FIELDS.values() for name in fields} | set(SAMPLING_FIELDS))
+ALL_FIELD_NAMES = sorted(
+    {name for _, fields in FIELDS.values() for name in fields} | set(SAMPLING_FIELDS)
+)
 
 
 def _value(draw: Any, strategy: st.SearchStrategy[Any]) -> Any:
@@ -262,7 +325,9 @@ def _value(draw: Any, strategy: st.SearchStrategy[Any]) -> Any:
 
 
 @st.composite
-def json_object(draw: Any, main: str | None, fields: dict[str, st.SearchStrategy[Any]]) -> dict[str, Any]:
+def json_object(
+    draw: Any, main: str | None, fields: dict[str, st.SearchStrategy[Any]]
+) -> dict[str, Any]:
     """The main field (usually), a few others, each plausible or, in a dirty body, sometimes
     junk, and now and then a stray key."""
     dirty = draw(st.booleans())
@@ -297,7 +362,10 @@ def cap_tokens(path: str, body: Any) -> None:
     if path == "/generate":
         sampling = body.get("sampling_params", {})
         if isinstance(sampling, dict):
-            body["sampling_params"] = {**sampling, "max_new_tokens": _capped(sampling.get("max_new_tokens", MISSING))}
+            body["sampling_params"] = {
+                **sampling,
+                "max_new_tokens": _capped(sampling.get("max_new_tokens", MISSING)),
+            }
     elif path == "/v1/completions":
         body["max_tokens"] = _capped(body.get("max_tokens", MISSING))
     elif path == "/v1/responses":
@@ -332,7 +400,13 @@ def post_case(draw: Any) -> Case:
     if form == 0:
         return Case(target, "POST", path, draw(st.binary(min_size=1, max_size=48)), content_type)
     if form == 1:
-        return Case(target, "POST", path, json.dumps(_value(draw, JUNK), allow_nan=True).encode(), content_type)
+        return Case(
+            target,
+            "POST",
+            path,
+            json.dumps(_value(draw, JUNK), allow_nan=True).encode(),
+            content_type,
+        )
     main, fields = FIELDS[path]
     body = draw(json_object(main, fields))
     cap_tokens(path, body)
@@ -342,7 +416,15 @@ def post_case(draw: Any) -> Case:
     return Case(target, "POST", path, text.encode(), content_type)
 
 
-GET_PATHS = ["/health", "/metrics", "/server_info", "/v1/models", f"/v1/models/{DEFAULT_MODEL_NAME}", "/nope", "/"]
+GET_PATHS = [
+    "/health",
+    "/metrics",
+    "/server_info",
+    "/v1/models",
+    f"/v1/models/{DEFAULT_MODEL_NAME}",
+    "/nope",
+    "/",
+]
 junk_query = st.binary(max_size=40).map(lambda b: quote_from_bytes(b, safe="=&;%+/?:@!$'()*,"))
 
 
@@ -355,7 +437,9 @@ def get_case(draw: Any) -> Case:
     elif kind == 1:
         path = "/v1/models/" + quote(draw(st.text(max_size=12)), safe="")
     elif kind == 2:  # wrong method
-        path = draw(st.sampled_from(["/generate", "/v1/completions", "/v1/embeddings", "/abort_request"]))
+        path = draw(
+            st.sampled_from(["/generate", "/v1/completions", "/v1/embeddings", "/abort_request"])
+        )
     else:
         path = draw(st.sampled_from(GET_PATHS))
     query = draw(junk_query)
@@ -379,7 +463,11 @@ def check_answer(case: Case, resp: httpx.Response) -> str | None:
             error = resp.json()["error"]
         except (ValueError, KeyError, TypeError):
             return f"HTTP {status} without a JSON error body: {resp.text[:300]}"
-        if not (isinstance(error.get("message"), str) and error.get("code") == status and isinstance(error.get("type"), str)):
+        if not (
+            isinstance(error.get("message"), str)
+            and error.get("code") == status
+            and isinstance(error.get("type"), str)
+        ):
             return f"HTTP {status} with a malformed error body: {error}"
         return None
     if status != 200:
@@ -390,10 +478,15 @@ def check_answer(case: Case, resp: httpx.Response) -> str | None:
         if path == "/v1/responses":  # named events, no [DONE]: the last says how it ended
             last = [line for line in resp.text.split("\n") if line.startswith("data: ")][-1:]
             ended = json.loads(last[0][len("data: ") :]) if last else {}
-            if ended.get("type") not in ("response.completed", "response.incomplete") and "error" not in ended:
+            if (
+                ended.get("type") not in ("response.completed", "response.incomplete")
+                and "error" not in ended
+            ):
                 return f"responses stream did not end with its response: {resp.text[-300:]}"
             return None
-        events = [line[len("data: ") :] for line in resp.text.split("\n\n") if line.startswith("data: ")]
+        events = [
+            line[len("data: ") :] for line in resp.text.split("\n\n") if line.startswith("data: ")
+        ]
         if not events or events[-1] != "[DONE]":
             return f"stream did not end with [DONE]: {resp.text[-300:]}"
         for event in events[:-1]:
@@ -441,7 +534,10 @@ class Dispatcher:
         self.queue.put(case, timeout=REQUEST_TIMEOUT * 2)
 
     def _work(self) -> None:
-        clients = {name: httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT) for name, url in self.urls.items()}
+        clients = {
+            name: httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT)
+            for name, url in self.urls.items()
+        }
         try:
             while (case := self.queue.get()) is not None:
                 started = time.monotonic()
@@ -449,7 +545,9 @@ class Dispatcher:
                 headers = {"content-type": case.content_type} if case.content_type else {}
                 for attempt in (1, 2):
                     try:
-                        resp = clients[case.target].request(case.method, case.path, content=case.content, headers=headers)
+                        resp = clients[case.target].request(
+                            case.method, case.path, content=case.content, headers=headers
+                        )
                         status = resp.status_code
                         problem = check_answer(case, resp)
                     except httpx.TimeoutException:
@@ -480,7 +578,9 @@ class Dispatcher:
         deadline = time.monotonic() + timeout
         while self.queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not self.queue.unfinished_tasks, f"{self.queue.unfinished_tasks} requests still unanswered (hang)"
+        assert not self.queue.unfinished_tasks, (
+            f"{self.queue.unfinished_tasks} requests still unanswered (hang)"
+        )
         for _ in self._threads:
             self.queue.put(None)
         for t in self._threads:
@@ -497,7 +597,9 @@ class Dispatcher:
         ]
         for case, problem in self.failures[:15]:
             content = case.content[:300] if case.content is not None else None
-            lines.append(f"  {case.target} {case.method} {case.path[:80]} {content!r}\n    -> {problem}")
+            lines.append(
+                f"  {case.target} {case.method} {case.path[:80]} {content!r}\n    -> {problem}"
+            )
         return "\n".join(lines)
 
 
@@ -506,14 +608,25 @@ FUZZ_SETTINGS = dict(
     database=None,
     derandomize=True,
     phases=[Phase.explicit, Phase.generate],  # the test body never fails: nothing to shrink
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+    ],
 )
 
 
 @pytest.fixture(scope="module")
-def embedding_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("fuzz-embed") / "tmp", ["--mode", "embedding", "--max-total-tokens", "4096"])
-    request.getfixturevalue("server")  # the shared server starts (if it has not yet) while this one does
+def embedding_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("fuzz-embed") / "tmp",
+        ["--mode", "embedding", "--max-total-tokens", "4096"],
+    )
+    request.getfixturevalue(
+        "server"
+    )  # the shared server starts (if it has not yet) while this one does
     srv.wait_ready()
     yield srv
     srv.stop()
@@ -522,7 +635,9 @@ def embedding_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 @pytest.fixture(scope="module")
 def urls(server: ServerProcess, embedding_server: ServerProcess) -> dict[str, str]:
     models = httpx.get(server.url + "/v1/models", timeout=30).json()
-    assert [m["id"] for m in models["data"]] == [DEFAULT_MODEL_NAME]  # the strategies' valid model name
+    assert [m["id"] for m in models["data"]] == [
+        DEFAULT_MODEL_NAME
+    ]  # the strategies' valid model name
     return {"gen": server.url, "emb": embedding_server.url}
 
 
@@ -552,9 +667,27 @@ def test_fuzzed_post_bodies_get_4xx_or_a_valid_answer(urls: dict[str, str]) -> N
     # Found by this test (500s before the fix in tokenizer_proc.native.schema.decode_body): integers that no
     # 64-bit wire field can carry, and nesting past the JSON decoder's recursion limit inside
     # a free-form (Any) field.
-    @example(raw("gen", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "top_k": 100000000000000000000000}}'))
-    @example(raw("gen", "/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "stop_token_ids": [18446744073709551616]}}'))
-    @example(raw("gen", "/v1/completions", b'{"prompt": "a", "max_tokens": 2, "top_k": 100000000000000000000000}'))
+    @example(
+        raw(
+            "gen",
+            "/generate",
+            b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "top_k": 100000000000000000000000}}',
+        )
+    )
+    @example(
+        raw(
+            "gen",
+            "/generate",
+            b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "stop_token_ids": [18446744073709551616]}}',
+        )
+    )
+    @example(
+        raw(
+            "gen",
+            "/v1/completions",
+            b'{"prompt": "a", "max_tokens": 2, "top_k": 100000000000000000000000}',
+        )
+    )
     @example(raw("gen", "/v1/chat/completions", _CHAT + b'"tool_choice": ' + _deep(5000) + b"}"))
     @example(raw("gen", "/v1/chat/completions", _CHAT + b'"prediction": ' + _deep(100_000) + b"}"))
     @example(raw("emb", "/encode", b'{"input_ids": [1, 18446744073709551616]}'))
@@ -568,7 +701,9 @@ def test_fuzzed_post_bodies_get_4xx_or_a_valid_answer(urls: dict[str, str]) -> N
     generated = time.monotonic() - started
     dispatcher.finish()
     took = time.monotonic() - started
-    print(f"\n{dispatcher.sent} POSTs in {took:.1f} s (generated in {generated:.1f} s); {dispatcher.report()}")
+    print(
+        f"\n{dispatcher.sent} POSTs in {took:.1f} s (generated in {generated:.1f} s); {dispatcher.report()}"
+    )
     print("statuses:", dict(sorted(dispatcher.statuses.items())))
     assert dispatcher.sent >= POST_EXAMPLES
     assert not dispatcher.failures, dispatcher.report()
@@ -605,13 +740,21 @@ def test_top_p_that_rounds_to_zero_in_float32_still_samples_the_top_token() -> N
 
     logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, top_p=top_p) for top_p in (5e-324, 1e-46)]
-    cols = SamplingColumns.from_requests(params, [0, 0], [draw_counter(0)] * 2, [[], []], [[], []], 64, "cpu")
-    assert sample(logits, cols).tolist() == torch.argmax(logits, dim=-1).tolist()  # the first token always survives
+    cols = SamplingColumns.from_requests(
+        params, [0, 0], [draw_counter(0)] * 2, [[], []], [[], []], 64, "cpu"
+    )
+    assert (
+        sample(logits, cols).tolist() == torch.argmax(logits, dim=-1).tolist()
+    )  # the first token always survives
 
 
-def test_an_embedding_input_of_exactly_the_context_length_is_embedded_or_refused(embedding_server: ServerProcess) -> None:
+def test_an_embedding_input_of_exactly_the_context_length_is_embedded_or_refused(
+    embedding_server: ServerProcess,
+) -> None:
     context = httpx.get(embedding_server.url + "/server_info", timeout=30).json()["context_length"]
-    r = httpx.post(embedding_server.url + "/v1/embeddings", json={"input": [7] * context}, timeout=60)
+    r = httpx.post(
+        embedding_server.url + "/v1/embeddings", json={"input": [7] * context}, timeout=60
+    )
     if r.status_code == 200:
         vector = r.json()["data"][0]["embedding"]
         assert abs(sum(x * x for x in vector) - 1.0) < 1e-3, "a 200 with a zero vector"

@@ -36,7 +36,13 @@ def _sampling(i: int) -> dict[str, Any]:
     """Even items greedy, odd ones sampled with a seed of their own."""
     if i % 2 == 0:
         return {"max_new_tokens": 6 + i % 5, "temperature": 0, "ignore_eos": True}
-    return {"max_new_tokens": 6 + i % 5, "temperature": 0.9, "top_k": 40, "seed": 1000 + i, "ignore_eos": True}
+    return {
+        "max_new_tokens": 6 + i % 5,
+        "temperature": 0.9,
+        "top_k": 40,
+        "seed": 1000 + i,
+        "ignore_eos": True,
+    }
 
 
 def _comparable(answer: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +70,9 @@ def _last_per_index(events: list[Any], n: int) -> list[dict[str, Any]]:
     last: dict[int, dict[str, Any]] = {}
     for event in events[:-1]:
         index = event["index"]
-        assert index not in last or last[index]["meta_info"]["finish_reason"] is None, "an event after the item's finish"
+        assert index not in last or last[index]["meta_info"]["finish_reason"] is None, (
+            "an event after the item's finish"
+        )
         last[index] = event
     assert sorted(last) == list(range(n))
     return [{k: v for k, v in last[i].items() if k != "index"} for i in range(n)]
@@ -72,7 +80,10 @@ def _last_per_index(events: list[Any], n: int) -> list[dict[str, Any]]:
 
 def _num_requests(c: httpx.Client) -> float:
     text = c.get("/metrics").text
-    return sum(float(v) for v in re.findall(r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
+    return sum(
+        float(v)
+        for v in re.findall(r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    )
 
 
 @pytest.mark.parametrize("field", ["text", "input_ids"])
@@ -87,7 +98,10 @@ def test_a_batch_answers_as_its_single_requests_do(server: ServerProcess, field:
         # Each run starts from an empty prefix cache: a prompt found there has its last
         # position recomputed alone, and last-bit differences could flip a sampled near-tie.
         assert c.post("/flush_cache").status_code == 200
-        singles = [c.post("/generate", json={field: p, "sampling_params": s}).json() for p, s in zip(prompts, samplings)]
+        singles = [
+            c.post("/generate", json={field: p, "sampling_params": s}).json()
+            for p, s in zip(prompts, samplings)
+        ]
         assert c.post("/flush_cache").status_code == 200
         batch = c.post("/generate", json={field: prompts, "sampling_params": samplings})
         assert batch.status_code == 200, batch.text
@@ -106,8 +120,14 @@ def test_one_sampling_params_and_one_rid_serve_every_item(server: ServerProcess)
     (SGLang's naming); a list of rids names each."""
     sampling = {"max_new_tokens": 4, "temperature": 0}
     with server.client() as c:
-        shared = c.post("/generate", json={"text": ["a b", "c d", "e f"], "sampling_params": sampling, "rid": "bt"}).json()
-        listed = c.post("/generate", json={"input_ids": [[3, 4], [5, 6]], "sampling_params": sampling, "rid": ["x1", "x2"]}).json()
+        shared = c.post(
+            "/generate",
+            json={"text": ["a b", "c d", "e f"], "sampling_params": sampling, "rid": "bt"},
+        ).json()
+        listed = c.post(
+            "/generate",
+            json={"input_ids": [[3, 4], [5, 6]], "sampling_params": sampling, "rid": ["x1", "x2"]},
+        ).json()
         single = c.post("/generate", json={"text": "c d", "sampling_params": sampling}).json()
     assert [a["meta_info"]["id"] for a in shared] == ["bt_0", "bt_1", "bt_2"]
     assert [a["meta_info"]["id"] for a in listed] == ["x1", "x2"]
@@ -118,17 +138,37 @@ def test_one_sampling_params_and_one_rid_serve_every_item(server: ServerProcess)
     "body,param",
     [
         ({"text": ["a", "b", "c", 7]}, "text[3]"),
-        ({"text": ["a", "b", "c"], "sampling_params": [{}, {}, {"temperature": -1}]}, "sampling_params[2].temperature"),
-        ({"text": ["a", "b"], "sampling_params": [{}, {"max_new_tokens": 4, "min_new_tokens": 9}]}, "sampling_params[1].min_new_tokens"),
+        (
+            {"text": ["a", "b", "c"], "sampling_params": [{}, {}, {"temperature": -1}]},
+            "sampling_params[2].temperature",
+        ),
+        (
+            {
+                "text": ["a", "b"],
+                "sampling_params": [{}, {"max_new_tokens": 4, "min_new_tokens": 9}],
+            },
+            "sampling_params[1].min_new_tokens",
+        ),
         ({"input_ids": [[1, 2], [3, 10**9]]}, "input_ids[1]"),
         ({"input_ids": [[1, 2], []]}, "input_ids[1]"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
         ({"text": ["a", "b"], "rid": ["same", "same"]}, "rid[1]"),
         ({"text": ["a", "b"], "bogus": 1}, "bogus"),
     ],
-    ids=["text-type", "temperature", "min-new-tokens", "out-of-vocabulary", "empty-prompt", "sampling-count", "duplicate-rid", "unknown-field"],
+    ids=[
+        "text-type",
+        "temperature",
+        "min-new-tokens",
+        "out-of-vocabulary",
+        "empty-prompt",
+        "sampling-count",
+        "duplicate-rid",
+        "unknown-field",
+    ],
 )
-def test_one_bad_item_refuses_the_whole_batch_before_any_runs(server: ServerProcess, body: dict[str, Any], param: str) -> None:
+def test_one_bad_item_refuses_the_whole_batch_before_any_runs(
+    server: ServerProcess, body: dict[str, Any], param: str
+) -> None:
     with server.client() as c:
         before = _num_requests(c)
         for stream in (False, True):
@@ -146,7 +186,13 @@ def test_an_item_too_long_for_the_context_names_it_in_sglang_words(server: Serve
     with server.client() as c:
         context = c.get("/model_info").json()["max_context_length"]
         before = _num_requests(c)
-        resp = c.post("/generate", json={"input_ids": [[1, 2], [7] * (context + 5)], "sampling_params": {"max_new_tokens": 1}})
+        resp = c.post(
+            "/generate",
+            json={
+                "input_ids": [[1, 2], [7] * (context + 5)],
+                "sampling_params": {"max_new_tokens": 1},
+            },
+        )
         assert _num_requests(c) == before
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
@@ -158,7 +204,12 @@ def test_an_item_too_long_for_the_context_names_it_in_sglang_words(server: Serve
 
 def test_a_live_rid_refuses_a_batch_naming_the_item(server: ServerProcess) -> None:
     with server.client() as c:
-        body = {"text": "x", "rid": "live-1", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+        body = {
+            "text": "x",
+            "rid": "live-1",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+        }
         with c.stream("POST", "/generate", json=body) as live:
             assert live.status_code == 200
             next(live.iter_lines())  # it runs
@@ -183,26 +234,44 @@ def _error(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_a_prompt_longer_than_the_context_gets_the_peers_wording(server: ServerProcess) -> None:
     with server.client() as c:
         ctx = c.get("/model_info").json()["max_context_length"]
-        native = _error(c, "/generate", {"input_ids": [7] * (ctx + 9), "sampling_params": {"max_new_tokens": 1}})
+        native = _error(
+            c, "/generate", {"input_ids": [7] * (ctx + 9), "sampling_params": {"max_new_tokens": 1}}
+        )
         completion = _error(c, "/v1/completions", {"prompt": [7] * (ctx + 9), "max_tokens": 1})
-        chat = _error(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * (ctx + 9)}]})
-    assert native["message"].startswith(f"The input ({ctx + 9} tokens) is longer than the model's context length ({ctx} tokens).")
+        chat = _error(
+            c,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * (ctx + 9)}]},
+        )
+    assert native["message"].startswith(
+        f"The input ({ctx + 9} tokens) is longer than the model's context length ({ctx} tokens)."
+    )
     assert native["param"] == "text"
     assert completion["message"].startswith(
         f"This model's maximum context length is {ctx} tokens. However, your request has {ctx + 9} input tokens. "
         "Please reduce the length of the input messages."
     ), completion
     assert completion["param"] == "prompt"
-    assert chat["message"].startswith(f"This model's maximum context length is {ctx} tokens. However, your request has ")
+    assert chat["message"].startswith(
+        f"This model's maximum context length is {ctx} tokens. However, your request has "
+    )
     assert chat["param"] == "messages"
 
 
-def test_a_prompt_plus_max_tokens_beyond_the_context_gets_the_peers_wording(server: ServerProcess) -> None:
+def test_a_prompt_plus_max_tokens_beyond_the_context_gets_the_peers_wording(
+    server: ServerProcess,
+) -> None:
     with server.client() as c:
         ctx = c.get("/model_info").json()["max_context_length"]
-        native = _error(c, "/generate", {"input_ids": [7] * 10, "sampling_params": {"max_new_tokens": ctx}})
+        native = _error(
+            c, "/generate", {"input_ids": [7] * 10, "sampling_params": {"max_new_tokens": ctx}}
+        )
         completion = _error(c, "/v1/completions", {"prompt": [7] * 10, "max_tokens": ctx})
-        chat = _error(c, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": ctx})
+        chat = _error(
+            c,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": ctx},
+        )
     assert native["message"].startswith(
         f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a total of "
         f"{ctx + 10} tokens: 10 tokens from the input messages and {ctx} tokens for the completion."
@@ -213,7 +282,9 @@ def test_a_prompt_plus_max_tokens_beyond_the_context_gets_the_peers_wording(serv
         f"messages, {ctx} in the completion). Please reduce the length of the messages or completion."
     ), completion
     assert completion["param"] == "max_tokens"
-    assert chat["message"].startswith(f"This model's maximum context length is {ctx} tokens. However, you requested ")
+    assert chat["message"].startswith(
+        f"This model's maximum context length is {ctx} tokens. However, you requested "
+    )
     assert chat["param"] == "max_tokens"
 
 
@@ -223,16 +294,25 @@ def test_an_out_of_vocabulary_id_gets_the_peers_wording(server: ServerProcess) -
         vocab = c.get("/model_info").json()["vocab_size"]
         native = _error(c, "/generate", {"input_ids": [1, vocab + 3, 2]})
         completion = _error(c, "/v1/completions", {"prompt": [1, vocab + 3, 2], "max_tokens": 2})
-    assert native["message"].startswith(f"The input_ids [{vocab + 3}] contains values greater than the vocab size ({vocab}).")
+    assert native["message"].startswith(
+        f"The input_ids [{vocab + 3}] contains values greater than the vocab size ({vocab})."
+    )
     assert native["param"] == "input_ids"
-    assert completion["message"].startswith(f"Token id {vocab + 3} is out of vocabulary"), completion
+    assert completion["message"].startswith(f"Token id {vocab + 3} is out of vocabulary"), (
+        completion
+    )
     assert completion["param"] == "prompt"
 
 
 def test_a_duplicate_live_rid_gets_sglangs_wording(server: ServerProcess) -> None:
     """Only /generate takes a client's rid (the OpenAI routes name their own requests)."""
     with server.client() as c:
-        body = {"text": "x", "rid": "dup-wording", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+        body = {
+            "text": "x",
+            "rid": "dup-wording",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+        }
         with c.stream("POST", "/generate", json=body) as live:
             assert live.status_code == 200
             next(live.iter_lines())

@@ -26,7 +26,9 @@ import pytest
 from tests.server_harness import REPO, ServerProcess, offline_hub_env
 
 GUIDELLM_VERSION = "0.8.1"  # the CLI's syntax changes between releases: keep in step with pyproject
-TOKENIZER_DIR = REPO / "pipeline" / "assets"  # the server's default tokenizer, for the synthetic prompts
+TOKENIZER_DIR = (
+    REPO / "pipeline" / "assets"
+)  # the server's default tokenizer, for the synthetic prompts
 STREAMS = 4
 REQUESTS = 32
 PROMPT_TOKENS = 32  # guidellm's count; the server's may differ by a token at the cut
@@ -41,7 +43,9 @@ def require_guidellm() -> None:
         found = None
     if found == GUIDELLM_VERSION:
         return
-    message = f"guidellm=={GUIDELLM_VERSION} is not installed" + (f" (found {found})" if found else "")
+    message = f"guidellm=={GUIDELLM_VERSION} is not installed" + (
+        f" (found {found})" if found else ""
+    )
     if os.environ.get("CI") == "true":
         pytest.fail(message + " (CI=true: a missing client is a failure)")
     pytest.skip(message)
@@ -65,8 +69,12 @@ def run_guidellm(server: ServerProcess, request_format: str, workdir: Path) -> d
         GUIDELLM__MAX_WORKER_PROCESSES="2",  # its default, 10, is for a big client machine
         GUIDELLM__DEFAULT_RESULTS_DIR=str(workdir),
     )
-    run = subprocess.run(command, check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, f"guidellm exited with {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run = subprocess.run(
+        command, check=False, cwd=workdir, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, (
+        f"guidellm exited with {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    )
     (benchmark,) = json.loads(report.read_text())["benchmarks"]
     return benchmark  # type: ignore[no-any-return]
 

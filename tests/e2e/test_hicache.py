@@ -52,7 +52,9 @@ def assert_no_leak(s: Scheduler) -> None:
     s.hicache.check_invariants()  # includes: host pool slots used == host nodes' tokens
 
 
-def serve_one(s: Scheduler, req_id: int, ids: list[int], max_new: int = 4) -> tuple[list[int], object]:
+def serve_one(
+    s: Scheduler, req_id: int, ids: list[int], max_new: int = 4
+) -> tuple[list[int], object]:
     submit(s, req_id, ids, max_new=max_new)
     req = s.live[req_id]
     out, _ = run_to_end(s)
@@ -62,7 +64,9 @@ def serve_one(s: Scheduler, req_id: int, ids: list[int], max_new: int = 4) -> tu
 @pytest.fixture(scope="module")
 def uncached_tokens() -> list[int]:
     """Greedy tokens of the probe prompt on a fresh scheduler: nothing cached anywhere."""
-    fresh = build_scheduler(ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1))
+    fresh = build_scheduler(
+        ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1)
+    )
     tokens, stats = serve_one(fresh, 1, PROMPTS[0] + SUFFIX)
     assert stats.cached_tokens == 0  # type: ignore[attr-defined]
     return tokens
@@ -88,7 +92,9 @@ def test_prefix_evicted_from_device_is_served_from_host(uncached_tokens: list[in
     assert_no_leak(s)
 
 
-def test_prefix_evicted_from_host_is_served_from_storage(tmp_path: Path, uncached_tokens: list[int]) -> None:
+def test_prefix_evicted_from_host_is_served_from_storage(
+    tmp_path: Path, uncached_tokens: list[int]
+) -> None:
     s = hicache_scheduler(host=128, storage=tmp_path)
     for j in range(4):  # the host tier holds one prefix: the first one goes on to storage
         serve_one(s, j + 1, PROMPTS[j])
@@ -96,7 +102,9 @@ def test_prefix_evicted_from_host_is_served_from_storage(tmp_path: Path, uncache
     assert any(p.suffix == ".kv" for p in tmp_path.iterdir())
     tokens, stats = serve_one(s, 10, PROMPTS[0] + SUFFIX)
     assert stats.cached_tokens == 100  # type: ignore[attr-defined]
-    assert stats.cached_tokens_details == CachedTokensDetails(device=0, host=0, storage=100, storage_backend="file")  # type: ignore[attr-defined]
+    assert stats.cached_tokens_details == CachedTokensDetails(
+        device=0, host=0, storage=100, storage_backend="file"
+    )  # type: ignore[attr-defined]
     assert stats.time_stats.storage_prefetch_wait > 0  # type: ignore[attr-defined]
     assert tokens == uncached_tokens
     assert_no_leak(s)
@@ -110,7 +118,9 @@ def test_unreadable_storage_file_is_a_miss(tmp_path: Path, uncached_tokens: list
         p.write_bytes(b"not a tensor file")
     tokens, stats = serve_one(s, 10, PROMPTS[0] + SUFFIX)
     assert stats.cached_tokens == 0 and tokens == uncached_tokens  # type: ignore[attr-defined]
-    assert stats.cached_tokens_details == CachedTokensDetails(device=0, host=0, storage=0, storage_backend="file")  # type: ignore[attr-defined]
+    assert stats.cached_tokens_details == CachedTokensDetails(
+        device=0, host=0, storage=0, storage_backend="file"
+    )  # type: ignore[attr-defined]
     assert_no_leak(s)
 
 
@@ -122,21 +132,35 @@ def test_attach_and_detach_change_running_requests_keys(tmp_path: Path) -> None:
     req.take_request_stats_due()  # the first row went out
     assert req.stats.cached_tokens_details is None
 
-    bad = s.storage_control(HiCacheStorageControl(control_id=1, attach=True, backend="file", dir=str(tmp_path / "missing")))
-    assert not bad.ok and bad.param == "dir" and "does not exist" in bad.error and bad.backend is None
-    bad = s.storage_control(HiCacheStorageControl(control_id=2, attach=True, backend="nfs", dir=str(tmp_path)))
+    bad = s.storage_control(
+        HiCacheStorageControl(
+            control_id=1, attach=True, backend="file", dir=str(tmp_path / "missing")
+        )
+    )
+    assert (
+        not bad.ok and bad.param == "dir" and "does not exist" in bad.error and bad.backend is None
+    )
+    bad = s.storage_control(
+        HiCacheStorageControl(control_id=2, attach=True, backend="nfs", dir=str(tmp_path))
+    )
     assert not bad.ok and bad.param == "backend" and "'nfs'" in bad.error
     assert req.take_request_stats_due() is None, "a failed attach changed nothing"
 
-    ok = s.storage_control(HiCacheStorageControl(control_id=3, attach=True, backend="file", dir=str(tmp_path)))
+    ok = s.storage_control(
+        HiCacheStorageControl(control_id=3, attach=True, backend="file", dir=str(tmp_path))
+    )
     assert ok.ok and (ok.control_id, ok.backend, ok.dir) == (3, "file", str(tmp_path))
     stats = req.take_request_stats_due()
     assert stats is not None, "the next row carries the new keys"
-    assert stats.cached_tokens_details == CachedTokensDetails(device=0, host=0, storage=0, storage_backend="file")
+    assert stats.cached_tokens_details == CachedTokensDetails(
+        device=0, host=0, storage=0, storage_backend="file"
+    )
     s.step()
     assert req.take_request_stats_due() is None
 
-    other = s.storage_control(HiCacheStorageControl(control_id=4, attach=True, backend="file", dir="/"))
+    other = s.storage_control(
+        HiCacheStorageControl(control_id=4, attach=True, backend="file", dir="/")
+    )
     assert not other.ok and "already attached" in other.error
 
     gone = s.storage_control(HiCacheStorageControl(control_id=5, attach=False))
@@ -155,14 +179,19 @@ def test_detach_drops_stored_prefixes_and_reattach_reuses_files(tmp_path: Path) 
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files and s.hicache.tier_sizes()["storage"] > 0
     s.storage_control(HiCacheStorageControl(control_id=1, attach=False))
-    assert s.hicache.tier_sizes()["storage"] == 0 and sorted(p.name for p in tmp_path.iterdir()) == files
+    assert (
+        s.hicache.tier_sizes()["storage"] == 0
+        and sorted(p.name for p in tmp_path.iterdir()) == files
+    )
     assert_no_leak(s)
     # Without storage a full host tier drops what it evicts.
     for j in range(4, 6):
         serve_one(s, j + 1, PROMPTS[j])
     assert s.hicache.tier_sizes()["storage"] == 0
     assert_no_leak(s)
-    s.storage_control(HiCacheStorageControl(control_id=2, attach=True, backend="file", dir=str(tmp_path)))
+    s.storage_control(
+        HiCacheStorageControl(control_id=2, attach=True, backend="file", dir=str(tmp_path))
+    )
     assert s.hicache.storage is not None and set(s.hicache.storage.index) >= {f[:-3] for f in files}
 
 
@@ -193,14 +222,18 @@ def test_random_moves_keep_every_tokens_kv_exact(tmp_path: Path) -> None:
             if node.value is not None:
                 for i, slot in enumerate(node.value.tolist()):
                     want = kv_of(p[: len(prefix) + i + 1])
-                    assert torch.equal(kv.k[:, slot, 0], want.expand(2, 3)), "device K/V of a token changed"
+                    assert torch.equal(kv.k[:, slot, 0], want.expand(2, 3)), (
+                        "device K/V of a token changed"
+                    )
                     assert torch.equal(kv.v[:, slot, 0], -want.expand(2, 3))
             stack.extend((c, p) for c in node.children.values())
 
     bases = [[rng.randrange(6) for _ in range(14)] for _ in range(5)]
     locked: list = []
     for _ in range(300):
-        ids = rng.choice(bases)[: rng.randrange(1, 15)] + [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
+        ids = rng.choice(bases)[: rng.randrange(1, 15)] + [
+            rng.randrange(6) for _ in range(rng.randrange(0, 4))
+        ]
         op = rng.random()
         if op < 0.6:
             slots, node = cache.match_prefix(ids)
@@ -244,7 +277,15 @@ def test_random_moves_keep_every_tokens_kv_exact(tmp_path: Path) -> None:
         hicache.check_invariants()
         assert kv.num_used == cache.total_size
         check_device_kv()
-    assert min(hicache.tokens_demoted, hicache.tokens_written, hicache.tokens_loaded_host, hicache.tokens_loaded_storage) > 0, vars(hicache)
+    assert (
+        min(
+            hicache.tokens_demoted,
+            hicache.tokens_written,
+            hicache.tokens_loaded_host,
+            hicache.tokens_loaded_storage,
+        )
+        > 0
+    ), vars(hicache)
     for node in locked:
         cache.dec_lock(node)
     cache.reset()
@@ -256,35 +297,66 @@ def test_random_moves_keep_every_tokens_kv_exact(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def hicache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+def hicache_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ServerProcess, Path]]:
     storage = tmp_path_factory.mktemp("hicache-storage")
     srv = ServerProcess(
         tmp_path_factory.mktemp("hicache-server") / "tmp",
-        ["--max-total-tokens", "512", "--chunked-prefill-size", "64", "--hicache-host-tokens", "256", "--hicache-storage-dir", str(storage)],
+        [
+            "--max-total-tokens",
+            "512",
+            "--chunked-prefill-size",
+            "64",
+            "--hicache-host-tokens",
+            "256",
+            "--hicache-storage-dir",
+            str(storage),
+        ],
     ).wait_ready()
     yield srv, storage
     srv.stop()
 
 
-def test_prefix_pushed_out_of_device_and_host_comes_back_from_storage(hicache_server: tuple[ServerProcess, Path]) -> None:
+def test_prefix_pushed_out_of_device_and_host_comes_back_from_storage(
+    hicache_server: tuple[ServerProcess, Path],
+) -> None:
     srv, storage = hicache_server
     sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     prompts = [[(31 * i + 17 * j) % 3000 + 300 for i in range(150)] for j in range(7)]
     with srv.client() as c:
-        first = c.post("/generate", json={"input_ids": prompts[0], "sampling_params": sampling}).json()
-        assert first["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0, "storage_backend": "file"}
+        first = c.post(
+            "/generate", json={"input_ids": prompts[0], "sampling_params": sampling}
+        ).json()
+        assert first["meta_info"]["cached_tokens_details"] == {
+            "device": 0,
+            "host": 0,
+            "storage": 0,
+            "storage_backend": "file",
+        }
         for p in prompts[1:]:  # 3 prompts fit the device pool, 1 the host tier
-            c.post("/generate", json={"input_ids": p, "sampling_params": sampling}).raise_for_status()
-        back = c.post("/generate", json={"input_ids": prompts[0] + [5, 6], "sampling_params": sampling}).json()
+            c.post(
+                "/generate", json={"input_ids": p, "sampling_params": sampling}
+            ).raise_for_status()
+        back = c.post(
+            "/generate", json={"input_ids": prompts[0] + [5, 6], "sampling_params": sampling}
+        ).json()
         info = c.get("/server_info").json()["scheduler"]
     meta = back["meta_info"]
-    assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 150, "storage_backend": "file"}
+    assert meta["cached_tokens_details"] == {
+        "device": 0,
+        "host": 0,
+        "storage": 150,
+        "storage_backend": "file",
+    }
     assert meta["cached_tokens"] == 150 and meta["storage_prefetch_wait"] > 0
     assert any(p.suffix == ".kv" for p in storage.iterdir())
     assert info["hicache_host_capacity"] == 256 and info["hicache_storage_backend"] == "file"
 
 
-def test_attach_and_detach_mid_stream_change_the_next_rows_keys(hicache_server: tuple[ServerProcess, Path]) -> None:
+def test_attach_and_detach_mid_stream_change_the_next_rows_keys(
+    hicache_server: tuple[ServerProcess, Path],
+) -> None:
     srv, storage = hicache_server
     events: list[dict] = []  # type: ignore[type-arg]
     body = {
@@ -300,7 +372,11 @@ def test_attach_and_detach_mid_stream_change_the_next_rows_keys(hicache_server: 
                     events.append(json.loads(line[6:])["meta_info"])
 
     with srv.client() as c:
-        assert c.post("/hicache/storage/detach").json() == {"attached": False, "backend": None, "dir": None}
+        assert c.post("/hicache/storage/detach").json() == {
+            "attached": False,
+            "backend": None,
+            "dir": None,
+        }
         reader = threading.Thread(target=read_stream)
         reader.start()
         assert wait_until(lambda: len(events) >= 3, 60)
@@ -322,12 +398,29 @@ def test_attach_and_detach_mid_stream_change_the_next_rows_keys(hicache_server: 
     last_on = len(keyed) - 1 - keyed[::-1].index(True)
     # Off, then on from one row on, then off again from one row on: each change shows on
     # the row after it and stays.
-    assert not any(keyed[:first_on]) and all(keyed[first_on : last_on + 1]) and not any(keyed[last_on + 1 :])
+    assert (
+        not any(keyed[:first_on])
+        and all(keyed[first_on : last_on + 1])
+        and not any(keyed[last_on + 1 :])
+    )
     # Rows the server sent before the answer may still be on their way when it arrives.
     in_flight = 3
-    assert before_attach <= first_on <= after_attach + in_flight, (before_attach, first_on, after_attach)
-    assert before_detach <= last_on + 1 <= after_detach + in_flight, (before_detach, last_on, after_detach)
-    assert events[first_on]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0, "storage_backend": "file"}
+    assert before_attach <= first_on <= after_attach + in_flight, (
+        before_attach,
+        first_on,
+        after_attach,
+    )
+    assert before_detach <= last_on + 1 <= after_detach + in_flight, (
+        before_detach,
+        last_on,
+        after_detach,
+    )
+    assert events[first_on]["cached_tokens_details"] == {
+        "device": 0,
+        "host": 0,
+        "storage": 0,
+        "storage_backend": "file",
+    }
     assert events[-1]["cached_tokens_details"] is None
 
 
@@ -335,13 +428,21 @@ def test_bad_attach_is_400(hicache_server: tuple[ServerProcess, Path], tmp_path:
     srv, storage = hicache_server
     with srv.client() as c:
         c.post("/hicache/storage/detach").raise_for_status()
-        missing = c.post("/hicache/storage/attach", json={"backend": "file", "dir": str(tmp_path / "nope")})
-        unknown = c.post("/hicache/storage/attach", json={"backend": "mooncake", "dir": str(storage)})
-        relative = c.post("/hicache/storage/attach", json={"backend": "file", "dir": "relative/dir"})
+        missing = c.post(
+            "/hicache/storage/attach", json={"backend": "file", "dir": str(tmp_path / "nope")}
+        )
+        unknown = c.post(
+            "/hicache/storage/attach", json={"backend": "mooncake", "dir": str(storage)}
+        )
+        relative = c.post(
+            "/hicache/storage/attach", json={"backend": "file", "dir": "relative/dir"}
+        )
         a_file = tmp_path / "file"
         a_file.write_text("x")
         not_dir = c.post("/hicache/storage/attach", json={"backend": "file", "dir": str(a_file)})
-        extra = c.post("/hicache/storage/attach", json={"backend": "file", "dir": str(storage), "size": 1})
+        extra = c.post(
+            "/hicache/storage/attach", json={"backend": "file", "dir": str(storage), "size": 1}
+        )
         no_body = c.post("/hicache/storage/attach")
         ok = c.post("/hicache/storage/attach", json={"backend": "file", "dir": str(storage)})
         again = c.post("/hicache/storage/attach", json={"backend": "file", "dir": str(storage)})
@@ -349,12 +450,17 @@ def test_bad_attach_is_400(hicache_server: tuple[ServerProcess, Path], tmp_path:
     assert missing.status_code == 400 and "does not exist" in missing.json()["error"]["message"]
     assert missing.json()["error"]["param"] == "dir"
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "backend"
-    assert "'mooncake'" in unknown.json()["error"]["message"] and "file" in unknown.json()["error"]["message"]
+    assert (
+        "'mooncake'" in unknown.json()["error"]["message"]
+        and "file" in unknown.json()["error"]["message"]
+    )
     assert relative.status_code == 400 and "absolute" in relative.json()["error"]["message"]
     assert not_dir.status_code == 400 and "not a directory" in not_dir.json()["error"]["message"]
     assert extra.status_code == 400 and extra.json()["error"]["param"] == "size"
     assert no_body.status_code == 400
-    assert ok.status_code == 200 and again.status_code == 200  # attaching the attached one is a no-op
+    assert (
+        ok.status_code == 200 and again.status_code == 200
+    )  # attaching the attached one is a no-op
     assert other.status_code == 400 and "already attached" in other.json()["error"]["message"]
 
 
@@ -369,7 +475,10 @@ def test_hicache_server_log_has_no_tracebacks(hicache_server: tuple[ServerProces
 
 
 def test_bad_storage_dir_flag_is_refused(tmp_path: Path) -> None:
-    srv = ServerProcess(tmp_path / "tmp", ["--hicache-host-tokens", "64", "--hicache-storage-dir", str(tmp_path / "missing")])
+    srv = ServerProcess(
+        tmp_path / "tmp",
+        ["--hicache-host-tokens", "64", "--hicache-storage-dir", str(tmp_path / "missing")],
+    )
     assert wait_until(lambda: srv.proc.poll() is not None, 60), "serve should refuse the flag"
     srv.stop()
     assert srv.proc.returncode == 2 and "does not exist" in srv.output()
@@ -392,11 +501,17 @@ def test_retraction_under_pressure_with_hicache_keeps_tokens(tmp_path: Path) -> 
         out.update(run_to_end(s)[0])
         return out
 
-    plain = build_scheduler(ServerConfig(max_total_tokens=400, chunked_prefill_size=64, torch_threads=1))
+    plain = build_scheduler(
+        ServerConfig(max_total_tokens=400, chunked_prefill_size=64, torch_threads=1)
+    )
     s = hicache_scheduler(host=64, storage=tmp_path, pool=400)
     want, got = run(plain), run(s)
     assert s.num_retracted_total > 0
     h = s.hicache
-    assert h is not None and min(h.tokens_demoted, h.tokens_written, h.tokens_loaded_host + h.tokens_loaded_storage) > 0, vars(h)
+    assert (
+        h is not None
+        and min(h.tokens_demoted, h.tokens_written, h.tokens_loaded_host + h.tokens_loaded_storage)
+        > 0
+    ), vars(h)
     assert got == want
     assert_no_leak(s)

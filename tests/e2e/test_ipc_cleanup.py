@@ -42,7 +42,9 @@ def test_sigkill_of_the_supervisor_leaves_no_ipc_dir_and_no_process(tmp_path: Pa
         assert wait_until(lambda: not any(pid_alive(p) for p in tree), timeout=GONE_WITHIN), (
             f"orphans left: {sorted(p for p in tree if pid_alive(p))}"
         )
-        assert wait_until(lambda: not ipc_dirs[0].exists(), timeout=GONE_WITHIN), "the ipc directory was left behind"
+        assert wait_until(lambda: not ipc_dirs[0].exists(), timeout=GONE_WITHIN), (
+            "the ipc directory was left behind"
+        )
         assert list(tmp.iterdir()) == [], "something was left in TMPDIR"
     finally:
         srv.stop(signal.SIGKILL)

@@ -27,16 +27,33 @@ def hostile_frames(rng: random.Random, n: int) -> list[bytes]:
     """Random bytes, truncated real frames, and well-formed frames of the wrong shape."""
     enc = msgspec.msgpack.Encoder()
     real = [
-        enc.encode(TokenizedGenerateReqInput(
-            rid="x", req_id=1, input_ids=[1, 2, 3], sampling_params=SamplingParams(), stream=True, arrival_time=0.0,
-        )),
-        enc.encode(BatchTokenIDOutput(
-            req_ids=b"\x01" * 8, output_ids=b"\x02" * 4, output_counts=b"\x01\x00\x00\x00", completion_tokens=b"\x01\x00\x00\x00",
-        )),
-        enc.encode(BatchStrOutput(
-            req_ids=b"\x01" * 8, text_deltas=["a"], output_ids=b"\x02" * 4, output_counts=b"\x01\x00\x00\x00",
-            completion_tokens=b"\x01\x00\x00\x00",
-        )),
+        enc.encode(
+            TokenizedGenerateReqInput(
+                rid="x",
+                req_id=1,
+                input_ids=[1, 2, 3],
+                sampling_params=SamplingParams(),
+                stream=True,
+                arrival_time=0.0,
+            )
+        ),
+        enc.encode(
+            BatchTokenIDOutput(
+                req_ids=b"\x01" * 8,
+                output_ids=b"\x02" * 4,
+                output_counts=b"\x01\x00\x00\x00",
+                completion_tokens=b"\x01\x00\x00\x00",
+            )
+        ),
+        enc.encode(
+            BatchStrOutput(
+                req_ids=b"\x01" * 8,
+                text_deltas=["a"],
+                output_ids=b"\x02" * 4,
+                output_counts=b"\x01\x00\x00\x00",
+                completion_tokens=b"\x01\x00\x00\x00",
+            )
+        ),
     ]
     frames = []
     for i in range(n):
@@ -50,22 +67,44 @@ def hostile_frames(rng: random.Random, n: int) -> list[bytes]:
             frames.append(enc.encode(["gen", rng.random(), None, {"a": [1, 2]}]))
         elif kind == 3:
             # Columns that disagree: 3 rows of counts for 1 token, unknown req ids.
-            frames.append(enc.encode(BatchTokenIDOutput(
-                req_ids=rng.randbytes(24), output_ids=b"\x00" * 4, output_counts=b"\x01\x00\x00\x00" * 3, completion_tokens=b"\x00" * 12,
-            )))
+            frames.append(
+                enc.encode(
+                    BatchTokenIDOutput(
+                        req_ids=rng.randbytes(24),
+                        output_ids=b"\x00" * 4,
+                        output_counts=b"\x01\x00\x00\x00" * 3,
+                        completion_tokens=b"\x00" * 12,
+                    )
+                )
+            )
         elif kind == 4:
             # Token columns agree, a per-row list does not: 2 rows, 1 decode option (once
             # an IndexError that ended the detokenizer).
-            frames.append(enc.encode(BatchTokenIDOutput(
-                req_ids=rng.randbytes(16), output_ids=b"\x00" * 8, output_counts=b"\x01\x00\x00\x00" * 2,
-                completion_tokens=b"\x01\x00\x00\x00" * 2, decode_options=[DecodeOptions()],
-            )))
+            frames.append(
+                enc.encode(
+                    BatchTokenIDOutput(
+                        req_ids=rng.randbytes(16),
+                        output_ids=b"\x00" * 8,
+                        output_counts=b"\x01\x00\x00\x00" * 2,
+                        completion_tokens=b"\x01\x00\x00\x00" * 2,
+                        decode_options=[DecodeOptions()],
+                    )
+                )
+            )
         else:
             # The same for the tokenizer manager: 2 rows, 3 finish reasons.
-            frames.append(enc.encode(BatchStrOutput(
-                req_ids=rng.randbytes(16), text_deltas=["a", "b"], output_ids=b"\x00" * 8, output_counts=b"\x01\x00\x00\x00" * 2,
-                completion_tokens=b"\x01\x00\x00\x00" * 2, finished_reasons=[None, None, FinishLength(length=1)],
-            )))
+            frames.append(
+                enc.encode(
+                    BatchStrOutput(
+                        req_ids=rng.randbytes(16),
+                        text_deltas=["a", "b"],
+                        output_ids=b"\x00" * 8,
+                        output_counts=b"\x01\x00\x00\x00" * 2,
+                        completion_tokens=b"\x01\x00\x00\x00" * 2,
+                        finished_reasons=[None, None, FinishLength(length=1)],
+                    )
+                )
+            )
     return frames
 
 
@@ -80,8 +119,17 @@ def test_ten_thousand_bad_frames_per_socket_are_dropped(tmp_path: Path) -> None:
         def traffic() -> None:
             with srv.client() as c:
                 for i in range(20):
-                    body = {"text": f"still working {i}", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
-                    results.append(c.post("/generate", json=body).json()["meta_info"]["completion_tokens"])
+                    body = {
+                        "text": f"still working {i}",
+                        "sampling_params": {
+                            "max_new_tokens": 8,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    }
+                    results.append(
+                        c.post("/generate", json=body).json()["meta_info"]["completion_tokens"]
+                    )
 
         worker = threading.Thread(target=traffic)
         worker.start()

@@ -50,7 +50,12 @@ VLLM_ALERTED = (
     "vllm:iteration_tokens_total_bucket", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
     "vllm:request_params_max_tokens_bucket", "vllm:request_params_n_bucket", "vllm:num_preemptions_total",
 )  # fmt: skip
-SGLANG_ALERTED = ("sglang:token_usage", "sglang:num_used_tokens", "sglang:prompt_tokens_total", "sglang:num_requests_total")
+SGLANG_ALERTED = (
+    "sglang:token_usage",
+    "sglang:num_used_tokens",
+    "sglang:prompt_tokens_total",
+    "sglang:num_requests_total",
+)
 FAMILIES = ("vllm", "sglang")
 
 
@@ -63,9 +68,14 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A server per family and one Prometheus scraping both every second, started together."""
-    binary = require_program("prometheus")  # before the servers: without it there is nothing to check
+    binary = require_program(
+        "prometheus"
+    )  # before the servers: without it there is nothing to check
     root = tmp_path_factory.mktemp("metrics_compat")
-    servers = {family: ServerProcess(root / family / "tmp", ["--metrics-compat", family]) for family in FAMILIES}
+    servers = {
+        family: ServerProcess(root / family / "tmp", ["--metrics-compat", family])
+        for family in FAMILIES
+    }
     targets = ", ".join(f"'127.0.0.1:{srv.port}'" for srv in servers.values())
     config = root / "prometheus.yml"
     config.write_text(
@@ -74,14 +84,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     port = free_port()
     prometheus = Launched(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={root / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
         name="prometheus",
         log_path=root / "prometheus.log",
         stop_timeout=10.0,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(lambda: answers_200(f"{url}/-/ready", timeout=2), [prometheus], 30, what="prometheus did not become ready", interval=0.2)
+        wait_ready(
+            lambda: answers_200(f"{url}/-/ready", timeout=2),
+            [prometheus],
+            30,
+            what="prometheus did not become ready",
+            interval=0.2,
+        )
         for srv in servers.values():
             srv.wait_ready()
         yield Stack(servers, url)
@@ -95,24 +116,40 @@ def run_load(srv: ServerProcess) -> list[tuple[int, int]]:
     model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
 
     def generate(i: int) -> tuple[int, int]:
-        body = {"text": f"Tell me about the number {i}.", "sampling_params": {"max_new_tokens": 3 + i, "temperature": 0.0}}
+        body = {
+            "text": f"Tell me about the number {i}.",
+            "sampling_params": {"max_new_tokens": 3 + i, "temperature": 0.0},
+        }
         with srv.client() as c:
             if i % 2 == 0:
                 meta = c.post("/generate", json=body).json()["meta_info"]
             else:
                 with c.stream("POST", "/generate", json={**body, "stream": True}) as resp:
-                    meta = [json.loads(line[6:])["meta_info"] for line in resp.iter_lines() if line.startswith("data: {")][-1]
+                    meta = [
+                        json.loads(line[6:])["meta_info"]
+                        for line in resp.iter_lines()
+                        if line.startswith("data: {")
+                    ][-1]
         return meta["prompt_tokens"], meta["completion_tokens"]
 
     def chat(i: int) -> tuple[int, int]:
-        body = {"model": model, "messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 4, "temperature": 0}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Say {i}."}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
         with srv.client() as c:
             if i % 2 == 0:
                 usage = c.post("/v1/chat/completions", json=body).json()["usage"]
             else:
                 stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
                 with c.stream("POST", "/v1/chat/completions", json=stream) as resp:
-                    events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+                    events = [
+                        json.loads(line[6:])
+                        for line in resp.iter_lines()
+                        if line.startswith("data: {")
+                    ]
                 usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
         return usage["prompt_tokens"], usage["completion_tokens"]
 
@@ -139,7 +176,9 @@ def settle(prometheus: str, expr: str, expected: float) -> None:
         time.sleep(0.25)
 
 
-def test_vllm_totals_equal_the_sums_the_clients_received(prometheus: str, loads: dict[str, list[tuple[int, int]]]) -> None:
+def test_vllm_totals_equal_the_sums_the_clients_received(
+    prometheus: str, loads: dict[str, list[tuple[int, int]]]
+) -> None:
     usage = loads["vllm"]
     settle(prometheus, "sum(vllm:request_success_total)", len(usage))
     assert scalar(prometheus, "vllm:prompt_tokens_total") == sum(p for p, _ in usage)
@@ -147,10 +186,14 @@ def test_vllm_totals_equal_the_sums_the_clients_received(prometheus: str, loads:
     assert scalar(prometheus, "vllm:prefix_cache_queries_total") == sum(p for p, _ in usage)
     assert scalar(prometheus, "sum(vllm:e2e_request_latency_seconds_count)") == len(usage)
     labels = query(prometheus, "vllm:request_success_total")
-    assert all('"engine": "0"' in k and '"model_name": "tokenpipe-tiny"' in k for k in labels), labels
+    assert all('"engine": "0"' in k and '"model_name": "tokenpipe-tiny"' in k for k in labels), (
+        labels
+    )
 
 
-def test_sglang_totals_equal_the_sums_the_clients_received(prometheus: str, loads: dict[str, list[tuple[int, int]]]) -> None:
+def test_sglang_totals_equal_the_sums_the_clients_received(
+    prometheus: str, loads: dict[str, list[tuple[int, int]]]
+) -> None:
     usage = loads["sglang"]
     settle(prometheus, "sum(sglang:num_requests_total)", len(usage))
     assert scalar(prometheus, "sglang:prompt_tokens_total") == sum(p for p, _ in usage)
@@ -159,20 +202,38 @@ def test_sglang_totals_equal_the_sums_the_clients_received(prometheus: str, load
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_dashboard_metric_has_samples(family: str, stack: Stack, prometheus: str, loads: dict[str, list[tuple[int, int]]]) -> None:
-    wanted = VLLM_DASHBOARD + VLLM_ALERTED if family == "vllm" else SGLANG_DASHBOARD + SGLANG_ALERTED
+def test_every_dashboard_metric_has_samples(
+    family: str, stack: Stack, prometheus: str, loads: dict[str, list[tuple[int, int]]]
+) -> None:
+    wanted = (
+        VLLM_DASHBOARD + VLLM_ALERTED if family == "vllm" else SGLANG_DASHBOARD + SGLANG_ALERTED
+    )
     settle(prometheus, f"sum({family}:e2e_request_latency_seconds_count)", len(loads[family]))
-    missing = [name for name in wanted if not query(prometheus, f'{name}{{model_name="tokenpipe-tiny"}}')]
+    missing = [
+        name for name in wanted if not query(prometheus, f'{name}{{model_name="tokenpipe-tiny"}}')
+    ]
     assert missing == [], missing
     # And the load was observed in each histogram the dashboards read.
-    empty = [name for name in wanted if name.endswith(("_count", "_sum")) and not scalar(prometheus, f"sum({name})")]
+    empty = [
+        name
+        for name in wanted
+        if name.endswith(("_count", "_sum")) and not scalar(prometheus, f"sum({name})")
+    ]
     assert empty == [], empty
     # The server serves no name of the other peer.
     other = "sglang" if family == "vllm" else "vllm"
-    assert query(prometheus, f'{{__name__=~"{other}:.+", instance="127.0.0.1:{stack.servers[family].port}"}}') == {}
+    assert (
+        query(
+            prometheus,
+            f'{{__name__=~"{other}:.+", instance="127.0.0.1:{stack.servers[family].port}"}}',
+        )
+        == {}
+    )
 
 
-def test_tokenpipe_names_remain_only_where_the_peer_has_none(prometheus: str, loads: dict[str, list[tuple[int, int]]]) -> None:
+def test_tokenpipe_names_remain_only_where_the_peer_has_none(
+    prometheus: str, loads: dict[str, list[tuple[int, int]]]
+) -> None:
     settle(prometheus, "sum(vllm:request_success_total)", len(loads["vllm"]))
     # tokenpipe's own series neither peer has keep their names (3 reasons, on both servers) ...
     assert scalar(prometheus, "count(tokenpipe:num_rejected_requests_total)") == 2 * 3
@@ -191,17 +252,33 @@ def _histogram(srv: ServerProcess, name: str) -> tuple[float, float]:
     return total["_count"], total["_sum"]
 
 
-def test_vllm_counts_a_request_of_n_choices_once_with_its_n(stack: Stack, loads: dict[str, list[tuple[int, int]]]) -> None:
+def test_vllm_counts_a_request_of_n_choices_once_with_its_n(
+    stack: Stack, loads: dict[str, list[tuple[int, int]]]
+) -> None:
     """vLLM's request parameters are per request, not per choice: n=3 is one observation of
     3, and the longest choice's tokens one observation too. (Last in the module: the totals
     above count the load alone.)"""
     srv = stack.servers["vllm"]
-    names = ("vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens")
+    names = (
+        "vllm:request_params_n",
+        "vllm:request_params_max_tokens",
+        "vllm:request_max_num_generation_tokens",
+    )
     before = {name: _histogram(srv, name) for name in names}
     model = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "prompt": "Count with me:", "n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "Count with me:",
+        "n": 3,
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+    }
     answer = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
     assert len(answer["choices"]) == 3 and answer["usage"]["completion_tokens"] == 15
     after = {name: _histogram(srv, name) for name in names}
-    grew = {name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in names}
+    grew = {
+        name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in names
+    }
     assert grew == {names[0]: (1, 3), names[1]: (1, 5), names[2]: (1, 5)}

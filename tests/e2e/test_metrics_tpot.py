@@ -35,8 +35,14 @@ def final_meta_info(c: httpx.Client, body: dict[str, object]) -> dict[str, objec
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
-def test_time_per_output_token_is_the_scheduler_decode_interval(server: ServerProcess, stream: bool) -> None:
-    body = {"text": "time per token", "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, "stream": stream}
+def test_time_per_output_token_is_the_scheduler_decode_interval(
+    server: ServerProcess, stream: bool
+) -> None:
+    body = {
+        "text": "time per token",
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        "stream": stream,
+    }
     with server.client() as c:
         before = tpot_sum_count(c)
         meta = final_meta_info(c, body)

@@ -29,7 +29,12 @@ from tokenizers import Tokenizer
 from pipeline.model_config import ARCHITECTURES
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR
 from tests.hf_checkpoints import CASES, context_length, write_case, write_unsupported
-from tests.lmeval_runner import assert_scores_every_choice_of_every_doc, require_lm_eval, run_hf, run_local_completions
+from tests.lmeval_runner import (
+    assert_scores_every_choice_of_every_doc,
+    require_lm_eval,
+    run_hf,
+    run_local_completions,
+)
 from tests.server_harness import ServerProcess
 
 PROMPTS = [
@@ -75,11 +80,16 @@ class Family:
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Family]:
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Family]:
     case = request.param
     checkpoint = tmp_path_factory.mktemp(f"{case}-checkpoint")
     hf = write_case(checkpoint, case)
-    server = ServerProcess(tmp_path_factory.mktemp(f"{case}-server") / "tmp", ["--model-path", str(checkpoint), *SERVER_ARGS]).wait_ready()
+    server = ServerProcess(
+        tmp_path_factory.mktemp(f"{case}-server") / "tmp",
+        ["--model-path", str(checkpoint), *SERVER_ARGS],
+    ).wait_ready()
     yield Family(case, checkpoint, hf, server)
     server.stop()
 
@@ -87,7 +97,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def greedy(hf: Any, prompt_ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation: ``n`` tokens, EOS not stopping it."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     continuation: list[int] = out[0, len(prompt_ids) :].tolist()
     assert len(continuation) == n, "transformers stopped early"
     return continuation
@@ -99,7 +115,9 @@ def log_softmax(hf: Any, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def generate(server: ServerProcess, prompt_ids: list[int], n: int = NEW_TOKENS, logprob_start_len: int = 0) -> dict[str, Any]:
+def generate(
+    server: ServerProcess, prompt_ids: list[int], n: int = NEW_TOKENS, logprob_start_len: int = 0
+) -> dict[str, Any]:
     body = {
         "input_ids": prompt_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
@@ -112,7 +130,9 @@ def generate(server: ServerProcess, prompt_ids: list[int], n: int = NEW_TOKENS, 
     return answer
 
 
-def assert_equals_transformers(hf: Any, prompt_ids: list[int], answer: dict[str, Any], logprob_start_len: int = 0) -> None:
+def assert_equals_transformers(
+    hf: Any, prompt_ids: list[int], answer: dict[str, Any], logprob_start_len: int = 0
+) -> None:
     """The answer's tokens are transformers' greedy ones, and each prompt logprob (from
     ``logprob_start_len`` on) and output logprob is its log-softmax within ``TOLERANCE``."""
     out, meta = answer["output_ids"], answer["meta_info"]
@@ -146,7 +166,9 @@ def test_a_prefix_cache_hit_answers_the_same(family: Family) -> None:
     start = len(ids) - 3
     first = generate(family.server, ids, logprob_start_len=start)
     again = generate(family.server, ids, logprob_start_len=start)
-    assert again["meta_info"]["cached_tokens"] > 0, "the second identical request missed the prefix cache"
+    assert again["meta_info"]["cached_tokens"] > 0, (
+        "the second identical request missed the prefix cache"
+    )
     assert again["output_ids"] == first["output_ids"]
     assert_equals_transformers(family.hf, ids, again, logprob_start_len=start)
 
@@ -160,10 +182,14 @@ def test_a_chunked_prefill_answers_the_same(family: Family) -> None:
 def test_retracted_requests_answer_the_same(family: Family) -> None:
     """Six requests of 20 new tokens in a 64-token pool: some are retracted and re-prefill
     prompt + what they generated; each still answers transformers' tokens and logprobs."""
-    prompts = [encode(f"{PROMPTS[0]} {word}") for word in ("one", "two", "three", "four", "five", "six")]
+    prompts = [
+        encode(f"{PROMPTS[0]} {word}") for word in ("one", "two", "three", "four", "five", "six")
+    ]
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda ids: generate(family.server, ids, 20), prompts))
-    assert sum(a["meta_info"]["num_retractions"] for a in answers) >= 1, "the small pool forced no retraction"
+    assert sum(a["meta_info"]["num_retractions"] for a in answers) >= 1, (
+        "the small pool forced no retraction"
+    )
     for ids, answer in zip(prompts, answers):
         assert len(answer["output_ids"]) == 20
         assert_equals_transformers(family.hf, ids, answer)
@@ -177,11 +203,17 @@ def test_the_checkpoints_architecture_and_context_are_reported(family: Family) -
     model_type = ARCHITECTURES[family.architecture].model_type
     for info in (model_info, server_info):
         assert info["architectures"] == [family.architecture] and info["model_type"] == model_type
-    assert models["data"][0]["max_model_len"] == model_info["max_context_length"] == context_length(family.case)
+    assert (
+        models["data"][0]["max_model_len"]
+        == model_info["max_context_length"]
+        == context_length(family.case)
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3"], indirect=True)
-def test_a_sharded_checkpoint_answers_like_the_unsharded_one(family: Family, tmp_path: Path) -> None:
+def test_a_sharded_checkpoint_answers_like_the_unsharded_one(
+    family: Family, tmp_path: Path
+) -> None:
     """The qwen3 family's checkpoint is sharded: the server answers what transformers
     answers on the same weights written as one file."""
     shards = list(family.checkpoint.glob("model-*-of-*.safetensors"))
@@ -194,7 +226,9 @@ def test_a_sharded_checkpoint_answers_like_the_unsharded_one(family: Family, tmp
     unsharded = AutoModelForCausalLM.from_pretrained(str(whole), dtype=torch.float32).eval()
     for prompt in PROMPTS:
         ids = encode(prompt)
-        assert generate(family.server, ids)["output_ids"] == greedy(unsharded, ids, NEW_TOKENS), prompt
+        assert generate(family.server, ids)["output_ids"] == greedy(unsharded, ids, NEW_TOKENS), (
+            prompt
+        )
 
 
 def bf16_ulp(x: float) -> float:
@@ -210,7 +244,9 @@ def test_a_bfloat16_checkpoint_follows_transformers_in_bfloat16(tmp_path: Path) 
     be such a tie in transformers' logits (see BF16_SEED)."""
     checkpoint = tmp_path / "checkpoint"
     hf = write_case(checkpoint, BF16_CASE, dtype=torch.bfloat16, seed=BF16_SEED)
-    server = ServerProcess(tmp_path / "tmp", ["--model-path", str(checkpoint), *SERVER_ARGS]).wait_ready()
+    server = ServerProcess(
+        tmp_path / "tmp", ["--model-path", str(checkpoint), *SERVER_ARGS]
+    ).wait_ready()
     try:
         served = [generate(server, encode(prompt))["output_ids"] for prompt in PROMPTS]
     finally:
@@ -225,9 +261,13 @@ def test_a_bfloat16_checkpoint_follows_transformers_in_bfloat16(tmp_path: Path) 
             with torch.no_grad():
                 logits = hf(torch.tensor([ids + tokens[:first]])).logits[0, -1].float()
             ours, theirs = float(logits[tokens[first]]), float(logits[reference[first]])
-            assert theirs - ours <= bf16_ulp(theirs), f"{prompt!r}: position {first} is no near tie ({theirs} vs {ours})"
+            assert theirs - ours <= bf16_ulp(theirs), (
+                f"{prompt!r}: position {first} is no near tie ({theirs} vs {ours})"
+            )
     figure = agreed / (NEW_TOKENS * len(PROMPTS))
-    print(f"\nbfloat16 {BF16_CASE}: {figure:.3f} of greedy positions equal transformers' before the first divergence")
+    print(
+        f"\nbfloat16 {BF16_CASE}: {figure:.3f} of greedy positions equal transformers' before the first divergence"
+    )
     Path("/tmp/tp").mkdir(parents=True, exist_ok=True)
     with open("/tmp/tp/bf16_figure.txt", "a") as f:
         f.write(f"{figure:.4f}\n")
@@ -235,7 +275,9 @@ def test_a_bfloat16_checkpoint_follows_transformers_in_bfloat16(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("refused", ["architecture", "window"])
-def test_what_the_decoder_does_not_implement_is_refused_at_start(refused: str, tmp_path: Path) -> None:
+def test_what_the_decoder_does_not_implement_is_refused_at_start(
+    refused: str, tmp_path: Path
+) -> None:
     """An unknown architecture fails naming the supported ones; a --context-length past
     Mistral's sliding window fails naming the window."""
     checkpoint = tmp_path / "checkpoint"
@@ -265,10 +307,18 @@ def test_lm_eval_through_the_server_equals_its_hf_model(family: Family, tmp_path
     # The two runs at once: most of each is lm-eval's own start.
     with ThreadPoolExecutor(2) as pool:
         hf_run = pool.submit(run_hf, family.checkpoint, tmp_path / "hf")
-        served_run = pool.submit(run_local_completions, family.server.url, family.checkpoint, tmp_path / "served", model=model)
+        served_run = pool.submit(
+            run_local_completions,
+            family.server.url,
+            family.checkpoint,
+            tmp_path / "served",
+            model=model,
+        )
         reference, served = hf_run.result(), served_run.result()
     assert_scores_every_choice_of_every_doc(reference)  # the runner read back every document whole
     assert sorted(served.docs) == sorted(reference.docs)
     for doc_id, doc in served.docs.items():
-        assert doc.loglikelihoods == pytest.approx(reference.docs[doc_id].loglikelihoods, abs=1e-3), doc_id
+        assert doc.loglikelihoods == pytest.approx(
+            reference.docs[doc_id].loglikelihoods, abs=1e-3
+        ), doc_id
     assert served.accuracy == reference.accuracy

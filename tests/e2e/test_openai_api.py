@@ -41,7 +41,9 @@ def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, Any]:
 
 def test_completion_stream_equals_non_stream(oai: openai.OpenAI) -> None:
     plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **GREEDY)
-    assert plain.object == "text_completion" and plain.model == MODEL and plain.id.startswith("cmpl-")
+    assert (
+        plain.object == "text_completion" and plain.model == MODEL and plain.id.startswith("cmpl-")
+    )
     [choice] = plain.choices
     assert choice.index == 0 and choice.finish_reason in ("stop", "length") and choice.text
     assert plain.usage is not None
@@ -49,16 +51,22 @@ def test_completion_stream_equals_non_stream(oai: openai.OpenAI) -> None:
     assert 1 <= plain.usage.completion_tokens <= 12
     assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
 
-    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stream=True, **GREEDY))
+    chunks = list(
+        oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stream=True, **GREEDY)
+    )
     assert len({c.id for c in chunks}) == 1
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == [choice.finish_reason]
     assert all(c.usage is None for c in chunks)  # no include_usage, no usage
 
 
 def test_completion_n_choices_and_seeds(oai: openai.OpenAI) -> None:
-    kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
+    kw: dict[str, Any] = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     two = oai.completions.create(n=2, seed=1234, **kw)
     assert [c.index for c in two.choices] == [0, 1]
     assert two.choices[0].text != two.choices[1].text
@@ -70,7 +78,11 @@ def test_completion_n_choices_and_seeds(oai: openai.OpenAI) -> None:
     shifted = oai.completions.create(seed=1235, **kw)
     assert shifted.choices[0].text == two.choices[1].text
     # Streamed, the two choices interleave; each finishes exactly once; usage comes last.
-    chunks = list(oai.completions.create(n=2, seed=1234, stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        oai.completions.create(
+            n=2, seed=1234, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
     texts: dict[int, str] = {0: "", 1: ""}
     finishes: dict[int, list[str]] = {0: [], 1: []}
     for chunk in chunks:
@@ -80,7 +92,10 @@ def test_completion_n_choices_and_seeds(oai: openai.OpenAI) -> None:
     assert texts == {0: two.choices[0].text, 1: two.choices[1].text}
     assert finishes == {0: ["length"], 1: ["length"]}
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == two.usage.prompt_tokens
+    assert (
+        chunks[-1].usage.completion_tokens == 20
+        and chunks[-1].usage.prompt_tokens == two.usage.prompt_tokens
+    )
 
 
 def test_completion_prompt_as_token_ids(oai: openai.OpenAI) -> None:
@@ -94,12 +109,17 @@ def test_completion_prompt_as_token_ids(oai: openai.OpenAI) -> None:
     batch = oai.completions.create(model=MODEL, prompt=[ids, other], max_tokens=8, **GREEDY)
     alone = oai.completions.create(model=MODEL, prompt=other, max_tokens=8, **GREEDY)
     assert [c.index for c in batch.choices] == [0, 1]
-    assert batch.choices[0].text == by_text.choices[0].text and batch.choices[1].text == alone.choices[0].text
+    assert (
+        batch.choices[0].text == by_text.choices[0].text
+        and batch.choices[1].text == alone.choices[0].text
+    )
     assert batch.usage is not None and batch.usage.prompt_tokens == len(ids) + len(other)
 
 
 def test_completion_stop_string(oai: openai.OpenAI) -> None:
-    kw: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=16, extra_body={"ignore_eos": True}, **GREEDY)
+    kw: dict[str, Any] = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=16, extra_body={"ignore_eos": True}, **GREEDY
+    )
     full = oai.completions.create(**kw).choices[0].text
     word = full.split()[2]
     cut = full.index(word)
@@ -116,11 +136,22 @@ def test_echo_returns_the_prompts_own_text(oai: openai.OpenAI, stream: bool) -> 
     decode of a token-id prompt as a whole, never its tokens' texts joined one by one."""
     text = "café naïve 日本 😀"
     ids = TOKENIZER.encode(text)
-    assert any("\ufffd" in TOKENIZER.decode([t]) for t in ids), "the prompt must split a character over tokens"
+    assert any("\ufffd" in TOKENIZER.decode([t]) for t in ids), (
+        "the prompt must split a character over tokens"
+    )
     for prompt in (text, ids):
-        kw: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=3, echo=True, extra_body={"ignore_eos": True}, **GREEDY)
+        kw: dict[str, Any] = dict(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=3,
+            echo=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
         if stream:
-            echoed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kw) if c.choices)
+            echoed = "".join(
+                c.choices[0].text for c in oai.completions.create(stream=True, **kw) if c.choices
+            )
         else:
             echoed = oai.completions.create(**kw).choices[0].text
         completion = oai.completions.create(**{**kw, "echo": False}).choices[0].text
@@ -135,7 +166,9 @@ def test_completion_refusals_name_the_field(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="gpt-nope"):
         oai.completions.create(model="gpt-nope", prompt="a")
     # Documented fields that ask for nothing here are accepted.
-    ok = oai.completions.create(model=MODEL, prompt="a", max_tokens=2, user="someone", presence_penalty=0)
+    ok = oai.completions.create(
+        model=MODEL, prompt="a", max_tokens=2, user="someone", presence_penalty=0
+    )
     assert ok.choices
 
 
@@ -145,7 +178,10 @@ def test_completion_refusals_name_the_field(oai: openai.OpenAI) -> None:
 def test_chat_non_stream(oai: openai.OpenAI) -> None:
     messages: Any = [
         {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello"}],
+        },
     ]
     out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-") and out.model == MODEL
@@ -158,30 +194,44 @@ def test_chat_non_stream(oai: openai.OpenAI) -> None:
 
 def test_chat_stream_usage_equals_non_stream(oai: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(
-        model=MODEL, messages=[{"role": "user", "content": f"Tell me about {uuid.uuid4().hex}"}], max_completion_tokens=10, **GREEDY
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Tell me about {uuid.uuid4().hex}"}],
+        max_completion_tokens=10,
+        **GREEDY,
     )
     oai.chat.completions.create(**kw)  # warm the prefix cache, so both runs below see the same hit
     plain = oai.chat.completions.create(**kw)
-    chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     *body, last = chunks
     assert last.choices == [] and last.usage is not None
     assert all(c.usage is None for c in body)
     assert last.usage.model_dump() == plain.usage.model_dump()  # type: ignore[union-attr]
-    assert "".join(c.choices[0].delta.content or "" for c in body) == plain.choices[0].message.content
-    assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == [plain.choices[0].finish_reason]
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in body) == plain.choices[0].message.content
+    )
+    assert [c.choices[0].finish_reason for c in body if c.choices[0].finish_reason] == [
+        plain.choices[0].finish_reason
+    ]
 
 
 def test_chat_finish_reason_length(oai: openai.OpenAI) -> None:
     out = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Count"}], max_tokens=3, extra_body={"ignore_eos": True}
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count"}],
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
     )
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == 3
 
 
 def test_chat_cached_tokens(oai: openai.OpenAI) -> None:
-    system = f"{uuid.uuid4().hex} " + " ".join(f"rule {i}: answer plainly and kindly." for i in range(20))
+    system = f"{uuid.uuid4().hex} " + " ".join(
+        f"rule {i}: answer plainly and kindly." for i in range(20)
+    )
     assert len(TOKENIZER.encode(system)) >= 100
     messages: Any = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
     first = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
@@ -189,7 +239,10 @@ def test_chat_cached_tokens(oai: openai.OpenAI) -> None:
     assert first is not None and second is not None
     assert first.prompt_tokens_details is not None and second.prompt_tokens_details is not None
     # The first run can only reuse the template's opening tokens; the second reuses the system prompt.
-    assert second.prompt_tokens_details.cached_tokens - first.prompt_tokens_details.cached_tokens >= 100
+    assert (
+        second.prompt_tokens_details.cached_tokens - first.prompt_tokens_details.cached_tokens
+        >= 100
+    )
     assert second.prompt_tokens_details.cached_tokens <= second.prompt_tokens == first.prompt_tokens
 
 
@@ -197,7 +250,9 @@ def test_chat_refusals(oai: openai.OpenAI) -> None:
     user: Any = [{"role": "user", "content": "hi"}]
     function: Any = [{"name": "f", "parameters": {"type": "object"}}]
     with pytest.raises(openai.BadRequestError, match="functions"):
-        oai.chat.completions.create(model=MODEL, messages=user, functions=function)  # the deprecated form of tools
+        oai.chat.completions.create(
+            model=MODEL, messages=user, functions=function
+        )  # the deprecated form of tools
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         oai.chat.completions.create(model=MODEL, messages=user, top_logprobs=2)
 
@@ -208,12 +263,20 @@ def test_chat_refusals(oai: openai.OpenAI) -> None:
 def test_disconnect_aborts_every_choice(server: ServerProcess) -> None:
     body = {"prompt": PROMPT, "max_tokens": 1500, "n": 2, "temperature": 0, "ignore_eos": True}
     before = wait_idle(server)["aborted_requests"]
-    with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as c,
+        c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp,
+    ):
         assert resp.status_code == 200
         next(line for line in resp.iter_lines() if line)
     after_stream = wait_idle(server)
     assert after_stream["live_requests"] == 0 and after_stream["aborted_requests"] == before + 2
-    chat = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "n": 2, "ignore_eos": True}
+    chat = {
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 1500,
+        "n": 2,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=0.5)
     after_plain = wait_idle(server)
@@ -239,7 +302,9 @@ def test_api_key(tmp_path: Path) -> None:
             with pytest.raises(openai.AuthenticationError):
                 bad.models.list()
             with pytest.raises(openai.AuthenticationError):
-                bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                bad.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
         with keyed.openai_client("sekret") as good:
             assert [m.id for m in good.models.list().data] == [MODEL]
             assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
@@ -257,24 +322,36 @@ def test_api_key(tmp_path: Path) -> None:
 def test_default_template_is_the_shipped_one() -> None:
     shipped = (DEFAULT_TOKENIZER_DIR / "chat_template.jinja").read_text()
     assert load_tokenizer(None).chat_template == shipped
-    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
     expected = "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n<|im_start|>assistant\n"
     assert ChatTemplate(None).render(messages) == ChatTemplate(shipped).render(messages) == expected
     assert ChatTemplate(None).source == DEFAULT_CHAT_TEMPLATE
 
 
 def test_template_errors_are_client_errors() -> None:
-    refusing = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok")
+    refusing = ChatTemplate(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"
+    )
     with pytest.raises(ChatTemplateError, match="user first"):
         refusing.render([{"role": "system", "content": "x"}])
-    tagged = ChatTemplate("{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% endfor %}")
+    tagged = ChatTemplate(
+        "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% endfor %}"
+    )
     assert tagged.render([{"role": "user", "content": "<é>"}]) == '"<é>"'
 
 
 # --- malformed bodies -----------------------------------------------------------------------
 
 COMPLETION_OK: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-CHAT_OK: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+CHAT_OK: dict[str, Any] = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 1,
+}
 
 # (endpoint, what, body, a word the error message must hold)
 TABLE: list[tuple[str, str, Any, str]] = [
@@ -299,10 +376,30 @@ TABLE: list[tuple[str, str, Any, str]] = [
     ("completions", "logprobs over 20", {**COMPLETION_OK, "logprobs": 21}, "logprobs"),
     ("completions", "suffix", {**COMPLETION_OK, "suffix": "x"}, "suffix"),
     ("completions", "best_of", {**COMPLETION_OK, "best_of": 3}, "best_of"),
-    ("completions", "frequency_penalty out of range", {**COMPLETION_OK, "frequency_penalty": 2.5}, "frequency_penalty"),
-    ("completions", "logit_bias key not a token id", {**COMPLETION_OK, "logit_bias": {"hello": 1}}, "logit_bias"),
-    ("completions", "stream_options without stream", {**COMPLETION_OK, "stream_options": {"include_usage": True}}, "stream_options"),
-    ("completions", "unknown stream option", {**COMPLETION_OK, "stream": True, "stream_options": {"x": 1}}, "x"),
+    (
+        "completions",
+        "frequency_penalty out of range",
+        {**COMPLETION_OK, "frequency_penalty": 2.5},
+        "frequency_penalty",
+    ),
+    (
+        "completions",
+        "logit_bias key not a token id",
+        {**COMPLETION_OK, "logit_bias": {"hello": 1}},
+        "logit_bias",
+    ),
+    (
+        "completions",
+        "stream_options without stream",
+        {**COMPLETION_OK, "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
+    (
+        "completions",
+        "unknown stream option",
+        {**COMPLETION_OK, "stream": True, "stream_options": {"x": 1}},
+        "x",
+    ),
     ("completions", "seed too big", {**COMPLETION_OK, "seed": 2**64}, "seed"),
     ("completions", "stream as string", {**COMPLETION_OK, "stream": "yes"}, "stream"),
     ("completions", "min_tokens over max", {**COMPLETION_OK, "min_tokens": 5}, "min_tokens"),
@@ -311,30 +408,70 @@ TABLE: list[tuple[str, str, Any, str]] = [
     ("chat", "no messages", {"model": MODEL}, "messages"),
     ("chat", "empty messages", {**CHAT_OK, "messages": []}, "messages"),
     ("chat", "bad role", {**CHAT_OK, "messages": [{"role": "robot", "content": "x"}]}, "role"),
-    ("chat", "content number", {**CHAT_OK, "messages": [{"role": "user", "content": 3}]}, "content"),
+    (
+        "chat",
+        "content number",
+        {**CHAT_OK, "messages": [{"role": "user", "content": 3}]},
+        "content",
+    ),
     ("chat", "content missing", {**CHAT_OK, "messages": [{"role": "user"}]}, "content"),
-    ("chat", "unknown part type", {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "video", "x": 1}]}]}, "type"),
+    (
+        "chat",
+        "unknown part type",
+        {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "video", "x": 1}]}]},
+        "type",
+    ),
     (
         "chat",
         "image part",
-        {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {
+            **CHAT_OK,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        },
         "image_url",
     ),
-    ("chat", "tool message without id", {**CHAT_OK, "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
-    ("chat", "function message", {**CHAT_OK, "messages": [{"role": "function", "content": "x", "name": "f"}]}, "function"),
-    ("chat", "unknown message field", {**CHAT_OK, "messages": [{"role": "user", "content": "x", "mood": 1}]}, "mood"),
+    (
+        "chat",
+        "tool message without id",
+        {**CHAT_OK, "messages": [{"role": "tool", "content": "x"}]},
+        "tool_call_id",
+    ),
+    (
+        "chat",
+        "function message",
+        {**CHAT_OK, "messages": [{"role": "function", "content": "x", "name": "f"}]},
+        "function",
+    ),
+    (
+        "chat",
+        "unknown message field",
+        {**CHAT_OK, "messages": [{"role": "user", "content": "x", "mood": 1}]},
+        "mood",
+    ),
     ("chat", "tools", {**CHAT_OK, "tools": [{"type": "function"}]}, "tools"),
     ("chat", "tool_choice", {**CHAT_OK, "tool_choice": "auto"}, "tool_choice"),
     ("chat", "logprobs not a bool", {**CHAT_OK, "logprobs": 3}, "logprobs"),
     ("chat", "top_logprobs without logprobs", {**CHAT_OK, "top_logprobs": 2}, "top_logprobs"),
-    ("chat", "top_logprobs over 20", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (
+        "chat",
+        "top_logprobs over 20",
+        {**CHAT_OK, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     (
         "chat",
         "json_schema without a schema",
         {**CHAT_OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         "response_format.json_schema.schema",
     ),
-    ("chat", "max_completion_tokens zero", {**CHAT_OK, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (
+        "chat",
+        "max_completion_tokens zero",
+        {**CHAT_OK, "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
     ("chat", "max_tokens over context", {**CHAT_OK, "max_tokens": 2047}, "max_tokens"),
     ("chat", "temperature string", {**CHAT_OK, "temperature": "hot"}, "temperature"),
     ("chat", "audio out", {**CHAT_OK, "modalities": ["text", "audio"]}, "audio"),
@@ -354,19 +491,25 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 def assert_error(resp: httpx.Response) -> dict[str, Any]:
     assert 400 <= resp.status_code < 500, (resp.status_code, resp.text)
     error = resp.json()["error"]
-    assert isinstance(error["message"], str) and error["message"] and error["code"] == resp.status_code
+    assert (
+        isinstance(error["message"], str) and error["message"] and error["code"] == resp.status_code
+    )
     return error
 
 
 @pytest.mark.parametrize("endpoint,what,body,needle", TABLE, ids=[f"{t[0]}-{t[1]}" for t in TABLE])
-def test_bad_body_table(http: httpx.Client, endpoint: str, what: str, body: Any, needle: str) -> None:
+def test_bad_body_table(
+    http: httpx.Client, endpoint: str, what: str, body: Any, needle: str
+) -> None:
     error = assert_error(http.post(PATHS[endpoint], json=body))
     assert needle.lower() in error["message"].lower(), error
 
 
 @pytest.mark.parametrize("endpoint", sorted(PATHS))
 @pytest.mark.parametrize("what,raw,needle", RAW, ids=[r[0] for r in RAW])
-def test_unparsable_bodies(http: httpx.Client, endpoint: str, what: str, raw: bytes, needle: str) -> None:
+def test_unparsable_bodies(
+    http: httpx.Client, endpoint: str, what: str, raw: bytes, needle: str
+) -> None:
     resp = http.post(PATHS[endpoint], content=raw, headers={"content-type": "application/json"})
     assert needle in assert_error(resp)["message"].lower()
 
@@ -374,30 +517,59 @@ def test_unparsable_bodies(http: httpx.Client, endpoint: str, what: str, raw: by
 # Generated malformed bodies: a valid body with one thing broken, so each is wrong for a
 # known reason, plus arbitrary JSON that is not an object.
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 not_int = json_values.filter(lambda v: not isinstance(v, int) or isinstance(v, bool))
 not_number = json_values.filter(lambda v: isinstance(v, (str, list, dict, bool)))
 not_bool_or_null = json_values.filter(lambda v: v is not None and not isinstance(v, bool))
 SHARED_BAD: dict[str, st.SearchStrategy[Any]] = {
-    "max_tokens": st.integers(max_value=0) | st.integers(min_value=2100) | not_int.filter(lambda v: v is not None),
-    "temperature": st.floats(min_value=2.001, allow_infinity=False) | st.floats(max_value=-0.001, allow_infinity=False) | not_number,
-    "top_p": st.floats(max_value=0.0, allow_infinity=False) | st.floats(min_value=1.001, allow_infinity=False) | not_number,
-    "n": st.integers(max_value=0) | st.integers(min_value=129) | not_int.filter(lambda v: v is not None),
+    "max_tokens": st.integers(max_value=0)
+    | st.integers(min_value=2100)
+    | not_int.filter(lambda v: v is not None),
+    "temperature": st.floats(min_value=2.001, allow_infinity=False)
+    | st.floats(max_value=-0.001, allow_infinity=False)
+    | not_number,
+    "top_p": st.floats(max_value=0.0, allow_infinity=False)
+    | st.floats(min_value=1.001, allow_infinity=False)
+    | not_number,
+    "n": st.integers(max_value=0)
+    | st.integers(min_value=129)
+    | not_int.filter(lambda v: v is not None),
     "seed": st.integers(min_value=2**63) | not_int.filter(lambda v: v is not None),
-    "stop": st.just("") | st.lists(st.just(""), min_size=1, max_size=2) | st.integers() | st.lists(st.integers(), min_size=1),
+    "stop": st.just("")
+    | st.lists(st.just(""), min_size=1, max_size=2)
+    | st.integers()
+    | st.lists(st.integers(), min_size=1),
     "stream": not_bool_or_null,
-    "frequency_penalty": st.floats(min_value=2.01, allow_infinity=False) | st.floats(max_value=-2.01, allow_infinity=False) | st.text(),
+    "frequency_penalty": st.floats(min_value=2.01, allow_infinity=False)
+    | st.floats(max_value=-2.01, allow_infinity=False)
+    | st.text(),
     # A key that is not a token id written in digits, a bias out of range, or not an object.
     "logit_bias": st.dictionaries(
-        st.text(max_size=4).filter(lambda k: not k.isascii() or not k.isdigit()), st.floats(-100, 100), min_size=1, max_size=2
+        st.text(max_size=4).filter(lambda k: not k.isascii() or not k.isdigit()),
+        st.floats(-100, 100),
+        min_size=1,
+        max_size=2,
     )
-    | st.dictionaries(st.sampled_from(["1", "2"]), st.floats(min_value=100.01, allow_infinity=False), min_size=1, max_size=2)
+    | st.dictionaries(
+        st.sampled_from(["1", "2"]),
+        st.floats(min_value=100.01, allow_infinity=False),
+        min_size=1,
+        max_size=2,
+    )
     | st.integers(),
     "model": st.text(max_size=12).filter(lambda v: v != MODEL) | st.integers(),
-    "stream_options": st.builds(lambda v: {"include_usage": v}, st.booleans()),  # without stream: refused
+    "stream_options": st.builds(
+        lambda v: {"include_usage": v}, st.booleans()
+    ),  # without stream: refused
 }
 COMPLETION_BAD = {
     **SHARED_BAD,
@@ -412,32 +584,53 @@ COMPLETION_BAD = {
     "logprobs": st.integers(min_value=21) | st.integers(max_value=-1),
     "best_of": st.integers(min_value=2, max_value=20),
 }
-message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=10)})
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=10)}
+)
 CHAT_BAD = {
     **SHARED_BAD,
     "messages": st.just([])
     | not_number
     | st.lists(
         st.fixed_dictionaries(
-            {"role": st.text(max_size=6).filter(lambda r: r not in ("system", "developer", "user", "assistant")), "content": st.text()}
+            {
+                "role": st.text(max_size=6).filter(
+                    lambda r: r not in ("system", "developer", "user", "assistant")
+                ),
+                "content": st.text(),
+            }
         ),
         min_size=1,
         max_size=2,
     )
-    | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.integers() | st.just([{"type": "nope"}])}), min_size=1, max_size=2),
+    | st.lists(
+        st.fixed_dictionaries(
+            {"role": st.just("user"), "content": st.integers() | st.just([{"type": "nope"}])}
+        ),
+        min_size=1,
+        max_size=2,
+    ),
     "tools": st.lists(json_values, min_size=1, max_size=2),
     "logprobs": st.integers(min_value=2) | st.just("yes"),
-    "response_format": st.sampled_from([{"type": "json_schema"}, {"type": "json_schema", "json_schema": {}}, {"type": "x"}, 3]),
+    "response_format": st.sampled_from(
+        [{"type": "json_schema"}, {"type": "json_schema", "json_schema": {}}, {"type": "x"}, 3]
+    ),
     "max_completion_tokens": st.integers(max_value=0) | st.integers(min_value=2100),
 }
 
 
-def broken_bodies(base: dict[str, Any], bad: dict[str, st.SearchStrategy[Any]], extra_known: set[str]) -> st.SearchStrategy[Any]:
-    one_bad_field = st.sampled_from(sorted(bad)).flatmap(lambda k: bad[k].map(lambda v: {**base, k: v}))
+def broken_bodies(
+    base: dict[str, Any], bad: dict[str, st.SearchStrategy[Any]], extra_known: set[str]
+) -> st.SearchStrategy[Any]:
+    one_bad_field = st.sampled_from(sorted(bad)).flatmap(
+        lambda k: bad[k].map(lambda v: {**base, k: v})
+    )
     unknown_key = st.text(min_size=1, max_size=10).filter(lambda k: k not in extra_known)
     with_unknown_key = st.tuples(unknown_key, json_values).map(lambda kv: {**base, kv[0]: kv[1]})
     not_an_object = json_values.filter(lambda v: not isinstance(v, dict))
-    missing_required = json_values.filter(lambda v: isinstance(v, dict) and not (set(v) & {"prompt", "messages"}))
+    missing_required = json_values.filter(
+        lambda v: isinstance(v, dict) and not (set(v) & {"prompt", "messages"})
+    )
     return one_bad_field | with_unknown_key | not_an_object | missing_required
 
 
@@ -452,8 +645,16 @@ FUZZ = {
 
 
 @pytest.mark.parametrize("endpoint", sorted(PATHS))
-def test_generated_bad_bodies_get_4xx_and_server_stays_healthy(server: ServerProcess, http: httpx.Client, endpoint: str) -> None:
-    @settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+def test_generated_bad_bodies_get_4xx_and_server_stays_healthy(
+    server: ServerProcess, http: httpx.Client, endpoint: str
+) -> None:
+    @settings(
+        max_examples=200,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(body=FUZZ[endpoint])
     def check(body: Any) -> None:
         assert_error(http.post(PATHS[endpoint], json=body))

@@ -39,70 +39,146 @@ def _forced(token: int, **extra: Any) -> dict[str, Any]:
     return {"extra_body": {**extra}, "logit_bias": {str(token): 100}, **GREEDY}
 
 
-def test_prompt_logprobs_is_null_on_completion_choices_and_chat_responses(oai: openai.OpenAI, http: httpx.Client) -> None:
+def test_prompt_logprobs_is_null_on_completion_choices_and_chat_responses(
+    oai: openai.OpenAI, http: httpx.Client
+) -> None:
     completion = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-    assert completion.choices[0].model_extra is not None and completion.choices[0].model_extra["prompt_logprobs"] is None
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert (
+        completion.choices[0].model_extra is not None
+        and completion.choices[0].model_extra["prompt_logprobs"] is None
+    )
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert chat.model_extra is not None and chat.model_extra["prompt_logprobs"] is None
     # Exactly where the peers put them: on a completion's choices, on a chat's response.
     raw = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).json()
-    assert list(raw["choices"][0]) == ["index", "text", "logprobs", "finish_reason", "stop_reason", "matched_stop", "prompt_logprobs"]
-    raw_chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
-    assert list(raw_chat) == ["id", "object", "created", "model", "choices", "usage", "prompt_logprobs"]
+    assert list(raw["choices"][0]) == [
+        "index",
+        "text",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "matched_stop",
+        "prompt_logprobs",
+    ]
+    raw_chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    ).json()
+    assert list(raw_chat) == [
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "usage",
+        "prompt_logprobs",
+    ]
     assert raw_chat["prompt_logprobs"] is None and "prompt_logprobs" not in raw_chat["choices"][0]
 
 
-def test_matched_stop_names_the_stop_string_token_or_eos_and_is_null_on_length(oai: openai.OpenAI) -> None:
-    full = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}, **GREEDY).choices[0]
-    assert full.finish_reason == "length" and full.model_extra is not None and full.model_extra["matched_stop"] is None
+def test_matched_stop_names_the_stop_string_token_or_eos_and_is_null_on_length(
+    oai: openai.OpenAI,
+) -> None:
+    full = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}, **GREEDY
+    ).choices[0]
+    assert (
+        full.finish_reason == "length"
+        and full.model_extra is not None
+        and full.model_extra["matched_stop"] is None
+    )
     word = full.text.split()[2]
     stopped = oai.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=12, stop=[word], extra_body={"ignore_eos": True}, **GREEDY
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        stop=[word],
+        extra_body={"ignore_eos": True},
+        **GREEDY,
     ).choices[0]
-    assert stopped.finish_reason == "stop" and stopped.model_extra is not None and stopped.model_extra["matched_stop"] == word
+    assert (
+        stopped.finish_reason == "stop"
+        and stopped.model_extra is not None
+        and stopped.model_extra["matched_stop"] == word
+    )
 
     token = 5  # not an EOS id: a stop token only because the request names it
     assert token not in TOKENIZER.eos_token_ids
-    named = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **_forced(token, stop_token_ids=[token])).choices[0]
+    named = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, **_forced(token, stop_token_ids=[token])
+    ).choices[0]
     assert named.finish_reason == "stop" and named.model_extra is not None
     assert named.model_extra["matched_stop"] == token and named.model_extra["stop_reason"] == token
 
     # EOS: SGLang names its id, where vLLM's stop_reason stays null.
     messages: Any = [{"role": "user", "content": PROMPT}]
-    eos = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **_forced(EOS)).choices[0]
+    eos = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, **_forced(EOS)
+    ).choices[0]
     assert eos.finish_reason == "stop" and eos.model_extra is not None
     assert eos.model_extra["matched_stop"] == EOS and eos.model_extra["stop_reason"] is None
 
     # Streamed: on the finishing chunk only (as SGLang's final chunk), the content chunks as they were.
     for stream in (
-        oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stop=[word], stream=True, extra_body={"ignore_eos": True}, **GREEDY),
-        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True, **_forced(EOS)),
+        oai.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            stop=[word],
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        ),
+        oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, stream=True, **_forced(EOS)
+        ),
     ):
         choices = [chunk.choices[0] for chunk in stream if chunk.choices]
         assert all("matched_stop" not in (c.model_extra or {}) for c in choices[:-1])
-        assert choices[-1].finish_reason == "stop" and (choices[-1].model_extra or {})["matched_stop"] in (word, EOS)
+        assert choices[-1].finish_reason == "stop" and (choices[-1].model_extra or {})[
+            "matched_stop"
+        ] in (word, EOS)
 
 
-def test_model_card_has_root_and_tokenize_has_token_strs(oai: openai.OpenAI, http: httpx.Client) -> None:
+def test_model_card_has_root_and_tokenize_has_token_strs(
+    oai: openai.OpenAI, http: httpx.Client
+) -> None:
     card = http.get(f"/v1/models/{MODEL}").json()
     assert card == {
         "id": MODEL, "object": "model", "created": card["created"], "owned_by": "tokenpipe",
         "root": str(DEFAULT_TOKENIZER_DIR), "max_model_len": card["max_model_len"],
     }  # fmt: skip
-    assert oai.models.retrieve(MODEL).model_extra == {"root": str(DEFAULT_TOKENIZER_DIR), "max_model_len": card["max_model_len"]}
+    assert oai.models.retrieve(MODEL).model_extra == {
+        "root": str(DEFAULT_TOKENIZER_DIR),
+        "max_model_len": card["max_model_len"],
+    }
     assert http.get("/v1/models").json()["data"] == [card]
 
     ids = TOKENIZER.encode("hi there", add_special_tokens=True)
     strs = [TOKENIZER.tokenizer.id_to_token(i) for i in ids]
     plain = http.post("/tokenize", json={"prompt": "hi there"}).json()
-    assert plain == {"count": len(ids), "max_model_len": card["max_model_len"], "tokens": ids, "token_strs": None}
-    assert http.post("/tokenize", json={"prompt": "hi there", "return_token_strs": True}).json() == {**plain, "token_strs": strs}
+    assert plain == {
+        "count": len(ids),
+        "max_model_len": card["max_model_len"],
+        "tokens": ids,
+        "token_strs": None,
+    }
+    assert http.post(
+        "/tokenize", json={"prompt": "hi there", "return_token_strs": True}
+    ).json() == {**plain, "token_strs": strs}
 
 
 def test_server_info_has_the_kv_pool_size_and_version_and_version_route(http: httpx.Client) -> None:
     info = http.get("/server_info").json()
-    assert info["max_total_num_tokens"] == info["max_total_tokens"] == 8192  # SMALL_SERVER_ARGS' pool
-    assert info["scheduler"] is None or info["scheduler"]["kv_capacity"] == info["max_total_num_tokens"]
+    assert (
+        info["max_total_num_tokens"] == info["max_total_tokens"] == 8192
+    )  # SMALL_SERVER_ARGS' pool
+    assert (
+        info["scheduler"] is None
+        or info["scheduler"]["kv_capacity"] == info["max_total_num_tokens"]
+    )
     assert info["version"] == VERSION
     assert http.get("/version").json() == {"version": VERSION}
 
@@ -114,8 +190,15 @@ def test_v1_tokenize_and_detokenize_take_both_peers_requests(http: httpx.Client)
     for path in ("/v1/tokenize", "/tokenize"):
         # SGLang's list of prompts: one entry per prompt in each key.
         listed = http.post(path, json={"prompt": texts, "add_special_tokens": True}).json()
-        assert listed == {"count": [len(ids) for ids in batch], "max_model_len": context, "tokens": batch, "token_strs": None}
-        with_strs = http.post(path, json={"prompt": texts, "return_token_strs": True}).json()["token_strs"]
+        assert listed == {
+            "count": [len(ids) for ids in batch],
+            "max_model_len": context,
+            "tokens": batch,
+            "token_strs": None,
+        }
+        with_strs = http.post(path, json={"prompt": texts, "return_token_strs": True}).json()[
+            "token_strs"
+        ]
         assert with_strs == [[TOKENIZER.tokenizer.id_to_token(i) for i in ids] for ids in batch]
         assert http.post(path, json={"prompt": texts[0]}).json()["tokens"] == batch[0]
 
@@ -124,11 +207,23 @@ def test_v1_tokenize_and_detokenize_take_both_peers_requests(http: httpx.Client)
     skipped = TOKENIZER.decode(special, skip_special_tokens=True)
     assert shown != skipped
     # Both keys answer; each path keeps its peer's default for special tokens.
-    assert http.post("/v1/detokenize", json={"tokens": special}).json() == {"prompt": skipped, "text": skipped}
-    assert http.post("/detokenize", json={"tokens": special}).json() == {"prompt": shown, "text": shown}
+    assert http.post("/v1/detokenize", json={"tokens": special}).json() == {
+        "prompt": skipped,
+        "text": skipped,
+    }
+    assert http.post("/detokenize", json={"tokens": special}).json() == {
+        "prompt": shown,
+        "text": shown,
+    }
     for path in ("/v1/detokenize", "/detokenize"):
-        assert http.post(path, json={"tokens": special, "skip_special_tokens": False}).json()["text"] == shown
-        assert http.post(path, json={"tokens": special, "skip_special_tokens": True}).json()["text"] == skipped
+        assert (
+            http.post(path, json={"tokens": special, "skip_special_tokens": False}).json()["text"]
+            == shown
+        )
+        assert (
+            http.post(path, json={"tokens": special, "skip_special_tokens": True}).json()["text"]
+            == skipped
+        )
         # SGLang's lists of ids round-trip a tokenized batch.
         round_trip = http.post(path, json={"tokens": batch, "skip_special_tokens": True}).json()
         assert round_trip == {"prompt": texts, "text": texts}
@@ -145,8 +240,16 @@ def test_load_counts_requests_in_flight(server: ServerProcess, http: httpx.Clien
     while http.get("/load").json() != {"server_load": 0} and time.monotonic() < deadline:
         time.sleep(0.05)
     assert http.get("/load").json() == {"server_load": 0}
-    body = {"text": "hi", "rid": "load-probe", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "stream": True}
-    with httpx.Client(base_url=server.url, timeout=60) as other, other.stream("POST", "/generate", json=body) as stream:
+    body = {
+        "text": "hi",
+        "rid": "load-probe",
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as other,
+        other.stream("POST", "/generate", json=body) as stream,
+    ):
         assert stream.status_code == 200
         next(stream.iter_lines())  # the request is running
         load = http.get("/load").json()
@@ -162,15 +265,24 @@ def test_invocations_answer_as_the_route_the_body_names(http: httpx.Client) -> N
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
     completion = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
-        direct, invoked = http.post(path, json=body).json(), http.post("/invocations", json=body).json()
+        direct, invoked = (
+            http.post(path, json=body).json(),
+            http.post("/invocations", json=body).json(),
+        )
         assert invoked["object"] == direct["object"]
         assert invoked["choices"] == direct["choices"] and invoked["usage"] == direct["usage"]
     # The chosen route's own refusal; a body naming no route gets 400.
     refused = http.post("/invocations", json={"prompt": PROMPT, "max_tokens": -1})
-    assert refused.status_code == 400 and refused.json() == http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": -1}).json()
+    assert (
+        refused.status_code == 400
+        and refused.json()
+        == http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": -1}).json()
+    )
     for bad in ({"text": "hi"}, [1, 2]):
         answer = http.post("/invocations", json=bad)
-        assert answer.status_code == 400 and answer.json()["error"]["message"].startswith("Cannot find suitable handler for request.")
+        assert answer.status_code == 400 and answer.json()["error"]["message"].startswith(
+            "Cannot find suitable handler for request."
+        )
     assert http.post("/invocations", content=b"{").status_code == 400
 
 
@@ -182,11 +294,21 @@ def test_tokenizer_info_is_served_only_behind_its_flag(http: httpx.Client, tmp_p
 
     endpoints: dict[str, Endpoint] = {path: unused for _, path in INVOCATION_ROUTES}
     config = ServerConfig(
-        scheduler_input=f"ipc://{tmp_path}/sched", tokenizer_input=f"ipc://{tmp_path}/tm", enable_tokenizer_info_endpoint=True
+        scheduler_input=f"ipc://{tmp_path}/sched",
+        tokenizer_input=f"ipc://{tmp_path}/tm",
+        enable_tokenizer_info_endpoint=True,
     )
     app = FastAPI()
-    app.include_router(build_peer_router(TokenizerManager(config, TOKENIZER, context_length=2048), endpoints))
+    app.include_router(
+        build_peer_router(TokenizerManager(config, TOKENIZER, context_length=2048), endpoints)
+    )
     with TestClient(app) as client:
         info = client.get("/tokenizer_info").json()
-    on_disk = json.loads((DEFAULT_TOKENIZER_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
-    assert info == {"tokenizer_class": "PreTrainedTokenizerFast", **on_disk, "chat_template": TOKENIZER.chat_template}
+    on_disk = json.loads(
+        (DEFAULT_TOKENIZER_DIR / "tokenizer_config.json").read_text(encoding="utf-8")
+    )
+    assert info == {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **on_disk,
+        "chat_template": TOKENIZER.chat_template,
+    }

@@ -29,7 +29,9 @@ from tests.server_harness import ServerProcess
 
 MODEL = "reasoner"
 THINK, END_THINK = SHIPPED_VOCAB_SIZE, SHIPPED_VOCAB_SIZE + 1  # the added tokens' ids
-TOOL_CALL = SHIPPED_VOCAB_SIZE + 2  # <tool_call>, a special token here (as in Hermes 2 Pro's tokenizer)
+TOOL_CALL = (
+    SHIPPED_VOCAB_SIZE + 2
+)  # <tool_call>, a special token here (as in Hermes 2 Pro's tokenizer)
 TAGS = {str(THINK): 100, str(END_THINK): 100}
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]
 # Qwen3's switch: with thinking off, the generation prompt holds an empty, closed think block.
@@ -42,10 +44,24 @@ QWEN3_SWITCH = (
 @pytest.fixture(scope="module")
 def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     directory = tmp_path_factory.mktemp("reasoner")
-    write(directory / "model", layers=2, hidden=64, seed=3, added_tokens=("<think>", "</think>"), special_tokens=("<tool_call>", "</tool_call>"))
+    write(
+        directory / "model",
+        layers=2,
+        hidden=64,
+        seed=3,
+        added_tokens=("<think>", "</think>"),
+        special_tokens=("<tool_call>", "</tool_call>"),
+    )
     template = (DEFAULT_TOKENIZER_DIR / "chat_template.jinja").read_text()
     (directory / "model" / "chat_template.jinja").write_text(template + QWEN3_SWITCH)
-    args = ["--model-path", str(directory / "model"), "--served-model-name", MODEL, "--reasoning-parser", "qwen3"]
+    args = [
+        "--model-path",
+        str(directory / "model"),
+        "--served-model-name",
+        MODEL,
+        "--reasoning-parser",
+        "qwen3",
+    ]
     srv = ServerProcess(directory / "tmp", args).wait_ready()
     try:
         with srv.client() as client:
@@ -72,10 +88,14 @@ def _streamed(http: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, str],
     stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/chat/completions", json=stream) as response:
         assert response.status_code == 200, response.read()
-        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        chunks = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
+        ]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
-    joined = {key: "".join(d.get(key, "") for d in deltas) for key in ("reasoning_content", "content")}
+    joined = {
+        key: "".join(d.get(key, "") for d in deltas) for key in ("reasoning_content", "content")
+    }
     return joined, chunks[-1]["usage"]
 
 
@@ -90,7 +110,12 @@ def _between_tags(logprobs: dict[str, Any]) -> int:
     ("pattern", "reasoning", "content"),
     [
         pytest.param("<think>abc déf</think>answer", "abc déf", "answer", id="tagged"),
-        pytest.param("plan first</think>\nthen answer", "plan first", "\nthen answer", id="opened-by-the-template"),
+        pytest.param(
+            "plan first</think>\nthen answer",
+            "plan first",
+            "\nthen answer",
+            id="opened-by-the-template",
+        ),
         pytest.param("<think></think>just this", None, "just this", id="empty"),
     ],
 )
@@ -112,7 +137,10 @@ def test_reasoning_is_split_out_counted_from_the_ids_and_streamed_the_same(
     streamed, stream_usage = _streamed(http, _body(pattern))
     assert streamed == {"reasoning_content": reasoning or "", "content": content}
     # (The stream's prompt was in the prefix cache: only its cached tokens differ.)
-    assert {**stream_usage, "prompt_tokens_details": None} == {**usage, "prompt_tokens_details": None}
+    assert {**stream_usage, "prompt_tokens_details": None} == {
+        **usage,
+        "prompt_tokens_details": None,
+    }
 
 
 def test_a_tool_call_inside_reasoning_is_reasoning(http: httpx.Client) -> None:
@@ -127,9 +155,14 @@ def test_a_tool_call_inside_reasoning_is_reasoning(http: httpx.Client) -> None:
     assert choice["finish_reason"] == "stop"
 
 
-def test_enable_thinking_false_reaches_the_template_and_leaves_the_text_as_content(http: httpx.Client) -> None:
+def test_enable_thinking_false_reaches_the_template_and_leaves_the_text_as_content(
+    http: httpx.Client,
+) -> None:
     on = http.post("/v1/chat/completions", json=_body("<think>x</think>y")).json()
-    off = http.post("/v1/chat/completions", json=_body("<think>x</think>y", chat_template_kwargs={"enable_thinking": False})).json()
+    off = http.post(
+        "/v1/chat/completions",
+        json=_body("<think>x</think>y", chat_template_kwargs={"enable_thinking": False}),
+    ).json()
     # The template's empty think block: <think>, "\n\n", </think>, "\n\n".
     assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]
     message = off["choices"][0]["message"]
@@ -137,16 +170,28 @@ def test_enable_thinking_false_reaches_the_template_and_leaves_the_text_as_conte
     assert off["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
-def test_a_marker_that_is_a_special_token_stays_in_the_text_for_the_parser(http: httpx.Client) -> None:
+def test_a_marker_that_is_a_special_token_stays_in_the_text_for_the_parser(
+    http: httpx.Client,
+) -> None:
     """The model writes ``<tool_call>`` as its one special token (a bias forces it; nothing
     can follow in one token, so the block is malformed and comes back as content). Under
     "auto" the marker reaches the parser; a request that asks to skip special tokens, and
     one without tools, lose it as special tokens are lost."""
     tools = [{"type": "function", "function": {"name": "now"}}]
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "temperature": 0, "logit_bias": {str(TOOL_CALL): 100}, "tools": tools}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 1,
+        "temperature": 0,
+        "logit_bias": {str(TOOL_CALL): 100},
+        "tools": tools,
+    }
     kept = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert kept["message"]["content"] == "<tool_call>" and kept["finish_reason"] == "length", kept
-    for other in ({**body, "skip_special_tokens": True}, {k: v for k, v in body.items() if k != "tools"}):
+    for other in (
+        {**body, "skip_special_tokens": True},
+        {k: v for k, v in body.items() if k != "tools"},
+    ):
         skipped = http.post("/v1/chat/completions", json=other).json()["choices"][0]
         assert skipped["message"]["content"] == "" and skipped["finish_reason"] == "length", skipped
 
@@ -156,22 +201,44 @@ def test_the_responses_api_gives_a_reasoning_item_streamed_the_same(http: httpx.
     message; reasoning tokens as chat counts them; streamed as ``response.reasoning_text``
     deltas that add up to the same items."""
     pattern = "<think>abc déf</think>answer"
-    body = {"model": MODEL, "input": "Think, then answer.", "max_output_tokens": 64, "temperature": 0, "logit_bias": TAGS}
+    body = {
+        "model": MODEL,
+        "input": "Think, then answer.",
+        "max_output_tokens": 64,
+        "temperature": 0,
+        "logit_bias": TAGS,
+    }
     body["structured_outputs"] = {"regex": pattern}
     whole = http.post("/v1/responses", json=body).json()
     assert whole["status"] == "completed", whole
     reasoning, message = whole["output"]
-    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "abc déf"}]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [
+        {"type": "reasoning_text", "text": "abc déf"}
+    ]
     assert message["type"] == "message" and message["content"][0]["text"] == "answer"
     chat = http.post("/v1/chat/completions", json=_body(pattern)).json()
-    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == chat["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    assert (
+        whole["usage"]["output_tokens_details"]["reasoning_tokens"]
+        == chat["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        > 0
+    )
     assert whole["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
 
     with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as response:
-        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
-    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "abc déf"
-    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "answer"
+        events = [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
+        ]
+    assert (
+        "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        == "abc déf"
+    )
+    assert (
+        "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "answer"
+    )
     final = events[-1]
     assert final["type"] == "response.completed"
     assert [item["type"] for item in final["response"]["output"]] == ["reasoning", "message"]
-    assert final["response"]["usage"]["output_tokens_details"] == whole["usage"]["output_tokens_details"]
+    assert (
+        final["response"]["usage"]["output_tokens_details"]
+        == whole["usage"]["output_tokens_details"]
+    )

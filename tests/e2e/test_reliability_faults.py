@@ -22,7 +22,10 @@ CLIENTS = 16
 # Long enough that no stream can finish before the kill; 16 x ~1500 tokens fit a 32768 pool,
 # so the load is plain decoding (no retraction churn).
 LOAD_ARGS = ["--max-total-tokens", "32768"]
-STREAM_BODY = {"stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+STREAM_BODY = {
+    "stream": True,
+    "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0},
+}
 
 STOP_TIMES: dict[str, float] = {}  # victim -> seconds from the kill to the supervisor's exit
 
@@ -46,7 +49,10 @@ class StreamingClient(threading.Thread):
         # The read timeout only backstops a hang; the test's own deadline is much shorter.
         timeout = httpx.Timeout(30.0, connect=10.0)
         try:
-            with httpx.Client(base_url=self.url, timeout=timeout) as c, c.stream("POST", "/generate", json=body) as resp:
+            with (
+                httpx.Client(base_url=self.url, timeout=timeout) as c,
+                c.stream("POST", "/generate", json=body) as resp,
+            ):
                 if resp.status_code != 200:
                     self.outcome = f"http {resp.status_code}"
                     return
@@ -111,7 +117,9 @@ def test_kill_9_of_a_child_under_streaming_load(tmp_path: Path, victim: str) -> 
         STOP_TIMES[victim] = elapsed
         for c in clients:
             c.join(max(0.0, killed_at + 15 - time.monotonic()))
-        ends = sorted(c.ended_at - killed_at for c in clients if c.ended_at is not None) or [float("nan")]
+        ends = sorted(c.ended_at - killed_at for c in clients if c.ended_at is not None) or [
+            float("nan")
+        ]
         print(
             f"\nkill -9 {victim} under {CLIENTS} streams: supervisor exited {code} after {elapsed:.2f} s; "
             f"clients {sorted({c.outcome for c in clients})} ended {ends[0]:.2f}..{ends[-1]:.2f} s after the kill"
@@ -176,11 +184,15 @@ def test_stalled_scheduler_fails_health_generate_but_not_health(tmp_path: Path) 
 
             os.kill(scheduler, signal.SIGCONT)
             stopped = False
-            recovered = wait_until(lambda: c.get("/health_generate").status_code == 200, timeout=30, interval=0.2)
+            recovered = wait_until(
+                lambda: c.get("/health_generate").status_code == 200, timeout=30, interval=0.2
+            )
             assert recovered, "/health_generate did not recover after SIGCONT"
             assert wait_until(lambda: c.get("/server_info").json()["live_requests"] == 0, timeout=5)
             assert srv.proc.poll() is None, "the stall took the service down"
-            print(f"\nstall: /health_generate 503 after {took:.2f} s; /health max {max(health_times) * 1000:.1f} ms over {len(health_times)} calls")
+            print(
+                f"\nstall: /health_generate 503 after {took:.2f} s; /health max {max(health_times) * 1000:.1f} ms over {len(health_times)} calls"
+            )
     finally:
         if stopped:
             os.kill(scheduler, signal.SIGCONT)

@@ -52,7 +52,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     events carry only what is new (--incremental-streaming-output): bench/load.py counts the
     tokens each stream received by summing the events' output_ids."""
     load.raise_open_files_limit(2048)  # the server inherits it
-    server = ServerProcess(tmp_path_factory.mktemp("reliability") / "tmp", ["--incremental-streaming-output"]).wait_ready()
+    server = ServerProcess(
+        tmp_path_factory.mktemp("reliability") / "tmp", ["--incremental-streaming-output"]
+    ).wait_ready()
     yield server
     server.stop()
 
@@ -80,21 +82,30 @@ def test_200_concurrent_streams_lose_nothing(srv: ServerProcess) -> None:
     assert summary["tokens"] == n * max_new
 
 
-async def _cut_requests(url: str, n_streams: int, n_timeouts: int, seed: int) -> tuple[list[Any], list[bool]]:
+async def _cut_requests(
+    url: str, n_streams: int, n_timeouts: int, seed: int
+) -> tuple[list[Any], list[bool]]:
     """``n_streams`` streams, each closed after a random number of events (0 to 12; odd
     ones with an RST), and ``n_timeouts`` non-streaming requests given up after a random
     0.3-1.5 s. Returns the stream results and, per non-streaming request, whether it was
     cut before its answer."""
     rng = random.Random(seed)
     vocab = (await load.get_json(url, "/server_info"))["vocab_size"]
-    body = lambda i, stream: load.make_body(i, vocab=vocab, prompt_len=16, max_new_tokens=1500, seed=seed, stream=stream)  # noqa: E731
+
+    def body(i: int, stream: bool) -> dict:
+        return load.make_body(
+            i, vocab=vocab, prompt_len=16, max_new_tokens=1500, seed=seed, stream=stream
+        )
+
     cuts = [rng.randint(0, 12) for _ in range(n_streams)]
     waits = [rng.uniform(0.3, 1.5) for _ in range(n_timeouts)]
 
     async def give_up(i: int) -> bool:
         conn = load.Connection.for_url(url)
         try:
-            resp = await asyncio.wait_for(conn.request("POST", "/generate", body(n_streams + i, False)), waits[i])
+            resp = await asyncio.wait_for(
+                conn.request("POST", "/generate", body(n_streams + i, False)), waits[i]
+            )
             await resp.read()
             return False  # answered: not cut
         except TimeoutError:
@@ -102,7 +113,10 @@ async def _cut_requests(url: str, n_streams: int, n_timeouts: int, seed: int) ->
         finally:
             conn.close()
 
-    streams = [load.stream_one(url, i, body(i, True), cut_after=cuts[i], reset=bool(i % 2)) for i in range(n_streams)]
+    streams = [
+        load.stream_one(url, i, body(i, True), cut_after=cuts[i], reset=bool(i % 2))
+        for i in range(n_streams)
+    ]
     out = await asyncio.gather(*streams, *(give_up(i) for i in range(n_timeouts)))
     return list(out[:n_streams]), list(out[n_streams:])
 
@@ -119,7 +133,9 @@ def test_client_disconnects_abort_everything(srv: ServerProcess) -> None:
 
     for r in streams:
         assert r.error is None and r.status == 200, r
-        assert r.cut and r.finish_reason is None and not r.done, r  # 1500 tokens: none can finish first
+        assert r.cut and r.finish_reason is None and not r.done, (
+            r
+        )  # 1500 tokens: none can finish first
         assert r.tokens == r.completion_tokens or r.events == 0, r
     assert all(timed_out), timed_out
     expected_aborts = sum(r.finish_reason is None for r in streams) + sum(timed_out)
@@ -137,7 +153,15 @@ def test_client_disconnects_abort_everything(srv: ServerProcess) -> None:
 
     # And the server still serves.
     ok = uvloop.run(
-        load.stream_one(srv.url, 0, {"text": "after the storm", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}, "stream": True})
+        load.stream_one(
+            srv.url,
+            0,
+            {
+                "text": "after the storm",
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                "stream": True,
+            },
+        )
     )
     assert ok.error is None and ok.tokens == ok.completion_tokens == 4, ok
 
@@ -153,7 +177,12 @@ def test_memory_bench_smoke_leaves_no_state(srv: ServerProcess, tmp_path: Path) 
     assert result["errors"] == 0, result["error_examples"]
     assert result["requests_done"] == 300
     assert result["no_state_left"], result["state_left"]
-    assert result["state_left"] == {"live_requests": 0, "scheduler_live_reqs": 0, "detokenizer_live_reqs": 0, "token_usage": 0.0}
+    assert result["state_left"] == {
+        "live_requests": 0,
+        "scheduler_live_reqs": 0,
+        "detokenizer_live_reqs": 0,
+        "token_usage": 0.0,
+    }
     for role in memory.ROLES:
         assert result["rss_kib_warmup"][role] > 0 and result["rss_kib_end"][role] > 0, role
     assert time.monotonic() - t0 < 120

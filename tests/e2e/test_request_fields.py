@@ -56,7 +56,11 @@ ROUTES = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v
 
 
 def _events(response: httpx.Response) -> list[dict[str, Any]]:
-    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    lines = [
+        line.removeprefix("data: ")
+        for line in response.text.splitlines()
+        if line.startswith("data: ")
+    ]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -71,19 +75,31 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_bodies_sglang_router_sends_are_served(http: httpx.Client, stream: bool) -> None:
-    for route, body in (("generate", ROUTER_GENERATE), ("completions", ROUTER_COMPLETION), ("chat", ROUTER_CHAT)):
+    for route, body in (
+        ("generate", ROUTER_GENERATE),
+        ("completions", ROUTER_COMPLETION),
+        ("chat", ROUTER_CHAT),
+    ):
         response = http.post(ROUTES[route], json={**body, "stream": stream})
         assert response.status_code == 200, (route, response.text)
         if not stream:
             answer = response.json()
-            tokens = answer["meta_info"]["completion_tokens"] if route == "generate" else answer["usage"]["completion_tokens"]
+            tokens = (
+                answer["meta_info"]["completion_tokens"]
+                if route == "generate"
+                else answer["usage"]["completion_tokens"]
+            )
             assert 1 <= tokens <= 4
         else:
             assert _events(response)
 
 
 def test_a_typo_is_still_an_unknown_field(http: httpx.Client) -> None:
-    for route, body in (("generate", ROUTER_GENERATE), ("completions", ROUTER_COMPLETION), ("chat", ROUTER_CHAT)):
+    for route, body in (
+        ("generate", ROUTER_GENERATE),
+        ("completions", ROUTER_COMPLETION),
+        ("chat", ROUTER_CHAT),
+    ):
         error = _error(http.post(ROUTES[route], json={**body, "retrun_hidden_states": True}))
         assert "unknown field" in error["message"] and error["param"] == "retrun_hidden_states"
 
@@ -95,20 +111,27 @@ def _asking_value(neutrals: tuple[object, ...]) -> object:
     """A value that asks for something: the opposite of a neutral boolean, a neutral number
     moved, a list or object with an entry, or else a string."""
     candidates: list[object] = [not n for n in neutrals if isinstance(n, bool)]
-    candidates += [n + 0.5 for n in neutrals if isinstance(n, (int, float)) and not isinstance(n, bool)]
+    candidates += [
+        n + 0.5 for n in neutrals if isinstance(n, (int, float)) and not isinstance(n, bool)
+    ]
     candidates += [["x"], {"x": 1}, "x"]
     return next(c for c in candidates if not is_neutral(c, neutrals))
 
 
 def _neutral(refusals: tuple[Refusal, ...]) -> list[tuple[str, tuple[object, ...]]]:
     """The ``known_fields.neutral`` entries of a table: each field and its neutral values."""
-    return [(name, asks.values) for name, asks, _ in refusals if isinstance(asks, AsksUnlessNeutral)]
+    return [
+        (name, asks.values) for name, asks, _ in refusals if isinstance(asks, AsksUnlessNeutral)
+    ]
 
 
 NEUTRAL_CASES = (
     [("generate", name, None, values) for name, values in _neutral(GENERATE_REFUSED)]
     + [("generate", name, "sampling_params", values) for name, values in _neutral(SAMPLING_REFUSED)]
-    + [("completions", name, None, values) for name, values in _neutral(COMMON_REFUSED + CompletionRequest._REFUSED)]
+    + [
+        ("completions", name, None, values)
+        for name, values in _neutral(COMMON_REFUSED + CompletionRequest._REFUSED)
+    ]
     + [("chat", name, None, values) for name, values in _neutral(ChatCompletionRequest._REFUSED)]
 )
 
@@ -130,7 +153,11 @@ def _with(route: str, nested: str | None, name: str, value: object) -> dict[str,
     return body
 
 
-@pytest.mark.parametrize(("route", "name", "nested", "neutrals"), NEUTRAL_CASES, ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    ("route", "name", "nested", "neutrals"),
+    NEUTRAL_CASES,
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_a_known_field_is_served_at_its_neutral_value_and_refused_by_name_otherwise(
     http: httpx.Client, route: str, name: str, nested: str | None, neutrals: tuple[object, ...]
 ) -> None:
@@ -140,14 +167,26 @@ def test_a_known_field_is_served_at_its_neutral_value_and_refused_by_name_otherw
     asking = _asking_value(neutrals)
     error = _error(http.post(ROUTES[route], json=_with(route, nested, name, asking)))
     path = name if nested is None else f"{nested}.{name}"
-    assert error["param"] == path and error["message"].startswith(f"{path} is not supported by this server")
+    assert error["param"] == path and error["message"].startswith(
+        f"{path} is not supported by this server"
+    )
 
 
 def test_booleans_and_numbers_are_not_each_others_neutral_values(http: httpx.Client) -> None:
     # 0 == False in Python; a client that sends 0 for a boolean flag asked for something odd.
-    assert _error(http.post("/generate", json={**_base("generate"), "return_hidden_states": 0}))["param"] == "return_hidden_states"
+    assert (
+        _error(http.post("/generate", json={**_base("generate"), "return_hidden_states": 0}))[
+            "param"
+        ]
+        == "return_hidden_states"
+    )
     # 1 is 1.0: a neutral repetition_penalty sent as an integer is fine.
-    assert http.post("/v1/completions", json={**_base("completions"), "repetition_penalty": 1}).status_code == 200
+    assert (
+        http.post(
+            "/v1/completions", json={**_base("completions"), "repetition_penalty": 1}
+        ).status_code
+        == 200
+    )
 
 
 # --- implemented fields ------------------------------------------------------------------------
@@ -159,33 +198,59 @@ def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(http: httpx
         ("chat", {"model": MODEL, "messages": MESSAGES, "max_tokens": 6}),
     ):
         options = {"include_usage": True, "continuous_usage_stats": True}
-        events = _events(http.post(ROUTES[route], json={**body, "ignore_eos": True, "stream": True, "stream_options": options}))
+        events = _events(
+            http.post(
+                ROUTES[route],
+                json={**body, "ignore_eos": True, "stream": True, "stream_options": options},
+            )
+        )
         *chunks, last = events
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
         prompt = last["usage"]["prompt_tokens"]
         counts = [c["usage"]["completion_tokens"] for c in chunks]
         assert all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
-        assert all(c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks)
+        assert all(
+            c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks
+        )
         assert counts == sorted(counts) and counts[-1] == 6
         if route == "chat":
             assert counts[0] == 0  # the opening chunk (the role) comes before any token
         # Without continuous_usage_stats the chunks carry null, as OpenAI sends them.
-        plain = _events(http.post(ROUTES[route], json={**body, "stream": True, "stream_options": {"include_usage": True}}))
+        plain = _events(
+            http.post(
+                ROUTES[route],
+                json={**body, "stream": True, "stream_options": {"include_usage": True}},
+            )
+        )
         assert all(c["usage"] is None for c in plain[:-1])
 
 
 def test_max_completion_tokens_bounds_a_chat_answer(http: httpx.Client) -> None:
-    answer = http.post(ROUTES["chat"], json={"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 3, "ignore_eos": True}).json()
-    assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+    answer = http.post(
+        ROUTES["chat"],
+        json={"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 3, "ignore_eos": True},
+    ).json()
+    assert (
+        answer["usage"]["completion_tokens"] == 3
+        and answer["choices"][0]["finish_reason"] == "length"
+    )
 
 
 def test_no_stop_trim_keeps_the_stop_string(http: httpx.Client) -> None:
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     text = http.post(ROUTES["completions"], json=body).json()["choices"][0]["text"]
     stop = text[len(text) // 2 :][:3]
     assert stop.strip(), text
     trimmed = http.post(ROUTES["completions"], json={**body, "stop": [stop]}).json()["choices"][0]
-    kept = http.post(ROUTES["completions"], json={**body, "stop": [stop], "no_stop_trim": True}).json()["choices"][0]
+    kept = http.post(
+        ROUTES["completions"], json={**body, "stop": [stop], "no_stop_trim": True}
+    ).json()["choices"][0]
     assert trimmed["finish_reason"] == kept["finish_reason"] == "stop"
     # As SGLang: the text of every token through the one that completed the stop string.
     assert kept["text"].startswith(trimmed["text"] + stop) and text.startswith(kept["text"])
@@ -193,10 +258,19 @@ def test_no_stop_trim_keeps_the_stop_string(http: httpx.Client) -> None:
 
 def test_sampling_seed_is_sglangs_name_for_seed(http: httpx.Client) -> None:
     params = {"max_new_tokens": 8, "temperature": 1.0}
-    seeded = http.post("/generate", json={"text": "hi", "sampling_params": {**params, "seed": 7}}).json()
-    aliased = http.post("/generate", json={"text": "hi", "sampling_params": {**params, "sampling_seed": 7}}).json()
+    seeded = http.post(
+        "/generate", json={"text": "hi", "sampling_params": {**params, "seed": 7}}
+    ).json()
+    aliased = http.post(
+        "/generate", json={"text": "hi", "sampling_params": {**params, "sampling_seed": 7}}
+    ).json()
     assert seeded["output_ids"] == aliased["output_ids"]
-    error = _error(http.post("/generate", json={"text": "hi", "sampling_params": {**params, "seed": 7, "sampling_seed": 8}}))
+    error = _error(
+        http.post(
+            "/generate",
+            json={"text": "hi", "sampling_params": {**params, "seed": 7, "sampling_seed": 8}},
+        )
+    )
     assert error["param"] == "sampling_params.sampling_seed"
 
 
@@ -261,7 +335,9 @@ def _refused_id(case: object) -> str:
 
 
 def _generate(http: httpx.Client, fields: dict[str, Any]) -> httpx.Response:
-    return http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, **fields}})
+    return http.post(
+        "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, **fields}}
+    )
 
 
 def _openai(oai: openai.OpenAI, route: str, fields: dict[str, Any]) -> Any:
@@ -276,8 +352,12 @@ def _openai(oai: openai.OpenAI, route: str, fields: dict[str, Any]) -> Any:
     return oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("fields", [{name: value} for name, value in ASKING.items()] + [ASKING], ids=[*ASKING, "all"])
-def test_the_sampling_parameters_are_served_on_every_route(http: httpx.Client, oai: openai.OpenAI, fields: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "fields", [{name: value} for name, value in ASKING.items()] + [ASKING], ids=[*ASKING, "all"]
+)
+def test_the_sampling_parameters_are_served_on_every_route(
+    http: httpx.Client, oai: openai.OpenAI, fields: dict[str, Any]
+) -> None:
     response = _generate(http, fields)
     assert response.status_code == 200, response.text
     assert response.json()["meta_info"]["completion_tokens"] >= 1
@@ -285,22 +365,32 @@ def test_the_sampling_parameters_are_served_on_every_route(http: httpx.Client, o
     assert _openai(oai, "chat", fields).usage.completion_tokens >= 1
 
 
-def test_null_is_each_sampling_parameters_neutral_value(http: httpx.Client, oai: openai.OpenAI) -> None:
+def test_null_is_each_sampling_parameters_neutral_value(
+    http: httpx.Client, oai: openai.OpenAI
+) -> None:
     nulls = dict.fromkeys(NULLABLE)
     assert _generate(http, nulls).status_code == 200
     assert _openai(oai, "completions", nulls).choices and _openai(oai, "chat", nulls).choices
     neutral = SamplingParams()
     expected = tuple(getattr(neutral, name) for name in NULLABLE)
-    generate: GenerateRequest = decode_body(json.dumps({"text": "hi", "sampling_params": nulls}).encode(), GenerateBody)  # type: ignore[assignment]
-    completion: CompletionRequest = decode_body(json.dumps({"prompt": "hi", **nulls}).encode(), CompletionBody)  # type: ignore[assignment]
+    generate: GenerateRequest = decode_body(
+        json.dumps({"text": "hi", "sampling_params": nulls}).encode(), GenerateBody
+    )  # type: ignore[assignment]
+    completion: CompletionRequest = decode_body(
+        json.dumps({"prompt": "hi", **nulls}).encode(), CompletionBody
+    )  # type: ignore[assignment]
     for wire in (generate.sampling_params.to_wire(), completion.sampling(4)[0]):
-        assert tuple(getattr(wire, name) for name in NULLABLE) == expected == (0.0, 0.0, 0.0, 1.0, ())
+        assert (
+            tuple(getattr(wire, name) for name in NULLABLE) == expected == (0.0, 0.0, 0.0, 1.0, ())
+        )
 
 
 def test_the_sampling_parameters_reach_the_wire_with_logit_bias_sorted_by_id() -> None:
     values = {name: ASKING[name] for name in NULLABLE}
     expected = (0.05, 0.5, -0.5, 1.3, ((5, -2.0), (17, 3.0)))
-    generate: GenerateRequest = decode_body(json.dumps({"text": "hi", "sampling_params": values}).encode(), GenerateBody)  # type: ignore[assignment]
+    generate: GenerateRequest = decode_body(
+        json.dumps({"text": "hi", "sampling_params": values}).encode(), GenerateBody
+    )  # type: ignore[assignment]
     wire = generate.sampling_params.to_wire()
     assert tuple(getattr(wire, name) for name in NULLABLE) == expected
     chat: ChatCompletionRequest = decode_body(
@@ -311,7 +401,9 @@ def test_the_sampling_parameters_reach_the_wire_with_logit_bias_sorted_by_id() -
     assert all(tuple(getattr(c, name) for name in NULLABLE) == expected for c in choices)
 
 
-@pytest.mark.parametrize(("name", "value"), REFUSED_VALUES, ids=[_refused_id(c) for c in REFUSED_VALUES])
+@pytest.mark.parametrize(
+    ("name", "value"), REFUSED_VALUES, ids=[_refused_id(c) for c in REFUSED_VALUES]
+)
 def test_an_out_of_range_sampling_parameter_is_refused_by_name(
     http: httpx.Client, oai: openai.OpenAI, name: str, value: Any
 ) -> None:
@@ -324,24 +416,32 @@ def test_an_out_of_range_sampling_parameter_is_refused_by_name(
         assert error["param"] == name and name in error["message"], (route, error)
 
 
-def test_stop_token_ids_up_to_the_bound_are_served_on_every_route(http: httpx.Client, oai: openai.OpenAI) -> None:
+def test_stop_token_ids_up_to_the_bound_are_served_on_every_route(
+    http: httpx.Client, oai: openai.OpenAI
+) -> None:
     most = {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))}
     assert _generate(http, most).status_code == 200
     assert _openai(oai, "completions", most).choices and _openai(oai, "chat", most).choices
 
 
-def test_logit_bias_ids_must_be_below_the_vocabulary_size(http: httpx.Client, oai: openai.OpenAI) -> None:
+def test_logit_bias_ids_must_be_below_the_vocabulary_size(
+    http: httpx.Client, oai: openai.OpenAI
+) -> None:
     vocab = http.get("/model_info").json()["vocab_size"]
     last, beyond = {str(vocab - 1): 1.0, "0": -1.0}, {"3": 1.0, str(vocab): 1.0}
     assert _generate(http, {"logit_bias": last}).status_code == 200
     error = _error(_generate(http, {"logit_bias": beyond}))
-    assert error["param"] == "sampling_params.logit_bias" and f"token id {vocab}," in error["message"], error
+    assert (
+        error["param"] == "sampling_params.logit_bias" and f"token id {vocab}," in error["message"]
+    ), error
     for route in ("completions", "chat"):
         assert _openai(oai, route, {"logit_bias": last}).choices
         with pytest.raises(openai.BadRequestError) as info:
             _openai(oai, route, {"logit_bias": beyond})
         error = info.value.body  # type: ignore[assignment]
-        assert error["param"] == "logit_bias" and error["message"].startswith("logit_bias names token id"), (route, error)
+        assert error["param"] == "logit_bias" and error["message"].startswith(
+            "logit_bias names token id"
+        ), (route, error)
 
 
 def test_bootstrap_fields_come_as_scalars_or_one_entry_lists() -> None:

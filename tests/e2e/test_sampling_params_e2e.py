@@ -24,7 +24,9 @@ SAMPLINGS: list[dict[str, Any]] = [{"temperature": 0.0}, {"temperature": 1.0, "s
 
 def _forced_token(http: httpx.Client) -> int:
     """An ordinary token (not EOS, not special): the last of a common word's ids."""
-    token = int(http.post("/tokenize", json={"model": MODEL, "prompt": " time"}).json()["tokens"][-1])
+    token = int(
+        http.post("/tokenize", json={"model": MODEL, "prompt": " time"}).json()["tokens"][-1]
+    )
     assert token != 0  # the built-in model's EOS
     return token
 
@@ -40,9 +42,16 @@ def test_a_logit_bias_of_100_makes_every_generated_token_that_id(
     assert out["output_ids"] == [forced] * TOKENS, out
 
     completion = oai.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=TOKENS, logit_bias=bias, extra_body={"ignore_eos": True}, **sampling
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=TOKENS,
+        logit_bias=bias,
+        extra_body={"ignore_eos": True},
+        **sampling,
     )
-    expected = http.post("/detokenize", json={"model": MODEL, "tokens": [forced] * TOKENS}).json()["prompt"]
+    expected = http.post("/detokenize", json={"model": MODEL, "tokens": [forced] * TOKENS}).json()[
+        "prompt"
+    ]
     assert completion.usage is not None and completion.usage.completion_tokens == TOKENS
     assert completion.choices[0].text == expected, (completion.choices[0].text, expected)
 
@@ -51,28 +60,52 @@ EOS = 0  # the built-in model's
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
-def test_min_new_tokens_keeps_eos_and_stop_ids_from_being_drawn(http: httpx.Client, oai: openai.OpenAI, sampling: dict[str, Any]) -> None:
+def test_min_new_tokens_keeps_eos_and_stop_ids_from_being_drawn(
+    http: httpx.Client, oai: openai.OpenAI, sampling: dict[str, Any]
+) -> None:
     """With a +100 bias every token would be the stop token; min_new_tokens 5 bans it (to
     -inf, as SGLang, vLLM and transformers do) for the first 5 draws, so the output is 5
     other tokens and then the stop, not 5 stop tokens that merely postpone the finish."""
     min_new = 5
-    eos_pushed = {"max_new_tokens": TOKENS, "min_new_tokens": min_new, "logit_bias": {str(EOS): 100.0}, **sampling}
+    eos_pushed = {
+        "max_new_tokens": TOKENS,
+        "min_new_tokens": min_new,
+        "logit_bias": {str(EOS): 100.0},
+        **sampling,
+    }
     out = http.post("/generate", json={"text": PROMPT, "sampling_params": eos_pushed}).json()
     assert EOS not in out["output_ids"][:min_new] and out["output_ids"][min_new:] == [EOS], out
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}, out
-    assert out["text"] == http.post("/detokenize", json={"model": MODEL, "tokens": out["output_ids"][:min_new]}).json()["prompt"]
+    assert (
+        out["text"]
+        == http.post(
+            "/detokenize", json={"model": MODEL, "tokens": out["output_ids"][:min_new]}
+        ).json()["prompt"]
+    )
 
     stop = _forced_token(http)
-    stop_pushed = {**eos_pushed, "logit_bias": {str(stop): 100.0}, "stop_token_ids": [stop], "ignore_eos": True}
+    stop_pushed = {
+        **eos_pushed,
+        "logit_bias": {str(stop): 100.0},
+        "stop_token_ids": [stop],
+        "ignore_eos": True,
+    }
     out = http.post("/generate", json={"text": PROMPT, "sampling_params": stop_pushed}).json()
     assert stop not in out["output_ids"][:min_new] and out["output_ids"][min_new:] == [stop], out
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}, out
 
     # OpenAI's name for it, through the same sampler.
     completion = oai.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=TOKENS, logit_bias={str(EOS): 100}, extra_body={"min_tokens": min_new}, **sampling
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=TOKENS,
+        logit_bias={str(EOS): 100},
+        extra_body={"min_tokens": min_new},
+        **sampling,
     )
-    assert completion.usage is not None and completion.usage.completion_tokens == min_new + 1, completion
+    assert completion.usage is not None and completion.usage.completion_tokens == min_new + 1, (
+        completion
+    )
     assert completion.choices[0].finish_reason == "stop" and completion.choices[0].text, completion
 
 
@@ -81,7 +114,9 @@ def test_min_new_tokens_keeps_eos_and_stop_ids_from_being_drawn(http: httpx.Clie
 
 @pytest.fixture(scope="module")
 def ids_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    srv = ServerProcess(tmp_path_factory.mktemp("skip-tokenizer-sampling") / "tmp", ["--skip-tokenizer-init"]).wait_ready()
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("skip-tokenizer-sampling") / "tmp", ["--skip-tokenizer-init"]
+    ).wait_ready()
     try:
         with srv.client() as client:
             yield client
@@ -89,13 +124,29 @@ def ids_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]
         srv.stop()
 
 
-def test_logit_bias_ids_are_checked_against_the_vocabulary_without_a_tokenizer(ids_only: httpx.Client) -> None:
+def test_logit_bias_ids_are_checked_against_the_vocabulary_without_a_tokenizer(
+    ids_only: httpx.Client,
+) -> None:
     vocab = ids_only.get("/model_info").json()["vocab_size"]
     params = {"max_new_tokens": 2, "ignore_eos": True}
-    ok = ids_only.post("/generate", json={"input_ids": [5, 6], "sampling_params": {**params, "logit_bias": {str(vocab - 1): 2}}})
+    ok = ids_only.post(
+        "/generate",
+        json={
+            "input_ids": [5, 6],
+            "sampling_params": {**params, "logit_bias": {str(vocab - 1): 2}},
+        },
+    )
     assert ok.status_code == 200, ok.text
-    refused = ids_only.post("/generate", json={"input_ids": [5, 6], "sampling_params": {**params, "logit_bias": {str(vocab): 2}}})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "sampling_params.logit_bias", refused.text
+    refused = ids_only.post(
+        "/generate",
+        json={"input_ids": [5, 6], "sampling_params": {**params, "logit_bias": {str(vocab): 2}}},
+    )
+    assert (
+        refused.status_code == 400
+        and refused.json()["error"]["param"] == "sampling_params.logit_bias"
+    ), refused.text
     completion = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2, "logit_bias": {str(vocab): 2}}
     refused = ids_only.post("/v1/completions", json=completion)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", refused.text
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", (
+        refused.text
+    )

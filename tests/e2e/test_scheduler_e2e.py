@@ -51,7 +51,9 @@ def wait_idle(c: httpx.Client, timeout: float = 30.0) -> dict:  # type: ignore[t
     while True:
         info = c.get("/server_info").json()
         sched = info["scheduler"]
-        if (sched and sched["live_reqs"] == 0 and info["live_requests"] == 0) or time.monotonic() > deadline:
+        if (
+            sched and sched["live_reqs"] == 0 and info["live_requests"] == 0
+        ) or time.monotonic() > deadline:
             return info
         time.sleep(0.1)
 
@@ -62,8 +64,13 @@ def test_shared_prefix_reports_cached_tokens(small_pool_server: ServerProcess) -
     shared = [(7 * i + 11) % 3000 + 100 for i in range(64)]
     sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     with small_pool_server.client() as c:
-        first = c.post("/generate", json={"input_ids": shared + [3001, 3002], "sampling_params": sampling}).json()
-        second = c.post("/generate", json={"input_ids": shared + [3003, 3004, 3005], "sampling_params": sampling}).json()
+        first = c.post(
+            "/generate", json={"input_ids": shared + [3001, 3002], "sampling_params": sampling}
+        ).json()
+        second = c.post(
+            "/generate",
+            json={"input_ids": shared + [3003, 3004, 3005], "sampling_params": sampling},
+        ).json()
     assert first["meta_info"]["cached_tokens"] == 0
     assert first["meta_info"]["cached_tokens_details"] is None
     assert second["meta_info"]["cached_tokens"] == 64
@@ -79,7 +86,10 @@ def test_retractions_keep_text_and_are_counted_exactly(small_pool_server: Server
         for i in range(32)
     ]  # fmt: skip
     with srv.client() as c:
-        alone = {b["rid"]: c.post("/generate", json={**b, "rid": b["rid"] + "-alone"}).json() for b in bodies}
+        alone = {
+            b["rid"]: c.post("/generate", json={**b, "rid": b["rid"] + "-alone"}).json()
+            for b in bodies
+        }
     assert all(a["meta_info"]["num_retractions"] == 0 for a in alone.values())
     log_before = srv.output()
 
@@ -92,8 +102,12 @@ def test_retractions_keep_text_and_are_counted_exactly(small_pool_server: Server
 
     with srv.client() as c:
         info = wait_idle(c)
-    retracted = Counter(re.findall(r"retracted req_id=\d+ rid=(\S+)", srv.output()[len(log_before) :]))
-    assert sum(retracted.values()) > 0, "the pool should have been too small for 32 long generations"
+    retracted = Counter(
+        re.findall(r"retracted req_id=\d+ rid=(\S+)", srv.output()[len(log_before) :])
+    )
+    assert sum(retracted.values()) > 0, (
+        "the pool should have been too small for 32 long generations"
+    )
     for rid, (text, ids, meta) in results.items():
         assert meta["finish_reason"] == {"type": "length", "length": 150}
         assert meta["num_retractions"] == retracted.get(rid, 0), rid
@@ -146,7 +160,9 @@ def test_media_placeholders_are_counted_per_kind(server: ServerProcess) -> None:
         "sampling_params": {"max_new_tokens": 3, "temperature": 0},
     }
     with server.client() as c:
-        plain = c.post("/generate", json={"text": body["text"], "sampling_params": body["sampling_params"]}).json()
+        plain = c.post(
+            "/generate", json={"text": body["text"], "sampling_params": body["sampling_params"]}
+        ).json()
         out = c.post("/generate", json=body).json()
         bad = c.post("/generate", json={**body, "image_data": ["not base64!!"]})
     meta = out["meta_info"]
@@ -170,7 +186,11 @@ def test_scheduler_gauges_on_metrics(server: ServerProcess) -> None:
         "num_retracted_reqs",
         "num_retracted_requests_total",
     ):
-        assert re.search(rf'^tokenpipe:{name}\{{engine_type="unified",model_name="tokenpipe-tiny"\}} ', text, re.M), name
+        assert re.search(
+            rf'^tokenpipe:{name}\{{engine_type="unified",model_name="tokenpipe-tiny"\}} ',
+            text,
+            re.M,
+        ), name
     assert re.search(r"^tokenpipe:num_running_reqs\{.*\} 0\.0$", text, re.M)
 
 

@@ -35,7 +35,9 @@ class ThreeProcesses(RoleProcesses):
         super().__init__(["--max-running-requests", "1"], ipc_dir=run_dir)
 
     def scheduler_report(self) -> dict[str, Any] | None:
-        report: dict[str, Any] | None = httpx.get(self.url + "/server_info", timeout=30).json()["scheduler"]
+        report: dict[str, Any] | None = httpx.get(self.url + "/server_info", timeout=30).json()[
+            "scheduler"
+        ]
         return report
 
     def scheduler_live_reqs(self) -> int:
@@ -48,7 +50,9 @@ class ThreeProcesses(RoleProcesses):
 
 @pytest.fixture
 def three() -> Iterator[ThreeProcesses]:
-    run_dir = Path(tempfile.mkdtemp(prefix="tp-restart-"))  # short: ipc paths are limited to ~107 bytes
+    run_dir = Path(
+        tempfile.mkdtemp(prefix="tp-restart-")
+    )  # short: ipc paths are limited to ~107 bytes
     procs = ThreeProcesses(run_dir)
     try:
         procs.wait_ready()
@@ -93,7 +97,9 @@ def test_requests_lost_by_a_restarted_scheduler_get_503(three: ThreeProcesses) -
                 stream, url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "queued"}], "max_tokens": 16, **GREEDY}
             ),
         }  # fmt: skip
-        assert wait_until(lambda: three.scheduler_live_reqs() == 4, 60), "the requests never all reached the scheduler"
+        assert wait_until(lambda: three.scheduler_live_reqs() == 4, 60), (
+            "the requests never all reached the scheduler"
+        )
         assert not running.done(), "the long request finished before the scheduler was killed"
         three.restart_scheduler()
 
@@ -107,7 +113,9 @@ def test_requests_lost_by_a_restarted_scheduler_get_503(three: ThreeProcesses) -
             assert json.loads(events[0]) == LOST_BODY, name
 
     # The new scheduler serves the next request.
-    after = post(url, "/generate", {"text": "again", "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    after = post(
+        url, "/generate", {"text": "again", "sampling_params": {"max_new_tokens": 4, **GREEDY}}
+    )
     assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 4
     assert httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 0
     # Each lost request is counted as a request and as an abort, like /server_info counts it.
@@ -117,7 +125,9 @@ def test_requests_lost_by_a_restarted_scheduler_get_503(three: ThreeProcesses) -
 
 
 @pytest.mark.timeout(240)
-def test_a_request_sent_while_the_scheduler_is_down_is_not_run_by_the_next_one(three: ThreeProcesses) -> None:
+def test_a_request_sent_while_the_scheduler_is_down_is_not_run_by_the_next_one(
+    three: ThreeProcesses,
+) -> None:
     """ZeroMQ keeps what the API sends while no scheduler runs and hands it to the next one.
     The API tells that request's client it was lost (it cannot know the new scheduler will
     get it), so the new scheduler must not run it: no work for nobody, and none done twice
@@ -130,8 +140,15 @@ def test_a_request_sent_while_the_scheduler_is_down_is_not_run_by_the_next_one(t
     assert wait_until(lambda: three.scheduler_report() is not None, 30)
     three.procs["scheduler"].stop(signal.SIGKILL, timeout=30)
     with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(post, url, "/generate", {"text": "sent into the gap", "sampling_params": {"max_new_tokens": 1900, **GREEDY}})
-        assert wait_until(lambda: httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 1, 60)
+        sent = pool.submit(
+            post,
+            url,
+            "/generate",
+            {"text": "sent into the gap", "sampling_params": {"max_new_tokens": 1900, **GREEDY}},
+        )
+        assert wait_until(
+            lambda: httpx.get(url + "/server_info", timeout=30).json()["live_requests"] == 1, 60
+        )
         three.procs["scheduler"] = three.start("scheduler")
         assert_lost(sent.result(120))
 
@@ -144,10 +161,16 @@ def test_a_request_sent_while_the_scheduler_is_down_is_not_run_by_the_next_one(t
     assert wait_until(idle, 120), "the new scheduler still holds the lost request"
     report = three.scheduler_report()
     assert report is not None and report["forward_steps_total"] < 500, report
-    after = post(url, "/generate", {"text": "again", "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+    after = post(
+        url, "/generate", {"text": "again", "sampling_params": {"max_new_tokens": 4, **GREEDY}}
+    )
     assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 4
 
 
 def metric_total(exposition: str, name: str) -> float:
     """The sum of a counter's samples over its labels."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines() if line.startswith(name + "{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in exposition.splitlines()
+        if line.startswith(name + "{")
+    )

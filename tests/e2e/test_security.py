@@ -31,7 +31,10 @@ from pipeline.http import edge as http_edge
 
 API_KEY = "tp-Secret-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-GENERATE = {"text": "secure", "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+GENERATE = {
+    "text": "secure",
+    "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+}
 
 
 # --- the three processes on explicit tcp endpoints, with an API key -------------------------
@@ -60,7 +63,9 @@ def test_the_servers_ipc_dir_is_owner_only_and_holds_its_sockets(server: ServerP
     assert all((ipc_dir / n).stat().st_mode & 0o777 == 0o600 for n in store), store
 
 
-def test_private_ipc_dir_is_0700_whatever_the_umask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_private_ipc_dir_is_0700_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     old = os.umask(0)
     try:
@@ -87,17 +92,31 @@ _CONNECT = textwrap.dedent(
 
 
 def _connect_as_nobody(path: Path) -> str:
-    run = subprocess.run([_SYSTEM_PYTHON, "-c", _CONNECT, str(path)], user=65534, group=65534, capture_output=True, text=True, timeout=30)
+    run = subprocess.run(
+        [_SYSTEM_PYTHON, "-c", _CONNECT, str(path)],
+        user=65534,
+        group=65534,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return run.stdout.strip() or run.stderr
 
 
 _SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or ""
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not _SYSTEM_PYTHON, reason="needs root (to act as user nobody) and /usr/bin/python3")
-def test_another_user_cannot_reach_a_socket_in_the_private_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not _SYSTEM_PYTHON,
+    reason="needs root (to act as user nobody) and /usr/bin/python3",
+)
+def test_another_user_cannot_reach_a_socket_in_the_private_dir(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Even with a world-writable socket file, the 0700 directory alone keeps user nobody out."""
-    parent = Path(tempfile.mkdtemp(prefix="tp-sec-", dir="/tmp"))  # /tmp: nobody can walk down to it
+    parent = Path(
+        tempfile.mkdtemp(prefix="tp-sec-", dir="/tmp")
+    )  # /tmp: nobody can walk down to it
     parent.chmod(0o755)
     monkeypatch.setattr(tempfile, "tempdir", str(parent))
     ipc = PrivateIpcDir()
@@ -118,7 +137,16 @@ def test_another_user_cannot_reach_a_socket_in_the_private_dir(monkeypatch: pyte
 
 # --- frames are data: no pickle -------------------------------------------------------------
 
-_PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}
+_PICKLE_MODULES = {
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "cloudpickle",
+    "dill",
+    "marshal",
+    "shelve",
+    "joblib",
+}
 _PICKLE_CALLS = {"send_pyobj", "recv_pyobj", "recv_serialized", "send_serialized"}
 
 
@@ -127,7 +155,11 @@ def _source_files() -> list[Path]:
     skip = {"bench", "tests", "build", "dist", "node_modules", "site-packages", "__pycache__"}
     files = []
     for root, dirs, names in os.walk(REPO):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip and not d.endswith(".egg-info")]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".") and d not in skip and not d.endswith(".egg-info")
+        ]
         files += [Path(root) / n for n in names if n.endswith(".py")]
     return files
 
@@ -146,7 +178,11 @@ def test_no_module_uses_pickle() -> None:
             elif isinstance(node, ast.Attribute):
                 names = [node.attr] if node.attr in _PICKLE_CALLS else []
                 # torch.load and numpy.load(allow_pickle=True) unpickle too.
-                if node.attr == "load" and isinstance(node.value, ast.Name) and node.value.id == "torch":
+                if (
+                    node.attr == "load"
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "torch"
+                ):
                     names = ["torch.load"]
             else:
                 continue
@@ -168,7 +204,9 @@ class _Evil:
         return (open, (self.path, "w"))
 
 
-def test_a_pickle_frame_runs_no_code_and_a_junk_frame_is_dropped(tcp_service: RoleProcesses, tmp_path: Path) -> None:
+def test_a_pickle_frame_runs_no_code_and_a_junk_frame_is_dropped(
+    tcp_service: RoleProcesses, tmp_path: Path
+) -> None:
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Evil(str(marker)))
     ctx = zmq.Context()
@@ -203,7 +241,10 @@ def _listening(pid: int) -> set[tuple[str, int]]:
         if target.startswith("socket:["):
             inodes.add(target[len("socket:[") : -1])
     found = set()
-    for table, family in ((f"/proc/{pid}/net/tcp", socket.AF_INET), (f"/proc/{pid}/net/tcp6", socket.AF_INET6)):
+    for table, family in (
+        (f"/proc/{pid}/net/tcp", socket.AF_INET),
+        (f"/proc/{pid}/net/tcp6", socket.AF_INET6),
+    ):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
@@ -214,7 +255,9 @@ def _listening(pid: int) -> set[tuple[str, int]]:
             if state != "0A" or inode not in inodes:  # 0A: LISTEN
                 continue
             addr_hex, port_hex = local.split(":")
-            raw = b"".join(bytes.fromhex(addr_hex[i : i + 8])[::-1] for i in range(0, len(addr_hex), 8))
+            raw = b"".join(
+                bytes.fromhex(addr_hex[i : i + 8])[::-1] for i in range(0, len(addr_hex), 8)
+            )
             found.add((socket.inet_ntop(family, raw), int(port_hex, 16)))
     return found
 
@@ -235,7 +278,12 @@ def test_serve_listens_on_loopback_http_only(server: ServerProcess) -> None:
     children = server.children()
     listening = {role: _listening(pid) for role, pid in children.items()}
     listening["supervisor"] = _listening(server.proc.pid)
-    assert listening == {"scheduler": set(), "detokenizer": set(), "api": {("127.0.0.1", server.port)}, "supervisor": set()}
+    assert listening == {
+        "scheduler": set(),
+        "detokenizer": set(),
+        "api": {("127.0.0.1", server.port)},
+        "supervisor": set(),
+    }
 
 
 # --- the API key ------------------------------------------------------------------------------
@@ -274,11 +322,22 @@ def _wrong_authorizations() -> list[bytes]:
     wrong += [key + "x", "x" + key, key.upper(), key[1:], key.swapcase()]
     headers = [f"Bearer {w}" for w in wrong]
     # (Whitespace around a header value is not part of it (RFC 9110), so "Bearer KEY " is right.)
-    headers += [key, f"bearer {key}", f"Bearer  {key}", f"Bearer\t{key}", f"Basic {key}", "Bearer", "", f"Token {key}"]
+    headers += [
+        key,
+        f"bearer {key}",
+        f"Bearer  {key}",
+        f"Bearer\t{key}",
+        f"Basic {key}",
+        "Bearer",
+        "",
+        f"Token {key}",
+    ]
     return [h.encode() for h in headers] + [b"Bearer " + key.encode()[:-1] + b"\xff"]
 
 
-def _raw_request(port: int, method: str, path: str, authorization: bytes | None) -> tuple[int, bytes]:
+def _raw_request(
+    port: int, method: str, path: str, authorization: bytes | None
+) -> tuple[int, bytes]:
     """One HTTP/1.1 request over a plain socket, so that any header bytes can be sent."""
     body = json.dumps(GENERATE).encode() if method == "POST" else b""
     head = [f"{method} {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", b"Connection: close"]
@@ -300,11 +359,20 @@ def test_every_wrong_key_gets_an_openai_style_401(tcp_service: RoleProcesses) ->
     wrong: list[bytes | None] = [*_wrong_authorizations(), None]
     assert len(wrong) > 2 * len(API_KEY)
     for authorization in wrong:
-        for method, path in (("POST", "/generate"), ("GET", "/v1/models"), ("GET", "/server_info"), ("GET", "/health_generate")):
+        for method, path in (
+            ("POST", "/generate"),
+            ("GET", "/v1/models"),
+            ("GET", "/server_info"),
+            ("GET", "/health_generate"),
+        ):
             status, body = _raw_request(tcp_service.port, method, path, authorization)
             assert status == 401, (authorization, path, status, body)
             error = json.loads(body)["error"]
-            assert error["code"] == 401 and error["type"] == "authentication_error" and error["message"], error
+            assert (
+                error["code"] == 401
+                and error["type"] == "authentication_error"
+                and error["message"]
+            ), error
             assert API_KEY.encode() not in body
     # The same raw request with the right key works, and nothing echoes the key back.
     status, body = _raw_request(tcp_service.port, "POST", "/generate", f"Bearer {API_KEY}".encode())

@@ -30,15 +30,26 @@ def _post(client: httpx.Client, route: str, body: dict[str, Any]) -> dict[str, A
     assert response.status_code == 200, (route, response.text)
     if not body.get("stream"):
         return response.json()  # type: ignore[no-any-return]
-    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    lines = [
+        line.removeprefix("data: ")
+        for line in response.text.splitlines()
+        if line.startswith("data: ")
+    ]
     assert lines[-1] == "[DONE]", response.text
     events = [json.loads(line) for line in lines[:-1]]
     if route == "/generate":
         for before, after in zip(events, events[1:]):
-            assert after["text"].startswith(before["text"]) and after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+            assert (
+                after["text"].startswith(before["text"])
+                and after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+            )
         return events[-1]  # type: ignore[no-any-return]
     key = "text" if route == "/v1/completions" else "delta"
-    parts = [c[key] if key == "text" else c["delta"].get("content") or "" for e in events for c in e["choices"]]
+    parts = [
+        c[key] if key == "text" else c["delta"].get("content") or ""
+        for e in events
+        for c in e["choices"]
+    ]
     return {"text": "".join(parts), "usage": events[-1].get("usage")}
 
 
@@ -64,14 +75,19 @@ def _bodies(prompt: str, stream: bool) -> dict[str, dict[str, Any]]:
 def _requests_served(server: ServerProcess) -> float:
     with server.client() as c:
         metrics = c.get("/metrics").text
-    return sum(float(v) for v in re.findall(r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", metrics, re.M))
+    return sum(
+        float(v)
+        for v in re.findall(r"^tokenpipe:num_requests_total\{[^}]*\} (\S+)$", metrics, re.M)
+    )
 
 
 # --- data-parallel replicas ------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SglangRouter, list[ServerProcess]]]:
+def replicas(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[SglangRouter, list[ServerProcess]]]:
     router_binary()  # skip (or fail in CI) before starting anything
     base = tmp_path_factory.mktemp("replicas")
     servers = [ServerProcess(base / f"replica{i}" / "tmp") for i in range(2)]
@@ -82,7 +98,9 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SglangR
         # Low balance thresholds: the cache-aware policy turns to the least loaded replica as
         # soon as in-flight counts differ, so a burst spreads over both.
         balance = ["--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"]
-        router = SglangRouter(["--worker-urls", *(s.url for s in servers), *balance], base / "router.log").wait_ready(workers=2)
+        router = SglangRouter(
+            ["--worker-urls", *(s.url for s in servers), *balance], base / "router.log"
+        ).wait_ready(workers=2)
         yield router, servers
     finally:
         if router is not None:
@@ -102,25 +120,50 @@ def test_every_route_through_the_router_answers_as_a_replica_does(
                 got, want = _post(via_router, route, body), _post(direct, route, body)
                 assert _text(route, got) == _text(route, want), route
                 if route == "/generate":
-                    assert got["output_ids"] == want["output_ids"] and got["meta_info"]["completion_tokens"] == 8
+                    assert (
+                        got["output_ids"] == want["output_ids"]
+                        and got["meta_info"]["completion_tokens"] == 8
+                    )
                 elif stream:
                     assert got["usage"]["completion_tokens"] == 8
                 else:
                     assert got["usage"]["completion_tokens"] == 8
 
 
-def test_both_replicas_serve_and_a_shared_prefix_is_cached(replicas: tuple[SglangRouter, list[ServerProcess]]) -> None:
+def test_both_replicas_serve_and_a_shared_prefix_is_cached(
+    replicas: tuple[SglangRouter, list[ServerProcess]],
+) -> None:
     router, servers = replicas
     before = [_requests_served(s) for s in servers]
     prefix = "In a quiet harbour town there lived an old keeper who " * 8
     with router.client() as client:
         burst = {"sampling_params": {"max_new_tokens": 48, "ignore_eos": True}, "stream": True}
         with ThreadPoolExecutor(16) as pool:
-            answers = list(pool.map(lambda i: _post(client, "/generate", {"text": f"burst {i}", **burst}), range(16)))
+            answers = list(
+                pool.map(
+                    lambda i: _post(client, "/generate", {"text": f"burst {i}", **burst}), range(16)
+                )
+            )
         assert all(a["meta_info"]["completion_tokens"] == 48 for a in answers)
-        first = _post(client, "/generate", {"text": prefix + "first", "sampling_params": {"max_new_tokens": 2}})
-        second = _post(client, "/generate", {"text": prefix + "second", "sampling_params": {"max_new_tokens": 2}})
-        chat = _post(client, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": prefix + "third"}], "max_tokens": 2})
+        first = _post(
+            client,
+            "/generate",
+            {"text": prefix + "first", "sampling_params": {"max_new_tokens": 2}},
+        )
+        second = _post(
+            client,
+            "/generate",
+            {"text": prefix + "second", "sampling_params": {"max_new_tokens": 2}},
+        )
+        chat = _post(
+            client,
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prefix + "third"}],
+                "max_tokens": 2,
+            },
+        )
     served = [_requests_served(s) - b for s, b in zip(servers, before)]
     assert all(n > 0 for n in served), served
     # The cache-aware policy sends a prompt to the replica that holds its prefix.
@@ -129,11 +172,15 @@ def test_both_replicas_serve_and_a_shared_prefix_is_cached(replicas: tuple[Sglan
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_a_dp_aware_router_reaches_each_replicas_one_rank(replicas: tuple[SglangRouter, list[ServerProcess]], tmp_path: Path) -> None:
+def test_a_dp_aware_router_reaches_each_replicas_one_rank(
+    replicas: tuple[SglangRouter, list[ServerProcess]], tmp_path: Path
+) -> None:
     """``--dp-aware`` reads each replica's ``dp_size`` (1) and sends ``data_parallel_rank``
     0 with every body: served like any other request."""
     _, servers = replicas
-    router = SglangRouter(["--worker-urls", *(s.url for s in servers), "--dp-aware"], tmp_path / "router.log").wait_ready(workers=2)
+    router = SglangRouter(
+        ["--worker-urls", *(s.url for s in servers), "--dp-aware"], tmp_path / "router.log"
+    ).wait_ready(workers=2)
     try:
         assert sorted(w["url"] for w in router.workers()) == sorted(f"{s.url}@0" for s in servers)
         with router.client() as client:
@@ -151,13 +198,28 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
     router_binary()
     base = tmp_path_factory.mktemp("pd")
     bootstrap_port = free_port()
-    prefill = ServerProcess(base / "prefill" / "tmp", ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)])
+    prefill = ServerProcess(
+        base / "prefill" / "tmp",
+        [
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(bootstrap_port),
+        ],
+    )
     decode = ServerProcess(base / "decode" / "tmp", ["--disaggregation-mode", "decode"])
     router: SglangRouter | None = None
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        args = ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url]
+        args = [
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.url,
+            str(bootstrap_port),
+            "--decode",
+            decode.url,
+        ]
         router = SglangRouter(args, base / "router.log").wait_ready(workers=2)
         yield router
     finally:
@@ -168,7 +230,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_pd_through_the_router_equals_a_unified_server(pd: SglangRouter, server: ServerProcess, stream: bool) -> None:
+def test_pd_through_the_router_equals_a_unified_server(
+    pd: SglangRouter, server: ServerProcess, stream: bool
+) -> None:
     with pd.client() as via_router, server.client() as unified:
         for route, body in _bodies("The lighthouse keeper opened the door and", stream).items():
             got, want = _post(via_router, route, body), _post(unified, route, body)
@@ -180,14 +244,22 @@ def test_pd_through_the_router_equals_a_unified_server(pd: SglangRouter, server:
                 assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == 8
 
 
-def _logprob_entries(route_answer: dict[str, Any], events: list[dict[str, Any]] | None = None) -> dict[str, list[Any]]:
+def _logprob_entries(
+    route_answer: dict[str, Any], events: list[dict[str, Any]] | None = None
+) -> dict[str, list[Any]]:
     """The logprob keys of a /generate answer, or of its stream's last event (each event
     holds the prompt's and those of every token so far, as SGLang streams them)."""
     if events is None:
         return {k: v for k, v in route_answer["meta_info"].items() if k.endswith("_logprobs")}
     for e in events:
-        assert len(e["meta_info"]["output_token_logprobs"]) == len(e["output_ids"]), "an event's entries are its ids'"
-        assert all(e["meta_info"][k] == v for k, v in events[-1]["meta_info"].items() if k.startswith("input_")), "the prompt's on each"
+        assert len(e["meta_info"]["output_token_logprobs"]) == len(e["output_ids"]), (
+            "an event's entries are its ids'"
+        )
+        assert all(
+            e["meta_info"][k] == v
+            for k, v in events[-1]["meta_info"].items()
+            if k.startswith("input_")
+        ), "the prompt's on each"
     return _logprob_entries(events[-1])
 
 
@@ -201,13 +273,17 @@ def _values(entries: Any) -> list[float]:
 
 
 def _strip_values(entries: Any) -> Any:
-    if entries is None or (len(entries) == 3 and not isinstance(entries[0], list) and isinstance(entries[1], int)):
+    if entries is None or (
+        len(entries) == 3 and not isinstance(entries[0], list) and isinstance(entries[1], int)
+    ):
         return entries if entries is None else entries[1:]
     return [_strip_values(e) for e in entries]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_pd_logprobs_through_the_router_equal_a_unified_server(pd: SglangRouter, server: ServerProcess, stream: bool) -> None:
+def test_pd_logprobs_through_the_router_equal_a_unified_server(
+    pd: SglangRouter, server: ServerProcess, stream: bool
+) -> None:
     """sglang-router, in PD mode, joins the prefill answer's ``input_token_logprobs`` in
     front of the decode answer's; tokenpipe's prefill half lists none (the decode side
     does), so the router's answer lists each prompt position once, and every key equals a
@@ -222,12 +298,20 @@ def test_pd_logprobs_through_the_router_equal_a_unified_server(pd: SglangRouter,
         response = via_router.post("/generate", json=body)
     assert response.status_code == 200, response.text
     if stream:
-        lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+        lines = [
+            line.removeprefix("data: ")
+            for line in response.text.splitlines()
+            if line.startswith("data: ")
+        ]
         got = _logprob_entries({}, [json.loads(line) for line in lines[:-1]])
     else:
         got = _logprob_entries(response.json())
     expected = _logprob_entries(want)
-    assert sorted(got) == sorted(expected) == sorted(f"{side}_{k}_logprobs" for side in ("input", "output") for k in ("token", "top"))
+    assert (
+        sorted(got)
+        == sorted(expected)
+        == sorted(f"{side}_{k}_logprobs" for side in ("input", "output") for k in ("token", "top"))
+    )
     assert len(expected["input_token_logprobs"]) == want["meta_info"]["prompt_tokens"]
     assert len(expected["output_token_logprobs"]) == 8
     for key in expected:
@@ -235,7 +319,9 @@ def test_pd_logprobs_through_the_router_equal_a_unified_server(pd: SglangRouter,
         assert _values(got[key]) == pytest.approx(_values(expected[key]), abs=1e-5), key
 
 
-def test_the_router_log_names_no_refused_request(pd: SglangRouter, replicas: tuple[SglangRouter, list[ServerProcess]]) -> None:
+def test_the_router_log_names_no_refused_request(
+    pd: SglangRouter, replicas: tuple[SglangRouter, list[ServerProcess]]
+) -> None:
     """Every body the router re-serialized was accepted: no 4xx from a worker in its logs."""
     for log in (pd.log_path, replicas[0].log_path):
         text = Path(log).read_text()

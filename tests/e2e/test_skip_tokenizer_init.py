@@ -126,11 +126,16 @@ def test_generate_takes_input_ids_and_answers_output_ids_without_text(skip: http
     assert all(0 <= t < SHIPPED_VOCAB_SIZE for t in out["output_ids"])
 
 
-def test_greedy_ids_equal_those_of_a_server_with_a_tokenizer(skip: httpx.Client, http: httpx.Client) -> None:
+def test_greedy_ids_equal_those_of_a_server_with_a_tokenizer(
+    skip: httpx.Client, http: httpx.Client
+) -> None:
     # EOS is left on: both servers must also agree on which ids end a sequence.
     for prompt in PROMPTS:
         body = {"input_ids": prompt, "sampling_params": GREEDY}
-        ours, theirs = skip.post("/generate", json=body).json(), http.post("/generate", json=body).json()
+        ours, theirs = (
+            skip.post("/generate", json=body).json(),
+            http.post("/generate", json=body).json(),
+        )
         assert ours["output_ids"] == theirs["output_ids"]
         assert ours["meta_info"]["finish_reason"] == theirs["meta_info"]["finish_reason"]
 
@@ -141,13 +146,20 @@ def test_streamed_generate_sends_the_output_ids_so_far(skip: httpx.Client) -> No
     whole = skip.post("/generate", json=body).json()["output_ids"]
     events = sse_payloads(skip, "/generate", body)
     assert all(set(event) == {"output_ids", "meta_info"} for event in events)
-    assert [event["output_ids"] for event in events] == [whole[: e["meta_info"]["completion_tokens"]] for e in events]
-    assert len(events) > 1 and events[-1]["output_ids"] == whole  # one event per row, the last the whole
+    assert [event["output_ids"] for event in events] == [
+        whole[: e["meta_info"]["completion_tokens"]] for e in events
+    ]
+    assert (
+        len(events) > 1 and events[-1]["output_ids"] == whole
+    )  # one event per row, the last the whole
     assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
 def test_completions_take_a_token_prompt_and_answer_token_ids(skip: httpx.Client) -> None:
-    want = skip.post("/generate", json={"input_ids": PROMPTS[2], "sampling_params": {**GREEDY, "ignore_eos": True}}).json()
+    want = skip.post(
+        "/generate",
+        json={"input_ids": PROMPTS[2], "sampling_params": {**GREEDY, "ignore_eos": True}},
+    ).json()
     body = {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     out = skip.post("/v1/completions", json=body).json()
     choice = out["choices"][0]
@@ -166,7 +178,13 @@ def test_completions_take_a_token_prompt_and_answer_token_ids(skip: httpx.Client
 def test_echo_of_a_token_prompt_is_empty_text(skip: httpx.Client) -> None:
     """Without a tokenizer a prompt has no text to echo: "", as the completion's own text is
     (vLLM's), streamed or not; with logprobs the prompt's tokens still lead them."""
-    body = {"prompt": PROMPTS[2], "max_tokens": 2, "echo": True, "temperature": 0, "ignore_eos": True}
+    body = {
+        "prompt": PROMPTS[2],
+        "max_tokens": 2,
+        "echo": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     assert skip.post("/v1/completions", json=body).json()["choices"][0]["text"] == ""
     streamed = [c["choices"][0]["text"] for c in sse_payloads(skip, "/v1/completions", body)]
     assert streamed and set(streamed) == {""}
@@ -197,18 +215,34 @@ def test_server_info_and_health_generate_need_no_tokenizer(skip: httpx.Client) -
 
 def test_text_prompts_are_refused_naming_the_flag(skip: httpx.Client) -> None:
     assert_refused(skip.post("/generate", json={"text": "hello"}), "text", "token ids")
-    assert_refused(skip.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4}), "prompt", "token ids")
-    assert_refused(skip.post("/v1/completions", json={"prompt": ["hello", "again"], "max_tokens": 4}), "prompt", "token ids")
+    assert_refused(
+        skip.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4}),
+        "prompt",
+        "token ids",
+    )
+    assert_refused(
+        skip.post("/v1/completions", json={"prompt": ["hello", "again"], "max_tokens": 4}),
+        "prompt",
+        "token ids",
+    )
 
 
 def test_chat_is_refused_naming_the_flag(skip: httpx.Client) -> None:
-    resp = skip.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    resp = skip.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert_refused(resp, "messages", "chat", "token ids")
 
 
 def test_stop_strings_are_refused_naming_stop(skip: httpx.Client) -> None:
     body = {"input_ids": PROMPTS[0], "sampling_params": {**GREEDY, "stop": ["\n"]}}
-    assert_refused(skip.post("/generate", json=body), "sampling_params.stop", "sampling_params.stop", "stop_token_ids")
+    assert_refused(
+        skip.post("/generate", json=body),
+        "sampling_params.stop",
+        "sampling_params.stop",
+        "stop_token_ids",
+    )
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "stop": "\n"}
     message = assert_refused(skip.post("/v1/completions", json=body), "stop", "stop_token_ids")
     assert "sampling_params" not in message  # the OpenAI client's own field name
@@ -217,13 +251,21 @@ def test_stop_strings_are_refused_naming_stop(skip: httpx.Client) -> None:
 def test_media_is_refused_naming_its_field(skip: httpx.Client) -> None:
     buf = io.BytesIO()
     Image.new("RGB", (32, 32), (10, 20, 30)).save(buf, "PNG")
-    body = {"input_ids": PROMPTS[0], "image_data": base64.b64encode(buf.getvalue()).decode(), "sampling_params": GREEDY}
+    body = {
+        "input_ids": PROMPTS[0],
+        "image_data": base64.b64encode(buf.getvalue()).decode(),
+        "sampling_params": GREEDY,
+    }
     assert_refused(skip.post("/generate", json=body), "image_data", "<|image|>")
 
 
 def test_tokenize_routes_are_refused_naming_the_flag(skip: httpx.Client) -> None:
     assert_refused(skip.post("/tokenize", json={"prompt": "hello"}), "prompt", "/tokenize")
-    assert_refused(skip.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}), "messages", "/tokenize")
+    assert_refused(
+        skip.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}),
+        "messages",
+        "/tokenize",
+    )
     assert_refused(skip.post("/detokenize", json={"tokens": [5, 6]}), "tokens", "/detokenize")
 
 
@@ -233,7 +275,9 @@ def test_embeddings_take_token_ids_and_refuse_text(tmp_path: Path) -> None:
         with srv.client() as c:
             out = c.post("/v1/embeddings", json={"input": [[5, 6, 7], [8]]}).json()
             assert [len(d["embedding"]) for d in out["data"]] == [256, 256]
-            assert_refused(c.post("/v1/embeddings", json={"input": "hello"}), "input[0]", "token ids")
+            assert_refused(
+                c.post("/v1/embeddings", json={"input": "hello"}), "input[0]", "token ids"
+            )
     finally:
         srv.stop()
 
@@ -268,7 +312,9 @@ def test_a_model_directory_without_tokenizer_files_serves_with_the_flag(ids_only
 def test_without_the_flag_that_directory_does_not_start(ids_only_dir: Path, tmp_path: Path) -> None:
     """The control for the test above: a process that loaded a tokenizer would fail there."""
     run = subprocess.run(
-        tokenpipe_command("serve", "--model-path", str(ids_only_dir), "--port", "0", "--log-level", "warning"),
+        tokenpipe_command(
+            "serve", "--model-path", str(ids_only_dir), "--port", "0", "--log-level", "warning"
+        ),
         cwd=REPO,
         env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True,
@@ -286,8 +332,15 @@ def test_without_the_flag_that_directory_does_not_start(ids_only_dir: Path, tmp_
 def test_shipped_vocabulary_constants_match_the_shipped_tokenizer() -> None:
     shipped = load_tokenizer(None)
     vocab = load_model_vocab(None)
-    assert (vocab.vocab_size, vocab.eos_token_ids, vocab.name) == (shipped.vocab_size, shipped.eos_token_ids, shipped.name)
-    assert (SHIPPED_VOCAB_SIZE, SHIPPED_EOS_TOKEN_IDS) == (shipped.vocab_size, shipped.eos_token_ids)
+    assert (vocab.vocab_size, vocab.eos_token_ids, vocab.name) == (
+        shipped.vocab_size,
+        shipped.eos_token_ids,
+        shipped.name,
+    )
+    assert (SHIPPED_VOCAB_SIZE, SHIPPED_EOS_TOKEN_IDS) == (
+        shipped.vocab_size,
+        shipped.eos_token_ids,
+    )
 
 
 def test_model_vocab_reads_config_and_generation_config(ids_only_dir: Path, tmp_path: Path) -> None:
@@ -314,18 +367,37 @@ def test_detokenizer_without_tokenizer_passes_ids_with_empty_text() -> None:
     )
     out = detokenize_frame(None, frame)
     assert out.text_deltas == ["", ""]
-    assert (out.req_ids, out.output_ids, out.output_counts) == (frame.req_ids, frame.output_ids, frame.output_counts)
+    assert (out.req_ids, out.output_ids, out.output_counts) == (
+        frame.req_ids,
+        frame.output_ids,
+        frame.output_counts,
+    )
     assert out.finished_reasons == frame.finished_reasons
-    bad = BatchTokenIDOutput(frame.req_ids, frame.output_ids, frame.output_counts, frame.completion_tokens, finished_reasons=[None])
+    bad = BatchTokenIDOutput(
+        frame.req_ids,
+        frame.output_ids,
+        frame.output_counts,
+        frame.completion_tokens,
+        finished_reasons=[None],
+    )
     with pytest.raises(ValueError, match="finished_reasons"):
         detokenize_frame(None, bad)
 
 
 def test_scheduler_without_tokenizer_refuses_stop_strings_itself() -> None:
     """The API refuses them first; this guards the scheduler against a frame from elsewhere."""
-    scheduler = build_scheduler(ServerConfig(max_total_tokens=1024, torch_threads=1, skip_tokenizer_init=True))
+    scheduler = build_scheduler(
+        ServerConfig(max_total_tokens=1024, torch_threads=1, skip_tokenizer_init=True)
+    )
     sampling = SamplingParams(max_new_tokens=4, stop=("x",))
-    msg = TokenizedGenerateReqInput(rid="r", req_id=1, input_ids=[5, 6], sampling_params=sampling, stream=False, arrival_time=0.0)
+    msg = TokenizedGenerateReqInput(
+        rid="r",
+        req_id=1,
+        input_ids=[5, 6],
+        sampling_params=sampling,
+        stream=False,
+        arrival_time=0.0,
+    )
     scheduler.add_request(msg)
     (out,) = scheduler.step()
     reason = out.finished_reasons[0]  # type: ignore[union-attr,index]

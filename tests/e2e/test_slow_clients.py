@@ -49,7 +49,11 @@ def _closed_after(sock: socket.socket) -> float:
 def _read_timeouts(srv: ServerProcess) -> float:
     with srv.client() as c:
         text = c.get("/metrics").text
-    match = re.search(r'^tokenpipe:num_rejected_requests_total\{[^}]*reason="read_timeout"[^}]*\} (\S+)$', text, re.MULTILINE)
+    match = re.search(
+        r'^tokenpipe:num_rejected_requests_total\{[^}]*reason="read_timeout"[^}]*\} (\S+)$',
+        text,
+        re.MULTILINE,
+    )
     assert match is not None, "no read_timeout rejection counter in /metrics"
     return float(match.group(1))
 
@@ -60,7 +64,10 @@ def test_half_headers_are_dropped_while_others_are_served(srv: ServerProcess) ->
         slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Ty")
         # Meanwhile a normal client is served, on its own connection.
         with srv.client() as c:
-            resp = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+            resp = c.post(
+                "/generate",
+                json={"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+            )
         assert resp.status_code == 200, resp.text
         assert _closed_after(slow) < CLOSE_WITHIN
     assert _read_timeouts(srv) == before + 1
@@ -77,7 +84,9 @@ def test_a_connection_that_sends_nothing_is_dropped_uncounted(srv: ServerProcess
 def test_a_body_slower_than_the_timeout_is_dropped(srv: ServerProcess) -> None:
     before = _read_timeouts(srv)
     with _connect(srv) as slow:
-        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        slow.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+        )
         assert _closed_after(slow) < CLOSE_WITHIN
     assert _read_timeouts(srv) == before + 1
 
@@ -86,7 +95,9 @@ def test_a_body_trickled_forever_is_dropped(srv: ServerProcess) -> None:
     """One byte per quarter timeout never leaves a gap long enough, but the whole body has
     a bound too (ten read timeouts)."""
     with _connect(srv) as slow:
-        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+        slow.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        )
         started = time.monotonic()
         with pytest.raises(OSError):
             while time.monotonic() - started < 10 * READ_TIMEOUT + CLOSE_WITHIN:
@@ -99,7 +110,11 @@ def test_a_body_trickled_forever_is_dropped(srv: ServerProcess) -> None:
 def test_a_stream_longer_than_the_timeout_is_not_cut(srv: ServerProcess) -> None:
     """The client reads slowly, so the response lasts longer than the read timeout however
     fast the server is; then the kept-alive connection serves another request."""
-    body = {"text": "a long story", "stream": True, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "text": "a long story",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0},
+    }
     events = []
     with srv.client() as c:
         with c.stream("POST", "/generate", json=body) as resp:
@@ -112,14 +127,19 @@ def test_a_stream_longer_than_the_timeout_is_not_cut(srv: ServerProcess) -> None
         # After a pause longer than the read timeout: the idle time between two requests is
         # the keep-alive timeout's (uvicorn's 5 s), not a slow request.
         time.sleep(READ_TIMEOUT * 1.5)
-        again = c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+        again = c.post(
+            "/generate",
+            json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+        )
     assert again.status_code == 200, again.text
     assert events[-1]["meta_info"]["completion_tokens"] == 300
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
 @pytest.mark.parametrize("path", ["/generate", "/tokenize"])
-def test_a_client_gone_mid_upload_is_an_info_line_not_an_error(srv: ServerProcess, path: str) -> None:
+def test_a_client_gone_mid_upload_is_an_info_line_not_an_error(
+    srv: ServerProcess, path: str
+) -> None:
     """Half a body, then the client leaves: expected, so an info line, never an ERROR with a
     traceback; on the generation routes (served ahead of FastAPI) and the others alike."""
     seen = len(srv.output())
@@ -129,7 +149,9 @@ def test_a_client_gone_mid_upload_is_an_info_line_not_an_error(srv: ServerProces
             + b'{"text": "half a bo'
         )
     line = f"a client disconnected while sending its request (POST {path})"
-    assert wait_until(lambda: line in srv.output()[seen:], timeout=CLOSE_WITHIN), srv.output()[seen:]
+    assert wait_until(lambda: line in srv.output()[seen:], timeout=CLOSE_WITHIN), srv.output()[
+        seen:
+    ]
     logged = srv.output()[seen:]
     assert "Traceback" not in logged and "ERROR" not in logged, logged
     with srv.client() as c:

@@ -15,7 +15,10 @@ def test_three_processes_over_tcp_serve_a_request() -> None:
     try:
         out = httpx.post(
             f"{procs.url}/generate",
-            json={"text": "over tcp", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}},
+            json={
+                "text": "over tcp",
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            },
             timeout=30,
         ).json()
         assert out["meta_info"]["completion_tokens"] == 5
@@ -30,6 +33,7 @@ def test_health_and_models_answer_503_until_the_pipeline_behind_the_api_is_up() 
     the scheduler's report reaches it through the detokenizer, both answer 200."""
     procs = RoleProcesses(roles=("api",))
     try:
+
         def listening() -> bool:
             try:
                 return httpx.get(f"{procs.url}/health", timeout=5).status_code > 0
@@ -45,12 +49,22 @@ def test_health_and_models_answer_503_until_the_pipeline_behind_the_api_is_up() 
             procs.procs[role] = procs.start(role)
         procs.wait_ready()
         assert httpx.get(procs.url + "/health", timeout=5).status_code == 200
-        assert httpx.get(procs.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "tokenpipe-tiny"
+        assert (
+            httpx.get(procs.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+            == "tokenpipe-tiny"
+        )
     finally:
         procs.stop()
 
 
 def test_a_lone_process_needs_explicit_endpoints() -> None:
-    run = subprocess.run(tokenpipe_command("scheduler"), check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        tokenpipe_command("scheduler"),
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
     assert "--scheduler-input" in run.stderr

@@ -34,7 +34,9 @@ MODES = ["cumulative", "incremental"]
 
 @pytest.fixture(scope="module")
 def incremental(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("incremental") / "tmp", ["--incremental-streaming-output"]).wait_ready()
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("incremental") / "tmp", ["--incremental-streaming-output"]
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -62,7 +64,9 @@ def pause(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def generate_events(server: ServerProcess, body: dict[str, Any], after_first: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+def generate_events(
+    server: ServerProcess, body: dict[str, Any], after_first: Callable[[], None] | None = None
+) -> list[dict[str, Any]]:
     """The data events of a /generate stream, without [DONE]; ``after_first`` runs once the
     first event has been read."""
     events: list[dict[str, Any]] = []
@@ -93,12 +97,20 @@ def check_events(events: list[dict[str, Any]], whole: dict[str, Any], mode: str)
         for e in events:
             assert e["output_ids"] == whole["output_ids"][: e["meta_info"]["completion_tokens"]]
             assert whole["text"].startswith(e["text"])
-        assert events[-1]["output_ids"] == whole["output_ids"] and events[-1]["text"] == whole["text"]
-    assert [e["meta_info"]["finish_reason"] is not None for e in events] == [False] * (len(events) - 1) + [True]
-    assert "e2e_latency" in events[-1]["meta_info"] and all("e2e_latency" not in e["meta_info"] for e in events[:-1])
+        assert (
+            events[-1]["output_ids"] == whole["output_ids"] and events[-1]["text"] == whole["text"]
+        )
+    assert [e["meta_info"]["finish_reason"] is not None for e in events] == [False] * (
+        len(events) - 1
+    ) + [True]
+    assert "e2e_latency" in events[-1]["meta_info"] and all(
+        "e2e_latency" not in e["meta_info"] for e in events[:-1]
+    )
 
 
-def test_generate_stream_sends_one_event_per_token(mode: str, request: pytest.FixtureRequest) -> None:
+def test_generate_stream_sends_one_event_per_token(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
     """Greedy 8 tokens: 8 events of one new id each; and 32 tokens with the API paused after
     the first event (the frames of the pause are taken back to back): still 32 events."""
     server = server_of(mode, request)
@@ -109,16 +121,25 @@ def test_generate_stream_sends_one_event_per_token(mode: str, request: pytest.Fi
             whole = c.post("/generate", json=body).json()
         events = generate_events(server, body, after_first)
         counts = [1] * n if mode == "incremental" else list(range(1, n + 1))
-        assert [len(e["output_ids"]) for e in events] == counts, f"{n} tokens came as {len(events)} events"
+        assert [len(e["output_ids"]) for e in events] == counts, (
+            f"{n} tokens came as {len(events)} events"
+        )
         check_events(events, whole, mode)
 
 
-def test_generate_stream_logprobs_follow_the_mode(mode: str, request: pytest.FixtureRequest) -> None:
+def test_generate_stream_logprobs_follow_the_mode(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
     """An event's output logprob entries are those of its output_ids: every one so far
     (cumulative, as SGLang) or its own; the prompt's are on every cumulative event (SGLang
     lists them on each) and on the first incremental one only."""
     server = server_of(mode, request)
-    body = {"text": "Once upon a time", "sampling_params": greedy(6), "return_logprob": True, "logprob_start_len": 0}
+    body = {
+        "text": "Once upon a time",
+        "sampling_params": greedy(6),
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
     with server.client() as c:
         whole = c.post("/generate", json=body).json()
     events = generate_events(server, body)
@@ -127,7 +148,10 @@ def test_generate_stream_logprobs_follow_the_mode(mode: str, request: pytest.Fix
     prompt = [entry[1] for entry in whole["meta_info"]["input_token_logprobs"]]
     with_prompt = [e for e in events if "input_token_logprobs" in e["meta_info"]]
     assert with_prompt == (events if mode == "cumulative" else events[:1])
-    assert all([entry[1] for entry in e["meta_info"]["input_token_logprobs"]] == prompt for e in with_prompt)
+    assert all(
+        [entry[1] for entry in e["meta_info"]["input_token_logprobs"]] == prompt
+        for e in with_prompt
+    )
     check_events(events, whole, mode)
 
 
@@ -137,8 +161,16 @@ def test_chat_stream_sends_one_content_chunk_per_token(server: ServerProcess) ->
     to text on its own; a token ending inside a UTF-8 character would show no content.)"""
     api = server.children()["api"]
     messages = [{"role": "user", "content": "Good morning"}]
-    args: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 64, "temperature": 0, "extra_body": {"ignore_eos": True}}
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as oai:
+    args: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 64,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    with openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as oai:
         whole = oai.chat.completions.create(**args)
         contents: list[str] = []
         finishes: list[str | None] = []
@@ -157,7 +189,9 @@ def test_chat_stream_sends_one_content_chunk_per_token(server: ServerProcess) ->
     assert finishes[-1] == "length" and not any(finishes[:-1])
 
 
-def test_slow_reader_gets_every_token_once_in_merged_events(mode: str, request: pytest.FixtureRequest) -> None:
+def test_slow_reader_gets_every_token_once_in_merged_events(
+    mode: str, request: pytest.FixtureRequest
+) -> None:
     """A client that reads nothing until its 1000-token request has finished server-side:
     the server's send blocks on the full socket, the rows of that time merge, and the client
     still reads every token exactly once, with the finish on the last event. How many events
@@ -180,7 +214,9 @@ def test_slow_reader_gets_every_token_once_in_merged_events(mode: str, request: 
             send_request(sock, conn, {**body, "rid": rid, "stream": True})
             # The head comes once the request is live; then nothing is read until it is done.
             assert read_event(sock, conn).status_code == 200  # type: ignore[union-attr]
-            assert wait_until(lambda: not live(c), 120), "the request did not finish while its client was not reading"
+            assert wait_until(lambda: not live(c), 120), (
+                "the request did not finish while its client was not reading"
+            )
             raw = read_body(sock, conn)
         finally:
             sock.close()
@@ -198,9 +234,15 @@ def live(c: httpx.Client) -> int:
 
 def send_request(sock: socket.socket, conn: h11.Connection, body: dict[str, Any]) -> None:
     payload = json.dumps(body).encode()
-    headers = [("Host", "127.0.0.1"), ("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+    headers = [
+        ("Host", "127.0.0.1"),
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(payload))),
+    ]
     sock.sendall(conn.send(h11.Request(method="POST", target="/generate", headers=headers)) or b"")
-    sock.sendall((conn.send(h11.Data(data=payload)) or b"") + (conn.send(h11.EndOfMessage()) or b""))
+    sock.sendall(
+        (conn.send(h11.Data(data=payload)) or b"") + (conn.send(h11.EndOfMessage()) or b"")
+    )
 
 
 def read_event(sock: socket.socket, conn: h11.Connection) -> h11.Event:

@@ -31,7 +31,9 @@ SEEDS = (3, 4, 5)
 WHITESPACE = {
     str(i): -100.0
     for i in range(TOKENIZER.vocab_size)
-    if i not in TOKENIZER.special_token_ids and (text := TOKENIZER.tokenizer.decode([i])) and not text.strip()
+    if i not in TOKENIZER.special_token_ids
+    and (text := TOKENIZER.tokenizer.decode([i]))
+    and not text.strip()
 }
 
 COLORS = ("red", "green", "blue")
@@ -42,7 +44,10 @@ SCHEMA = {
         "colors": {"type": "array", "items": {"enum": list(COLORS)}, "maxItems": 3},
         "size": {
             "type": "object",
-            "properties": {"w": {"type": "integer", "minimum": 1, "maximum": 500}, "big": {"type": "boolean"}},
+            "properties": {
+                "w": {"type": "integer", "minimum": 1, "maximum": 500},
+                "big": {"type": "boolean"},
+            },
             "required": ["w", "big"],
         },
     },
@@ -72,14 +77,23 @@ def follows_schema(value: object) -> bool:
 
 
 KINDS: dict[str, tuple[dict[str, str], Any]] = {
-    "json_schema": ({"json_schema": json.dumps(SCHEMA)}, lambda text: follows_schema(json.loads(text))),
+    "json_schema": (
+        {"json_schema": json.dumps(SCHEMA)},
+        lambda text: follows_schema(json.loads(text)),
+    ),
     "regex": ({"regex": REGEX}, lambda text: re.fullmatch(REGEX, text) is not None),
     "ebnf": ({"ebnf": EBNF}, lambda text: re.fullmatch(EBNF_AS_REGEX, text) is not None),
 }
 
 
 def _params(fields: dict[str, str], seed: int) -> dict[str, Any]:
-    return {"max_new_tokens": MAX_NEW, "temperature": 1.0, "seed": seed, "logit_bias": WHITESPACE, **fields}
+    return {
+        "max_new_tokens": MAX_NEW,
+        "temperature": 1.0,
+        "seed": seed,
+        "logit_bias": WHITESPACE,
+        **fields,
+    }
 
 
 def _streamed(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +109,9 @@ def _streamed(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_generate_answers_follow_each_sglang_constraint_streamed_or_not(http: httpx.Client, kind: str) -> None:
+def test_generate_answers_follow_each_sglang_constraint_streamed_or_not(
+    http: httpx.Client, kind: str
+) -> None:
     fields, valid = KINDS[kind]
     texts = set()
     for seed in SEEDS:
@@ -121,15 +137,35 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 def test_two_constraints_at_once_are_refused_naming_the_second(http: httpx.Client) -> None:
     params = {"max_new_tokens": 4, "regex": REGEX, "ebnf": EBNF}
     error = _error(http.post("/generate", json={"text": "hi", "sampling_params": params}))
-    assert error["param"] == "sampling_params.ebnf" and "sampling_params.regex already gives one" in error["message"], error
+    assert (
+        error["param"] == "sampling_params.ebnf"
+        and "sampling_params.regex already gives one" in error["message"]
+    ), error
 
 
 INVALID = [
-    pytest.param({"json_schema": '{"type": "nonsense"}'}, "sampling_params.json_schema", "nonsense", id="schema-engine"),
-    pytest.param({"json_schema": "{not json"}, "sampling_params.json_schema", "not valid JSON", id="schema-text"),
-    pytest.param({"json_schema": {"type": "object"}}, "sampling_params.json_schema", "Expected `str", id="schema-not-a-string"),
+    pytest.param(
+        {"json_schema": '{"type": "nonsense"}'},
+        "sampling_params.json_schema",
+        "nonsense",
+        id="schema-engine",
+    ),
+    pytest.param(
+        {"json_schema": "{not json"},
+        "sampling_params.json_schema",
+        "not valid JSON",
+        id="schema-text",
+    ),
+    pytest.param(
+        {"json_schema": {"type": "object"}},
+        "sampling_params.json_schema",
+        "Expected `str",
+        id="schema-not-a-string",
+    ),
     pytest.param({"regex": "(ab"}, "sampling_params.regex", "parenthesis", id="regex"),
-    pytest.param({"ebnf": "root ::= missing_rule"}, "sampling_params.ebnf", "missing_rule", id="ebnf"),
+    pytest.param(
+        {"ebnf": "root ::= missing_rule"}, "sampling_params.ebnf", "missing_rule", id="ebnf"
+    ),
 ]
 
 
@@ -141,7 +177,9 @@ def test_an_invalid_constraint_is_a_400_naming_the_field_and_the_server_keeps_se
         body = {"text": "hi", "stream": stream, "sampling_params": {"max_new_tokens": 8, **fields}}
         error = _error(http.post("/generate", json=body))
         assert error["param"] == param and reason in error["message"], error
-    served = http.post("/generate", json={"text": "hi", "sampling_params": _params({"regex": REGEX}, 1)})
+    served = http.post(
+        "/generate", json={"text": "hi", "sampling_params": _params({"regex": REGEX}, 1)}
+    )
     assert served.status_code == 200 and re.fullmatch(REGEX, served.json()["text"]), served.text
 
 
@@ -157,7 +195,12 @@ def _neighbour_body(i: int, fields: dict[str, str] | None) -> dict[str, Any]:
     run ``NEIGHBOUR_TOKENS`` tokens (ignore_eos), constrained ones until their grammar ends."""
     prompt = TOKENIZER.encode(f"Stream number {i} says")
     if fields is None:
-        params: dict[str, Any] = {"max_new_tokens": NEIGHBOUR_TOKENS, "temperature": 1.0, "seed": 7000 + i, "ignore_eos": True}
+        params: dict[str, Any] = {
+            "max_new_tokens": NEIGHBOUR_TOKENS,
+            "temperature": 1.0,
+            "seed": 7000 + i,
+            "ignore_eos": True,
+        }
     else:
         params = _params(fields, 9000 + i)
     return {"input_ids": prompt, "sampling_params": params, "stream": True}
@@ -181,7 +224,9 @@ async def _run_streams(base_url: str, bodies: list[dict[str, Any]]) -> list[dict
         return list(await asyncio.gather(*(one(client, body) for body in bodies)))
 
 
-def test_constrained_neighbours_leave_200_seeded_streams_tokens_as_they_were_alone(http: httpx.Client) -> None:
+def test_constrained_neighbours_leave_200_seeded_streams_tokens_as_they_were_alone(
+    http: httpx.Client,
+) -> None:
     """200 seeded streams run alone, then again beside 56 constrained ones (all three kinds,
     all at once in one batch): every unconstrained stream draws the same tokens, since the mask
     touches only the constrained rows and a seeded draw depends on (seed, position) alone, and
@@ -189,7 +234,10 @@ def test_constrained_neighbours_leave_200_seeded_streams_tokens_as_they_were_alo
     base_url = str(http.base_url)
     plain = [_neighbour_body(i, None) for i in range(UNCONSTRAINED_STREAMS)]
     kinds = list(KINDS)
-    constrained = [(kinds[i % len(kinds)], _neighbour_body(i, KINDS[kinds[i % len(kinds)]][0])) for i in range(CONSTRAINED_STREAMS)]
+    constrained = [
+        (kinds[i % len(kinds)], _neighbour_body(i, KINDS[kinds[i % len(kinds)]][0]))
+        for i in range(CONSTRAINED_STREAMS)
+    ]
 
     # Each run starts from an empty prefix cache: a prompt found in the cache is not
     # recomputed, and its last position's logits computed alone differ from those of a whole
@@ -201,8 +249,14 @@ def test_constrained_neighbours_leave_200_seeded_streams_tokens_as_they_were_alo
 
     for i, (before, after) in enumerate(zip(alone, together[:UNCONSTRAINED_STREAMS], strict=True)):
         assert len(before["output_ids"]) == NEIGHBOUR_TOKENS, before["meta_info"]
-        assert after["output_ids"] == before["output_ids"], f"stream {i} drew other tokens beside constrained neighbours"
+        assert after["output_ids"] == before["output_ids"], (
+            f"stream {i} drew other tokens beside constrained neighbours"
+        )
     for (kind, _), answer in zip(constrained, together[UNCONSTRAINED_STREAMS:], strict=True):
-        assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}, answer["meta_info"]
+        assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}, answer[
+            "meta_info"
+        ]
         assert KINDS[kind][1](answer["text"]), (kind, answer["text"])
-    assert len({json.dumps(b["output_ids"]) for b in alone}) == UNCONSTRAINED_STREAMS, "streams should differ"
+    assert len({json.dumps(b["output_ids"]) for b in alone}) == UNCONSTRAINED_STREAMS, (
+        "streams should differ"
+    )

@@ -76,7 +76,10 @@ def test_the_bias_names_the_tokenizers_whitespace_and_control_tokens() -> None:
     texts = {TOKENIZER.tokenizer.decode([i]) for i in UNWANTED_TOKENS}
     assert {" ", "\n", "\t", "\x02"} <= texts and len(STEADY) <= 1024
     assert BYTE_OF[TOKENIZER.tokenizer.id_to_token(TOKENIZER.encode("A")[0])] == ord("A")
-    assert any(b"\xed" in bytes(BYTE_OF[c] for c in TOKENIZER.tokenizer.id_to_token(i)) for i in UNWANTED_TOKENS)
+    assert any(
+        b"\xed" in bytes(BYTE_OF[c] for c in TOKENIZER.tokenizer.id_to_token(i))
+        for i in UNWANTED_TOKENS
+    )
 
 
 def _parse(client: openai.OpenAI) -> Pet:
@@ -94,7 +97,9 @@ def _parse(client: openai.OpenAI) -> Pet:
     return choice.message.parsed
 
 
-def test_openai_parse_gives_a_valid_pydantic_object_for_every_one_of_50_sampled_answers(oai: openai.OpenAI) -> None:
+def test_openai_parse_gives_a_valid_pydantic_object_for_every_one_of_50_sampled_answers(
+    oai: openai.OpenAI,
+) -> None:
     with ThreadPoolExecutor(10) as pool:
         pets = list(pool.map(lambda _: _parse(oai), range(50)))
     assert len(pets) == 50 and all(isinstance(p, Pet) for p in pets)
@@ -105,7 +110,12 @@ def test_openai_parse_gives_a_valid_pydantic_object_for_every_one_of_50_sampled_
 def test_openai_stream_ends_in_a_valid_pydantic_object(oai: openai.OpenAI) -> None:
     for _ in range(3):
         with oai.chat.completions.stream(
-            model=MODEL, messages=MESSAGES, response_format=Pet, max_tokens=MAX_TOKENS, temperature=1.0, logit_bias=STEADY
+            model=MODEL,
+            messages=MESSAGES,
+            response_format=Pet,
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            logit_bias=STEADY,
         ) as stream:
             deltas = [event.delta for event in stream if event.type == "content.delta"]
             final = stream.get_final_completion()
@@ -130,7 +140,9 @@ def test_instructor_json_schema_mode_returns_a_validated_object(oai: openai.Open
         assert isinstance(pet, Pet)
 
 
-def test_langchain_with_structured_output_json_schema_returns_a_validated_object(server: ServerProcess) -> None:
+def test_langchain_with_structured_output_json_schema_returns_a_validated_object(
+    server: ServerProcess,
+) -> None:
     llm = ChatOpenAI(
         model=MODEL,
         base_url=f"{server.url}/v1",
@@ -154,7 +166,12 @@ CLOSING = {**STEADY, str(TOKENIZER.encode('"')[0]): 12, str(TOKENIZER.encode("}"
 
 def test_json_object_answers_are_json_objects_on_chat_and_completions(oai: openai.OpenAI) -> None:
     chat = oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}, n=12, max_tokens=MAX_TOKENS, logit_bias=CLOSING
+        model=MODEL,
+        messages=MESSAGES,
+        response_format={"type": "json_object"},
+        n=12,
+        max_tokens=MAX_TOKENS,
+        logit_bias=CLOSING,
     )
     completions = oai.completions.create(
         model=MODEL,
@@ -164,7 +181,9 @@ def test_json_object_answers_are_json_objects_on_chat_and_completions(oai: opena
         logit_bias=CLOSING,
         extra_body={"response_format": {"type": "json_object"}},
     )
-    answers = [c.message.content or "" for c in chat.choices] + [c.text for c in completions.choices]
+    answers = [c.message.content or "" for c in chat.choices] + [
+        c.text for c in completions.choices
+    ]
     assert len(answers) == 18
     for answer in answers:
         assert isinstance(json.loads(answer), dict), answer
@@ -176,10 +195,18 @@ def test_json_object_answers_are_json_objects_on_chat_and_completions(oai: opena
     [{"guided_regex": PATTERN}, {"structured_outputs": {"regex": PATTERN}}, {"regex": PATTERN}],
     ids=["guided_regex", "structured_outputs.regex", "sglang regex"],
 )
-def test_every_choice_of_a_regex_request_fullmatches_the_pattern(oai: openai.OpenAI, extra_body: dict[str, Any]) -> None:
-    chat = oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=8, max_tokens=32, extra_body=extra_body)
-    completions = oai.completions.create(model=MODEL, prompt=["A code:", "Another:"], n=4, max_tokens=32, extra_body=extra_body)
-    answers = [c.message.content or "" for c in chat.choices] + [c.text for c in completions.choices]
+def test_every_choice_of_a_regex_request_fullmatches_the_pattern(
+    oai: openai.OpenAI, extra_body: dict[str, Any]
+) -> None:
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=8, max_tokens=32, extra_body=extra_body
+    )
+    completions = oai.completions.create(
+        model=MODEL, prompt=["A code:", "Another:"], n=4, max_tokens=32, extra_body=extra_body
+    )
+    answers = [c.message.content or "" for c in chat.choices] + [
+        c.text for c in completions.choices
+    ]
     assert len(answers) == 16
     assert all(re.fullmatch(PATTERN, a) for a in answers), answers
     assert len(set(answers)) > 8
@@ -190,9 +217,15 @@ def test_every_choice_of_a_regex_request_fullmatches_the_pattern(oai: openai.Ope
     [{"guided_choice": CHOICES}, {"structured_outputs": {"choice": CHOICES}}],
     ids=["guided_choice", "structured_outputs.choice"],
 )
-def test_every_choice_answer_is_one_of_the_choices(oai: openai.OpenAI, extra_body: dict[str, Any]) -> None:
-    chat = oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=12, max_tokens=16, extra_body=extra_body)
-    completions = oai.completions.create(model=MODEL, prompt="Pick:", n=6, max_tokens=16, extra_body=extra_body)
+def test_every_choice_answer_is_one_of_the_choices(
+    oai: openai.OpenAI, extra_body: dict[str, Any]
+) -> None:
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=12, max_tokens=16, extra_body=extra_body
+    )
+    completions = oai.completions.create(
+        model=MODEL, prompt="Pick:", n=6, max_tokens=16, extra_body=extra_body
+    )
     answers = [c.message.content for c in chat.choices] + [c.text for c in completions.choices]
     assert set(answers) <= set(CHOICES) and len(answers) == 18
 
@@ -202,17 +235,29 @@ def test_every_choice_answer_is_one_of_the_choices(oai: openai.OpenAI, extra_bod
     [{"guided_grammar": GRAMMAR}, {"structured_outputs": {"grammar": GRAMMAR}}, {"ebnf": GRAMMAR}],
     ids=["guided_grammar", "structured_outputs.grammar", "sglang ebnf"],
 )
-def test_every_grammar_answer_is_in_the_grammars_language(oai: openai.OpenAI, extra_body: dict[str, Any]) -> None:
-    chat = oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=8, max_tokens=16, extra_body=extra_body)
+def test_every_grammar_answer_is_in_the_grammars_language(
+    oai: openai.OpenAI, extra_body: dict[str, Any]
+) -> None:
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=8, max_tokens=16, extra_body=extra_body
+    )
     answers = [c.message.content or "" for c in chat.choices]
     assert all(re.fullmatch(GRAMMAR_AS_REGEX, a) for a in answers), answers
 
 
 def test_completions_follow_a_response_format_json_schema(oai: openai.OpenAI) -> None:
     schema = Pet.model_json_schema()
-    response_format = {"type": "json_schema", "json_schema": {"name": "Pet", "schema": schema, "strict": True}}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "Pet", "schema": schema, "strict": True},
+    }
     completion = oai.completions.create(
-        model=MODEL, prompt="A pet:", n=6, max_tokens=MAX_TOKENS, logit_bias=STEADY, extra_body={"response_format": response_format}
+        model=MODEL,
+        prompt="A pet:",
+        n=6,
+        max_tokens=MAX_TOKENS,
+        logit_bias=STEADY,
+        extra_body={"response_format": response_format},
     )
     for choice in completion.choices:
         assert choice.finish_reason == "stop"
@@ -231,19 +276,31 @@ def test_completions_follow_a_response_format_json_schema(oai: openai.OpenAI) ->
 INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     (
         "chat",
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            }
+        },
         "response_format.json_schema.schema",
         "nonsense",
     ),
     ("chat", {"guided_json": {"$ref": "#/$defs/Missing"}}, "guided_json", "Missing"),
     ("chat", {"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
-    ("completions", {"structured_outputs": {"regex": "a{3,1}"}}, "structured_outputs.regex", "bound"),
+    (
+        "completions",
+        {"structured_outputs": {"regex": "a{3,1}"}},
+        "structured_outputs.regex",
+        "bound",
+    ),
     ("chat", {"guided_grammar": "root ::= missing_rule"}, "guided_grammar", "missing_rule"),
     ("completions", {"ebnf": 'start ::= "a"'}, "ebnf", "root"),
 ]
 
 
-@pytest.mark.parametrize(("route", "extra", "param", "reason"), INVALID, ids=[i[2] for i in INVALID])
+@pytest.mark.parametrize(
+    ("route", "extra", "param", "reason"), INVALID, ids=[i[2] for i in INVALID]
+)
 def test_an_invalid_spec_is_a_400_with_the_field_and_the_engines_reason(
     http: httpx.Client, route: str, extra: dict[str, Any], param: str, reason: str
 ) -> None:
@@ -254,7 +311,11 @@ def test_an_invalid_spec_is_a_400_with_the_field_and_the_engines_reason(
         response = http.post(path, json={**base, **extra, "stream": stream, "n": 2})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
-        assert error["param"] == param and error["message"].startswith(f"{param}: ") and reason in error["message"], error
+        assert (
+            error["param"] == param
+            and error["message"].startswith(f"{param}: ")
+            and reason in error["message"]
+        ), error
     served = http.post(path, json={**base, "guided_choice": CHOICES})
     assert served.status_code == 200, served.text
 
@@ -263,11 +324,17 @@ def test_two_constraints_are_refused_naming_the_second(http: httpx.Client) -> No
     body = {
         "model": MODEL,
         "messages": MESSAGES,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "Pet", "schema": Pet.model_json_schema()}},
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "Pet", "schema": Pet.model_json_schema()},
+        },
         "guided_regex": PATTERN,
     }
     error = http.post("/v1/chat/completions", json=body).json()["error"]
-    assert error["param"] == "guided_regex" and "response_format.json_schema.schema already gives one" in error["message"]
+    assert (
+        error["param"] == "guided_regex"
+        and "response_format.json_schema.schema already gives one" in error["message"]
+    )
 
 
 def _scrape(http: httpx.Client) -> dict[tuple[str, str], float]:
@@ -276,25 +343,46 @@ def _scrape(http: httpx.Client) -> dict[tuple[str, str], float]:
     for family in text_string_to_metric_families(http.get("/metrics").text):
         for sample in family.samples:
             if "constrained_requests" in sample.name or "grammar_compile_wait" in sample.name:
-                out[(sample.name, sample.labels.get("kind", sample.labels.get("le", "")))] = sample.value
+                out[(sample.name, sample.labels.get("kind", sample.labels.get("le", "")))] = (
+                    sample.value
+                )
     return out
 
 
-def test_metrics_count_each_finished_constrained_request_by_kind(oai: openai.OpenAI, http: httpx.Client) -> None:
+def test_metrics_count_each_finished_constrained_request_by_kind(
+    oai: openai.OpenAI, http: httpx.Client
+) -> None:
     before = _scrape(http)
-    oai.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=32, extra_body={"guided_regex": PATTERN})
-    oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, extra_body={"guided_choice": CHOICES})
-    oai.completions.create(model=MODEL, prompt="x", n=2, max_tokens=16, extra_body={"ebnf": GRAMMAR})
+    oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=3, max_tokens=32, extra_body={"guided_regex": PATTERN}
+    )
+    oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=16, extra_body={"guided_choice": CHOICES}
+    )
+    oai.completions.create(
+        model=MODEL, prompt="x", n=2, max_tokens=16, extra_body={"ebnf": GRAMMAR}
+    )
     _parse(oai)
-    oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, logit_bias=CLOSING, response_format={"type": "json_object"})
-    oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)  # unconstrained: not counted
+    oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        logit_bias=CLOSING,
+        response_format={"type": "json_object"},
+    )
+    oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4
+    )  # unconstrained: not counted
     after = _scrape(http)
 
     def delta(name: str, label: str) -> float:
         return after[(name, label)] - before.get((name, label), 0.0)
 
     total = "tokenpipe:constrained_requests_total"
-    assert {kind: delta(total, kind) for kind in ("regex", "choice", "grammar", "json_schema", "json_object")} == {
+    assert {
+        kind: delta(total, kind)
+        for kind in ("regex", "choice", "grammar", "json_schema", "json_object")
+    } == {
         "regex": 3,
         "choice": 1,
         "grammar": 2,

@@ -32,12 +32,16 @@ def test_kill_9_of_a_child_stops_the_whole_service(tmp_path: Path, victim: str) 
 
     assert code != 0
     assert elapsed < 5.0, f"took {elapsed:.2f} s to stop"
-    assert wait_until(lambda: not any(pid_alive(p) for p in children.values()), timeout=1.0), "orphan left"
+    assert wait_until(lambda: not any(pid_alive(p) for p in children.values()), timeout=1.0), (
+        "orphan left"
+    )
     assert list((tmp_path / "tmp").iterdir()) == [], "socket files left behind"
     assert f"child process {victim}" in srv.output() and "killed by signal 9" in srv.output()
 
 
-def test_health_never_answers_200_for_a_server_whose_scheduler_fails_to_start(tmp_path: Path) -> None:
+def test_health_never_answers_200_for_a_server_whose_scheduler_fails_to_start(
+    tmp_path: Path,
+) -> None:
     """A checkpoint the API can read (config, tokenizer) but the scheduler cannot load: the
     service stops, and until it does /health answers 503, never the 200 that would send a
     router's traffic to a server that is not there."""
@@ -65,9 +69,16 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:
     started = threading.Barrier(5)
 
     def stream_one(i: int) -> None:
-        body = {"text": f"story {i}", "stream": True, "sampling_params": {"max_new_tokens": 600, "ignore_eos": True, "temperature": 0}}
+        body = {
+            "text": f"story {i}",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 600, "ignore_eos": True, "temperature": 0},
+        }
         events = []
-        with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/generate", json=body) as resp:
+        with (
+            httpx.Client(base_url=srv.url, timeout=60) as c,
+            c.stream("POST", "/generate", json=body) as resp,
+        ):
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
@@ -87,8 +98,13 @@ def test_sigterm_lets_in_flight_requests_finish(tmp_path: Path) -> None:
 
     assert code == 0, srv.output()[-3000:]
     assert len(results) == 4
-    assert all(done_at > sigterm_at for done_at, _ in results), "a request finished before the SIGTERM"
-    assert all(m["finish_reason"] == {"type": "length", "length": 600} and m["completion_tokens"] == 600 for _, m in results)
+    assert all(done_at > sigterm_at for done_at, _ in results), (
+        "a request finished before the SIGTERM"
+    )
+    assert all(
+        m["finish_reason"] == {"type": "length", "length": 600} and m["completion_tokens"] == 600
+        for _, m in results
+    )
     assert not any(pid_alive(p) for p in children.values())
     assert list((tmp_path / "tmp").iterdir()) == []
 
@@ -98,12 +114,19 @@ def test_a_graceful_timeout_under_a_second_bounds_the_drain(tmp_path: Path) -> N
     stopped reading (it can never finish) is cut, and the API stops by itself, so the
     supervisor need not kill it."""
     srv = ServerProcess(tmp_path / "tmp", ["--graceful-timeout", "0.5"]).wait_ready()
-    payload = json.dumps({"text": "never read", "stream": True, "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}).encode()
+    payload = json.dumps(
+        {
+            "text": "never read",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True},
+        }
+    ).encode()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(
             b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
         )
         assert sock.recv(64).startswith(b"HTTP/1.1 200"), "the stream never started"
         # Not read from here on: the server's writes back up, and the stream cannot end.

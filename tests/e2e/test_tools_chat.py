@@ -39,8 +39,22 @@ WEATHER_PARAMETERS = {
     "required": ["city", "days", "unit"],
 }
 TOOLS: Any = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_PARAMETERS}},
-    {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": {"type": "object", "properties": {}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time now",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
 ]
 MESSAGES: Any = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
@@ -57,7 +71,11 @@ def _valid_weather(arguments: str) -> bool:
 
 
 def _valid_call(name: str, arguments: str) -> bool:
-    return _valid_weather(arguments) if name == "get_weather" else name == "get_time" and json.loads(arguments) == {}
+    return (
+        _valid_weather(arguments)
+        if name == "get_weather"
+        else name == "get_time" and json.loads(arguments) == {}
+    )
 
 
 def _calls(message: Any) -> list[tuple[str, str]]:
@@ -67,7 +85,11 @@ def _calls(message: Any) -> list[tuple[str, str]]:
 def _favouring(text: str) -> dict[str, int]:
     """A bias towards the tokens that spell the start of ``text`` (a tool's name, where the
     grammar lets the model pick among names)."""
-    return {str(i): 30 for i in range(TOKENIZER.vocab_size) if (piece := TOKENIZER.decode([i]).lstrip('"')) and text.startswith(piece)}
+    return {
+        str(i): 30
+        for i in range(TOKENIZER.vocab_size)
+        if (piece := TOKENIZER.decode([i]).lstrip('"')) and text.startswith(piece)
+    }
 
 
 @pytest.mark.parametrize("parallel", [False, True])
@@ -81,7 +103,9 @@ def test_required_calls_are_valid_and_streamed_as_whole(oai: openai.OpenAI, para
         # random model left alone may pick the same tool every time.
         bias = {**STEADY, **_favouring("weather")} if seed % 2 else dict(STEADY)
         if parallel:  # where a call ends, "]" ends the array (else a random model calls on and on)
-            bias.update({str(i): 20 for i in range(TOKENIZER.vocab_size) if "]" in TOKENIZER.decode([i])})
+            bias.update(
+                {str(i): 20 for i in range(TOKENIZER.vocab_size) if "]" in TOKENIZER.decode([i])}
+            )
         kwargs: Any = dict(
             model=MODEL,
             messages=MESSAGES,
@@ -108,10 +132,18 @@ def test_required_calls_are_valid_and_streamed_as_whole(oai: openai.OpenAI, para
     assert len(seen) > 1, "every seed made the same calls: the test shows little"
 
 
-def test_a_named_function_is_called_with_valid_arguments_streamed_or_not(oai: openai.OpenAI) -> None:
+def test_a_named_function_is_called_with_valid_arguments_streamed_or_not(
+    oai: openai.OpenAI,
+) -> None:
     tool_choice: Any = {"type": "function", "function": {"name": "get_weather"}}
     kwargs: Any = dict(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=MAX_TOKENS, temperature=1.0, logit_bias=STEADY
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        logit_bias=STEADY,
     )
     for seed in range(3):
         whole = oai.chat.completions.create(**kwargs, seed=seed).choices[0]
@@ -126,7 +158,9 @@ def test_a_named_function_is_called_with_valid_arguments_streamed_or_not(oai: op
 def _sse_chunks(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200, response.read()
-        lines = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+        lines = [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        ]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -137,12 +171,22 @@ def test_auto_reads_a_hermes_block_and_streams_openai_deltas(http: httpx.Client)
     its index, id, type and name, later ones argument text, and they add up to the whole."""
     block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "unit": "c"}}\n</tool_call>'
     pattern = "Sure[.] " + re.escape(block)
-    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 120, "guided_regex": pattern, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "max_tokens": 120,
+        "guided_regex": pattern,
+        "temperature": 0,
+    }
     whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
     assert whole["message"]["content"] == "Sure. "
     [call] = whole["message"]["tool_calls"]
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2, "unit": "c"}'}
+    assert call["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Oslo", "days": 2, "unit": "c"}',
+    }
 
     chunks = _sse_chunks(http, body)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
@@ -150,7 +194,9 @@ def test_auto_reads_a_hermes_block_and_streams_openai_deltas(http: httpx.Client)
     first, rest = call_deltas[0], call_deltas[1:]
     assert first["index"] == 0 and first["type"] == "function" and first["id"].startswith("call_")
     assert first["function"]["name"] == "get_weather"
-    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest)
+    assert all(
+        set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in rest
+    )
     assert "".join(d["function"]["arguments"] for d in call_deltas) == call["function"]["arguments"]
     assert "".join(d.get("content", "") for d in deltas) == "Sure. "
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
@@ -159,46 +205,96 @@ def test_auto_reads_a_hermes_block_and_streams_openai_deltas(http: httpx.Client)
 def test_tool_choice_none_and_no_calls_leave_the_text_as_content(oai: openai.OpenAI) -> None:
     for tool_choice in ("none", "auto"):
         out = oai.chat.completions.create(
-            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=8, extra_body={"guided_regex": "[a-z]{3,6}"}
+            model=MODEL,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_tokens=8,
+            extra_body={"guided_regex": "[a-z]{3,6}"},
         ).choices[0]
-        assert out.message.tool_calls is None and re.fullmatch("[a-z]{3,6}", out.message.content or ""), out
+        assert out.message.tool_calls is None and re.fullmatch(
+            "[a-z]{3,6}", out.message.content or ""
+        ), out
         assert out.finish_reason == "stop"
 
 
 BAD = [
-    pytest.param({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name", "not in tools", id="unknown"),
-    pytest.param({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools", id="no-tools"),
+    pytest.param(
+        {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice.function.name",
+        "not in tools",
+        id="unknown",
+    ),
+    pytest.param(
+        {"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools", id="no-tools"
+    ),
     pytest.param({"tools": []}, "tools", "at least one", id="empty"),
     pytest.param({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "twice", id="twice"),
     pytest.param(
-        {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "letters, digits", id="name"
+        {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+        "tools[0].function.name",
+        "letters, digits",
+        id="name",
     ),
     pytest.param(
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+            ]
+        },
         "tools[0].function.parameters",
         "object",
         id="not-an-object",
     ),
     pytest.param(
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}]},
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}},
+                    },
+                }
+            ]
+        },
         "tools",
         "nonsense",
         id="bad-schema",
     ),
-    pytest.param({"response_format": {"type": "json_object"}}, "tools", "already gives one", id="two-constraints"),
+    pytest.param(
+        {"response_format": {"type": "json_object"}},
+        "tools",
+        "already gives one",
+        id="two-constraints",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("extra", "param", "reason"), BAD)
-def test_bad_tools_are_a_400_naming_the_field(http: httpx.Client, extra: dict[str, Any], param: str, reason: str) -> None:
-    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 8, **extra}
+def test_bad_tools_are_a_400_naming_the_field(
+    http: httpx.Client, extra: dict[str, Any], param: str, reason: str
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 8,
+        **extra,
+    }
     body = {k: v for k, v in body.items() if v is not None}
     for stream in (False, True):
         response = http.post("/v1/chat/completions", json={**body, "stream": stream})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and reason in error["message"], error
-    assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).status_code == 200
+    assert (
+        http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        ).status_code
+        == 200
+    )
 
 
 def _tool_series(http: httpx.Client) -> dict[tuple[str, str], float]:
@@ -210,15 +306,30 @@ def _tool_series(http: httpx.Client) -> dict[tuple[str, str], float]:
     return out
 
 
-def test_metrics_count_tool_answers_by_finish_reason_and_their_calls(oai: openai.OpenAI, http: httpx.Client) -> None:
+def test_metrics_count_tool_answers_by_finish_reason_and_their_calls(
+    oai: openai.OpenAI, http: httpx.Client
+) -> None:
     before = _tool_series(http)
     named: Any = {"type": "function", "function": {"name": "get_time"}}
     oai.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=3, max_tokens=MAX_TOKENS, logit_bias=STEADY
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=3,
+        max_tokens=MAX_TOKENS,
+        logit_bias=STEADY,
     )
-    oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=MAX_TOKENS)
-    oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=3, extra_body={"ignore_eos": True})
-    oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)  # no tools: not counted
+    oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=MAX_TOKENS
+    )
+    oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3
+    )  # no tools: not counted
     after = _tool_series(http)
 
     def delta(name: str, label: str = "") -> float:
@@ -238,7 +349,14 @@ def test_openai_agents_sdk_runs_a_tool_then_answers(server: ServerProcess) -> No
     "required"), the SDK runs the Python function with arguments that validate against its
     signature, sends the result back, and the next turn (tool_choice reset to auto) ends the
     run with a final answer."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     called: list[tuple[str, int]] = []
@@ -246,14 +364,21 @@ def test_openai_agents_sdk_runs_a_tool_then_answers(server: ServerProcess) -> No
     # Bounded, as the schema of a tool for a random model must be: an unbounded string would
     # run until max_tokens cuts the call.
     @function_tool
-    def get_weather(city: Annotated[str, Field(pattern="^[A-Z][a-z]{1,8}$")], days: Annotated[int, Field(ge=1, le=7)]) -> str:
+    def get_weather(
+        city: Annotated[str, Field(pattern="^[A-Z][a-z]{1,8}$")],
+        days: Annotated[int, Field(ge=1, le=7)],
+    ) -> str:
         """The weather in a city for the next days."""
         called.append((city, days))
         return f"sunny in {city} for {days} days"
 
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
     settings = ModelSettings(
-        tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=1.0, extra_body={"logit_bias": STEADY, "seed": 3}
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        extra_body={"logit_bias": STEADY, "seed": 3},
     )
     agent = Agent(
         name="weather",
@@ -263,18 +388,29 @@ def test_openai_agents_sdk_runs_a_tool_then_answers(server: ServerProcess) -> No
         model_settings=settings,
     )
     result = asyncio.run(Runner.run(agent, "Weather in Oslo?", max_turns=4))
-    assert len(called) == 1 and isinstance(called[0][0], str) and isinstance(called[0][1], int), (called, result.new_items)
+    assert len(called) == 1 and isinstance(called[0][0], str) and isinstance(called[0][1], int), (
+        called,
+        result.new_items,
+    )
     outputs = [item for item in result.new_items if item.type == "tool_call_output_item"]
     assert [item.output for item in outputs] == [f"sunny in {called[0][0]} for {called[0][1]} days"]
     assert isinstance(result.final_output, str)
 
 
-def test_langchain_bind_tools_gives_valid_calls_and_streamed_chunks_merge_to_them(server: ServerProcess) -> None:
+def test_langchain_bind_tools_gives_valid_calls_and_streamed_chunks_merge_to_them(
+    server: ServerProcess,
+) -> None:
     from langchain_core.messages import AIMessageChunk
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(
-        model=MODEL, base_url=f"{server.url}/v1", api_key="unused", max_tokens=MAX_TOKENS, temperature=1.0, seed=4, logit_bias=STEADY
+        model=MODEL,
+        base_url=f"{server.url}/v1",
+        api_key="unused",
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=4,
+        logit_bias=STEADY,
     )
     bound = llm.bind_tools([TOOLS[0]], tool_choice="get_weather")
     whole = bound.invoke("Weather in Oslo?")
@@ -287,7 +423,9 @@ def test_langchain_bind_tools_gives_valid_calls_and_streamed_chunks_merge_to_the
     assert [(c["name"], c["args"]) for c in merged.tool_calls] == [(call["name"], call["args"])]
 
 
-def test_pydantic_ai_agent_calls_its_tool_then_returns_a_validated_output(server: ServerProcess) -> None:
+def test_pydantic_ai_agent_calls_its_tool_then_returns_a_validated_output(
+    server: ServerProcess,
+) -> None:
     """pydantic-ai's agent over the OpenAI chat model, with a tool and a structured output
     (which pydantic-ai asks for as a ``final_result`` tool with ``tool_choice`` "required"):
     the first turn calls ``get_time`` (the bias favours its name where the grammar lets the
@@ -304,7 +442,9 @@ def test_pydantic_ai_agent_calls_its_tool_then_returns_a_validated_output(server
         zone: str = Field(max_length=12)
         hour: int = Field(ge=0, le=23)
 
-    model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key="unused"))
+    model = OpenAIChatModel(
+        MODEL, provider=OpenAIProvider(base_url=f"{server.url}/v1", api_key="unused")
+    )
     agent = Agent(model, instructions="Tell the time.", output_type=TimeAnswer)
     called: list[str] = []
 
@@ -320,7 +460,13 @@ def test_pydantic_ai_agent_calls_its_tool_then_returns_a_validated_output(server
     bias = {**STEADY, **_favouring("get_time")}
     # One call per turn: with parallel calls the first turn may call get_time twice. Seeded, so
     # each turn's draw is the same on every run.
-    settings = {"max_tokens": MAX_TOKENS, "temperature": 1.0, "logit_bias": bias, "parallel_tool_calls": False, "seed": 7}
+    settings = {
+        "max_tokens": MAX_TOKENS,
+        "temperature": 1.0,
+        "logit_bias": bias,
+        "parallel_tool_calls": False,
+        "seed": 7,
+    }
     result = agent.run_sync("What time is it?", model_settings=settings)  # type: ignore[arg-type]
     assert len(called) == 1 and isinstance(called[0], str), called
     assert isinstance(result.output, TimeAnswer)

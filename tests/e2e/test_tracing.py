@@ -84,7 +84,8 @@ def _state(
         rid="req-1",
         req_id=7,
         stream=stream,
-        sampling=sampling or SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=1234),
+        sampling=sampling
+        or SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=1234),
         created_time=T0,
         trace=TraceContext(traceparent=traceparent, tracestate=tracestate) if traceparent else None,
         tokenized_time=T0 + 0.002,
@@ -162,7 +163,10 @@ def test_span_tree_times_parent_events_and_attributes() -> None:
         assert child.kind == SpanKind.INTERNAL
         assert (child.start_time, child.end_time) == (_ns(start), _ns(end)), name
 
-    assert [(e.name, e.timestamp) for e in server.events] == [("retract", _ns(T0 + 0.045)), ("retract", _ns(T0 + 0.060))]
+    assert [(e.name, e.timestamp) for e in server.events] == [
+        ("retract", _ns(T0 + 0.045)),
+        ("retract", _ns(T0 + 0.060)),
+    ]
 
     assert dict(server.attributes) == {
         "gen_ai.operation.name": "generate",
@@ -205,10 +209,15 @@ def test_metrics_off_gives_only_tokenize_and_no_queue_time() -> None:
     assert server.name == f"text_completion {MODEL}"
     assert server.parent is None  # no traceparent: a new root
     assert list(children) == ["tokenize"]
-    assert (children["tokenize"].start_time, children["tokenize"].end_time) == (_ns(T0), _ns(T0 + 0.002))
+    assert (children["tokenize"].start_time, children["tokenize"].end_time) == (
+        _ns(T0),
+        _ns(T0 + 0.002),
+    )
     attrs = dict(server.attributes)
     assert "tokenpipe.queue_time" not in attrs
-    assert "gen_ai.request.seed" not in attrs and "gen_ai.request.top_k" not in attrs  # not set / disabled
+    assert (
+        "gen_ai.request.seed" not in attrs and "gen_ai.request.top_k" not in attrs
+    )  # not set / disabled
     assert "gen_ai.response.time_to_first_chunk" not in attrs
     assert attrs["gen_ai.operation.name"] == "text_completion"
     assert attrs["gen_ai.response.finish_reasons"] == ("stop",)
@@ -220,8 +229,11 @@ def test_metrics_off_gives_only_tokenize_and_no_queue_time() -> None:
 
 def test_embeddings_span_has_no_generation_attributes() -> None:
     ts = SchedulerTimeStats(
-        wait_queue_entry_time=T0 + 0.003, forward_entry_time=T0 + 0.004, prefill_finished_time=T0 + 0.009,
-        completion_time=T0 + 0.009, queue_time=0.001,
+        wait_queue_entry_time=T0 + 0.003,
+        forward_entry_time=T0 + 0.004,
+        prefill_finished_time=T0 + 0.009,
+        completion_time=T0 + 0.009,
+        queue_time=0.001,
     )
     state = _state(time_stats=ts, first_token=None)
     state.completion_tokens = 0
@@ -244,19 +256,36 @@ def test_embeddings_span_has_no_generation_attributes() -> None:
 def test_pd_decode_request_has_no_prefill_stage_and_decodes_from_its_install() -> None:
     # The prefill server finished its prefill (its clock) before the KV reached this server.
     ts = SchedulerTimeStats(
-        wait_queue_entry_time=T0 + 0.003, forward_entry_time=T0 + 0.012, prefill_finished_time=T0 + 0.008,
-        completion_time=T0 + 0.099, queue_time=0.009, bootstrap_done_time=T0 + 0.011, decode_prebuilt_finish_time=T0 + 0.012,
+        wait_queue_entry_time=T0 + 0.003,
+        forward_entry_time=T0 + 0.012,
+        prefill_finished_time=T0 + 0.008,
+        completion_time=T0 + 0.099,
+        queue_time=0.009,
+        bootstrap_done_time=T0 + 0.011,
+        decode_prebuilt_finish_time=T0 + 0.012,
     )
     _, children = _split(_export(_state(time_stats=ts)))
     assert list(children) == ["tokenize", "queue", "decode"]
-    assert (children["queue"].start_time, children["queue"].end_time) == (_ns(T0 + 0.002), _ns(T0 + 0.012))
-    assert (children["decode"].start_time, children["decode"].end_time) == (_ns(T0 + 0.012), _ns(T0 + 0.099))
+    assert (children["queue"].start_time, children["queue"].end_time) == (
+        _ns(T0 + 0.002),
+        _ns(T0 + 0.012),
+    )
+    assert (children["decode"].start_time, children["decode"].end_time) == (
+        _ns(T0 + 0.012),
+        _ns(T0 + 0.099),
+    )
 
 
 def test_aborted_request_has_error_status_and_stops_in_the_stage_it_was_in() -> None:
     # Aborted while waiting: never reached a forward pass.
-    waiting = SchedulerTimeStats(wait_queue_entry_time=T0 + 0.003, completion_time=T0 + 0.050, queue_time=0.047)
-    state = _state(time_stats=waiting, finished_reason=FinishAbort(message="aborted by client", status_code=499), first_token=None)
+    waiting = SchedulerTimeStats(
+        wait_queue_entry_time=T0 + 0.003, completion_time=T0 + 0.050, queue_time=0.047
+    )
+    state = _state(
+        time_stats=waiting,
+        finished_reason=FinishAbort(message="aborted by client", status_code=499),
+        first_token=None,
+    )
     state.completion_tokens = 0
     server, children = _split(_export(state))
     assert server.status.status_code == StatusCode.ERROR
@@ -264,13 +293,21 @@ def test_aborted_request_has_error_status_and_stops_in_the_stage_it_was_in() -> 
     assert server.attributes["gen_ai.response.finish_reasons"] == ("abort",)
     assert server.attributes["gen_ai.usage.output_tokens"] == 0
     assert list(children) == ["tokenize", "queue"]
-    assert (children["queue"].start_time, children["queue"].end_time) == (_ns(T0 + 0.002), _ns(T0 + 0.050))
+    assert (children["queue"].start_time, children["queue"].end_time) == (
+        _ns(T0 + 0.002),
+        _ns(T0 + 0.050),
+    )
 
     # Aborted mid-prefill: the prefill span ends at the abort, and there is no decode.
     mid_prefill = SchedulerTimeStats(
-        wait_queue_entry_time=T0 + 0.003, forward_entry_time=T0 + 0.004, completion_time=T0 + 0.030, queue_time=0.001
+        wait_queue_entry_time=T0 + 0.003,
+        forward_entry_time=T0 + 0.004,
+        completion_time=T0 + 0.030,
+        queue_time=0.001,
     )
-    state = _state(time_stats=mid_prefill, finished_reason=FinishAbort(message="gone"), first_token=None)
+    state = _state(
+        time_stats=mid_prefill, finished_reason=FinishAbort(message="gone"), first_token=None
+    )
     server, children = _split(_export(state))
     assert server.status.status_code == StatusCode.ERROR
     assert list(children) == ["tokenize", "queue", "prefill"]
@@ -279,7 +316,9 @@ def test_aborted_request_has_error_status_and_stops_in_the_stage_it_was_in() -> 
 
 def test_parent_sampled_out_or_invalid_traceparent() -> None:
     traceparent, _, _ = _traceparent(sampled=False)
-    assert _export(_state(time_stats=FULL_TIME_STATS, traceparent=traceparent)) == []  # the caller chose not to sample
+    assert (
+        _export(_state(time_stats=FULL_TIME_STATS, traceparent=traceparent)) == []
+    )  # the caller chose not to sample
 
     server, _ = _split(_export(_state(time_stats=FULL_TIME_STATS, traceparent="00-garbage-xyz-01")))
     assert server.parent is None  # an unparseable parent starts a new trace rather than failing
@@ -319,7 +358,9 @@ class _StuckExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def test_stuck_collector_blocks_neither_on_finish_nor_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stuck_collector_blocks_neither_on_finish_nor_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(tracing, "SHUTDOWN_TIMEOUT_S", 0.5)
     exporter = _StuckExporter()
     tracer = RequestTracer(_config(), MODEL, exporter=exporter)
@@ -340,10 +381,14 @@ def test_stuck_collector_blocks_neither_on_finish_nor_shutdown(monkeypatch: pyte
         exporter.release.set()
 
 
-def test_full_queue_warns_once_not_per_span(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_full_queue_warns_once_not_per_span(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "8")  # read by the SDK's BatchSpanProcessor
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "8")
-    monkeypatch.setattr(tracing._queue_full_filter, "_last", float("-inf"))  # forget earlier tests' warnings
+    monkeypatch.setattr(
+        tracing._queue_full_filter, "_last", float("-inf")
+    )  # forget earlier tests' warnings
     exporter = _StuckExporter()
     tracer = RequestTracer(_config(), MODEL, exporter=exporter)
     try:
@@ -357,9 +402,13 @@ def test_full_queue_warns_once_not_per_span(monkeypatch: pytest.MonkeyPatch, cap
 
 
 def test_grpc_protocol_builds_a_grpc_exporter() -> None:
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcExporter,
+    )
 
-    config = ServerConfig(otlp_traces_endpoint=f"http://127.0.0.1:{free_port()}", otlp_traces_protocol="grpc")
+    config = ServerConfig(
+        otlp_traces_endpoint=f"http://127.0.0.1:{free_port()}", otlp_traces_protocol="grpc"
+    )
     tracer = RequestTracer(config, MODEL)
     try:
         assert isinstance(tracer._processor.span_exporter, GrpcExporter)
@@ -373,8 +422,12 @@ def test_grpc_protocol_builds_a_grpc_exporter() -> None:
 
 
 def test_real_otlp_http_export_with_gzip(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")  # read by the SDK's exporter
-    monkeypatch.setenv("OTEL_SERVICE_NAME", "tokenpipe-custom")  # read by the SDK's resource detector
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip"
+    )  # read by the SDK's exporter
+    monkeypatch.setenv(
+        "OTEL_SERVICE_NAME", "tokenpipe-custom"
+    )  # read by the SDK's resource detector
     traceparent, trace_id, parent_span_id = _traceparent()
     state = _state(time_stats=FULL_TIME_STATS, traceparent=traceparent, retract_times=[T0 + 0.05])
     with OtlpReceiver() as rx:
@@ -385,11 +438,19 @@ def test_real_otlp_http_export_with_gzip(monkeypatch: pytest.MonkeyPatch) -> Non
     server = next(s for s in spans if s.kind == "SERVER")
     assert (server.trace_id, server.parent_span_id) == (trace_id, parent_span_id)
     assert server.resource["service.name"] == "tokenpipe-custom"
-    assert server.attributes == {**span_attributes(state, MODEL), "gen_ai.response.finish_reasons": ["length"]}
+    assert server.attributes == {
+        **span_attributes(state, MODEL),
+        "gen_ai.response.finish_reasons": ["length"],
+    }
     assert isinstance(server.attributes["gen_ai.request.stream"], bool)
     assert isinstance(server.attributes["gen_ai.request.temperature"], float)
     assert [(e.name, e.time_ns) for e in server.events] == [("retract", _ns(T0 + 0.05))]
-    assert sorted(s.name for s in spans if s.parent_span_id == server.span_id) == ["decode", "prefill", "queue", "tokenize"]
+    assert sorted(s.name for s in spans if s.parent_span_id == server.span_id) == [
+        "decode",
+        "prefill",
+        "queue",
+        "tokenize",
+    ]
 
 
 # --- end to end through a real server ----------------------------------------------------
@@ -427,10 +488,26 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
     ).wait_ready()
     try:
         bodies = [
-            {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}},
+            {
+                "text": PROMPT,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            },
             # The same prompt again: served partly from the prefix cache.
-            {"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 0.8, "top_k": 40, "seed": 7, "ignore_eos": True}},
-            {"text": PROMPT + " streamed", "stream": True, "sampling_params": {"max_new_tokens": 7, "ignore_eos": True}},
+            {
+                "text": PROMPT,
+                "sampling_params": {
+                    "max_new_tokens": 5,
+                    "temperature": 0.8,
+                    "top_k": 40,
+                    "seed": 7,
+                    "ignore_eos": True,
+                },
+            },
+            {
+                "text": PROMPT + " streamed",
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 7, "ignore_eos": True},
+            },
         ]
         sent = []
         with server.client() as client:
@@ -441,32 +518,55 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
                 sent.append((body, meta, trace_id, parent_span_id))
             # A structured output: its span says which kind and how long its grammar took.
             traceparent, constrained_trace_id, _ = _traceparent()
-            constrained = {"messages": [{"role": "user", "content": "A code"}], "max_tokens": 16, "guided_regex": r"\d{3}-[a-z]{4}"}
-            answer = client.post("/v1/chat/completions", json=constrained, headers={"traceparent": traceparent})
+            constrained = {
+                "messages": [{"role": "user", "content": "A code"}],
+                "max_tokens": 16,
+                "guided_regex": r"\d{3}-[a-z]{4}",
+            }
+            answer = client.post(
+                "/v1/chat/completions", json=constrained, headers={"traceparent": traceparent}
+            )
             assert answer.status_code == 200, answer.text
             # The Responses API runs as chat: its span says so, and its route tells it apart.
             traceparent, responses_trace_id, _ = _traceparent()
-            responded = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 5}, headers={"traceparent": traceparent})
+            responded = client.post(
+                "/v1/responses",
+                json={"input": "Hi", "max_output_tokens": 5},
+                headers={"traceparent": traceparent},
+            )
             assert responded.status_code == 200, responded.text
         trace_ids = {t for _, _, t, _ in sent}
         spans = receiver.wait_for(
-            lambda got: {s.trace_id for s in got if s.kind == "SERVER"} >= trace_ids | {constrained_trace_id, responses_trace_id}
-            and sum(s.trace_id in trace_ids for s in got) >= 15,
+            lambda got: (
+                {s.trace_id for s in got if s.kind == "SERVER"}
+                >= trace_ids | {constrained_trace_id, responses_trace_id}
+                and sum(s.trace_id in trace_ids for s in got) >= 15
+            ),
             timeout=15,
         )
     finally:
         server.stop()
     assert sent[1][1]["cached_tokens"] > 0  # the second request really hit the prefix cache
-    (constrained_root,) = [s for s in spans if s.trace_id == constrained_trace_id and s.kind == "SERVER"]
+    (constrained_root,) = [
+        s for s in spans if s.trace_id == constrained_trace_id and s.kind == "SERVER"
+    ]
     assert constrained_root.name == f"chat {MODEL}"
     assert constrained_root.attributes["tokenpipe.constraint.kind"] == "regex"
     assert constrained_root.attributes["http.route"] == "/v1/chat/completions"
-    (responses_root,) = [s for s in spans if s.trace_id == responses_trace_id and s.kind == "SERVER"]
-    assert responses_root.name == f"chat {MODEL}" and responses_root.attributes["http.route"] == "/v1/responses"
+    (responses_root,) = [
+        s for s in spans if s.trace_id == responses_trace_id and s.kind == "SERVER"
+    ]
+    assert (
+        responses_root.name == f"chat {MODEL}"
+        and responses_root.attributes["http.route"] == "/v1/responses"
+    )
     usage = responded.json()["usage"]
     assert responses_root.attributes["gen_ai.usage.output_tokens"] == usage["output_tokens"] == 5
     assert responses_root.attributes["gen_ai.usage.input_tokens"] == usage["input_tokens"]
-    assert isinstance(constrained_root.attributes["tokenpipe.grammar_wait"], float) and constrained_root.attributes["tokenpipe.grammar_wait"] >= 0
+    assert (
+        isinstance(constrained_root.attributes["tokenpipe.grammar_wait"], float)
+        and constrained_root.attributes["tokenpipe.grammar_wait"] >= 0
+    )
 
     for i, (body, meta, trace_id, parent_span_id) in enumerate(sent):
         mine = [s for s in spans if s.trace_id == trace_id]
@@ -489,7 +589,12 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
         assert abs(children["prefill"].end_ns - _ns(meta["prefill_finished_time"])) <= 1000
         assert children["queue"].end_ns == children["prefill"].start_ns
         assert children["decode"].start_ns == children["prefill"].end_ns
-        assert root.start_ns == children["tokenize"].start_ns <= children["tokenize"].end_ns == children["queue"].start_ns
+        assert (
+            root.start_ns
+            == children["tokenize"].start_ns
+            <= children["tokenize"].end_ns
+            == children["queue"].start_ns
+        )
         assert children["decode"].end_ns <= root.end_ns
         assert len([e for e in root.events if e.name == "retract"]) == meta["num_retractions"]
 
@@ -499,38 +604,62 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
         assert attrs["gen_ai.provider.name"] == "tokenpipe"
         assert attrs["gen_ai.request.model"] == MODEL
         assert attrs["gen_ai.request.max_tokens"] == sampling["max_new_tokens"]
-        assert attrs["gen_ai.request.temperature"] == pytest.approx(sampling.get("temperature", 1.0))
+        assert attrs["gen_ai.request.temperature"] == pytest.approx(
+            sampling.get("temperature", 1.0)
+        )
         assert attrs.get("gen_ai.request.top_k") == sampling.get("top_k")
         assert attrs.get("gen_ai.request.seed") == sampling.get("seed")
         assert attrs["gen_ai.request.stream"] is bool(body.get("stream"))
         assert attrs["gen_ai.response.id"] == meta["id"]
         assert attrs["gen_ai.response.finish_reasons"] == [meta["finish_reason"]["type"]]
         assert attrs["gen_ai.usage.input_tokens"] == meta["prompt_tokens"]
-        assert attrs["gen_ai.usage.output_tokens"] == meta["completion_tokens"] == sampling["max_new_tokens"]
+        assert (
+            attrs["gen_ai.usage.output_tokens"]
+            == meta["completion_tokens"]
+            == sampling["max_new_tokens"]
+        )
         assert attrs["gen_ai.usage.cache_read.input_tokens"] == meta["cached_tokens"]
         assert attrs["tokenpipe.num_retractions"] == meta["num_retractions"]
         assert attrs["tokenpipe.queue_time"] == pytest.approx(meta["queue_time"], abs=1e-9)
-        assert "tokenpipe.constraint.kind" not in attrs and "tokenpipe.grammar_wait" not in attrs  # unconstrained
-        assert attrs["gen_ai.response.time_to_first_chunk"] == pytest.approx(meta["first_token_latency"], abs=1e-9)
+        assert (
+            "tokenpipe.constraint.kind" not in attrs and "tokenpipe.grammar_wait" not in attrs
+        )  # unconstrained
+        assert attrs["gen_ai.response.time_to_first_chunk"] == pytest.approx(
+            meta["first_token_latency"], abs=1e-9
+        )
         details = meta["cached_tokens_details"]
-        detail_attrs = {k.rsplit(".", 1)[1]: v for k, v in attrs.items() if k.startswith("tokenpipe.cached_tokens_details.")}
-        assert detail_attrs == ({k: v for k, v in details.items() if v is not None} if details else {})
+        detail_attrs = {
+            k.rsplit(".", 1)[1]: v
+            for k, v in attrs.items()
+            if k.startswith("tokenpipe.cached_tokens_details.")
+        }
+        assert detail_attrs == (
+            {k: v for k, v in details.items() if v is not None} if details else {}
+        )
 
 
 def test_spans_queued_at_shutdown_are_flushed(tmp_path: Path, receiver: OtlpReceiver) -> None:
     server = ServerProcess(
         tmp_path / "tmp",
         ["--otlp-traces-endpoint", receiver.endpoint],
-        env={"OTEL_BSP_SCHEDULE_DELAY": "60000"},  # no scheduled export: only the shutdown flush sends
+        env={
+            "OTEL_BSP_SCHEDULE_DELAY": "60000"
+        },  # no scheduled export: only the shutdown flush sends
     ).wait_ready()
     try:
         traceparent, trace_id, _ = _traceparent()
         with server.client() as client:
-            _generate(client, {"text": "last request before shutdown", "sampling_params": {"max_new_tokens": 3}}, {"traceparent": traceparent})
+            _generate(
+                client,
+                {"text": "last request before shutdown", "sampling_params": {"max_new_tokens": 3}},
+                {"traceparent": traceparent},
+            )
     finally:
         server.stop()
     # The API exits only after its flush, so the span is there by the time stop() returns.
-    receiver.wait_for(lambda got: any(s.trace_id == trace_id and s.kind == "SERVER" for s in got), timeout=0.5)
+    receiver.wait_for(
+        lambda got: any(s.trace_id == trace_id and s.kind == "SERVER" for s in got), timeout=0.5
+    )
 
 
 def test_unreachable_collector_does_not_slow_requests(tmp_path: Path) -> None:
@@ -543,16 +672,24 @@ def test_unreachable_collector_does_not_slow_requests(tmp_path: Path) -> None:
     try:
         with server.client() as client:
             for i in range(5):
-                body = {"text": f"request {i} to a server whose collector is down", "stream": i % 2 == 1,
-                        "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+                body = {
+                    "text": f"request {i} to a server whose collector is down",
+                    "stream": i % 2 == 1,
+                    "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
+                }
                 traceparent, _, _ = _traceparent()
                 meta, took = _generate(client, body, {"traceparent": traceparent})
                 assert meta["completion_tokens"] == 8
                 assert took < 2.0, f"request {i} took {took:.2f} s"
             # The exporter did try (and failed) while the requests ran: it only logs.
-            assert wait_until(lambda: "export" in server.output().lower() and "span" in server.output().lower(), 10.0), server.output()
+            assert wait_until(
+                lambda: "export" in server.output().lower() and "span" in server.output().lower(),
+                10.0,
+            ), server.output()
             assert client.get("/health").status_code == 200
-            meta, took = _generate(client, {"text": "still fine", "sampling_params": {"max_new_tokens": 2}}, {})
+            meta, took = _generate(
+                client, {"text": "still fine", "sampling_params": {"max_new_tokens": 2}}, {}
+            )
             assert took < 2.0
         start = time.perf_counter()
         assert server.stop() == 0

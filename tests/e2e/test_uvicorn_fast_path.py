@@ -22,8 +22,17 @@ TOKENS = 16
 TIMEOUT = 30.0  # per request: a stuck stream fails the test soon
 
 STREAMS = {
-    "/generate": {"text": "Once upon a time", "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True}},
-    "/v1/completions": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True},
+    "/generate": {
+        "text": "Once upon a time",
+        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0, "ignore_eos": True},
+    },
+    "/v1/completions": {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    },
     "/v1/chat/completions": {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Good morning"}],
@@ -45,7 +54,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def write_paths(client: httpx.Client) -> dict[str, float]:
     """``tokenpipe:sse_streams_total`` by ``write_path``."""
     text = client.get("/metrics").text
-    found = re.findall(r'^tokenpipe:sse_streams_total\{[^}]*write_path="(\w+)"[^}]*\} (\S+)$', text, re.MULTILINE)
+    found = re.findall(
+        r'^tokenpipe:sse_streams_total\{[^}]*write_path="(\w+)"[^}]*\} (\S+)$', text, re.MULTILINE
+    )
     return {path: float(value) for path, value in found}
 
 
@@ -76,14 +87,18 @@ def test_a_stream_takes_the_direct_path(srv: ServerProcess, path: str) -> None:
         whole = whole_text(client, path)
         logged_before = len(srv.output())
         before = write_paths(client)
-        assert set(before) == {"direct", "asgi"}, "no tokenpipe:sse_streams_total{write_path} in /metrics"
+        assert set(before) == {"direct", "asgi"}, (
+            "no tokenpipe:sse_streams_total{write_path} in /metrics"
+        )
         streamed = streamed_text(client, path)
         after = write_paths(client)
     assert after["asgi"] == before["asgi"], (
         f"a {path} stream went through ASGI send, not straight to the socket: has uvicorn changed "
         "what pipeline/http/uvicorn_internals.py uses?"
     )
-    assert after["direct"] == before["direct"] + 1, f"the {path} stream was not counted: is SseResponse given on_write_path?"
+    assert after["direct"] == before["direct"] + 1, (
+        f"the {path} stream was not counted: is SseResponse given on_write_path?"
+    )
     # A direct path chosen, then failing as it writes (an after-frame callback's error, logged),
     # would still deliver every event, all at the stream's end, through send.
     logged = srv.output()[logged_before:]

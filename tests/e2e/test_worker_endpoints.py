@@ -37,7 +37,10 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Long enough to still run while a test looks at it (it is aborted once the test is done).
 LONG_BODY = {"text": "A long one", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
 # About 500 tokens: well past one prefill chunk, so a cache hit is unmistakable.
-REPEATED = {"text": " ".join(f"word{i}" for i in range(200)), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+REPEATED = {
+    "text": " ".join(f"word{i}" for i in range(200)),
+    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+}
 IDLE_LOAD = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
 REFUSED = "Cache not flushed because there are pending requests. "
 
@@ -54,7 +57,11 @@ def test_flush_drops_every_tier_and_gives_the_slots_back(tmp_path: Path) -> None
     assert min(tiers.values()) > 0, tiers
     result = s.flush_cache(FlushCacheControl(control_id=7))
     assert result == FlushCacheResult(
-        control_id=7, ok=True, device_tokens=tiers["device"], host_tokens=tiers["host"], storage_tokens=tiers["storage"]
+        control_id=7,
+        ok=True,
+        device_tokens=tiers["device"],
+        host_tokens=tiers["host"],
+        storage_tokens=tiers["storage"],
     )
     assert s.kv.num_used == 0 and s.hicache.host.num_used == 0 and s.cache.total_size == 0
     assert s.hicache.tier_sizes() == {"device": 0, "host": 0, "storage": 0}
@@ -72,7 +79,9 @@ def test_flush_is_refused_while_a_request_is_live_and_drops_nothing() -> None:
     cached = s.cache.total_size
     submit(s, 2, PROMPT[:50], max_new=4)  # waiting: no step has admitted it yet
     queued = s.flush_cache(FlushCacheControl(control_id=1))
-    assert queued == FlushCacheResult(control_id=1, ok=False, error=REFUSED + "#queue-req: 1, #running-req: 0")
+    assert queued == FlushCacheResult(
+        control_id=1, ok=False, error=REFUSED + "#queue-req: 1, #running-req: 0"
+    )
     s.step()  # admitted: running now
     running = s.flush_cache(FlushCacheControl(control_id=2))
     assert running.error == REFUSED + "#queue-req: 0, #running-req: 1" and not running.ok
@@ -139,7 +148,9 @@ def load(srv: ServerProcess) -> dict[str, int]:
 
 
 @contextmanager
-def long_requests(srv: ServerProcess, *bodies: dict[str, Any]) -> Iterator[list[Future[httpx.Response]]]:
+def long_requests(
+    srv: ServerProcess, *bodies: dict[str, Any]
+) -> Iterator[list[Future[httpx.Response]]]:
     """Requests that run (or wait) until the block ends, then are aborted by rid."""
     with ThreadPoolExecutor(len(bodies)) as pool:
         futures = [pool.submit(post_generate, srv, body) for body in bodies]
@@ -154,8 +165,15 @@ def long_requests(srv: ServerProcess, *bodies: dict[str, Any]) -> Iterator[list[
 
 
 def test_worker_endpoints_need_the_api_key(workers: list[ServerProcess]) -> None:
-    for method, path in (("GET", "/server_info"), ("GET", "/get_server_info"), ("GET", "/model_info"),
-                         ("GET", "/get_model_info"), ("GET", "/get_load"), ("POST", "/flush_cache"), ("GET", "/flush_cache")):
+    for method, path in (
+        ("GET", "/server_info"),
+        ("GET", "/get_server_info"),
+        ("GET", "/model_info"),
+        ("GET", "/get_model_info"),
+        ("GET", "/get_load"),
+        ("POST", "/flush_cache"),
+        ("GET", "/flush_cache"),
+    ):
         resp = httpx.request(method, workers[0].url + path, timeout=30)
         assert resp.status_code == 401, (path, resp.text)
         assert resp.json()["error"]["code"] == 401
@@ -173,7 +191,13 @@ def test_server_info_is_sglangs_shape_under_both_names(workers: list[ServerProce
         assert answer["disaggregation_mode"] == "null" and answer["is_generation"] is True
         assert answer["model_type"] == "llama" and answer["architectures"] == ["LlamaForCausalLM"]
         # What tokenpipe's own clients read, unchanged.
-        assert {"live_requests", "aborted_requests", "scheduler", "context_length", "vocab_size"} <= answer.keys()
+        assert {
+            "live_requests",
+            "aborted_requests",
+            "scheduler",
+            "context_length",
+            "vocab_size",
+        } <= answer.keys()
         assert "api_key" not in answer
     assert {k: v for k, v in info.items() if k not in ("live_requests", "scheduler")} == {
         k: v for k, v in legacy.items() if k not in ("live_requests", "scheduler")
@@ -183,27 +207,33 @@ def test_server_info_is_sglangs_shape_under_both_names(workers: list[ServerProce
 def test_model_info_is_sglangs_shape_under_both_names(workers: list[ServerProcess]) -> None:
     with client(workers[0]) as c:
         info, legacy = c.get("/model_info").json(), c.get("/get_model_info").json()
-    assert info == legacy == {
-        "model_path": str(DEFAULT_TOKENIZER_DIR),
-        "tokenizer_path": str(DEFAULT_TOKENIZER_DIR),
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": "default",
-        "has_image_understanding": True,  # the shipped tokenizer has the media placeholders
-        "has_audio_understanding": True,
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "served_model_name": DEFAULT_MODEL_NAME,
-        "max_context_length": info["max_context_length"],
-        "vocab_size": info["vocab_size"],
-    }
+    assert (
+        info
+        == legacy
+        == {
+            "model_path": str(DEFAULT_TOKENIZER_DIR),
+            "tokenizer_path": str(DEFAULT_TOKENIZER_DIR),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": True,  # the shipped tokenizer has the media placeholders
+            "has_audio_understanding": True,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "served_model_name": DEFAULT_MODEL_NAME,
+            "max_context_length": info["max_context_length"],
+            "vocab_size": info["vocab_size"],
+        }
+    )
     with client(workers[0]) as c:
         v1 = c.get("/v1/models").json()["data"][0]
     assert v1["id"] == info["served_model_name"]
 
 
 def test_an_embedding_server_is_not_generation(tmp_path: Path) -> None:
-    srv = ServerProcess(tmp_path / "tmp", ["--mode", "embedding", "--served-model-name", "embedder"]).wait_ready()
+    srv = ServerProcess(
+        tmp_path / "tmp", ["--mode", "embedding", "--served-model-name", "embedder"]
+    ).wait_ready()
     try:
         with srv.client() as c:
             info, server = c.get("/model_info").json(), c.get("/get_server_info").json()
@@ -218,9 +248,15 @@ def test_get_load_counts_running_and_waiting_requests(workers: list[ServerProces
     assert wait_until(lambda: load(srv) == IDLE_LOAD, timeout=30)
     queued_prompt = list(range(100, 150))
     running = {**LONG_BODY, "rid": "load-running"}
-    waiting = {"input_ids": queued_prompt, "sampling_params": {"max_new_tokens": 4}, "rid": "load-waiting"}
+    waiting = {
+        "input_ids": queued_prompt,
+        "sampling_params": {"max_new_tokens": 4},
+        "rid": "load-waiting",
+    }
     with long_requests(srv, running):
-        assert wait_until(lambda: load(srv)["num_tokens"] > 0 and load(srv)["num_waiting_reqs"] == 0, timeout=60)
+        assert wait_until(
+            lambda: load(srv)["num_tokens"] > 0 and load(srv)["num_waiting_reqs"] == 0, timeout=60
+        )
         with long_requests(srv, waiting):
             # The waiting prompt counts in full; the running request's KV comes with it.
             assert wait_until(lambda: load(srv)["num_tokens"] > len(queued_prompt), timeout=60)
@@ -236,12 +272,18 @@ def test_flush_cache_drops_the_prefix_cache(workers: list[ServerProcess]) -> Non
     with client(srv) as c:
         resp = c.post("/flush_cache")
         assert resp.status_code == 200, resp.text
-        assert resp.json()["message"] == "Cache flushed." and resp.json()["flushed_tokens"]["device"] > 0
+        assert (
+            resp.json()["message"] == "Cache flushed."
+            and resp.json()["flushed_tokens"]["device"] > 0
+        )
         assert generate(srv, REPEATED)["cached_tokens"] == 0
         # GET does the same (SGLang takes both), and the scheduler reports the empty cache
         # at once, though it is idle.
         assert c.get("/flush_cache").status_code == 200
-        assert wait_until(lambda: c.get("/server_info").json()["scheduler"]["cached_tokens_in_tree"] == 0, timeout=30)
+        assert wait_until(
+            lambda: c.get("/server_info").json()["scheduler"]["cached_tokens_in_tree"] == 0,
+            timeout=30,
+        )
         assert c.post("/flush_cache", json={"all": True}).status_code == 400  # no such option
 
 
@@ -255,7 +297,9 @@ def test_flush_cache_is_refused_while_a_request_runs(workers: list[ServerProcess
         error = resp.json()["error"]
         assert error["message"] == REFUSED + "#queue-req: 0, #running-req: 1"
         assert error["type"] == "invalid_request_error" and error["code"] == 400
-        assert c.post("/abort_request", json={"rid": "flush-blocker"}).json() == {"aborted": "flush-blocker"}, "it ended first"
+        assert c.post("/abort_request", json={"rid": "flush-blocker"}).json() == {
+            "aborted": "flush-blocker"
+        }, "it ended first"
     assert generate(srv, REPEATED)["cached_tokens"] > 0, "a refused flush dropped the cache"
 
 
@@ -263,14 +307,20 @@ def test_flush_cache_is_refused_while_a_request_runs(workers: list[ServerProcess
 
 
 @pytest.fixture(scope="module")
-def sglang_router(workers: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
+def sglang_router(
+    workers: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SglangRouter]:
     log = tmp_path_factory.mktemp("sglang-router") / "router.log"
-    router = SglangRouter(["--worker-urls", *(w.url for w in workers)], log, api_key=API_KEY, log_level="debug")
+    router = SglangRouter(
+        ["--worker-urls", *(w.url for w in workers)], log, api_key=API_KEY, log_level="debug"
+    )
     try:
         # Registered: each worker's /server_info and /model_info read, its tokenizer loaded.
         registered = wait_until(
-            lambda: len([w for w in router.workers() if w["is_healthy"]]) == 2
-            and router.output().count("Successfully registered tokenizer") >= 1,
+            lambda: (
+                len([w for w in router.workers() if w["is_healthy"]]) == 2
+                and router.output().count("Successfully registered tokenizer") >= 1
+            ),
             timeout=120,
             interval=0.2,
         )
@@ -280,21 +330,32 @@ def sglang_router(workers: list[ServerProcess], tmp_path_factory: pytest.TempPat
         router.stop()
 
 
-def test_router_registers_the_workers_with_their_model_and_tokenizer(sglang_router: SglangRouter, workers: list[ServerProcess]) -> None:
+def test_router_registers_the_workers_with_their_model_and_tokenizer(
+    sglang_router: SglangRouter, workers: list[ServerProcess]
+) -> None:
     registered = {w["url"]: w for w in sglang_router.workers()}
     assert registered.keys() == {w.url for w in workers}
     for worker in registered.values():
         assert worker["model_id"] == DEFAULT_MODEL_NAME  # from /server_info's served_model_name
-        assert worker["metadata"]["dp_size"] == "1" and worker["metadata"]["model_path"] == str(DEFAULT_TOKENIZER_DIR)
+        assert worker["metadata"]["dp_size"] == "1" and worker["metadata"]["model_path"] == str(
+            DEFAULT_TOKENIZER_DIR
+        )
     log = sglang_router.output()
     # It loads the tokenizer from the model_path of /server_info: the shipped tokenizer's directory.
-    assert f"Successfully registered tokenizer for model {DEFAULT_MODEL_NAME} from {DEFAULT_TOKENIZER_DIR}" in log
-    assert "HuggingFace" not in log and "returned 404" not in log, "a worker endpoint was missing or the tokenizer was not local"
+    assert (
+        f"Successfully registered tokenizer for model {DEFAULT_MODEL_NAME} from {DEFAULT_TOKENIZER_DIR}"
+        in log
+    )
+    assert "HuggingFace" not in log and "returned 404" not in log, (
+        "a worker endpoint was missing or the tokenizer was not local"
+    )
     with sglang_router.client() as c:
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [DEFAULT_MODEL_NAME]
 
 
-def test_router_get_loads_shows_the_workers_loads(sglang_router: SglangRouter, workers: list[ServerProcess]) -> None:
+def test_router_get_loads_shows_the_workers_loads(
+    sglang_router: SglangRouter, workers: list[ServerProcess]
+) -> None:
     def loads() -> dict[str, int]:
         with sglang_router.client() as c:
             return {w["worker"]: w["load"] for w in c.get("/get_loads").json()["workers"]}
@@ -308,7 +369,9 @@ def test_router_get_loads_shows_the_workers_loads(sglang_router: SglangRouter, w
     assert wait_until(lambda: loads() == {busy.url: 0, idle.url: 0}, timeout=30), loads()
 
 
-def test_router_flush_cache_flushes_every_worker(sglang_router: SglangRouter, workers: list[ServerProcess]) -> None:
+def test_router_flush_cache_flushes_every_worker(
+    sglang_router: SglangRouter, workers: list[ServerProcess]
+) -> None:
     for srv in workers:
         generate(srv, REPEATED)
         assert generate(srv, REPEATED)["cached_tokens"] > 0
@@ -322,6 +385,8 @@ def test_router_flush_cache_flushes_every_worker(sglang_router: SglangRouter, wo
         resp = c.post("/flush_cache")
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    assert body["status"] == "success" and body["workers_flushed"] == body["total_http_workers"] == 2, body
+    assert (
+        body["status"] == "success" and body["workers_flushed"] == body["total_http_workers"] == 2
+    ), body
     for srv in workers:
         assert generate(srv, REPEATED)["cached_tokens"] == 0

@@ -21,7 +21,10 @@ ATOL = 1e-5
 
 def rotary_tables(positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Any finite rows do: attention reads only the layout's slot table, mask and lengths.
-    angles = torch.arange(positions, dtype=torch.float32)[:, None] * torch.linspace(0.1, 1.0, HEAD_DIM)[None, :]
+    angles = (
+        torch.arange(positions, dtype=torch.float32)[:, None]
+        * torch.linspace(0.1, 1.0, HEAD_DIM)[None, :]
+    )
     return angles.cos(), angles.sin()
 
 
@@ -55,7 +58,9 @@ def decode_batch(pool: Pool, prefixes: list[torch.Tensor]) -> tuple[ForwardBatch
     return batch, AttentionLayout.from_batch(batch, cos, sin, pool.dtype)
 
 
-def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
     """Textbook float64 attention of each sequence's one new token over its own keys."""
     out = []
     groups = HEADS // KV_HEADS
@@ -68,12 +73,21 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
     return torch.stack(out)
 
 
-def run(path: str, pool: Pool, layout: AttentionLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def run(
+    path: str,
+    pool: Pool,
+    layout: AttentionLayout,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
     """One path on copies of the pool (both paths write the new keys first)."""
     k_cache, v_cache = pool.k.clone(), pool.v.clone()
     scale = HEAD_DIM**-0.5
     if path == "decode":
-        assert layout.is_decode and layout.row_kv is None  # the pool gather; test_row_kv.py reads the copy
+        assert (
+            layout.is_decode and layout.row_kv is None
+        )  # the pool gather; test_row_kv.py reads the copy
         return pool_attention(q, k, v, layout, k_cache, v_cache, scale, 0)
     return padded_attention(q, k, v, layout, k_cache, v_cache, scale)
 
@@ -106,7 +120,9 @@ def test_decode_path_writes_the_new_keys_and_values() -> None:
     assert torch.equal(k_cache[batch.out_slots], k) and torch.equal(v_cache[batch.out_slots], v)
     untouched = torch.ones(SLOTS, dtype=torch.bool)
     untouched[batch.out_slots] = False
-    assert torch.equal(k_cache[untouched], pool.k[untouched]) and torch.equal(v_cache[untouched], pool.v[untouched])
+    assert torch.equal(k_cache[untouched], pool.k[untouched]) and torch.equal(
+        v_cache[untouched], pool.v[untouched]
+    )
 
 
 @pytest.mark.parametrize("seed", [4, 5, 6])
@@ -126,7 +142,9 @@ def test_a_rows_output_does_not_depend_on_its_batch(seed: int) -> None:
     cos, sin = rotary_tables(200)
     for order in ([0, 1, 2, 3], [3, 2, 0, 1]):
         prefixes = [mine, *others]
-        batch = ForwardBatch.build([[1]] * 4, [prefixes[i] for i in order], [new[i] for i in order], "cpu")
+        batch = ForwardBatch.build(
+            [[1]] * 4, [prefixes[i] for i in order], [new[i] for i in order], "cpu"
+        )
         layout = AttentionLayout.from_batch(batch, cos, sin, torch.float32)
         out = run("decode", pool, layout, q[order], k[order], v[order])
         assert torch.equal(out[order.index(0)], alone), (out[order.index(0)] - alone).abs().max()
@@ -138,7 +156,9 @@ def test_only_a_decode_pass_takes_the_decode_path() -> None:
     cos, sin = rotary_tables(32)
     # Prefill chunks (two new tokens for one sequence) and a dLLM block: the padded path, exactly.
     mixed = ForwardBatch.build([[1, 2], [3]], prefixes, [pool.slots(2), pool.slots(1)], "cpu")
-    dllm = ForwardBatch.build([[1], [2]], prefixes, [pool.slots(1), pool.slots(1)], "cpu", bidirectional_from=[4, 7])
+    dllm = ForwardBatch.build(
+        [[1], [2]], prefixes, [pool.slots(1), pool.slots(1)], "cpu", bidirectional_from=[4, 7]
+    )
     for batch in (mixed, dllm):
         layout = AttentionLayout.from_batch(batch, cos, sin, torch.float32)
         assert not layout.is_decode
@@ -163,8 +183,13 @@ def test_decode_reads_are_built_once_per_pass() -> None:
     assert reads.rows is not None and reads.rows.shape == (2 * KV_HEADS * DECODE_KEY_ALIGN,)
     assert reads.bias.shape == (2 * KV_HEADS, 1, DECODE_KEY_ALIGN)
     # Row 0 has 4 keys: every later column is padding, for every kv head.
-    assert torch.isinf(reads.bias[:KV_HEADS, 0, 4:]).all() and (reads.bias[:KV_HEADS, 0, :4] == 0).all()
-    assert (reads.bias[KV_HEADS:, 0, :7] == 0).all() and torch.isinf(reads.bias[KV_HEADS:, 0, 7:]).all()
+    assert (
+        torch.isinf(reads.bias[:KV_HEADS, 0, 4:]).all()
+        and (reads.bias[:KV_HEADS, 0, :4] == 0).all()
+    )
+    assert (reads.bias[KV_HEADS:, 0, :7] == 0).all() and torch.isinf(
+        reads.bias[KV_HEADS:, 0, 7:]
+    ).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

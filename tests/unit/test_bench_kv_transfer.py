@@ -12,10 +12,17 @@ import pytest
 
 
 @pytest.mark.timeout(120)
-def test_prints_both_transports_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prints_both_transports_and_writes_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bench = importlib.import_module("bench.kv_transfer")
     out = tmp_path / "kv.json"
-    assert bench.main(["--lengths", "8,32", "--rounds", "2", "--torch-threads", "1", "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            ["--lengths", "8,32", "--rounds", "2", "--torch-threads", "1", "--json", str(out)]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "transport=ipc" in text and "transport=tcp" in text
     result = json.loads(out.read_text())

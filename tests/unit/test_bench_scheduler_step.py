@@ -13,6 +13,7 @@ from types import ModuleType
 
 import pytest
 
+
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     return importlib.import_module("bench.scheduler_step")
@@ -23,8 +24,24 @@ def test_main_prints_table_and_writes_json(
     bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "result.json"
-    argv = ["--batch-sizes", "1,4", "--steps", "3", "--warmup", "1", "--context", "8", "--torch-threads", "1"]
-    assert bench.main([*argv, "--device", "cpu", "--profile", "--profile-steps", "2", "--json", str(out)]) == 0
+    argv = [
+        "--batch-sizes",
+        "1,4",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--context",
+        "8",
+        "--torch-threads",
+        "1",
+    ]
+    assert (
+        bench.main(
+            [*argv, "--device", "cpu", "--profile", "--profile-steps", "2", "--json", str(out)]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
 
     machine = lines[0]
@@ -37,20 +54,36 @@ def test_main_prints_table_and_writes_json(
     assert header.split() == ["batch", "sampling", *bench.COLUMNS]
     start = lines.index(header) + 1
     rows = [line.split() for line in lines[start : start + 4]]
-    assert [(int(row[0]), row[1]) for row in rows] == [(1, "greedy"), (1, "sampled"), (4, "greedy"), (4, "sampled")]
+    assert [(int(row[0]), row[1]) for row in rows] == [
+        (1, "greedy"),
+        (1, "sampled"),
+        (4, "greedy"),
+        (4, "sampled"),
+    ]
     for row in rows:
         numbers = [float(v) for v in row[2:]]
-        assert len(numbers) == len(bench.COLUMNS) and all(v > 0 and math.isfinite(v) for v in numbers), row
+        assert len(numbers) == len(bench.COLUMNS) and all(
+            v > 0 and math.isfinite(v) for v in numbers
+        ), row
         values = dict(zip(bench.COLUMNS, numbers))
         assert values["steps"] == 3
         assert 0 < values["outside_%"] < 100
-    tokens_per_s = {(int(row[0]), row[1]): float(row[2 + bench.COLUMNS.index("tokens/s")]) for row in rows}
-    steps_per_s = {(int(row[0]), row[1]): float(row[2 + bench.COLUMNS.index("steps/s")]) for row in rows}
-    for (b, mode), rate in tokens_per_s.items():  # tokens/s = B * steps/s (up to the table's rounding)
+    tokens_per_s = {
+        (int(row[0]), row[1]): float(row[2 + bench.COLUMNS.index("tokens/s")]) for row in rows
+    }
+    steps_per_s = {
+        (int(row[0]), row[1]): float(row[2 + bench.COLUMNS.index("steps/s")]) for row in rows
+    }
+    for (
+        b,
+        mode,
+    ), rate in tokens_per_s.items():  # tokens/s = B * steps/s (up to the table's rounding)
         assert rate == pytest.approx(b * steps_per_s[b, mode], rel=0.01, abs=0.2)
     # The largest batch size is profiled, in each mode.
     for mode in ("greedy", "sampled"):
-        assert any(line.startswith(f"cProfile, B=4 {mode}: top entries by own time") for line in lines)
+        assert any(
+            line.startswith(f"cProfile, B=4 {mode}: top entries by own time") for line in lines
+        )
     assert any("scheduler.py" in line and "(step)" in line for line in lines)
 
     data = json.loads(out.read_text())
@@ -58,29 +91,55 @@ def test_main_prints_table_and_writes_json(
     assert data["config"]["samplings"] == ["greedy", "sampled"]
     assert data["machine"]["torch_threads"] == 1 and data["machine"]["device"] == "cpu"
     results = data["results"]
-    assert [(r["batch_size"], r["sampling"]) for r in results] == [(1, "greedy"), (1, "sampled"), (4, "greedy"), (4, "sampled")]
+    assert [(r["batch_size"], r["sampling"]) for r in results] == [
+        (1, "greedy"),
+        (1, "sampled"),
+        (4, "greedy"),
+        (4, "sampled"),
+    ]
     for r in results:
         assert all(r[c] > 0 and math.isfinite(r[c]) for c in bench.COLUMNS), r
         # The split adds up: forward + batch build + sampler + host = the step, and the
         # sampler + host = everything outside extend.
-        assert r["fwd_ms"] + r["build_ms"] + r["sample_ms"] + r["host_ms"] == pytest.approx(r["ms/step"], rel=1e-6)
+        assert r["fwd_ms"] + r["build_ms"] + r["sample_ms"] + r["host_ms"] == pytest.approx(
+            r["ms/step"], rel=1e-6
+        )
         assert r["sample_ms"] + r["host_ms"] == pytest.approx(r["outside_ms"], rel=1e-6)
         assert r["kv_pool_tokens"] >= r["batch_size"] * (8 + 1 + 3)
     assert "profile" not in results[0] and "profile" not in results[1]
-    assert set(results[2]["profile"]) == set(results[3]["profile"]) == {"tottime", "cumulative", "callees"}
+    assert (
+        set(results[2]["profile"])
+        == set(results[3]["profile"])
+        == {"tottime", "cumulative", "callees"}
+    )
 
 
 @pytest.mark.timeout(60)
-def test_sampling_flag_selects_the_modes(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sampling_flag_selects_the_modes(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--sampling sampled`` runs seeded top-p requests only: one row per batch size, and
     the sampler's time is its own column."""
     out = tmp_path / "result.json"
-    argv = ["--batch-sizes", "1,4", "--sampling", "sampled", "--steps", "3", "--warmup", "1", "--context", "8"]
+    argv = [
+        "--batch-sizes",
+        "1,4",
+        "--sampling",
+        "sampled",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--context",
+        "8",
+    ]
     assert bench.main([*argv, "--torch-threads", "1", "--device", "cpu", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "temperature 0.7, top_p 0.9" in table
     results = json.loads(out.read_text())["results"]
     assert [(r["batch_size"], r["sampling"]) for r in results] == [(1, "sampled"), (4, "sampled")]
-    assert all(r["sample_ms"] > 0 and r["host_ms"] > 0 and math.isfinite(r["sample_ms"]) for r in results)
+    assert all(
+        r["sample_ms"] > 0 and r["host_ms"] > 0 and math.isfinite(r["sample_ms"]) for r in results
+    )
     with pytest.raises(SystemExit):
         bench.main(["--sampling", "greedy,beam"])

@@ -37,13 +37,20 @@ def mistral_like(tmp_path_factory: pytest.TempPathFactory) -> LoadedTokenizer:
         shutil.copy(DEFAULT_TOKENIZER_DIR / name, directory / name)
     tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer.add_tokens([tokenizers.AddedToken("<think>", special=False, normalized=False)])
-    tokenizer.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in ("[TOOL_CALLS]", "<|python_tag|>")])
+    tokenizer.add_special_tokens(
+        [
+            tokenizers.AddedToken(t, special=True, normalized=False)
+            for t in ("[TOOL_CALLS]", "<|python_tag|>")
+        ]
+    )
     tokenizer.save(str(directory / "tokenizer.json"))
     return load_tokenizer(directory)
 
 
 def _plan(mode: str) -> ToolPlan:
-    plan = plan_tools([ChatTool(type="function", function=FunctionDefinition(name="f"))], mode, None)  # type: ignore[arg-type]
+    plan = plan_tools(
+        [ChatTool(type="function", function=FunctionDefinition(name="f"))], mode, None
+    )  # type: ignore[arg-type]
     assert plan is not None
     return plan
 
@@ -64,5 +71,7 @@ def test_special_tokens_stay_in_the_text_only_where_a_marker_is_one(
 ) -> None:
     parsing = ChatParsing(_plan(mode), parser, reasoning)
     assert parsing.keeps_special_tokens(mistral_like.is_special_text) is keeps
-    assert mistral_like.is_special_text("[TOOL_CALLS]") and not mistral_like.is_special_text("<think>")
+    assert mistral_like.is_special_text("[TOOL_CALLS]") and not mistral_like.is_special_text(
+        "<think>"
+    )
     assert not mistral_like.is_special_text("[TOOL_CALLS] ")  # not one token

@@ -38,7 +38,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {spelling: action for action in p._actions for spelling in action.option_strings if spelling != "-h" and spelling != "--help"}
+    return {
+        spelling: action
+        for action in p._actions
+        for spelling in action.option_strings
+        if spelling != "-h" and spelling != "--help"
+    }
 
 
 def test_every_field_has_one_flag_or_is_marked_as_having_none() -> None:
@@ -102,20 +107,33 @@ def test_values_arrive_in_their_fields_with_their_types() -> None:
     )
     assert isinstance(config.disaggregation_bootstrap_timeout, float)
     # The config a supervisor hands its children reads back the same.
-    assert config_from_args(parser().parse_args(["--config-json", config.encode()]), environ={}) == config
+    assert (
+        config_from_args(parser().parse_args(["--config-json", config.encode()]), environ={})
+        == config
+    )
 
 
 def test_opentelemetry_variables_fill_in_what_the_flags_leave_out() -> None:
-    environ = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}
+    environ = {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
+    }
     config = config_from_args(parser().parse_args([]), environ=environ)
-    assert (config.otlp_traces_endpoint, config.otlp_traces_protocol) == ("http://collector:4318", "grpc")
-    config = config_from_args(parser().parse_args(["--otlp-traces-endpoint", "http://flag:4318"]), environ=environ)
+    assert (config.otlp_traces_endpoint, config.otlp_traces_protocol) == (
+        "http://collector:4318",
+        "grpc",
+    )
+    config = config_from_args(
+        parser().parse_args(["--otlp-traces-endpoint", "http://flag:4318"]), environ=environ
+    )
     assert config.otlp_traces_endpoint == "http://flag:4318"
 
 
 def test_validation_still_refuses_bad_values() -> None:
     with pytest.raises(ValueError, match="--dllm-steps must be between 1 and --dllm-block-size"):
-        config_from_args(parser().parse_args(["--dllm-block-size", "2", "--dllm-steps", "3"]), environ={})
+        config_from_args(
+            parser().parse_args(["--dllm-block-size", "2", "--dllm-steps", "3"]), environ={}
+        )
     with pytest.raises(ValueError, match="--hicache-storage-dir needs the host tier"):
         config_from_args(parser().parse_args(["--hicache-storage-dir", "/tmp"]), environ={})
 

@@ -5,7 +5,13 @@ finished constrained request, ``tokenpipe:grammar_compile_wait_seconds`` from th
 
 from __future__ import annotations
 
-from pipeline.io_struct import CONSTRAINT_KINDS, FinishStop, RequestOutputStats, SamplingParams, SchedulerTimeStats
+from pipeline.io_struct import (
+    CONSTRAINT_KINDS,
+    FinishStop,
+    RequestOutputStats,
+    SamplingParams,
+    SchedulerTimeStats,
+)
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tracing import span_attributes
@@ -14,7 +20,13 @@ T0 = 1_800_000_000.0
 
 
 def _finished(kind: str | None, grammar_wait: float, *, metrics_on: bool = True) -> ReqState:
-    time_stats = SchedulerTimeStats(forward_entry_time=T0 + 0.01, completion_time=T0 + 0.05, grammar_wait=grammar_wait) if metrics_on else None
+    time_stats = (
+        SchedulerTimeStats(
+            forward_entry_time=T0 + 0.01, completion_time=T0 + 0.05, grammar_wait=grammar_wait
+        )
+        if metrics_on
+        else None
+    )
     return ReqState(
         rid="r",
         req_id=1,
@@ -30,23 +42,36 @@ def _finished(kind: str | None, grammar_wait: float, *, metrics_on: bool = True)
 
 
 def _value(metrics: ServiceMetrics, name: str, **labels: str) -> float:
-    value = metrics.registry.get_sample_value(name, {"model_name": "m", "engine_type": "unified", **labels})
+    value = metrics.registry.get_sample_value(
+        name, {"model_name": "m", "engine_type": "unified", **labels}
+    )
     assert value is not None, name
     return value
 
 
 def test_each_finished_constrained_request_is_counted_once_by_kind_with_its_grammar_wait() -> None:
     metrics = ServiceMetrics("m")
-    finished = [("json_schema", 0.25), ("json_schema", 0.0), ("regex", 0.004), ("choice", 0.0), (None, 0.0)]
+    finished = [
+        ("json_schema", 0.25),
+        ("json_schema", 0.0),
+        ("regex", 0.004),
+        ("choice", 0.0),
+        (None, 0.0),
+    ]
     for kind, wait in finished:
         metrics.requests.on_finish(_finished(kind, wait))
-    counts = {kind: _value(metrics, "tokenpipe:constrained_requests_total", kind=kind) for kind in CONSTRAINT_KINDS}
+    counts = {
+        kind: _value(metrics, "tokenpipe:constrained_requests_total", kind=kind)
+        for kind in CONSTRAINT_KINDS
+    }
     assert counts == {"json_schema": 2, "json_object": 0, "regex": 1, "grammar": 0, "choice": 1}
     # The unconstrained request is a request, but no grammar wait.
     assert _value(metrics, "tokenpipe:num_requests_total", is_streaming="false") == 5
     assert _value(metrics, "tokenpipe:grammar_compile_wait_seconds_count") == 4
     assert _value(metrics, "tokenpipe:grammar_compile_wait_seconds_sum") == 0.25 + 0.004
-    assert _value(metrics, "tokenpipe:grammar_compile_wait_seconds_bucket", le="0.0001") == 2  # the two cache hits
+    assert (
+        _value(metrics, "tokenpipe:grammar_compile_wait_seconds_bucket", le="0.0001") == 2
+    )  # the two cache hits
     assert _value(metrics, "tokenpipe:grammar_compile_wait_seconds_bucket", le="0.005") == 3
 
 

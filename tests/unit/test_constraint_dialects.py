@@ -44,46 +44,115 @@ def refusal_of(extra: dict[str, Any], base: dict[str, Any] = CHAT) -> RequestVal
 
 
 MAPPED: list[tuple[str, dict[str, Any], Constraint]] = [
-    ("openai json_object", {"response_format": {"type": "json_object"}}, Constraint("json_object", "", "response_format")),
+    (
+        "openai json_object",
+        {"response_format": {"type": "json_object"}},
+        Constraint("json_object", "", "response_format"),
+    ),
     (
         "openai json_schema",
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "Pet", "schema": SCHEMA, "strict": True, "description": "a pet"}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "Pet",
+                    "schema": SCHEMA,
+                    "strict": True,
+                    "description": "a pet",
+                },
+            }
+        },
         Constraint("json_schema", SCHEMA_TEXT, "response_format.json_schema.schema"),
     ),
-    ("vllm json object", {"structured_outputs": {"json": SCHEMA}}, Constraint("json_schema", SCHEMA_TEXT, "structured_outputs.json")),
+    (
+        "vllm json object",
+        {"structured_outputs": {"json": SCHEMA}},
+        Constraint("json_schema", SCHEMA_TEXT, "structured_outputs.json"),
+    ),
     (
         "vllm json text",
         {"structured_outputs": {"json": json.dumps(SCHEMA, indent=2)}},
         Constraint("json_schema", SCHEMA_TEXT, "structured_outputs.json"),
     ),
-    ("vllm regex", {"structured_outputs": {"regex": r"\d{3}"}}, Constraint("regex", r"\d{3}", "structured_outputs.regex")),
-    ("vllm choice", {"structured_outputs": {"choice": ["a", "b c"]}}, Constraint("choice", '["a","b c"]', "structured_outputs.choice")),
-    ("vllm grammar", {"structured_outputs": {"grammar": GRAMMAR}}, Constraint("grammar", GRAMMAR, "structured_outputs.grammar")),
-    ("vllm json_object", {"structured_outputs": {"json_object": True}}, Constraint("json_object", "", "structured_outputs.json_object")),
+    (
+        "vllm regex",
+        {"structured_outputs": {"regex": r"\d{3}"}},
+        Constraint("regex", r"\d{3}", "structured_outputs.regex"),
+    ),
+    (
+        "vllm choice",
+        {"structured_outputs": {"choice": ["a", "b c"]}},
+        Constraint("choice", '["a","b c"]', "structured_outputs.choice"),
+    ),
+    (
+        "vllm grammar",
+        {"structured_outputs": {"grammar": GRAMMAR}},
+        Constraint("grammar", GRAMMAR, "structured_outputs.grammar"),
+    ),
+    (
+        "vllm json_object",
+        {"structured_outputs": {"json_object": True}},
+        Constraint("json_object", "", "structured_outputs.json_object"),
+    ),
     (
         "vllm options at their neutral values",
-        {"structured_outputs": {"regex": "a+", "disable_any_whitespace": False, "whitespace_pattern": None, "disable_fallback": True}},
+        {
+            "structured_outputs": {
+                "regex": "a+",
+                "disable_any_whitespace": False,
+                "whitespace_pattern": None,
+                "disable_fallback": True,
+            }
+        },
         Constraint("regex", "a+", "structured_outputs.regex"),
     ),
-    ("guided_json object", {"guided_json": SCHEMA}, Constraint("json_schema", SCHEMA_TEXT, "guided_json")),
-    ("guided_json text", {"guided_json": json.dumps(SCHEMA)}, Constraint("json_schema", SCHEMA_TEXT, "guided_json")),
-    ("guided_regex", {"guided_regex": r"\d{3}-[a-z]{4}"}, Constraint("regex", r"\d{3}-[a-z]{4}", "guided_regex")),
-    ("guided_choice", {"guided_choice": ["yes", "no"]}, Constraint("choice", '["yes","no"]', "guided_choice")),
-    ("guided_grammar", {"guided_grammar": GRAMMAR}, Constraint("grammar", GRAMMAR, "guided_grammar")),
+    (
+        "guided_json object",
+        {"guided_json": SCHEMA},
+        Constraint("json_schema", SCHEMA_TEXT, "guided_json"),
+    ),
+    (
+        "guided_json text",
+        {"guided_json": json.dumps(SCHEMA)},
+        Constraint("json_schema", SCHEMA_TEXT, "guided_json"),
+    ),
+    (
+        "guided_regex",
+        {"guided_regex": r"\d{3}-[a-z]{4}"},
+        Constraint("regex", r"\d{3}-[a-z]{4}", "guided_regex"),
+    ),
+    (
+        "guided_choice",
+        {"guided_choice": ["yes", "no"]},
+        Constraint("choice", '["yes","no"]', "guided_choice"),
+    ),
+    (
+        "guided_grammar",
+        {"guided_grammar": GRAMMAR},
+        Constraint("grammar", GRAMMAR, "guided_grammar"),
+    ),
     (
         "guided_json with the backend named",
         {"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"},
         Constraint("json_schema", SCHEMA_TEXT, "guided_json"),
     ),
-    ("sglang json_schema", {"json_schema": json.dumps(SCHEMA)}, Constraint("json_schema", SCHEMA_TEXT, "json_schema")),
+    (
+        "sglang json_schema",
+        {"json_schema": json.dumps(SCHEMA)},
+        Constraint("json_schema", SCHEMA_TEXT, "json_schema"),
+    ),
     ("sglang regex", {"regex": "[ab]+"}, Constraint("regex", "[ab]+", "regex")),
     ("sglang ebnf", {"ebnf": GRAMMAR}, Constraint("grammar", GRAMMAR, "ebnf")),
 ]
 
 
 @pytest.mark.parametrize("base", [CHAT, COMPLETION], ids=["chat", "completions"])
-@pytest.mark.parametrize(("extra", "expected"), [(e, c) for _, e, c in MAPPED], ids=[name for name, _, _ in MAPPED])
-def test_each_dialect_maps_to_one_constraint_on_both_routes(base: dict[str, Any], extra: dict[str, Any], expected: Constraint) -> None:
+@pytest.mark.parametrize(
+    ("extra", "expected"), [(e, c) for _, e, c in MAPPED], ids=[name for name, _, _ in MAPPED]
+)
+def test_each_dialect_maps_to_one_constraint_on_both_routes(
+    base: dict[str, Any], extra: dict[str, Any], expected: Constraint
+) -> None:
     assert constraint_of(extra, base) == expected
     assert expected.kind in CONSTRAINT_KINDS
 
@@ -93,10 +162,23 @@ def test_no_constraint_and_the_text_format_ask_for_nothing(base: dict[str, Any])
     assert constraint_of({}, base) is None
     assert constraint_of({"response_format": {"type": "text"}}, base) is None
     every_field_null = dict.fromkeys(
-        ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema", "regex", "ebnf")
+        (
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "json_schema",
+            "regex",
+            "ebnf",
+        )
     )
     assert constraint_of(every_field_null, base) is None
-    assert constraint_of({"guided_decoding_backend": "auto", "guided_whitespace_pattern": None}, base) is None
+    assert (
+        constraint_of({"guided_decoding_backend": "auto", "guided_whitespace_pattern": None}, base)
+        is None
+    )
 
 
 def test_a_schema_sent_as_an_object_or_as_text_is_one_spec() -> None:
@@ -107,7 +189,14 @@ def test_a_schema_sent_as_an_object_or_as_text_is_one_spec() -> None:
             constraint_of({"guided_json": SCHEMA}),
             constraint_of({"guided_json": json.dumps(SCHEMA, indent=4)}),
             constraint_of({"json_schema": json.dumps(SCHEMA)}),
-            constraint_of({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}),
+            constraint_of(
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": SCHEMA},
+                    }
+                }
+            ),
         )
         if c is not None
     }
@@ -116,7 +205,12 @@ def test_a_schema_sent_as_an_object_or_as_text_is_one_spec() -> None:
 
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
-    ("json_schema without its object", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs json_schema"),
+    (
+        "json_schema without its object",
+        {"response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+        "needs json_schema",
+    ),
     (
         "json_schema without a schema",
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -137,27 +231,62 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "json_schema given with json_object",
-        {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": SCHEMA}}},
+        {
+            "response_format": {
+                "type": "json_object",
+                "json_schema": {"name": "x", "schema": SCHEMA},
+            }
+        },
         "response_format.json_schema",
         "only allowed with type json_schema",
     ),
     ("an unknown format type", {"response_format": {"type": "xml"}}, "response_format.type", "xml"),
     (
         "an unknown json_schema key",
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "bogus": 1}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {}, "bogus": 1},
+            }
+        },
         "response_format.json_schema.bogus",
         "unknown field",
     ),
     ("guided_json not JSON", {"guided_json": "{not json"}, "guided_json", "not valid JSON"),
-    ("guided_json JSON but no object", {"guided_json": "[1, 2]"}, "guided_json", "must be a JSON Schema object"),
+    (
+        "guided_json JSON but no object",
+        {"guided_json": "[1, 2]"},
+        "guided_json",
+        "must be a JSON Schema object",
+    ),
     ("guided_json a number", {"guided_json": 3}, "guided_json", "Expected"),
     ("guided_regex empty", {"guided_regex": ""}, "guided_regex", "must not be empty"),
     ("guided_choice empty", {"guided_choice": []}, "guided_choice", "at least one choice"),
-    ("guided_choice not strings", {"guided_choice": ["a", 1]}, "guided_choice[1]", "Expected `str`"),
+    (
+        "guided_choice not strings",
+        {"guided_choice": ["a", 1]},
+        "guided_choice[1]",
+        "Expected `str`",
+    ),
     ("guided_grammar blank", {"guided_grammar": "  "}, "guided_grammar", "must not be empty"),
-    ("structured_outputs empty", {"structured_outputs": {}}, "structured_outputs", "must set one of"),
-    ("structured_outputs json_object false only", {"structured_outputs": {"json_object": False}}, "structured_outputs", "must set one of"),
-    ("structured_outputs unknown key", {"structured_outputs": {"regex": "a", "pattern": "b"}}, "structured_outputs.pattern", "unknown field"),
+    (
+        "structured_outputs empty",
+        {"structured_outputs": {}},
+        "structured_outputs",
+        "must set one of",
+    ),
+    (
+        "structured_outputs json_object false only",
+        {"structured_outputs": {"json_object": False}},
+        "structured_outputs",
+        "must set one of",
+    ),
+    (
+        "structured_outputs unknown key",
+        {"structured_outputs": {"regex": "a", "pattern": "b"}},
+        "structured_outputs.pattern",
+        "unknown field",
+    ),
     (
         "structured_outputs option it cannot honour",
         {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
@@ -170,25 +299,55 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
         "structured_outputs.structural_tag",
         "not supported",
     ),
-    ("a backend it does not have", {"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported"),
-    ("a whitespace pattern", {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
+    (
+        "a backend it does not have",
+        {"guided_decoding_backend": "outlines"},
+        "guided_decoding_backend",
+        "not supported",
+    ),
+    (
+        "a whitespace pattern",
+        {"guided_whitespace_pattern": " *"},
+        "guided_whitespace_pattern",
+        "not supported",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("extra", "param", "needle"), [(e, p, n) for _, e, p, n in REFUSED], ids=[name for name, *_ in REFUSED])
-def test_malformed_structured_output_is_a_400_naming_the_field(extra: dict[str, Any], param: str, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "param", "needle"),
+    [(e, p, n) for _, e, p, n in REFUSED],
+    ids=[name for name, *_ in REFUSED],
+)
+def test_malformed_structured_output_is_a_400_naming_the_field(
+    extra: dict[str, Any], param: str, needle: str
+) -> None:
     error = refusal_of(extra)
     assert error.param == param and needle in str(error), (error.param, str(error))
 
 
 TWO: list[tuple[dict[str, Any], str, str]] = [
     (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, "guided_regex": "a+"},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": SCHEMA},
+            },
+            "guided_regex": "a+",
+        },
         "guided_regex",
         "response_format.json_schema.schema",
     ),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}}, "structured_outputs.choice", "response_format"),
-    ({"structured_outputs": {"regex": "a+", "grammar": GRAMMAR}}, "structured_outputs.grammar", "structured_outputs.regex"),
+    (
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
+        "structured_outputs.choice",
+        "response_format",
+    ),
+    (
+        {"structured_outputs": {"regex": "a+", "grammar": GRAMMAR}},
+        "structured_outputs.grammar",
+        "structured_outputs.regex",
+    ),
     ({"guided_json": SCHEMA, "guided_choice": ["a"]}, "guided_choice", "guided_json"),
     ({"guided_grammar": GRAMMAR, "regex": "a+"}, "regex", "guided_grammar"),
     ({"regex": "a+", "ebnf": GRAMMAR}, "ebnf", "regex"),
@@ -196,10 +355,15 @@ TWO: list[tuple[dict[str, Any], str, str]] = [
 
 
 @pytest.mark.parametrize(("extra", "second", "first"), TWO, ids=[t[1] for t in TWO])
-def test_two_constraints_are_refused_naming_the_second(extra: dict[str, Any], second: str, first: str) -> None:
+def test_two_constraints_are_refused_naming_the_second(
+    extra: dict[str, Any], second: str, first: str
+) -> None:
     error = refusal_of(extra)
     assert error.param == second
-    assert str(error) == f"{second}: a request takes one structured-output constraint, and {first} already gives one"
+    assert (
+        str(error)
+        == f"{second}: a request takes one structured-output constraint, and {first} already gives one"
+    )
 
 
 def _checks(**config: Any) -> RequestChecks:
@@ -209,7 +373,9 @@ def _checks(**config: Any) -> RequestChecks:
 
 def test_a_server_without_a_tokenizer_refuses_a_constraint_naming_the_flag() -> None:
     with pytest.raises(RequestValidationError) as caught:
-        _checks(skip_tokenizer_init=True).validate_constraint(Constraint("regex", "a+", "guided_regex"))
+        _checks(skip_tokenizer_init=True).validate_constraint(
+            Constraint("regex", "a+", "guided_regex")
+        )
     assert caught.value.param == "guided_regex" and "--skip-tokenizer-init" in str(caught.value)
     _checks(skip_tokenizer_init=True).validate_constraint(None)  # unconstrained requests are served
 

@@ -43,8 +43,12 @@ from tokenizer_proc.tokenizer_manager import TokenizerManager
 TOK = load_tokenizer(None)
 ENCODER = make_encoder()
 LOG = logging.getLogger("test")
-TO_DETOKENIZER: FrameDecoder[DetokenizerInput] = FrameDecoder(DetokenizerInput, LOG, "to detokenizer")
-TO_MANAGER: FrameDecoder[TokenizerManagerInput] = FrameDecoder(TokenizerManagerInput, LOG, "to manager")
+TO_DETOKENIZER: FrameDecoder[DetokenizerInput] = FrameDecoder(
+    DetokenizerInput, LOG, "to detokenizer"
+)
+TO_MANAGER: FrameDecoder[TokenizerManagerInput] = FrameDecoder(
+    TokenizerManagerInput, LOG, "to manager"
+)
 TO_SCHEDULER: FrameDecoder[SchedulerInput] = FrameDecoder(SchedulerInput, LOG, "to scheduler")
 
 
@@ -83,12 +87,21 @@ def test_a_steady_row_after_a_restart_fails_its_request_and_leaves_the_others_al
     text; the new one's row decodes as usual."""
     hello, world = TOK.encode(" hello there"), TOK.encode(" world")
     before = IncrementalDetokenizer(TOK.tokenizer)
-    first = through(before, token_frame([1, 2], [hello[:1], world[:1]], [1, 1], options=[DecodeOptions(), DecodeOptions()]))
-    assert first.finished_reasons is None and "".join(first.text_deltas) == TOK.decode([hello[0], world[0]])
+    first = through(
+        before,
+        token_frame(
+            [1, 2], [hello[:1], world[:1]], [1, 1], options=[DecodeOptions(), DecodeOptions()]
+        ),
+    )
+    assert first.finished_reasons is None and "".join(first.text_deltas) == TOK.decode(
+        [hello[0], world[0]]
+    )
 
     restarted = IncrementalDetokenizer(TOK.tokenizer)
     through(restarted, token_frame([3], [hello[:1]], [1], options=[DecodeOptions()]))
-    steady = through(restarted, token_frame([1, 3, 2], [hello[1:2], hello[1:2], world[1:2]], [2, 2, 2]))
+    steady = through(
+        restarted, token_frame([1, 3, 2], [hello[1:2], hello[1:2], world[1:2]], [2, 2, 2])
+    )
     assert steady.finished_reasons == [DETOKENIZER_LOST_TEXT, None, DETOKENIZER_LOST_TEXT]
     assert steady.text_deltas == ["", TOK.decode(hello[1:2]), ""]
     assert restarted.num_live == 1  # only request 3's: none kept for the lost ones
@@ -99,13 +112,20 @@ def test_a_row_of_several_tokens_after_a_restart_fails_too() -> None:
     row at the decode server carries options like any first row (so it is never lost)."""
     ids = TOK.encode(" several tokens in one row")
     restarted = IncrementalDetokenizer(TOK.tokenizer)
-    out = through(restarted, token_frame([9, 10], [ids[2:5], ids[:3]], [5, 3], options=[None, DecodeOptions()]))
+    out = through(
+        restarted,
+        token_frame([9, 10], [ids[2:5], ids[:3]], [5, 3], options=[None, DecodeOptions()]),
+    )
     assert out.finished_reasons == [DETOKENIZER_LOST_TEXT, None]
     assert out.text_deltas == ["", TOK.decode(ids[:3])]
 
 
 def _manager(tmp_path: Path) -> TokenizerManager:
-    config = ServerConfig(scheduler_input=f"ipc://{tmp_path}/sched", tokenizer_input=f"ipc://{tmp_path}/tm", max_total_tokens=4096)
+    config = ServerConfig(
+        scheduler_input=f"ipc://{tmp_path}/sched",
+        tokenizer_input=f"ipc://{tmp_path}/tm",
+        max_total_tokens=4096,
+    )
     return TokenizerManager(config, load_tokenizer(None), context_length=2048)
 
 
@@ -127,10 +147,16 @@ def test_the_manager_fails_a_lost_request_and_stops_it_in_the_scheduler(tmp_path
         inbox.bind(tm.config.scheduler_input)
         await tm.start()
         try:
-            streamed = tm.submit_generate(input_ids=[5, 6, 7], sampling=SamplingParams(), stream=True, rid="streamed")
-            unheard = tm.submit_generate(input_ids=[5, 6, 7], sampling=SamplingParams(), stream=True, rid="unheard")
+            streamed = tm.submit_generate(
+                input_ids=[5, 6, 7], sampling=SamplingParams(), stream=True, rid="streamed"
+            )
+            unheard = tm.submit_generate(
+                input_ids=[5, 6, 7], sampling=SamplingParams(), stream=True, rid="unheard"
+            )
             before = IncrementalDetokenizer(TOK.tokenizer)
-            opened = token_frame([streamed.req_id], [ids[:1]], [1], options=[DecodeOptions()], stats=[stats])
+            opened = token_frame(
+                [streamed.req_id], [ids[:1]], [1], options=[DecodeOptions()], stats=[stats]
+            )
             tm.handle_output(through(before, opened))
             assert streamed.take_pending()[0].ids == ids[:1] and not streamed.finished
 
@@ -138,7 +164,12 @@ def test_the_manager_fails_a_lost_request_and_stops_it_in_the_scheduler(tmp_path
             steady = token_frame([streamed.req_id, unheard.req_id], [ids[1:2], ids[1:2]], [2, 2])
             tm.handle_output(through(restarted, steady))
             tm.handle_output(through(restarted, token_frame([streamed.req_id], [ids[2:3]], [3])))
-            outcome = (streamed.finished_reason, streamed.take_pending(), streamed.completion_tokens, unheard.finished_reason)
+            outcome = (
+                streamed.finished_reason,
+                streamed.take_pending(),
+                streamed.completion_tokens,
+                unheard.finished_reason,
+            )
             assert tm.states == {} and tm.num_aborted_requests == 2
             sent = [TO_SCHEDULER.decode(inbox.recv()) for _ in range(5)]
             assert not inbox.poll(200), "a lost request was aborted more than once"
@@ -155,5 +186,9 @@ def test_the_manager_fails_a_lost_request_and_stops_it_in_the_scheduler(tmp_path
     # The manager's start-up abort, the two requests, then one abort per lost request.
     assert isinstance(sent[0], AbortReq) and sent[0].abort_all
     submitted = [s.req_id for s in sent[1:3] if isinstance(s, TokenizedGenerateReqInput)]
-    aborts = [a for a in sent[3:] if isinstance(a, AbortReq) and not a.abort_all and a.reason == DETOKENIZER_LOST_TEXT.message]
+    aborts = [
+        a
+        for a in sent[3:]
+        if isinstance(a, AbortReq) and not a.abort_all and a.reason == DETOKENIZER_LOST_TEXT.message
+    ]
     assert len(submitted) == 2 and sorted(a.req_id or 0 for a in aborts) == sorted(submitted)

@@ -125,7 +125,9 @@ class FramesOnly:
         return self._real.id_to_token(token)
 
     def decode_batch(self, ids: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
-        assert self.arriving, f"a worker had to decode {ids[:4]}: its frames did not bring their texts"
+        assert self.arriving, (
+            f"a worker had to decode {ids[:4]}: its frames did not bring their texts"
+        )
         return self._real.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
 
@@ -200,15 +202,27 @@ class Pipeline:
     split: bool  # True: each worker gets its part of each frame; False: every worker gets every frame whole
     states: dict[int, ReqState] = field(default_factory=dict)
     texts: TokenTextCache | None = None  # the detokenizer's logprob token texts
-    text_of: dict[int, Callable[[int], str] | None] = field(default_factory=dict)  # req_id -> return_text_in_logprobs
-    first_event_sent: set[int] = field(default_factory=set)  # streaming req_ids past their first event
-    dropped: list[int] = field(default_factory=lambda: [0] * WORKERS)  # rows each worker must have dropped so far
-    decoders: list[FramesOnly | None] = field(default_factory=lambda: [None] * WORKERS)  # the split side's text-cache tokenizers, by worker
+    text_of: dict[int, Callable[[int], str] | None] = field(
+        default_factory=dict
+    )  # req_id -> return_text_in_logprobs
+    first_event_sent: set[int] = field(
+        default_factory=set
+    )  # streaming req_ids past their first event
+    dropped: list[int] = field(
+        default_factory=lambda: [0] * WORKERS
+    )  # rows each worker must have dropped so far
+    decoders: list[FramesOnly | None] = field(
+        default_factory=lambda: [None] * WORKERS
+    )  # the split side's text-cache tokenizers, by worker
 
     def feed(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput) -> None:
         wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
         # The detokenizer passes embedding frames on as they came (split by worker on the split side).
-        out = wire if isinstance(wire, BatchEmbeddingOutput) else detokenize_frame(self.detok, wire, self.texts)  # type: ignore[arg-type]
+        out = (
+            wire
+            if isinstance(wire, BatchEmbeddingOutput)
+            else detokenize_frame(self.detok, wire, self.texts)
+        )  # type: ignore[arg-type]
         owners = workers_of(from_column(out.req_ids, REQ_ID_DTYPE))
         if self.split:
             self.feed_parts(frame, out)
@@ -216,19 +230,31 @@ class Pipeline:
             received = TO_MANAGER.decode(ENCODER.encode(out))
             if isinstance(frame, BatchTokenIDOutput):
                 # The logprob columns pass through the detokenizer unchanged; none stays none.
-                assert received.logprobs == wire.logprobs and (received.logprobs is None) == (frame.logprobs is None)  # type: ignore[union-attr]
+                assert received.logprobs == wire.logprobs and (received.logprobs is None) == (
+                    frame.logprobs is None
+                )  # type: ignore[union-attr]
             for w, tm in enumerate(self.tms):
                 tm.handle_output(received)
                 self.dropped[w] += int((owners != w).sum())  # the rows of the other workers
         # Each worker dropped exactly the rows that are not its own (the split: none), so
         # the reference's drops change nothing the comparison sees.
         for w, tm in enumerate(self.tms):
-            assert tm._dropped_rows.total == self.dropped[w], f"worker {w} dropped {tm._dropped_rows.total} rows, expected {self.dropped[w]}"
+            assert tm._dropped_rows.total == self.dropped[w], (
+                f"worker {w} dropped {tm._dropped_rows.total} rows, expected {self.dropped[w]}"
+            )
 
-    def feed_parts(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput, out: BatchStrOutput | BatchEmbeddingOutput) -> None:
+    def feed_parts(
+        self,
+        frame: BatchTokenIDOutput | BatchEmbeddingOutput,
+        out: BatchStrOutput | BatchEmbeddingOutput,
+    ) -> None:
         """As the detokenizer sends them: one part per worker with rows, each through that
         worker's socket (encode, typed decode) to that worker's manager."""
-        split = split_embedding_output(out, WORKERS) if isinstance(out, BatchEmbeddingOutput) else split_str_output(out, WORKERS)
+        split = (
+            split_embedding_output(out, WORKERS)
+            if isinstance(out, BatchEmbeddingOutput)
+            else split_str_output(out, WORKERS)
+        )
         assert not split.stray and split.parts, "every row belongs to an existing worker"
         for w, part in split.parts:
             received = TO_MANAGER.decode(ENCODER.encode(part))
@@ -280,9 +306,13 @@ class Pipeline:
             for i, c in enumerate(chunks):
                 interim = None if finished and i == len(chunks) - 1 else c
                 meta = build_meta_info(state, interim)
-                self.add_logprob_meta(meta, state, c.ids, c.logprobs, first_event=req_id not in self.first_event_sent)
+                self.add_logprob_meta(
+                    meta, state, c.ids, c.logprobs, first_event=req_id not in self.first_event_sent
+                )
                 self.first_event_sent.add(req_id)
-                events.append({"text": c.text, "output_ids": c.ids, "meta_info": meta, "logprobs": c.logprobs})
+                events.append(
+                    {"text": c.text, "output_ids": c.ids, "meta_info": meta, "logprobs": c.logprobs}
+                )
             return {"events": events}
         if state.finished:
             text, ids = state.text, state.output_ids
@@ -292,10 +322,21 @@ class Pipeline:
             return {"embedding": state.embedding.tolist(), "meta_info": build_meta_info(state)}
         meta = build_meta_info(state)
         self.add_logprob_meta(meta, state, ids, state.logprobs, first_event=True)
-        return {"text": text, "output_ids": ids, "meta_info": meta, "logprobs": state.logprobs if state.logprob else None}
+        return {
+            "text": text,
+            "output_ids": ids,
+            "meta_info": meta,
+            "logprobs": state.logprobs if state.logprob else None,
+        }
 
     def add_logprob_meta(
-        self, meta: dict[str, Any], state: ReqState, ids: list[int], entries: LogprobEntries | None, *, first_event: bool
+        self,
+        meta: dict[str, Any],
+        state: ReqState,
+        ids: list[int],
+        entries: LogprobEntries | None,
+        *,
+        first_event: bool,
     ) -> None:
         """The logprob keys as /generate adds them (``tokenizer_proc.http.server``): the
         output ones of these ids, the prompt's on the first event only."""
@@ -305,17 +346,33 @@ class Pipeline:
         text_of = self.text_of[state.req_id]
         meta.update(logprob_meta(asked, ids, entries, text_of))
         if asked.logprob_start_len >= 0 and first_event:
-            meta.update(prompt_logprob_meta(asked, state.prompt_ids, state.prompt_logprobs, text_of))
+            meta.update(
+                prompt_logprob_meta(asked, state.prompt_ids, state.prompt_logprobs, text_of)
+            )
 
 
 def make_pipeline(metrics: bool, clock: Any, split: bool) -> Pipeline:
-    config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=metrics)
-    tms = [TokenizerManager(config, TOKENIZER, context_length=2048, worker_index=w, clock=clock, req_id_base=1) for w in range(WORKERS)]
+    config = ServerConfig(
+        scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=metrics
+    )
+    tms = [
+        TokenizerManager(
+            config, TOKENIZER, context_length=2048, worker_index=w, clock=clock, req_id_base=1
+        )
+        for w in range(WORKERS)
+    ]
     spans = [InMemorySpanExporter() for _ in tms]
     for tm, exporter in zip(tms, spans):
         tm.tracer = RequestTracer(config, tm.model_name, exporter=exporter)
     detok = IncrementalDetokenizer(TOKENIZER.tokenizer)
-    pipe = Pipeline(tms, detok, [record_metrics(tm) for tm in tms], spans, split, texts=TokenTextCache(TOKENIZER.tokenizer))
+    pipe = Pipeline(
+        tms,
+        detok,
+        [record_metrics(tm) for tm in tms],
+        spans,
+        split,
+        texts=TokenTextCache(TOKENIZER.tokenizer),
+    )
     if split:
         pipe.decoders = [FramesOnly(TOKENIZER.tokenizer) for _ in tms]
         for tm, decoder in zip(tms, pipe.decoders):
@@ -329,8 +386,12 @@ def compare_spans(opt: Pipeline, ref: Pipeline, seed: int) -> int:
     for w, (got, want) in enumerate(zip(opt.finished_spans(), ref.finished_spans())):
         for a, b in zip(got, want):
             if a != b:
-                pytest.fail(f"seed {seed}: span of worker {w} differs\n optimized: {a}\n reference: {b}")
-        assert len(got) == len(want), f"seed {seed}: worker {w} exported {len(got)} spans against {len(want)}"
+                pytest.fail(
+                    f"seed {seed}: span of worker {w} differs\n optimized: {a}\n reference: {b}"
+                )
+        assert len(got) == len(want), (
+            f"seed {seed}: worker {w} exported {len(got)} spans against {len(want)}"
+        )
         compared += len(got)
     return compared
 
@@ -339,7 +400,10 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
     """Drives ``lifecycles`` random lifecycles; returns the number of rows compared."""
     rng = random.Random(seed)
     world = SimWorld(rng, TOKENIZER)
-    opt, ref = make_pipeline(metrics, lambda: world.now, split=True), make_pipeline(metrics, lambda: world.now, split=False)
+    opt, ref = (
+        make_pipeline(metrics, lambda: world.now, split=True),
+        make_pipeline(metrics, lambda: world.now, split=False),
+    )
     # Its own generator, so the lifecycles drawn for a seed are those drawn without workers.
     placement = random.Random(f"workers-{seed}")
     stop_token = next(iter(TOKENIZER.eos_token_ids))
@@ -352,10 +416,16 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
         while started < lifecycles and len(active) < MAX_ACTIVE and rng.random() < 0.5:
             embedding = rng.random() < 0.08
             stream = not embedding and rng.random() < 0.6
-            sampling = SamplingParams(max_new_tokens=0) if embedding else make_sampling(rng, stream)[0]
+            sampling = (
+                SamplingParams(max_new_tokens=0) if embedding else make_sampling(rng, stream)[0]
+            )
             kind = "embedding" if embedding else pick_kind(rng)
             # The server refuses logprobs through PD and in --mode dllm.
-            asked = make_logprob_params(rng, world.vocab_size) if kind == "unified" and rng.random() < LOGPROB_SHARE else None
+            asked = (
+                make_logprob_params(rng, world.vocab_size)
+                if kind == "unified" and rng.random() < LOGPROB_SHARE
+                else None
+            )
             if asked is not None and rng.random() < 0.5:
                 asked = msgspec.structs.replace(asked, return_text=True)
             rid = f"sim-{seed}-{started}"
@@ -366,7 +436,17 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
             if embedding:
                 s_opt.operation = s_ref.operation = "embeddings"
             opt.states[s_opt.req_id], ref.states[s_ref.req_id] = s_opt, s_ref
-            req = make_req(rng, s_opt.req_id, sampling, stream, metrics, world.now, world.stats_pending, embedding=embedding, logprob=asked)
+            req = make_req(
+                rng,
+                s_opt.req_id,
+                sampling,
+                stream,
+                metrics,
+                world.now,
+                world.stats_pending,
+                embedding=embedding,
+                logprob=asked,
+            )
             # The reference decodes each token; the optimized side answers from the texts
             # the detokenizer sent with the frames (the prompt's decoded on arrival).
             shown = asked is not None and asked.return_text
@@ -383,7 +463,14 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
                     texts.fill(req.origin_input_ids[asked.logprob_start_len :])  # type: ignore[union-attr]
                 texts.fill(asked.token_ids_logprob)  # type: ignore[union-attr]
                 decoder.arriving = False
-            active.append((req, embedding_lifecycle(world, req) if embedding else lifecycle(world, req, stop_token, kind)))
+            active.append(
+                (
+                    req,
+                    embedding_lifecycle(world, req)
+                    if embedding
+                    else lifecycle(world, req, stop_token, kind),
+                )
+            )
             started += 1
         if rng.random() < 0.01:
             world.toggle_storage()
@@ -425,18 +512,33 @@ def compare_frame(
 ) -> int:
     # Rows without an event (not finished, no stats due, no stop strings to check) may come
     # as the running batch's columns (``SteadyRows``), after the per-request rows.
-    steady = [r for r in world.rows if not r.finished and r not in world.stats_pending and not r.sampling.stop and world.rng.random() < 0.5]
+    steady = [
+        r
+        for r in world.rows
+        if not r.finished
+        and r not in world.stats_pending
+        and not r.sampling.stop
+        and world.rng.random() < 0.5
+    ]
     rows = [r for r in world.rows if r not in steady] + steady if steady else world.rows
     # The rows whose logprobs this frame must list: those that asked and carry tokens, and
     # for prompt logprobs the first row of an asking request once its prompt was computed.
-    want_output = [i for i, r in enumerate(rows) if r.logprob is not None and len(r.output_ids) > r.num_sent_tokens]
+    want_output = [
+        i
+        for i, r in enumerate(rows)
+        if r.logprob is not None and len(r.output_ids) > r.num_sent_tokens
+    ]
     want_prompt = [
         i
         for i, r in enumerate(rows)
-        if r.req_id in world.prompt_computed and r.req_id not in prompt_sent and prompt_positions(r.logprob, len(r.origin_input_ids))
+        if r.req_id in world.prompt_computed
+        and r.req_id not in prompt_sent
+        and prompt_positions(r.logprob, len(r.origin_input_ids))
     ]
     prompt_sent.update(rows[i].req_id for i in want_prompt)
-    frame = build_token_output(rows[: len(rows) - len(steady)], world.stats_pending, steady=steady_rows(steady))
+    frame = build_token_output(
+        rows[: len(rows) - len(steady)], world.stats_pending, steady=steady_rows(steady)
+    )
     check_frame_logprobs(frame, want_output, want_prompt, seed)
     reference = msgspec.structs.replace(frame, request_stats=[r.stats for r in rows])
     marks = (opt.metrics_marks(), ref.metrics_marks())
@@ -454,11 +556,15 @@ def compare_frame(
         state.sending = False
     for req in rows:
         if req.req_id in unread:
-            check_logprobs(world, req, opt, delivered.setdefault(req.req_id, Delivered()), truth, seed)
+            check_logprobs(
+                world, req, opt, delivered.setdefault(req.req_id, Delivered()), truth, seed
+            )
             continue
         got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
         if got != want:
-            pytest.fail(f"seed {seed}: output of {req.rid} differs at t={world.now:.3f}\n optimized: {got}\n reference: {want}")
+            pytest.fail(
+                f"seed {seed}: output of {req.rid} differs at t={world.now:.3f}\n optimized: {got}\n reference: {want}"
+            )
         got_so_far = delivered.setdefault(req.req_id, Delivered())
         if got is not None:
             check_logprob_meta(world, req, opt, got, got_so_far, truth, seed)
@@ -470,7 +576,9 @@ def compare_frame(
     same_states(opt, ref, seed)
     new_opt, new_ref = opt.metrics_since(marks[0]), ref.metrics_since(marks[1])
     if new_opt != new_ref:
-        pytest.fail(f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}")
+        pytest.fail(
+            f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}"
+        )
     return len(rows)
 
 
@@ -479,7 +587,9 @@ def same_states(opt: Pipeline, ref: Pipeline, seed: int) -> None:
     rows elsewhere, and the reference's dropped rows touched no request."""
     for w, (a, b) in enumerate(zip(opt.tms, ref.tms)):
         if a.states.keys() != b.states.keys():
-            pytest.fail(f"seed {seed}: worker {w} holds {sorted(a.states)} against {sorted(b.states)}")
+            pytest.fail(
+                f"seed {seed}: worker {w} holds {sorted(a.states)} against {sorted(b.states)}"
+            )
 
 
 def steady_rows(reqs: list[Req]) -> SteadyRows | None:
@@ -490,66 +600,121 @@ def steady_rows(reqs: list[Req]) -> SteadyRows | None:
     sent = np.array([r.num_sent_tokens for r in reqs], dtype=np.int64)
     completion = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
     tokens = np.array([t for r in reqs for t in r.output_ids[r.num_sent_tokens :]], dtype=np.int64)
-    listed = [(j, part) for j, r in enumerate(reqs) if r.logprob is not None and (part := r.take_pending_logprobs()) is not None]
-    logprobs = LogprobBlock.of_parts([j for j, _ in listed], [part for _, part in listed]) if listed else None
+    listed = [
+        (j, part)
+        for j, r in enumerate(reqs)
+        if r.logprob is not None and (part := r.take_pending_logprobs()) is not None
+    ]
+    logprobs = (
+        LogprobBlock.of_parts([j for j, _ in listed], [part for _, part in listed])
+        if listed
+        else None
+    )
     for r in reqs:
         r.num_sent_tokens = len(r.output_ids)
-    return SteadyRows(np.array([r.req_id for r in reqs], dtype=np.int64), tokens, completion - sent, completion, [], logprobs)
+    return SteadyRows(
+        np.array([r.req_id for r in reqs], dtype=np.int64),
+        tokens,
+        completion - sent,
+        completion,
+        [],
+        logprobs,
+    )
 
 
 def check_against_truth(world: SimWorld, req: Req, got: Delivered, seed: int) -> None:
     """A finished request's whole output against what the simulation knows it must be."""
     where = f"seed {seed}: {req.rid} ({req.finished_reason}, {req.sampling})"
-    assert got.ids == req.output_ids, f"{where}: the client got ids {got.ids}, the request made {req.output_ids}"
+    assert got.ids == req.output_ids, (
+        f"{where}: the client got ids {got.ids}, the request made {req.output_ids}"
+    )
     # min_new_tokens bans what would stop the request: under EOS pressure too, none of its
     # first tokens is one.
     stops = TOKENIZER.eos_token_ids | set(req.sampling.stop_token_ids)
-    assert not stops.intersection(got.ids[: req.sampling.min_new_tokens]), f"{where}: a stop token before min_new_tokens"
+    assert not stops.intersection(got.ids[: req.sampling.min_new_tokens]), (
+        f"{where}: a stop token before min_new_tokens"
+    )
     want = expected_text(TOKENIZER, req)
     assert got.text == want, f"{where}: the client got text {got.text!r}, expected {want!r}"
-    assert got.meta_info is not None and got.meta_info["completion_tokens"] == len(req.output_ids), where
+    assert got.meta_info is not None and got.meta_info["completion_tokens"] == len(
+        req.output_ids
+    ), where
     if "queue_time" in got.meta_info:  # metrics on
-        assert got.meta_info["queue_time"] == pytest.approx(world.queue_time[req.req_id], rel=1e-9, abs=1e-9), where
+        assert got.meta_info["queue_time"] == pytest.approx(
+            world.queue_time[req.req_id], rel=1e-9, abs=1e-9
+        ), where
 
 
 def frame_rows(block: OutputLogprobs | None) -> list[int]:
     return [] if block is None else np.frombuffer(block.rows, dtype=np.int32).tolist()
 
 
-def check_frame_logprobs(frame: BatchTokenIDOutput, want_output: list[int], want_prompt: list[int], seed: int) -> None:
+def check_frame_logprobs(
+    frame: BatchTokenIDOutput, want_output: list[int], want_prompt: list[int], seed: int
+) -> None:
     """The frame lists exactly the rows that have logprobs; one nil when none has any."""
     lp = frame.logprobs
     if not want_output and not want_prompt:
         assert lp is None, f"seed {seed}: a frame in which no row has logprobs carries {lp}"
         return
-    assert lp is not None, f"seed {seed}: rows {want_output} (prompt: {want_prompt}) have logprobs, the frame none"
-    assert frame_rows(lp.output) == want_output, f"seed {seed}: output logprob rows {frame_rows(lp.output)}, expected {want_output}"
+    assert lp is not None, (
+        f"seed {seed}: rows {want_output} (prompt: {want_prompt}) have logprobs, the frame none"
+    )
+    assert frame_rows(lp.output) == want_output, (
+        f"seed {seed}: output logprob rows {frame_rows(lp.output)}, expected {want_output}"
+    )
     got_prompt = frame_rows(lp.input.logprobs) if lp.input is not None else []
-    assert got_prompt == want_prompt, f"seed {seed}: prompt logprob rows {got_prompt}, expected {want_prompt}"
+    assert got_prompt == want_prompt, (
+        f"seed {seed}: prompt logprob rows {got_prompt}, expected {want_prompt}"
+    )
 
 
-def check_logprobs(world: SimWorld, req: Req, pipe: Pipeline, got: Delivered, truth: LogprobTruth, seed: int) -> None:
+def check_logprobs(
+    world: SimWorld, req: Req, pipe: Pipeline, got: Delivered, truth: LogprobTruth, seed: int
+) -> None:
     """After each of a request's outputs: the tokenizer manager's entries are exactly the
     simulation's values of every token delivered so far (and of every prompt position,
     once the prompt was computed), whatever retractions came."""
     state, asked = pipe.states[req.req_id], req.logprob
     where = f"seed {seed}: {req.rid} ({asked}) after {len(got.ids)} tokens delivered"
     if asked is None:
-        assert not state.logprobs.chosen and not state.prompt_logprobs.chosen and not got.logprobs.chosen, where
+        assert (
+            not state.logprobs.chosen
+            and not state.prompt_logprobs.chosen
+            and not got.logprobs.chosen
+        ), where
         return
     if state.stream:
-        assert not state.logprobs.chosen, f"{where}: a streaming request's entries go to its chunks only"
+        assert not state.logprobs.chosen, (
+            f"{where}: a streaming request's entries go to its chunks only"
+        )
         want = truth.output(req.req_id, asked, len(got.ids))
-        assert got.logprobs == want, f"{where}: output logprobs\n got:  {got.logprobs}\n want: {want}"
+        assert got.logprobs == want, (
+            f"{where}: output logprobs\n got:  {got.logprobs}\n want: {want}"
+        )
     else:
         want = truth.output(req.req_id, asked, len(state.output_ids))
-        assert state.logprobs == want, f"{where}: output logprobs\n got:  {state.logprobs}\n want: {want}"
-    want_prompt = truth.prompt(req.req_id, asked, len(req.origin_input_ids)) if req.req_id in world.prompt_computed else NO_ENTRIES
-    assert state.prompt_logprobs == want_prompt, f"{where}: prompt logprobs\n got:  {state.prompt_logprobs}\n want: {want_prompt}"
+        assert state.logprobs == want, (
+            f"{where}: output logprobs\n got:  {state.logprobs}\n want: {want}"
+        )
+    want_prompt = (
+        truth.prompt(req.req_id, asked, len(req.origin_input_ids))
+        if req.req_id in world.prompt_computed
+        else NO_ENTRIES
+    )
+    assert state.prompt_logprobs == want_prompt, (
+        f"{where}: prompt logprobs\n got:  {state.prompt_logprobs}\n want: {want_prompt}"
+    )
 
 
 def check_logprob_meta(
-    world: SimWorld, req: Req, pipe: Pipeline, now: dict[str, Any], before: Delivered, truth: LogprobTruth, seed: int
+    world: SimWorld,
+    req: Req,
+    pipe: Pipeline,
+    now: dict[str, Any],
+    before: Delivered,
+    truth: LogprobTruth,
+    seed: int,
 ) -> None:
     """The logprob keys of each event of this output (``before``: what the client had):
     the entries of that event's tokens, and the prompt's on the request's first event
@@ -558,19 +723,27 @@ def check_logprob_meta(
     events = now.get("events", [now])
     if asked is None:
         for event in events:
-            assert not any("logprobs" in k for k in event["meta_info"]), f"seed {seed}: {req.rid} asked no logprobs"
+            assert not any("logprobs" in k for k in event["meta_info"]), (
+                f"seed {seed}: {req.rid} asked no logprobs"
+            )
         return
     offset = len(before.ids) if "events" in now else 0
     computed = req.req_id in world.prompt_computed
-    want_prompt = truth.prompt(req.req_id, asked, len(req.origin_input_ids)) if computed else NO_ENTRIES
+    want_prompt = (
+        truth.prompt(req.req_id, asked, len(req.origin_input_ids)) if computed else NO_ENTRIES
+    )
     for n, event in enumerate(events):
         ids, first = event["output_ids"], before.events + n == 0 or "events" not in now
         prompt_ids = req.origin_input_ids if first and asked.logprob_start_len >= 0 else None
         want_out = truth.between(req.req_id, asked, offset, offset + len(ids))
-        want = expected_meta(asked, ids, want_out, prompt_ids, want_prompt, pipe.text_of[req.req_id])
+        want = expected_meta(
+            asked, ids, want_out, prompt_ids, want_prompt, pipe.text_of[req.req_id]
+        )
         got = {k: v for k, v in event["meta_info"].items() if "logprobs" in k}
         if got != want:
-            pytest.fail(f"seed {seed}: {req.rid} ({asked}), event at token {offset}: logprob keys\n got:  {got}\n want: {want}")
+            pytest.fail(
+                f"seed {seed}: {req.rid} ({asked}), event at token {offset}: logprob keys\n got:  {got}\n want: {want}"
+            )
         offset += len(ids)
 
 
@@ -584,7 +757,9 @@ def compare_embedding_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed:
     for req in rows:
         got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
         if got != want or got is None:
-            pytest.fail(f"seed {seed}: embedding output of {req.rid} differs\n optimized: {got}\n reference: {want}")
+            pytest.fail(
+                f"seed {seed}: embedding output of {req.rid} differs\n optimized: {got}\n reference: {want}"
+            )
     same_states(opt, ref, seed)
     if opt.metrics_since(marks[0]) != ref.metrics_since(marks[1]):
         pytest.fail(f"seed {seed}: metrics observations of an embedding frame differ")
@@ -592,11 +767,15 @@ def compare_embedding_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed:
 
 
 @pytest.mark.parametrize("metrics", [True, False], ids=["metrics-on", "metrics-off"])
-def test_due_stats_match_full_stats_on_every_row(request: pytest.FixtureRequest, metrics: bool) -> None:
+def test_due_stats_match_full_stats_on_every_row(
+    request: pytest.FixtureRequest, metrics: bool
+) -> None:
     total = int(request.config.getoption("--lifecycles"))
     seed = int(request.config.getoption("--lifecycle-seed"))
     per_seed = 500
     compared = 0
     for k in range(0, total // 2, per_seed):
-        compared += run_differential(min(per_seed, total // 2 - k), seed + k + (0 if metrics else 1_000_003), metrics)
+        compared += run_differential(
+            min(per_seed, total // 2 - k), seed + k + (0 if metrics else 1_000_003), metrics
+        )
     assert compared > total  # every lifecycle emitted at least one row

@@ -37,20 +37,35 @@ MAX_NEW = 10  # not a multiple of B: the last block is cut
 PROMPTS = [[(11 * i + 17 * j) % 3900 + 60 for i in range(9 + 5 * j)] for j in range(5)]
 ASK = LogprobParams(top_logprobs_num=4, token_ids_logprob=(5, 77, 1000))
 
-Entry = tuple[float, list[tuple[float, int]], list[float]]  # chosen, top (value, id), asked ids' values
+Entry = tuple[
+    float, list[tuple[float, int]], list[float]
+]  # chosen, top (value, id), asked ids' values
 
 
 def make(steps: int, pool: int = 8192) -> Scheduler:
-    return build_scheduler(ServerConfig(mode="dllm", dllm_block_size=B, dllm_steps=steps, max_total_tokens=pool, torch_threads=1))
+    return build_scheduler(
+        ServerConfig(
+            mode="dllm", dllm_block_size=B, dllm_steps=steps, max_total_tokens=pool, torch_threads=1
+        )
+    )
 
 
-def submit(s: Scheduler, req_id: int, params: SamplingParams, ask: LogprobParams | None, *, stream: bool = True) -> None:
+def submit(
+    s: Scheduler,
+    req_id: int,
+    params: SamplingParams,
+    ask: LogprobParams | None,
+    *,
+    stream: bool = True,
+) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
             rid=f"r{req_id}",
             req_id=req_id,
             input_ids=PROMPTS[req_id % len(PROMPTS)],
-            sampling_params=msgspec.structs.replace(params, max_new_tokens=MAX_NEW, ignore_eos=True),
+            sampling_params=msgspec.structs.replace(
+                params, max_new_tokens=MAX_NEW, ignore_eos=True
+            ),
             stream=stream,
             arrival_time=time.time(),
             logprobs=ask,
@@ -79,13 +94,23 @@ def run(
             rows = split_token_rows(frame.output_ids, frame.output_counts)
             lp = frame.logprobs
             without += lp is None
-            out = read_output_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
-            inp = read_input_logprobs(lp.input, len(rows)) if lp is not None and lp.input is not None else {}
+            out = (
+                read_output_logprobs(lp.output, [len(r) for r in rows])
+                if lp is not None and lp.output is not None
+                else {}
+            )
+            inp = (
+                read_input_logprobs(lp.input, len(rows))
+                if lp is not None and lp.input is not None
+                else {}
+            )
             for i, (req_id, row) in enumerate(zip(ids, rows)):
                 tokens.setdefault(req_id, []).extend(row)
                 if i in out:
                     assert len(out[i].chosen) == len(row), "a row's entries are its own tokens'"
-                    entries.setdefault(req_id, []).extend(zip(out[i].chosen, out[i].top, out[i].ids))
+                    entries.setdefault(req_id, []).extend(
+                        zip(out[i].chosen, out[i].top, out[i].ids)
+                    )
                 if i in inp:
                     assert req_id not in prompt, "prompt logprobs are sent once"
                     prompt[req_id] = list(zip(inp[i].chosen, inp[i].top, inp[i].ids))
@@ -93,7 +118,12 @@ def run(
 
 
 def reference_decode(
-    runner: ModelRunner, prompt: list[int], params: SamplingParams, seed: int, steps: int, max_new: int = MAX_NEW
+    runner: ModelRunner,
+    prompt: list[int],
+    params: SamplingParams,
+    seed: int,
+    steps: int,
+    max_new: int = MAX_NEW,
 ) -> tuple[list[int], list[torch.Tensor]]:
     """What a dLLM request commits, and per token the log-softmax of the logits of the pass
     that committed it, by a plain loop: each pass is a full forward of prompt + committed
@@ -112,7 +142,9 @@ def reference_decode(
             slots = runner.kv.alloc(len(ids))
             assert slots is not None
             rows = torch.tensor([len(seq) - 1 + j for j in positions])
-            logits = runner.logits_at([ids], [torch.empty(0, dtype=torch.long)], [slots], rows, [len(seq)])
+            logits = runner.logits_at(
+                [ids], [torch.empty(0, dtype=torch.long)], [slots], rows, [len(seq)]
+            )
             runner.kv.free(slots)
             n = len(positions)
             cols = SamplingColumns.from_requests(
@@ -131,12 +163,16 @@ def reference_decode(
     return out, logprobs
 
 
-def assert_entries_match(entries: list[Entry], out: list[int], ref: list[torch.Tensor], ask: LogprobParams) -> None:
+def assert_entries_match(
+    entries: list[Entry], out: list[int], ref: list[torch.Tensor], ask: LogprobParams
+) -> None:
     assert len(entries) == len(out) == len(ref), "a token without its logprobs, or one sent twice"
     for j, (chosen, top, ids) in enumerate(entries):
         assert chosen == pytest.approx(float(ref[j][out[j]]), abs=1e-4), j
         k = ask.top_logprobs_num
-        values, top_ids = ref[j].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        values, top_ids = (
+            ref[j].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        )
         assert [t for _, t in top] == top_ids.tolist(), j
         assert [v for v, _ in top] == pytest.approx(values.tolist(), abs=1e-4), j
         assert ids == pytest.approx([float(ref[j][t]) for t in ask.token_ids_logprob], abs=1e-4), j
@@ -145,17 +181,35 @@ def assert_entries_match(entries: list[Entry], out: list[int], ref: list[torch.T
 REQUESTS: list[tuple[SamplingParams, LogprobParams | None, bool]] = [
     (SamplingParams(temperature=0.0), ASK, True),
     # Sampled, biased and penalized: the logprobs stay the raw distribution's.
-    (SamplingParams(temperature=0.9, top_k=40, seed=3, frequency_penalty=0.5, logit_bias=((77, 5.0),)), ASK, True),
+    (
+        SamplingParams(
+            temperature=0.9, top_k=40, seed=3, frequency_penalty=0.5, logit_bias=((77, 5.0),)
+        ),
+        ASK,
+        True,
+    ),
     (SamplingParams(temperature=0.0), None, True),  # asks nothing, beside rows that do
-    (SamplingParams(temperature=1.1, seed=4), LogprobParams(), False),  # the chosen token's only, one finished row
-    (SamplingParams(temperature=0.0), LogprobParams(top_logprobs_num=2, token_ids_logprob=(9,)), True),
+    (
+        SamplingParams(temperature=1.1, seed=4),
+        LogprobParams(),
+        False,
+    ),  # the chosen token's only, one finished row
+    (
+        SamplingParams(temperature=0.0),
+        LogprobParams(top_logprobs_num=2, token_ids_logprob=(9,)),
+        True,
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("steps", "pool"), [(2, 8192), (3, 8192), (3, sum(len(p) for p in PROMPTS) + 32)], ids=["2-passes", "3-passes", "retracting"]
+    ("steps", "pool"),
+    [(2, 8192), (3, 8192), (3, sum(len(p) for p in PROMPTS) + 32)],
+    ids=["2-passes", "3-passes", "retracting"],
 )
-def test_each_committed_token_has_the_logprobs_of_the_pass_that_committed_it(steps: int, pool: int) -> None:
+def test_each_committed_token_has_the_logprobs_of_the_pass_that_committed_it(
+    steps: int, pool: int
+) -> None:
     s = make(steps, pool)
     calls: list[int] = []
     batched = dllm_module.span_logprobs
@@ -164,25 +218,33 @@ def test_each_committed_token_has_the_logprobs_of_the_pass_that_committed_it(ste
         calls.append(len(args[3]))
         return batched(*args, **kwargs)
 
-    dropped_with_logprobs = 0  # blocks dropped mid-way (retraction) holding committed positions' logprobs
+    dropped_with_logprobs = (
+        0  # blocks dropped mid-way (retraction) holding committed positions' logprobs
+    )
     drop = s.dllm.drop_block  # type: ignore[union-attr]
 
     def counting_drop(req: Req) -> None:
         nonlocal dropped_with_logprobs
         block = req.dllm_block
-        dropped_with_logprobs += block is not None and block.logprobs is not None and not all(block.masked)
+        dropped_with_logprobs += (
+            block is not None and block.logprobs is not None and not all(block.masked)
+        )
         drop(req)
 
     s.dllm.drop_block = counting_drop  # type: ignore[union-attr,method-assign]
     dllm_module.span_logprobs = counting  # type: ignore[assignment]
     try:
         # One arrival per step, so that passes mix block starts and blocks mid-way.
-        arrivals = [lambda i=i, r=r: submit(s, i, r[0], r[1], stream=r[2]) for i, r in enumerate(REQUESTS)]
+        arrivals = [
+            lambda i=i, r=r: submit(s, i, r[0], r[1], stream=r[2]) for i, r in enumerate(REQUESTS)
+        ]
         tokens, entries, _, _ = run(s, arrivals)  # type: ignore[arg-type]
     finally:
         dllm_module.span_logprobs = batched  # type: ignore[assignment]
     if pool < 8192:
-        assert s.num_retracted_total > 0 and dropped_with_logprobs > 0, "no retraction dropped a block holding logprobs"
+        assert s.num_retracted_total > 0 and dropped_with_logprobs > 0, (
+            "no retraction dropped a block holding logprobs"
+        )
     assert 2 not in entries
     assert max(calls) > 1, "one batched computation per pass covers every request that asked"
     runner = make(steps).runner  # the same model, with room for the reference's forwards
@@ -227,7 +289,9 @@ def test_prompt_logprobs_come_from_the_prefill() -> None:
     prompt_ids = PROMPTS[3]
     slots = s.kv.alloc(len(prompt_ids))
     assert slots is not None
-    _, hidden = s.runner.extend([prompt_ids], [torch.empty(0, dtype=torch.long)], [slots], return_hidden=True)
+    _, hidden = s.runner.extend(
+        [prompt_ids], [torch.empty(0, dtype=torch.long)], [slots], return_hidden=True
+    )
     assert hidden is not None
     ref = torch.log_softmax(s.runner.logits(hidden).float(), dim=-1)  # row q - 1 predicts token q
     s.kv.free(slots)

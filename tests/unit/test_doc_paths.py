@@ -14,16 +14,50 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-OUR_TOPS = ("pipeline", "scheduler_proc", "detokenizer_proc", "tokenizer_proc", "tokenpipe", "bench", "tests", "scripts", "deploy", "docs")
+OUR_TOPS = (
+    "pipeline",
+    "scheduler_proc",
+    "detokenizer_proc",
+    "tokenizer_proc",
+    "tokenpipe",
+    "bench",
+    "tests",
+    "scripts",
+    "deploy",
+    "docs",
+)
 PROSE = ("README.md", "docs", "bench/README.md", "deploy")
-CODE = ("pipeline", "scheduler_proc", "detokenizer_proc", "tokenizer_proc", "tokenpipe", "bench", "tests", "scripts")
+CODE = (
+    "pipeline",
+    "scheduler_proc",
+    "detokenizer_proc",
+    "tokenizer_proc",
+    "tokenpipe",
+    "bench",
+    "tests",
+    "scripts",
+)
 # Not ``tokenpipe``: ``tokenpipe.*`` is also the namespace of the span attributes.
 PACKAGES = ("pipeline", "scheduler_proc", "detokenizer_proc", "tokenizer_proc", "bench")
 
 # Files the prose names that are other projects' (what tokenpipe is compared with or reaches into).
-OTHER_PROJECTS_FILES = frozenset({"httptools_impl.py", "core.py", "tokenizer_manager.py", "scheduler.py", "__init__.py", "setup.py", "conftest.py"})
+OTHER_PROJECTS_FILES = frozenset(
+    {
+        "httptools_impl.py",
+        "core.py",
+        "tokenizer_manager.py",
+        "scheduler.py",
+        "__init__.py",
+        "setup.py",
+        "conftest.py",
+    }
+)
 
-PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(OUR_TOPS) + r")/(?:[\w.-]+/)*[\w-]+\.(?:py|md|json|conf|yml|yaml))(?![\w/])")
+PATH = re.compile(
+    r"(?<![\w./-])((?:"
+    + "|".join(OUR_TOPS)
+    + r")/(?:[\w.-]+/)*[\w-]+\.(?:py|md|json|conf|yml|yaml))(?![\w/])"
+)
 FILE_NAME = re.compile(r"(?<![\w./-])([a-z_][\w]*\.py)(?![\w/])")
 DOTTED = re.compile(r"(?<![\w./-])((?:" + "|".join(PACKAGES) + r")(?:\.\w+)+)")
 
@@ -34,7 +68,9 @@ def prose_files(root: Path) -> Iterator[Path]:
         if path.is_file():
             yield path
         elif path.is_dir():
-            yield from sorted(p for p in path.rglob("*") if p.suffix in {".md", ".conf", ".yml", ".yaml"})
+            yield from sorted(
+                p for p in path.rglob("*") if p.suffix in {".md", ".conf", ".yml", ".yaml"}
+            )
 
 
 def code_texts(root: Path) -> Iterator[tuple[Path, int, str]]:
@@ -44,7 +80,9 @@ def code_texts(root: Path) -> Iterator[tuple[Path, int, str]]:
             source = path.read_text()
             tree = ast.parse(source)
             for node in ast.walk(tree):
-                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                if isinstance(
+                    node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+                ):
                     doc = ast.get_docstring(node, clean=False)
                     if doc and node.body:
                         yield path, node.body[0].lineno, doc
@@ -94,7 +132,9 @@ def dotted_problem(root: Path, name: str) -> str | None:
 
 
 def dangling(root: Path) -> list[str]:
-    file_names = {p.name for top in OUR_TOPS if (root / top).is_dir() for p in (root / top).rglob("*.py")}
+    file_names = {
+        p.name for top in OUR_TOPS if (root / top).is_dir() for p in (root / top).rglob("*.py")
+    }
     found = []
     for path, number, text in texts(root):
         where = f"{path.relative_to(root)}:{number}"
@@ -156,7 +196,9 @@ def test_every_link_in_the_docs_resolves_inside_the_repository() -> None:
 
 def test_the_link_checker_finds_broken_links(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "design.md").write_text("# Design\n\n## 14. Where things live\n\n## Notes\n\n## Notes\n")
+    (tmp_path / "docs" / "design.md").write_text(
+        "# Design\n\n## 14. Where things live\n\n## Notes\n\n## Notes\n"
+    )
     (tmp_path / "README.md").write_text(
         "[ok](docs/design.md#14-where-things-live) [ok](docs/design.md#notes-1) [ok](#readme)\n"
         "[a](docs/design.md#15-gone) [b](docs/api.md) [c](https://example.com) [d](../outside.md)\n"
@@ -179,7 +221,9 @@ def test_the_checker_finds_dangling_references(tmp_path: Path) -> None:
     (tmp_path / "scheduler_proc" / "cache").mkdir(parents=True)
     (tmp_path / "scheduler_proc" / "__init__.py").write_text("")
     (tmp_path / "scheduler_proc" / "cache" / "__init__.py").write_text("")
-    (tmp_path / "scheduler_proc" / "cache" / "kv_pool.py").write_text('"""See ``scheduler_proc/kv_pool.py``."""\nclass KVPool: ...\n')
+    (tmp_path / "scheduler_proc" / "cache" / "kv_pool.py").write_text(
+        '"""See ``scheduler_proc/kv_pool.py``."""\nclass KVPool: ...\n'
+    )
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "design.md").write_text(
         "`scheduler_proc/cache/kv_pool.py` and `kv_pool.py` hold `scheduler_proc.cache.kv_pool.KVPool`.\n"

@@ -42,7 +42,9 @@ def _reference_rows(counts: list[int]) -> list[list[int]]:
     return rows
 
 
-def _token_frame(counts: list[int], *, kind: type = BatchTokenIDOutput, **lists: object) -> BatchTokenIDOutput | BatchStrOutput:
+def _token_frame(
+    counts: list[int], *, kind: type = BatchTokenIDOutput, **lists: object
+) -> BatchTokenIDOutput | BatchStrOutput:
     n = len(counts)
     columns = dict(
         req_ids=to_column(range(100, 100 + n), REQ_ID_DTYPE),  # type: ignore[arg-type]
@@ -63,12 +65,19 @@ def test_split_token_rows_gives_each_row_its_own_tokens(counts: list[int]) -> No
 
 def test_empty_rows_beside_a_two_token_row_keep_their_tokens() -> None:
     """The shortcut for one token per row once took [2, 0] for it (rows == tokens)."""
-    assert split_token_rows(to_column([10, 11], TOKEN_DTYPE), to_column([2, 0], COUNT_DTYPE)) == [[10, 11], []]
-    assert split_token_rows(to_column([10, 11, 12], TOKEN_DTYPE), to_column([0, 3, 0], COUNT_DTYPE)) == [[], [10, 11, 12], []]
+    assert split_token_rows(to_column([10, 11], TOKEN_DTYPE), to_column([2, 0], COUNT_DTYPE)) == [
+        [10, 11],
+        [],
+    ]
+    assert split_token_rows(
+        to_column([10, 11, 12], TOKEN_DTYPE), to_column([0, 3, 0], COUNT_DTYPE)
+    ) == [[], [10, 11, 12], []]
 
 
 @given(counts_lists, st.integers(min_value=-3, max_value=3).filter(lambda d: d != 0))
-def test_split_token_rows_refuses_counts_that_miss_the_token_column(counts: list[int], delta: int) -> None:
+def test_split_token_rows_refuses_counts_that_miss_the_token_column(
+    counts: list[int], delta: int
+) -> None:
     total = sum(counts) + delta
     if total < 0:
         return
@@ -82,11 +91,16 @@ def test_split_token_rows_refuses_negative_counts() -> None:
 
 
 @given(counts_lists, st.sampled_from([BatchTokenIDOutput, BatchStrOutput]), st.booleans())
-def test_a_consistent_frame_reads_back_row_by_row(counts: list[int], kind: type, with_lists: bool) -> None:
+def test_a_consistent_frame_reads_back_row_by_row(
+    counts: list[int], kind: type, with_lists: bool
+) -> None:
     n = len(counts)
     lists: dict[str, object] = {}
     if with_lists and n:
-        lists = {"finished_reasons": [None] * (n - 1) + [FinishLength(length=1)], "request_stats": [RequestOutputStats()] + [None] * (n - 1)}
+        lists = {
+            "finished_reasons": [None] * (n - 1) + [FinishLength(length=1)],
+            "request_stats": [RequestOutputStats()] + [None] * (n - 1),
+        }
         if kind is BatchTokenIDOutput:
             lists["decode_options"] = [DecodeOptions()] * n
             zeros = to_column([0] * n, COUNT_DTYPE)
@@ -100,11 +114,26 @@ def test_a_consistent_frame_reads_back_row_by_row(counts: list[int], kind: type,
     assert rows.completion_tokens == counts
 
 
-_MISMATCHES = ["req_ids", "output_counts", "completion_tokens", "finished_reasons", "request_stats", "decode_options", "usage", "text_deltas"]
+_MISMATCHES = [
+    "req_ids",
+    "output_counts",
+    "completion_tokens",
+    "finished_reasons",
+    "request_stats",
+    "decode_options",
+    "usage",
+    "text_deltas",
+]
 
 
-@given(st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=12), st.sampled_from(_MISMATCHES), st.sampled_from([-1, 1]))
-def test_a_column_of_the_wrong_length_refuses_the_whole_frame(counts: list[int], column: str, delta: int) -> None:
+@given(
+    st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=12),
+    st.sampled_from(_MISMATCHES),
+    st.sampled_from([-1, 1]),
+)
+def test_a_column_of_the_wrong_length_refuses_the_whole_frame(
+    counts: list[int], column: str, delta: int
+) -> None:
     n = len(counts)
     wrong = n + delta
     kind: type = BatchStrOutput if column == "text_deltas" else BatchTokenIDOutput
@@ -113,7 +142,9 @@ def test_a_column_of_the_wrong_length_refuses_the_whole_frame(counts: list[int],
         frame.req_ids = to_column(range(wrong), REQ_ID_DTYPE)  # type: ignore[arg-type]
     elif column == "output_counts":
         # Counts that still sum to the token column, but for the wrong number of rows.
-        frame.output_counts = to_column(counts + [0] if delta > 0 else ([sum(counts)] if n > 1 else []), COUNT_DTYPE)
+        frame.output_counts = to_column(
+            counts + [0] if delta > 0 else ([sum(counts)] if n > 1 else []), COUNT_DTYPE
+        )
         if n == 1 and delta < 0:
             frame.output_ids = b""
     elif column == "completion_tokens":

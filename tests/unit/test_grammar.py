@@ -64,7 +64,10 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"enum": list(COLORS)}, "maxItems": 2},
         "point": {
             "type": "object",
-            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+            "properties": {
+                "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                "ok": {"type": "boolean"},
+            },
             "required": ["x", "ok"],
         },
     },
@@ -120,7 +123,9 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 QUOTE, CLOSE = TOKENIZER.encode('"')[0], TOKENIZER.encode("}")[0]
 # A random model never closes an open-ended object by itself: pushing '"' and "}" closes
 # each string and the object soon, where the mask allows them (an object opens with "{").
-KIND_BIAS: dict[str, tuple[tuple[int, float], ...]] = {"json_object": ((QUOTE, 100.0), (CLOSE, 100.0))}
+KIND_BIAS: dict[str, tuple[tuple[int, float], ...]] = {
+    "json_object": ((QUOTE, 100.0), (CLOSE, 100.0))
+}
 
 
 def make(pool: int = 8192, **kw: object) -> Scheduler:
@@ -177,7 +182,11 @@ def collect(frames: list[object], into: dict[int, Answer]) -> None:
         ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
         rows = split_token_rows(frame.output_ids, frame.output_counts)
         lp = frame.logprobs
-        per_row = read_token_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
+        per_row = (
+            read_token_logprobs(lp.output, [len(r) for r in rows])
+            if lp is not None and lp.output is not None
+            else {}
+        )
         for i, req_id in enumerate(ids):
             answer = into.setdefault(req_id, Answer())
             answer.tokens.extend(rows[i])
@@ -213,14 +222,19 @@ def test_every_seeded_answer_follows_its_constraint(kind: str) -> None:
     assert sorted(out) == list(SEEDS)
     for answer in out.values():
         assert_valid(kind, answer)
-    assert len({a.text for a in out.values()}) > 1, "the seeds all drew one answer: the test shows nothing"
+    assert len({a.text for a in out.values()}) > 1, (
+        "the seeds all drew one answer: the test shows nothing"
+    )
 
 
 def test_choices_with_quotes_backslashes_newlines_and_non_ascii_are_spelled_exactly() -> None:
     """The choice grammar escapes each string (a JSON literal, which xgrammar's EBNF reads
     alike): every choice is reachable as written, and nothing else."""
     grammar = choice_grammar(json.dumps(CHOICES))
-    assert grammar == 'root ::= "yes" | "no" | "say \\"hi\\"" | "back\\\\slash" | "two\\nlines" | "ünï"'
+    assert (
+        grammar
+        == 'root ::= "yes" | "no" | "say \\"hi\\"" | "back\\\\slash" | "two\\nlines" | "ünï"'
+    )
     s = make()
     for seed in range(24):
         submit(s, seed, constraint("choice"), sampling(seed))
@@ -237,12 +251,16 @@ def test_a_masked_token_is_never_drawn_whatever_its_logit_bias() -> None:
     s = make()
     for seed in SEEDS:
         submit(s, seed, digits, sampling(seed, logit_bias=((EOS, 100.0), (letter, 100.0))))
-    submit(s, 99, None, sampling(5, logit_bias=((letter, 100.0),), max_new_tokens=4))  # an unconstrained neighbour
+    submit(
+        s, 99, None, sampling(5, logit_bias=((letter, 100.0),), max_new_tokens=4)
+    )  # an unconstrained neighbour
     out = run(s)
     for seed in SEEDS:
         answer = out[seed]
         assert letter not in answer.tokens
-        assert re.fullmatch("[0-9]{2,4}", answer.text) and answer.finish == FinishStop(matched=EOS), answer.text
+        assert re.fullmatch("[0-9]{2,4}", answer.text) and answer.finish == FinishStop(
+            matched=EOS
+        ), answer.text
         # EOS is allowed from the second digit on, and the bias takes it at once: before the
         # last digit token there was less than two digits.
         assert len(TOKENIZER.decode(answer.tokens[:-2])) < 2, answer.text
@@ -262,7 +280,9 @@ def test_special_tokens_never_enter_an_answer() -> None:
     for answer in run(s).values():
         assert not set(answer.tokens) & set(special), answer.tokens
         # xgrammar's "." takes a newline too
-        assert answer.finish == FinishStop(matched=EOS) and re.fullmatch(".{4,12}", answer.text, re.DOTALL), answer.text
+        assert answer.finish == FinishStop(matched=EOS) and re.fullmatch(
+            ".{4,12}", answer.text, re.DOTALL
+        ), answer.text
         assert TOKENIZER.decode(answer.tokens[:-1], skip_special_tokens=False) == answer.text
 
 
@@ -285,7 +305,10 @@ def test_a_grammar_that_can_only_end_ends_even_short_of_min_new_tokens() -> None
     for seed in SEEDS:
         submit(s, seed, yes, sampling(seed, min_new_tokens=8, stop_token_ids=(letter,)))
     for answer in run(s).values():
-        assert answer.text == "yes" and answer.finish == FinishStop(matched=EOS), (answer.text, answer.finish)
+        assert answer.text == "yes" and answer.finish == FinishStop(matched=EOS), (
+            answer.text,
+            answer.finish,
+        )
 
 
 def test_logprobs_of_a_constrained_row_stay_the_raw_distribution() -> None:
@@ -303,14 +326,26 @@ def test_logprobs_of_a_constrained_row_stay_the_raw_distribution() -> None:
     assert eos_logprobs[0] == reference.asked_logprobs[0][0]
 
 
-MIX: list[tuple[str | None, int]] = [("json_schema", 7), (None, 8), ("regex", 9), ("grammar", 10), (None, 11), ("choice", 12)]
+MIX: list[tuple[str | None, int]] = [
+    ("json_schema", 7),
+    (None, 8),
+    ("regex", 9),
+    ("grammar", 10),
+    (None, 11),
+    ("choice", 12),
+]
 
 
 def _mix_alone() -> dict[int, list[int]]:
     alone: dict[int, list[int]] = {}
     for j, (kind, seed) in enumerate(MIX):
         s = make()
-        submit(s, j, constraint(kind) if kind else None, sampling(seed, max_new_tokens=MAX_NEW if kind else 40))
+        submit(
+            s,
+            j,
+            constraint(kind) if kind else None,
+            sampling(seed, max_new_tokens=MAX_NEW if kind else 40),
+        )
         alone[j] = run(s)[j].tokens
     return alone
 
@@ -321,13 +356,23 @@ def test_seeded_rows_draw_the_same_tokens_alone_and_in_any_batch() -> None:
     alone = _mix_alone()
     together = make()
     for j, (kind, seed) in enumerate(MIX):
-        submit(together, j, constraint(kind) if kind else None, sampling(seed, max_new_tokens=MAX_NEW if kind else 40))
+        submit(
+            together,
+            j,
+            constraint(kind) if kind else None,
+            sampling(seed, max_new_tokens=MAX_NEW if kind else 40),
+        )
     assert {k: a.tokens for k, a in run(together).items()} == alone
     staggered = make()  # reversed, and half of them join a few steps late
     out: dict[int, Answer] = {}
     for j in reversed(range(len(MIX))):
         kind, seed = MIX[j]
-        submit(staggered, j, constraint(kind) if kind else None, sampling(seed, max_new_tokens=MAX_NEW if kind else 40))
+        submit(
+            staggered,
+            j,
+            constraint(kind) if kind else None,
+            sampling(seed, max_new_tokens=MAX_NEW if kind else 40),
+        )
         if j == 3:
             for _ in range(5):
                 collect(staggered.step(), out)  # type: ignore[arg-type]
@@ -360,7 +405,9 @@ def test_a_retracted_constrained_request_resumes_its_grammar_where_it_stopped() 
     assert small.kv.num_used == small.cache.total_size and not small.live
 
 
-def test_pd_the_prefill_server_draws_the_first_token_under_the_mask_and_the_decode_server_goes_on(tmp_path: Path) -> None:
+def test_pd_the_prefill_server_draws_the_first_token_under_the_mask_and_the_decode_server_goes_on(
+    tmp_path: Path,
+) -> None:
     """The prefill half samples token 0 under its grammar; the decode half compiles the same
     grammar, accepts that token before its first step, and draws the rest: the answer is
     the unified server's, valid. A decode-side retraction re-bootstraps and keeps the
@@ -398,7 +445,9 @@ def test_pd_the_prefill_server_draws_the_first_token_under_the_mask_and_the_deco
         assert valid(kind, TOKENIZER.decode(got[j]))
 
 
-def test_pd_a_first_token_outside_the_grammar_fails_the_decode_half_with_a_502(tmp_path: Path) -> None:
+def test_pd_a_first_token_outside_the_grammar_fails_the_decode_half_with_a_502(
+    tmp_path: Path,
+) -> None:
     """A prefill half sent without the constraint draws a letter (pushed +100) where the
     grammar wants a digit: the decode half's matcher refuses it before any step."""
     letter = TOKENIZER.encode("x")[0]
@@ -424,15 +473,21 @@ INVALID = [
 
 
 @pytest.mark.parametrize(("kind", "spec", "reason"), INVALID)
-def test_an_invalid_spec_is_refused_with_a_400_naming_the_field_and_the_engines_reason(kind: str, spec: str, reason: str) -> None:
+def test_an_invalid_spec_is_refused_with_a_400_naming_the_field_and_the_engines_reason(
+    kind: str, spec: str, reason: str
+) -> None:
     s = make()
     submit(s, 1, Constraint(kind, spec, "sampling_params.bad"), sampling(1))
     submit(s, 2, None, sampling(2, max_new_tokens=3))  # a neighbour, untouched
     out = run(s)
     finish = out[1].finish
     assert isinstance(finish, FinishAbort) and finish.status_code == 400, finish
-    assert finish.message.startswith("sampling_params.bad: ") and reason in finish.message, finish.message
-    assert "/project/" not in finish.message and "Check failed" not in finish.message  # the engine's log prefix is cut
+    assert finish.message.startswith("sampling_params.bad: ") and reason in finish.message, (
+        finish.message
+    )
+    assert (
+        "/project/" not in finish.message and "Check failed" not in finish.message
+    )  # the engine's log prefix is cut
     assert out[1].tokens == [] and out[1].stats, "refused before any token, with its stats"
     assert len(out[2].tokens) == 3
     assert not s.live and s.kv.num_used == s.cache.total_size
@@ -474,7 +529,11 @@ def test_a_compiled_grammar_is_cached_and_a_second_request_does_not_wait() -> No
     assert calls == [("regex", REGEX), ("regex", "(")]
     for req_id in (3, 4):
         finish = out[req_id].finish
-        assert isinstance(finish, FinishAbort) and finish.status_code == 400 and finish.message.startswith(f"p{req_id}: ")
+        assert (
+            isinstance(finish, FinishAbort)
+            and finish.status_code == 400
+            and finish.message.startswith(f"p{req_id}: ")
+        )
 
 
 def test_a_slow_compile_does_not_stop_other_requests_steps() -> None:
@@ -504,10 +563,14 @@ def test_a_slow_compile_does_not_stop_other_requests_steps() -> None:
             collect(s.step(), out)  # type: ignore[arg-type]
             steps += 1
             assert steps < 100
-            assert s.num_waiting == 1 and 1 not in out, "the constrained request left its wait before its grammar"
+            assert s.num_waiting == 1 and 1 not in out, (
+                "the constrained request left its wait before its grammar"
+            )
             assert all(r.req_id != 1 for r in s.running)
         assert len(out[2].tokens) == 20 and steps >= 20
-        assert s.has_work() and s.only_compiling(), "the loop would spin instead of waiting on its sockets"
+        assert s.has_work() and s.only_compiling(), (
+            "the loop would spin instead of waiting on its sockets"
+        )
     finally:
         release.set()
     run(s, out)
@@ -516,7 +579,9 @@ def test_a_slow_compile_does_not_stop_other_requests_steps() -> None:
     assert ts is not None and ts.grammar_wait > 0
 
 
-def test_an_abort_while_the_grammar_compiles_finishes_the_request_and_its_compile_serves_the_next() -> None:
+def test_an_abort_while_the_grammar_compiles_finishes_the_request_and_its_compile_serves_the_next() -> (
+    None
+):
     s = make()
     calls = _count_compiles(s)
     release = threading.Event()
@@ -540,7 +605,9 @@ def test_an_abort_while_the_grammar_compiles_finishes_the_request_and_its_compil
         release.set()
     submit(s, 2, constraint("choice"), sampling(2))
     assert_valid("choice", run(s)[2])
-    assert calls == [("choice", json.dumps(CHOICES))], "the aborted request's compile was not the one used"
+    assert calls == [("choice", json.dumps(CHOICES))], (
+        "the aborted request's compile was not the one used"
+    )
 
 
 def test_no_mask_work_while_no_running_row_is_constrained(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -548,8 +615,12 @@ def test_no_mask_work_while_no_running_row_is_constrained(monkeypatch: pytest.Mo
     accept runs, and the sampler gets no mask. Once a constrained row runs, both do."""
     calls: list[str] = []
     fill, accept = TokenMasks.fill, TokenMasks.accept
-    monkeypatch.setattr(TokenMasks, "fill", lambda self, *a: (calls.append("fill"), fill(self, *a))[1])
-    monkeypatch.setattr(TokenMasks, "accept", lambda self, *a: (calls.append("accept"), accept(self, *a))[1])
+    monkeypatch.setattr(
+        TokenMasks, "fill", lambda self, *a: (calls.append("fill"), fill(self, *a))[1]
+    )
+    monkeypatch.setattr(
+        TokenMasks, "accept", lambda self, *a: (calls.append("accept"), accept(self, *a))[1]
+    )
     s = make()
     submit(s, 1, None, sampling(1, max_new_tokens=8))
     run(s)
@@ -565,18 +636,28 @@ def test_without_a_tokenizer_a_constrained_request_is_refused_with_a_400_naming_
     submit(s, 1, constraint("regex", param="sampling_params.regex"), sampling(1))
     finish = run(s)[1].finish
     assert isinstance(finish, FinishAbort) and finish.status_code == 400
-    assert finish.message == "sampling_params.regex: structured outputs need a tokenizer, and this server runs with --skip-tokenizer-init"
+    assert (
+        finish.message
+        == "sampling_params.regex: structured outputs need a tokenizer, and this server runs with --skip-tokenizer-init"
+    )
 
 
 def test_dllm_mode_refuses_a_constrained_request_with_a_400() -> None:
     s = make(mode="dllm")
     submit(s, 1, constraint("choice", param="response_format"), sampling(1))
     finish = run(s)[1].finish
-    assert finish == FinishAbort(message="response_format: structured outputs are not supported in --mode dllm", status_code=400)
+    assert finish == FinishAbort(
+        message="response_format: structured outputs are not supported in --mode dllm",
+        status_code=400,
+    )
 
 
 def test_an_unknown_kind_is_refused_with_a_400() -> None:
     s = make()
     submit(s, 1, Constraint("yaml", "a: 1", "p"), sampling(1))
     finish = run(s)[1].finish
-    assert isinstance(finish, FinishAbort) and finish.status_code == 400 and finish.message.startswith("p: unknown structured-output kind 'yaml'")
+    assert (
+        isinstance(finish, FinishAbort)
+        and finish.status_code == 400
+        and finish.message.startswith("p: unknown structured-output kind 'yaml'")
+    )

@@ -72,7 +72,11 @@ def layer_violations(root: Path) -> list[str]:
     for file, line, importer, imported in import_graph(root):
         if importer == GROUND and (imported in PROCESS_PACKAGES or imported == CLI):
             found.append(f"{file}:{line}: {importer} imports {imported}: {GROUND_RULE}")
-        elif importer in PROCESS_PACKAGES and imported != importer and (imported in PROCESS_PACKAGES or imported == CLI):
+        elif (
+            importer in PROCESS_PACKAGES
+            and imported != importer
+            and (imported in PROCESS_PACKAGES or imported == CLI)
+        ):
             found.append(f"{file}:{line}: {importer} imports {imported}: {PROCESS_RULE}")
     return found
 
@@ -144,7 +148,12 @@ def module_imports(root: Path) -> dict[str, dict[str, int]]:
     """For each module of the checked packages under ``root``: the checked modules it imports
     (every import counts, as above), each with the first line that imports it. ``from pkg import
     name`` names the module ``pkg.name`` when there is one, else ``pkg``."""
-    paths = {module_name(path, root): path for top in CIRCLE_CHECKED for path in sorted((root / top).rglob("*.py")) if (root / top).is_dir()}
+    paths = {
+        module_name(path, root): path
+        for top in CIRCLE_CHECKED
+        for path in sorted((root / top).rglob("*.py"))
+        if (root / top).is_dir()
+    }
     graph: dict[str, dict[str, int]] = {}
     for module, path in paths.items():
         package = ".".join(path.relative_to(root).parent.parts)
@@ -162,7 +171,12 @@ def module_imports(root: Path) -> dict[str, dict[str, int]]:
 
 
 def _from_import_names(tree: ast.Module, line: int) -> list[str]:
-    return [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.lineno == line for alias in node.names]
+    return [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.lineno == line
+        for alias in node.names
+    ]
 
 
 def import_circles(root: Path) -> list[str]:
@@ -202,7 +216,11 @@ def import_circles(root: Path) -> list[str]:
 
     def file_of(module: str) -> str:
         path = root / module.replace(".", "/")
-        return f"{module.replace('.', '/')}/__init__.py" if path.is_dir() else f"{module.replace('.', '/')}.py"
+        return (
+            f"{module.replace('.', '/')}/__init__.py"
+            if path.is_dir()
+            else f"{module.replace('.', '/')}.py"
+        )
 
     found = []
     for component in sorted(components):
@@ -210,7 +228,9 @@ def import_circles(root: Path) -> list[str]:
         cycle = _one_cycle(graph, component[0], members)
         steps = " -> ".join(f"{file_of(a)}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
         files = ", ".join(file_of(m) for m in component)
-        found.append(f"{steps} -> {file_of(cycle[-1])} ({len(component)} files in the circle: {files}): {CIRCLE_RULE}")
+        found.append(
+            f"{steps} -> {file_of(cycle[-1])} ({len(component)} files in the circle: {files}): {CIRCLE_RULE}"
+        )
     return found
 
 
@@ -247,7 +267,9 @@ def test_the_circle_checker_sees_module_imports() -> None:
     graph = module_imports(REPO)
     assert "scheduler_proc.req" in graph["scheduler_proc.scheduler"]
     assert "scheduler_proc.dllm_block" in graph["scheduler_proc.req"]
-    assert "scheduler_proc.batch.running_batch" in graph["scheduler_proc.sampling.logprobs"]  # under TYPE_CHECKING
+    assert (
+        "scheduler_proc.batch.running_batch" in graph["scheduler_proc.sampling.logprobs"]
+    )  # under TYPE_CHECKING
     assert "tokenizer_proc.req_state" in graph["tokenizer_proc.http.sse_stream"]
 
 
@@ -273,5 +295,6 @@ def test_the_circle_checker_names_each_circle_with_files_and_lines(tmp_path: Pat
     assert import_circles(tmp_path) == [
         f"pipeline/a.py:1 -> pipeline/b.py:4 -> pipeline/a.py (2 files in the circle: pipeline/a.py, pipeline/b.py): {CIRCLE_RULE}",
         "scheduler_proc/sub/x.py:4 -> scheduler_proc/y.py:1 -> scheduler_proc/z.py:1 -> scheduler_proc/sub/x.py"
-        " (3 files in the circle: scheduler_proc/sub/x.py, scheduler_proc/y.py, scheduler_proc/z.py): " + CIRCLE_RULE,
+        " (3 files in the circle: scheduler_proc/sub/x.py, scheduler_proc/y.py, scheduler_proc/z.py): "
+        + CIRCLE_RULE,
     ]

@@ -14,7 +14,11 @@ from pipeline.tokenizer_loader import load_tokenizer
 TOK = load_tokenizer(None)
 SPECIAL = sorted(TOK.special_token_ids)
 # Tokens of one byte each (the byte-level alphabet): the ones that leave UTF-8 runs open.
-ONE_BYTE = [i for i in range(TOK.vocab_size) if i not in TOK.special_token_ids and len(TOK.tokenizer.id_to_token(i) or "") == 1]
+ONE_BYTE = [
+    i
+    for i in range(TOK.vocab_size)
+    if i not in TOK.special_token_ids and len(TOK.tokenizer.id_to_token(i) or "") == 1
+]
 TEXTS = [
     "Hello, world! Plain ASCII to start.",
     "Accents: café, naïve, Ångström; CJK: 你好世界; emoji: 🎉🚀 and 𝄞 (four bytes).",
@@ -28,13 +32,22 @@ def token_id(token: str) -> int:
     return found
 
 
-def feed(detok: IncrementalDetokenizer, req_id: int, ids: list[int], sizes: list[int], options: DecodeOptions, final) -> list[str]:  # type: ignore[no-untyped-def]
+def feed(
+    detok: IncrementalDetokenizer,
+    req_id: int,
+    ids: list[int],
+    sizes: list[int],
+    options: DecodeOptions,
+    final,
+) -> list[str]:  # type: ignore[no-untyped-def]
     deltas, pos, first = [], 0, True
     for k, size in enumerate(sizes):
         chunk = ids[pos : pos + size]
         pos += size
         last = k == len(sizes) - 1
-        deltas += detok.process([req_id], [chunk], [final if last else None], [options if first else None]).deltas
+        deltas += detok.process(
+            [req_id], [chunk], [final if last else None], [options if first else None]
+        ).deltas
         first = False
     return deltas
 
@@ -52,7 +65,14 @@ def test_deltas_join_to_the_full_decode_without_replacement_chars() -> None:
     detok = IncrementalDetokenizer(TOK.tokenizer)
     for i, text in enumerate(TEXTS * 5):
         ids = TOK.encode(text)
-        deltas = feed(detok, i, ids, random_sizes(len(ids), rng), DecodeOptions(), FinishLength(length=len(ids)))
+        deltas = feed(
+            detok,
+            i,
+            ids,
+            random_sizes(len(ids), rng),
+            DecodeOptions(),
+            FinishLength(length=len(ids)),
+        )
         assert "".join(deltas) == text
         assert not any("\ufffd" in d for d in deltas)
     assert detok.num_live == 0
@@ -82,8 +102,22 @@ def test_skip_special_tokens_is_honoured() -> None:
     ids = TOK.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] in TOK.special_token_ids
     detok = IncrementalDetokenizer(TOK.tokenizer)
-    skipped = feed(detok, 1, ids, [1] * len(ids), DecodeOptions(skip_special_tokens=True), FinishLength(length=1))
-    kept = feed(detok, 2, ids, [1] * len(ids), DecodeOptions(skip_special_tokens=False), FinishLength(length=1))
+    skipped = feed(
+        detok,
+        1,
+        ids,
+        [1] * len(ids),
+        DecodeOptions(skip_special_tokens=True),
+        FinishLength(length=1),
+    )
+    kept = feed(
+        detok,
+        2,
+        ids,
+        [1] * len(ids),
+        DecodeOptions(skip_special_tokens=False),
+        FinishLength(length=1),
+    )
     assert "".join(skipped) == "user\nhi"
     assert "".join(kept) == "<|im_start|>user\nhi<|im_end|>"
 
@@ -98,7 +132,14 @@ def test_stop_string_trimmed_and_never_streamed() -> None:
     deltas = feed(detok, 1, ids[:upto], [1] * upto, options, FinishStop(matched="STOP"))
     assert "".join(deltas) == "The answer is 42. "
     assert all("S" not in d for d in deltas), "a held-back prefix of the stop string leaked"
-    kept = feed(detok, 2, ids[:upto], [1] * upto, DecodeOptions(stop=("STOP",), no_stop_trim=True), FinishStop(matched="STOP"))
+    kept = feed(
+        detok,
+        2,
+        ids[:upto],
+        [1] * upto,
+        DecodeOptions(stop=("STOP",), no_stop_trim=True),
+        FinishStop(matched="STOP"),
+    )
     assert "".join(kept).endswith("STOP")
 
 
@@ -131,7 +172,10 @@ def test_a_row_whose_first_row_never_came_fails_its_request_and_keeps_no_state()
     assert detok.num_live == 1
     # Later rows of the lost request fail the same way, and no state is kept for it.
     out = detok.process([5, 6], [[43, 44], []], [None, FinishLength(length=len(known))], None)
-    assert out.deltas == ["", ""] and out.finished == [DETOKENIZER_LOST_TEXT, FinishLength(length=len(known))]
+    assert out.deltas == ["", ""] and out.finished == [
+        DETOKENIZER_LOST_TEXT,
+        FinishLength(length=len(known)),
+    ]
     assert detok.num_live == 0
     # A frame of known rows only keeps its finish column as it came (None: none finishes).
     first = detok.process([7], [known], None, [DecodeOptions()])
@@ -155,7 +199,10 @@ def test_a_stop_token_text_is_trimmed_unless_asked_to_keep_it() -> None:
     assert _one_row(ids, stop, DecodeOptions(stream=False, no_stop_trim=True)) == TOK.decode(ids)
     # EOS kept as text (skip_special_tokens false) is a stop token too.
     eos = [*TOK.encode(" done"), 0]
-    assert _one_row(eos, FinishStop(matched=0), DecodeOptions(stream=False, skip_special_tokens=False)) == " done"
+    assert (
+        _one_row(eos, FinishStop(matched=0), DecodeOptions(stream=False, skip_special_tokens=False))
+        == " done"
+    )
 
 
 def test_a_stop_string_is_cut_at_the_occurrence_that_ended_the_request() -> None:
@@ -184,7 +231,12 @@ def test_a_byte_run_that_can_never_be_a_character_is_released_as_it_goes() -> No
     ids = [ff] * 50
     deltas = _streamed(ids, FinishLength(length=50))
     assert sum(1 for d in deltas if d) >= 45
-    assert "".join(deltas) == "\ufffd" * 50 == TOK.decode(ids) == _one_row(ids, FinishLength(length=50))
+    assert (
+        "".join(deltas)
+        == "\ufffd" * 50
+        == TOK.decode(ids)
+        == _one_row(ids, FinishLength(length=50))
+    )
 
 
 def test_skipped_special_tokens_between_the_bytes_of_a_character_do_not_break_it() -> None:
@@ -215,11 +267,17 @@ def test_a_run_is_released_once_three_bytes_follow_it_however_few_tokens_carry_t
     sent += detok.process([1], [[two]], None, None).deltas
     sent += detok.process([1], [[two]], None, None).deltas
     assert "".join(sent).startswith("\ufffd")
-    assert "".join(sent) + detok.process([1], [[]], [FinishLength(length=3)], None).deltas[0] == TOK.decode([ff, two, two])
+    assert "".join(sent) + detok.process([1], [[]], [FinishLength(length=3)], None).deltas[
+        0
+    ] == TOK.decode([ff, two, two])
 
 
 _IDS = st.lists(
-    st.one_of(st.sampled_from(ONE_BYTE), st.sampled_from(SPECIAL), st.integers(0, TOK.vocab_size - 1)), min_size=1, max_size=40
+    st.one_of(
+        st.sampled_from(ONE_BYTE), st.sampled_from(SPECIAL), st.integers(0, TOK.vocab_size - 1)
+    ),
+    min_size=1,
+    max_size=40,
 )
 
 
@@ -231,7 +289,9 @@ _IDS = st.lists(
     stream=st.booleans(),
     stop=st.sampled_from([(), ("zz",), ("\ufffd\ufffd",)]),
 )
-def test_finished_text_is_the_decode_of_its_ids(ids: list[int], sizes: list[int], skip: bool, stream: bool, stop: tuple[str, ...]) -> None:
+def test_finished_text_is_the_decode_of_its_ids(
+    ids: list[int], sizes: list[int], skip: bool, stream: bool, stop: tuple[str, ...]
+) -> None:
     """Whatever the ids (open and invalid UTF-8 runs, special tokens anywhere) and however
     they are cut into rows, the deltas joined at the finish are the tokenizer's decode of
     the ids with the request's skip_special_tokens (no stop trimmed: a length finish), and

@@ -14,7 +14,12 @@ from tokenizer_proc.req_state import ReqState
 
 
 def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, str], float]:
-    return {(s.name, s.labels.get("le", "")): s.value for m in registry.collect() for s in m.samples if s.name.startswith(name)}
+    return {
+        (s.name, s.labels.get("le", "")): s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.name.startswith(name)
+    }
 
 
 def test_a_tallied_frame_reads_as_one_observation_per_token() -> None:
@@ -34,6 +39,10 @@ def test_a_tallied_frame_reads_as_one_observation_per_token() -> None:
         metrics.requests.end_frame()
     got = _samples(metrics.registry, "tokenpipe:inter_token_latency_seconds")
     want = _samples(plain_registry, "itl")
-    assert {le: v for (n, le), v in got.items() if n.endswith("_bucket")} == {le: v for (n, le), v in want.items() if n.endswith("_bucket")}
+    assert {le: v for (n, le), v in got.items() if n.endswith("_bucket")} == {
+        le: v for (n, le), v in want.items() if n.endswith("_bucket")
+    }
     assert got[("tokenpipe:inter_token_latency_seconds_count", "")] == want[("itl_count", "")]
-    assert got[("tokenpipe:inter_token_latency_seconds_sum", "")] == pytest.approx(want[("itl_sum", "")], rel=1e-12)
+    assert got[("tokenpipe:inter_token_latency_seconds_sum", "")] == pytest.approx(
+        want[("itl_sum", "")], rel=1e-12
+    )

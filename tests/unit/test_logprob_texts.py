@@ -12,7 +12,15 @@ import pytest
 
 from detokenizer_proc.incremental import IncrementalDetokenizer
 from detokenizer_proc.main import detokenize_frame
-from pipeline.io_struct import REQ_ID_DTYPE, BatchTokenIDOutput, LogprobParams, SamplingParams, TokenTexts, from_column, split_token_rows
+from pipeline.io_struct import (
+    REQ_ID_DTYPE,
+    BatchTokenIDOutput,
+    LogprobParams,
+    SamplingParams,
+    TokenTexts,
+    from_column,
+    split_token_rows,
+)
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
@@ -63,8 +71,12 @@ def test_the_detokenizer_sends_the_texts_of_the_rows_that_show_them() -> None:
             with_texts += 1
             assert out.token_texts is not None
             ids = np.frombuffer(out.token_texts.ids, dtype=np.int32).tolist()
-            assert ids == sorted(want), "each shown id once, and no id of a row that does not show texts"
-            assert out.token_texts.texts == [loaded.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            assert ids == sorted(want), (
+                "each shown id once, and no id of a row that does not show texts"
+            )
+            assert out.token_texts.texts == [
+                loaded.tokenizer.decode([t], skip_special_tokens=False) for t in ids
+            ]
     assert with_texts > 0
 
 
@@ -73,7 +85,9 @@ def test_a_cache_answers_from_frames_and_refuses_a_disagreeing_one() -> None:
     cache = TokenTextCache(loaded.tokenizer)
     cache.add(TokenTexts(ids=np.array([7, 9], dtype=np.int32).tobytes(), texts=["seven", "nine"]))
     assert cache(7) == "seven" and cache(9) == "nine"  # what the frame said, no decode
-    assert cache(11) == loaded.tokenizer.decode([11], skip_special_tokens=False)  # a miss is decoded
+    assert cache(11) == loaded.tokenizer.decode(
+        [11], skip_special_tokens=False
+    )  # a miss is decoded
     with pytest.raises(ValueError):
         cache.add(TokenTexts(ids=np.array([1, 2], dtype=np.int32).tobytes(), texts=["one"]))
 
@@ -86,4 +100,6 @@ def test_raw_bytes_spell_out_the_tokens_that_split_a_character() -> None:
     ids = loaded.tokenizer.encode("naïve café ☕ 日本語", add_special_tokens=False).ids
     assert any("\ufffd" in cache(t) for t in ids), "no token splits a character: pick another text"
     assert b"".join(cache.raw(t) for t in ids).decode("utf-8") == "naïve café ☕ 日本語"
-    assert all(cache.raw(t).decode("utf-8", errors="replace") == cache(t) for t in range(loaded.vocab_size))
+    assert all(
+        cache.raw(t).decode("utf-8", errors="replace") == cache(t) for t in range(loaded.vocab_size)
+    )

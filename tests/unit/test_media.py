@@ -40,7 +40,9 @@ def jpeg(width: int, height: int) -> bytes:
 
 
 def gif(width: int, height: int, frames: int) -> bytes:
-    images = [Image.new("RGB", (width, height), (i * 7 % 256, 40, 200 - i % 200)) for i in range(frames)]
+    images = [
+        Image.new("RGB", (width, height), (i * 7 % 256, 40, 200 - i % 200)) for i in range(frames)
+    ]
     buf = io.BytesIO()
     images[0].save(buf, "GIF", save_all=True, append_images=images[1:], duration=40, loop=0)
     return buf.getvalue()
@@ -78,7 +80,9 @@ def test_image_tokens_are_28px_patches(width: int, height: int, tokens: int) -> 
 
 def test_image_raw_base64_and_data_url_agree() -> None:
     data = png(100, 60)
-    items = parse_media([b64(data), data_url("image/png", data), "DATA:image/png;BASE64," + b64(data)], None, None)
+    items = parse_media(
+        [b64(data), data_url("image/png", data), "DATA:image/png;BASE64," + b64(data)], None, None
+    )
     assert items == [MediaItem("image", 12)] * 3
 
 
@@ -95,7 +99,9 @@ def test_image_jpeg_and_declared_type_is_not_trusted() -> None:
 
 def test_image_cap() -> None:
     # 2000 x 2000 is 72 * 72 = 5184 patches: capped.
-    assert parse_media(b64(png(2000, 2000)), None, None) == [MediaItem("image", media.IMAGE_MAX_TOKENS)]
+    assert parse_media(b64(png(2000, 2000)), None, None) == [
+        MediaItem("image", media.IMAGE_MAX_TOKENS)
+    ]
     assert media.IMAGE_MAX_TOKENS == 1024
     assert media.image_tokens(28 * 32, 28 * 32) == 1024
     assert media.image_tokens(28 * 32 + 1, 28 * 32) == 1024
@@ -112,15 +118,25 @@ def test_audio_one_second_16khz_mono_is_25_tokens() -> None:
 
 @pytest.mark.parametrize(
     ("seconds", "rate", "channels", "tokens"),
-    [(0.04, 16000, 1, 1), (0.041, 16000, 1, 2), (2.5, 8000, 2, 63), (0.0, 16000, 1, 1), (0.1, 44100, 1, 3)],
+    [
+        (0.04, 16000, 1, 1),
+        (0.041, 16000, 1, 2),
+        (2.5, 8000, 2, 63),
+        (0.0, 16000, 1, 1),
+        (0.1, 44100, 1, 3),
+    ],
 )
 def test_audio_one_token_per_40ms(seconds: float, rate: int, channels: int, tokens: int) -> None:
-    assert parse_media(None, b64(wav(seconds, rate, channels)), None) == [MediaItem("audio", tokens)]
+    assert parse_media(None, b64(wav(seconds, rate, channels)), None) == [
+        MediaItem("audio", tokens)
+    ]
 
 
 def test_audio_cap() -> None:
     # 130 s at 1 kHz 8-bit: 3250 tokens before the cap, 130 KB of samples.
-    assert parse_media(None, b64(wav(130.0, rate=1000, sampwidth=1)), None) == [MediaItem("audio", 3000)]
+    assert parse_media(None, b64(wav(130.0, rate=1000, sampwidth=1)), None) == [
+        MediaItem("audio", 3000)
+    ]
     assert media.audio_tokens(120 * 16000, 16000) == 3000
 
 
@@ -143,7 +159,15 @@ def test_audio_refuses_non_pcm_wav() -> None:
     # A float (format 3) WAV: the stdlib wave module does not read it.
     fmt = struct.pack("<HHIIHH", 3, 1, 16000, 64000, 4, 32)
     data = b"\x00" * 400
-    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    body = (
+        b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", len(fmt))
+        + fmt
+        + b"data"
+        + struct.pack("<I", len(data))
+        + data
+    )
     err = error_of(audio_data=[b64(b"RIFF" + struct.pack("<I", len(body)) + body)])
     assert err.param == "audio_data[0]"
     assert "WAV" in str(err)

@@ -13,7 +13,15 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats, SamplingParams, SchedulerStatsReport, SchedulerTimeStats
+from pipeline.io_struct import (
+    FinishAbort,
+    FinishLength,
+    FinishStop,
+    RequestOutputStats,
+    SamplingParams,
+    SchedulerStatsReport,
+    SchedulerTimeStats,
+)
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.metrics_compat import FAMILIES, SGLANG_TTFT, VLLM_TTFT, one_two_five
 from tokenizer_proc.req_state import ReqState
@@ -24,9 +32,20 @@ OWN_LABELS = {"model_name": "m", "engine_type": "unified"}
 
 
 def finished(
-    req_id: int, *, stream: bool, reason: FinishStop | FinishLength | FinishAbort, prompt: int = 10, cached: int = 4, out: int = 5
+    req_id: int,
+    *,
+    stream: bool,
+    reason: FinishStop | FinishLength | FinishAbort,
+    prompt: int = 10,
+    cached: int = 4,
+    out: int = 5,
 ) -> ReqState:
-    ts = SchedulerTimeStats(forward_entry_time=T0 + 0.1, prefill_finished_time=T0 + 0.3, completion_time=T0 + 0.7, queue_time=0.1)
+    ts = SchedulerTimeStats(
+        forward_entry_time=T0 + 0.1,
+        prefill_finished_time=T0 + 0.3,
+        completion_time=T0 + 0.7,
+        queue_time=0.1,
+    )
     return ReqState(
         rid=f"r{req_id}",
         req_id=req_id,
@@ -74,7 +93,10 @@ def test_vllm_counts_requests_by_finish_reason_and_tokens_as_the_meta_info_sums(
     for state in states:
         metrics.requests.on_finish(state)
     for reason, count in (("stop", 1), ("length", 1), ("abort", 1)):
-        assert value(metrics, "vllm:request_success_total", VLLM_LABELS, finished_reason=reason) == count
+        assert (
+            value(metrics, "vllm:request_success_total", VLLM_LABELS, finished_reason=reason)
+            == count
+        )
     assert value(metrics, "vllm:prompt_tokens_total", VLLM_LABELS) == 40
     assert value(metrics, "vllm:generation_tokens_total", VLLM_LABELS) == 10
     assert value(metrics, "vllm:prefix_cache_queries_total", VLLM_LABELS) == 40
@@ -96,7 +118,11 @@ def test_vllm_histograms_have_vllms_buckets_and_no_streaming_split() -> None:
     assert value(metrics, "vllm:e2e_request_latency_seconds_bucket", VLLM_LABELS, le="0.3") == 0
     assert value(metrics, "vllm:e2e_request_latency_seconds_bucket", VLLM_LABELS, le="0.8") == 2
     text = metrics.render().decode()
-    ttft = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:time_to_first_token_seconds")
+    ttft = next(
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "vllm:time_to_first_token_seconds"
+    )
     ttft_bounds = [sample.labels["le"] for sample in ttft.samples if "le" in sample.labels]
     assert ttft_bounds == [str(float(b)) for b in VLLM_TTFT] + ["+Inf"]
     assert one_two_five(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
@@ -105,9 +131,13 @@ def test_vllm_histograms_have_vllms_buckets_and_no_streaming_split() -> None:
     assert value(metrics, "vllm:request_params_n_count", VLLM_LABELS) == 2
     assert value(metrics, "vllm:request_max_num_generation_tokens_sum", VLLM_LABELS) == 10
     # The phases from the scheduler's times: first forward, the prefill's end, the finish.
-    assert abs(value(metrics, "vllm:request_prefill_time_seconds_sum", VLLM_LABELS) - 2 * 0.2) < 1e-6
+    assert (
+        abs(value(metrics, "vllm:request_prefill_time_seconds_sum", VLLM_LABELS) - 2 * 0.2) < 1e-6
+    )
     assert abs(value(metrics, "vllm:request_decode_time_seconds_sum", VLLM_LABELS) - 2 * 0.4) < 1e-6
-    assert abs(value(metrics, "vllm:request_inference_time_seconds_sum", VLLM_LABELS) - 2 * 0.6) < 1e-6
+    assert (
+        abs(value(metrics, "vllm:request_inference_time_seconds_sum", VLLM_LABELS) - 2 * 0.6) < 1e-6
+    )
     assert abs(value(metrics, "vllm:request_queue_time_seconds_sum", VLLM_LABELS) - 2 * 0.1) < 1e-6
 
 
@@ -122,8 +152,12 @@ def test_vllm_gauges_and_tokens_per_step_come_from_the_reports() -> None:
     # Steps and tokens are exact; each step of a report counts with that report's mean.
     assert value(metrics, "vllm:iteration_tokens_total_count", VLLM_LABELS) == 6
     assert value(metrics, "vllm:iteration_tokens_total_sum", VLLM_LABELS) == 50
-    assert value(metrics, "vllm:iteration_tokens_total_bucket", VLLM_LABELS, le="8.0") == 2  # the second report: 5 per step
-    assert value(metrics, "vllm:iteration_tokens_total_bucket", VLLM_LABELS, le="16.0") == 6  # the first: 10 per step
+    assert (
+        value(metrics, "vllm:iteration_tokens_total_bucket", VLLM_LABELS, le="8.0") == 2
+    )  # the second report: 5 per step
+    assert (
+        value(metrics, "vllm:iteration_tokens_total_bucket", VLLM_LABELS, le="16.0") == 6
+    )  # the first: 10 per step
     # A restarted scheduler (a new instance) counts its totals from zero.
     metrics.scheduler.update(report(instance=2, steps=1, tokens=100))
     assert value(metrics, "vllm:iteration_tokens_total_count", VLLM_LABELS) == 7
@@ -146,7 +180,9 @@ def test_sglang_renames_tokenpipes_series_and_adds_its_own() -> None:
     assert SGLANG_TTFT[:3] == (0.1, 0.2, 0.4)  # SGLang's buckets, not tokenpipe's finer ones
     assert value(metrics, ttft, OWN_LABELS, is_streaming="true", le="0.2") == 0
     assert value(metrics, ttft, OWN_LABELS, is_streaming="true", le="0.4") == 1
-    assert value(metrics, "tokenpipe:grammar_compile_wait_seconds_count", OWN_LABELS) == 1  # SGLang has no such series
+    assert (
+        value(metrics, "tokenpipe:grammar_compile_wait_seconds_count", OWN_LABELS) == 1
+    )  # SGLang has no such series
     assert not {name for name in names(metrics) if name.startswith("vllm:")}
 
 
@@ -174,7 +210,14 @@ def test_a_peer_family_works_in_multiprocess_mode(tmp_path: Path) -> None:
         """
     )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0' in out
     assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0' in out
     assert 'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 4.0' in out

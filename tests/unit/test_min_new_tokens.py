@@ -47,7 +47,9 @@ SAMPLINGS = [
 ]
 
 
-def submit(s: Scheduler, req_id: int, sampling: SamplingParams, logprobs: LogprobParams | None = None) -> None:
+def submit(
+    s: Scheduler, req_id: int, sampling: SamplingParams, logprobs: LogprobParams | None = None
+) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
             rid=f"r{req_id}",
@@ -61,7 +63,9 @@ def submit(s: Scheduler, req_id: int, sampling: SamplingParams, logprobs: Logpro
     )
 
 
-def outputs(s: Scheduler) -> tuple[dict[int, list[int]], dict[int, FinishReason], dict[int, list[list[float]]]]:
+def outputs(
+    s: Scheduler,
+) -> tuple[dict[int, list[int]], dict[int, FinishReason], dict[int, list[list[float]]]]:
     """Each request's tokens, its finish, and per token the logprobs of the ids it asked."""
     tokens: dict[int, list[int]] = {}
     finished: dict[int, FinishReason] = {}
@@ -73,7 +77,11 @@ def outputs(s: Scheduler) -> tuple[dict[int, list[int]], dict[int, FinishReason]
             ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
             rows = split_token_rows(frame.output_ids, frame.output_counts)
             lp = frame.logprobs
-            per_row = read_token_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
+            per_row = (
+                read_token_logprobs(lp.output, [len(r) for r in rows])
+                if lp is not None and lp.output is not None
+                else {}
+            )
             for i, req_id in enumerate(ids):
                 tokens.setdefault(req_id, []).extend(rows[i])
                 if i in per_row:
@@ -85,11 +93,15 @@ def outputs(s: Scheduler) -> tuple[dict[int, list[int]], dict[int, FinishReason]
 
 
 def pushed(stop: int, **params: object) -> SamplingParams:
-    return SamplingParams(max_new_tokens=12, min_new_tokens=MIN_NEW, logit_bias=((stop, 100.0),), **params)  # type: ignore[arg-type]
+    return SamplingParams(
+        max_new_tokens=12, min_new_tokens=MIN_NEW, logit_bias=((stop, 100.0),), **params
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_eos_and_stop_ids_are_never_drawn_before_min_new_tokens(sampling: dict[str, object]) -> None:
+def test_eos_and_stop_ids_are_never_drawn_before_min_new_tokens(
+    sampling: dict[str, object],
+) -> None:
     """The first token comes from the prefill pass, the others from decode steps; beside
     them runs a request without a minimum, which the bias stops at once."""
     s = build_scheduler(ServerConfig(max_total_tokens=4096, torch_threads=1))
@@ -102,7 +114,9 @@ def test_eos_and_stop_ids_are_never_drawn_before_min_new_tokens(sampling: dict[s
         # Past the minimum the bias wins again: the next token stops the request.
         assert tokens[req_id] == [*tokens[req_id][:MIN_NEW], stop], (req_id, tokens[req_id])
         assert finished[req_id] == FinishStop(matched=stop)
-    assert tokens[3] == [EOS] and finished[3] == FinishStop(matched=EOS), "a request without a minimum is not banned"
+    assert tokens[3] == [EOS] and finished[3] == FinishStop(matched=EOS), (
+        "a request without a minimum is not banned"
+    )
 
 
 def test_eos_is_banned_before_min_new_tokens_with_ignore_eos_too() -> None:
@@ -128,13 +142,21 @@ def test_the_ban_leaves_logprobs_the_raw_distribution() -> None:
 def test_a_dllm_block_draws_no_stop_before_min_new_tokens() -> None:
     """Block size 4: the ban covers the first block and the first position of the
     second (output index 4), by each position's own output index."""
-    s = build_scheduler(ServerConfig(max_total_tokens=4096, torch_threads=1, mode="dllm", dllm_block_size=4, dllm_steps=2))
+    s = build_scheduler(
+        ServerConfig(
+            max_total_tokens=4096, torch_threads=1, mode="dllm", dllm_block_size=4, dllm_steps=2
+        )
+    )
     submit(s, 1, pushed(EOS, temperature=0.0))
-    submit(s, 2, pushed(STOP_ID, stop_token_ids=(STOP_ID,), ignore_eos=True, temperature=1.0, seed=9))
+    submit(
+        s, 2, pushed(STOP_ID, stop_token_ids=(STOP_ID,), ignore_eos=True, temperature=1.0, seed=9)
+    )
     tokens, finished, _ = outputs(s)
     for req_id, stop in ((1, EOS), (2, STOP_ID)):
         assert stop not in tokens[req_id][:MIN_NEW], (req_id, tokens[req_id])
-        assert tokens[req_id][MIN_NEW:] == [stop] and finished[req_id] == FinishStop(matched=stop), (req_id, tokens[req_id])
+        assert tokens[req_id][MIN_NEW:] == [stop] and finished[req_id] == FinishStop(
+            matched=stop
+        ), (req_id, tokens[req_id])
 
 
 def test_a_pd_pair_draws_no_stop_before_min_new_tokens(tmp_path: Path) -> None:
@@ -143,7 +165,15 @@ def test_a_pd_pair_draws_no_stop_before_min_new_tokens(tmp_path: Path) -> None:
     decode, _ = make("decode", tmp_path)
     sampling = pushed(EOS, temperature=0.0)
     pd_submit(prefill, 1, PROMPT, room=77, max_new=1, sampling=sampling)
-    pd_submit(decode, 1, PROMPT, room=77, endpoint=f"ipc://{tmp_path / 'kv'}", max_new=12, sampling=sampling)
+    pd_submit(
+        decode,
+        1,
+        PROMPT,
+        room=77,
+        endpoint=f"ipc://{tmp_path / 'kv'}",
+        max_new=12,
+        sampling=sampling,
+    )
     out: dict[int, list[Row]] = {}
     run([prefill, decode], out)
     got = [t for row in out[1] for t in row.tokens]

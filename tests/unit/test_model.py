@@ -28,7 +28,15 @@ def model() -> LlamaForCausalLM:
 
 def new_pool(model: LlamaForCausalLM, capacity: int = 1024, debug: bool = True) -> KVPool:
     c = model.config
-    return KVPool(c.num_hidden_layers, capacity, c.num_key_value_heads, c.head_dim, model.dtype, DEVICE, debug=debug)
+    return KVPool(
+        c.num_hidden_layers,
+        capacity,
+        c.num_key_value_heads,
+        c.head_dim,
+        model.dtype,
+        DEVICE,
+        debug=debug,
+    )
 
 
 def reference_forward(model: LlamaForCausalLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +50,10 @@ def reference_forward(model: LlamaForCausalLM, ids: list[int]) -> tuple[torch.Te
 
     inv_freq = c.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     angles = torch.arange(t, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    cos, sin = (
+        torch.cat([angles.cos()] * 2, -1)[:, None],
+        torch.cat([angles.sin()] * 2, -1)[:, None],
+    )
 
     def rope(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -79,21 +90,29 @@ class Seq:
         self.ids, self.slots, self.done = ids, slots, 0
 
     def step(self, n: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        chunk = (self.ids[self.done : self.done + n], self.slots[: self.done], self.slots[self.done : self.done + n])
+        chunk = (
+            self.ids[self.done : self.done + n],
+            self.slots[: self.done],
+            self.slots[self.done : self.done + n],
+        )
         self.done += n
         return chunk
 
 
 def extend(model: LlamaForCausalLM, kv: KVPool, seqs: list[Seq], ns: list[int], **kw):
     parts = [s.step(n) for s, n in zip(seqs, ns)]
-    batch = ForwardBatch.build([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], DEVICE)
+    batch = ForwardBatch.build(
+        [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], DEVICE
+    )
     return model(batch, kv, **kw)
 
 
 def test_single_prefill_matches_reference(model: LlamaForCausalLM) -> None:
     ids = prompt(37, seed=1)
     kv = new_pool(model)
-    logits, hidden = extend(model, kv, [Seq(ids, kv.alloc(len(ids)))], [len(ids)], return_hidden=True)
+    logits, hidden = extend(
+        model, kv, [Seq(ids, kv.alloc(len(ids)))], [len(ids)], return_hidden=True
+    )
     ref_logits, ref_hidden = reference_forward(model, ids)
     torch.testing.assert_close(logits[0], ref_logits[-1], atol=ATOL, rtol=0)
     assert hidden is not None and hidden.shape == (len(ids), model.config.hidden_size)
@@ -158,15 +177,19 @@ def test_decode_and_prefill_chunks_share_one_pass(model: LlamaForCausalLM) -> No
 
 def test_forward_batch_layout() -> None:
     batch = ForwardBatch.build(
-        [[5, 6], [7]], [torch.tensor([10, 11, 12]), torch.tensor([], dtype=torch.long)],
-        [torch.tensor([3, 4]), torch.tensor([9])], DEVICE,
+        [[5, 6], [7]],
+        [torch.tensor([10, 11, 12]), torch.tensor([], dtype=torch.long)],
+        [torch.tensor([3, 4]), torch.tensor([9])],
+        DEVICE,
     )
     assert batch.positions.tolist() == [3, 4, 0]
     assert batch.kv_lens.tolist() == [5, 1]
     assert batch.out_slots.tolist() == [3, 4, 9]
     assert batch.kv_slot_table.tolist() == [[10, 11, 12, 3, 4], [9, 0, 0, 0, 0]]
     with pytest.raises(ValueError, match="do not match"):
-        ForwardBatch.build([[1, 2]], [torch.tensor([], dtype=torch.long)], [torch.tensor([0])], DEVICE)
+        ForwardBatch.build(
+            [[1, 2]], [torch.tensor([], dtype=torch.long)], [torch.tensor([0])], DEVICE
+        )
 
 
 def test_random_weights_depend_only_on_seed() -> None:
@@ -174,11 +197,15 @@ def test_random_weights_depend_only_on_seed() -> None:
     a, b = (LlamaForCausalLM.random(cfg, seed=7, device=DEVICE).state_dict() for _ in range(2))
     c = LlamaForCausalLM.random(cfg, seed=8, device=DEVICE).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], c["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        a["model.layers.0.self_attn.q_proj.weight"], c["model.layers.0.self_attn.q_proj.weight"]
+    )
     assert torch.equal(a["model.norm.weight"], torch.ones(cfg.hidden_size))
 
 
-def test_save_load_round_trip_gives_identical_logits(model: LlamaForCausalLM, tmp_path: Path) -> None:
+def test_save_load_round_trip_gives_identical_logits(
+    model: LlamaForCausalLM, tmp_path: Path
+) -> None:
     model.save_pretrained(tmp_path)
     loaded = LlamaForCausalLM.from_pretrained(tmp_path, device=DEVICE)
     assert loaded.config == model.config

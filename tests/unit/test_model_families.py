@@ -32,7 +32,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3-tied-bias": ("llama3", {"head_dim": 32, "attention_bias": True}),
     "llama-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
-    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama-yarn": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "mistral": ("mistral", {"sliding_window": 4096}),
@@ -49,13 +58,17 @@ def pool_logprobs(model: LlamaForCausalLM, ids: list[int], chunks: list[int]) ->
     """Log-softmax at every position, through the KV pool: ``chunks`` tokens per pass (the
     rest one by one, as decode)."""
     cfg = model.config
-    kv = KVPool(cfg.num_hidden_layers, 512, cfg.num_key_value_heads, cfg.head_dim, model.dtype, "cpu")
+    kv = KVPool(
+        cfg.num_hidden_layers, 512, cfg.num_key_value_heads, cfg.head_dim, model.dtype, "cpu"
+    )
     slots = kv.alloc(len(ids))
     assert slots is not None
     sizes = chunks + [1] * (len(ids) - sum(chunks))
     out, done = [], 0
     for n in sizes:
-        batch = ForwardBatch.build([ids[done : done + n]], [slots[:done]], [slots[done : done + n]], "cpu")
+        batch = ForwardBatch.build(
+            [ids[done : done + n]], [slots[:done]], [slots[done : done + n]], "cpu"
+        )
         _, hidden = model(batch, kv, return_hidden=True)
         assert hidden is not None
         out.append(torch.log_softmax(model.logits(hidden), -1))
@@ -100,7 +113,10 @@ def test_a_sharded_checkpoint_loads_every_shard(tmp_path: Path) -> None:
 def test_dtype_is_the_checkpoints_unless_asked(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, "llama3-tied-bias", dtype=torch.bfloat16)
     assert LlamaForCausalLM.from_pretrained(tmp_path, device="cpu").dtype == torch.bfloat16
-    assert LlamaForCausalLM.from_pretrained(tmp_path, device="cpu", dtype=torch.float32).dtype == torch.float32
+    assert (
+        LlamaForCausalLM.from_pretrained(tmp_path, device="cpu", dtype=torch.float32).dtype
+        == torch.float32
+    )
 
 
 def _config(case: str) -> dict[str, Any]:
@@ -108,22 +124,32 @@ def _config(case: str) -> dict[str, Any]:
     require_transformers()
     family, overrides = CASES[case]
     cfg = family_checkpoints.hf_config(family, TINY, **overrides)
-    return json.loads(cfg.to_json_string()) | {"architectures": [cfg.__class__.__name__.replace("Config", "ForCausalLM")]}
+    return json.loads(cfg.to_json_string()) | {
+        "architectures": [cfg.__class__.__name__.replace("Config", "ForCausalLM")]
+    }
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel' is not supported; tokenpipe serves " + ", ".join(ARCHITECTURES)),
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "'GPT2LMHeadModel' is not supported; tokenpipe serves " + ", ".join(ARCHITECTURES),
+        ),
         ({"quantization_config": {"quant_method": "gptq"}}, "'quantization_config'"),
         ({"some_new_switch": True}, "'some_new_switch' are not implemented"),
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "'longrope' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}},
+            "'longrope' is not supported",
+        ),
         ({"rope_interleaved": True}, "'rope_interleaved'"),
         ({"hidden_act": "gelu"}, "'hidden_act'='gelu'"),
         ({"model_type": "qwen2"}, "does not match"),
     ],
 )
-def test_what_the_decoder_does_not_implement_fails_naming_it(change: dict[str, Any], message: str) -> None:
+def test_what_the_decoder_does_not_implement_fails_naming_it(
+    change: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig.from_hf_dict(_config("llama3-tied-bias") | change)
 
@@ -132,7 +158,9 @@ def test_a_sliding_window_caps_the_context_and_a_longer_one_is_refused(tmp_path:
     cfg = _config("mistral") | {"sliding_window": 128}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert context_length_of(ServerConfig(model_path=str(tmp_path)), VOCAB) == 128
-    assert context_length_of(ServerConfig(model_path=str(tmp_path), context_length=100), VOCAB) == 100
+    assert (
+        context_length_of(ServerConfig(model_path=str(tmp_path), context_length=100), VOCAB) == 100
+    )
     with pytest.raises(ValueError, match="exceeds the model's sliding_window"):
         context_length_of(ServerConfig(model_path=str(tmp_path), context_length=200), VOCAB)
     # Qwen's window is off unless use_sliding_window says so.
@@ -143,7 +171,15 @@ def test_a_sliding_window_caps_the_context_and_a_longer_one_is_refused(tmp_path:
 def test_model_info_reports_generation_config_sampling_defaults(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(_config("qwen3")))
     (tmp_path / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": [1, 2], "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
+        json.dumps(
+            {
+                "eos_token_id": [1, 2],
+                "do_sample": True,
+                "temperature": 0.6,
+                "top_p": 0.95,
+                "top_k": 20,
+            }
+        )
     )
     identity = ModelIdentity.of(str(tmp_path))
     assert identity.architectures == ("Qwen3ForCausalLM",) and identity.model_type == "qwen3"

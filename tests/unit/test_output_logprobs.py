@@ -33,13 +33,23 @@ def make(pool: int = 8192) -> Scheduler:
     return build_scheduler(ServerConfig(max_total_tokens=pool, torch_threads=1))
 
 
-def submit(s: Scheduler, req_id: int, params: SamplingParams, ask: LogprobParams | None, *, stream: bool = True, interval: int | None = None) -> None:
+def submit(
+    s: Scheduler,
+    req_id: int,
+    params: SamplingParams,
+    ask: LogprobParams | None,
+    *,
+    stream: bool = True,
+    interval: int | None = None,
+) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
             rid=f"r{req_id}",
             req_id=req_id,
             input_ids=PROMPTS[req_id % len(PROMPTS)],
-            sampling_params=msgspec.structs.replace(params, max_new_tokens=MAX_NEW, ignore_eos=True, stream_interval=interval),
+            sampling_params=msgspec.structs.replace(
+                params, max_new_tokens=MAX_NEW, ignore_eos=True, stream_interval=interval
+            ),
             stream=stream,
             arrival_time=time.time(),
             logprobs=ask,
@@ -47,7 +57,11 @@ def submit(s: Scheduler, req_id: int, params: SamplingParams, ask: LogprobParams
     )
 
 
-def run(s: Scheduler) -> tuple[dict[int, list[int]], dict[int, list[tuple[float, list[tuple[float, int]], list[float]]]], int]:
+def run(
+    s: Scheduler,
+) -> tuple[
+    dict[int, list[int]], dict[int, list[tuple[float, list[tuple[float, int]], list[float]]]], int
+]:
     """Tokens and (chosen, top, ids) logprob entries per request, read back from encoded
     frames; and how many token frames carried no logprob columns."""
     tokens: dict[int, list[int]] = {}
@@ -77,7 +91,9 @@ def reference(s: Scheduler, prompt: list[int], out: list[int]) -> torch.Tensor:
     ids = prompt + out[:-1]
     slots = s.kv.alloc(len(ids))
     assert slots is not None
-    _, hidden = s.runner.extend([ids], [torch.empty(0, dtype=torch.long)], [slots], return_hidden=True)
+    _, hidden = s.runner.extend(
+        [ids], [torch.empty(0, dtype=torch.long)], [slots], return_hidden=True
+    )
     s.kv.free(slots)
     assert hidden is not None
     with torch.inference_mode():
@@ -85,11 +101,19 @@ def reference(s: Scheduler, prompt: list[int], out: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-@pytest.mark.parametrize("pool", [8192, sum(len(p) for p in PROMPTS) + 20], ids=["roomy", "retracting"])
+@pytest.mark.parametrize(
+    "pool", [8192, sum(len(p) for p in PROMPTS) + 20], ids=["roomy", "retracting"]
+)
 def test_each_row_carries_the_raw_logprobs_of_its_tokens(pool: int) -> None:
     s = make(pool)
     submit(s, 0, SamplingParams(temperature=0.0), ASK)
-    submit(s, 1, SamplingParams(temperature=0.9, top_p=0.8, seed=3, frequency_penalty=1.0), ASK, interval=3)
+    submit(
+        s,
+        1,
+        SamplingParams(temperature=0.9, top_p=0.8, seed=3, frequency_penalty=1.0),
+        ASK,
+        interval=3,
+    )
     submit(s, 2, SamplingParams(temperature=0.0), None)  # asks nothing, beside rows that do
     submit(s, 3, SamplingParams(temperature=1.3, top_k=5, seed=4), LogprobParams(), stream=False)
     tokens, entries, _ = run(s)
@@ -99,7 +123,9 @@ def test_each_row_carries_the_raw_logprobs_of_its_tokens(pool: int) -> None:
     roomy = make()  # the same model, with room for the reference's full forwards
     for req_id in (0, 1, 3):
         out = tokens[req_id]
-        assert len(out) == MAX_NEW and len(entries[req_id]) == MAX_NEW, "a token without its logprobs, or one sent twice"
+        assert len(out) == MAX_NEW and len(entries[req_id]) == MAX_NEW, (
+            "a token without its logprobs, or one sent twice"
+        )
         ref = reference(roomy, PROMPTS[req_id], out)
         for j, (chosen, top, ids) in enumerate(entries[req_id]):
             assert chosen == pytest.approx(float(ref[j, out[j]]), abs=1e-4)
@@ -107,7 +133,9 @@ def test_each_row_carries_the_raw_logprobs_of_its_tokens(pool: int) -> None:
             want_values, want_ids = ref[j].topk(k) if k else (torch.empty(0), torch.empty(0))
             assert [t for _, t in top] == want_ids.tolist()
             assert [v for v, _ in top] == pytest.approx(want_values.tolist(), abs=1e-4)
-            want_ids_values = [float(ref[j, t]) for t in ASK.token_ids_logprob] if req_id != 3 else []
+            want_ids_values = (
+                [float(ref[j, t]) for t in ASK.token_ids_logprob] if req_id != 3 else []
+            )
             assert ids == pytest.approx(want_ids_values, abs=1e-4)
 
 

@@ -31,7 +31,13 @@ from pipeline.io_struct import (
     from_column,
     split_token_rows,
 )
-from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_output_logprobs, read_input_token_logprobs, read_token_logprobs
+from pipeline.logprob_columns import (
+    TokenLogprobs,
+    build_input_logprobs,
+    build_output_logprobs,
+    read_input_token_logprobs,
+    read_token_logprobs,
+)
 from scheduler_proc.main import attach_pd, build_scheduler
 from scheduler_proc.pd.decode import DecodeBootstrapper
 from scheduler_proc.pd.prefill import PrefillKVSender
@@ -50,7 +56,9 @@ class Row(msgspec.Struct):
     prompt_logprobs: TokenLogprobs | None = None
 
 
-def make(mode: str, tmp: Path, *, pool: int = 4096, timeout: float = 10.0) -> tuple[Scheduler, zmq.Context]:  # type: ignore[type-arg]
+def make(
+    mode: str, tmp: Path, *, pool: int = 4096, timeout: float = 10.0
+) -> tuple[Scheduler, zmq.Context]:  # type: ignore[type-arg]
     config = ServerConfig(
         max_total_tokens=pool,
         chunked_prefill_size=64,
@@ -76,7 +84,9 @@ def decode_side(s: Scheduler) -> DecodeBootstrapper:
 
 
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-SEEDED = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+SEEDED = SamplingParams(
+    max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True
+)
 
 
 def submit(
@@ -112,15 +122,27 @@ def collect(frames: list[object], into: dict[int, list[Row]]) -> None:
         ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()
         rows = split_token_rows(frame.output_ids, frame.output_counts)
         lp = frame.logprobs
-        output = read_token_logprobs(lp.output, [len(r) for r in rows]) if lp is not None and lp.output is not None else {}
-        prompt = read_input_token_logprobs(lp.input, len(ids)) if lp is not None and lp.input is not None else {}
+        output = (
+            read_token_logprobs(lp.output, [len(r) for r in rows])
+            if lp is not None and lp.output is not None
+            else {}
+        )
+        prompt = (
+            read_input_token_logprobs(lp.input, len(ids))
+            if lp is not None and lp.input is not None
+            else {}
+        )
         for i, req_id in enumerate(ids):
             stats = frame.request_stats[i] if frame.request_stats is not None else None
             finished = frame.finished_reasons[i] if frame.finished_reasons is not None else None
-            into.setdefault(req_id, []).append(Row(rows[i], stats, finished, output.get(i), prompt.get(i)))
+            into.setdefault(req_id, []).append(
+                Row(rows[i], stats, finished, output.get(i), prompt.get(i))
+            )
 
 
-def run(schedulers: list[Scheduler], out: dict[int, list[Row]], until: float = 60.0, on_step=None) -> None:  # type: ignore[no-untyped-def]
+def run(
+    schedulers: list[Scheduler], out: dict[int, list[Row]], until: float = 60.0, on_step=None
+) -> None:  # type: ignore[no-untyped-def]
     """Steps every scheduler until none has live requests (the KV travels over sockets, so
     an idle-looking decode side may still wait for a transfer)."""
     deadline = time.monotonic() + until
@@ -136,7 +158,9 @@ def run(schedulers: list[Scheduler], out: dict[int, list[Row]], until: float = 6
 
 
 def unified_outputs(sampling: SamplingParams = GREEDY) -> dict[int, list[int]]:
-    s = build_scheduler(ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1))
+    s = build_scheduler(
+        ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1)
+    )
     for j, ids in enumerate(PROMPTS):
         submit(s, j + 1, ids, sampling=sampling)
     out: dict[int, list[Row]] = {}
@@ -150,7 +174,9 @@ def expected() -> dict[int, list[int]]:
     return unified_outputs()
 
 
-def test_decode_output_equals_unified_and_carries_prefill_stats(tmp_path: Path, expected: dict[int, list[int]]) -> None:
+def test_decode_output_equals_unified_and_carries_prefill_stats(
+    tmp_path: Path, expected: dict[int, list[int]]
+) -> None:
     prefill, _ = make("prefill", tmp_path)
     decode, _ = make("decode", tmp_path)
     endpoint = f"ipc://{tmp_path / 'kv'}"
@@ -167,7 +193,11 @@ def test_decode_output_equals_unified_and_carries_prefill_stats(tmp_path: Path, 
         first = rows[0].stats
         assert first is not None and first.prompt_tokens == len(PROMPTS[j])
         ts = first.time_stats
-        assert ts is not None and ts.bootstrap_done_time is not None and ts.decode_prebuilt_finish_time is not None
+        assert (
+            ts is not None
+            and ts.bootstrap_done_time is not None
+            and ts.decode_prebuilt_finish_time is not None
+        )
         assert ts.bootstrap_done_time <= ts.decode_prebuilt_finish_time
         assert all(row.stats is None for row in rows[1:-1]), "a steady decode row carried stats"
     again = out[len(PROMPTS) + 1]
@@ -188,13 +218,17 @@ def test_seeded_sampling_through_pd_equals_unified(tmp_path: Path) -> None:
     out: dict[int, list[Row]] = {}
     for j, ids in enumerate(PROMPTS):
         submit(prefill, j + 1, ids, room=3000 + j, max_new=1, sampling=SEEDED)
-        submit(decode, j + 1, ids, room=3000 + j, endpoint=f"ipc://{tmp_path / 'kv'}", sampling=SEEDED)
+        submit(
+            decode, j + 1, ids, room=3000 + j, endpoint=f"ipc://{tmp_path / 'kv'}", sampling=SEEDED
+        )
     run([prefill, decode], out)
     assert {k: [t for row in rows for t in row.tokens] for k, rows in out.items()} == expected
     assert expected != unified_outputs(GREEDY)  # the seed mattered
 
 
-def fake_prefill_fetches(decode: Scheduler, peer: zmq.Socket, count: int, out: dict[int, list[Row]]) -> Iterator[tuple[bytes, int]]:  # type: ignore[type-arg]
+def fake_prefill_fetches(
+    decode: Scheduler, peer: zmq.Socket, count: int, out: dict[int, list[Row]]
+) -> Iterator[tuple[bytes, int]]:  # type: ignore[type-arg]
     """The first ``count`` KV fetches the decode scheduler sends, as a fake prefill peer
     (a ROUTER) receives them: (identity, room), for the caller to answer; the decode
     scheduler steps (its rows into ``out``) meanwhile, for at most 10 s."""
@@ -247,7 +281,10 @@ def test_forced_retraction_rebootstraps_and_finishes_the_same(
     after = next(s for s in with_stats if s.num_retractions == 1)  # type: ignore[union-attr]
     assert after.cached_tokens == len(PROMPTS[victim - 1])
     assert with_stats[-1] == after or with_stats[-1].num_retractions == 1  # type: ignore[union-attr]
-    assert any("re-bootstrapping its KV" in r.getMessage() and f"req_id={victim}" in r.getMessage() for r in caplog.records)
+    assert any(
+        "re-bootstrapping its KV" in r.getMessage() and f"req_id={victim}" in r.getMessage()
+        for r in caplog.records
+    )
     assert decode.kv.num_used == 0
 
 
@@ -261,8 +298,12 @@ def joined_logprobs(rows: list[Row]) -> tuple[TokenLogprobs, TokenLogprobs]:
         assert (row.logprobs is None) == (not row.tokens), "a row's logprobs are its own tokens'"
         assert row.logprobs is None or len(row.logprobs.chosen) == len(row.tokens)
     prompts = [row.prompt_logprobs for row in rows if row.prompt_logprobs is not None]
-    assert len(prompts) == 1 and rows[0].prompt_logprobs is not None, "prompt logprobs are sent once, on the first row"
-    return TokenLogprobs.join([row.logprobs for row in rows if row.logprobs is not None]), prompts[0]
+    assert len(prompts) == 1 and rows[0].prompt_logprobs is not None, (
+        "prompt logprobs are sent once, on the first row"
+    )
+    return TokenLogprobs.join([row.logprobs for row in rows if row.logprobs is not None]), prompts[
+        0
+    ]
 
 
 def assert_same_logprobs(got: TokenLogprobs, want: TokenLogprobs) -> None:
@@ -273,12 +314,16 @@ def assert_same_logprobs(got: TokenLogprobs, want: TokenLogprobs) -> None:
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_logprobs_through_pd_equal_unified_across_a_rebootstrap(tmp_path: Path, sampling: SamplingParams) -> None:
+def test_logprobs_through_pd_equal_unified_across_a_rebootstrap(
+    tmp_path: Path, sampling: SamplingParams
+) -> None:
     """The prefill side computes the prompt's and the first token's logprobs and sends them
     with the KV; the decode side's first row carries them. A forced decode-side retraction
     re-bootstraps (attempt 1, no logprobs in its transfer): every request still lists one
     entry per token and its prompt once, equal to a unified scheduler's."""
-    unified = build_scheduler(ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1))
+    unified = build_scheduler(
+        ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1)
+    )
     for j, ids in enumerate(PROMPTS):
         submit(unified, j + 1, ids, sampling=sampling, logprobs=ASKED)
     want: dict[int, list[Row]] = {}
@@ -290,16 +335,25 @@ def test_logprobs_through_pd_equal_unified_across_a_rebootstrap(tmp_path: Path, 
     endpoint = f"ipc://{tmp_path / 'kv'}"
     for j, ids in enumerate(PROMPTS):
         submit(prefill, j + 1, ids, room=4000 + j, max_new=1, sampling=sampling, logprobs=ASKED)
-        submit(decode, j + 1, ids, room=4000 + j, endpoint=endpoint, sampling=sampling, logprobs=ASKED)
+        submit(
+            decode, j + 1, ids, room=4000 + j, endpoint=endpoint, sampling=sampling, logprobs=ASKED
+        )
     forced: list[int] = []
     got: dict[int, list[Row]] = {}
     run([prefill, decode], got, on_step=lambda: retract_once(decode, forced))
     assert forced, "the retraction was never forced"
     assert got[forced[0]][-1].stats.num_retractions == 1  # type: ignore[union-attr]
     for j, ids in enumerate(PROMPTS):
-        assert [t for row in got[j + 1] for t in row.tokens] == [t for row in want[j + 1] for t in row.tokens]
-        (out, prompt), (want_out, want_prompt) = joined_logprobs(got[j + 1]), joined_logprobs(want[j + 1])
-        assert len(out.chosen) == MAX_NEW and len(prompt.chosen) == len(ids) - ASKED.logprob_start_len
+        assert [t for row in got[j + 1] for t in row.tokens] == [
+            t for row in want[j + 1] for t in row.tokens
+        ]
+        (out, prompt), (want_out, want_prompt) = (
+            joined_logprobs(got[j + 1]),
+            joined_logprobs(want[j + 1]),
+        )
+        assert (
+            len(out.chosen) == MAX_NEW and len(prompt.chosen) == len(ids) - ASKED.logprob_start_len
+        )
         assert_same_logprobs(out, want_out)
         assert_same_logprobs(prompt, want_prompt)
     assert decode.kv.num_used == 0 and prefill_side(prefill).num_held == 0
@@ -346,7 +400,9 @@ def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> 
     assert reasons[2].status_code == 504 and "timed out" in reasons[2].message  # type: ignore[union-attr]
     assert reasons[3].status_code == 502 and "was lost" in reasons[3].message  # type: ignore[union-attr]
     assert reasons[4].status_code == 502 and "late but alive" in reasons[4].message  # type: ignore[union-attr]
-    assert 2.0 <= finished_at[1] < 4.0 and finished_at[3] < 1.5 and finished_at[2] >= 6.0, finished_at
+    assert 2.0 <= finished_at[1] < 4.0 and finished_at[3] < 1.5 and finished_at[2] >= 6.0, (
+        finished_at
+    )
     assert all(rows[-1].stats is not None for rows in out.values())
     assert not decode.live and decode.kv.num_used == 0
     ctx.destroy(linger=0)
@@ -367,23 +423,61 @@ def test_prefill_refusal_and_malformed_transfer_fail_with_502(tmp_path: Path) ->
     for identity, room in fake_prefill_fetches(decode, peer, 3, out):
         peer.send_multipart([identity, b"\xc1garbage"])  # dropped with a warning
         if room == 7:
-            peer.send_multipart([identity, enc.encode(KVTransferHeader(room=7, attempt=0, ok=False, error="out of memory"))])
+            peer.send_multipart(
+                [
+                    identity,
+                    enc.encode(
+                        KVTransferHeader(room=7, attempt=0, ok=False, error="out of memory")
+                    ),
+                ]
+            )
         elif room == 9:  # claims more cached tokens than the prompt has
             layout = decode_side(decode).layout
-            header = KVTransferHeader(room=9, attempt=0, ok=True, num_tokens=len(PROMPTS[3]), layout=layout, first_token=5, cached_tokens=10**6)
+            header = KVTransferHeader(
+                room=9,
+                attempt=0,
+                ok=True,
+                num_tokens=len(PROMPTS[3]),
+                layout=layout,
+                first_token=5,
+                cached_tokens=10**6,
+            )
             size = layout.num_layers * len(PROMPTS[3]) * layout.num_kv_heads * layout.head_dim * 4
             peer.send_multipart([identity, enc.encode(header), bytes(size), bytes(size)])
         else:  # says 24 tokens, sends 3 bytes
-            header = KVTransferHeader(room=8, attempt=0, ok=True, num_tokens=len(PROMPTS[1]), layout=decode_side(decode).layout, first_token=5)
+            header = KVTransferHeader(
+                room=8,
+                attempt=0,
+                ok=True,
+                num_tokens=len(PROMPTS[1]),
+                layout=decode_side(decode).layout,
+                first_token=5,
+            )
             peer.send_multipart([identity, enc.encode(header), b"abc", b"def"])
     run([decode], out, until=10)
     first, second = out[1][-1].finished, out[2][-1].finished
-    assert isinstance(first, FinishAbort) and first.status_code == 502 and "out of memory" in first.message
-    assert isinstance(second, FinishAbort) and second.status_code == 502 and "do not hold" in second.message
+    assert (
+        isinstance(first, FinishAbort)
+        and first.status_code == 502
+        and "out of memory" in first.message
+    )
+    assert (
+        isinstance(second, FinishAbort)
+        and second.status_code == 502
+        and "do not hold" in second.message
+    )
     fourth = out[4][-1].finished
-    assert isinstance(fourth, FinishAbort) and fourth.status_code == 502 and "cached_tokens" in fourth.message
+    assert (
+        isinstance(fourth, FinishAbort)
+        and fourth.status_code == 502
+        and "cached_tokens" in fourth.message
+    )
     third = out[3][-1].finished
-    assert isinstance(third, FinishAbort) and third.status_code == 400 and "already in use" in third.message
+    assert (
+        isinstance(third, FinishAbort)
+        and third.status_code == 400
+        and "already in use" in third.message
+    )
     assert decode.kv.num_used == 0
     ctx.destroy(linger=0)
 
@@ -400,11 +494,22 @@ def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Pat
     asked = LogprobParams(top_logprobs_num=2)
     ids = PROMPTS[0]
     first = TokenLogprobs(
-        np.array([-1.0], np.float32), np.array([[5, 6]], np.int32), np.array([[-1.0, -2.0]], np.float32), np.zeros((1, 0), np.float32)
+        np.array([-1.0], np.float32),
+        np.array([[5, 6]], np.int32),
+        np.array([[-1.0, -2.0]], np.float32),
+        np.zeros((1, 0), np.float32),
     )
     good = FrameLogprobs(output=build_output_logprobs([0], [first]))
     three_top = build_output_logprobs(
-        [0], [TokenLogprobs(first.chosen, np.array([[5, 6, 7]], np.int32), np.zeros((1, 3), np.float32), first.ids_values)]
+        [0],
+        [
+            TokenLogprobs(
+                first.chosen,
+                np.array([[5, 6, 7]], np.int32),
+                np.zeros((1, 3), np.float32),
+                first.ids_values,
+            )
+        ],
     )
     short = msgspec.structs.replace(good.output, token_logprobs=b"")  # type: ignore[type-var]
     answers = {
@@ -412,7 +517,9 @@ def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Pat
         21: None,
         22: FrameLogprobs(output=short),
         23: FrameLogprobs(output=three_top),
-        24: FrameLogprobs(output=good.output, input=build_input_logprobs([0], [first])),  # no prompt logprobs were asked
+        24: FrameLogprobs(
+            output=good.output, input=build_input_logprobs([0], [first])
+        ),  # no prompt logprobs were asked
     }
     for room in answers:
         submit(decode, room, ids, room=room, endpoint=endpoint, max_new=3, logprobs=asked)
@@ -421,16 +528,36 @@ def test_missing_or_malformed_logprobs_in_a_transfer_fail_with_502(tmp_path: Pat
     size = layout.num_layers * len(ids) * layout.num_kv_heads * layout.head_dim * 4
     out: dict[int, list[Row]] = {}
     for identity, room in fake_prefill_fetches(decode, peer, len(answers), out):
-        header = KVTransferHeader(room=room, attempt=0, ok=True, num_tokens=len(ids), layout=layout, first_token=5, logprobs=answers[room])
+        header = KVTransferHeader(
+            room=room,
+            attempt=0,
+            ok=True,
+            num_tokens=len(ids),
+            layout=layout,
+            first_token=5,
+            logprobs=answers[room],
+        )
         peer.send_multipart([identity, enc.encode(header), bytes(size), bytes(size)])
     run([decode], out, until=10)
     ctx.destroy(linger=0)
     served = out[20]
     assert served[-1].finished is not None and not isinstance(served[-1].finished, FinishAbort)
-    assert served[0].logprobs is not None and served[0].logprobs.top_ids.tolist()[0] == [5, 6]  # the prefill side's, as sent
-    for room, why in ((21, "carries none"), (22, "malformed"), (23, "2 top logprobs"), (24, "0 prompt positions")):
+    assert served[0].logprobs is not None and served[0].logprobs.top_ids.tolist()[0] == [
+        5,
+        6,
+    ]  # the prefill side's, as sent
+    for room, why in (
+        (21, "carries none"),
+        (22, "malformed"),
+        (23, "2 top logprobs"),
+        (24, "0 prompt positions"),
+    ):
         finished = out[room][-1].finished
-        assert isinstance(finished, FinishAbort) and finished.status_code == 502 and why in finished.message, (room, finished)
+        assert (
+            isinstance(finished, FinishAbort)
+            and finished.status_code == 502
+            and why in finished.message
+        ), (room, finished)
     assert decode.kv.num_used == 0
 
 
@@ -452,8 +579,16 @@ def test_prefill_side_survives_malformed_and_hostile_fetches(
         hostile.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
     hostile.send_multipart([b"two", b"frames"])
     bad_fetches = [
-        KVFetch(room=1, attempt=0, token_ids=[1, 2], prompt_tokens=2, layout=msgspec.structs.replace(layout, num_layers=99)),
-        KVFetch(room=2, attempt=1, token_ids=[10**6, 3], prompt_tokens=2, layout=layout),  # outside the vocabulary
+        KVFetch(
+            room=1,
+            attempt=0,
+            token_ids=[1, 2],
+            prompt_tokens=2,
+            layout=msgspec.structs.replace(layout, num_layers=99),
+        ),
+        KVFetch(
+            room=2, attempt=1, token_ids=[10**6, 3], prompt_tokens=2, layout=layout
+        ),  # outside the vocabulary
         KVFetch(room=3, attempt=1, token_ids=[], prompt_tokens=0, layout=layout),
     ]
     for fetch in bad_fetches:
@@ -478,19 +613,25 @@ def test_prefill_side_survives_malformed_and_hostile_fetches(
     ctx.destroy(linger=0)
 
 
-def test_unfetched_kv_is_capped_oldest_first(tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture) -> None:
+def test_unfetched_kv_is_capped_oldest_first(
+    tmp_path: Path, expected: dict[int, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
     """KV that no decode server fetches is kept within a byte limit, dropping the oldest:
     a decode server that never comes cannot make the prefill server grow without bound."""
     prefill, _ = make("prefill", tmp_path)
     sender = prefill_side(prefill)
     per_token = 2 * prefill.kv.k[:, 0].numel() * prefill.kv.k.element_size()
-    sender.stash_limit_bytes = per_token * (len(PROMPTS[0]) + len(PROMPTS[1]) + len(PROMPTS[2]) // 2)
+    sender.stash_limit_bytes = per_token * (
+        len(PROMPTS[0]) + len(PROMPTS[1]) + len(PROMPTS[2]) // 2
+    )
     with caplog.at_level(logging.WARNING):
         for j in range(3):
             submit(prefill, j + 1, PROMPTS[j], room=5000 + j, max_new=1)
             run([prefill], {})
     assert sender.num_held == 2
-    assert any("dropped the unfetched KV of bootstrap room 5000" in r.getMessage() for r in caplog.records)
+    assert any(
+        "dropped the unfetched KV of bootstrap room 5000" in r.getMessage() for r in caplog.records
+    )
     decode, _ = make("decode", tmp_path)
     out: dict[int, list[Row]] = {}
     submit(decode, 3, PROMPTS[2], room=5002, endpoint=f"ipc://{tmp_path / 'kv'}")

@@ -240,7 +240,9 @@ def test_randomized_requests_keep_pool_accounting() -> None:
     ref: dict[tuple[int, ...], int] = {}
 
     class FakeReq:
-        def __init__(self, ids: list[int], prefix: torch.Tensor, node: RadixNode, own: torch.Tensor) -> None:
+        def __init__(
+            self, ids: list[int], prefix: torch.Tensor, node: RadixNode, own: torch.Tensor
+        ) -> None:
             self.ids = ids
             self.prefix = prefix  # the tree's slots, borrowed under the lock
             self.node = node
@@ -282,7 +284,9 @@ def test_randomized_requests_keep_pool_accounting() -> None:
         op = rng.choice(ops)
         if op == "start" and len(running) < 6:
             base = rng.choice(bases)
-            ids = base[: rng.randrange(1, len(base) + 1)] + [rng.randrange(8) for _ in range(rng.randrange(0, 6))]
+            ids = base[: rng.randrange(1, len(base) + 1)] + [
+                rng.randrange(8) for _ in range(rng.randrange(0, 6))
+            ]
             prefix, node = cache.match_prefix(ids)
             check_match(ids, prefix.tolist())
             cache.inc_lock(node)  # lock before allocating: the eviction below must spare it

@@ -45,24 +45,61 @@ TOOL_CALL = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
 CASES = [
     Case("r1_both_tags", "deepseek_r1", "<think>abc</think>answer", "abc", "answer"),
     Case("r1_prompt_opened", "deepseek_r1", "abc</think>answer", "abc", "answer"),
-    Case("r1_multiline_non_ascii", "deepseek_r1", MULTILINE + "</think>\n\nRéponse : 42 ✓", MULTILINE, "\n\nRéponse : 42 ✓"),
+    Case(
+        "r1_multiline_non_ascii",
+        "deepseek_r1",
+        MULTILINE + "</think>\n\nRéponse : 42 ✓",
+        MULTILINE,
+        "\n\nRéponse : 42 ✓",
+    ),
     Case("r1_empty_reasoning", "deepseek_r1", "<think></think>answer", "", "answer"),
-    Case("r1_no_tags_all_reasoning", "deepseek_r1", "still thinking, é 日", "still thinking, é 日", ""),
-    Case("r1_tool_call_in_reasoning", "deepseek_r1", f"maybe {TOOL_CALL} no</think>{TOOL_CALL}", f"maybe {TOOL_CALL} no", TOOL_CALL),
+    Case(
+        "r1_no_tags_all_reasoning",
+        "deepseek_r1",
+        "still thinking, é 日",
+        "still thinking, é 日",
+        "",
+    ),
+    Case(
+        "r1_tool_call_in_reasoning",
+        "deepseek_r1",
+        f"maybe {TOOL_CALL} no</think>{TOOL_CALL}",
+        f"maybe {TOOL_CALL} no",
+        TOOL_CALL,
+    ),
     Case("r1_partial_end_tag_at_end", "deepseek_r1", "abc</thi", "abc</thi", ""),
     Case("r1_partial_start_tag_only", "deepseek_r1", "<thi", "<thi", ""),
     Case("r1_second_end_tag_is_content", "deepseek_r1", "a</think>b</think>c", "a", "b</think>c"),
     Case("qwen3_both_tags", "qwen3", "<think>abc</think>answer", "abc", "answer"),
     Case("qwen3_prompt_opened", "qwen3", "abc</think>answer", "abc", "answer"),
-    Case("qwen3_multiline_non_ascii", "qwen3", f"<think>{MULTILINE}</think>\n\nRéponse ✓", MULTILINE, "\n\nRéponse ✓"),
+    Case(
+        "qwen3_multiline_non_ascii",
+        "qwen3",
+        f"<think>{MULTILINE}</think>\n\nRéponse ✓",
+        MULTILINE,
+        "\n\nRéponse ✓",
+    ),
     Case("qwen3_empty_reasoning", "qwen3", "<think></think>answer", "", "answer"),
     Case("qwen3_no_tags_all_content", "qwen3", "plain answer, é 日", "", "plain answer, é 日"),
-    Case("qwen3_tool_call_in_reasoning", "qwen3", f"<think>maybe {TOOL_CALL}</think>{TOOL_CALL}", f"maybe {TOOL_CALL}", TOOL_CALL),
+    Case(
+        "qwen3_tool_call_in_reasoning",
+        "qwen3",
+        f"<think>maybe {TOOL_CALL}</think>{TOOL_CALL}",
+        f"maybe {TOOL_CALL}",
+        TOOL_CALL,
+    ),
     Case("qwen3_partial_end_tag_in_reasoning", "qwen3", "<think>abc</thi", "abc</thi", ""),
     Case("qwen3_partial_end_tag_in_content", "qwen3", "answer </thi", "", "answer </thi"),
     Case("qwen3_cut_off_while_thinking", "qwen3", "<think>only thinking", "only thinking", ""),
     Case("qwen3_late_start_tag_is_text", "qwen3", "\n<think>abc</think>x", "\n<think>abc", "x"),
-    Case("qwen3_thinking_off", "qwen3", "<think>abc</think>answer", "", "<think>abc</think>answer", enable_thinking=False),
+    Case(
+        "qwen3_thinking_off",
+        "qwen3",
+        "<think>abc</think>answer",
+        "",
+        "<think>abc</think>answer",
+        enable_thinking=False,
+    ),
 ]
 
 
@@ -74,7 +111,12 @@ def shipped() -> Tokenizer:
 @pytest.fixture(scope="module")
 def tagged(shipped: Tokenizer) -> Tokenizer:
     tokenizer = Tokenizer.from_str(shipped.to_str())
-    tokenizer.add_tokens([AddedToken(START, special=False, normalized=False), AddedToken(END, special=False, normalized=False)])
+    tokenizer.add_tokens(
+        [
+            AddedToken(START, special=False, normalized=False),
+            AddedToken(END, special=False, normalized=False),
+        ]
+    )
     return tokenizer
 
 
@@ -96,7 +138,10 @@ def token_deltas(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 def cuts(deltas: list[str]) -> Iterator[tuple[str, list[str]]]:
     """Rows of 1, 2 and 3 tokens, and every cut into two pieces."""
     for size in (1, 2, 3):
-        yield f"rows of {size}", ["".join(deltas[i : i + size]) for i in range(0, len(deltas), size)]
+        yield (
+            f"rows of {size}",
+            ["".join(deltas[i : i + size]) for i in range(0, len(deltas), size)],
+        )
     for at in range(1, len(deltas)):
         yield f"cut at {at}", ["".join(deltas[:at]), "".join(deltas[at:])]
 
@@ -137,7 +182,9 @@ def expected_span(case: Case) -> tuple[int, int] | None:
 
 @pytest.mark.parametrize("tokenizer_name", ["shipped", "tagged"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_stream_splits_like_the_whole_output(case: Case, tokenizer_name: str, request: pytest.FixtureRequest) -> None:
+def test_stream_splits_like_the_whole_output(
+    case: Case, tokenizer_name: str, request: pytest.FixtureRequest
+) -> None:
     tokenizer: Tokenizer = request.getfixturevalue(tokenizer_name)
     deltas = token_deltas(tokenizer, encode(tokenizer, case.output))
     assert "".join(deltas) == case.output
@@ -179,12 +226,16 @@ def test_count_is_the_ids_between_single_token_tags(case: Case, tagged: Tokenize
         expected = ids.index(end_id, begin) - begin
     else:
         expected = len(ids) - begin
-    assert count_reasoning_tokens(token_bytes(tagged, ids, case.output), case.output, span) == expected
+    assert (
+        count_reasoning_tokens(token_bytes(tagged, ids, case.output), case.output, span) == expected
+    )
     assert expected == (len(encode(tagged, case.reasoning)) if span is not None else 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_count_is_the_tokens_overlapping_the_reasoning_bytes(case: Case, shipped: Tokenizer) -> None:
+def test_count_is_the_tokens_overlapping_the_reasoning_bytes(
+    case: Case, shipped: Tokenizer
+) -> None:
     ids = encode(shipped, case.output)
     raw = token_bytes(shipped, ids, case.output)
     span = parse(fresh(case), [case.output])[2]
@@ -200,28 +251,45 @@ def test_count_is_the_tokens_overlapping_the_reasoning_bytes(case: Case, shipped
     assert count_reasoning_tokens(raw, case.output, span) == overlapping
 
 
-BOUNDARY_REASONINGS = {"ascii": "abc def", "empty": "", "e_acute": "é", "cjk_emoji": "日本語を考える 🤔", "multiline": MULTILINE}
+BOUNDARY_REASONINGS = {
+    "ascii": "abc def",
+    "empty": "",
+    "e_acute": "é",
+    "cjk_emoji": "日本語を考える 🤔",
+    "multiline": MULTILINE,
+}
 
 
 @pytest.mark.parametrize("reasoning", BOUNDARY_REASONINGS.values(), ids=BOUNDARY_REASONINGS.keys())
 @pytest.mark.parametrize("dialect", REASONING_PARSERS)
-def test_count_is_exact_when_the_tags_fall_on_token_boundaries(dialect: str, reasoning: str, shipped: Tokenizer) -> None:
+def test_count_is_exact_when_the_tags_fall_on_token_boundaries(
+    dialect: str, reasoning: str, shipped: Tokenizer
+) -> None:
     opening = [START] if dialect == "qwen3" else []  # R1's prompt opens the reasoning
     ids = [i for part in [*opening, reasoning, END, "\n\nanswer ✓"] for i in encode(shipped, part)]
     text = shipped.decode(ids, skip_special_tokens=False)
     parser = make_reasoning_parser(dialect)
     got = parse(parser, token_deltas(shipped, ids))
     assert got[0] == reasoning
-    assert count_reasoning_tokens(token_bytes(shipped, ids, text), text, got[2]) == len(encode(shipped, reasoning))
+    assert count_reasoning_tokens(token_bytes(shipped, ids, text), text, got[2]) == len(
+        encode(shipped, reasoning)
+    )
 
 
 def test_count_by_bytes_on_hand_made_tokens() -> None:
     text = "<think>é</think>x"
     span = (7, 8)
     # A character's bytes in two tokens both count; so do skipped tokens inside, the first byte included.
-    assert count_reasoning_tokens([b"<think>", b"", b"\xc3", b"", b"\xa9", b"</think>", b"", b"x"], text, span) == 4
+    assert (
+        count_reasoning_tokens(
+            [b"<think>", b"", b"\xc3", b"", b"\xa9", b"</think>", b"", b"x"], text, span
+        )
+        == 4
+    )
     # Tokens straddling the tags' edges count; a skipped token at the end tag does not.
-    assert count_reasoning_tokens([b"<thi", b"nk>\xc3", b"\xa9</", b"", b"think>x"], text, span) == 2
+    assert (
+        count_reasoning_tokens([b"<thi", b"nk>\xc3", b"\xa9</", b"", b"think>x"], text, span) == 2
+    )
     assert count_reasoning_tokens([text.encode()], text, span) == 1
     # An empty reasoning has no bytes to overlap, even inside a token; no reasoning counts nothing.
     assert count_reasoning_tokens([b"<think></think>x"], "<think></think>x", (7, 7)) == 0
@@ -235,7 +303,9 @@ def test_count_with_non_ascii_tags_goes_by_bytes(shipped: Tokenizer) -> None:
     parser = make_reasoning_parser("qwen3", think=think)
     reasoning, content, span = parse(parser, token_deltas(shipped, ids))
     assert (reasoning, content, span) == ("é日 ok", "x", (3, 8))
-    assert count_reasoning_tokens(token_bytes(shipped, ids, text), text, span) == len(encode(shipped, "é日 ok"))
+    assert count_reasoning_tokens(token_bytes(shipped, ids, text), text, span) == len(
+        encode(shipped, "é日 ok")
+    )
 
 
 def test_undecided_qwen3_output_is_held_until_the_end_tag() -> None:

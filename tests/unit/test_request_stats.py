@@ -28,7 +28,9 @@ from tokenizer_proc.tokenizer_manager import TokenizerManager
 PENDING = StatsPending()
 
 
-def make_req(req_id: int = 1, *, stream: bool = True, interval: int = 1, metrics: bool = True) -> Req:
+def make_req(
+    req_id: int = 1, *, stream: bool = True, interval: int = 1, metrics: bool = True
+) -> Req:
     return Req(
         rid=f"r{req_id}",
         req_id=req_id,
@@ -100,7 +102,9 @@ def test_queue_time_sums_every_stay() -> None:
     req.leave_waiting_queue(11.5)
     req.mark_retracted(20.0)
     req.leave_waiting_queue(22.0)
-    assert req.stats.time_stats is not None and req.stats.time_stats.queue_time == pytest.approx(3.5)
+    assert req.stats.time_stats is not None and req.stats.time_stats.queue_time == pytest.approx(
+        3.5
+    )
     assert req.stats.time_stats.forward_entry_time == 11.5
 
 
@@ -146,7 +150,9 @@ def manager() -> TokenizerManager:
 
 
 def _state(tm: TokenizerManager, req_id: int) -> ReqState:
-    state = ReqState(rid=f"r{req_id}", req_id=req_id, stream=True, sampling=SamplingParams(), created_time=0.0)
+    state = ReqState(
+        rid=f"r{req_id}", req_id=req_id, stream=True, sampling=SamplingParams(), created_time=0.0
+    )
     tm.states[req_id] = state
     tm.rid_to_req_id[state.rid] = req_id
     return state
@@ -197,7 +203,9 @@ def test_events_taken_together_each_show_their_own_rows_stats(manager: Tokenizer
     assert build_meta_info(state)["cached_tokens"] == 30
 
 
-def test_row_without_state_is_dropped_with_warning(manager: TokenizerManager, caplog: pytest.LogCaptureFixture) -> None:
+def test_row_without_state_is_dropped_with_warning(
+    manager: TokenizerManager, caplog: pytest.LogCaptureFixture
+) -> None:
     live = _state(manager, 2)
     orphan, known = make_req(77), make_req(2)
     for r in (orphan, known):
@@ -208,7 +216,9 @@ def test_row_without_state_is_dropped_with_warning(manager: TokenizerManager, ca
     assert [c.text for c in live.pending] == ["x"] and live.completion_tokens == 1
 
 
-def test_row_before_any_stats_is_dropped(manager: TokenizerManager, caplog: pytest.LogCaptureFixture) -> None:
+def test_row_before_any_stats_is_dropped(
+    manager: TokenizerManager, caplog: pytest.LogCaptureFixture
+) -> None:
     state = _state(manager, 3)
     req = make_req(3)
     req.take_request_stats_due()  # stats "sent" on a frame this manager never saw

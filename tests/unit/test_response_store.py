@@ -13,26 +13,49 @@ from tokenizer_proc.openai.responses.store import ResponseStore
 
 
 def _response(i: int, pad: int = 0) -> dict[str, object]:
-    return {"id": f"resp_{i}", "object": "response", "output": [{"type": "message", "text": "x" * pad}]}
+    return {
+        "id": f"resp_{i}",
+        "object": "response",
+        "output": [{"type": "message", "text": "x" * pad}],
+    }
 
 
 def test_the_oldest_go_first_when_the_count_is_over(tmp_path: Path) -> None:
     store = ResponseStore(max_count=3, max_bytes=1 << 20, directory=tmp_path)
     for i in range(5):
-        assert store.put(f"resp_{i}", _response(i), [{"type": "message", "role": "user", "content": []}])
-    assert [store.get(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+        assert store.put(
+            f"resp_{i}", _response(i), [{"type": "message", "role": "user", "content": []}]
+        )
+    assert [store.get(f"resp_{i}") is not None for i in range(5)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
     stored = store.get("resp_4")
-    assert stored is not None and stored.response == _response(4) and stored.conversation[0]["role"] == "user"
+    assert (
+        stored is not None
+        and stored.response == _response(4)
+        and stored.conversation[0]["role"] == "user"
+    )
     assert store.stats()[0] == 3
     store.close()
 
 
-def test_the_oldest_go_first_when_the_bytes_are_over_and_a_too_large_one_is_not_stored(tmp_path: Path) -> None:
+def test_the_oldest_go_first_when_the_bytes_are_over_and_a_too_large_one_is_not_stored(
+    tmp_path: Path,
+) -> None:
     store = ResponseStore(max_count=100, max_bytes=3000, directory=tmp_path)
     for i in range(4):
         assert store.put(f"resp_{i}", _response(i, pad=900), [])
     count, size = store.stats()
-    assert size <= 3000 and count == 3 and store.get("resp_0") is None and store.get("resp_3") is not None
+    assert (
+        size <= 3000
+        and count == 3
+        and store.get("resp_0") is None
+        and store.get("resp_3") is not None
+    )
     assert not store.put("resp_big", _response(9, pad=4000), [])
     assert store.get("resp_big") is None and store.stats() == (count, size)
     assert store.delete("resp_3") and not store.delete("resp_3") and store.get("resp_3") is None
@@ -48,7 +71,9 @@ def _put_from_another_process(directory: str) -> None:
 def test_another_process_shares_the_store(tmp_path: Path) -> None:
     store = ResponseStore(max_count=10, max_bytes=1 << 20, directory=tmp_path)
     store.put("resp_mine", _response(1), [])
-    process = multiprocessing.get_context("spawn").Process(target=_put_from_another_process, args=(str(tmp_path),))
+    process = multiprocessing.get_context("spawn").Process(
+        target=_put_from_another_process, args=(str(tmp_path),)
+    )
     process.start()
     process.join(60)
     assert process.exitcode == 0
@@ -58,7 +83,9 @@ def test_another_process_shares_the_store(tmp_path: Path) -> None:
     store.close()
 
 
-def test_a_store_of_its_own_lives_in_a_private_directory_removed_at_close(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_store_of_its_own_lives_in_a_private_directory_removed_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("TOKENPIPE_IPC_DIR", raising=False)
     store = ResponseStore(max_count=10, max_bytes=1 << 20)
     assert store.path.exists() and (store.path.parent.stat().st_mode & 0o777) == 0o700

@@ -48,9 +48,23 @@ def _requests() -> list[tuple[list[int], SamplingParams, int]]:
     shared = [(11 * i) % 3000 + 90 for i in range(24)]
     out = []
     for j in range(14):
-        prompt = shared + [j + 100] * (j % 3) if j in (3, 9) else [(7 * i + 13 * j) % 3900 + 60 for i in range(5 + 6 * j)]
-        sampling = SamplingParams(temperature=0.0) if j % 2 else SamplingParams(temperature=0.8, top_p=0.9, seed=j)
-        out.append((prompt, msgspec.structs.replace(sampling, max_new_tokens=6 + (5 * j) % 37, ignore_eos=True), 3 * (j // 4)))
+        prompt = (
+            shared + [j + 100] * (j % 3)
+            if j in (3, 9)
+            else [(7 * i + 13 * j) % 3900 + 60 for i in range(5 + 6 * j)]
+        )
+        sampling = (
+            SamplingParams(temperature=0.0)
+            if j % 2
+            else SamplingParams(temperature=0.8, top_p=0.9, seed=j)
+        )
+        out.append(
+            (
+                prompt,
+                msgspec.structs.replace(sampling, max_new_tokens=6 + (5 * j) % 37, ignore_eos=True),
+                3 * (j // 4),
+            )
+        )
     return out
 
 
@@ -73,8 +87,14 @@ def _run(s: Scheduler) -> dict[int, tuple[list[int], list[Any]]]:
             assert isinstance(frame, BatchTokenIDOutput)
             frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=BatchTokenIDOutput)
             rows = split_token_rows(frame.output_ids, frame.output_counts)
-            per_row = read_output_logprobs(frame.logprobs.output, [len(r) for r in rows]) if frame.logprobs and frame.logprobs.output else {}
-            for i, (req_id, row) in enumerate(zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), rows)):
+            per_row = (
+                read_output_logprobs(frame.logprobs.output, [len(r) for r in rows])
+                if frame.logprobs and frame.logprobs.output
+                else {}
+            )
+            for i, (req_id, row) in enumerate(
+                zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), rows)
+            ):
                 tokens, entries = got.setdefault(req_id, ([], []))
                 tokens.extend(row)
                 if i in per_row:
@@ -82,7 +102,9 @@ def _run(s: Scheduler) -> dict[int, tuple[list[int], list[Any]]]:
     return got
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch, name: str, calls: list[Any], result: bool = False) -> None:
+def _spy(
+    monkeypatch: pytest.MonkeyPatch, name: str, calls: list[Any], result: bool = False
+) -> None:
     original: Callable[..., Any] = getattr(RowKV, name)
 
     def spy(self: RowKV, *args: Any) -> Any:
@@ -94,11 +116,17 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str, calls: list[Any], result: b
 
 
 @pytest.mark.parametrize("pool", [8192, 400], ids=["roomy", "retracting"])
-def test_decode_through_the_copy_equals_decode_through_the_pool(pool: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    off = build_scheduler(ServerConfig(max_total_tokens=pool, torch_threads=1, decode_kv_rows="off"))
+def test_decode_through_the_copy_equals_decode_through_the_pool(
+    pool: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    off = build_scheduler(
+        ServerConfig(max_total_tokens=pool, torch_threads=1, decode_kv_rows="off")
+    )
     assert off.runner.row_kv is None
     expected = _run(off)
-    assert [len(expected[i][0]) for i in range(len(expected))] == [r[1].max_new_tokens for r in _requests()]
+    assert [len(expected[i][0]) for i in range(len(expected))] == [
+        r[1].max_new_tokens for r in _requests()
+    ]
 
     passes: list[Any] = []
     relayouts: list[Any] = []
@@ -113,8 +141,12 @@ def test_decode_through_the_copy_equals_decode_through_the_pool(pool: int, monke
     # The workload really went through what it is meant to cover.
     assert sum(p is not None for p in passes) > 20
     widths = [width for _, width, _ in relayouts]
-    assert any(b > a for a, b in zip(widths, widths[1:])) and any(b < a for a, b in zip(widths, widths[1:]))
-    assert any(len(stale) == 1 for _, _, stale, _ in fills)  # a single row refilled: a join or a swap-remove
+    assert any(b > a for a, b in zip(widths, widths[1:])) and any(
+        b < a for a, b in zip(widths, widths[1:])
+    )
+    assert any(
+        len(stale) == 1 for _, _, stale, _ in fills
+    )  # a single row refilled: a join or a swap-remove
     if pool == 400:
         assert on.num_retracted_total > 0 and on.num_retracted_total == off.num_retracted_total
         assert any(p is None for p in passes)  # over budget: those passes read the pool
@@ -129,7 +161,9 @@ def test_the_copy_is_on_by_default_on_the_cpu_and_bounded_by_the_pool() -> None:
     joined, seq_len = np.arange(8), np.full(8, 70)
     assert row_kv.prepare(joined, seq_len, table, decode_key_columns(70)) is None  # 8 * 80 > 512
     assert row_kv.shape == (0, 0)
-    assert row_kv.prepare(joined[:6], seq_len[:6], table[:6], decode_key_columns(70)) is not None  # 6 * 80 <= 512
+    assert (
+        row_kv.prepare(joined[:6], seq_len[:6], table[:6], decode_key_columns(70)) is not None
+    )  # 6 * 80 <= 512
     assert row_kv.shape == (6, 80)
     assert row_kv.prepare(joined, seq_len, table, decode_key_columns(70)) is None
     assert row_kv.shape == (0, 0)  # dropped, to be built again when a pass fits
@@ -149,15 +183,21 @@ def test_the_copy_is_on_by_default_on_the_cpu_and_bounded_by_the_pool() -> None:
         ((6, 32), (6, 32), 2),  # same shape, fewer rows kept
     ],
 )
-def test_a_relayout_keeps_each_kept_row_and_zeroes_new_columns(old: tuple[int, int], new: tuple[int, int], kept: int) -> None:
+def test_a_relayout_keeps_each_kept_row_and_zeroes_new_columns(
+    old: tuple[int, int], new: tuple[int, int], kept: int
+) -> None:
     layers, heads, dim = 3, 2, 4
     (rows, width), (new_rows, new_width) = old, new
     size = layers * max(rows * width, new_rows * new_width) * heads * dim
     gen = torch.Generator().manual_seed(rows * 100 + width)
     store = torch.randn(size, generator=gen)
-    before = store[: layers * rows * width * heads * dim].view(layers, rows, heads, width, dim).clone()
+    before = (
+        store[: layers * rows * width * heads * dim].view(layers, rows, heads, width, dim).clone()
+    )
     _move_rows(store, (layers, rows, heads, width, dim), new_rows, new_width, kept)
-    after = store[: layers * new_rows * new_width * heads * dim].view(layers, new_rows, heads, new_width, dim)
+    after = store[: layers * new_rows * new_width * heads * dim].view(
+        layers, new_rows, heads, new_width, dim
+    )
     cols = min(width, new_width)
     assert torch.equal(after[:, :kept, :, :cols], before[:, :kept, :, :cols])
     assert bool((after[:, :kept, :, cols:] == 0).all())
@@ -182,14 +222,23 @@ def test_attention_over_the_copy_equals_the_pool_gather(dtype: torch.dtype) -> N
     cos, sin = torch.ones(64, dim), torch.zeros(64, dim)
     for step in range(6):
         if step == 3:  # row 1 leaves: the last row moves into its place
-            table[1], joined, lengths = table[3], joined[[0, 3, 2]], [lengths[0], lengths[3], lengths[2]]
+            table[1], joined, lengths = (
+                table[3],
+                joined[[0, 3, 2]],
+                [lengths[0], lengths[3], lengths[2]],
+            )
         n = len(lengths)
         seq = np.array(lengths, dtype=np.int64)
         view = table[:n, : int(seq.max())]
-        q, k, v = (torch.randn(shape, generator=gen).to(dtype) for shape in ((n, heads, dim), (n, kv_heads, dim), (n, kv_heads, dim)))
+        q, k, v = (
+            torch.randn(shape, generator=gen).to(dtype)
+            for shape in ((n, heads, dim), (n, kv_heads, dim), (n, kv_heads, dim))
+        )
         outs = []
         for copy in (None, row_kv.prepare(joined, seq, view, decode_key_columns(view.shape[1]))):
-            batch = ForwardBatch.decode(torch.zeros(n, dtype=torch.long), torch.from_numpy(seq), view, "cpu", copy)
+            batch = ForwardBatch.decode(
+                torch.zeros(n, dtype=torch.long), torch.from_numpy(seq), view, "cpu", copy
+            )
             layout = AttentionLayout.from_batch(batch, cos, sin, dtype)
             outs.append(pool_attention(q, k, v, layout, pool.k[0], pool.v[0], dim**-0.5, 0))
         assert torch.equal(outs[0], outs[1]), f"step {step}"

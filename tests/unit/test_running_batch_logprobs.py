@@ -17,7 +17,12 @@ from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.batch.running_batch import RunningBatch
 
 VOCAB = 50
-ASKS = [LogprobParams(top_logprobs_num=5, token_ids_logprob=(3, 9)), LogprobParams(), None, LogprobParams(top_logprobs_num=2)]
+ASKS = [
+    LogprobParams(top_logprobs_num=5, token_ids_logprob=(3, 9)),
+    LogprobParams(),
+    None,
+    LogprobParams(top_logprobs_num=2),
+]
 
 
 def joined(req_id: int, ask: LogprobParams | None) -> Req:
@@ -33,7 +38,10 @@ def joined(req_id: int, ask: LogprobParams | None) -> Req:
 
 
 def as_lists(part: TokenLogprobs) -> list[tuple[float, list[int], list[float], list[float]]]:
-    return [(float(c), i.tolist(), v.tolist(), m.tolist()) for c, i, v, m in zip(part.chosen, part.top_ids, part.top_values, part.ids_values)]
+    return [
+        (float(c), i.tolist(), v.tolist(), m.tolist())
+        for c, i, v, m in zip(part.chosen, part.top_ids, part.top_values, part.ids_values)
+    ]
 
 
 def test_pending_logprobs_leave_in_order_by_every_way_out() -> None:
@@ -41,7 +49,9 @@ def test_pending_logprobs_leave_in_order_by_every_way_out() -> None:
     reqs = [joined(i, ask) for i, ask in enumerate(ASKS)]
     expected: dict[int, list[TokenLogprobs]] = {i: [] for i in range(4)}
     # Request 3 joins with a first token's logprobs not yet sent (a non-streamed first row).
-    first = step_logprobs(torch.randn((1, VOCAB), generator=gen), np.array([0]), np.array([4]), [ASKS[3]])[0]
+    first = step_logprobs(
+        torch.randn((1, VOCAB), generator=gen), np.array([0]), np.array([4]), [ASKS[3]]
+    )[0]
     reqs[3].pending_logprobs.append(first)
     reqs[3].num_sent_tokens = 0
     expected[3].append(first)
@@ -55,7 +65,9 @@ def test_pending_logprobs_leave_in_order_by_every_way_out() -> None:
         batch.append_tokens(new)
         rows = np.flatnonzero(batch.wants_logprobs[: len(batch)])
         keep_decode_logprobs(batch, logits, rows, new)
-        parts = step_logprobs(logits, rows, new[rows], [batch.reqs[i].logprob for i in rows.tolist()])  # type: ignore[misc]
+        parts = step_logprobs(
+            logits, rows, new[rows], [batch.reqs[i].logprob for i in rows.tolist()]
+        )  # type: ignore[misc]
         for i, part in zip(rows.tolist(), parts):
             expected[batch.reqs[i].req_id].append(part)
 

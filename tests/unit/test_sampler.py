@@ -47,14 +47,18 @@ def columns(
 # --- references: plain per-row Python and numpy with a full sort ---------------------------
 
 
-def reference_adjusted(row: Sequence[float], p: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> list[float]:
+def reference_adjusted(
+    row: Sequence[float], p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+) -> list[float]:
     x = [float(v) for v in row]
     for token, bias in p.logit_bias:
         x[token] += bias
     for token, count in Counter(output).items():
         x[token] -= p.frequency_penalty * count + p.presence_penalty
     for token in set(prompt) | set(output):
-        x[token] = x[token] / p.repetition_penalty if x[token] > 0 else x[token] * p.repetition_penalty
+        x[token] = (
+            x[token] / p.repetition_penalty if x[token] > 0 else x[token] * p.repetition_penalty
+        )
     return x
 
 
@@ -96,13 +100,38 @@ def _subjects() -> list[tuple[SamplingParams, torch.Tensor, list[int], list[int]
         (SamplingParams(temperature=0.8), peaked[0], prompt, output),
         (SamplingParams(temperature=1.0, top_k=40), peaked[1], prompt, output),
         (SamplingParams(temperature=0.7, top_p=0.8), peaked[2], prompt, output),
-        (SamplingParams(temperature=0.7, top_p=0.9), _FLAT[0], prompt, output),  # many rejection rounds
+        (
+            SamplingParams(temperature=0.7, top_p=0.9),
+            _FLAT[0],
+            prompt,
+            output,
+        ),  # many rejection rounds
         (SamplingParams(temperature=1.2, min_p=0.05), peaked[3], prompt, output),
-        (SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02), peaked[4], prompt, output),
-        (SamplingParams(temperature=0.8, frequency_penalty=0.7, presence_penalty=0.4), peaked[5], prompt, output),
+        (
+            SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02),
+            peaked[4],
+            prompt,
+            output,
+        ),
+        (
+            SamplingParams(temperature=0.8, frequency_penalty=0.7, presence_penalty=0.4),
+            peaked[5],
+            prompt,
+            output,
+        ),
         (SamplingParams(temperature=0.8, repetition_penalty=1.5), peaked[6], prompt, output),
-        (SamplingParams(temperature=0.8, logit_bias=((4, 3.0), (17, -5.0))), peaked[7], prompt, output),
-        (SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias=((9, 1.0),)), peaked[8], prompt, output),
+        (
+            SamplingParams(temperature=0.8, logit_bias=((4, 3.0), (17, -5.0))),
+            peaked[7],
+            prompt,
+            output,
+        ),
+        (
+            SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias=((9, 1.0),)),
+            peaked[8],
+            prompt,
+            output,
+        ),
     ]
 
 
@@ -129,18 +158,37 @@ def test_a_seeded_row_draws_the_same_alone_or_in_any_batch() -> None:
     alone = {}
     for i, (p, row, prompt, output) in enumerate(subjects):
         for c in counters:
-            cols = columns([p], row[None], seeds=[100 + i], counters=[draw_counter(c)], prompts=[prompt], outputs=[output])
+            cols = columns(
+                [p],
+                row[None],
+                seeds=[100 + i],
+                counters=[draw_counter(c)],
+                prompts=[prompt],
+                outputs=[output],
+            )
             alone[i, c] = int(sample(row[None], cols)[0])
     rng = random.Random(0)
     for size in (len(subjects), 16, 33, 64):
         for _ in range(3):
             c = rng.choice(counters)
-            entries: list[tuple[int | None, SamplingParams, torch.Tensor, int, list[int], list[int]]] = [
-                (i, p, row, 100 + i, prompt, output) for i, (p, row, prompt, output) in enumerate(subjects)
+            entries: list[
+                tuple[int | None, SamplingParams, torch.Tensor, int, list[int], list[int]]
+            ] = [
+                (i, p, row, 100 + i, prompt, output)
+                for i, (p, row, prompt, output) in enumerate(subjects)
             ]
             while len(entries) < size:
                 row = torch.randn(VOCAB) * rng.choice([0.1, 2.0, 5.0])
-                entries.append((None, _neighbour(rng), row, rng.getrandbits(63), [8, 9], [rng.randrange(VOCAB)]))
+                entries.append(
+                    (
+                        None,
+                        _neighbour(rng),
+                        row,
+                        rng.getrandbits(63),
+                        [8, 9],
+                        [rng.randrange(VOCAB)],
+                    )
+                )
             rng.shuffle(entries)
             logits = torch.stack([e[2] for e in entries])
             cols = columns(
@@ -158,9 +206,14 @@ def test_every_counter_is_drawn_independently() -> None:
     a function of (seed, counter), not of a generator's history."""
     for p, row, _, _ in _subjects()[:6]:
         n = 20
-        sequence = sample(row.expand(n, -1), columns([p] * n, row[None], counters=draw_counter(np.arange(n))))
+        sequence = sample(
+            row.expand(n, -1), columns([p] * n, row[None], counters=draw_counter(np.arange(n)))
+        )
         for c in (0, 5, 19):
-            assert sample(row[None], columns([p], row[None], counters=[draw_counter(c)]))[0] == sequence[c], p
+            assert (
+                sample(row[None], columns([p], row[None], counters=[draw_counter(c)]))[0]
+                == sequence[c]
+            ), p
         assert len(set(sequence.tolist())) > 3, f"sampling should vary from counter to counter: {p}"
 
 
@@ -200,9 +253,12 @@ DISTRIBUTIONS = {
 
 @pytest.mark.parametrize(
     ("name", "max_rounds"),
-    [(name, 32) for name in DISTRIBUTIONS] + [(name, 0) for name, (_, p) in DISTRIBUTIONS.items() if p.top_p < 1.0],
+    [(name, 32) for name in DISTRIBUTIONS]
+    + [(name, 0) for name, (_, p) in DISTRIBUTIONS.items() if p.top_p < 1.0],
 )
-def test_draws_follow_the_reference_distribution(name: str, max_rounds: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_draws_follow_the_reference_distribution(
+    name: str, max_rounds: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """20000 draws of one row, each with its own counter, against a sort-based reference:
     chi-square at p = 0.001 (a fixed seed, so the outcome is fixed), and never a token the
     cuts remove. ``max_rounds=0`` sends every top_p row the rejection turns down to the
@@ -210,10 +266,15 @@ def test_draws_follow_the_reference_distribution(name: str, max_rounds: int, mon
     monkeypatch.setattr(sampler_module, "_MAX_ROUNDS", max_rounds)
     row, p = DISTRIBUTIONS[name]
     expected = reference_probs(row[0].double().numpy(), p) * DRAWS
-    tokens = sample(row.expand(DRAWS, -1), columns([p] * DRAWS, row, seeds=[2024] * DRAWS, counters=draw_counter(np.arange(DRAWS))))
+    tokens = sample(
+        row.expand(DRAWS, -1),
+        columns([p] * DRAWS, row, seeds=[2024] * DRAWS, counters=draw_counter(np.arange(DRAWS))),
+    )
     observed = np.bincount(tokens, minlength=row.shape[-1])
 
-    assert observed[expected == 0].sum() == 0, f"cut tokens drawn: {np.flatnonzero(observed * (expected == 0))}"
+    assert observed[expected == 0].sum() == 0, (
+        f"cut tokens drawn: {np.flatnonzero(observed * (expected == 0))}"
+    )
     big = expected >= 5  # chi-square needs enough expected per bin: the small ones share one
     obs_bins = np.append(observed[big], observed[~big].sum())
     exp_bins = np.append(expected[big], expected[~big].sum())
@@ -242,25 +303,44 @@ def test_bias_and_penalties_match_a_per_row_reference() -> None:
         SamplingParams(repetition_penalty=0.7),
         SamplingParams(logit_bias=((0, 100.0), (3, -2.5), (49, 0.25))),
         SamplingParams(temperature=0.0),
-        SamplingParams(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.2, logit_bias=((7, -100.0), (8, 4.0))),
+        SamplingParams(
+            frequency_penalty=0.3,
+            presence_penalty=0.2,
+            repetition_penalty=1.2,
+            logit_bias=((7, -100.0), (8, 4.0)),
+        ),
     ]
     rows = len(cases)
     logits = torch.randn(rows, vocab, generator=g) * 3
     prompts = [torch.randint(0, vocab, (12,), generator=g).tolist() for _ in range(rows)]
     outputs = [torch.randint(0, vocab, (9,), generator=g).tolist() + [3, 3, 3] for _ in range(rows)]
     want = torch.tensor(
-        [reference_adjusted(logits[i].tolist(), cases[i], prompts[i], outputs[i]) for i in range(rows)], dtype=torch.float64
+        [
+            reference_adjusted(logits[i].tolist(), cases[i], prompts[i], outputs[i])
+            for i in range(rows)
+        ],
+        dtype=torch.float64,
     )
     cols = columns(cases, logits, prompts=prompts, outputs=outputs)
     got = adjusted_logits(logits, cols).double()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(got[0], logits[0].double()), "a row that asks nothing is left exactly as it was"
+    assert torch.equal(got[0], logits[0].double()), (
+        "a row that asks nothing is left exactly as it was"
+    )
     # Each row alone: the same values (the rows that ask are picked out as a subset).
     for i in range(rows):
-        alone = columns(cases[i : i + 1], logits[i : i + 1], prompts=prompts[i : i + 1], outputs=outputs[i : i + 1])
+        alone = columns(
+            cases[i : i + 1],
+            logits[i : i + 1],
+            prompts=prompts[i : i + 1],
+            outputs=outputs[i : i + 1],
+        )
         assert torch.equal(adjusted_logits(logits[i : i + 1], alone)[0], got[i].float()), cases[i]
     # Greedy rows see them too.
-    greedy = [SamplingParams(temperature=0.0, **{f: getattr(p, f) for f in _PENALTY_FIELDS}) for p in cases]
+    greedy = [
+        SamplingParams(temperature=0.0, **{f: getattr(p, f) for f in _PENALTY_FIELDS})
+        for p in cases
+    ]
     tokens = sample(logits, columns(greedy, logits, prompts=prompts, outputs=outputs))
     assert tokens.tolist() == want.argmax(dim=1).tolist()
 
@@ -292,8 +372,17 @@ def test_limits_that_leave_one_token_are_greedy() -> None:
         for c in range(n):
             cols = columns([p] * len(logits), logits, counters=[draw_counter(c)] * len(logits))
             assert (sample(logits, cols) == argmax).all(), (p, c)
-    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)):
-        forced = SamplingParams(**{**{f: getattr(p, f) for f in ("temperature", "top_p")}, "logit_bias": ((123, 100.0),)})
+    for p in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.5),
+    ):
+        forced = SamplingParams(
+            **{
+                **{f: getattr(p, f) for f in ("temperature", "top_p")},
+                "logit_bias": ((123, 100.0),),
+            }
+        )
         for c in range(n):
             cols = columns([forced] * len(logits), logits, counters=[draw_counter(c)] * len(logits))
             assert (sample(logits, cols) == 123).all(), (forced, c)
@@ -321,7 +410,9 @@ def test_banned_tokens_are_never_drawn_and_the_logits_stay_raw() -> None:
     logits[:, 5] += 30.0
     raw = logits.clone()
     rows = np.arange(len(kinds), dtype=np.int64)  # the first copy of each kind bans 5 and 6
-    banned = sampler_module.BannedTokens(np.repeat(rows, 2), np.tile(np.array([5, 6], dtype=np.int64), len(kinds)))
+    banned = sampler_module.BannedTokens(
+        np.repeat(rows, 2), np.tile(np.array([5, 6], dtype=np.int64), len(kinds))
+    )
     for c in range(n):
         cols = SamplingColumns.from_requests(
             params, [3] * len(params), [draw_counter(c)] * len(params), [[]] * len(params), [[1]] * len(params),
@@ -345,7 +436,9 @@ def test_a_row_whose_every_token_is_banned_still_draws_one() -> None:
     ignored."""
     vocab = 64
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(43))
-    banned = sampler_module.BannedTokens(np.zeros(vocab + 1, dtype=np.int64), np.arange(vocab + 1, dtype=np.int64))
+    banned = sampler_module.BannedTokens(
+        np.zeros(vocab + 1, dtype=np.int64), np.arange(vocab + 1, dtype=np.int64)
+    )
     every_kind = (
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.0),
@@ -353,7 +446,11 @@ def test_a_row_whose_every_token_is_banned_still_draws_one() -> None:
         SamplingParams(temperature=0.5, top_k=5),
     )
     for p in every_kind:
-        cols = SamplingColumns.from_requests([p, p], [1, 1], [draw_counter(0)] * 2, [[], []], [[], []], vocab, "cpu", banned)
+        cols = SamplingColumns.from_requests(
+            [p, p], [1, 1], [draw_counter(0)] * 2, [[], []], [[], []], vocab, "cpu", banned
+        )
         got = sample(logits, cols)
         assert 0 <= got[0] < vocab, (p, got)
-        assert got[1] == sample(logits[1:], columns([p], logits[1:], seeds=[1]))[0], "the neighbour of such a row is untouched"
+        assert got[1] == sample(logits[1:], columns([p], logits[1:], seeds=[1]))[0], (
+            "the neighbour of such a row is untouched"
+        )

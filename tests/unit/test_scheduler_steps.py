@@ -34,16 +34,22 @@ PROMPT = [(13 * i + 5) % 4000 + 50 for i in range(160)]
 
 
 def make(chunk: int, pool: int = 4096) -> Scheduler:
-    return build_scheduler(ServerConfig(max_total_tokens=pool, chunked_prefill_size=chunk, torch_threads=1))
+    return build_scheduler(
+        ServerConfig(max_total_tokens=pool, chunked_prefill_size=chunk, torch_threads=1)
+    )
 
 
-def submit(s: Scheduler, req_id: int, ids: list[int], max_new: int = 12, stream: bool = True) -> None:
+def submit(
+    s: Scheduler, req_id: int, ids: list[int], max_new: int = 12, stream: bool = True
+) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
             rid=f"r{req_id}",
             req_id=req_id,
             input_ids=ids,
-            sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
+            sampling_params=SamplingParams(
+                max_new_tokens=max_new, temperature=0.0, ignore_eos=True
+            ),
             stream=stream,
             arrival_time=time.time(),
         )
@@ -59,7 +65,10 @@ def run_to_end(s: Scheduler) -> tuple[dict[int, list[int]], list[int]]:
         step += 1
         for frame in s.step():
             frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=type(frame))
-            for rid, row in zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), split_token_rows(frame.output_ids, frame.output_counts)):
+            for rid, row in zip(
+                from_column(frame.req_ids, REQ_ID_DTYPE).tolist(),
+                split_token_rows(frame.output_ids, frame.output_counts),
+            ):
                 tokens.setdefault(rid, []).extend(row)
                 emitted_at.append(step)
     return tokens, emitted_at
@@ -97,7 +106,9 @@ def test_chunked_prefill_interleaves_with_decode() -> None:
         else:
             assert 2 in rows, "the step that completes the prefill emits the first token"
             break
-    assert decoding_rows >= 4, "decode of request 1 should continue while request 2 prefills in chunks"
+    assert decoding_rows >= 4, (
+        "decode of request 1 should continue while request 2 prefills in chunks"
+    )
     run_to_end(s)
     assert_no_kv_leak(s)
 
@@ -126,13 +137,19 @@ def test_retraction_under_pressure_leaves_no_leak() -> None:
 
 
 def embed(s: Scheduler, req_id: int, ids: list[int]) -> tuple[np.ndarray, object]:
-    s.add_request(TokenizedEmbeddingReqInput(rid=f"e{req_id}", req_id=req_id, input_ids=ids, arrival_time=time.time()))
+    s.add_request(
+        TokenizedEmbeddingReqInput(
+            rid=f"e{req_id}", req_id=req_id, input_ids=ids, arrival_time=time.time()
+        )
+    )
     frames = []
     while s.has_work():
         frames += [f for f in s.step() if isinstance(f, BatchEmbeddingOutput)]
     assert len(frames) == 1
     frame = msgspec.msgpack.decode(msgspec.msgpack.encode(frames[0]), type=BatchEmbeddingOutput)
-    return from_column(frame.embeddings, EMBEDDING_DTYPE).reshape(frame.shape)[0], frame.request_stats[0]
+    return from_column(frame.embeddings, EMBEDDING_DTYPE).reshape(frame.shape)[
+        0
+    ], frame.request_stats[0]
 
 
 def test_embedding_pools_the_same_chunked_or_not() -> None:
@@ -153,7 +170,11 @@ def _finished_stats(s: Scheduler) -> dict[int, object]:
         for frame in s.step():
             if frame.request_stats is None or frame.finished_reasons is None:
                 continue
-            for rid, st, reason in zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), frame.request_stats, frame.finished_reasons):
+            for rid, st, reason in zip(
+                from_column(frame.req_ids, REQ_ID_DTYPE).tolist(),
+                frame.request_stats,
+                frame.finished_reasons,
+            ):
                 if reason is not None:
                     out[rid] = st
     return out
@@ -162,7 +183,9 @@ def _finished_stats(s: Scheduler) -> dict[int, object]:
 def test_a_request_aborted_while_it_waits_keeps_its_queue_time() -> None:
     """With one running slot, B waits behind A; aborted in the queue, its stats still count
     the stay (once 0.0: the abort never closed the open stay)."""
-    s = build_scheduler(ServerConfig(max_total_tokens=4096, max_running_requests=1, torch_threads=1))
+    s = build_scheduler(
+        ServerConfig(max_total_tokens=4096, max_running_requests=1, torch_threads=1)
+    )
     submit(s, 1, PROMPT[:20], max_new=40)
     submit(s, 2, PROMPT[20:40])
     entered = time.time()
@@ -188,7 +211,9 @@ def test_abort_by_rid_and_by_worker_stop_only_what_they_name() -> None:
 
     answer = s.abort(AbortReq(rid=f"r{w1}", reason="by rid", control_id=(1 << WORKER_SHIFT) + 3))
     assert answer == AbortResult(control_id=(1 << WORKER_SHIFT) + 3, aborted=1)
-    assert s.abort(AbortReq(rid="no-such-rid", control_id=9)) == AbortResult(control_id=9, aborted=0)
+    assert s.abort(AbortReq(rid="no-such-rid", control_id=9)) == AbortResult(
+        control_id=9, aborted=0
+    )
     assert s.abort(AbortReq(abort_all=True, worker=0, reason="restart")) is None
     assert sorted(s.live) == [w1 + 1]
 
@@ -209,13 +234,17 @@ def _finishes(frames: list[BatchTokenIDOutput | BatchEmbeddingOutput]) -> dict[i
     out: dict[int, FinishReason] = {}
     for frame in frames:
         if isinstance(frame, BatchTokenIDOutput):
-            for req_id, reason in zip(from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), frame.finished_reasons or []):
+            for req_id, reason in zip(
+                from_column(frame.req_ids, REQ_ID_DTYPE).tolist(), frame.finished_reasons or []
+            ):
                 if reason is not None:
                     out[req_id] = reason
     return out
 
 
-def submit_sampling(s: Scheduler, req_id: int, sampling: SamplingParams, rid: str | None = None) -> None:
+def submit_sampling(
+    s: Scheduler, req_id: int, sampling: SamplingParams, rid: str | None = None
+) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
             rid=rid if rid is not None else f"r{req_id}",
@@ -233,9 +262,19 @@ def test_the_stop_table_narrows_when_its_widest_request_leaves() -> None:
     only: once it leaves, every stop check reads no more than the others need. (Ids past
     the vocabulary: never drawn, so no request stops on one.)"""
     s = make(chunk=64)
-    submit_sampling(s, 1, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(5000, 5001, 5002)))
+    submit_sampling(
+        s,
+        1,
+        SamplingParams(
+            max_new_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=(5000, 5001, 5002)
+        ),
+    )
     wide = tuple(range(6000, 6000 + MAX_STOP_TOKEN_IDS))
-    submit_sampling(s, 2, SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, stop_token_ids=wide))
+    submit_sampling(
+        s,
+        2,
+        SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True, stop_token_ids=wide),
+    )
     s.step()
     assert isinstance(s.running, RunningBatch) and len(s.running) == 2
     assert s.running.stop_ids.shape[1] == MAX_STOP_TOKEN_IDS
@@ -253,7 +292,11 @@ def test_more_stop_ids_than_the_limit_are_refused_with_a_400() -> None:
     too_many = tuple(range(MAX_STOP_TOKEN_IDS + 1))
     submit_sampling(s, 1, SamplingParams(max_new_tokens=4, stop_token_ids=too_many))
     reason = _finishes(s.step())[1]
-    assert isinstance(reason, FinishAbort) and reason.status_code == 400 and "stop_token_ids" in reason.message, reason
+    assert (
+        isinstance(reason, FinishAbort)
+        and reason.status_code == 400
+        and "stop_token_ids" in reason.message
+    ), reason
     assert not s.has_work()
 
 
@@ -263,20 +306,27 @@ def test_a_duplicate_live_rid_is_refused_with_a_400_naming_it() -> None:
     (and its rid) alone, and once that one is gone the rid is free again."""
     s = make(chunk=64)
     other_worker = (1 << WORKER_SHIFT) + 1
-    submit_sampling(s, 1, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), rid="same")
+    submit_sampling(
+        s, 1, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True), rid="same"
+    )
     s.step()
     for req_id in (other_worker, 2):  # from another worker, then from the same one
         submit_sampling(s, req_id, SamplingParams(max_new_tokens=20), rid="same")
         finished = _finishes(s.step())
         reason = finished[req_id]
         assert isinstance(reason, FinishAbort) and reason.status_code == 400, reason
-        assert reason.message == "Duplicate request ID detected: same (a request with rid 'same' is already running)"
+        assert (
+            reason.message
+            == "Duplicate request ID detected: same (a request with rid 'same' is already running)"
+        )
         assert 1 not in finished and 1 in s.live
     rest: dict[int, FinishReason] = {}
     while s.has_work():
         rest |= _finishes(s.step())
     assert rest == {1: FinishLength(length=20)}
-    submit_sampling(s, 3, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True), rid="same")
+    submit_sampling(
+        s, 3, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True), rid="same"
+    )
     tokens, _ = run_to_end(s)
     assert len(tokens[3]) == 2 and not s.live_rids
     assert_no_kv_leak(s)

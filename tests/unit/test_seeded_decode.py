@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import REQ_ID_DTYPE, SamplingParams, TokenizedGenerateReqInput, from_column, split_token_rows
+from pipeline.io_struct import (
+    REQ_ID_DTYPE,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+    from_column,
+    split_token_rows,
+)
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler
 
@@ -24,8 +30,16 @@ SAMPLED = [
     SamplingParams(temperature=0.7, top_p=0.9, seed=12),
     SamplingParams(temperature=1.0, top_k=20, seed=13),
     SamplingParams(temperature=1.2, min_p=0.2, seed=14),
-    SamplingParams(temperature=0.9, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3, seed=15),
-    SamplingParams(temperature=0.9, logit_bias=((77, 3.0), (1200, -100.0)), top_k=50, top_p=0.8, seed=16),
+    SamplingParams(
+        temperature=0.9,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        seed=15,
+    ),
+    SamplingParams(
+        temperature=0.9, logit_bias=((77, 3.0), (1200, -100.0)), top_k=50, top_p=0.8, seed=16
+    ),
 ]
 
 
@@ -33,7 +47,13 @@ def make(pool: int = 8192, **kw: object) -> Scheduler:
     return build_scheduler(ServerConfig(max_total_tokens=pool, torch_threads=1, **kw))  # type: ignore[arg-type]
 
 
-def submit(s: Scheduler, req_id: int, ids: list[int], params: SamplingParams, stream_interval: int | None = None) -> None:
+def submit(
+    s: Scheduler,
+    req_id: int,
+    ids: list[int],
+    params: SamplingParams,
+    stream_interval: int | None = None,
+) -> None:
     s.add_request(
         TokenizedGenerateReqInput(
             rid=f"r{req_id}",
@@ -110,7 +130,11 @@ def _reference(s: Scheduler, prompt: list[int], p: SamplingParams) -> list[int]:
         for token in set(out):
             row[token] -= p.frequency_penalty * out.count(token) + p.presence_penalty
         for token in set(ids):
-            row[token] = row[token] / p.repetition_penalty if row[token] > 0 else row[token] * p.repetition_penalty
+            row[token] = (
+                row[token] / p.repetition_penalty
+                if row[token] > 0
+                else row[token] * p.repetition_penalty
+            )
         out.append(max(range(len(row)), key=lambda t: (row[t], -t)))
     return out
 
@@ -123,18 +147,32 @@ _REPEATS = ((500, 2.0),)
 @pytest.mark.parametrize(
     ("params", "baseline"),
     [
-        (SamplingParams(temperature=0.0, logit_bias=_REPEATS, frequency_penalty=1.0), SamplingParams(temperature=0.0, logit_bias=_REPEATS)),
-        (SamplingParams(temperature=0.0, logit_bias=_REPEATS, presence_penalty=2.0), SamplingParams(temperature=0.0, logit_bias=_REPEATS)),
-        (SamplingParams(temperature=0.0, logit_bias=_REPEATS, repetition_penalty=1.9), SamplingParams(temperature=0.0, logit_bias=_REPEATS)),
+        (
+            SamplingParams(temperature=0.0, logit_bias=_REPEATS, frequency_penalty=1.0),
+            SamplingParams(temperature=0.0, logit_bias=_REPEATS),
+        ),
+        (
+            SamplingParams(temperature=0.0, logit_bias=_REPEATS, presence_penalty=2.0),
+            SamplingParams(temperature=0.0, logit_bias=_REPEATS),
+        ),
+        (
+            SamplingParams(temperature=0.0, logit_bias=_REPEATS, repetition_penalty=1.9),
+            SamplingParams(temperature=0.0, logit_bias=_REPEATS),
+        ),
         (
             SamplingParams(temperature=0.0, repetition_penalty=0.5, frequency_penalty=-0.5),
             SamplingParams(temperature=0.0),
         ),
-        (SamplingParams(temperature=0.0, logit_bias=((300, 2.5), (301, -100.0))), SamplingParams(temperature=0.0)),
+        (
+            SamplingParams(temperature=0.0, logit_bias=((300, 2.5), (301, -100.0))),
+            SamplingParams(temperature=0.0),
+        ),
     ],
     ids=["frequency", "presence", "repetition", "repetition<1+negative-frequency", "logit_bias"],
 )
-def test_penalties_in_the_running_batch_equal_a_reference_loop(params: SamplingParams, baseline: SamplingParams) -> None:
+def test_penalties_in_the_running_batch_equal_a_reference_loop(
+    params: SamplingParams, baseline: SamplingParams
+) -> None:
     s = make()
     expected = _reference(s, PROMPTS[2], params)
     assert expected != _reference(s, PROMPTS[2], baseline), "the parameter changed nothing"
@@ -169,7 +207,12 @@ def test_a_steady_decode_step_asks_no_request_anything(monkeypatch: pytest.Monke
         s.step()
     s.step()  # the last to join emits its first row
     calls: list[str] = []
-    for cls, name in ((Req, "output_due"), (Req, "take_request_stats_due"), (StopChecker, "check"), (RunningBatch, "sync")):
+    for cls, name in (
+        (Req, "output_due"),
+        (Req, "take_request_stats_due"),
+        (StopChecker, "check"),
+        (RunningBatch, "sync"),
+    ):
         original = getattr(cls, name)
 
         def counted(*args: object, _original=original, _name=name) -> object:  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ TRICKY = "a\u2028b\x85c\u2029d é\x1c\x1d\x1e\x0b\x0c\r\n\u2027\u00a0"
 def test_an_event_is_one_line_for_every_line_reader_and_decodes_to_the_same_text() -> None:
     event = sse({"text": TRICKY, "output_ids": [1, 2]})
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-    line = event[: -2].decode()
+    line = event[:-2].decode()
     assert line.splitlines() == [line]
     assert json.loads(line[6:]) == {"text": TRICKY, "output_ids": [1, 2]}
     # And read back the way a common client reads a stream.
@@ -27,4 +27,9 @@ def test_an_event_is_one_line_for_every_line_reader_and_decodes_to_the_same_text
 
 def test_plain_text_is_not_touched() -> None:
     text = "héllo — “quoted” ✓"
-    assert sse({"text": text}) == b"data: " + json.dumps({"text": text}, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    assert (
+        sse({"text": text})
+        == b"data: "
+        + json.dumps({"text": text}, ensure_ascii=False, separators=(",", ":")).encode()
+        + b"\n\n"
+    )

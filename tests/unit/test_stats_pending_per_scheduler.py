@@ -11,7 +11,11 @@ def test_a_request_pending_on_one_scheduler_is_not_pending_on_another() -> None:
     a, b = make(chunk=64), make(chunk=64)
     submit(a, 1, PROMPT[:40], max_new=8)
     first = a.step()  # prefill and first token: that row carries stats and leaves the set
-    assert len(first) == 1 and isinstance(first[0], BatchTokenIDOutput) and first[0].request_stats is not None
+    assert (
+        len(first) == 1
+        and isinstance(first[0], BatchTokenIDOutput)
+        and first[0].request_stats is not None
+    )
     assert not a.stats_pending
 
     submit(b, 2, PROMPT[:40], max_new=8)
@@ -25,5 +29,9 @@ def test_a_request_pending_on_one_scheduler_is_not_pending_on_another() -> None:
     # b's first row still carries its stats: a's step took nothing from b's set.
     assert set(b.stats_pending) == {b.live[2]}
     row = b.step()
-    assert len(row) == 1 and isinstance(row[0], BatchTokenIDOutput) and row[0].request_stats is not None
+    assert (
+        len(row) == 1
+        and isinstance(row[0], BatchTokenIDOutput)
+        and row[0].request_stats is not None
+    )
     assert not b.stats_pending and set(a.stats_pending) <= set(a.live.values())

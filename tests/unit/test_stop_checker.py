@@ -36,7 +36,7 @@ def run(ids: list[int], **params: object) -> tuple[int, FinishReason | None]:
 
 
 def test_a_stop_string_seen_before_min_new_tokens_does_not_end_the_request_later() -> None:
-    """" 15" is met in the first tokens; with min_new_tokens 3 the request must go on until
+    """ " 15" is met in the first tokens; with min_new_tokens 3 the request must go on until
     a new occurrence (here: none), not stop at token 3 on the old one."""
     ids = TOK.encode(" 15 wanting sources of water")
     n, reason = run(ids, stop=("15",), min_new_tokens=3, max_new_tokens=len(ids))
@@ -51,7 +51,7 @@ def test_a_stop_string_met_again_after_min_new_tokens_stops_there() -> None:
 
 
 def test_of_several_stop_strings_met_in_one_token_the_earliest_wins() -> None:
-    """" sources" completes both "es" and "sou": "sou" starts first, whatever the order
+    """ " sources" completes both "es" and "sou": "sou" starts first, whatever the order
     the strings were listed in."""
     ids = TOK.encode(" 15 wanting sources")
     for stops in (("es", "sou"), ("sou", "es")):
@@ -61,7 +61,9 @@ def test_of_several_stop_strings_met_in_one_token_the_earliest_wins() -> None:
 
 def test_a_stop_string_matches_a_special_token_when_special_tokens_are_kept() -> None:
     ids = TOK.encode(" hello") + [1] + TOK.encode(" world")  # 1 is <|im_start|>
-    assert run(ids, stop=("<|im_start|>",), max_new_tokens=10, skip_special_tokens=False)[1] == FinishStop(matched="<|im_start|>")
+    assert run(ids, stop=("<|im_start|>",), max_new_tokens=10, skip_special_tokens=False)[
+        1
+    ] == FinishStop(matched="<|im_start|>")
     # Skipped, the special token has no text to match.
     assert run(ids, stop=("<|im_start|>",), max_new_tokens=10)[1] is None
 
@@ -108,7 +110,9 @@ def test_min_new_bans_name_the_stop_ids_and_eos_of_short_rows_only() -> None:
     eos = sorted(TOK.eos_token_ids)
     want = {(0, 70), (0, 71), (1, 70)} | {(row, e) for row in (0, 1) for e in eos}
     for bans in (
-        CHECKER.min_new_bans(np.array(out_lens), np.array([p.min_new_tokens for p in params]), table),
+        CHECKER.min_new_bans(
+            np.array(out_lens), np.array([p.min_new_tokens for p in params]), table
+        ),
         CHECKER.min_new_bans_of(params, out_lens),
     ):
         assert bans is not None

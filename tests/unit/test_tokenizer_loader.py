@@ -15,7 +15,14 @@ from pipeline.tokenizer_loader import (
     load_tokenizer,
 )
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image|>", "<|audio|>", "<|video|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|image|>",
+    "<|audio|>",
+    "<|video|>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +84,25 @@ def test_special_tokens_are_recognised_and_skippable(default: LoadedTokenizer) -
     ids = default.encode("<|im_start|>user\nHi<|im_end|>\n<|endoftext|>")
     assert ids[0] == 1 and 2 in ids and ids[-1] == 0
     assert default.decode(ids) == "user\nHi\n"
-    assert default.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>"
+    assert (
+        default.decode(ids, skip_special_tokens=False)
+        == "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>"
+    )
 
 
 def test_chat_template_renders_to_control_tokens(default: LoadedTokenizer) -> None:
     jinja2 = pytest.importorskip("jinja2")
     assert default.chat_template is not None
-    rendered = jinja2.Environment().from_string(default.chat_template).render(
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        add_generation_prompt=True,
+    rendered = (
+        jinja2.Environment()
+        .from_string(default.chat_template)
+        .render(
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ],
+            add_generation_prompt=True,
+        )
     )
     assert rendered == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -115,7 +132,10 @@ def _write_model_dir(path: Path, **configs: object) -> Path:
 def test_model_dir_unions_eos_ids(tmp_path: Path) -> None:
     model_dir = _write_model_dir(
         tmp_path / "my-model",
-        tokenizer_config={"eos_token": {"content": "<|im_end|>", "special": True}, "bos_token": None},
+        tokenizer_config={
+            "eos_token": {"content": "<|im_end|>", "special": True},
+            "bos_token": None,
+        },
         generation_config={"eos_token_id": [0, 2]},
     )
     loaded = load_tokenizer(model_dir)
@@ -134,7 +154,9 @@ def test_model_dir_int_eos_from_config_json(tmp_path: Path) -> None:
 
 
 def test_missing_tokenizer_json(tmp_path: Path) -> None:
-    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}', encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"eos_token": "<|endoftext|>"}', encoding="utf-8"
+    )
     with pytest.raises(TokenizerLoadError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
 

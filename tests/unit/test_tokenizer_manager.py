@@ -17,11 +17,17 @@ from pipeline.tokenizer_loader import load_tokenizer
 from tokenizer_proc.native.schema import RequestValidationError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
-DUPLICATE = r"^Duplicate request ID detected: same \(a request with rid 'same' is already running\)$"
+DUPLICATE = (
+    r"^Duplicate request ID detected: same \(a request with rid 'same' is already running\)$"
+)
 
 
 def _manager(tmp_path: Path) -> TokenizerManager:
-    config = ServerConfig(scheduler_input=f"ipc://{tmp_path}/sched", tokenizer_input=f"ipc://{tmp_path}/tm", max_total_tokens=4096)
+    config = ServerConfig(
+        scheduler_input=f"ipc://{tmp_path}/sched",
+        tokenizer_input=f"ipc://{tmp_path}/tm",
+        max_total_tokens=4096,
+    )
     return TokenizerManager(config, load_tokenizer(None), context_length=2048)
 
 
@@ -32,14 +38,22 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(tmp_path: Path)
         scheduler_inbox.bind(tm.config.scheduler_input)
         await tm.start()
         try:
-            first = tm.submit_generate(input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same")
+            first = tm.submit_generate(
+                input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same"
+            )
             with pytest.raises(RequestValidationError, match=DUPLICATE):
-                tm.submit_generate(input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same")
+                tm.submit_generate(
+                    input_ids=[1, 2], sampling=SamplingParams(), stream=False, rid="same"
+                )
             tm.abort(first.req_id)
             tm.forget(first)
-            second = tm.submit_generate(input_ids=[3], sampling=SamplingParams(), stream=False, rid="same")
+            second = tm.submit_generate(
+                input_ids=[3], sampling=SamplingParams(), stream=False, rid="same"
+            )
             assert second.req_id != first.req_id
-            decoder: FrameDecoder[SchedulerInput] = FrameDecoder(SchedulerInput, logging.getLogger("t"), "t")
+            decoder: FrameDecoder[SchedulerInput] = FrameDecoder(
+                SchedulerInput, logging.getLogger("t"), "t"
+            )
             return [decoder.decode(scheduler_inbox.recv()) for _ in range(4)]
         finally:
             await tm.close()
@@ -49,7 +63,11 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(tmp_path: Path)
     # A (re)started manager first stops whatever an earlier incarnation left in the scheduler.
     assert isinstance(sent[0], AbortReq) and sent[0].abort_all
     sent = sent[1:]
-    assert [type(m).__name__ for m in sent] == ["TokenizedGenerateReqInput", "AbortReq", "TokenizedGenerateReqInput"]
+    assert [type(m).__name__ for m in sent] == [
+        "TokenizedGenerateReqInput",
+        "AbortReq",
+        "TokenizedGenerateReqInput",
+    ]
     assert isinstance(sent[1], AbortReq) and sent[1].req_id == sent[0].req_id  # type: ignore[union-attr]
 
 
@@ -61,16 +79,33 @@ def test_req_ids_are_never_reused_and_carry_the_worker_index(tmp_path: Path) -> 
 
 
 def test_each_api_worker_has_its_own_endpoint_and_ids() -> None:
-    config = ServerConfig(scheduler_input="ipc:///s", tokenizer_input="ipc:///d/tokenizer", api_workers=3, api_worker_index=2)
+    config = ServerConfig(
+        scheduler_input="ipc:///s",
+        tokenizer_input="ipc:///d/tokenizer",
+        api_workers=3,
+        api_worker_index=2,
+    )
     config.validate()
-    assert [config.tokenizer_endpoint(i) for i in range(3)] == ["ipc:///d/tokenizer-0", "ipc:///d/tokenizer-1", "ipc:///d/tokenizer-2"]
+    assert [config.tokenizer_endpoint(i) for i in range(3)] == [
+        "ipc:///d/tokenizer-0",
+        "ipc:///d/tokenizer-1",
+        "ipc:///d/tokenizer-2",
+    ]
     tcp = msgspec.structs.replace(config, tokenizer_input="tcp://10.0.0.2:5600")
-    assert [tcp.tokenizer_endpoint(i) for i in range(3)] == ["tcp://10.0.0.2:5600", "tcp://10.0.0.2:5601", "tcp://10.0.0.2:5602"]
+    assert [tcp.tokenizer_endpoint(i) for i in range(3)] == [
+        "tcp://10.0.0.2:5600",
+        "tcp://10.0.0.2:5601",
+        "tcp://10.0.0.2:5602",
+    ]
     single = ServerConfig(tokenizer_input="ipc:///d/tokenizer")
     assert single.tokenizer_endpoint(0) == "ipc:///d/tokenizer" and single.api_name == "api"
     assert config.api_name == "api-2"
     tm = TokenizerManager(config, load_tokenizer(None), context_length=2048)
     assert next(tm._next_req_id) >> 56 == 2 and next(tm.controls._next_control_id) >> 56 == 2
-    for bad in ({"api_workers": 0}, {"api_workers": 128}, {"api_workers": 2, "api_worker_index": 2}):
+    for bad in (
+        {"api_workers": 0},
+        {"api_workers": 128},
+        {"api_workers": 2, "api_worker_index": 2},
+    ):
         with pytest.raises(ValueError, match="api-worker"):
             msgspec.structs.replace(config, **bad).validate()

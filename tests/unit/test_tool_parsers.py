@@ -19,7 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.tokenizer_loader import load_tokenizer
-from tokenizer_proc.parsers.tool_calls import ToolCall, ToolParseDelta, ToolParser, assemble, new_call_id, parse_whole
+from tokenizer_proc.parsers.tool_calls import (
+    ToolCall,
+    ToolParseDelta,
+    ToolParser,
+    assemble,
+    new_call_id,
+    parse_whole,
+)
 from tokenizer_proc.parsers.tool_parsers import TOOL_PARSERS, make_tool_parser
 
 TOK = load_tokenizer(None)
@@ -37,7 +44,13 @@ class Case:
     tool_names: frozenset[str] = TOOLS
 
 
-def hermes(id: str, text: str, content: str, *calls: tuple[str, dict[str, object]], tool_names: frozenset[str] = TOOLS) -> Case:
+def hermes(
+    id: str,
+    text: str,
+    content: str,
+    *calls: tuple[str, dict[str, object]],
+    tool_names: frozenset[str] = TOOLS,
+) -> Case:
     return Case(id, "hermes", text, content, calls, tool_names)
 
 
@@ -49,9 +62,7 @@ def mistral(id: str, text: str, content: str, *calls: tuple[str, dict[str, objec
     return Case(id, "mistral", text, content, calls)
 
 
-TRICKY_ARGS = (
-    r'{"filter": {"tags": ["a", "b"], "range": [1, 2.5e3, -4]}, "text": "brace } quote \" newline \n tag </tool_call> ]", "ok": true, "none": null}'
-)
+TRICKY_ARGS = r'{"filter": {"tags": ["a", "b"], "range": [1, 2.5e3, -4]}, "text": "brace } quote \" newline \n tag </tool_call> ]", "ok": true, "none": null}'
 TRICKY = {
     "filter": {"tags": ["a", "b"], "range": [1, 2500.0, -4]},
     "text": 'brace } quote " newline \n tag </tool_call> ]',
@@ -61,7 +72,11 @@ TRICKY = {
 
 CASES = [
     # --- hermes ---
-    hermes("plain", "The capital of France is Paris.\nAnything else?", "The capital of France is Paris.\nAnything else?"),
+    hermes(
+        "plain",
+        "The capital of France is Paris.\nAnything else?",
+        "The capital of France is Paris.\nAnything else?",
+    ),
     hermes(
         "content_then_call",
         'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
@@ -76,7 +91,12 @@ CASES = [
         ("get_weather", {"city": "Paris"}),
         ("search", {"query": "weather in Paris", "limit": 3}),
     ),
-    hermes("tricky_arguments", f'<tool_call>\n{{"name": "search", "arguments": {TRICKY_ARGS}}}\n</tool_call>', "", ("search", TRICKY)),
+    hermes(
+        "tricky_arguments",
+        f'<tool_call>\n{{"name": "search", "arguments": {TRICKY_ARGS}}}\n</tool_call>',
+        "",
+        ("search", TRICKY),
+    ),
     hermes(
         "non_ascii",
         'Je vérifie… 🙂\n<tool_call>{"name": "get_weather", "arguments": {"city": "東京", "note": "café ☕ 🙂"}}</tool_call>',
@@ -113,18 +133,42 @@ CASES = [
         '<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>',
         '<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>',
     ),
-    hermes("unterminated_before_name", 'Checking <tool_call>\n{"name": "get_wea', 'Checking <tool_call>\n{"name": "get_wea'),
+    hermes(
+        "unterminated_before_name",
+        'Checking <tool_call>\n{"name": "get_wea',
+        'Checking <tool_call>\n{"name": "get_wea',
+    ),
     hermes(
         "unterminated_after_name",
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
         "",
         ("get_weather", {"city": "Par"}),
     ),
-    hermes("not_an_object", '<tool_call>["get_weather", {"city": "Paris"}]</tool_call>', '<tool_call>["get_weather", {"city": "Paris"}]</tool_call>'),
-    hermes("no_name", '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>', '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>'),
-    hermes("name_not_a_string", '<tool_call>{"name": 7, "arguments": {}}</tool_call>', '<tool_call>{"name": 7, "arguments": {}}</tool_call>'),
-    hermes("bad_json_before_name", '<tool_call>{"id": 01, "name": "search"}</tool_call>', '<tool_call>{"id": 01, "name": "search"}</tool_call>'),
-    hermes("raw_newline_in_name", '<tool_call>{"name": "sea\nrch"}</tool_call>', '<tool_call>{"name": "sea\nrch"}</tool_call>'),
+    hermes(
+        "not_an_object",
+        '<tool_call>["get_weather", {"city": "Paris"}]</tool_call>',
+        '<tool_call>["get_weather", {"city": "Paris"}]</tool_call>',
+    ),
+    hermes(
+        "no_name",
+        '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>',
+        '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>',
+    ),
+    hermes(
+        "name_not_a_string",
+        '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+    ),
+    hermes(
+        "bad_json_before_name",
+        '<tool_call>{"id": 01, "name": "search"}</tool_call>',
+        '<tool_call>{"id": 01, "name": "search"}</tool_call>',
+    ),
+    hermes(
+        "raw_newline_in_name",
+        '<tool_call>{"name": "sea\nrch"}</tool_call>',
+        '<tool_call>{"name": "sea\nrch"}</tool_call>',
+    ),
     hermes(
         "broken_after_header",
         '<tool_call>{"name": "search", "arguments": {"query": "x" oops}}</tool_call>',
@@ -137,7 +181,12 @@ CASES = [
         "}}</tool_call>",
         ("search", {"a": [1]}),
     ),
-    hermes("missing_outer_brace", '<tool_call>{"name": "search", "arguments": {"a": 1}\n</tool_call>', "", ("search", {"a": 1})),
+    hermes(
+        "missing_outer_brace",
+        '<tool_call>{"name": "search", "arguments": {"a": 1}\n</tool_call>',
+        "",
+        ("search", {"a": 1}),
+    ),
     hermes(
         "malformed_then_valid",
         '<tool_call>oops</tool_call>\n<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>',
@@ -147,12 +196,32 @@ CASES = [
     hermes("tag_prefix_at_end", "Hello <tool_c", "Hello <tool_c"),
     hermes("space_before_a_failed_block", " \n<tool_call>oops", " \n<tool_call>oops"),
     hermes("only_space", " \n ", " \n "),
-    hermes("closing_tag_missing", '<tool_call>{"name": "search", "arguments": {}}\n', "", ("search", {})),
-    hermes("closing_tag_cut", '<tool_call>{"name": "search", "arguments": {}}\n</tool_', "\n</tool_", ("search", {})),
+    hermes(
+        "closing_tag_missing",
+        '<tool_call>{"name": "search", "arguments": {}}\n',
+        "",
+        ("search", {}),
+    ),
+    hermes(
+        "closing_tag_cut",
+        '<tool_call>{"name": "search", "arguments": {}}\n</tool_',
+        "\n</tool_",
+        ("search", {}),
+    ),
     # --- llama3_json ---
     llama("plain", "Paris is the capital of France.", "Paris is the capital of France."),
-    llama("one_call", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", ("get_weather", {"city": "Paris"})),
-    llama("python_tag", '<|python_tag|>{"name": "search", "parameters": {"query": "llamas"}}', "", ("search", {"query": "llamas"})),
+    llama(
+        "one_call",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "",
+        ("get_weather", {"city": "Paris"}),
+    ),
+    llama(
+        "python_tag",
+        '<|python_tag|>{"name": "search", "parameters": {"query": "llamas"}}',
+        "",
+        ("search", {"query": "llamas"}),
+    ),
     llama(
         "separated_calls",
         '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "arguments": {"query": "Paris weather"}}',
@@ -166,20 +235,39 @@ CASES = [
         "",
         ("search", TRICKY),
     ),
-    llama("non_ascii", '{"name": "get_weather", "parameters": {"city": "東京 🙂"}}', "", ("get_weather", {"city": "東京 🙂"})),
+    llama(
+        "non_ascii",
+        '{"name": "get_weather", "parameters": {"city": "東京 🙂"}}',
+        "",
+        ("get_weather", {"city": "東京 🙂"}),
+    ),
     llama("json_answer_without_name", '{"answer": 42}', '{"answer": 42}'),
-    llama("unknown_name", '{"name": "delete_all", "parameters": {}}', '{"name": "delete_all", "parameters": {}}'),
+    llama(
+        "unknown_name",
+        '{"name": "delete_all", "parameters": {}}',
+        '{"name": "delete_all", "parameters": {}}',
+    ),
     llama("python_code", '<|python_tag|>print("hi")', '<|python_tag|>print("hi")'),
     llama("tag_prefix_at_end", "<|python_ta", "<|python_ta"),
     llama("prose_with_brace", "{curly} braces are fine", "{curly} braces are fine"),
-    llama("text_after_call", '{"name": "search", "parameters": {"query": "x"}}\nDone.', "\nDone.", ("search", {"query": "x"})),
+    llama(
+        "text_after_call",
+        '{"name": "search", "parameters": {"query": "x"}}\nDone.',
+        "\nDone.",
+        ("search", {"query": "x"}),
+    ),
     llama(
         "second_call_malformed",
         '{"name": "search", "parameters": {"query": "x"}}; {"name": "nope"}',
         '; {"name": "nope"}',
         ("search", {"query": "x"}),
     ),
-    llama("unterminated_after_name", '{"name": "search", "parameters": {"query": "unfini', "", ("search", {"query": "unfini"})),
+    llama(
+        "unterminated_after_name",
+        '{"name": "search", "parameters": {"query": "unfini',
+        "",
+        ("search", {"query": "unfini"}),
+    ),
     llama("unterminated_before_name", '<|python_tag|>{"nam', '<|python_tag|>{"nam'),
     # --- mistral ---
     mistral("plain", "Bonjour ! Comment puis-je aider ?", "Bonjour ! Comment puis-je aider ?"),
@@ -191,21 +279,46 @@ CASES = [
         ("get_weather", {"city": "東京"}),
         ("search", {"query": "tokyo weather"}),
     ),
-    mistral("tricky", f'[TOOL_CALLS][{{"name": "search", "arguments": {TRICKY_ARGS}}}]', "", ("search", TRICKY)),
-    mistral("empty_arguments", '[TOOL_CALLS][{"name": "search", "arguments": {}}]', "", ("search", {})),
+    mistral(
+        "tricky",
+        f'[TOOL_CALLS][{{"name": "search", "arguments": {TRICKY_ARGS}}}]',
+        "",
+        ("search", TRICKY),
+    ),
+    mistral(
+        "empty_arguments", '[TOOL_CALLS][{"name": "search", "arguments": {}}]', "", ("search", {})
+    ),
     mistral("not_json", "[TOOL_CALLS] not json", "[TOOL_CALLS] not json"),
     mistral("marker_prefix_at_end", "Hi [TOOL_CA", "Hi [TOOL_CA"),
-    mistral("unknown_name", '[TOOL_CALLS][{"name": "delete_all", "arguments": {}}]', '[TOOL_CALLS][{"name": "delete_all", "arguments": {}}]'),
+    mistral(
+        "unknown_name",
+        '[TOOL_CALLS][{"name": "delete_all", "arguments": {}}]',
+        '[TOOL_CALLS][{"name": "delete_all", "arguments": {}}]',
+    ),
     mistral(
         "second_element_malformed",
         '[TOOL_CALLS][{"name": "search", "arguments": {}}, {"oops": 1}]',
         ', {"oops": 1}]',
         ("search", {}),
     ),
-    mistral("array_unclosed", '[TOOL_CALLS][{"name": "search", "arguments": {"q": "a"}}', "", ("search", {"q": "a"})),
-    mistral("text_after_array", '[TOOL_CALLS][{"name": "search", "arguments": {}}] Let me know.', " Let me know.", ("search", {})),
+    mistral(
+        "array_unclosed",
+        '[TOOL_CALLS][{"name": "search", "arguments": {"q": "a"}}',
+        "",
+        ("search", {"q": "a"}),
+    ),
+    mistral(
+        "text_after_array",
+        '[TOOL_CALLS][{"name": "search", "arguments": {}}] Let me know.',
+        " Let me know.",
+        ("search", {}),
+    ),
     mistral("space_before_a_failed_array", "\n [TOOL_CALLS] [1]", "\n [TOOL_CALLS] [1]"),
-    mistral("object_without_array", '[TOOL_CALLS]{"name": "search", "arguments": {}}', '[TOOL_CALLS]{"name": "search", "arguments": {}}'),
+    mistral(
+        "object_without_array",
+        '[TOOL_CALLS]{"name": "search", "arguments": {}}',
+        '[TOOL_CALLS]{"name": "search", "arguments": {}}',
+    ),
 ]
 
 
@@ -284,7 +397,11 @@ def test_tokens_cut_inside_markers_and_characters() -> None:
     markers over several tokens and holds a character's bytes back."""
     pieces = token_pieces('<tool_call>{"city": "東京 🙂"}</tool_call>[TOOL_CALLS]<|python_tag|>')
     assert len(pieces) > 10
-    assert not any(marker in piece for piece in pieces for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"))
+    assert not any(
+        marker in piece
+        for piece in pieces
+        for marker in ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+    )
     assert all(REPLACEMENT not in piece for piece in pieces)
 
 
@@ -292,9 +409,13 @@ def test_arguments_stream_as_the_model_writes_them() -> None:
     parser = make_tool_parser("hermes", TOOLS, counting_ids())
     first = parser.feed('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
     assert first.content == "Sure.\n"
-    assert [(c.index, c.name, c.arguments) for c in first.tool_calls] == [(0, "get_weather", '{"city": "Pa')]
+    assert [(c.index, c.name, c.arguments) for c in first.tool_calls] == [
+        (0, "get_weather", '{"city": "Pa')
+    ]
     second = parser.feed('ris"}}\n</tool')
-    assert [(c.index, c.id, c.name, c.arguments) for c in second.tool_calls] == [(0, None, None, 'ris"}')]
+    assert [(c.index, c.id, c.name, c.arguments) for c in second.tool_calls] == [
+        (0, None, None, 'ris"}')
+    ]
     assert parser.feed("_call>") == ToolParseDelta(content="", tool_calls=())
     assert parser.finish() == ToolParseDelta(content="", tool_calls=())
 
@@ -317,7 +438,13 @@ def test_a_marker_prefix_is_held_back_until_known() -> None:
 @pytest.mark.parametrize(
     ("name", "text"),
     [
-        ("hermes", '<tool_call>{"arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + '}, "name": "search"}</tool_call>'),
+        (
+            "hermes",
+            '<tool_call>{"arguments": {"a": '
+            + "[" * 100_000
+            + "]" * 100_000
+            + '}, "name": "search"}</tool_call>',
+        ),
         ("hermes", '<tool_call>{"name": "search", "arguments": {"a": ' + "[" * 100_000),
         ("llama3_json", '{"name": "search", "parameters": {"a": ' + "{" * 50_000),
         ("mistral", "[TOOL_CALLS][" + "{" * 50_000),
@@ -335,22 +462,32 @@ def test_ids_are_openai_shaped_and_distinct() -> None:
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", call_id) for call_id in ids)
-    content, calls = parse_whole(make_tool_parser("hermes", TOOLS), '<tool_call>{"name": "search"}</tool_call>')
+    content, calls = parse_whole(
+        make_tool_parser("hermes", TOOLS), '<tool_call>{"name": "search"}</tool_call>'
+    )
     assert re.fullmatch(r"call_[0-9a-f]{24}", calls[0].id)
 
 
 def test_the_registry_names_the_three_formats() -> None:
     assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral"]
     parser: ToolParser = make_tool_parser("llama3_json", frozenset({"f"}), counting_ids())
-    assert parse_whole(parser, '{"name": "f", "parameters": {"x": [1]}}') == ("", [ToolCall(id=f"call_{0:024d}", name="f", arguments='{"x": [1]}')])
-    with pytest.raises(ValueError, match=r"unknown tool call parser 'qwen': expected one of hermes, llama3_json, mistral"):
+    assert parse_whole(parser, '{"name": "f", "parameters": {"x": [1]}}') == (
+        "",
+        [ToolCall(id=f"call_{0:024d}", name="f", arguments='{"x": [1]}')],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"unknown tool call parser 'qwen': expected one of hermes, llama3_json, mistral",
+    ):
         make_tool_parser("qwen", TOOLS)
 
 
 def test_assemble_rejects_deltas_that_break_the_first_delta_rule() -> None:
     from tokenizer_proc.parsers.tool_calls import ToolCallDelta
 
-    headless = ToolParseDelta(content="", tool_calls=(ToolCallDelta(index=0, id=None, name=None, arguments="{}"),))
+    headless = ToolParseDelta(
+        content="", tool_calls=(ToolCallDelta(index=0, id=None, name=None, arguments="{}"),)
+    )
     with pytest.raises(ValueError, match="no id or no name"):
         assemble([headless])
     head = ToolCallDelta(index=0, id="call_x", name="f", arguments="")
@@ -360,8 +497,38 @@ def test_assemble_rejects_deltas_that_break_the_first_delta_rule() -> None:
 
 # Pieces of the three formats, their JSON and the ways it breaks, for the property below.
 FRAGMENTS = [
-    *("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", '"name": ', '"arguments": ', '"parameters": '),
-    *('"search"', '"nope"', "{", "}", "[", "]", '"', "\\", "\\u00e9", ",", ":", ";", " ", "\n", "1", "-2.5", "true", "null", "x", "<", "é🙂"),
+    *(
+        "<tool_call>",
+        "</tool_call>",
+        "[TOOL_CALLS]",
+        "<|python_tag|>",
+        '"name": ',
+        '"arguments": ',
+        '"parameters": ',
+    ),
+    *(
+        '"search"',
+        '"nope"',
+        "{",
+        "}",
+        "[",
+        "]",
+        '"',
+        "\\",
+        "\\u00e9",
+        ",",
+        ":",
+        ";",
+        " ",
+        "\n",
+        "1",
+        "-2.5",
+        "true",
+        "null",
+        "x",
+        "<",
+        "é🙂",
+    ),
 ]
 PREFIXES = ["", "<tool_call>{", "[TOOL_CALLS][{", "<|python_tag|>{", "{"]
 

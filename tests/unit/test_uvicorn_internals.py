@@ -82,7 +82,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         await send({"type": "http.response.body", "body": repr(found).encode()})
     elif path == "/sized":
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]}
+        )
         found = direct_writer(send)
         await send({"type": "http.response.body", "body": b"none" if found is None else b"some"})
     elif path == "/gone":
@@ -109,7 +111,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 @asynccontextmanager
-async def serving(protocol: type[HttpToolsBase], state: dict[str, Any] | None = None) -> AsyncIterator[int]:
+async def serving(
+    protocol: type[HttpToolsBase], state: dict[str, Any] | None = None
+) -> AsyncIterator[int]:
     """uvicorn serving ``app`` with ``protocol`` on a free loopback port (yielded)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -120,7 +124,9 @@ async def serving(protocol: type[HttpToolsBase], state: dict[str, Any] | None = 
             scope["state"] = state
         await app(scope, receive, send)
 
-    server = uvicorn.Server(uvicorn.Config(with_state, http=protocol, loop="none", lifespan="off", log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(with_state, http=protocol, loop="none", lifespan="off", log_level="warning")
+    )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         assert not task.done(), "uvicorn did not start"
@@ -162,7 +168,9 @@ def test_a_direct_write_is_framed_as_uvicorns_send_frames_a_chunk() -> None:
 def test_anything_but_uvicorns_own_send_of_a_started_chunked_response_is_refused() -> None:
     answers = responses("/wrapped", "/unstarted", "/sized")
     assert answers["/wrapped"].endswith(b"\r\n\r\n4\r\nNone\r\n0\r\n\r\n")  # a middleware's wrapper
-    assert answers["/unstarted"].endswith(b"\r\n\r\n4\r\nNone\r\n0\r\n\r\n")  # before http.response.start
+    assert answers["/unstarted"].endswith(
+        b"\r\n\r\n4\r\nNone\r\n0\r\n\r\n"
+    )  # before http.response.start
     assert answers["/sized"].endswith(b"\r\n\r\nnone")  # a content-length: not chunked
 
 
@@ -212,9 +220,17 @@ def test_the_hooks_run_in_a_requests_order_and_the_connection_reads() -> None:
 
     assert uvloop.run(main()).endswith(b"none")
     hooks = [s for s in seen if isinstance(s, str)]
-    assert hooks[:5] == ["connected", "bytes_arriving", "request_began", "headers_read", "request_read"]
+    assert hooks[:5] == [
+        "connected",
+        "bytes_arriving",
+        "request_began",
+        "headers_read",
+        "request_read",
+    ]
     assert hooks[-1] == "connection_ending"
-    assert [s for s in seen if isinstance(s, dict)] == [{"peer_host": "127.0.0.1", "loop": True, "reading_paused": False, "closing": False}]
+    assert [s for s in seen if isinstance(s, dict)] == [
+        {"peer_host": "127.0.0.1", "loop": True, "reading_paused": False, "closing": False}
+    ]
 
 
 def test_abort_drops_the_connection_unanswered() -> None:

@@ -58,7 +58,9 @@ TO_MANAGER = msgspec.msgpack.Decoder(TokenizerManagerInput)
 WORKERS = 3
 NOW = 1_000_000.0
 PROMPTS = [[(7 * i + 11 * j) % 3900 + 70 for i in range(6 + 3 * j)] for j in range(5)]
-SHOWN = LogprobParams(top_logprobs_num=3, logprob_start_len=1, token_ids_logprob=(5, 900), return_text=True)
+SHOWN = LogprobParams(
+    top_logprobs_num=3, logprob_start_len=1, token_ids_logprob=(5, 900), return_text=True
+)
 HIDDEN = LogprobParams(top_logprobs_num=2, logprob_start_len=0)
 OUTPUT_ONLY = LogprobParams(top_logprobs_num=4, return_text=True)
 
@@ -109,8 +111,17 @@ class NoDecode:
 
 
 def manager(worker: int | None = None) -> TokenizerManager:
-    config = ServerConfig(scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=False)
-    tm = TokenizerManager(config, TOKENIZER, context_length=2048, worker_index=worker or 0, clock=lambda: NOW, req_id_base=1)
+    config = ServerConfig(
+        scheduler_input="ipc:///unused", tokenizer_input="ipc:///unused", enable_metrics=False
+    )
+    tm = TokenizerManager(
+        config,
+        TOKENIZER,
+        context_length=2048,
+        worker_index=worker or 0,
+        clock=lambda: NOW,
+        req_id_base=1,
+    )
     if worker is not None:
         tm.token_texts = TokenTextCache(NoDecode(TOKENIZER.tokenizer))  # type: ignore[arg-type]
     return tm
@@ -133,7 +144,11 @@ def mirror(state: ReqState) -> ReqState:
 
 def snapshot(state: ReqState) -> dict[str, Any]:
     """Everything a request's state holds, comparable with ``==``."""
-    out = {f.name: getattr(state, f.name) for f in fields(state) if f.name not in ("event", "embedding")}
+    out = {
+        f.name: getattr(state, f.name)
+        for f in fields(state)
+        if f.name not in ("event", "embedding")
+    }
     out["embedding"] = None if state.embedding is None else state.embedding.tolist()
     return out
 
@@ -154,10 +169,20 @@ def start(asks: list[Ask], pool: int = 8192) -> Run:
     s = build_scheduler(ServerConfig(max_total_tokens=pool, torch_threads=1))
     run = Run(s, [manager(w) for w in range(WORKERS)], manager(), {}, {}, set())
     for n, ask in enumerate(asks):
-        sampling = SamplingParams(max_new_tokens=0) if ask.embedding else SamplingParams(
-            temperature=0.8, seed=n, max_new_tokens=ask.max_new, stream_interval=ask.interval, stop=ask.stop
+        sampling = (
+            SamplingParams(max_new_tokens=0)
+            if ask.embedding
+            else SamplingParams(
+                temperature=0.8,
+                seed=n,
+                max_new_tokens=ask.max_new,
+                stream_interval=ask.interval,
+                stop=ask.stop,
+            )
         )
-        state = run.workers[ask.worker].open_state(sampling=sampling, stream=ask.stream and not ask.embedding, rid=f"r{n}")
+        state = run.workers[ask.worker].open_state(
+            sampling=sampling, stream=ask.stream and not ask.embedding, rid=f"r{n}"
+        )
         prompt = PROMPTS[n % len(PROMPTS)]
         state.logprob = ask.logprobs
         if ask.logprobs is not None and ask.logprobs.logprob_start_len >= 0:
@@ -166,7 +191,11 @@ def start(asks: list[Ask], pool: int = 8192) -> Run:
             run.shown.add(state.req_id)
         if ask.embedding:
             state.operation = "embeddings"
-            s.add_request(TokenizedEmbeddingReqInput(rid=state.rid, req_id=state.req_id, input_ids=prompt, arrival_time=time.time()))
+            s.add_request(
+                TokenizedEmbeddingReqInput(
+                    rid=state.rid, req_id=state.req_id, input_ids=prompt, arrival_time=time.time()
+                )
+            )
         else:
             s.add_request(
                 TokenizedGenerateReqInput(
@@ -186,7 +215,9 @@ def start(asks: list[Ask], pool: int = 8192) -> Run:
     return run
 
 
-def str_frames(run: Run, abort_after: int | None = None) -> Iterator[BatchStrOutput | BatchEmbeddingOutput]:
+def str_frames(
+    run: Run, abort_after: int | None = None
+) -> Iterator[BatchStrOutput | BatchEmbeddingOutput]:
     """The frames as the detokenizer sends them on (before any split): token frames through
     the real detokenizer, embedding frames as they came. ``abort_after``: steps before the
     first request still running is aborted (its row carries no tokens)."""
@@ -201,7 +232,11 @@ def str_frames(run: Run, abort_after: int | None = None) -> Iterator[BatchStrOut
                 run.scheduler.abort(AbortReq(req_id=live[len(live) // 2]))
         for frame in run.scheduler.step():
             wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
-            yield wire if isinstance(wire, BatchEmbeddingOutput) else detokenize_frame(detok, wire, texts)  # type: ignore[arg-type]
+            yield (
+                wire
+                if isinstance(wire, BatchEmbeddingOutput)
+                else detokenize_frame(detok, wire, texts)
+            )  # type: ignore[arg-type]
 
 
 def req_ids(frame: BatchStrOutput | BatchEmbeddingOutput) -> list[int]:
@@ -209,7 +244,11 @@ def req_ids(frame: BatchStrOutput | BatchEmbeddingOutput) -> list[int]:
 
 
 def split(frame: BatchStrOutput | BatchEmbeddingOutput, workers: int = WORKERS) -> Any:
-    return split_embedding_output(frame, workers) if isinstance(frame, BatchEmbeddingOutput) else split_str_output(frame, workers)
+    return (
+        split_embedding_output(frame, workers)
+        if isinstance(frame, BatchEmbeddingOutput)
+        else split_str_output(frame, workers)
+    )
 
 
 def check_texts(run: Run, worker: int, part: BatchStrOutput) -> None:
@@ -229,7 +268,10 @@ def check_texts(run: Run, worker: int, part: BatchStrOutput) -> None:
     if part.token_texts is not None:
         assert part.token_texts.texts, "no texts for this part: one nil, not an empty column"
         every = set(ids.tolist())
-        for block in (part.logprobs.output, part.logprobs.input.logprobs if part.logprobs.input is not None else None):
+        for block in (
+            part.logprobs.output,
+            part.logprobs.input.logprobs if part.logprobs.input is not None else None,
+        ):
             if block is not None:
                 every.update(np.frombuffer(block.top_ids, dtype=np.int32).tolist())
         assert set(np.frombuffer(part.token_texts.ids, dtype=np.int32).tolist()) <= every
@@ -253,7 +295,9 @@ def drive(run: Run, abort_after: int | None = None) -> dict[str, int]:
     """Feeds every frame split to the workers and whole to the joined manager; after each
     frame every request of the frame has the same state on both sides. Returns counts of
     what the frames held, so the caller can check that the scenario exercised it all."""
-    seen = dict(frames=0, several=0, whole=0, prompt=0, output=0, texts=0, finished=0, stats=0, embedding=0)
+    seen = dict(
+        frames=0, several=0, whole=0, prompt=0, output=0, texts=0, finished=0, stats=0, embedding=0
+    )
     for frame in str_frames(run, abort_after):
         ids = req_ids(frame)
         result = split(frame)
@@ -277,7 +321,9 @@ def drive(run: Run, abort_after: int | None = None) -> dict[str, int]:
         run.whole.handle_output(TO_MANAGER.decode(ENCODER.encode(frame)))
         # (b) every request of the frame: the same state, whichever way its rows came
         for r in ids:
-            assert snapshot(run.split[r]) == snapshot(run.joined[r]), f"req_id {r:#x} differs after a split frame"
+            assert snapshot(run.split[r]) == snapshot(run.joined[r]), (
+                f"req_id {r:#x} differs after a split frame"
+            )
         seen["frames"] += 1
         seen["embedding"] += isinstance(frame, BatchEmbeddingOutput)
         if isinstance(frame, BatchStrOutput):
@@ -286,7 +332,9 @@ def drive(run: Run, abort_after: int | None = None) -> dict[str, int]:
             seen["output"] += lp.output is not None and len(result.parts) > 1
             seen["texts"] += frame.token_texts is not None and len(result.parts) > 1
             seen["stats"] += frame.request_stats is not None and len(result.parts) > 1
-        seen["finished"] += frame.finished_reasons is not None and any(x is not None for x in frame.finished_reasons)
+        seen["finished"] += frame.finished_reasons is not None and any(
+            x is not None for x in frame.finished_reasons
+        )
     for w, tm in enumerate(run.workers):
         assert tm._dropped_rows.total == 0, f"worker {w} got a row that is not its own"
     return seen
@@ -296,14 +344,24 @@ def drive(run: Run, abort_after: int | None = None) -> dict[str, int]:
 def test_each_worker_gets_its_rows_and_ends_where_the_whole_frame_leads(pool: int) -> None:
     run = start(SCENARIO, pool)
     seen = drive(run, abort_after=4)
-    assert seen["several"] > 5 and seen["prompt"] and seen["output"] > 3 and seen["texts"] > 3 and seen["stats"] > 3
+    assert (
+        seen["several"] > 5
+        and seen["prompt"]
+        and seen["output"] > 3
+        and seen["texts"] > 3
+        and seen["stats"] > 3
+    )
     assert seen["finished"] and seen["embedding"] and seen["whole"]
     if pool < 8192:
         assert run.scheduler.num_retracted_total > 0, "the small pool forced no retraction"
     for req_id, state in run.split.items():
         assert state.finished, f"req_id {req_id:#x} never finished"
         assert snapshot(state) == snapshot(run.joined[req_id])
-    aborted = [s for s in run.split.values() if s.finished_reason is not None and type(s.finished_reason).__name__ == "FinishAbort"]
+    aborted = [
+        s
+        for s in run.split.values()
+        if s.finished_reason is not None and type(s.finished_reason).__name__ == "FinishAbort"
+    ]
     assert aborted, "the scenario's abort never reached its worker"
     # The states asked for what they got: output entries on every token of an asking request.
     for state in run.split.values():
@@ -318,7 +376,9 @@ def test_a_frame_of_one_worker_goes_on_whole() -> None:
     for frame in frames:
         for workers in (1, WORKERS):
             result = split(frame, workers)
-            assert result.parts == [(0, frame)] and result.parts[0][1] is frame and result.stray == []
+            assert (
+                result.parts == [(0, frame)] and result.parts[0][1] is frame and result.stray == []
+            )
     late = start([Ask(2, logprobs=HIDDEN)])
     for frame in str_frames(late):
         assert split(frame).parts[0][1] is frame and split(frame).parts[0][0] == 2
@@ -329,7 +389,12 @@ def multi_worker_frame() -> BatchStrOutput:
     token texts."""
     run = start([Ask(0, logprobs=SHOWN), Ask(1, logprobs=SHOWN), Ask(2, logprobs=HIDDEN), Ask(1)])
     for frame in str_frames(run):
-        if isinstance(frame, BatchStrOutput) and frame.token_texts is not None and frame.logprobs and frame.logprobs.input:
+        if (
+            isinstance(frame, BatchStrOutput)
+            and frame.token_texts is not None
+            and frame.logprobs
+            and frame.logprobs.input
+        ):
             if len({worker_of(r) for r in req_ids(frame)}) == WORKERS:
                 return frame
     raise AssertionError("no frame with rows of every worker, prompt logprobs and token texts")
@@ -343,7 +408,12 @@ def test_a_frame_whose_columns_disagree_is_refused_whole() -> None:
     frame = multi_worker_frame()
     assert len(split_str_output(frame, WORKERS).parts) == WORKERS
     lp = frame.logprobs
-    assert lp is not None and lp.output is not None and lp.input is not None and frame.token_texts is not None
+    assert (
+        lp is not None
+        and lp.output is not None
+        and lp.input is not None
+        and frame.token_texts is not None
+    )
     out, inp = lp.output, lp.input
     bad = [
         corrupt(frame, text_deltas=frame.text_deltas[:-1]),
@@ -353,16 +423,46 @@ def test_a_frame_whose_columns_disagree_is_refused_whole() -> None:
         corrupt(frame, output_ids=frame.output_ids[:-1]),  # not a whole number of tokens
         corrupt(frame, request_stats=[None]),
         corrupt(frame, finished_reasons=[None] * 99),
-        corrupt(frame, logprobs=FrameLogprobs(msgspec.structs.replace(out, rows=np.array([99], np.int32).tobytes()), inp)),
-        corrupt(frame, logprobs=FrameLogprobs(msgspec.structs.replace(out, token_logprobs=out.token_logprobs[:-4]), inp)),
-        corrupt(frame, logprobs=FrameLogprobs(msgspec.structs.replace(out, top_logprobs=out.top_logprobs[:-4]), inp)),
-        corrupt(frame, logprobs=FrameLogprobs(msgspec.structs.replace(out, top_k=out.top_k + b"\1\0\0\0"), inp)),
-        corrupt(frame, logprobs=FrameLogprobs(out, msgspec.structs.replace(inp, counts=inp.counts[:-4]))),
         corrupt(
             frame,
-            logprobs=FrameLogprobs(out, msgspec.structs.replace(inp, logprobs=msgspec.structs.replace(inp.logprobs, ids_logprobs=b""))),
+            logprobs=FrameLogprobs(
+                msgspec.structs.replace(out, rows=np.array([99], np.int32).tobytes()), inp
+            ),
         ),
-        corrupt(frame, token_texts=TokenTexts(ids=frame.token_texts.ids, texts=frame.token_texts.texts[1:])),
+        corrupt(
+            frame,
+            logprobs=FrameLogprobs(
+                msgspec.structs.replace(out, token_logprobs=out.token_logprobs[:-4]), inp
+            ),
+        ),
+        corrupt(
+            frame,
+            logprobs=FrameLogprobs(
+                msgspec.structs.replace(out, top_logprobs=out.top_logprobs[:-4]), inp
+            ),
+        ),
+        corrupt(
+            frame,
+            logprobs=FrameLogprobs(
+                msgspec.structs.replace(out, top_k=out.top_k + b"\1\0\0\0"), inp
+            ),
+        ),
+        corrupt(
+            frame, logprobs=FrameLogprobs(out, msgspec.structs.replace(inp, counts=inp.counts[:-4]))
+        ),
+        corrupt(
+            frame,
+            logprobs=FrameLogprobs(
+                out,
+                msgspec.structs.replace(
+                    inp, logprobs=msgspec.structs.replace(inp.logprobs, ids_logprobs=b"")
+                ),
+            ),
+        ),
+        corrupt(
+            frame,
+            token_texts=TokenTexts(ids=frame.token_texts.ids, texts=frame.token_texts.texts[1:]),
+        ),
     ]
     for wrong in bad:
         with pytest.raises(ValueError):
@@ -414,7 +514,11 @@ def test_rows_of_a_worker_that_does_not_exist_are_returned_apart() -> None:
 
 def test_worker_index_arithmetic() -> None:
     ids = [(w << WORKER_SHIFT) + k for w in (0, 1, 2, 126) for k in (0, 1, (1 << WORKER_SHIFT) - 1)]
-    assert [worker_of(i) for i in ids] == workers_of(np.array(ids, dtype=np.int64)).tolist() == [w for w in (0, 1, 2, 126) for _ in range(3)]
+    assert (
+        [worker_of(i) for i in ids]
+        == workers_of(np.array(ids, dtype=np.int64)).tolist()
+        == [w for w in (0, 1, 2, 126) for _ in range(3)]
+    )
     assert worker_of((2 << WORKER_SHIFT) + 17) == 2 and worker_of(17) == 0  # control_ids alike
     assert worker_of(-1) < 0 and workers_of(np.array([-1], dtype=np.int64)).tolist() == [-1]
     tm = manager(2)
@@ -423,5 +527,7 @@ def test_worker_index_arithmetic() -> None:
 
 
 def test_an_empty_frame_has_no_parts() -> None:
-    empty = BatchStrOutput(req_ids=b"", text_deltas=[], output_ids=b"", output_counts=b"", completion_tokens=b"")
+    empty = BatchStrOutput(
+        req_ids=b"", text_deltas=[], output_ids=b"", output_counts=b"", completion_tokens=b""
+    )
     assert split_str_output(empty, WORKERS) == ([], [])

@@ -22,20 +22,38 @@ class ClientGone(Exception):
 
 def trace_context(request: Request) -> TraceContext | None:
     parent = request.headers.get("traceparent")
-    return TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate")) if parent else None
+    return (
+        TraceContext(traceparent=parent, tracestate=request.headers.get("tracestate"))
+        if parent
+        else None
+    )
 
 
 def not_ready() -> JSONResponse:
     """The answer of /health and /v1/models while the service starts."""
-    return error_response(503, "tokenpipe is starting: the scheduler has not reported through the detokenizer yet", err_type="service_unavailable")
+    return error_response(
+        503,
+        "tokenpipe is starting: the scheduler has not reported through the detokenizer yet",
+        err_type="service_unavailable",
+    )
 
 
 def model_not_found(model: str) -> JSONResponse:
     """A request for a model this server does not serve (one model, ``GET /v1/models``)."""
-    return error_response(404, f"the model {model!r} does not exist; see GET /v1/models", err_type="not_found_error", param="model")
+    return error_response(
+        404,
+        f"the model {model!r} does not exist; see GET /v1/models",
+        err_type="not_found_error",
+        param="model",
+    )
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable", 504: "gateway_timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "gateway_timeout",
+}
 # Aborts that mean "this request could not run", answered as errors rather than as output
 # when they came before any: refused by the scheduler (400); a PD peer failed (502) or did
 # not answer in time (504); the waiting queue was full (503 with a retry_after: an
@@ -72,11 +90,18 @@ def constraint_refusal(state: ReqState, constraint: Constraint | None) -> JSONRe
     return refused
 
 
-def abort_response(reason: FinishAbort, message: str | None = None, param: str | None = None) -> JSONResponse:
+def abort_response(
+    reason: FinishAbort, message: str | None = None, param: str | None = None
+) -> JSONResponse:
     """The error answer for an abort: its status, the error body, and for a full waiting
     queue the ``Retry-After`` header."""
     status = reason.status_code
-    response = error_response(status, reason.message if message is None else message, err_type=error_type(status), param=param)
+    response = error_response(
+        status,
+        reason.message if message is None else message,
+        err_type=error_type(status),
+        param=param,
+    )
     if reason.retry_after is not None:
         # RFC 9110 delay-seconds is a whole number; 0 would invite an immediate retry.
         response.headers["Retry-After"] = str(max(1, math.ceil(reason.retry_after)))
@@ -99,7 +124,9 @@ def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error")
 
 
-async def wait_started(tm: TokenizerManager, states: Sequence[ReqState], request: Request) -> ReqState | None:
+async def wait_started(
+    tm: TokenizerManager, states: Sequence[ReqState], request: Request
+) -> ReqState | None:
     """Waits until every state has changed once (its first output row, or its finish), so a
     refusal is answered with its own HTTP status before a stream's 200 goes out. Returns
     the refused state, with the others aborted, as soon as any is refused (see

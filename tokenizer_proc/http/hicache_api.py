@@ -37,7 +37,9 @@ def build_hicache_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/hicache/storage/attach")
     async def attach(request: Request) -> Response:
         obj: StorageAttachBody = decode_body(await request.body(), StorageAttachBody)
-        return _answer(await tm.controls.hicache_storage(attach=True, backend=obj.backend, dir=obj.dir))
+        return _answer(
+            await tm.controls.hicache_storage(attach=True, backend=obj.backend, dir=obj.dir)
+        )
 
     @router.post("/hicache/storage/detach")
     async def detach(request: Request) -> Response:
@@ -51,7 +53,11 @@ def build_hicache_router(tm: TokenizerManager) -> APIRouter:
 
 def _answer(state: HiCacheStorageState | None) -> Response:
     if state is None:
-        return error_response(503, "the scheduler did not answer in time", err_type="service_unavailable")
+        return error_response(
+            503, "the scheduler did not answer in time", err_type="service_unavailable"
+        )
     if not state.ok:
         return error_response(400, state.error, param=state.param)
-    return JSONResponse({"attached": state.backend is not None, "backend": state.backend, "dir": state.dir})
+    return JSONResponse(
+        {"attached": state.backend is not None, "backend": state.backend, "dir": state.dir}
+    )

@@ -43,7 +43,11 @@ class HotRoutes:
                 except ClientDisconnect:
                     # No one to answer (or BodyLimit answered: it drops the body it refused).
                     # Expected, not an error: clients do leave.
-                    logger.info("a client disconnected while sending its request (%s %s)", scope["method"], scope["path"])
+                    logger.info(
+                        "a client disconnected while sending its request (%s %s)",
+                        scope["method"],
+                        scope["path"],
+                    )
                     return
                 except Exception as exc:
                     response = await self._handled(request, exc)
@@ -71,8 +75,14 @@ def post_endpoints(router: APIRouter, paths: Iterable[str]) -> dict[str, Endpoin
     """The endpoints of ``router``'s POST routes at ``paths``: each must be exactly one."""
     endpoints = {}
     for path in paths:
-        found = [r for r in router.routes if isinstance(r, APIRoute) and r.path == path and "POST" in (r.methods or ())]
+        found = [
+            r
+            for r in router.routes
+            if isinstance(r, APIRoute) and r.path == path and "POST" in (r.methods or ())
+        ]
         if len(found) != 1:
-            raise ValueError(f"the router has {len(found)} POST routes for {path}; HotRoutes serves exactly one")
+            raise ValueError(
+                f"the router has {len(found)} POST routes for {path}; HotRoutes serves exactly one"
+            )
         endpoints[path] = found[0].endpoint
     return endpoints

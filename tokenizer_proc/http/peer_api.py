@@ -84,7 +84,10 @@ def build_peer_router(tm: TokenizerManager, endpoints: Mapping[str, Endpoint]) -
                     # The chosen endpoint reads the same body again: Starlette keeps it.
                     return await endpoints[path](request)
         keys = ", ".join(f"`{key}` ({path})" for key, path in INVOCATION_ROUTES)
-        raise RequestValidationError(f"Cannot find suitable handler for request. Expected a JSON object with one of {keys}", None)
+        raise RequestValidationError(
+            f"Cannot find suitable handler for request. Expected a JSON object with one of {keys}",
+            None,
+        )
 
     return router
 

@@ -69,7 +69,9 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         finally:
             responses_store.close()
 
-    app = FastAPI(title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(
+        title="tokenpipe", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     api_key = tm.config.api_key
 
     @app.exception_handler(RequestValidationError)
@@ -124,13 +126,17 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
             logprobs=obj.logprob_params(),
             constraint=constraint,
         )
-        text_of = tm.token_texts if obj.return_text_in_logprobs else None  # None without a tokenizer: null texts
+        text_of = (
+            tm.token_texts if obj.return_text_in_logprobs else None
+        )  # None without a tokenizer: null texts
         try:
             if obj.stream:
                 # A refusal (full queue, scheduler's check, PD failure) is the first change
                 # when it comes: answer it with its status rather than a 200 stream.
                 if await wait_started(tm, [state], request) is None:
-                    return SseResponse(_GenerateEvents(tm, state, text_of), tm.call_after_frame, on_stream)
+                    return SseResponse(
+                        _GenerateEvents(tm, state, text_of), tm.call_after_frame, on_stream
+                    )
             else:
                 await wait_finished(tm, state, request)
         except ClientGone:
@@ -145,18 +151,30 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         # Token id 0 without a tokenizer, as SGLang's health check always sends.
         ping = tm.tokenizer.encode("ping")[:1] if tm.tokenizer is not None else []
-        state = tm.submit_generate(input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True)
+        state = tm.submit_generate(
+            input_ids=ping or [0], sampling=sampling, stream=False, rid=None, internal=True
+        )
         try:
-            await asyncio.wait_for(_until_finished(state), timeout=tm.config.health_generate_timeout)
+            await asyncio.wait_for(
+                _until_finished(state), timeout=tm.config.health_generate_timeout
+            )
         except TimeoutError:
             tm.abort(state.req_id, "health check timed out")
             tm.forget(state)  # a stalled scheduler may never answer: keep no state for it
-            return error_response(503, "a 1-token request did not get through the pipeline in time", err_type="service_unavailable")
+            return error_response(
+                503,
+                "a 1-token request did not get through the pipeline in time",
+                err_type="service_unavailable",
+            )
         # Healthy only when the request came through: one refused (a full queue) or lost (a
         # restart) finished too, as an abort.
         reason = state.finished_reason
         if isinstance(reason, FinishAbort):
-            return error_response(503, f"a 1-token request did not get through the pipeline: {reason.message}", err_type="service_unavailable")
+            return error_response(
+                503,
+                f"a 1-token request did not get through the pipeline: {reason.message}",
+                err_type="service_unavailable",
+            )
         return JSONResponse({"status": "ok"})
 
     @app.post("/abort_request")
@@ -168,7 +186,12 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         if obj.rid is None:
             raise RequestValidationError("give `rid` or `abort_all: true`", "rid")
         if not await tm.abort_rid(obj.rid, "aborted by /abort_request"):
-            return error_response(404, f"no running request with rid {obj.rid!r}", err_type="not_found_error", param="rid")
+            return error_response(
+                404,
+                f"no running request with rid {obj.rid!r}",
+                err_type="not_found_error",
+                param="rid",
+            )
         return JSONResponse({"aborted": obj.rid})
 
     openai_router = build_openai_router(tm)
@@ -179,17 +202,27 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     app.include_router(build_tokenize_router(tm))
     app.include_router(build_worker_router(tm))
     app.include_router(responses_router)
-    invocation_endpoints = post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions"))
-    app.include_router(build_peer_router(tm, {**invocation_endpoints, **post_endpoints(embeddings_router, ("/v1/embeddings",))}))
+    invocation_endpoints = post_endpoints(
+        openai_router, ("/v1/completions", "/v1/chat/completions")
+    )
+    app.include_router(
+        build_peer_router(
+            tm, {**invocation_endpoints, **post_endpoints(embeddings_router, ("/v1/embeddings",))}
+        )
+    )
 
     hot = {
         "/generate": generate,
         **post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions")),
         **post_endpoints(responses_router, ("/v1/responses",)),
     }
-    too_large = tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
+    too_large = (
+        tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
+    )
     # In front of FastAPI's own stack, so the generation routes (HotRoutes) are under them too.
-    edge: ASGIApp = BodyLimit(HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large)
+    edge: ASGIApp = BodyLimit(
+        HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large
+    )
     # Outermost: the key is checked first. Neither reads the body before its answer, but a
     # client without the key gets its 401 and learns nothing of the limit.
     if api_key is not None:
@@ -204,7 +237,11 @@ async def _until_finished(state: ReqState) -> None:
 
 
 def _generate_body(
-    tm: TokenizerManager, text: str | Hole, output_ids: list[int] | Hole, meta_info: dict[str, Any], index: int | None = None
+    tm: TokenizerManager,
+    text: str | Hole,
+    output_ids: list[int] | Hole,
+    meta_info: dict[str, Any],
+    index: int | None = None,
 ) -> dict[str, Any]:
     """A /generate answer or stream event (or its template: Holes for the text and ids).
     Under --skip-tokenizer-init there is no text, and as SGLang does then, the answer has no
@@ -219,18 +256,26 @@ def _generate_body(
     return body
 
 
-def _finished_body(tm: TokenizerManager, state: ReqState, text_of: TokenText | None) -> dict[str, Any]:
+def _finished_body(
+    tm: TokenizerManager, state: ReqState, text_of: TokenText | None
+) -> dict[str, Any]:
     """The answer of a finished, not refused, non-streamed request (or batch item)."""
     meta = build_meta_info(state)
     if state.logprob is not None:
         meta.update(logprob_meta(state.logprob, state.output_ids, state.logprobs, text_of))
         if state.logprob.logprob_start_len >= 0:
-            meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of))
+            meta.update(
+                prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, text_of)
+            )
     return _generate_body(tm, state.text, state.output_ids, meta)
 
 
 async def _generate_batch(
-    tm: TokenizerManager, request: Request, body: dict[str, Any], arrived: float, on_stream: Callable[[bool], None] | None
+    tm: TokenizerManager,
+    request: Request,
+    body: dict[str, Any],
+    arrived: float,
+    on_stream: Callable[[bool], None] | None,
 ) -> Response:
     """A /generate batch (``tokenizer_proc.native.batch``): every item checked, then all
     submitted; answered with a JSON list in order, or streamed as SGLang streams a batch:
@@ -244,7 +289,9 @@ async def _generate_batch(
     try:
         if stream:
             if await wait_started(tm, states, request) is None:
-                sources = [_GenerateEvents(tm, state, text_of, index) for index, state in enumerate(states)]
+                sources = [
+                    _GenerateEvents(tm, state, text_of, index) for index, state in enumerate(states)
+                ]
                 return SseResponse(_BatchEvents(sources), tm.call_after_frame, on_stream)
         else:
             for state in states:
@@ -301,7 +348,13 @@ class _GenerateEvents:
     existed; the cumulative one copies and encodes everything so far per event, bytes
     quadratic in the output's length, as SGLang's default does."""
 
-    def __init__(self, tm: TokenizerManager, state: ReqState, text_of: TokenText | None, index: int | None = None) -> None:
+    def __init__(
+        self,
+        tm: TokenizerManager,
+        state: ReqState,
+        text_of: TokenText | None,
+        index: int | None = None,
+    ) -> None:
         self.states = (state,)
         self._index = index  # a batch item's, on each of its events
         self.ended = False
@@ -309,7 +362,9 @@ class _GenerateEvents:
         self._state = state
         self._text_of = text_of
         incremental = tm.config.incremental_streaming_output
-        self._take: Callable[[], list[StreamChunk]] = state.take_pending if incremental else self._take_cumulative
+        self._take: Callable[[], list[StreamChunk]] = (
+            state.take_pending if incremental else self._take_cumulative
+        )
         # The prompt's logprobs go on the first event; on every event when each is the whole
         # answer so far (SGLang lists them on every event).
         self._prompt_logprobs_due = True
@@ -346,7 +401,11 @@ class _GenerateEvents:
             if state.logprob is not None:
                 meta.update(logprob_meta(state.logprob, chunk.ids, chunk.logprobs, self._text_of))
                 if state.logprob.logprob_start_len >= 0 and self._prompt_logprobs_due:
-                    meta.update(prompt_logprob_meta(state.logprob, state.prompt_ids, state.prompt_logprobs, self._text_of))
+                    meta.update(
+                        prompt_logprob_meta(
+                            state.logprob, state.prompt_ids, state.prompt_logprobs, self._text_of
+                        )
+                    )
             self._prompt_logprobs_due = self._every_event_lists_the_prompt
             out.append(sse(_generate_body(self._tm, chunk.text, chunk.ids, meta, self._index)))
         return b"".join(out)
@@ -384,7 +443,9 @@ class _GenerateEvents:
             meta = build_meta_info(self._state, chunk)
             meta["completion_tokens"] = _COUNT
             try:
-                self._template = EventTemplate(_generate_body(self._tm, _TEXT, _IDS, meta, self._index))
+                self._template = EventTemplate(
+                    _generate_body(self._tm, _TEXT, _IDS, meta, self._index)
+                )
             except TemplateError:
                 self._template = None
         return self._template

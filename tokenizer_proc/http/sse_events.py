@@ -18,7 +18,11 @@ _encode = _json.encode
 # LINE SEPARATOR, PARAGRAPH SEPARATOR, in UTF-8). SSE ends lines at CR and LF only, yet
 # common clients read the stream with splitlines (httpx's aiter_lines, requests'
 # iter_lines) and would cut an event whose text holds one; escaped, the JSON is the same.
-_LINE_BREAKERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+_LINE_BREAKERS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
 
 
 def json_bytes(value: object) -> bytes:
@@ -76,7 +80,11 @@ class EventTemplate:
         parts = [encoded]
         for hole in holes:
             head, sep, tail = parts.pop().partition(_encode(hole.marker))
-            if not sep or _encode(hole.marker) in tail or any(_encode(h.marker) in head for h in holes):
+            if (
+                not sep
+                or _encode(hole.marker) in tail
+                or any(_encode(h.marker) in head for h in holes)
+            ):
                 raise TemplateError("a hole's marker occurs in the template's constant parts")
             parts += [head, tail]
         self._parts = tuple(parts)

@@ -73,7 +73,11 @@ class Changes:
     stream's task waiting in ``wait``, or, while the task is parked (``park``), a callback
     the event loop runs once after the frame that marked them."""
 
-    def __init__(self, states: Sequence[ReqState], after_frame: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def __init__(
+        self,
+        states: Sequence[ReqState],
+        after_frame: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self._marked: dict[int, None] = {}
         # Runs a callback once the frame being applied is (TokenizerManager.call_after_frame);
         # without one, the event loop's next turn.
@@ -141,7 +145,9 @@ class Changes:
         when it needs the task: the task awaits it."""
         self._waiter = asyncio.get_running_loop().create_future()
         self._pump = pump
-        if self._marked and not self._pump_due:  # marked while the task was busy: no frame to wait for
+        if (
+            self._marked and not self._pump_due
+        ):  # marked while the task was busy: no frame to wait for
             self._pump_due = True
             asyncio.get_running_loop().call_soon(self._run_pump)
         return self._waiter
@@ -171,12 +177,16 @@ class _Stream:
     """One stream's progress: the events made and not yet sent, and which states it has
     reported finished. ``collect`` is the one place that turns changes into events."""
 
-    def __init__(self, source: EventSource, after_frame: Callable[[Callable[[], None]], None] | None) -> None:
+    def __init__(
+        self, source: EventSource, after_frame: Callable[[Callable[[], None]], None] | None
+    ) -> None:
         self.source = source
         self.states = source.states
         self.changes = Changes(self.states, after_frame)
         self.body = b""
-        self.writer: DirectWriter | None = None  # set when events can go straight to the client's socket
+        self.writer: DirectWriter | None = (
+            None  # set when events can go straight to the client's socket
+        )
         self._reported = [False] * len(self.states)
         self._left = len(self.states)
 
@@ -250,7 +260,9 @@ class SseResponse(Response):
                     # meanwhile merge into their last chunk. (If it raises, the stream is over.)
                     for state in states:
                         state.sending = True
-                    await send({"type": "http.response.body", "body": stream.body, "more_body": True})
+                    await send(
+                        {"type": "http.response.body", "body": stream.body, "more_body": True}
+                    )
                     for state in states:
                         state.sending = False
                     stream.body = b""
@@ -260,7 +272,13 @@ class SseResponse(Response):
                     await changes.park(stream.pump)
                 if changes.closed:
                     return
-            await send({"type": "http.response.body", "body": stream.body + source.closing(), "more_body": False})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": stream.body + source.closing(),
+                    "more_body": False,
+                }
+            )
         finally:
             changes.wake()
             gone.cancel()

@@ -52,11 +52,15 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if (self.prompt is None) == (self.messages is None):
             raise RequestValidationError("give exactly one of `prompt` and `messages`", "prompt")
         if self.prompt is not None and self.add_generation_prompt is not None:
-            raise RequestValidationError("add_generation_prompt goes with `messages`, not `prompt`", "add_generation_prompt")
+            raise RequestValidationError(
+                "add_generation_prompt goes with `messages`, not `prompt`", "add_generation_prompt"
+            )
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    tokens: list[TokenId | list[TokenId]]  # ids, or SGLang's lists of ids (msgspec takes one array type per union)
+    tokens: list[
+        TokenId | list[TokenId]
+    ]  # ids, or SGLang's lists of ids (msgspec takes one array type per union)
     model: str | None = None
     skip_special_tokens: bool | None = None  # SGLang's; None: the path's default
 
@@ -66,14 +70,20 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         if len(flat) == len(self.tokens):
             return [flat], False
         if flat:
-            raise RequestValidationError("give `tokens` as token ids or as lists of token ids, not a mix", "tokens")
+            raise RequestValidationError(
+                "give `tokens` as token ids or as lists of token ids, not a mix", "tokens"
+            )
         return [t for t in self.tokens if isinstance(t, list)], True
 
 
 def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
     # None under --skip-tokenizer-init: nothing to tokenize with.
-    tools = (tm.tokenizer, ChatTemplate.for_tokenizer(tm.tokenizer)) if tm.tokenizer is not None else None
+    tools = (
+        (tm.tokenizer, ChatTemplate.for_tokenizer(tm.tokenizer))
+        if tm.tokenizer is not None
+        else None
+    )
 
     @router.post("/tokenize")
     @router.post("/v1/tokenize")
@@ -83,32 +93,57 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
         if tools is None:
-            raise without_tokenizer("/tokenize has nothing to encode text with", "prompt" if body.prompt is not None else "messages")
+            raise without_tokenizer(
+                "/tokenize has nothing to encode text with",
+                "prompt" if body.prompt is not None else "messages",
+            )
         tokenizer, template = tools
         if isinstance(body.prompt, list):
             batch = [_prompt_tokens(tokenizer, p, body.add_special_tokens) for p in body.prompt]
-            strs = [_token_strs(tokenizer, ids) for ids in batch] if body.return_token_strs else None
-            return JSONResponse({"count": [len(ids) for ids in batch], "max_model_len": tm.context_length, "tokens": batch, "token_strs": strs})
+            strs = (
+                [_token_strs(tokenizer, ids) for ids in batch] if body.return_token_strs else None
+            )
+            return JSONResponse(
+                {
+                    "count": [len(ids) for ids in batch],
+                    "max_model_len": tm.context_length,
+                    "tokens": batch,
+                    "token_strs": strs,
+                }
+            )
         try:
             ids = _tokens(tokenizer, template, body)
         except ChatTemplateUnavailable as exc:
             return error_response(500, str(exc), err_type="internal_error")
         token_strs = _token_strs(tokenizer, ids) if body.return_token_strs else None
-        return JSONResponse({"count": len(ids), "max_model_len": tm.context_length, "tokens": ids, "token_strs": token_strs})
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": tm.context_length,
+                "tokens": ids,
+                "token_strs": token_strs,
+            }
+        )
 
     async def detokenize(request: Request, skip_special_default: bool) -> Response:
         body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
-        tokenizer = tm.checks.require_tokenizer("/detokenize has nothing to decode token ids with", "tokens")
+        tokenizer = tm.checks.require_tokenizer(
+            "/detokenize has nothing to decode token ids with", "tokens"
+        )
         batches, listed = body.batches()
         vocab = tokenizer.vocab_size
         for b, ids in enumerate(batches):
             for i, token in enumerate(ids):
                 if token >= vocab:
                     where = f"tokens[{b}][{i}]" if listed else f"tokens[{i}]"
-                    raise RequestValidationError(f"{where} is {token}, not below the vocabulary size {vocab}", where)
-        skip = skip_special_default if body.skip_special_tokens is None else body.skip_special_tokens
+                    raise RequestValidationError(
+                        f"{where} is {token}, not below the vocabulary size {vocab}", where
+                    )
+        skip = (
+            skip_special_default if body.skip_special_tokens is None else body.skip_special_tokens
+        )
         texts = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in batches]
         text: str | list[str] = texts if listed else texts[0]
         return JSONResponse({"prompt": text, "text": text})
@@ -124,7 +159,9 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
     return router
 
 
-def _prompt_tokens(tokenizer: LoadedTokenizer, prompt: str, add_special_tokens: bool | None) -> list[int]:
+def _prompt_tokens(
+    tokenizer: LoadedTokenizer, prompt: str, add_special_tokens: bool | None
+) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
 
 
@@ -139,7 +176,9 @@ def _tokens(tokenizer: LoadedTokenizer, template: ChatTemplate, body: TokenizeRe
     assert body.messages is not None
     messages = [m.to_template(i) for i, m in enumerate(body.messages)]
     try:
-        rendered = template.render(messages, add_generation_prompt=body.add_generation_prompt is not False)
+        rendered = template.render(
+            messages, add_generation_prompt=body.add_generation_prompt is not False
+        )
     except ChatTemplateError as exc:
         raise RequestValidationError(str(exc), "messages") from exc
     return tokenizer.encode(rendered, add_special_tokens=bool(body.add_special_tokens))

@@ -87,10 +87,16 @@ def build_worker_router(tm: TokenizerManager) -> APIRouter:
             decode_body(body, FlushCacheBody)
         result = await tm.controls.flush_cache()
         if result is None:
-            return error_response(503, "the scheduler did not answer in time", err_type="service_unavailable")
+            return error_response(
+                503, "the scheduler did not answer in time", err_type="service_unavailable"
+            )
         if not result.ok:
             return error_response(400, result.error)
-        dropped = {"device": result.device_tokens, "host": result.host_tokens, "storage": result.storage_tokens}
+        dropped = {
+            "device": result.device_tokens,
+            "host": result.host_tokens,
+            "storage": result.storage_tokens,
+        }
         return JSONResponse({"message": "Cache flushed.", "flushed_tokens": dropped})
 
     return router
@@ -114,13 +120,19 @@ def server_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]
         vocab_size=tm.vocab_size,
         live_requests=len(tm.states),
         aborted_requests=tm.num_aborted_requests,
-        scheduler=msgspec.structs.asdict(tm.last_scheduler_report) if tm.last_scheduler_report else None,
+        scheduler=msgspec.structs.asdict(tm.last_scheduler_report)
+        if tm.last_scheduler_report
+        else None,
         engine_type=config.engine_type,
         # SGLang's names: the KV pool's size in tokens (the scheduler's own, once it has
         # reported) and the package's version.
-        max_total_num_tokens=tm.last_scheduler_report.kv_capacity if tm.last_scheduler_report else config.max_total_tokens,
+        max_total_num_tokens=tm.last_scheduler_report.kv_capacity
+        if tm.last_scheduler_report
+        else config.max_total_tokens,
         version=package_version(),
-        disaggregation_bootstrap_endpoint=config.bootstrap_endpoint() if config.disaggregation_mode == "prefill" else None,
+        disaggregation_bootstrap_endpoint=config.bootstrap_endpoint()
+        if config.disaggregation_mode == "prefill"
+        else None,
     )
     return info
 
@@ -164,11 +176,23 @@ def load_of(tm: TokenizerManager) -> dict[str, int]:
     held = round(report.token_usage * report.kv_capacity) if report is not None else 0
     # A request's stats come with its first row, after its prefill: until then its prompt waits.
     waiting_tokens = sum(s.prompt_tokens for s in tm.states.values() if s.request_stats is None)
-    return {"dp_rank": 0, "num_reqs": num_reqs, "num_waiting_reqs": num_reqs - running, "num_tokens": held + waiting_tokens}
+    return {
+        "dp_rank": 0,
+        "num_reqs": num_reqs,
+        "num_waiting_reqs": num_reqs - running,
+        "num_tokens": held + waiting_tokens,
+    }
 
 
 # generation_config.json keys that are sampling parameters of the same name and meaning.
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+_GENERATION_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
 
 
 def _generation_defaults(directory: Path) -> dict[str, float | int] | None:
@@ -193,7 +217,10 @@ def _hf_architecture(directory: Path) -> tuple[str | None, tuple[str, ...] | Non
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         return _ARCHITECTURE
-    except (OSError, ValueError):  # the scheduler loaded the model, so this is unlikely: say nothing
+    except (
+        OSError,
+        ValueError,
+    ):  # the scheduler loaded the model, so this is unlikely: say nothing
         return None, None
     if not isinstance(config, dict):
         return None, None
@@ -201,5 +228,7 @@ def _hf_architecture(directory: Path) -> tuple[str | None, tuple[str, ...] | Non
     architectures = config.get("architectures")
     return (
         model_type if isinstance(model_type, str) else None,
-        tuple(architectures) if isinstance(architectures, list) and all(isinstance(a, str) for a in architectures) else None,
+        tuple(architectures)
+        if isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+        else None,
     )

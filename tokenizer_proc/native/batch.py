@@ -23,7 +23,12 @@ from fastapi import Request
 from pipeline.io_struct import Constraint, SamplingParams
 from tokenizer_proc.http.common import abort_unfinished, trace_context
 from tokenizer_proc.media import expand_prompt, parse_media
-from tokenizer_proc.native.schema import GenerateBody, GenerateRequest, RequestValidationError, convert_body
+from tokenizer_proc.native.schema import (
+    GenerateBody,
+    GenerateRequest,
+    RequestValidationError,
+    convert_body,
+)
 from tokenizer_proc.req_state import ReqState
 from pipeline.peer_errors import duplicate_rid_message
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -33,7 +38,15 @@ MAX_BATCH = 1024
 _PER_ITEM = ("text", "input_ids", "sampling_params", "rid")
 # Fields a batch item cannot carry one per item here: media (one list per prompt in SGLang)
 # and PD's bootstrap room (one per request). Sent as single requests they work.
-_SINGLE_ONLY = ("image_data", "audio_data", "video_data", "bootstrap_room", "bootstrap_host", "bootstrap_port", "bootstrap_endpoint")
+_SINGLE_ONLY = (
+    "image_data",
+    "audio_data",
+    "video_data",
+    "bootstrap_room",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_endpoint",
+)
 
 
 def batch_body(body: bytes) -> dict[str, Any] | None:
@@ -70,27 +83,51 @@ def batch_items(tm: TokenizerManager, body: dict[str, Any]) -> list[BatchItem]:
         raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
     prompts = body[prompts_field]
     if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_BATCH:
-        raise RequestValidationError(f"a batch holds 1 to {MAX_BATCH} prompts; `{prompts_field}` has {len(prompts)}", prompts_field)
+        raise RequestValidationError(
+            f"a batch holds 1 to {MAX_BATCH} prompts; `{prompts_field}` has {len(prompts)}",
+            prompts_field,
+        )
     n = len(prompts)
     for name in _SINGLE_ONLY:
         if body.get(name) is not None:
-            raise RequestValidationError(f"{name} is not served in a batch here; send these prompts as single requests", name)
+            raise RequestValidationError(
+                f"{name} is not served in a batch here; send these prompts as single requests", name
+            )
     sampling = body.get("sampling_params")
     rid = body.get("rid")
     for name, value in (("sampling_params", sampling), ("rid", rid)):
         if isinstance(value, list) and len(value) != n:
-            raise RequestValidationError(f"{name} has {len(value)} entries for {n} prompts: give one per prompt, or one for all", name)
+            raise RequestValidationError(
+                f"{name} has {len(value)} entries for {n} prompts: give one per prompt, or one for all",
+                name,
+            )
     # One string for all: item i's is "{rid}_{i}", as SGLang names them (anything else is
     # left to the item's own type check).
-    rids: list[Any] = rid if isinstance(rid, list) else [f"{rid}_{i}" if isinstance(rid, str) else rid for i in range(n)]
-    listed = {prompts_field, *(name for name in ("sampling_params", "rid") if isinstance(body.get(name), list))}
-    items = [_item(tm, body, i, prompts_field, prompts[i], sampling, rids[i], listed) for i in range(n)]
+    rids: list[Any] = (
+        rid
+        if isinstance(rid, list)
+        else [f"{rid}_{i}" if isinstance(rid, str) else rid for i in range(n)]
+    )
+    listed = {
+        prompts_field,
+        *(name for name in ("sampling_params", "rid") if isinstance(body.get(name), list)),
+    }
+    items = [
+        _item(tm, body, i, prompts_field, prompts[i], sampling, rids[i], listed) for i in range(n)
+    ]
     _check_rids(tm, items, "rid" in listed)
     return items
 
 
 def _item(
-    tm: TokenizerManager, body: dict[str, Any], i: int, prompts_field: str, prompt: Any, sampling: Any, rid: Any, listed: set[str]
+    tm: TokenizerManager,
+    body: dict[str, Any],
+    i: int,
+    prompts_field: str,
+    prompt: Any,
+    sampling: Any,
+    rid: Any,
+    listed: set[str],
 ) -> BatchItem:
     """Item ``i``: the batch's body with its own per-item fields, checked as a single request
     is by /generate and ``submit_generate`` (in that order), its errors naming the item."""
@@ -105,7 +142,9 @@ def _item(
         obj = convert_body(single, GenerateBody)
         obj.refuse_unsupported()
         if obj.model is not None and obj.model != tm.model_name:
-            raise RequestValidationError(f"the model {obj.model!r} does not exist; see GET /v1/models", "model")
+            raise RequestValidationError(
+                f"the model {obj.model!r} does not exist; see GET /v1/models", "model"
+            )
         wire = obj.sampling_params.to_wire()
         constraint = obj.sampling_params.constraint()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
@@ -113,7 +152,8 @@ def _item(
         input_ids = expand_prompt(prompt_ids, media, tm.checks.media_token_ids(media))
         if tm.config.mode == "embedding":
             raise RequestValidationError(
-                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate", "model"
+                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate",
+                "model",
             )
         checked, _ = tm.checks.pd_half(wire, obj.bootstrap(), internal=False)
         tm.checks.validate_sampling(len(input_ids), checked)
@@ -133,9 +173,13 @@ def _naming_item(exc: RequestValidationError, i: int, listed: set[str]) -> Reque
         param = "input_ids"
     head = (param or "").split(".", 1)[0].split("[", 1)[0]
     if param is not None and head in listed:
-        param = f"{head}[{i}]{param[len(head):]}"
+        param = f"{head}[{i}]{param[len(head) :]}"
         message = message.replace(f"`$.{head}", f"`$.{head}[{i}]")
-    where = param if param is not None and head in listed else f"batch item {i}" + (f" ({param})" if param else "")
+    where = (
+        param
+        if param is not None and head in listed
+        else f"batch item {i}" + (f" ({param})" if param else "")
+    )
     return RequestValidationError(f"{where}: {message}", param)
 
 
@@ -150,14 +194,17 @@ def _check_rids(tm: TokenizerManager, items: list[BatchItem], listed: bool) -> N
         param = f"rid[{i}]" if listed else "rid"
         if rid in seen:
             raise RequestValidationError(
-                f"{param}: Duplicate request IDs detected within the request: [{rid!r}] (rid[{i}] repeats rid[{seen[rid]}])", param
+                f"{param}: Duplicate request IDs detected within the request: [{rid!r}] (rid[{i}] repeats rid[{seen[rid]}])",
+                param,
             )
         if rid in tm.rid_to_req_id:
             raise RequestValidationError(f"{param}: {duplicate_rid_message(rid)}", param)
         seen[rid] = i
 
 
-def submit_batch(tm: TokenizerManager, request: Request, items: list[BatchItem], stream: bool, arrived: float) -> list[ReqState]:
+def submit_batch(
+    tm: TokenizerManager, request: Request, items: list[BatchItem], stream: bool, arrived: float
+) -> list[ReqState]:
     """Submits every item, in order, and returns their states. The items were checked
     (``batch_items``) with nothing awaited since, so none is refused here; should one be,
     those already submitted are aborted."""

@@ -12,7 +12,9 @@ from pipeline.token_texts import TokenText
 from tokenizer_proc.req_state import LogprobEntries
 
 
-def logprob_meta(asked: LogprobParams, ids: list[int], entries: LogprobEntries | None, text_of: TokenText | None) -> dict[str, Any]:
+def logprob_meta(
+    asked: LogprobParams, ids: list[int], entries: LogprobEntries | None, text_of: TokenText | None
+) -> dict[str, Any]:
     """``ids`` are the tokens the entries belong to; ``text_of`` None: texts are null (not
     asked, or no tokenizer)."""
     entries = entries if entries is not None else LogprobEntries()
@@ -20,12 +22,16 @@ def logprob_meta(asked: LogprobParams, ids: list[int], entries: LogprobEntries |
     def text(token: int) -> str | None:
         return text_of(token) if text_of is not None else None
 
-    meta: dict[str, Any] = {"output_token_logprobs": [[lp, t, text(t)] for lp, t in zip(entries.chosen, ids)]}
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [[lp, t, text(t)] for lp, t in zip(entries.chosen, ids)]
+    }
     if asked.top_logprobs_num:
         meta["output_top_logprobs"] = [[[lp, t, text(t)] for lp, t in top] for top in entries.top]
     if asked.token_ids_logprob:
         asked_ids = asked.token_ids_logprob
-        meta["output_token_ids_logprobs"] = [[[lp, t, text(t)] for lp, t in zip(values, asked_ids)] for values in entries.ids]
+        meta["output_token_ids_logprobs"] = [
+            [[lp, t, text(t)] for lp, t in zip(values, asked_ids)] for values in entries.ids
+        ]
     return meta
 
 
@@ -45,8 +51,12 @@ def prompt_logprob_meta(
     chosen += [[lp, t, text(t)] for lp, t in zip(entries.chosen, positions[lead:])]
     meta: dict[str, Any] = {"input_token_logprobs": chosen}
     if asked.top_logprobs_num:
-        meta["input_top_logprobs"] = [None] * lead + [[[lp, t, text(t)] for lp, t in top] for top in entries.top]
+        meta["input_top_logprobs"] = [None] * lead + [
+            [[lp, t, text(t)] for lp, t in top] for top in entries.top
+        ]
     if asked.token_ids_logprob:
         ids = asked.token_ids_logprob
-        meta["input_token_ids_logprobs"] = [None] * lead + [[[lp, t, text(t)] for lp, t in zip(values, ids)] for values in entries.ids]
+        meta["input_token_ids_logprobs"] = [None] * lead + [
+            [[lp, t, text(t)] for lp, t in zip(values, ids)] for values in entries.ids
+        ]
     return meta

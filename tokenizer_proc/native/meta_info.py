@@ -22,14 +22,22 @@ def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict
     finished = finished_time is not None
     meta: dict[str, Any] = {
         "id": state.rid,
-        "finish_reason": finish_reason_to_dict(state.finished_reason) if finished and state.finished_reason else None,
+        "finish_reason": finish_reason_to_dict(state.finished_reason)
+        if finished and state.finished_reason
+        else None,
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": state.completion_tokens if interim is None else interim.completion_tokens,
+        "completion_tokens": state.completion_tokens
+        if interim is None
+        else interim.completion_tokens,
         "cached_tokens": stats.cached_tokens,
         "cached_tokens_details": msgspec.to_builtins(details) if details is not None else None,
         "num_retractions": stats.num_retractions,
     }
-    for kind, count in (("image_tokens", stats.image_tokens), ("audio_tokens", stats.audio_tokens), ("video_tokens", stats.video_tokens)):
+    for kind, count in (
+        ("image_tokens", stats.image_tokens),
+        ("audio_tokens", stats.audio_tokens),
+        ("video_tokens", stats.video_tokens),
+    ):
         if count:
             meta[kind] = count
     if finished_time is not None:
@@ -42,7 +50,9 @@ def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict
     meta["forward_entry_time"] = ts.forward_entry_time
     meta["prefill_finished_time"] = ts.prefill_finished_time
     meta["storage_prefetch_wait"] = ts.storage_prefetch_wait
-    if ts.bootstrap_done_time is not None:  # PD decode: when the KV arrived, and when it was installed
+    if (
+        ts.bootstrap_done_time is not None
+    ):  # PD decode: when the KV arrived, and when it was installed
         meta["bootstrap_done_time"] = ts.bootstrap_done_time
         meta["decode_prebuilt_finish_time"] = ts.decode_prebuilt_finish_time
     if finished:

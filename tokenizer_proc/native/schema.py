@@ -11,7 +11,12 @@ import msgspec
 from msgspec import Meta
 
 from pipeline.io_struct import MAX_STOP_TOKEN_IDS, Constraint, LogprobParams, SamplingParams
-from tokenizer_proc.openai.constraints import grammar_constraint, json_schema_constraint, one_constraint, regex_constraint
+from tokenizer_proc.openai.constraints import (
+    grammar_constraint,
+    json_schema_constraint,
+    one_constraint,
+    regex_constraint,
+)
 from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.request_errors import RequestValidationError
 
@@ -53,10 +58,13 @@ def logit_bias_pairs(bias: dict[str, float] | None, param: str) -> tuple[tuple[i
     for key, value in bias.items():
         if _TOKEN_ID_KEY.fullmatch(key) is None:
             raise RequestValidationError(
-                f"{param} key {key[:40]!r} is not a token id: keys are non-negative integers written as strings", param
+                f"{param} key {key[:40]!r} is not a token id: keys are non-negative integers written as strings",
+                param,
             )
         if not low <= value <= high:
-            raise RequestValidationError(f"{param}[{key!r}] is {value}; a bias must be in [{low:g}, {high:g}]", param)
+            raise RequestValidationError(
+                f"{param}[{key!r}] is {value}; a bias must be in [{low:g}, {high:g}]", param
+            )
         token = int(key)
         if token in pairs:  # "7" and "007"
             raise RequestValidationError(f"{param} names token id {token} twice", param)
@@ -115,16 +123,26 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
         refuse(self, SAMPLING_REFUSED, where="sampling_params.")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stop):
-            raise RequestValidationError("sampling_params.stop must not contain an empty string", "sampling_params.stop")
+            raise RequestValidationError(
+                "sampling_params.stop must not contain an empty string", "sampling_params.stop"
+            )
         if self.top_k == 0:
-            raise RequestValidationError("sampling_params.top_k must be -1 (off) or at least 1", "sampling_params.top_k")
+            raise RequestValidationError(
+                "sampling_params.top_k must be -1 (off) or at least 1", "sampling_params.top_k"
+            )
         if self.min_new_tokens > self.max_new_tokens:
             raise RequestValidationError(
-                "sampling_params.min_new_tokens must not exceed max_new_tokens", "sampling_params.min_new_tokens"
+                "sampling_params.min_new_tokens must not exceed max_new_tokens",
+                "sampling_params.min_new_tokens",
             )
-        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+        if (
+            self.seed is not None
+            and self.sampling_seed is not None
+            and self.seed != self.sampling_seed
+        ):
             raise RequestValidationError(
-                "sampling_params.seed and sampling_params.sampling_seed name the same seed; they differ", "sampling_params.sampling_seed"
+                "sampling_params.seed and sampling_params.sampling_seed name the same seed; they differ",
+                "sampling_params.sampling_seed",
             )
         return SamplingParams(
             max_new_tokens=self.max_new_tokens,
@@ -160,7 +178,9 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
 Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 # tcp://host:port or ipc:///absolute/path: anything else would make ZeroMQ refuse it later.
-_ENDPOINT = re.compile(r"tcp://[A-Za-z0-9.\-]+:[0-9]{1,5}|tcp://\[[0-9A-Fa-f:.]+\]:[0-9]{1,5}|ipc:///[^\s\x00]+")
+_ENDPOINT = re.compile(
+    r"tcp://[A-Za-z0-9.\-]+:[0-9]{1,5}|tcp://\[[0-9A-Fa-f:.]+\]:[0-9]{1,5}|ipc:///[^\s\x00]+"
+)
 
 
 class Bootstrap(msgspec.Struct, frozen=True):
@@ -185,7 +205,9 @@ def _single(value: _T | list[_T] | None, name: str) -> _T | None:
     if not isinstance(value, list):
         return value
     if len(value) != 1:
-        raise RequestValidationError(f"{name} has {len(value)} entries; a request here has one prompt, so give one", name)
+        raise RequestValidationError(
+            f"{name} has {len(value)} entries; a request here has one prompt, so give one", name
+        )
     return value[0]
 
 
@@ -194,18 +216,30 @@ def bootstrap_of(
 ) -> Bootstrap | None:
     """The bootstrap fields of a request body (SGLang's ``bootstrap_host``/``bootstrap_port``,
     or a ZeroMQ ``bootstrap_endpoint``), or None when it has none."""
-    room, host, port = _single(room, "bootstrap_room"), _single(host, "bootstrap_host"), _single(port, "bootstrap_port")
+    room, host, port = (
+        _single(room, "bootstrap_room"),
+        _single(host, "bootstrap_host"),
+        _single(port, "bootstrap_port"),
+    )
     if room is None and endpoint is None and host is None and port is None:
         return None
     if room is None:
-        raise RequestValidationError("bootstrap_room is required with the other bootstrap fields", "bootstrap_room")
+        raise RequestValidationError(
+            "bootstrap_room is required with the other bootstrap fields", "bootstrap_room"
+        )
     if endpoint is None:
         if host is None:
-            raise RequestValidationError("give bootstrap_endpoint, or bootstrap_host (and bootstrap_port)", "bootstrap_endpoint")
-        endpoint = f"tcp://{f'[{host}]' if ':' in host else host}:{port if port is not None else 8998}"
+            raise RequestValidationError(
+                "give bootstrap_endpoint, or bootstrap_host (and bootstrap_port)",
+                "bootstrap_endpoint",
+            )
+        endpoint = (
+            f"tcp://{f'[{host}]' if ':' in host else host}:{port if port is not None else 8998}"
+        )
     if len(endpoint) > 512 or _ENDPOINT.fullmatch(endpoint) is None:
         raise RequestValidationError(
-            f"bootstrap endpoint {endpoint[:100]!r} is not tcp://host:port or ipc:///path", "bootstrap_endpoint"
+            f"bootstrap endpoint {endpoint[:100]!r} is not tcp://host:port or ipc:///path",
+            "bootstrap_endpoint",
         )
     return Bootstrap(room=room, endpoint=endpoint)
 
@@ -229,7 +263,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
-    token_ids_logprob: Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
+    token_ids_logprob: Annotated[list[TokenId], Meta(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = (
+        None
+    )
     return_text_in_logprobs: bool = False
 
     def logprob_params(self) -> LogprobParams | None:
@@ -244,7 +280,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         )
 
     def bootstrap(self) -> Bootstrap | None:
-        return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
+        return bootstrap_of(
+            self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port
+        )
 
     def refuse_unsupported(self) -> None:
         refuse(self, GENERATE_REFUSED)
@@ -374,7 +412,9 @@ def _int_out_of_range(obj: object) -> str | None:
             if not _INT64_MIN <= value <= _INT64_MAX:
                 return path
         elif isinstance(value, msgspec.Struct):
-            stack.extend((getattr(value, name), f"{path}.{name}") for name in value.__struct_fields__)
+            stack.extend(
+                (getattr(value, name), f"{path}.{name}") for name in value.__struct_fields__
+            )
         elif isinstance(value, (list, tuple)):
             stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
         elif isinstance(value, dict):

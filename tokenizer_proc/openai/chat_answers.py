@@ -25,7 +25,13 @@ def token_bytes(tm: TokenizerManager, state: ReqState) -> Callable[[int], bytes]
     return lambda token: b"" if token in skipped else texts.raw(token)
 
 
-def finish_parsed(tm: TokenizerManager, parsing: ChatParsing, splitter: ChatSplitter, state: ReqState, reason: str | None) -> tuple[str | None, int]:
+def finish_parsed(
+    tm: TokenizerManager,
+    parsing: ChatParsing,
+    splitter: ChatSplitter,
+    state: ReqState,
+    reason: str | None,
+) -> tuple[str | None, int]:
     """A finished choice's finish reason (``tool_calls`` when it made calls) and reasoning
     tokens; counts it in the tool metrics when its request gave tools."""
     final = parsing.finish_reason(reason, splitter)
@@ -35,7 +41,14 @@ def finish_parsed(tm: TokenizerManager, parsing: ChatParsing, splitter: ChatSpli
     return final, reasoning_tokens
 
 
-def parse_choice(tm: TokenizerManager, parsing: ChatParsing, choice: dict[str, Any], state: ReqState, role: str = "assistant", echo: str = "") -> int:
+def parse_choice(
+    tm: TokenizerManager,
+    parsing: ChatParsing,
+    choice: dict[str, Any],
+    state: ReqState,
+    role: str = "assistant",
+    echo: str = "",
+) -> int:
     """A non-streaming choice: its ``message`` and ``finish_reason`` as the parsers read its
     whole text, in ``role``, ``echo`` in front of its content (vLLM's chat echo, which
     leads the parsed content). Returns its reasoning tokens."""
@@ -46,5 +59,7 @@ def parse_choice(tm: TokenizerManager, parsing: ChatParsing, choice: dict[str, A
     message["role"] = role
     if echo:
         message["content"] = echo + (message["content"] or "")
-    choice["finish_reason"], reasoning_tokens = finish_parsed(tm, parsing, splitter, state, choice["finish_reason"])
+    choice["finish_reason"], reasoning_tokens = finish_parsed(
+        tm, parsing, splitter, state, choice["finish_reason"]
+    )
     return reasoning_tokens

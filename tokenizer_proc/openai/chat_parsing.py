@@ -22,7 +22,12 @@ from typing import Any
 
 from tokenizer_proc.openai.tools import ToolPlan
 from tokenizer_proc.parsers.forced_calls import NamedCallParser, RequiredCallsParser
-from tokenizer_proc.parsers.reasoning import DEFAULT_THINK, ReasoningParser, count_reasoning_tokens, make_reasoning_parser
+from tokenizer_proc.parsers.reasoning import (
+    DEFAULT_THINK,
+    ReasoningParser,
+    count_reasoning_tokens,
+    make_reasoning_parser,
+)
 from tokenizer_proc.parsers.tool_calls import ToolCallDelta, ToolParser
 from tokenizer_proc.parsers.tool_parsers import make_tool_parser, tool_markers
 
@@ -36,7 +41,11 @@ class ChatDelta:
     tool_calls: tuple[ToolCallDelta, ...]
 
     def __add__(self, other: ChatDelta) -> ChatDelta:
-        return ChatDelta(self.reasoning + other.reasoning, self.content + other.content, self.tool_calls + other.tool_calls)
+        return ChatDelta(
+            self.reasoning + other.reasoning,
+            self.content + other.content,
+            self.tool_calls + other.tool_calls,
+        )
 
     @property
     def empty(self) -> bool:
@@ -91,7 +100,9 @@ class ChatSplitter:
                 content, calls = content + rest.content, calls + rest.tool_calls
         for call in calls:
             if call.index == len(self.calls):
-                assert call.id is not None and call.name is not None, "a call's first delta names it"
+                assert call.id is not None and call.name is not None, (
+                    "a call's first delta names it"
+                )
                 self.calls.append([call.id, call.name, ""])
             self.calls[call.index][2] += call.arguments
         self.reasoning += reasoning
@@ -119,7 +130,11 @@ class ChatParsing:
         return self.plan is not None and self.plan.mode != "none"
 
     def splitter(self) -> ChatSplitter:
-        reasoning = make_reasoning_parser(self.reasoning, enable_thinking=self.enable_thinking) if self.reasoning is not None else None
+        reasoning = (
+            make_reasoning_parser(self.reasoning, enable_thinking=self.enable_thinking)
+            if self.reasoning is not None
+            else None
+        )
         return ChatSplitter(reasoning, self._tool_parser())
 
     def _tool_parser(self) -> ToolParser | None:
@@ -137,7 +152,11 @@ class ChatParsing:
         """The texts the parsers look for in the answer: the think tags, and under "auto" the
         tool format's tags or marker. ("required" and named answers are bare JSON.)"""
         think = (DEFAULT_THINK.start, DEFAULT_THINK.end) if self.reasoning is not None else ()
-        calls = tool_markers(self.tool_parser) if self.plan is not None and self.plan.mode == "auto" else ()
+        calls = (
+            tool_markers(self.tool_parser)
+            if self.plan is not None and self.plan.mode == "auto"
+            else ()
+        )
         return think + calls
 
     def keeps_special_tokens(self, special_texts: Callable[[str], bool]) -> bool:
@@ -150,7 +169,12 @@ class ChatParsing:
     def finish_reason(self, reason: str | None, splitter: ChatSplitter) -> str | None:
         """OpenAI's: ``tool_calls`` when an answer that ended by itself made calls (a named
         function's answer is a call the client asked for: ``stop``, as OpenAI says)."""
-        if reason == "stop" and splitter.calls and self.plan is not None and self.plan.mode in ("auto", "required"):
+        if (
+            reason == "stop"
+            and splitter.calls
+            and self.plan is not None
+            and self.plan.mode in ("auto", "required")
+        ):
             return "tool_calls"
         return reason
 
@@ -165,12 +189,16 @@ class ChatParsing:
 def message_fields(parsing: ChatParsing, splitter: ChatSplitter) -> dict[str, Any]:
     """A whole choice's ``message``. ``content`` is null when the answer is only calls;
     ``reasoning_content`` (and vLLM's newer ``reasoning``) are there with a reasoning parser."""
-    message: dict[str, Any] = {"role": "assistant", "content": splitter.content or (None if splitter.calls else "")}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": splitter.content or (None if splitter.calls else ""),
+    }
     if parsing.reasoning is not None:
         message["reasoning_content"] = message["reasoning"] = splitter.reasoning or None
     if splitter.calls:
         message["tool_calls"] = [
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}} for call_id, name, arguments in splitter.calls
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            for call_id, name, arguments in splitter.calls
         ]
     return message
 
@@ -187,7 +215,14 @@ def delta_fields(delta: ChatDelta) -> dict[str, Any]:
         calls = []
         for call in delta.tool_calls:
             if call.id is not None:
-                calls.append({"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}})
+                calls.append(
+                    {
+                        "index": call.index,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                )
             else:
                 calls.append({"index": call.index, "function": {"arguments": call.arguments}})
         out["tool_calls"] = calls

@@ -80,19 +80,27 @@ def response_format_constraint(value: ResponseFormat | None) -> Constraint | Non
     nothing."""
     if value is None or value.type == "text":
         if value is not None and value.json_schema is not None:
-            raise RequestValidationError("response_format.json_schema is only allowed with type json_schema", "response_format.json_schema")
+            raise RequestValidationError(
+                "response_format.json_schema is only allowed with type json_schema",
+                "response_format.json_schema",
+            )
         return None
     if value.type == "json_object":
         if value.json_schema is not None:
-            raise RequestValidationError("response_format.json_schema is only allowed with type json_schema", "response_format.json_schema")
+            raise RequestValidationError(
+                "response_format.json_schema is only allowed with type json_schema",
+                "response_format.json_schema",
+            )
         return Constraint("json_object", "", "response_format")
     if value.json_schema is None:
         raise RequestValidationError(
-            'response_format of type json_schema needs json_schema: {"name": ..., "schema": {...}}', "response_format.json_schema"
+            'response_format of type json_schema needs json_schema: {"name": ..., "schema": {...}}',
+            "response_format.json_schema",
         )
     if value.json_schema.schema is None:
         raise RequestValidationError(
-            "response_format.json_schema.schema is required: the JSON Schema the answer must follow", "response_format.json_schema.schema"
+            "response_format.json_schema.schema is required: the JSON Schema the answer must follow",
+            "response_format.json_schema.schema",
         )
     return json_schema_constraint(value.json_schema.schema, "response_format.json_schema.schema")
 
@@ -114,7 +122,8 @@ def structured_outputs_constraint(value: StructuredOutputs | None) -> Constraint
     constraint = one_constraint(*found)
     if constraint is None:
         raise RequestValidationError(
-            "structured_outputs must set one of json, regex, choice, grammar or json_object (true)", "structured_outputs"
+            "structured_outputs must set one of json, regex, choice, grammar or json_object (true)",
+            "structured_outputs",
         )
     return constraint
 
@@ -130,7 +139,9 @@ def json_schema_constraint(value: JsonSchema | None, param: str) -> Constraint |
         except msgspec.DecodeError as exc:
             raise RequestValidationError(f"{param} is not valid JSON: {exc}", param) from exc
         if not isinstance(value, dict):
-            raise RequestValidationError(f"{param} must be a JSON Schema object, not {type(value).__name__}", param)
+            raise RequestValidationError(
+                f"{param} must be a JSON Schema object, not {type(value).__name__}", param
+            )
     return Constraint("json_schema", msgspec.json.encode(value).decode(), param)
 
 
@@ -167,6 +178,7 @@ def one_constraint(*found: Constraint | None) -> Constraint | None:
     if len(given) > 1:
         first, second = given[0], given[1]
         raise RequestValidationError(
-            f"{second.param}: a request takes one structured-output constraint, and {first.param} already gives one", second.param
+            f"{second.param}: a request takes one structured-output constraint, and {first.param} already gives one",
+            second.param,
         )
     return given[0] if given else None

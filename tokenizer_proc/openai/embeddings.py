@@ -19,7 +19,13 @@ from msgspec import Meta
 
 from pipeline.io_struct import EMBEDDING_DTYPE, FinishAbort
 from tokenizer_proc.native.schema import RequestValidationError, TokenId, decode_body
-from tokenizer_proc.http.common import ClientGone, abort_response, abort_unfinished, wait_finished, wait_started
+from tokenizer_proc.http.common import (
+    ClientGone,
+    abort_response,
+    abort_unfinished,
+    wait_finished,
+    wait_started,
+)
 from tokenizer_proc.native.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -64,7 +70,9 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
         _require_embedding_mode(tm)
         if obj.dimensions is not None:
-            raise RequestValidationError("`dimensions` is not supported: the model's size is fixed", "dimensions")
+            raise RequestValidationError(
+                "`dimensions` is not supported: the model's size is fixed", "dimensions"
+            )
         inputs = _token_inputs(tm, obj.input, "input", add_special_tokens=obj.add_special_tokens)
         try:
             states = await _embed_all(tm, inputs, request, arrived)
@@ -81,7 +89,9 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
                 else vector.tolist()
             )
             data.append({"object": "embedding", "index": i, "embedding": value})
-        prompt_tokens = sum(s.request_stats.prompt_tokens for s in states if s.request_stats is not None)
+        prompt_tokens = sum(
+            s.request_stats.prompt_tokens for s in states if s.request_stats is not None
+        )
         return JSONResponse(
             {
                 "object": "list",
@@ -98,10 +108,14 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
         _require_embedding_mode(tm)
         if (obj.text is None) == (obj.input_ids is None):
             raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
-        given: str | Sequence[str | int | list[int]] = obj.text if obj.text is not None else obj.input_ids or []
+        given: str | Sequence[str | int | list[int]] = (
+            obj.text if obj.text is not None else obj.input_ids or []
+        )
         single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))
         # As SGLang encodes a text input: with the tokenizer's special tokens.
-        inputs = _token_inputs(tm, given, "text" if obj.text is not None else "input_ids", add_special_tokens=True)
+        inputs = _token_inputs(
+            tm, given, "text" if obj.text is not None else "input_ids", add_special_tokens=True
+        )
         try:
             states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
         except EmbeddingFailed as exc:
@@ -118,7 +132,8 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
 def _require_embedding_mode(tm: TokenizerManager) -> None:
     if tm.config.mode != "embedding":
         raise RequestValidationError(
-            f"this server runs --mode {tm.config.mode}; embeddings need a server started with --mode embedding", "model"
+            f"this server runs --mode {tm.config.mode}; embeddings need a server started with --mode embedding",
+            "model",
         )
 
 
@@ -129,7 +144,11 @@ def _vector(state: ReqState) -> np.ndarray:
 
 
 def _token_inputs(
-    tm: TokenizerManager, given: str | Sequence[str | int | list[int]], field: str, *, add_special_tokens: bool
+    tm: TokenizerManager,
+    given: str | Sequence[str | int | list[int]],
+    field: str,
+    *,
+    add_special_tokens: bool,
 ) -> list[list[int]]:
     """One token list per input: a string, a list of strings, token ids, or lists of them;
     ``add_special_tokens`` for the strings (``RequestChecks.tokenize``)."""
@@ -143,12 +162,15 @@ def _token_inputs(
         kinds = {type(x) for x in items}
         if len(kinds) > 1 or int in kinds:
             raise RequestValidationError(
-                f"`{field}` must be a string, a list of strings, a list of token ids, or a list of such lists", field
+                f"`{field}` must be a string, a list of strings, a list of token ids, or a list of such lists",
+                field,
             )
     if not items:
         raise RequestValidationError(f"`{field}` is empty", field)
     if len(items) > MAX_INPUTS:
-        raise RequestValidationError(f"`{field}` has {len(items)} inputs; at most {MAX_INPUTS} per request", field)
+        raise RequestValidationError(
+            f"`{field}` has {len(items)} inputs; at most {MAX_INPUTS} per request", field
+        )
     out = []
     for i, item in enumerate(items):
         try:
@@ -162,7 +184,11 @@ def _token_inputs(
 
 
 async def _embed_all(
-    tm: TokenizerManager, inputs: list[list[int]], request: Request, arrived: float, rid: str | None = None
+    tm: TokenizerManager,
+    inputs: list[list[int]],
+    request: Request,
+    arrived: float,
+    rid: str | None = None,
 ) -> list[ReqState] | None:
     """Submits every input at once (they batch in the scheduler) and waits for all; None
     when the client went away, with the rest aborted."""

@@ -22,7 +22,15 @@ from tokenizer_proc.req_state import ChoiceGroup, ReqState
 from tokenizer_proc.request_checks import ContextLengthError, OutOfVocabularyError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
-__all__ = ["ChatJobs", "Job", "choice_jobs", "openai_names", "prepare_chat", "room_left", "submit_jobs"]
+__all__ = [
+    "ChatJobs",
+    "Job",
+    "choice_jobs",
+    "openai_names",
+    "prepare_chat",
+    "room_left",
+    "submit_jobs",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +43,9 @@ class Job:
     echo: str | None
 
 
-def choice_jobs(tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int, echo: str | None) -> list[Job]:
+def choice_jobs(
+    tm: TokenizerManager, body: SamplingRequest, ids: list[int], max_tokens: int, echo: str | None
+) -> list[Job]:
     """One job per choice, validated against the server's limits first so that nothing is
     submitted for a request that will be refused."""
     jobs = [Job(ids, sampling, echo) for sampling in body.sampling(max_tokens)]
@@ -55,16 +65,27 @@ class ChatJobs:
     names: tuple[str, str]
 
 
-def prepare_chat(tm: TokenizerManager, template: ChatTemplate, body: ChatCompletionRequest) -> ChatJobs:
+def prepare_chat(
+    tm: TokenizerManager, template: ChatTemplate, body: ChatCompletionRequest
+) -> ChatJobs:
     """The tool plan, the constraint, the parsing, the rendered and tokenized prompt, and one
     job per choice. Raises RequestValidationError naming the field at fault, and
     ChatTemplateUnavailable when the template cannot run at all."""
     plan = body.tool_plan()
     constraint = body.chat_constraint(plan)
     reasoning = tm.config.reasoning_parser
-    parsing = ChatParsing(plan, tm.config.tool_call_parser, reasoning, body.enable_thinking()) if plan or reasoning else None
+    parsing = (
+        ChatParsing(plan, tm.config.tool_call_parser, reasoning, body.enable_thinking())
+        if plan or reasoning
+        else None
+    )
     special = tm.tokenizer.is_special_text if tm.tokenizer is not None else None
-    if parsing is not None and special is not None and body.skip_special_tokens is None and parsing.keeps_special_tokens(special):
+    if (
+        parsing is not None
+        and special is not None
+        and body.skip_special_tokens is None
+        and parsing.keeps_special_tokens(special)
+    ):
         # The parser must see its marker where that is a special token (as vLLM does for
         # Mistral's [TOOL_CALLS]); a request that says otherwise is obeyed.
         body.skip_special_tokens = False
@@ -86,7 +107,14 @@ def prepare_chat(tm: TokenizerManager, template: ChatTemplate, body: ChatComplet
         # vLLM's default is false: the template writes the BOS itself.
         ids = tm.checks.tokenize(prompt, None, add_special_tokens=bool(body.add_special_tokens))
         requested = body.requested_max_tokens()
-        ids = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, tm.context_length, requested or 0, max_param)
+        ids = truncate_prompt(
+            ids,
+            body.truncate_prompt_tokens,
+            body.truncation_side,
+            tm.context_length,
+            requested or 0,
+            max_param,
+        )
         max_tokens = requested or room_left(tm, len(ids))
         jobs = choice_jobs(tm, body, ids, max_tokens, None)
     return ChatJobs(jobs, constraint, parsing, ("messages", max_param))
@@ -109,7 +137,10 @@ def submit_jobs(
     trace = trace_context(request)
     bootstrap = body.bootstrap()
     if bootstrap is not None and len(jobs) > 1:
-        raise RequestValidationError("PD disaggregation takes one completion per request (one bootstrap room): n and the prompts must make 1", "n")
+        raise RequestValidationError(
+            "PD disaggregation takes one completion per request (one bootstrap room): n and the prompts must make 1",
+            "n",
+        )
     states: list[ReqState] = []
     logprobs = body.logprob_params()
     try:
@@ -163,7 +194,9 @@ def openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
         yield
     except ContextLengthError as exc:
         # vLLM's wording, which OpenAI clients recognise (the native one is SGLang's).
-        raise RequestValidationError(exc.openai_message(prompt_param, max_param), _openai_param(exc, prompt_param, max_param)) from exc
+        raise RequestValidationError(
+            exc.openai_message(prompt_param, max_param), _openai_param(exc, prompt_param, max_param)
+        ) from exc
     except OutOfVocabularyError as exc:
         raise RequestValidationError(exc.openai_message(prompt_param), prompt_param) from exc
     except RequestValidationError as exc:

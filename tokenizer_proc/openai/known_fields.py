@@ -59,7 +59,11 @@ def neutral(field: str, *values: object) -> Refusal:
     message that says what would be accepted."""
     shown = ", ".join(json.dumps(v) for v in values)
     accepted = f"send {shown} or null, or leave it out" if values else "send null or leave it out"
-    return (field, AsksUnlessNeutral(values), f"{field} is not supported by this server ({accepted})")
+    return (
+        field,
+        AsksUnlessNeutral(values),
+        f"{field} is not supported by this server ({accepted})",
+    )
 
 
 def refuse(obj: object, refusals: Sequence[Refusal], where: str = "") -> None:
@@ -78,5 +82,13 @@ def declare(base: type[S], refusals: Sequence[Refusal]) -> type[S]:
     extra = [(name, Any, None) for name, _, _ in refusals if name not in own]
     # defstruct is typed to return a Struct type; with bases=(base,) it is a subclass of base.
     return cast(
-        type[S], msgspec.defstruct(base.__name__, extra, bases=(base,), module=base.__module__, forbid_unknown_fields=True, kw_only=True)
+        type[S],
+        msgspec.defstruct(
+            base.__name__,
+            extra,
+            bases=(base,),
+            module=base.__module__,
+            forbid_unknown_fields=True,
+            kw_only=True,
+        ),
     )

@@ -22,6 +22,7 @@ from typing import Any
 from pipeline.token_texts import TokenText, TokenTextCache
 from tokenizer_proc.req_state import LogprobEntries
 
+
 class TokenIdText:
     """A token's text as ``token_id:N``: without a tokenizer (--skip-tokenizer-init), or
     asked with ``return_tokens_as_token_ids``. ``raw_of``: where the tokens' own bytes come
@@ -45,7 +46,11 @@ def openai_token_text(texts: TokenTextCache | None, as_token_ids: bool = False) 
 
 
 def completion_logprobs(
-    entries: LogprobEntries, ids: list[int], text_of: TokenText, offset: int = 0, top_n: int | None = None
+    entries: LogprobEntries,
+    ids: list[int],
+    text_of: TokenText,
+    offset: int = 0,
+    top_n: int | None = None,
 ) -> dict[str, Any]:
     """``offset``: the character offset of the first of ``ids`` in the choice's text (a
     stream chunk continues where the previous one ended)."""
@@ -58,10 +63,17 @@ def completion_logprobs(
         {**{text_of(t): lp for lp, t in entry[:top_n]}, token: chosen}
         for entry, token, chosen in zip(entries.top or [[] for _ in ids], tokens, entries.chosen)
     ]
-    return {"tokens": tokens, "token_logprobs": list(entries.chosen), "top_logprobs": top, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(entries.chosen),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
-def chat_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText, top_n: int | None = None) -> dict[str, Any]:
+def chat_logprobs(
+    entries: LogprobEntries, ids: list[int], text_of: TokenText, top_n: int | None = None
+) -> dict[str, Any]:
     def item(token: int, logprob: float) -> dict[str, Any]:
         text = text_of(token)
         return {"token": text, "logprob": logprob, "bytes": list(text_of.raw(token))}
@@ -76,15 +88,32 @@ def chat_logprobs(entries: LogprobEntries, ids: list[int], text_of: TokenText, t
 
 
 def echoed_completion_logprobs(
-    prompt_ids: list[int], prompt: LogprobEntries, entries: LogprobEntries, ids: list[int], text_of: TokenText, top_n: int | None = None
+    prompt_ids: list[int],
+    prompt: LogprobEntries,
+    entries: LogprobEntries,
+    ids: list[int],
+    text_of: TokenText,
+    top_n: int | None = None,
 ) -> dict[str, Any]:
     """``echo``: the prompt's tokens first (the first one's logprob and top entry null, as
     OpenAI's), then the completion's, the text offsets running through both."""
-    head = completion_logprobs(prompt, prompt_ids[1:], text_of, len(text_of(prompt_ids[0])) if prompt_ids else 0, top_n)
-    tail = completion_logprobs(entries, ids, text_of, sum(len(text_of(t)) for t in prompt_ids), top_n)
+    head = completion_logprobs(
+        prompt, prompt_ids[1:], text_of, len(text_of(prompt_ids[0])) if prompt_ids else 0, top_n
+    )
+    tail = completion_logprobs(
+        entries, ids, text_of, sum(len(text_of(t)) for t in prompt_ids), top_n
+    )
     first: dict[str, Any] = (
-        {"tokens": [text_of(prompt_ids[0])], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        {
+            "tokens": [text_of(prompt_ids[0])],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [0],
+        }
         if prompt_ids
         else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     )
-    return {key: first[key] + head[key] + tail[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    return {
+        key: first[key] + head[key] + tail[key]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }

@@ -19,7 +19,9 @@ class ImageURLPart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unk
     image_url: Any
 
 
-class InputAudioPart(msgspec.Struct, tag_field="type", tag="input_audio", forbid_unknown_fields=True):
+class InputAudioPart(
+    msgspec.Struct, tag_field="type", tag="input_audio", forbid_unknown_fields=True
+):
     input_audio: Any
 
 
@@ -68,7 +70,8 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             out["name"] = self.name
         if self.tool_calls is not None:
             out["tool_calls"] = [
-                _template_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(self.tool_calls)
+                _template_tool_call(call, f"{where}.tool_calls[{j}]")
+                for j, call in enumerate(self.tool_calls)
             ]
         if self.role == "tool":
             out["tool_call_id"] = self.tool_call_id
@@ -76,13 +79,21 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def _refuse_unsupported(self, where: str) -> None:
         if self.role == "function" or self.function_call is not None:
-            raise RequestValidationError(f"{where}: function calls are not supported by this server (use tool calls)", where)
+            raise RequestValidationError(
+                f"{where}: function calls are not supported by this server (use tool calls)", where
+            )
         if self.audio is not None:
-            raise RequestValidationError(f"{where}: audio is not supported by this server", f"{where}.audio")
+            raise RequestValidationError(
+                f"{where}: audio is not supported by this server", f"{where}.audio"
+            )
         if self.tool_calls is not None and self.role != "assistant":
-            raise RequestValidationError(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+            raise RequestValidationError(
+                f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls"
+            )
         if self.role == "tool" and self.tool_call_id is None:
-            raise RequestValidationError(f"{where}.tool_call_id is required on tool messages", f"{where}.tool_call_id")
+            raise RequestValidationError(
+                f"{where}.tool_call_id is required on tool messages", f"{where}.tool_call_id"
+            )
 
     def _text(self, where: str) -> str:
         if self.content is None:
@@ -113,4 +124,8 @@ def _template_tool_call(call: ToolCall, where: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         message = f"{where}.function.arguments is not valid JSON: {exc}"
         raise RequestValidationError(message, f"{where}.function.arguments") from exc
-    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+    return {
+        "id": call.id,
+        "type": call.type,
+        "function": {"name": call.function.name, "arguments": arguments},
+    }

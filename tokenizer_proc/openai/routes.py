@@ -53,7 +53,14 @@ from tokenizer_proc.http.common import (
 )
 from tokenizer_proc.openai.chat_parsing import ChatParsing
 from tokenizer_proc.openai.chat_answers import parse_choice
-from tokenizer_proc.openai.jobs import Job, choice_jobs, openai_names, prepare_chat, room_left, submit_jobs
+from tokenizer_proc.openai.jobs import (
+    Job,
+    choice_jobs,
+    openai_names,
+    prepare_chat,
+    room_left,
+    submit_jobs,
+)
 from tokenizer_proc.openai.logprobs import openai_token_text
 from tokenizer_proc.openai.vllm_extras import truncate_prompt
 from tokenizer_proc.openai.schema import (
@@ -109,7 +116,9 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         constraint = body.constraint()
         prompts = body.prompts()
         if len(prompts) * body.choices > MAX_CHOICES:
-            raise RequestValidationError(f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n")
+            raise RequestValidationError(
+                f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n"
+            )
         # vLLM's default: a text prompt gets the tokenizer's special tokens (a Llama BOS).
         add_special_tokens = body.add_special_tokens is not False
         jobs: list[Job] = []
@@ -119,12 +128,23 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
                     ids = tm.checks.tokenize(prompt, None, add_special_tokens=add_special_tokens)
                 else:
                     ids = tm.checks.tokenize(None, prompt, add_special_tokens=add_special_tokens)
-                kept = truncate_prompt(ids, body.truncate_prompt_tokens, body.truncation_side, tm.context_length, body.max_output(), "max_tokens")
+                kept = truncate_prompt(
+                    ids,
+                    body.truncate_prompt_tokens,
+                    body.truncation_side,
+                    tm.context_length,
+                    body.max_output(),
+                    "max_tokens",
+                )
                 # A truncated prompt echoes what is left of it, the tokens its logprobs are of.
                 echo = _echo_text(tm, prompt if kept is ids else kept) if body.echo else None
                 ids = kept
-                jobs.extend(choice_jobs(tm, body, ids, _completion_max_tokens(tm, body, len(ids)), echo))
-        return await _respond(tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint)
+                jobs.extend(
+                    choice_jobs(tm, body, ids, _completion_max_tokens(tm, body, len(ids)), echo)
+                )
+        return await _respond(
+            tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint
+        )
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -134,12 +154,17 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         if body.model is not None and body.model != tm.model_name:
             return model_not_found(body.model)
         if template is None:
-            raise without_tokenizer("chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate", "messages")
+            raise without_tokenizer(
+                "chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate",
+                "messages",
+            )
         try:
             chat = prepare_chat(tm, template, body)
         except ChatTemplateUnavailable as exc:
             return error_response(500, str(exc), err_type="internal_error")
-        return await _respond(tm, request, CHAT, body, chat.jobs, arrived, chat.names, chat.constraint, chat.parsing)
+        return await _respond(
+            tm, request, CHAT, body, chat.jobs, arrived, chat.names, chat.constraint, chat.parsing
+        )
 
     return router
 
@@ -159,7 +184,9 @@ def _echo_text(tm: TokenizerManager, prompt: str | list[int]) -> str:
     text is then."""
     if isinstance(prompt, str):
         return prompt
-    return tm.tokenizer.decode(prompt, skip_special_tokens=False) if tm.tokenizer is not None else ""
+    return (
+        tm.tokenizer.decode(prompt, skip_special_tokens=False) if tm.tokenizer is not None else ""
+    )
 
 
 async def _respond(
@@ -178,16 +205,27 @@ async def _respond(
     a chat answer splits into reasoning, content and tool calls (None: all content)."""
     response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
     extras = body.extras()
-    states = submit_jobs(tm, request, body, jobs, response_id, arrived, kind.operation, names, constraint, kind.route)
-    head = {"id": response_id, "object": kind.object, "created": int(arrived), "model": tm.model_name}
+    states = submit_jobs(
+        tm, request, body, jobs, response_id, arrived, kind.operation, names, constraint, kind.route
+    )
+    head = {
+        "id": response_id,
+        "object": kind.object,
+        "created": int(arrived),
+        "model": tm.model_name,
+    }
     try:
         # Until every choice has started, so one refused choice answers for the request
         # (with the others aborted) before a stream's 200 or a long wait for the others.
         refused_state = await wait_started(tm, states, request)
         if refused_state is None and body.streaming:
             head["object"] = kind.chunk_object
-            usage = StreamUsage(body.choices, body.include_usage, body.include_usage and body.continuous_usage)
-            on_stream = tm.metrics.requests.on_sse_stream if tm.metrics is not None else None  # tokenpipe:sse_streams_total
+            usage = StreamUsage(
+                body.choices, body.include_usage, body.include_usage and body.continuous_usage
+            )
+            on_stream = (
+                tm.metrics.requests.on_sse_stream if tm.metrics is not None else None
+            )  # tokenpipe:sse_streams_total
             events = ChoiceEvents(tm, kind, states, head, usage, parsing, extras)
             return SseResponse(events, tm.call_after_frame, on_stream)
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
@@ -203,12 +241,18 @@ async def _respond(
             return refused
     ids_out = tm.tokenizer is None
     text_of, texts = openai_token_text(tm.token_texts, extras.token_id_texts), tm.token_texts
-    choices = [with_ids(kind.choice(i, s, text_of, extras, texts), s.output_ids, ids_out) for i, s in enumerate(states)]
+    choices = [
+        with_ids(kind.choice(i, s, text_of, extras, texts), s.output_ids, ids_out)
+        for i, s in enumerate(states)
+    ]
     totals = request_usage(states, body.choices)
     if parsing is not None:
         reasoning_tokens = sum(
-            parse_choice(tm, parsing, choice, state, extras.role, extras.echo) for choice, state in zip(choices, states, strict=True)
+            parse_choice(tm, parsing, choice, state, extras.role, extras.echo)
+            for choice, state in zip(choices, states, strict=True)
         )
         if parsing.reasoning is not None:
             totals["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return JSONResponse({**head, "choices": choices, "usage": totals, **kind.response_fields(states, extras, texts)})
+    return JSONResponse(
+        {**head, "choices": choices, "usage": totals, **kind.response_fields(states, extras, texts)}
+    )

@@ -156,7 +156,9 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         )
 
     def bootstrap(self) -> Bootstrap | None:
-        return bootstrap_of(self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port)
+        return bootstrap_of(
+            self.bootstrap_room, self.bootstrap_endpoint, self.bootstrap_host, self.bootstrap_port
+        )
 
     @property
     def choices(self) -> int:
@@ -179,7 +181,9 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         server does not have."""
         refuse(self, COMMON_REFUSED + self._REFUSED)
         if self.stream_options is not None and not self.stream:
-            raise RequestValidationError("stream_options is only allowed when stream is true", "stream_options")
+            raise RequestValidationError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         if self.top_k == 0:
             raise RequestValidationError("top_k must be -1 (off) or at least 1", "top_k")
         check_prompt_logprobs(self.prompt_logprobs, self.streaming)
@@ -200,7 +204,9 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             stop=tuple(stop),
             ignore_eos=bool(self.ignore_eos),
-            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            skip_special_tokens=True
+            if self.skip_special_tokens is None
+            else self.skip_special_tokens,
             no_stop_trim=bool(self.no_stop_trim),
             min_p=self.min_p or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -290,7 +296,11 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("suffix", bool, "suffix (insertion) is not supported by this server"),
-        ("best_of", lambda v: v is not None and v != 1, "best_of is not supported by this server (use n)"),
+        (
+            "best_of",
+            lambda v: v is not None and v != 1,
+            "best_of is not supported by this server (use n)",
+        ),
     ) + _neutrals(("prompt_embeds", ()))
 
     DEFAULT_MAX_TOKENS: ClassVar[int] = 16
@@ -300,12 +310,18 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
         if self.max_tokens == 0 and not self.echo:
             # With echo, 0 scores the prompt (its logprobs, no completion), as OpenAI's legacy
             # API and vLLM allow; without it there would be nothing to answer.
-            raise RequestValidationError("max_tokens 0 is only allowed with echo: true", "max_tokens")
+            raise RequestValidationError(
+                "max_tokens 0 is only allowed with echo: true", "max_tokens"
+            )
 
     def extras(self) -> AnswerExtras:
         """vLLM's: an echo with logprobs lists the prompt's logprobs too, with the same top
         count, unless ``prompt_logprobs`` says otherwise; a stream never lists them."""
-        prompt_top = self.prompt_logprobs if self.prompt_logprobs is not None else (self.logprobs if self.echo else None)
+        prompt_top = (
+            self.prompt_logprobs
+            if self.prompt_logprobs is not None
+            else (self.logprobs if self.echo else None)
+        )
         return AnswerExtras(
             output_top=self.logprobs,
             prompt_top=None if self.streaming else prompt_top,
@@ -316,7 +332,9 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
     def logprob_params(self) -> LogprobParams | None:
         """With ``echo`` and ``logprobs`` the prompt's logprobs too (from position 0, whose is
         null), as with ``prompt_logprobs``."""
-        return self.extras().logprob_params(echo_prompt=bool(self.echo) and self.logprobs is not None)
+        return self.extras().logprob_params(
+            echo_prompt=bool(self.echo) and self.logprobs is not None
+        )
 
     def max_output(self) -> int:
         """The output the request asks room for, as vLLM's truncation counts it."""
@@ -378,10 +396,22 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
         ("functions", bool, "functions (function calling) are not supported by this server"),
-        ("function_call", lambda v: v not in (None, "none"), "function_call is not supported by this server"),
-        ("modalities", lambda v: v is not None and "audio" in v, "audio output is not supported by this server"),
+        (
+            "function_call",
+            lambda v: v not in (None, "none"),
+            "function_call is not supported by this server",
+        ),
+        (
+            "modalities",
+            lambda v: v is not None and "audio" in v,
+            "audio output is not supported by this server",
+        ),
         ("audio", lambda v: v is not None, "audio output is not supported by this server"),
-        ("web_search_options", lambda v: v is not None, "web search is not supported by this server"),
+        (
+            "web_search_options",
+            lambda v: v is not None,
+            "web search is not supported by this server",
+        ),
     ) + _neutrals(
         # SGLang
         ("return_prompt_token_ids", (False,)),
@@ -406,7 +436,8 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         if self.continue_final_message and self.add_generation_prompt is not False:
             # vLLM's words; add_generation_prompt is true unless sent false.
             raise RequestValidationError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "continue_final_message"
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
             )
 
     def extras(self) -> AnswerExtras:
@@ -416,10 +447,18 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
         when its role is the answer's."""
         if self.top_logprobs and not self.logprobs:
             raise RequestValidationError("top_logprobs needs logprobs: true", "top_logprobs")
-        prompt_top = self.prompt_logprobs if self.prompt_logprobs is not None else ((self.top_logprobs or 0) if self.echo else None)
+        prompt_top = (
+            self.prompt_logprobs
+            if self.prompt_logprobs is not None
+            else ((self.top_logprobs or 0) if self.echo else None)
+        )
         last = self.messages[-1]
         role = "assistant" if self.add_generation_prompt is not False else last.role
-        echo = last.to_template(len(self.messages) - 1)["content"] if self.echo and last.role == role else ""
+        echo = (
+            last.to_template(len(self.messages) - 1)["content"]
+            if self.echo and last.role == role
+            else ""
+        )
         return AnswerExtras(
             output_top=(self.top_logprobs or 0) if self.logprobs else None,
             prompt_top=None if self.streaming else prompt_top,
@@ -432,7 +471,11 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over ``max_tokens`` (deprecated);
         None when neither is given."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

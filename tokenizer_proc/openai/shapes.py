@@ -29,7 +29,11 @@ from typing import Any
 
 from pipeline.io_struct import FinishAbort, FinishLength, FinishStop, RequestOutputStats
 from pipeline.token_texts import TokenText
-from tokenizer_proc.openai.logprobs import chat_logprobs, completion_logprobs, echoed_completion_logprobs
+from tokenizer_proc.openai.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_completion_logprobs,
+)
 from tokenizer_proc.openai.vllm_extras import AnswerExtras, prompt_logprobs_entries
 from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
 from tokenizer_proc.http.sse_events import Hole
@@ -48,13 +52,24 @@ class CompletionShape:
 
     @staticmethod
     def choice(
-        index: int, state: ReqState, text_of: TokenText, extras: AnswerExtras = NO_EXTRAS, texts: TokenText | None = None
+        index: int,
+        state: ReqState,
+        text_of: TokenText,
+        extras: AnswerExtras = NO_EXTRAS,
+        texts: TokenText | None = None,
     ) -> dict[str, Any]:
         """``texts``: the tokens' own texts, for prompt logprobs (None: no tokenizer)."""
         top = extras.output_top
         logprobs = None
         if top is not None and state.echo is not None:
-            logprobs = echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, state.logprobs, state.output_ids, text_of, top)
+            logprobs = echoed_completion_logprobs(
+                state.prompt_ids,
+                state.prompt_logprobs,
+                state.logprobs,
+                state.output_ids,
+                text_of,
+                top,
+            )
         elif top is not None:
             logprobs = completion_logprobs(state.logprobs, state.output_ids, text_of, top_n=top)
         out = {
@@ -73,7 +88,9 @@ class CompletionShape:
         return out
 
     @staticmethod
-    def response_fields(states: list[ReqState], extras: AnswerExtras, texts: TokenText | None) -> dict[str, Any]:
+    def response_fields(
+        states: list[ReqState], extras: AnswerExtras, texts: TokenText | None
+    ) -> dict[str, Any]:
         return {}  # its prompt_logprobs are on its choices
 
     @staticmethod
@@ -90,7 +107,13 @@ class CompletionShape:
         matched_stop: int | str | None = None,
     ) -> dict[str, Any]:
         """``matched_stop`` goes on the finishing chunk only (``finish_reason`` set)."""
-        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        out = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
         return _with_matched_stop(out, finish_reason, matched_stop)
 
     @staticmethod
@@ -101,13 +124,19 @@ class CompletionShape:
 
     @staticmethod
     def chunk_logprobs(
-        chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None, top: int | None = None
+        chunk: StreamChunk,
+        text_of: TokenText,
+        offset: int,
+        state: ReqState | None = None,
+        top: int | None = None,
     ) -> dict[str, Any]:
         """``state``: on a choice's first chunk, whose logprobs lead with the echoed prompt's.
         ``top``: the top entries shown per token."""
         entries = chunk.logprobs or LogprobEntries()
         if state is not None and state.echo is not None:
-            return echoed_completion_logprobs(state.prompt_ids, state.prompt_logprobs, entries, chunk.ids, text_of, top)
+            return echoed_completion_logprobs(
+                state.prompt_ids, state.prompt_logprobs, entries, chunk.ids, text_of, top
+            )
         return completion_logprobs(entries, chunk.ids, text_of, offset, top)
 
 
@@ -120,13 +149,19 @@ class ChatShape:
 
     @staticmethod
     def choice(
-        index: int, state: ReqState, text_of: TokenText, extras: AnswerExtras = NO_EXTRAS, texts: TokenText | None = None
+        index: int,
+        state: ReqState,
+        text_of: TokenText,
+        extras: AnswerExtras = NO_EXTRAS,
+        texts: TokenText | None = None,
     ) -> dict[str, Any]:
         top = extras.output_top
         out = {
             "index": index,
             "message": {"role": extras.role, "content": extras.echo + state.text},
-            "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of, top) if top is not None else None,
+            "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of, top)
+            if top is not None
+            else None,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
             "matched_stop": matched_stop_of(state),
@@ -136,7 +171,9 @@ class ChatShape:
         return out
 
     @staticmethod
-    def response_fields(states: list[ReqState], extras: AnswerExtras, texts: TokenText | None) -> dict[str, Any]:
+    def response_fields(
+        states: list[ReqState], extras: AnswerExtras, texts: TokenText | None
+    ) -> dict[str, Any]:
         """After ``usage``, as vLLM's: the prompt's logprobs (one prompt for every choice)
         and, asked, its ids."""
         out: dict[str, Any] = {"prompt_logprobs": prompt_logprobs_of(states[0], extras, texts)}
@@ -147,7 +184,13 @@ class ChatShape:
     @staticmethod
     def opening(index: int, role: str = "assistant") -> dict[str, Any] | None:
         """OpenAI's first chunk of each choice names the role."""
-        return {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        return {
+            "index": index,
+            "delta": {"role": role, "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
 
     @staticmethod
     def delta(
@@ -173,7 +216,11 @@ class ChatShape:
 
     @staticmethod
     def chunk_logprobs(
-        chunk: StreamChunk, text_of: TokenText, offset: int, state: ReqState | None = None, top: int | None = None
+        chunk: StreamChunk,
+        text_of: TokenText,
+        offset: int,
+        state: ReqState | None = None,
+        top: int | None = None,
     ) -> dict[str, Any]:
         return chat_logprobs(chunk.logprobs or LogprobEntries(), chunk.ids, text_of, top)
 
@@ -206,7 +253,9 @@ def matched_stop_of(state: ReqState) -> int | str | None:
     return reason.matched if isinstance(reason, FinishStop) else None
 
 
-def _with_matched_stop(chunk: dict[str, Any], finish_reason: str | None, matched_stop: int | str | None) -> dict[str, Any]:
+def _with_matched_stop(
+    chunk: dict[str, Any], finish_reason: str | None, matched_stop: int | str | None
+) -> dict[str, Any]:
     """A stream chunk, with ``matched_stop`` when it is the choice's finishing one (as
     SGLang's final chunk carries it); the content chunks before it stay as they were."""
     if finish_reason is not None:
@@ -214,11 +263,15 @@ def _with_matched_stop(chunk: dict[str, Any], finish_reason: str | None, matched
     return chunk
 
 
-def prompt_logprobs_of(state: ReqState, extras: AnswerExtras, texts: TokenText | None) -> list[dict[str, Any] | None] | None:
+def prompt_logprobs_of(
+    state: ReqState, extras: AnswerExtras, texts: TokenText | None
+) -> list[dict[str, Any] | None] | None:
     """A choice's ``prompt_logprobs``: null unless asked."""
     if extras.prompt_top is None:
         return None
-    return prompt_logprobs_entries(state.prompt_ids, state.prompt_logprobs, extras.prompt_top, texts)
+    return prompt_logprobs_entries(
+        state.prompt_ids, state.prompt_logprobs, extras.prompt_top, texts
+    )
 
 
 def with_ids(choice: dict[str, Any], ids: list[int], ids_out: bool) -> dict[str, Any]:

@@ -16,7 +16,16 @@ from tokenizer_proc.http.common import abort_unfinished, refusal
 from tokenizer_proc.openai.chat_answers import finish_parsed
 from tokenizer_proc.openai.chat_parsing import ChatParsing, delta_fields
 from tokenizer_proc.openai.logprobs import openai_token_text
-from tokenizer_proc.openai.shapes import NO_EXTRAS, CompletionShape, Shape, finish_reason_of, matched_stop_of, request_usage, stop_reason_of, with_ids
+from tokenizer_proc.openai.shapes import (
+    NO_EXTRAS,
+    CompletionShape,
+    Shape,
+    finish_reason_of,
+    matched_stop_of,
+    request_usage,
+    stop_reason_of,
+    with_ids,
+)
 from tokenizer_proc.openai.vllm_extras import AnswerExtras
 from tokenizer_proc.req_state import ReqState, StreamChunk
 from tokenizer_proc.http.sse_events import EventTemplate, Hole, TemplateError, sse
@@ -85,12 +94,21 @@ class ChoiceEvents:
         self._ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
         self._text_of = openai_token_text(tm.token_texts, extras.token_id_texts)
         self._top = extras.output_top  # None: no output logprobs shown
-        self._offsets = [0] * len(states)  # each choice's text offset so far (completions' logprobs)
+        self._offsets = [0] * len(
+            states
+        )  # each choice's text offset so far (completions' logprobs)
         self._leading = [True] * len(states)  # a choice's first chunk: an echo goes on it
         # Per choice: the stats its template was made for (continuous usage), and the template.
-        self._templates: list[tuple[RequestOutputStats | None, EventTemplate | None] | None] = [None] * len(states)
+        self._templates: list[tuple[RequestOutputStats | None, EventTemplate | None] | None] = [
+            None
+        ] * len(states)
         # Every content chunk before a choice's finish is its template filled in.
-        shows_more = self._ids_out or extras.token_ids or self._top is not None or any(s.echo is not None for s in states)
+        shows_more = (
+            self._ids_out
+            or extras.token_ids
+            or self._top is not None
+            or any(s.echo is not None for s in states)
+        )
         self._plain = parsing is None and not shows_more
         # A chat answer read for reasoning and tool calls: one splitter per choice, and each
         # choice's reasoning tokens once it has finished.
@@ -107,9 +125,16 @@ class ChoiceEvents:
             opening = self._kind.opening(index, extras.role)
             if opening is not None:
                 ids = {"prompt_token_ids": state.prompt_ids} if extras.token_ids else {}
-                out += sse({**head, "choices": [opening], **usage.on_chunk(state.request_stats, 0), **ids})
+                out += sse(
+                    {**head, "choices": [opening], **usage.on_chunk(state.request_stats, 0), **ids}
+                )
         for index, state in enumerate(self.states if extras.echo else ()):
-            echo = {"index": index, "delta": {"content": extras.echo}, "logprobs": None, "finish_reason": None}
+            echo = {
+                "index": index,
+                "delta": {"content": extras.echo},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             out += sse({**head, "choices": [echo], **usage.on_chunk(state.request_stats, 0)})
         return out
 
@@ -121,7 +146,9 @@ class ChoiceEvents:
             for chunk in chunks:
                 template = self._template(index, chunk.stats)
                 if template is None:
-                    state.pending[:0] = chunks  # a hole's marker in the model name: encoded whole below
+                    state.pending[:0] = (
+                        chunks  # a hole's marker in the model name: encoded whole below
+                    )
                     break
                 if chunk.text:  # ids that decode to no text yet are nothing to show
                     out.append(self._filled(template, chunk))
@@ -154,12 +181,28 @@ class ChoiceEvents:
             text = kind.echoed_text(state, self._extras) + chunk.text if lead else chunk.text
             logprobs = None
             if self._top is not None:
-                logprobs = kind.chunk_logprobs(chunk, text_of, self._offsets[index], state if lead else None, self._top)
+                logprobs = kind.chunk_logprobs(
+                    chunk, text_of, self._offsets[index], state if lead else None, self._top
+                )
                 echoed = state.prompt_ids if lead and state.echo is not None else []
                 self._offsets[index] += sum(len(text_of(t)) for t in echoed + chunk.ids)
-            delta = with_ids(kind.delta(index, text, final, stop_reason if last else None, logprobs, matched_stop), chunk.ids, ids_out)
+            delta = with_ids(
+                kind.delta(
+                    index, text, final, stop_reason if last else None, logprobs, matched_stop
+                ),
+                chunk.ids,
+                ids_out,
+            )
             self._add_ids(delta, state, chunk, lead)
-            out.append(sse({**self._head, "choices": [delta], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
+            out.append(
+                sse(
+                    {
+                        **self._head,
+                        "choices": [delta],
+                        **self._usage.on_chunk(chunk.stats, chunk.completion_tokens),
+                    }
+                )
+            )
         return b"".join(out)
 
     def _parsed_events(self, index: int, parsing: ChatParsing, state: ReqState) -> bytes:
@@ -175,9 +218,20 @@ class ChoiceEvents:
             final = None
             if i == len(chunks) - 1 and reason is not None:
                 delta += splitter.finish()
-                final, self._reasoning_tokens[index] = finish_parsed(self._tm, parsing, splitter, state, reason)
-            logprobs = self._kind.chunk_logprobs(chunk, self._text_of, 0, top=self._top) if self._top is not None and chunk.ids else None
-            if delta.empty and final is None and logprobs is None and not (self._extras.token_ids and chunk.ids):
+                final, self._reasoning_tokens[index] = finish_parsed(
+                    self._tm, parsing, splitter, state, reason
+                )
+            logprobs = (
+                self._kind.chunk_logprobs(chunk, self._text_of, 0, top=self._top)
+                if self._top is not None and chunk.ids
+                else None
+            )
+            if (
+                delta.empty
+                and final is None
+                and logprobs is None
+                and not (self._extras.token_ids and chunk.ids)
+            ):
                 continue
             choice = {
                 "index": index,
@@ -189,10 +243,20 @@ class ChoiceEvents:
             if final is not None:  # SGLang's, on the finishing chunk (shapes' module docstring)
                 choice["matched_stop"] = matched_stop_of(state)
             self._add_ids(choice, state, chunk, lead=False)
-            out.append(sse({**self._head, "choices": [choice], **self._usage.on_chunk(chunk.stats, chunk.completion_tokens)}))
+            out.append(
+                sse(
+                    {
+                        **self._head,
+                        "choices": [choice],
+                        **self._usage.on_chunk(chunk.stats, chunk.completion_tokens),
+                    }
+                )
+            )
         return b"".join(out)
 
-    def _add_ids(self, choice: dict[str, Any], state: ReqState, chunk: StreamChunk, lead: bool) -> None:
+    def _add_ids(
+        self, choice: dict[str, Any], state: ReqState, chunk: StreamChunk, lead: bool
+    ) -> None:
         """``return_token_ids``: a chunk's own ids, and on a completion choice's first chunk
         the prompt's before them (vLLM's order; chat sends the prompt's on its role chunk)."""
         if not self._extras.token_ids:
@@ -220,7 +284,9 @@ class ChoiceEvents:
                 "prompt_tokens_details": {"cached_tokens": min(prompt, stats.cached_tokens)},
             }}  # fmt: skip
         else:
-            usage = self._usage.on_chunk(None, 0)  # the same for every chunk: {"usage": null} or nothing
+            usage = self._usage.on_chunk(
+                None, 0
+            )  # the same for every chunk: {"usage": null} or nothing
         payload = {**self._head, "choices": [self._kind.delta(index, _TEXT, None, None)], **usage}
         try:
             template = EventTemplate(payload)

@@ -31,7 +31,14 @@ import msgspec
 from pipeline.io_struct import Constraint
 from tokenizer_proc.request_errors import RequestValidationError
 
-__all__ = ["ChatTool", "FunctionDefinition", "NamedToolChoice", "ToolChoice", "ToolPlan", "plan_tools"]
+__all__ = [
+    "ChatTool",
+    "FunctionDefinition",
+    "NamedToolChoice",
+    "ToolChoice",
+    "ToolPlan",
+    "plan_tools",
+]
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -88,15 +95,21 @@ class ToolPlan:
     constraint: Constraint | None = None
 
 
-def plan_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool | None) -> ToolPlan | None:
+def plan_tools(
+    tools: list[ChatTool] | None, tool_choice: ToolChoice | None, parallel_tool_calls: bool | None
+) -> ToolPlan | None:
     """The request's ``ToolPlan``; None when it gives no tools (and ``tool_choice`` is absent
     or ``"none"``). Raises RequestValidationError naming the field at fault."""
     if tools is None:
         if tool_choice is not None and tool_choice != "none":
-            raise RequestValidationError("tool_choice needs tools: give the functions the model may call", "tool_choice")
+            raise RequestValidationError(
+                "tool_choice needs tools: give the functions the model may call", "tool_choice"
+            )
         return None
     if not tools:
-        raise RequestValidationError("tools must hold at least one tool (leave tools out for none)", "tools")
+        raise RequestValidationError(
+            "tools must hold at least one tool (leave tools out for none)", "tools"
+        )
     parameters = _checked_parameters(tools)
     names = frozenset(parameters)
     template_tools = [tool.to_template() for tool in tools]
@@ -106,15 +119,24 @@ def plan_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None, par
         return ToolPlan("none", names, template_tools)
     if tool_choice == "required":
         schema = _calls_schema(parameters, one=parallel_tool_calls is False)
-        return ToolPlan("required", names, template_tools, constraint=_schema_constraint(schema, "tools"))
+        return ToolPlan(
+            "required", names, template_tools, constraint=_schema_constraint(schema, "tools")
+        )
     name = tool_choice.function.name
     if name not in parameters:
         raise RequestValidationError(
-            f"tool_choice names the function {name!r}, which is not in tools ({', '.join(sorted(names))})", "tool_choice.function.name"
+            f"tool_choice names the function {name!r}, which is not in tools ({', '.join(sorted(names))})",
+            "tool_choice.function.name",
         )
     index = next(i for i, tool in enumerate(tools) if tool.function.name == name)
     schema = parameters[name]
-    return ToolPlan("named", names, template_tools, named=name, constraint=_schema_constraint(schema, f"tools[{index}].function.parameters"))
+    return ToolPlan(
+        "named",
+        names,
+        template_tools,
+        named=name,
+        constraint=_schema_constraint(schema, f"tools[{index}].function.parameters"),
+    )
 
 
 def _checked_parameters(tools: list[ChatTool]) -> dict[str, dict[str, Any]]:
@@ -126,10 +148,13 @@ def _checked_parameters(tools: list[ChatTool]) -> dict[str, dict[str, Any]]:
         name = tool.function.name
         if _NAME.fullmatch(name) is None:
             raise RequestValidationError(
-                f"{where}.name {name!r} must be 1 to 64 letters, digits, underscores or dashes", f"{where}.name"
+                f"{where}.name {name!r} must be 1 to 64 letters, digits, underscores or dashes",
+                f"{where}.name",
             )
         if name in out:
-            raise RequestValidationError(f"{where}.name {name!r} is given twice: tool names must be unique", f"{where}.name")
+            raise RequestValidationError(
+                f"{where}.name {name!r} is given twice: tool names must be unique", f"{where}.name"
+            )
         schema = tool.function.parameters
         if schema is not None and schema.get("type", "object") != "object":
             raise RequestValidationError(
@@ -152,7 +177,11 @@ def _calls_schema(parameters: dict[str, dict[str, Any]], one: bool) -> dict[str,
         }
         for name, schema in parameters.items()
     ]
-    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    array: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+    }
     if one:
         array["maxItems"] = 1
     return array

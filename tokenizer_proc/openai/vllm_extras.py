@@ -69,8 +69,12 @@ class AnswerExtras:
         prompt = echo_prompt or self.prompt_top is not None
         if self.output_top is None and not prompt:
             return None
-        top = max(self.output_top or 0, self.prompt_top or 0, 1 if self.prompt_top is not None else 0)
-        return LogprobParams(top_logprobs_num=top, logprob_start_len=0 if prompt else -1, return_text=True)
+        top = max(
+            self.output_top or 0, self.prompt_top or 0, 1 if self.prompt_top is not None else 0
+        )
+        return LogprobParams(
+            top_logprobs_num=top, logprob_start_len=0 if prompt else -1, return_text=True
+        )
 
 
 def check_prompt_logprobs(value: int | None, streaming: bool) -> None:
@@ -79,22 +83,37 @@ def check_prompt_logprobs(value: int | None, streaming: bool) -> None:
     if value is None:
         return
     if value < -1:
-        raise RequestValidationError("prompt_logprobs must be a positive value or -1", "prompt_logprobs")
+        raise RequestValidationError(
+            "prompt_logprobs must be a positive value or -1", "prompt_logprobs"
+        )
     if streaming and value != 0:
-        raise RequestValidationError("prompt_logprobs are not available when stream=True", "prompt_logprobs")
+        raise RequestValidationError(
+            "prompt_logprobs are not available when stream=True", "prompt_logprobs"
+        )
     if value == -1 or value > MAX_PROMPT_LOGPROBS:
         shown = "the vocabulary size" if value == -1 else str(value)
         raise RequestValidationError(
-            f"Requested prompt logprobs of {shown}, which is greater than max allowed: {MAX_PROMPT_LOGPROBS}", "prompt_logprobs"
+            f"Requested prompt logprobs of {shown}, which is greater than max allowed: {MAX_PROMPT_LOGPROBS}",
+            "prompt_logprobs",
         )
 
 
 def check_truncation(value: int | None) -> None:
     if value == 0:
-        raise RequestValidationError("truncate_prompt_tokens must be at least 1, or -1 (as much as fits)", "truncate_prompt_tokens")
+        raise RequestValidationError(
+            "truncate_prompt_tokens must be at least 1, or -1 (as much as fits)",
+            "truncate_prompt_tokens",
+        )
 
 
-def truncate_prompt(ids: list[int], keep: int | None, side: str | None, context_length: int, max_output: int, max_param: str) -> list[int]:
+def truncate_prompt(
+    ids: list[int],
+    keep: int | None,
+    side: str | None,
+    context_length: int,
+    max_output: int,
+    max_param: str,
+) -> list[int]:
     """The prompt ``truncate_prompt_tokens`` leaves: its last ``keep`` tokens (its first with
     ``truncation_side`` "right"); -1 keeps what the context leaves after ``max_output``
     (the requested output, 0 when none is). More than that is a 400, as in vLLM."""
@@ -114,14 +133,20 @@ def truncate_prompt(ids: list[int], keep: int | None, side: str | None, context_
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
-def prompt_logprobs_entries(prompt_ids: list[int], entries: LogprobEntries, top: int, text_of: TokenText | None) -> list[dict[str, Any] | None]:
+def prompt_logprobs_entries(
+    prompt_ids: list[int], entries: LogprobEntries, top: int, text_of: TokenText | None
+) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: null for position 0, then per position the prompt token's
     entry first and the ``top`` most likely tokens' after it (a prompt token among them is
     listed once, with its place in the top as its rank). ``text_of`` None: no tokenizer, the
     decoded tokens are null."""
 
     def entry(logprob: float, rank: int | None, token: int) -> dict[str, Any]:
-        return {"logprob": max(logprob, _FLOOR), "rank": rank, "decoded_token": text_of(token) if text_of is not None else None}
+        return {
+            "logprob": max(logprob, _FLOOR),
+            "rank": rank,
+            "decoded_token": text_of(token) if text_of is not None else None,
+        }
 
     out: list[dict[str, Any] | None] = [None] if prompt_ids else []
     tops = entries.top or [[] for _ in entries.chosen]

@@ -26,7 +26,9 @@ class RequiredCallsParser:
 
     __slots__ = ("_array",)
 
-    def __init__(self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id
+    ) -> None:
         self._array = MistralToolParser(tool_names, call_ids)
         opened = self._array.feed(MARKER)
         assert opened == _NOTHING, "the marker alone is held back, never content"

@@ -166,7 +166,9 @@ class DeltaSink:
         """The header of the next call; returns its index."""
         index = self._calls
         self._calls += 1
-        self._deltas.append(ToolCallDelta(index=index, id=self._call_ids(), name=name, arguments=""))
+        self._deltas.append(
+            ToolCallDelta(index=index, id=self._call_ids(), name=name, arguments="")
+        )
         return index
 
     def arguments(self, index: int, text: str) -> None:
@@ -352,7 +354,11 @@ class CallObject:
         value = _loads("".join(self._text))
         if self._role is _Role.OTHER:
             return value is not _UNREADABLE
-        if not isinstance(value, str) or not value or (self._tool_names and value not in self._tool_names):
+        if (
+            not isinstance(value, str)
+            or not value
+            or (self._tool_names and value not in self._tool_names)
+        ):
             return False
         self._index = self._sink.start_call(value)
         self._sink.arguments(self._index, "".join(self._held_arguments))

@@ -49,7 +49,9 @@ class Llama3JsonToolParser:
 
     MARKERS: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)  # the texts the parser looks for
 
-    def __init__(self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id
+    ) -> None:
         self._tool_names = tool_names
         self._sink = DeltaSink(call_ids)
         self._at = _At.START

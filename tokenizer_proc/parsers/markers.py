@@ -29,7 +29,9 @@ def split_at_marker(text: str, marker: str, final: bool) -> tuple[str, str | Non
     return text[:cut], None, text[cut:]
 
 
-def opening_of_calls(text: str, marker: str, final: bool, after_calls: bool) -> tuple[str | None, str] | None:
+def opening_of_calls(
+    text: str, marker: str, final: bool, after_calls: bool
+) -> tuple[str | None, str] | None:
     """Text where calls may begin (an answer's start, or the end of a block of calls). None
     while it is only whitespace or the start of ``marker``: hold all of it back. Otherwise
     ``(gap, rest)``: with ``marker`` leading, ``gap`` is the whitespace before it (dropped if

@@ -49,14 +49,18 @@ class MistralToolParser:
 
     MARKERS: ClassVar[tuple[str, ...]] = (MARKER,)  # the texts the parser looks for
 
-    def __init__(self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id
+    ) -> None:
         self._tool_names = tool_names
         self._sink = DeltaSink(call_ids)
         self._at = _At.BETWEEN
         self._held = ""  # text not yet decided, read again with the next
         self._gap = ""  # whitespace before an array that has not made a call yet
         self._call = CallObject(tool_names, self._sink)
-        self._attempt = ""  # the array's text since the marker or the last call, given back if it fails
+        self._attempt = (
+            ""  # the array's text since the marker or the last call, given back if it fails
+        )
         self._made_calls = False  # whether this array made a call
 
     def feed(self, text: str) -> ToolParseDelta:

@@ -79,7 +79,9 @@ class ThinkTags:
 
     def __post_init__(self) -> None:
         if not self.start or not self.end:
-            raise ValueError(f"reasoning tags must not be empty, got start {self.start!r} and end {self.end!r}")
+            raise ValueError(
+                f"reasoning tags must not be empty, got start {self.start!r} and end {self.end!r}"
+            )
 
 
 DEFAULT_THINK = ThinkTags("<think>", "</think>")
@@ -103,7 +105,9 @@ class _Phase(Enum):
     CONTENT = "content"  # past the end tag, or no parsing at all
 
 
-def count_reasoning_tokens(token_bytes: Sequence[bytes], text: str, span: tuple[int, int] | None) -> int:
+def count_reasoning_tokens(
+    token_bytes: Sequence[bytes], text: str, span: tuple[int, int] | None
+) -> int:
     """The tokens whose bytes overlap the reasoning's (the module docstring's rule).
     ``token_bytes``: each token's raw bytes, ``b""`` for one the detokenizer skipped; their
     concatenation is ``text``'s UTF-8. ``span``: :attr:`ReasoningParser.span`, in characters
@@ -149,7 +153,9 @@ class ReasoningParser:
         "_think",
     )
 
-    def __init__(self, think: ThinkTags, starts_in_reasoning: bool, *, enabled: bool = True) -> None:
+    def __init__(
+        self, think: ThinkTags, starts_in_reasoning: bool, *, enabled: bool = True
+    ) -> None:
         self._think = think
         self._starts_in_reasoning = starts_in_reasoning
         self._phase = _Phase.START if enabled else _Phase.CONTENT
@@ -259,11 +265,15 @@ class ReasoningParser:
         return ReasoningDelta(held[:at], held[at + len(end) :])
 
 
-def make_reasoning_parser(name: str, *, enable_thinking: bool = True, think: ThinkTags = DEFAULT_THINK) -> ReasoningParser:
+def make_reasoning_parser(
+    name: str, *, enable_thinking: bool = True, think: ThinkTags = DEFAULT_THINK
+) -> ReasoningParser:
     """A parser of the named dialect; ``enable_thinking`` is the request's
     ``chat_template_kwargs`` value, which only ``qwen3`` reads."""
     if name == "deepseek_r1":
         return ReasoningParser(think, starts_in_reasoning=True)
     if name == "qwen3":
         return ReasoningParser(think, starts_in_reasoning=False, enabled=enable_thinking)
-    raise ValueError(f"unknown reasoning parser {name!r}: expected one of {', '.join(REASONING_PARSERS)}")
+    raise ValueError(
+        f"unknown reasoning parser {name!r}: expected one of {', '.join(REASONING_PARSERS)}"
+    )

@@ -24,7 +24,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["ToolCall", "ToolCallDelta", "ToolParseDelta", "ToolParser", "assemble", "new_call_id", "parse_whole"]
+__all__ = [
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolParseDelta",
+    "ToolParser",
+    "assemble",
+    "new_call_id",
+    "parse_whole",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +85,20 @@ def assemble(deltas: Iterable[ToolParseDelta]) -> tuple[str, list[ToolCall]]:
         for call in delta.tool_calls:
             if call.index not in heads:
                 if call.id is None or call.name is None:
-                    raise ValueError(f"the first delta of tool call {call.index} has no id or no name: {call!r}")
+                    raise ValueError(
+                        f"the first delta of tool call {call.index} has no id or no name: {call!r}"
+                    )
                 heads[call.index] = (call.id, call.name)
                 arguments[call.index] = []
             elif call.id is not None or call.name is not None:
-                raise ValueError(f"a later delta of tool call {call.index} repeats its id or name: {call!r}")
+                raise ValueError(
+                    f"a later delta of tool call {call.index} repeats its id or name: {call!r}"
+                )
             arguments[call.index].append(call.arguments)
-    calls = [ToolCall(id=heads[i][0], name=heads[i][1], arguments="".join(arguments[i])) for i in sorted(heads)]
+    calls = [
+        ToolCall(id=heads[i][0], name=heads[i][1], arguments="".join(arguments[i]))
+        for i in sorted(heads)
+    ]
     return "".join(content), calls
 
 

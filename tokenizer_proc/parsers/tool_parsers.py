@@ -17,6 +17,7 @@ from tokenizer_proc.parsers.tool_calls import ToolParser, new_call_id
 
 __all__ = ["TOOL_PARSERS", "ToolParserFactory", "make_tool_parser", "tool_markers"]
 
+
 class ToolParserFactory(Protocol):
     """A parser class of this package: ``(tool_names, call_ids) -> parser``, and the texts
     it looks for in an answer."""
@@ -24,7 +25,10 @@ class ToolParserFactory(Protocol):
     @property
     def MARKERS(self) -> tuple[str, ...]: ...  # noqa: N802 - the classes' attribute
 
-    def __call__(self, tool_names: frozenset[str], call_ids: Callable[[], str], /) -> ToolParser: ...
+    def __call__(
+        self, tool_names: frozenset[str], call_ids: Callable[[], str], /
+    ) -> ToolParser: ...
+
 
 TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
     {
@@ -35,12 +39,16 @@ TOOL_PARSERS: Mapping[str, ToolParserFactory] = MappingProxyType(
 )
 
 
-def make_tool_parser(name: str, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id) -> ToolParser:
+def make_tool_parser(
+    name: str, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id
+) -> ToolParser:
     """A new parser for one answer. ``tool_names``: the request's tools; a call to any other
     name is content (an empty set takes any name). Raises ValueError for an unknown format."""
     factory = TOOL_PARSERS.get(name)
     if factory is None:
-        raise ValueError(f"unknown tool call parser {name!r}: expected one of {', '.join(sorted(TOOL_PARSERS))}")
+        raise ValueError(
+            f"unknown tool call parser {name!r}: expected one of {', '.join(sorted(TOOL_PARSERS))}"
+        )
     return factory(tool_names, call_ids)
 
 

@@ -47,7 +47,9 @@ class OutputItems:
         if delta.reasoning:
             if self._reasoning is None:
                 events += self._open_reasoning()
-            events.append(self._text_delta("response.reasoning_text.delta", self._reasoning, delta.reasoning))
+            events.append(
+                self._text_delta("response.reasoning_text.delta", self._reasoning, delta.reasoning)
+            )
         if (delta.content or delta.tool_calls) and self._reasoning is not None:
             events += self._close_reasoning("completed")
         if delta.content:
@@ -59,7 +61,9 @@ class OutputItems:
         for call in delta.tool_calls:
             index = self._calls.get(call.index)
             if index is None:
-                assert call.id is not None and call.name is not None, "a call's first delta names it"
+                assert call.id is not None and call.name is not None, (
+                    "a call's first delta names it"
+                )
                 index = self._calls[call.index] = len(self.items)
                 item = {
                     "id": self._new_id("fc"),
@@ -70,7 +74,13 @@ class OutputItems:
                     "name": call.name,
                 }
                 self.items.append(item)
-                events.append({"type": "response.output_item.added", "output_index": index, "item": dict(item)})
+                events.append(
+                    {
+                        "type": "response.output_item.added",
+                        "output_index": index,
+                        "item": dict(item),
+                    }
+                )
             if call.arguments:
                 self.items[index]["arguments"] += call.arguments
                 events.append(
@@ -97,12 +107,27 @@ class OutputItems:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item["content"], item["status"] = [part], status
             events.append(
-                {"type": "response.output_text.done", "item_id": item["id"], "output_index": index, "content_index": 0, "text": text, "logprobs": []}
+                {
+                    "type": "response.output_text.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "content_index": 0,
+                    "text": text,
+                    "logprobs": [],
+                }
             )
             events.append(
-                {"type": "response.content_part.done", "item_id": item["id"], "output_index": index, "content_index": 0, "part": dict(part)}
+                {
+                    "type": "response.content_part.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "content_index": 0,
+                    "part": dict(part),
+                }
             )
-            events.append({"type": "response.output_item.done", "output_index": index, "item": dict(item)})
+            events.append(
+                {"type": "response.output_item.done", "output_index": index, "item": dict(item)}
+            )
         for index in self._calls.values():
             item = self.items[index]
             item["status"] = status
@@ -115,13 +140,21 @@ class OutputItems:
                     "name": item["name"],
                 }
             )
-            events.append({"type": "response.output_item.done", "output_index": index, "item": dict(item)})
+            events.append(
+                {"type": "response.output_item.done", "output_index": index, "item": dict(item)}
+            )
         events.sort(key=lambda e: e["output_index"])  # (stable: each item's events stay in order)
         return events
 
     def _open_reasoning(self) -> list[Event]:
         index = self._reasoning = len(self.items)
-        item = {"id": self._new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+        item = {
+            "id": self._new_id("rs"),
+            "type": "reasoning",
+            "summary": [],
+            "content": [],
+            "status": "in_progress",
+        }
         self.items.append(item)
         self._text[index] = ""
         return [
@@ -143,34 +176,69 @@ class OutputItems:
         part = {"type": "reasoning_text", "text": text}
         item["content"], item["status"] = [part], status
         return [
-            {"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index, "content_index": 0, "text": text},
-            {"type": "response.content_part.done", "item_id": item["id"], "output_index": index, "content_index": 0, "part": dict(part)},
+            {
+                "type": "response.reasoning_text.done",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "text": text,
+            },
+            {
+                "type": "response.content_part.done",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "part": dict(part),
+            },
             {"type": "response.output_item.done", "output_index": index, "item": dict(item)},
         ]
 
     def _open_message(self) -> list[Event]:
         index = self._message = len(self.items)
-        item = {"id": self._new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        item = {
+            "id": self._new_id("msg"),
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
         self.items.append(item)
         self._text[index] = ""
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             {"type": "response.output_item.added", "output_index": index, "item": dict(item)},
-            {"type": "response.content_part.added", "item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
+            {
+                "type": "response.content_part.added",
+                "item_id": item["id"],
+                "output_index": index,
+                "content_index": 0,
+                "part": part,
+            },
         ]
 
     def _text_delta(self, kind: str, index: int | None, text: str) -> Event:
         assert index is not None
         self._text[index] += text
-        return {"type": kind, "item_id": self.items[index]["id"], "output_index": index, "content_index": 0, "delta": text}
+        return {
+            "type": kind,
+            "item_id": self.items[index]["id"],
+            "output_index": index,
+            "content_index": 0,
+            "delta": text,
+        }
 
 
-def response_usage(stats: RequestOutputStats, completion_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
+def response_usage(
+    stats: RequestOutputStats, completion_tokens: int, reasoning_tokens: int
+) -> dict[str, Any]:
     """OpenAI's Responses usage, from the request's stats as chat's usage is."""
     prompt = stats.prompt_tokens
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": min(prompt, stats.cached_tokens), "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": min(prompt, stats.cached_tokens),
+            "cache_write_tokens": 0,
+        },
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt + completion_tokens,
@@ -178,7 +246,11 @@ def response_usage(stats: RequestOutputStats, completion_tokens: int, reasoning_
 
 
 def response_object(
-    head: dict[str, Any], status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None, incomplete_reason: str | None = None
+    head: dict[str, Any],
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    incomplete_reason: str | None = None,
 ) -> dict[str, Any]:
     """The response: ``head`` (its id, times and what the request asked, ``ResponseHead``)
     with its ``status``, ``output`` and ``usage``."""
@@ -187,7 +259,9 @@ def response_object(
         **head,
         "status": status,
         "completed_at": int(time.time()) if done else None,
-        "incomplete_details": {"reason": incomplete_reason} if incomplete_reason is not None else None,
+        "incomplete_details": {"reason": incomplete_reason}
+        if incomplete_reason is not None
+        else None,
         "output": output,
         "usage": usage,
     }

@@ -29,7 +29,13 @@ from tokenizer_proc.native.schema import RequestValidationError
 from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 
-__all__ = ["ResponsesBody", "ResponsesRequest", "conversation_messages", "normalized_items", "responses_names"]
+__all__ = [
+    "ResponsesBody",
+    "ResponsesRequest",
+    "conversation_messages",
+    "normalized_items",
+    "responses_names",
+]
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
@@ -38,7 +44,9 @@ MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: dict[str, Any] | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # a hint: every answer is the model's own length
+    verbosity: Literal["low", "medium", "high"] | None = (
+        None  # a hint: every answer is the model's own length
+    )
 
 
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -79,12 +87,26 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's (regex, choice, grammar, ...) beside text.format
+    structured_outputs: dict[str, Any] | None = (
+        None  # vLLM's (regex, choice, grammar, ...) beside text.format
+    )
 
     _REFUSED: ClassVar[tuple[Refusal, ...]] = (
-        ("background", lambda v: v not in (None, False), "background responses are not supported by this server (send false)"),
-        ("conversation", lambda v: v is not None, "conversation objects are not supported by this server: use previous_response_id"),
-        ("prompt", lambda v: v is not None, "prompt templates are not supported by this server: send input"),
+        (
+            "background",
+            lambda v: v not in (None, False),
+            "background responses are not supported by this server (send false)",
+        ),
+        (
+            "conversation",
+            lambda v: v is not None,
+            "conversation objects are not supported by this server: use previous_response_id",
+        ),
+        (
+            "prompt",
+            lambda v: v is not None,
+            "prompt templates are not supported by this server: send input",
+        ),
         neutral("top_logprobs", 0),
         neutral("max_tool_calls"),
         neutral("prompt_cache_options"),
@@ -103,24 +125,36 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     def refuse_unsupported(self) -> None:
         refuse(self, self._REFUSED)
         if self.input is None and self.previous_response_id is None:
-            raise RequestValidationError("input is required (or previous_response_id, to go on from a stored response)", "input")
+            raise RequestValidationError(
+                "input is required (or previous_response_id, to go on from a stored response)",
+                "input",
+            )
         if self.stream_options is not None and not self.stream:
-            raise RequestValidationError("stream_options is only allowed when stream is true", "stream_options")
+            raise RequestValidationError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         if self.truncation == "auto":
             raise RequestValidationError(
-                'truncation "auto" is not supported by this server: a prompt too long for the context is refused ("disabled")', "truncation"
+                'truncation "auto" is not supported by this server: a prompt too long for the context is refused ("disabled")',
+                "truncation",
             )
         for i, name in enumerate(self.include or ()):
-            raise RequestValidationError(f"include[{i}]: {name!r} is not supported by this server (send an empty list)", f"include[{i}]")
+            raise RequestValidationError(
+                f"include[{i}]: {name!r} is not supported by this server (send an empty list)",
+                f"include[{i}]",
+            )
         for i, tool in enumerate(self.tools or ()):
             kind = tool.get("type")
             if kind != "function":
-                raise RequestValidationError(f"tools[{i}]: {kind!r} tools are not supported by this server; only 'function'", f"tools[{i}].type")
+                raise RequestValidationError(
+                    f"tools[{i}]: {kind!r} tools are not supported by this server; only 'function'",
+                    f"tools[{i}].type",
+                )
         metadata = self.metadata or {}
-        if len(metadata) > MAX_METADATA_KEYS or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()):
-            message = (
-                f"metadata takes at most {MAX_METADATA_KEYS} keys of at most {MAX_METADATA_KEY} characters, values of at most {MAX_METADATA_VALUE}"
-            )
+        if len(metadata) > MAX_METADATA_KEYS or any(
+            len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()
+        ):
+            message = f"metadata takes at most {MAX_METADATA_KEYS} keys of at most {MAX_METADATA_KEY} characters, values of at most {MAX_METADATA_VALUE}"
             raise RequestValidationError(message, "metadata")
 
     def to_chat(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -155,7 +189,15 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 
 # The fields a chat request takes as they are.
-_PASSED_TO_CHAT: tuple[str, ...] = ("temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "repetition_penalty")
+_PASSED_TO_CHAT: tuple[str, ...] = (
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+)
 _PASSED_TO_CHAT += ("logit_bias", "skip_special_tokens", "structured_outputs", "user")
 
 ResponsesBody = declare(ResponsesRequest, ResponsesRequest._REFUSED)
@@ -188,9 +230,14 @@ def _chat_response_format(text_format: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "json_schema":
         spec = {k: v for k, v in text_format.items() if k != "type"}
         if "name" not in spec or "schema" not in spec:
-            raise RequestValidationError("text.format of type json_schema needs name and schema", "text.format")
+            raise RequestValidationError(
+                "text.format of type json_schema needs name and schema", "text.format"
+            )
         return {"type": "json_schema", "json_schema": spec}
-    raise RequestValidationError(f"text.format must be of type text, json_object or json_schema, got {kind!r}", "text.format.type")
+    raise RequestValidationError(
+        f"text.format must be of type text, json_object or json_schema, got {kind!r}",
+        "text.format.type",
+    )
 
 
 _CHAT_NAMES = (
@@ -212,7 +259,9 @@ def _renamed(text: str) -> str:
 def responses_names(exc: RequestValidationError) -> RequestValidationError:
     """A chat-side refusal with the Responses field names (``messages`` is ``input``,
     ``tools[i].function.name`` is ``tools[i].name``, ...)."""
-    return RequestValidationError(_renamed(str(exc)), _renamed(exc.param) if exc.param is not None else None)
+    return RequestValidationError(
+        _renamed(str(exc)), _renamed(exc.param) if exc.param is not None else None
+    )
 
 
 def _param_in(message: str) -> str | None:
@@ -228,21 +277,26 @@ def _param_in(message: str) -> str | None:
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
-def normalized_items(value: str | list[dict[str, Any]] | None, where: str = "input") -> list[dict[str, Any]]:
+def normalized_items(
+    value: str | list[dict[str, Any]] | None, where: str = "input"
+) -> list[dict[str, Any]]:
     """The request's input as items in their full form (a string is one user message; a
     message item's ``type`` is filled in). Raises RequestValidationError naming the item at
     fault: an unknown type, a missing field, content of a kind this server cannot read."""
     if value is None:
         return []
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+        return [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}
+        ]
     items = []
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
         if kind not in ITEM_TYPES:
             raise RequestValidationError(
-                f"{at}: items of type {kind!r} are not supported by this server; expected one of {', '.join(ITEM_TYPES)}", f"{at}.type"
+                f"{at}: items of type {kind!r} are not supported by this server; expected one of {', '.join(ITEM_TYPES)}",
+                f"{at}.type",
             )
         items.append(_READERS[kind](item, at))
     return items
@@ -251,7 +305,9 @@ def normalized_items(value: str | list[dict[str, Any]] | None, where: str = "inp
 def _message_item(item: dict[str, Any], at: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
-        raise RequestValidationError(f"{at}.role must be user, system, developer or assistant, got {role!r}", f"{at}.role")
+        raise RequestValidationError(
+            f"{at}.role must be user, system, developer or assistant, got {role!r}", f"{at}.role"
+        )
     content = item.get("content")
     if isinstance(content, str):
         parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
@@ -264,19 +320,21 @@ def _message_item(item: dict[str, Any], at: str) -> dict[str, Any]:
             elif kind == "refusal" and isinstance(part.get("refusal"), str):
                 parts.append({"type": "refusal", "refusal": part["refusal"]})
             else:
-                message = (
-                    f"{at}.content[{j}]: content parts of type {kind!r} are not supported by this server; only input_text, output_text and refusal"
-                )
+                message = f"{at}.content[{j}]: content parts of type {kind!r} are not supported by this server; only input_text, output_text and refusal"
                 raise RequestValidationError(message, f"{at}.content[{j}].type")
     else:
-        raise RequestValidationError(f"{at}.content must be a string or a list of content parts", f"{at}.content")
+        raise RequestValidationError(
+            f"{at}.content must be a string or a list of content parts", f"{at}.content"
+        )
     return {"type": "message", "role": role, "content": parts}
 
 
 def _string_field(item: dict[str, Any], name: str, at: str) -> str:
     value = item.get(name)
     if not isinstance(value, str):
-        raise RequestValidationError(f"{at}.{name} is required and must be a string", f"{at}.{name}")
+        raise RequestValidationError(
+            f"{at}.{name} is required and must be a string", f"{at}.{name}"
+        )
     return value
 
 
@@ -285,26 +343,48 @@ def _function_call_item(item: dict[str, Any], at: str) -> dict[str, Any]:
     try:
         json.loads(arguments or "{}")
     except json.JSONDecodeError as exc:
-        raise RequestValidationError(f"{at}.arguments is not valid JSON: {exc}", f"{at}.arguments") from exc
-    return {"type": "function_call", "call_id": _string_field(item, "call_id", at), "name": _string_field(item, "name", at), "arguments": arguments}
+        raise RequestValidationError(
+            f"{at}.arguments is not valid JSON: {exc}", f"{at}.arguments"
+        ) from exc
+    return {
+        "type": "function_call",
+        "call_id": _string_field(item, "call_id", at),
+        "name": _string_field(item, "name", at),
+        "arguments": arguments,
+    }
 
 
 def _function_call_output_item(item: dict[str, Any], at: str) -> dict[str, Any]:
     output = item.get("output")
     if isinstance(output, list):
-        texts = [part.get("text") for part in output if isinstance(part, dict) and part.get("type") in ("input_text", "output_text")]
+        texts = [
+            part.get("text")
+            for part in output
+            if isinstance(part, dict) and part.get("type") in ("input_text", "output_text")
+        ]
         if len(texts) != len(output) or not all(isinstance(t, str) for t in texts):
-            raise RequestValidationError(f"{at}.output: only text parts are supported by this server", f"{at}.output")
+            raise RequestValidationError(
+                f"{at}.output: only text parts are supported by this server", f"{at}.output"
+            )
         output = "".join(t for t in texts if isinstance(t, str))
     if not isinstance(output, str):
-        raise RequestValidationError(f"{at}.output is required and must be a string or a list of text parts", f"{at}.output")
-    return {"type": "function_call_output", "call_id": _string_field(item, "call_id", at), "output": output}
+        raise RequestValidationError(
+            f"{at}.output is required and must be a string or a list of text parts", f"{at}.output"
+        )
+    return {
+        "type": "function_call_output",
+        "call_id": _string_field(item, "call_id", at),
+        "output": output,
+    }
 
 
 def _reasoning_item(item: dict[str, Any], at: str) -> dict[str, Any]:
     content = item.get("content") or []
     texts = [part.get("text", "") for part in content if isinstance(part, dict)]
-    return {"type": "reasoning", "content": [{"type": "reasoning_text", "text": t} for t in texts if isinstance(t, str)]}
+    return {
+        "type": "reasoning",
+        "content": [{"type": "reasoning_text", "text": t} for t in texts if isinstance(t, str)],
+    }
 
 
 _READERS = {
@@ -325,9 +405,18 @@ def conversation_messages(items: list[dict[str, Any]], first_new: int) -> list[d
         kind = item["type"]
         if kind == "message":
             texts = [p["text"] if p["type"] != "refusal" else p["refusal"] for p in item["content"]]
-            messages.append({"role": "system" if item["role"] == "developer" else item["role"], "content": "\n".join(texts)})
+            messages.append(
+                {
+                    "role": "system" if item["role"] == "developer" else item["role"],
+                    "content": "\n".join(texts),
+                }
+            )
         elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -337,7 +426,12 @@ def conversation_messages(items: list[dict[str, Any]], first_new: int) -> list[d
         elif kind == "function_call_output":
             if item["call_id"] not in calls:
                 at = f"input[{i - first_new}].call_id" if i >= first_new else "previous_response_id"
-                raise RequestValidationError(f"{at}: no function_call of this conversation has call_id {item['call_id']!r}", at)
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+                raise RequestValidationError(
+                    f"{at}: no function_call of this conversation has call_id {item['call_id']!r}",
+                    at,
+                )
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
         # reasoning items: left out of the prompt (see the module docstring)
     return messages

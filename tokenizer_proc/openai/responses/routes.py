@@ -39,8 +39,19 @@ from tokenizer_proc.openai.jobs import prepare_chat, submit_jobs
 from tokenizer_proc.openai.shapes import finish_reason_of
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_checks import without_tokenizer
-from tokenizer_proc.openai.responses.output import OutputItems, new_item_id, response_object, response_usage
-from tokenizer_proc.openai.responses.request import ResponsesBody, ResponsesRequest, conversation_messages, normalized_items, responses_names
+from tokenizer_proc.openai.responses.output import (
+    OutputItems,
+    new_item_id,
+    response_object,
+    response_usage,
+)
+from tokenizer_proc.openai.responses.request import (
+    ResponsesBody,
+    ResponsesRequest,
+    conversation_messages,
+    normalized_items,
+    responses_names,
+)
 from tokenizer_proc.openai.responses.store import ResponseStore
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -64,14 +75,17 @@ def build_responses_router(tm: TokenizerManager) -> tuple[APIRouter, ResponseSto
             return model_not_found(body.model)
         if template is None:
             raise without_tokenizer(
-                "the Responses API needs a tokenizer and a chat template; send token ids to /v1/completions or /generate", "input"
+                "the Responses API needs a tokenizer and a chat template; send token ids to /v1/completions or /generate",
+                "input",
             )
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             stored = store.get(body.previous_response_id)
             if stored is None:
                 message = f"no stored response with id {body.previous_response_id!r} (never stored, deleted, or evicted from the bounded store)"
-                return error_response(404, message, err_type="not_found_error", param="previous_response_id")
+                return error_response(
+                    404, message, err_type="not_found_error", param="previous_response_id"
+                )
             earlier = stored.conversation
         items = earlier + normalized_items(body.input)
         chat = body.to_chat(conversation_messages(items, len(earlier)))
@@ -83,10 +97,29 @@ def build_responses_router(tm: TokenizerManager) -> tuple[APIRouter, ResponseSto
             return error_response(500, str(exc), err_type="internal_error")
         response_id = new_item_id("resp")
         try:
-            states = submit_jobs(tm, request, chat, prepared.jobs, response_id, arrived, "chat", prepared.names, prepared.constraint, ROUTE)
+            states = submit_jobs(
+                tm,
+                request,
+                chat,
+                prepared.jobs,
+                response_id,
+                arrived,
+                "chat",
+                prepared.names,
+                prepared.constraint,
+                ROUTE,
+            )
         except RequestValidationError as exc:
             raise responses_names(exc) from exc
-        answer = Answer(tm, body, states[0], prepared.parsing, _head(tm, body, response_id, arrived), store, items)
+        answer = Answer(
+            tm,
+            body,
+            states[0],
+            prepared.parsing,
+            _head(tm, body, response_id, arrived),
+            store,
+            items,
+        )
         try:
             refused_state = await wait_started(tm, states, request)
             if refused_state is None and body.streaming:
@@ -107,13 +140,23 @@ def build_responses_router(tm: TokenizerManager) -> tuple[APIRouter, ResponseSto
     async def retrieve_response(response_id: str) -> Response:
         stored = store.get(response_id)
         if stored is None:
-            return error_response(404, f"no stored response with id {response_id!r}", err_type="not_found_error", param="response_id")
+            return error_response(
+                404,
+                f"no stored response with id {response_id!r}",
+                err_type="not_found_error",
+                param="response_id",
+            )
         return JSONResponse(stored.response)
 
     @router.delete(ROUTE + "/{response_id}")
     async def delete_response(response_id: str) -> Response:
         if not store.delete(response_id):
-            return error_response(404, f"no stored response with id {response_id!r}", err_type="not_found_error", param="response_id")
+            return error_response(
+                404,
+                f"no stored response with id {response_id!r}",
+                err_type="not_found_error",
+                param="response_id",
+            )
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return router, store
@@ -124,15 +167,26 @@ def _refused(state: ReqState, constraint: Constraint | None) -> Response | None:
     so, not as chat's ``response_format``."""
     refused = constraint_refusal(state, constraint)
     reason = state.finished_reason
-    if refused is None or constraint is None or not isinstance(reason, FinishAbort) or not reason.message.startswith(f"{constraint.param}: "):
+    if (
+        refused is None
+        or constraint is None
+        or not isinstance(reason, FinishAbort)
+        or not reason.message.startswith(f"{constraint.param}: ")
+    ):
         return refused
     renamed = responses_names(RequestValidationError(reason.message, constraint.param))
     return abort_response(reason, message=str(renamed), param=renamed.param)
 
 
-def _head(tm: TokenizerManager, body: ResponsesRequest, response_id: str, arrived: float) -> dict[str, Any]:
+def _head(
+    tm: TokenizerManager, body: ResponsesRequest, response_id: str, arrived: float
+) -> dict[str, Any]:
     """What every form of the response says of the request (OpenAI's echo of its fields)."""
-    text_format = body.text.format if body.text is not None and body.text.format is not None else {"type": "text"}
+    text_format = (
+        body.text.format
+        if body.text is not None and body.text.format is not None
+        else {"type": "text"}
+    )
     return {
         "id": response_id,
         "object": "response",
@@ -144,7 +198,10 @@ def _head(tm: TokenizerManager, body: ResponsesRequest, response_id: str, arrive
         "metadata": body.metadata or {},
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
-        "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
+        "reasoning": {
+            "effort": body.reasoning.effort if body.reasoning is not None else None,
+            "summary": None,
+        },
         "store": body.stores,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": text_format},
@@ -189,17 +246,29 @@ class Answer:
         reason = finish_reason_of(state)
         reasoning_tokens = 0
         if self.parsing is not None:
-            reason, reasoning_tokens = finish_parsed(self.tm, self.parsing, self.splitter, state, reason)
+            reason, reasoning_tokens = finish_parsed(
+                self.tm, self.parsing, self.splitter, state, reason
+            )
         incomplete = "max_output_tokens" if reason == "length" else None
         # An abort (an operator's, or the queue's) ends the answer early: OpenAI's "cancelled".
-        status = "cancelled" if reason == "abort" else "incomplete" if incomplete is not None else "completed"
+        status = (
+            "cancelled"
+            if reason == "abort"
+            else "incomplete"
+            if incomplete is not None
+            else "completed"
+        )
         events += self.output.close("completed" if status == "completed" else "incomplete")
         stats = state.request_stats
         assert stats is not None, "a finished request that was not refused has its stats"
         usage = response_usage(stats, state.completion_tokens, reasoning_tokens)
         response = response_object(self.head, status, self.output.items, usage, incomplete)
         if self.body.stores:
-            self._store.put(response["id"], response, self._items + [_as_input(item) for item in self.output.items])
+            self._store.put(
+                response["id"],
+                response,
+                self._items + [_as_input(item) for item in self.output.items],
+            )
         return events, response
 
 
@@ -207,9 +276,18 @@ def _as_input(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the conversation's next request reads it (``normalized_items``'
     form)."""
     if item["type"] == "message":
-        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]]}
+        return {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]],
+        }
     if item["type"] == "function_call":
-        return {"type": "function_call", "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+        return {
+            "type": "function_call",
+            "call_id": item["call_id"],
+            "name": item["name"],
+            "arguments": item["arguments"],
+        }
     return {"type": "reasoning", "content": item.get("content") or []}
 
 
@@ -230,12 +308,19 @@ class ResponseEvents:
         for event in events:
             event["sequence_number"] = self._sequence
             self._sequence += 1
-            out.append(b"event: " + event["type"].encode() + b"\ndata: " + json_bytes(event) + b"\n\n")
+            out.append(
+                b"event: " + event["type"].encode() + b"\ndata: " + json_bytes(event) + b"\n\n"
+            )
         return b"".join(out)
 
     def opening(self) -> bytes:
         started = response_object(self.answer.head, "in_progress", [], None)
-        return self._encode([{"type": "response.created", "response": started}, {"type": "response.in_progress", "response": dict(started)}])
+        return self._encode(
+            [
+                {"type": "response.created", "response": started},
+                {"type": "response.in_progress", "response": dict(started)},
+            ]
+        )
 
     def events(self, index: int) -> bytes:
         state = self.answer.state
@@ -249,7 +334,9 @@ class ResponseEvents:
         if state.finished:
             done, response = self.answer.finish_events()
             # (No stream event is named for "cancelled": it ends as an incomplete one does.)
-            kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+            kind = (
+                "response.completed" if response["status"] == "completed" else "response.incomplete"
+            )
             events += [*done, {"type": kind, "response": response}]
         return self._encode(events)
 

@@ -70,11 +70,15 @@ class ResponseStore:
         os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
         self._lock = threading.Lock()  # one connection per process; calls come from the event loop
         # Several workers open the file at once: wait for another's write instead of failing.
-        self._db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        self._db = sqlite3.connect(
+            self.path, timeout=30.0, isolation_level=None, check_same_thread=False
+        )
         # Switching to WAL needs the file to itself, and SQLite answers "database is locked"
         # at once, without its busy wait, when another worker is switching too: the workers
         # set the file up one at a time, behind an exclusive lock of a file beside it.
-        lock_fd = os.open(directory / (self.FILE_NAME + ".setup-lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        lock_fd = os.open(
+            directory / (self.FILE_NAME + ".setup-lock"), os.O_CREAT | os.O_RDWR, 0o600
+        )
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -84,7 +88,9 @@ class ResponseStore:
         self._db.execute("PRAGMA synchronous=OFF")  # the store dies with the service anyway
         self._encoder = msgspec.json.Encoder()
 
-    def put(self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+    def put(
+        self, response_id: str, response: dict[str, Any], conversation: list[dict[str, Any]]
+    ) -> bool:
         """Stores a response; False when it alone is larger than the byte bound."""
         body, items = self._encoder.encode(response), self._encoder.encode(conversation)
         size = len(body) + len(items)
@@ -94,7 +100,8 @@ class ResponseStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO responses (id, response, conversation, size) VALUES (?, ?, ?, ?)", (response_id, body, items, size)
+                    "INSERT OR REPLACE INTO responses (id, response, conversation, size) VALUES (?, ?, ?, ?)",
+                    (response_id, body, items, size),
                 )
                 self._evict()
                 self._db.execute("COMMIT")
@@ -105,13 +112,17 @@ class ResponseStore:
 
     def _evict(self) -> None:
         """The oldest responses out until the count and the bytes are within bounds."""
-        count, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
+        count, total = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses"
+        ).fetchone()
         if count <= self.max_count and total <= self.max_bytes:
             return
         over_count = max(0, count - self.max_count)
         removed = 0
         cut = None
-        for seq, size in self._db.execute("SELECT seq, size FROM responses ORDER BY seq").fetchall():
+        for seq, size in self._db.execute(
+            "SELECT seq, size FROM responses ORDER BY seq"
+        ).fetchall():
             if removed >= over_count and total <= self.max_bytes:
                 break
             cut, removed, total = seq, removed + 1, total - size
@@ -120,19 +131,25 @@ class ResponseStore:
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            row = self._db.execute("SELECT response, conversation FROM responses WHERE id = ?", (response_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT response, conversation FROM responses WHERE id = ?", (response_id,)
+            ).fetchone()
         if row is None:
             return None
         return StoredResponse(msgspec.json.decode(row[0]), msgspec.json.decode(row[1]))
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+            return (
+                self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+            )
 
     def stats(self) -> tuple[int, int]:
         """(responses, bytes) stored now."""
         with self._lock:
-            count, total = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses").fetchone()
+            count, total = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses"
+            ).fetchone()
         return int(count), int(total)
 
     def close(self) -> None:
