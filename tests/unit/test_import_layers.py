@@ -298,3 +298,157 @@ def test_the_circle_checker_names_each_circle_with_files_and_lines(tmp_path: Pat
         " (3 files in the circle: scheduler_proc/sub/x.py, scheduler_proc/y.py, scheduler_proc/z.py): "
         + CIRCLE_RULE,
     ]
+
+
+# --- Directions inside a process package -----------------------------------------------------
+
+# (importer, imported, rule): a module at or under ``importer`` imports nothing at or under
+# ``imported``. ``ROUTER_ONLY`` below is the one allowed exception.
+DIRECTIONS = (
+    (
+        "tokenizer_proc.native",
+        "tokenizer_proc.openai",
+        "the native dialect does not import the OpenAI one: what both use lives in request_edge/",
+    ),
+    (
+        "tokenizer_proc.openai",
+        "tokenizer_proc.native",
+        "the OpenAI dialect does not import the native one: what both use lives in request_edge/",
+    ),
+    (
+        "tokenizer_proc.media",
+        "tokenizer_proc.native",
+        "media.py does not import the native dialect: its errors live in request_edge/",
+    ),
+    (
+        "tokenizer_proc.http",
+        "tokenizer_proc.openai",
+        "http/ imports the OpenAI dialect only to include its routers (a *.routes module)",
+    ),
+    (
+        "scheduler_proc.model",
+        "scheduler_proc.batch",
+        "model/ does not import batch/: the batch builds what the model reads",
+    ),
+    (
+        "scheduler_proc.sampling",
+        "scheduler_proc.batch",
+        "sampling/ does not import batch/: the batch hands the sampler its columns",
+    ),
+    (
+        "scheduler_proc.req",
+        "scheduler_proc.pd",
+        "req.py does not import pd/: the small types a Req holds live beside it",
+    ),
+    (
+        "scheduler_proc.req",
+        "scheduler_proc.cache",
+        "req.py does not import cache/: the small types a Req holds live beside it",
+    ),
+)
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _router_only(importer: str, imported: str) -> bool:
+    """http/ may include a dialect's router: import a module named ``routes`` of it."""
+    return _under(importer, "tokenizer_proc.http") and imported.endswith(".routes")
+
+
+def module_edges(root: Path) -> Iterator[tuple[str, int, str, str]]:
+    """(file relative to root, line, importing module, imported module) for every import of
+    the checked packages; ``from pkg import name`` names ``pkg.name`` when that is a module."""
+    for top in CHECKED:
+        for path in sorted((root / top).rglob("*.py")):
+            relative = path.relative_to(root)
+            module = module_name(path, root)
+            package = ".".join(relative.parent.parts)
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, imported in imported_modules(path, package):
+                names = [f"{imported}.{name}" for name in _from_import_names(tree, line)]
+                modules = [name for name in names if _is_module(root, name)]
+                for target in modules or [imported]:
+                    yield relative.as_posix(), line, module, target
+
+
+def _is_module(root: Path, name: str) -> bool:
+    path = root / name.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def direction_violations(root: Path) -> list[str]:
+    """One ``file:line: importer imports imported: the rule`` per import against DIRECTIONS."""
+    found = []
+    for file, line, importer, imported in module_edges(root):
+        for source, target, rule in DIRECTIONS:
+            if not (_under(importer, source) and _under(imported, target)):
+                continue
+            if _router_only(importer, imported):
+                continue
+            found.append(f"{file}:{line}: {importer} imports {imported}: {rule}")
+    return found
+
+
+def test_the_sources_keep_the_directions_inside_each_package() -> None:
+    violations = direction_violations(REPO)
+    assert not violations, "imports against a direction:\n" + "\n".join(violations)
+
+
+def test_the_direction_checker_names_each_bad_import(tmp_path: Path) -> None:
+    sources = {
+        "tokenizer_proc/__init__.py": "",
+        "tokenizer_proc/native/__init__.py": "",
+        "tokenizer_proc/native/routes.py": "from tokenizer_proc.openai.schema import X\n",
+        "tokenizer_proc/openai/__init__.py": "",
+        "tokenizer_proc/openai/schema.py": "def f():\n    from tokenizer_proc.native import routes\n",
+        "tokenizer_proc/openai/routes.py": "router = 1\n",
+        "tokenizer_proc/media.py": "from tokenizer_proc.native.routes import E\n",
+        "tokenizer_proc/http/__init__.py": "",
+        "tokenizer_proc/http/server.py": (
+            "from tokenizer_proc.openai.routes import router\n"
+            "from tokenizer_proc.openai import schema\n"
+        ),
+        "scheduler_proc/__init__.py": "",
+        "scheduler_proc/batch/__init__.py": "",
+        "scheduler_proc/batch/forward.py": "from scheduler_proc.model.llama import M\n",
+        "scheduler_proc/model/__init__.py": "",
+        "scheduler_proc/model/llama.py": "from scheduler_proc.batch.forward import F\n",
+        "scheduler_proc/sampling/__init__.py": "",
+        "scheduler_proc/sampling/sampler.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from scheduler_proc.batch import forward\n"
+        ),
+        "scheduler_proc/pd/__init__.py": "",
+        "scheduler_proc/pd/state.py": "",
+        "scheduler_proc/cache/__init__.py": "",
+        "scheduler_proc/cache/radix_cache.py": "",
+        "scheduler_proc/req.py": (
+            "from scheduler_proc.pd.state import S\nimport scheduler_proc.cache.radix_cache\n"
+        ),
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    rules = {(source, target): rule for source, target, rule in DIRECTIONS}
+    tp, sp = "tokenizer_proc", "scheduler_proc"
+
+    assert direction_violations(tmp_path) == [
+        f"scheduler_proc/model/llama.py:1: {sp}.model.llama imports {sp}.batch.forward: "
+        + rules[(f"{sp}.model", f"{sp}.batch")],
+        f"scheduler_proc/req.py:1: {sp}.req imports {sp}.pd.state: "
+        + rules[(f"{sp}.req", f"{sp}.pd")],
+        f"scheduler_proc/req.py:2: {sp}.req imports {sp}.cache.radix_cache: "
+        + rules[(f"{sp}.req", f"{sp}.cache")],
+        f"scheduler_proc/sampling/sampler.py:3: {sp}.sampling.sampler imports {sp}.batch.forward: "
+        + rules[(f"{sp}.sampling", f"{sp}.batch")],
+        f"tokenizer_proc/http/server.py:2: {tp}.http.server imports {tp}.openai.schema: "
+        + rules[(f"{tp}.http", f"{tp}.openai")],
+        f"tokenizer_proc/media.py:1: {tp}.media imports {tp}.native.routes: "
+        + rules[(f"{tp}.media", f"{tp}.native")],
+        f"tokenizer_proc/native/routes.py:1: {tp}.native.routes imports {tp}.openai.schema: "
+        + rules[(f"{tp}.native", f"{tp}.openai")],
+        f"tokenizer_proc/openai/schema.py:2: {tp}.openai.schema imports {tp}.native.routes: "
+        + rules[(f"{tp}.openai", f"{tp}.native")],
+    ]
