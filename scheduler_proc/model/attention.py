@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from scheduler_proc.batch.forward_batch import AttentionLayout
+from scheduler_proc.model.forward_batch import AttentionLayout
 
 
 def pool_attention(

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from pipeline.model_config import ModelConfig
-from scheduler_proc.batch.forward_batch import AttentionLayout, ForwardBatch
+from scheduler_proc.model.forward_batch import AttentionLayout, ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.attention import pool_attention
 from scheduler_proc.model.rotary import rotary_tables

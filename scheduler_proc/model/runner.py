@@ -10,7 +10,7 @@ import torch
 
 from pipeline.config import ServerConfig
 from pipeline.model_config import load_model_config
-from scheduler_proc.batch.forward_batch import ForwardBatch, decode_key_columns
+from scheduler_proc.model.forward_batch import ForwardBatch, decode_key_columns
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.row_kv import RowKV
 from scheduler_proc.model.host_memory import keep_freed_host_memory

@@ -13,7 +13,7 @@ computation either way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -22,13 +22,17 @@ from pipeline.io_struct import LogprobParams
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE, TokenLogprobs
 from scheduler_proc.req import Req
 
-if TYPE_CHECKING:
-    from scheduler_proc.batch.running_batch import RunningBatch
+# chosen [r], top ids, top values [r, k], ids values [r, m]
+StepLogprobs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
-StepLogprobs = tuple[
-    np.ndarray, np.ndarray, np.ndarray, np.ndarray
-]  # chosen [r], top ids, top values [r, k], ids values [r, m]
+class LogprobRows(Protocol):
+    """What a decode step's logprobs read and write of the running batch
+    (``RunningBatch``): the batch hands itself over, this module does not import it."""
+
+    def logprob_asks(self, rows: np.ndarray) -> tuple[int, np.ndarray]: ...
+
+    def keep_logprobs(self, rows: np.ndarray, step: StepLogprobs) -> None: ...
 
 
 def batched_logprobs(
@@ -125,7 +129,7 @@ def span_logprobs(
 
 
 def keep_decode_logprobs(
-    batch: RunningBatch, logits: torch.Tensor, rows: np.ndarray, new: np.ndarray
+    batch: LogprobRows, logits: torch.Tensor, rows: np.ndarray, new: np.ndarray
 ) -> None:
     """The logprobs of a decode step's token for the running batch's ``rows`` that asked
     (``new``: the step's token of every row), kept in the batch's columns until each row

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from scheduler_proc.batch.forward_batch import DECODE_KEY_ALIGN, AttentionLayout, ForwardBatch
+from scheduler_proc.model.forward_batch import DECODE_KEY_ALIGN, AttentionLayout, ForwardBatch
 from scheduler_proc.model.attention import padded_attention, pool_attention
 from scheduler_proc.model.host_memory import keep_freed_host_memory
 

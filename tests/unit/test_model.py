@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.model_config import ModelConfig, default_model_config
-from scheduler_proc.batch.forward_batch import ForwardBatch
+from scheduler_proc.model.forward_batch import ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.llama import LlamaForCausalLM
 

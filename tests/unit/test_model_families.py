@@ -17,7 +17,7 @@ from bench import family_checkpoints
 from pipeline.config import ServerConfig
 from pipeline.model_config import ARCHITECTURES, ModelConfig, context_length_of
 from pipeline.tokenizer_loader import SHIPPED_VOCAB_SIZE
-from scheduler_proc.batch.forward_batch import ForwardBatch
+from scheduler_proc.model.forward_batch import ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model.llama import LlamaForCausalLM
 from tests.hf_checkpoints import TINY, require_transformers

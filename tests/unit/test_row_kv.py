@@ -27,11 +27,10 @@ from pipeline.io_struct import (
     LogprobParams,
     SamplingParams,
     TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import read_output_logprobs
-from scheduler_proc.batch.forward_batch import AttentionLayout, ForwardBatch, decode_key_columns
+from scheduler_proc.model.forward_batch import AttentionLayout, ForwardBatch, decode_key_columns
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.row_kv import RowKV, _move_rows
 from scheduler_proc.main import build_scheduler
