@@ -74,9 +74,9 @@ from pipeline.io_struct import (  # noqa: E402
     LogprobParams,
     MediaItem,
     SamplingParams,
-    finish_reason_to_dict,
-    from_column,
 )
+from pipeline.columns import from_column  # noqa: E402
+from pipeline.finish_reasons import finish_reason_to_dict  # noqa: E402
 from pipeline.logprob_columns import LOGPROB_DTYPE, LOGPROB_ID_DTYPE  # noqa: E402
 from pipeline.sockets import FrameDecoder, make_encoder  # noqa: E402
 from scheduler_proc.sampling.logprobs import keep_decode_logprobs  # noqa: E402

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.io_struct import CONSTRAINT_KINDS, MAX_STOP_TOKEN_IDS, FinishAbort
+from pipeline.io_struct import CONSTRAINT_KINDS, FinishAbort
+from pipeline.request_limits import MAX_STOP_TOKEN_IDS
 from scheduler_proc.dllm import DllmDecoder
 from scheduler_proc.cache.hicache import Fetched, cached_details
 from scheduler_proc.req import Req

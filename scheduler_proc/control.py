@@ -12,8 +12,8 @@ from pipeline.io_struct import (
     FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
-    worker_of,
 )
+from pipeline.worker_ids import worker_of
 from scheduler_proc.cache.hicache import HiCache, apply_storage_control, cached_details
 from scheduler_proc.cache.prefix_kv import PrefixKV
 from scheduler_proc.req import Req

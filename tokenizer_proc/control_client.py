@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from pipeline.io_struct import (
-    WORKER_SHIFT,
     AbortReq,
     AbortResult,
     ControlAnswer,
@@ -22,6 +21,7 @@ from pipeline.io_struct import (
     HiCacheStorageState,
     SchedulerInput,
 )
+from pipeline.worker_ids import WORKER_SHIFT
 
 # The scheduler's answers to control messages are matched to their call by ``control_id``.
 _Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult)
@@ -30,7 +30,7 @@ _Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult)
 class ControlClient:
     def __init__(self, send: Callable[[SchedulerInput], None], worker_index: int) -> None:
         self._send = send
-        # The worker index lives in the high bits, as in a req_id (``io_struct.WORKER_SHIFT``),
+        # The worker index lives in the high bits, as in a req_id (``worker_ids.WORKER_SHIFT``),
         # so the scheduler's answer goes back to the worker that asked.
         self._next_control_id = itertools.count((worker_index << WORKER_SHIFT) + 1)
         self._controls: dict[

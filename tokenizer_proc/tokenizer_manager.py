@@ -29,8 +29,6 @@ from pipeline.config import ServerConfig
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
 from pipeline.peer_errors import duplicate_rid_message
 from pipeline.io_struct import (
-    DETOKENIZER_LOST_TEXT,
-    WORKER_SHIFT,
     AbortReq,
     AbortResult,
     BatchEmbeddingOutput,
@@ -51,6 +49,8 @@ from pipeline.io_struct import (
     TokenizerManagerInput,
     TraceContext,
 )
+from pipeline.finish_reasons import DETOKENIZER_LOST_TEXT
+from pipeline.worker_ids import WORKER_SHIFT
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
 from pipeline.sockets import (
@@ -99,7 +99,7 @@ class TokenizerManager:
         self.states: dict[int, ReqState] = {}
         self.rid_to_req_id: dict[str, int] = {}
         # Of several API workers (--api-workers), this one's index: it lives in the high bits
-        # of every req_id and control_id this manager makes (``io_struct.WORKER_SHIFT``).
+        # of every req_id and control_id this manager makes (``worker_ids.WORKER_SHIFT``).
         self.worker_index = config.api_worker_index if worker_index is None else worker_index
         # Each start counts up from the current time in microseconds, so a restarted API
         # process never reuses an id a scheduler may still hold from before the restart.

@@ -53,7 +53,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import FinishAbort, finish_reason_to_dict
+from pipeline.io_struct import FinishAbort
+from pipeline.finish_reasons import finish_reason_to_dict
 from tokenizer_proc.req_state import ReqState
 
 logger = logging.getLogger("tokenpipe.tracing")

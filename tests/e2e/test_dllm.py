@@ -22,9 +22,8 @@ from pipeline.io_struct import (
     RequestOutputStats,
     SamplingParams,
     TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.req import Req

@@ -16,7 +16,8 @@ import msgspec
 import pytest
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import REQ_ID_DTYPE, FinishAbort, FinishLength, from_column
+from pipeline.io_struct import REQ_ID_DTYPE, FinishAbort, FinishLength
+from pipeline.columns import from_column
 from scheduler_proc.admission import QUEUE_FULL_RETRY_AFTER
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler

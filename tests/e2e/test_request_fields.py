@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from pipeline.io_struct import MAX_STOP_TOKEN_IDS, SamplingParams
+from pipeline.io_struct import SamplingParams
+from pipeline.request_limits import MAX_STOP_TOKEN_IDS
 from tokenizer_proc.native.schema import (
     GENERATE_REFUSED,
     MAX_LOGIT_BIAS,

@@ -19,7 +19,6 @@ from detokenizer_proc.main import detokenize_frame
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     COUNT_DTYPE,
-    DETOKENIZER_LOST_TEXT,
     REQ_ID_DTYPE,
     TOKEN_DTYPE,
     AbortReq,
@@ -33,8 +32,9 @@ from pipeline.io_struct import (
     SchedulerInput,
     TokenizedGenerateReqInput,
     TokenizerManagerInput,
-    to_column,
 )
+from pipeline.columns import to_column
+from pipeline.finish_reasons import DETOKENIZER_LOST_TEXT
 from pipeline.sockets import FrameDecoder, make_encoder
 from pipeline.tokenizer_loader import load_tokenizer
 from tokenizer_proc.req_state import StreamChunk

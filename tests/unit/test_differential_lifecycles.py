@@ -63,8 +63,8 @@ from pipeline.io_struct import (
     OutputLogprobs,
     SamplingParams,
     TokenizerManagerInput,
-    from_column,
 )
+from pipeline.columns import from_column
 from pipeline.logprob_columns import LogprobBlock
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer

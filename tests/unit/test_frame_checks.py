@@ -25,9 +25,8 @@ from pipeline.io_struct import (
     FinishLength,
     RequestOutputStats,
     UsageColumns,
-    split_token_rows,
-    to_column,
 )
+from pipeline.columns import split_token_rows, to_column
 from pipeline.tokenizer_loader import load_tokenizer
 
 counts_lists = st.lists(st.integers(min_value=0, max_value=4), max_size=40)

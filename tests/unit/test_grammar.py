@@ -37,9 +37,8 @@ from pipeline.io_struct import (
     RequestOutputStats,
     SamplingParams,
     TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import read_token_logprobs
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.batch.running_batch import RunningBatch

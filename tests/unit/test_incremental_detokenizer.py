@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detokenizer_proc.incremental import IncrementalDetokenizer
-from pipeline.io_struct import DETOKENIZER_LOST_TEXT, DecodeOptions, FinishLength, FinishStop
+from pipeline.io_struct import DecodeOptions, FinishLength, FinishStop
+from pipeline.finish_reasons import DETOKENIZER_LOST_TEXT
 from pipeline.tokenizer_loader import load_tokenizer
 
 TOK = load_tokenizer(None)

@@ -18,9 +18,8 @@ from pipeline.io_struct import (
     LogprobParams,
     SamplingParams,
     TokenTexts,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer

@@ -26,9 +26,8 @@ from pipeline.io_struct import (
     LogprobParams,
     SamplingParams,
     TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import read_token_logprobs
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler

@@ -17,9 +17,8 @@ from pipeline.io_struct import (
     LogprobParams,
     SamplingParams,
     TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import read_output_logprobs
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler

@@ -28,9 +28,8 @@ from pipeline.io_struct import (
     RequestOutputStats,
     SamplingParams,
     TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import (
     TokenLogprobs,
     build_input_logprobs,

@@ -10,9 +10,7 @@ import numpy as np
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     EMBEDDING_DTYPE,
-    MAX_STOP_TOKEN_IDS,
     REQ_ID_DTYPE,
-    WORKER_SHIFT,
     AbortReq,
     AbortResult,
     BatchEmbeddingOutput,
@@ -23,9 +21,10 @@ from pipeline.io_struct import (
     SamplingParams,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
+from pipeline.request_limits import MAX_STOP_TOKEN_IDS
+from pipeline.worker_ids import WORKER_SHIFT
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler

@@ -12,13 +12,8 @@ import pytest
 import torch
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import (
-    REQ_ID_DTYPE,
-    SamplingParams,
-    TokenizedGenerateReqInput,
-    from_column,
-    split_token_rows,
-)
+from pipeline.io_struct import REQ_ID_DTYPE, SamplingParams, TokenizedGenerateReqInput
+from pipeline.columns import from_column, split_token_rows
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler
 

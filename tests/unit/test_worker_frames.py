@@ -28,7 +28,6 @@ from pipeline.io_struct import (
     COUNT_DTYPE,
     REQ_ID_DTYPE,
     TOKEN_DTYPE,
-    WORKER_SHIFT,
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
@@ -40,9 +39,9 @@ from pipeline.io_struct import (
     TokenizedGenerateReqInput,
     TokenizerManagerInput,
     TokenTexts,
-    from_column,
-    worker_of,
 )
+from pipeline.columns import from_column
+from pipeline.worker_ids import WORKER_SHIFT, worker_of
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
 from pipeline.worker_frames import split_embedding_output, split_str_output, workers_of

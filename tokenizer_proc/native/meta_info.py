@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from pipeline.io_struct import SchedulerTimeStats, finish_reason_to_dict
+from pipeline.io_struct import SchedulerTimeStats
+from pipeline.finish_reasons import finish_reason_to_dict
 from tokenizer_proc.req_state import ReqState, StreamChunk
 
 

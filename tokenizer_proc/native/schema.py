@@ -10,7 +10,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
-from pipeline.io_struct import MAX_STOP_TOKEN_IDS, Constraint, LogprobParams, SamplingParams
+from pipeline.io_struct import Constraint, LogprobParams, SamplingParams
+from pipeline.request_limits import MAX_STOP_TOKEN_IDS
 from tokenizer_proc.openai.constraints import (
     grammar_constraint,
     json_schema_constraint,
