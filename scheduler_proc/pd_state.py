@@ -7,10 +7,8 @@
 - ``DecodeBootstrap`` (decode server): a request whose KV comes from a prefill server
   ("prebuilt"), never from a prefill here.
 - None: a request outside PD (a unified server's, or one sent without a bootstrap room).
-
-Plain data, with no behaviour: ``scheduler_proc.pd.prefill`` and ``scheduler_proc.pd.decode``
-act on it, and ``Req.kv_only`` / ``Req.kv_prebuilt`` are the two questions the scheduler
-asks of it.
+Plain data beside ``req.py``, which holds it: ``scheduler_proc.pd.prefill`` and
+``scheduler_proc.pd.decode`` act on it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import torch
@@ -31,8 +31,7 @@ from pipeline.io_struct import (
     SchedulerTimeStats,
 )
 from pipeline.logprob_columns import TokenLogprobs
-from scheduler_proc.pd.state import DecodeBootstrap, KVFetchJob, PdState
-from scheduler_proc.cache.radix_cache import RadixNode
+from scheduler_proc.pd_state import DecodeBootstrap, KVFetchJob, PdState
 from scheduler_proc.dllm_block import Block
 
 if TYPE_CHECKING:  # the grammar engine is the scheduler's; a Req only holds its matcher
@@ -40,6 +39,14 @@ if TYPE_CHECKING:  # the grammar engine is the scheduler's; a Req only holds its
 
 _replace = msgspec.structs.replace
 _SEED_MASK = (1 << 64) - 1
+
+
+class PrefixNode(Protocol):
+    """The prefix-cache node a request holds locked from its admission until its KV is
+    released (``scheduler_proc.cache.radix_cache.RadixNode``): the cache sets and reads it,
+    a request only carries it."""
+
+    lock_ref: int
 
 
 class StatsPending(weakref.WeakSet["Req"]):
@@ -118,7 +125,7 @@ class Req:
         # KV pool slots of the tokens computed so far (prompt, then generated tokens).
         self.kv_slots: torch.Tensor | None = None
         self.num_computed = 0
-        self.prefix_node: RadixNode | None = None  # radix-cache node locked for this request
+        self.prefix_node: PrefixNode | None = None  # radix-cache node locked for this request
         # The seed of every draw (docs/design.md section 10): the client's, or a random one fixed at
         # arrival, so an unseeded request takes the same counter-based path as a seeded one.
         # Any integer a client sends is a seed: the draws read its low 64 bits.
@@ -142,7 +149,7 @@ class Req:
         self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self.dllm_block: Block | None = None  # --mode dllm: the block being refined
-        self.pd: PdState = None  # its part in PD disaggregation (scheduler_proc.pd.state)
+        self.pd: PdState = None  # its part in PD disaggregation (pd_state.py)
         # Structured output: what the output must spell, and once its grammar is compiled
         # the matcher, which has accepted exactly ``output_ids`` (a re-prefill accepts
         # nothing again; scheduler_proc/sampling/grammar.py).

@@ -69,11 +69,11 @@ class PrefixKV:
         if (
             to_load and hicache is not None and fetched is not None
         ):  # to_load > 0: something was fetched
-            prefix, held = req.prefix_node, req.kv_slots
-            assert prefix is not None and held is not None, "the match above set them"
+            held = req.kv_slots
+            assert held is not None, "the match above set it"
             node = hicache.install(fetched, slots[:to_load])
             self.cache.inc_lock(node)
-            self.cache.dec_lock(prefix)
+            self.cache.dec_lock(locked_node(req))
             req.prefix_node = node
             req.kv_slots = torch.cat((held, slots[:to_load]))
             req.num_computed += to_load
@@ -107,7 +107,7 @@ class PrefixKV:
 
     def unlock(self, req: Req) -> None:
         if req.prefix_node is not None:
-            self.cache.dec_lock(req.prefix_node)
+            self.cache.dec_lock(locked_node(req))
         req.prefix_node = None
         req.kv_slots = None
         req.num_computed = 0
@@ -121,3 +121,10 @@ class PrefixKV:
     def held_by_requests(self) -> int:
         """Device slots that requests hold (not the evictable cache)."""
         return self.kv.num_used - self.cache.evictable_size
+
+
+def locked_node(req: Req) -> RadixNode:
+    """The tree node ``req`` holds locked (``Req.prefix_node``, which this module sets)."""
+    node = req.prefix_node
+    assert isinstance(node, RadixNode), f"{req!r} holds no prefix lock"
+    return node

@@ -40,7 +40,7 @@ from scheduler_proc.pd.kv_transfer import (
     tensors_from_frames,
 )
 from scheduler_proc.pd.role import PdHost
-from scheduler_proc.pd.state import DecodeBootstrap, Prebuilt
+from scheduler_proc.pd_state import DecodeBootstrap, Prebuilt
 from scheduler_proc.req import Req
 
 logger = logging.getLogger("tokenpipe.pd.decode")

@@ -1,7 +1,7 @@
 """Prefill side of PD disaggregation: hands each request's KV to the decode server that
 fetches it. ``PrefillKVSender`` is the scheduler's ``PdRole`` on a prefill server.
 
-Two kinds of requests carry a ``Req.pd`` here (scheduler_proc/pd/state.py):
+Two kinds of requests carry a ``Req.pd`` here (scheduler_proc/pd_state.py):
 - ``PrefillHalf``: a request this server's API received with a bootstrap room. It runs
   as usual (its API clamps it to one new token). When it is released, its prompt KV and
   first token go to the decode server's fetch for the same room: at once if the fetch has
@@ -33,7 +33,7 @@ from pipeline.logprob_columns import TokenLogprobs, build_input_logprobs, build_
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.pd.kv_transfer import KVFetchServer, gather_kv, pool_layout
 from scheduler_proc.pd.role import PdHost
-from scheduler_proc.pd.state import KVFetchJob, PrefillHalf
+from scheduler_proc.pd_state import KVFetchJob, PrefillHalf
 from scheduler_proc.req import Req, StatsPending
 
 logger = logging.getLogger("tokenpipe.pd.prefill")
