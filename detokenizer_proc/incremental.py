@@ -28,7 +28,8 @@ from typing import NamedTuple
 import numpy as np
 from tokenizers import Tokenizer, decoders
 
-from pipeline.io_struct import DETOKENIZER_LOST_TEXT, DecodeOptions, FinishReason, FinishStop
+from pipeline.io_struct import DecodeOptions, FinishReason, FinishStop
+from pipeline.finish_reasons import DETOKENIZER_LOST_TEXT
 from pipeline.sockets import RateLimitedWarning
 
 logger = logging.getLogger("tokenpipe.detokenizer")

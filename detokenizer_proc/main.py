@@ -28,9 +28,9 @@ from pipeline.io_struct import (
     FlushCacheResult,
     HiCacheStorageState,
     SchedulerStatsReport,
-    from_column,
-    worker_of,
 )
+from pipeline.columns import from_column
+from pipeline.worker_ids import worker_of
 from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, RateLimitedWarning, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import load_tokenizer

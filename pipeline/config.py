@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from pipeline.flags import Flag, NoFlag, add_flags, from_args
-from pipeline.io_struct import MAX_API_WORKERS
+from pipeline.worker_ids import MAX_API_WORKERS
 
 Mode = Literal["generate", "embedding", "dllm"]
 DisaggregationMode = Literal["null", "prefill", "decode"]

@@ -21,9 +21,8 @@ from pipeline.io_struct import (
     BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
-    from_column,
-    split_token_rows,
 )
+from pipeline.columns import from_column, split_token_rows
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,18 +1,15 @@
-"""Every type that crosses a ZeroMQ socket, in one module.
+"""Every type that crosses a ZeroMQ socket, in one module; docs/wire.md describes each one
+in language-neutral terms.
 
 Field order is the wire contract: the structs are ``array_like`` (a frame is a msgpack
 array, not a map), so new fields are appended last with a default. msgspec writes every
 field of an ``array_like`` struct, defaults included (``omit_defaults`` does not shorten
-one), so a new field costs its default's bytes on every message; a reader takes a shorter
-array (defaults fill the tail) and ignores extra trailing elements. docs/wire.md is the
-language-neutral description of every message here. Output frames are
-columnar: per-row numbers travel as little-endian ``bytes`` columns (see ``ColumnDtype``),
-so one decode step of 512 rows costs a handful of buffers, not 512 small objects.
-
-Per-request values that change only at a few points of a request's life travel together
-in one ``RequestOutputStats``, on the rows that need it (docs/design.md section 3); there are no
-per-row lists of them anywhere in this module.
-"""
+one); a reader takes a shorter array (defaults fill the tail) and ignores extra trailing
+elements. Output frames are columnar: per-row numbers travel as little-endian ``bytes``
+columns of the dtypes below (``pipeline.columns`` packs and reads them), so a step of many
+rows costs a few buffers, not an object per row. Per-request values that change only at a
+few points of a request's life travel together in one ``RequestOutputStats``, on the rows
+that need it; no per-row lists of them."""
 
 from __future__ import annotations
 
@@ -28,56 +25,8 @@ TOKEN_DTYPE = np.dtype("<i4")
 COUNT_DTYPE = np.dtype("<i4")
 EMBEDDING_DTYPE = np.dtype("<f4")
 
-# A req_id (and a control message's control_id) carries the index of the API worker that
-# made it in these high bits, so ids of several workers never meet and every output row or
-# control answer finds its way back to its worker (``--api-workers``). int64 ids leave room
-# for indices below 128.
-WORKER_SHIFT = 56
-MAX_API_WORKERS = 1 << (63 - WORKER_SHIFT)
-
-
-def worker_of(req_id: int) -> int:
-    """The API worker a req_id or control_id belongs to (negative: scheduler-internal)."""
-    return req_id >> WORKER_SHIFT
-
-
-def to_column(values: np.ndarray | list[int], dtype: np.dtype) -> bytes:
-    """Pack a 1-D sequence into a wire column."""
-    return np.asarray(values, dtype=dtype).tobytes()
-
-
-def from_column(column: bytes, dtype: np.dtype) -> np.ndarray:
-    """View a wire column as an array (zero copy; read-only)."""
-    return np.frombuffer(column, dtype=dtype)
-
-
-def split_token_rows(output_ids: bytes, output_counts: bytes) -> list[list[int]]:
-    """The flat token column cut into one list per row; ValueError when the columns
-    disagree (a frame from a buggy or hostile peer must not index out of range)."""
-    tokens = from_column(output_ids, TOKEN_DTYPE)
-    counts = from_column(output_counts, COUNT_DTYPE)
-    if not len(counts):
-        if len(tokens):
-            raise ValueError(f"a frame with no rows holds {len(tokens)} tokens")
-        return []
-    if counts.min() < 0 or int(counts.sum()) != len(tokens):
-        raise ValueError(
-            f"row counts sum to {int(counts.sum())} but the frame holds {len(tokens)} tokens"
-        )
-    # The steady decode step: one token per row. Equal lengths alone do not say so: counts
-    # [2, 0] also sum to two tokens over two rows (an abort's empty row beside a long one).
-    if len(counts) == len(tokens) and counts.max() == 1:
-        return [[t] for t in tokens.tolist()]
-    return [part.tolist() for part in np.split(tokens, np.cumsum(counts)[:-1])]
-
 
 # --- request side ----------------------------------------------------------------------
-
-# The most ``stop_token_ids`` one request may carry (logit_bias's limit). The API refuses
-# more with a 400, and the scheduler's admission refuses them again: every running request
-# shares one stop table as wide as the widest request's list, and each stop check (and
-# min_new_tokens' mask) reads all of it.
-MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -120,11 +69,11 @@ class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class LogprobParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    """The logprobs a request asks for (docs/design.md section 11): the chosen token's always, the
-    ``top_logprobs_num`` most likely tokens at each position (0..20), the logprobs of the
-    ``token_ids_logprob`` ids at each position, and from ``logprob_start_len`` (-1: none)
-    the prompt's. Values are the model's raw log-softmax, before bias, penalties,
-    temperature and cuts."""
+    """The logprobs a request asks for (docs/design.md section 11): the chosen token's
+    always, the ``top_logprobs_num`` most likely tokens at each position (0..20), the
+    logprobs of the ``token_ids_logprob`` ids at each position, and from
+    ``logprob_start_len`` (-1: none) the prompt's. Values are the model's raw log-softmax,
+    before bias, penalties, temperature and cuts."""
 
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
@@ -139,15 +88,12 @@ CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """Structured output: what the request's tokens must spell, whatever dialect asked for it
     (OpenAI's ``response_format``, vLLM's ``structured_outputs``/``guided_*``, SGLang's
-    ``json_schema``/``regex``/``ebnf``). Compiled by the scheduler (xgrammar), cached by
-    ``(kind, spec)``.
-
-    - ``kind``: one of ``CONSTRAINT_KINDS``: ``json_schema`` (``spec``: the schema as JSON
-      text), ``json_object`` (any JSON object; ``spec`` empty), ``regex`` (``spec``: the
-      pattern), ``grammar`` (``spec``: EBNF, xgrammar's GBNF dialect), ``choice`` (``spec``: a
-      JSON list of the strings allowed).
-    - ``param``: the request field that asked for it, named in the 400 an invalid ``spec``
-      gets (the engine's reason follows)."""
+    ``json_schema``/``regex``/``ebnf``); compiled by the scheduler (xgrammar), cached by
+    ``(kind, spec)``. ``kind`` (``CONSTRAINT_KINDS``) and its ``spec``: ``json_schema``, the
+    schema as JSON text; ``json_object``, empty (any JSON object); ``regex``, the pattern;
+    ``grammar``, EBNF (xgrammar's GBNF dialect); ``choice``, a JSON list of the strings
+    allowed. ``param``: the request field that asked for it, named in the 400 an invalid
+    ``spec`` gets (the engine's reason follows)."""
 
     kind: str
     spec: str
@@ -249,23 +195,6 @@ class FinishAbort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen
 
 FinishReason = FinishStop | FinishLength | FinishAbort
 
-# The finish the detokenizer gives a row whose request's first row it never saw (it
-# restarted): that request's earlier text is gone, so the row fails it rather than pass as
-# output, and the tokenizer manager, seeing this reason, stops the request in the scheduler.
-DETOKENIZER_LOST_TEXT = FinishAbort(
-    message="the detokenizer restarted and lost this request's text; send it again", status_code=503
-)
-
-
-def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
-    """The HTTP form (docs/design.md section 2): ``{"type": "stop", "matched": ...}`` and so on."""
-    out: dict[str, object] = {"type": type(reason).__struct_config__.tag}
-    for field in reason.__struct_fields__:
-        value = getattr(reason, field)
-        if value is not None:  # an optional field left unset (retry_after) is not part of that form
-            out[field] = value
-    return out
-
 
 # --- per-request stats -----------------------------------------------------------------
 
@@ -318,9 +247,9 @@ class RequestOutputStats(
 class UsageColumns(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """``--dense-usage-columns``: five COUNT_DTYPE columns, one value on every row of a
     ``BatchTokenIDOutput``, read from the row's current ``Req.stats`` when the row is built.
-    For a consumer that keeps no per-request state (a gateway in another language); the
-    same values also travel in ``request_stats`` on the rows that are due (docs/design.md section 3).
-    Schema for such a consumer: docs/wire.md."""
+    For a consumer that keeps no per-request state (a gateway in another language; its
+    schema: docs/wire.md section 6); the same values also travel in ``request_stats`` on
+    the rows that are due (docs/design.md section 3)."""
 
     prompt_tokens: bytes
     cached_tokens: bytes
@@ -350,15 +279,10 @@ class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
 
 
 class OutputLogprobs(msgspec.Struct, array_like=True, gc=False):
-    """The logprobs of a frame's rows that asked for them, as columns (docs/wire.md).
-
-    ``rows`` (int32, ascending) are indices into the frame's rows; for each such row there
-    is one entry per new token of that row (its output count), in token order:
-    ``token_logprobs`` (float32, the chosen token's), then ``top_k[i]`` (int32 per listed
-    row) pairs of ``top_ids`` (int32) and ``top_logprobs`` (float32), most likely first,
-    then ``ids_count[i]`` values of ``ids_logprobs`` (float32), one per id of the request's
-    ``token_ids_logprob`` in its order. The flat blocks are laid out row by row, token by
-    token: row i, token j holds ``top_k[i]`` entries of the top block."""
+    """The logprobs of a frame's rows that asked for them, as columns laid out row by row,
+    token by token (docs/wire.md, ``BatchTokenIDOutput``): ``rows`` (int32, ascending) index
+    the frame's rows; per token of a listed row i, ``token_logprobs`` (float32), ``top_k[i]``
+    pairs of ``top_ids`` and ``top_logprobs``, and ``ids_count[i]`` ``ids_logprobs``."""
 
     rows: bytes
     token_logprobs: bytes
@@ -450,9 +374,8 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     forward_steps_total: int
     live_reqs: int  # requests the scheduler holds in any state
     instance: int  # random per scheduler start: a change means every in-flight request was lost
-    detokenizer_live_reqs: int = (
-        -1
-    )  # the detokenizer's live decode states (it fills this in); -1: not filled in
+    # The detokenizer's live decode states (it fills this in); -1: not filled in.
+    detokenizer_live_reqs: int = -1
     # HiCache (zeros and None when it is off)
     hicache_host_used_tokens: int = 0
     hicache_host_capacity: int = 0
@@ -506,22 +429,8 @@ class AbortResult(msgspec.Struct, tag="abort_result", array_like=True, gc=False)
 # The scheduler's answers to control messages: each goes back to the API worker whose
 # index its control_id carries.
 ControlAnswer = HiCacheStorageState | FlushCacheResult | AbortResult
-DetokenizerInput = (
-    BatchTokenIDOutput
-    | BatchEmbeddingOutput
-    | SchedulerStatsReport
-    | HiCacheStorageState
-    | FlushCacheResult
-    | AbortResult
-)
-TokenizerManagerInput = (
-    BatchStrOutput
-    | BatchEmbeddingOutput
-    | SchedulerStatsReport
-    | HiCacheStorageState
-    | FlushCacheResult
-    | AbortResult
-)
+DetokenizerInput = BatchTokenIDOutput | BatchEmbeddingOutput | SchedulerStatsReport | ControlAnswer
+TokenizerManagerInput = BatchStrOutput | BatchEmbeddingOutput | SchedulerStatsReport | ControlAnswer
 
 
 # --- PD disaggregation: KV transfer between a prefill and a decode scheduler -------------
@@ -538,10 +447,8 @@ class KVLayout(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
 class KVFetch(msgspec.Struct, tag="kv_fetch", array_like=True, gc=False):
     """Decode -> prefill scheduler (DEALER -> ROUTER): send the KV of ``token_ids`` for
-    ``room``. ``attempt`` 0 is the request's first bootstrap: the prefill server pairs it
-    with the request of the same room that its own API received. A later attempt is a
-    re-bootstrap after a decode-side retraction: the prefill server computes the KV of
-    ``token_ids`` (prompt plus what was generated but the last token) from its prefix cache."""
+    ``room``. Attempt 0 pairs with the prefill API's request of the same room; a later one
+    is a re-bootstrap after a decode-side retraction (docs/wire.md section 8)."""
 
     room: int
     attempt: int
@@ -551,10 +458,9 @@ class KVFetch(msgspec.Struct, tag="kv_fetch", array_like=True, gc=False):
 
 
 class KVTransferHeader(msgspec.Struct, tag="kv_header", array_like=True, gc=False):
-    """Prefill -> decode: the first frame of a transfer. When ``ok``, two raw frames follow
-    with K and V: ``num_tokens`` tokens of ``layout``, shaped [num_layers, num_tokens,
-    num_kv_heads, head_dim], C order, native byte order. Raw bytes, never pickle. When not
-    ``ok``, ``error`` says why and nothing follows."""
+    """Prefill -> decode: the first frame of a transfer. When ``ok``, two raw frames (never
+    pickle) follow with K and V, shaped [num_layers, num_tokens, num_kv_heads, head_dim]
+    (docs/wire.md section 8); when not, ``error`` says why and nothing follows."""
 
     room: int
     attempt: int

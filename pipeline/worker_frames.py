@@ -28,15 +28,15 @@ from pipeline.io_struct import (
     COUNT_DTYPE,
     REQ_ID_DTYPE,
     TOKEN_DTYPE,
-    WORKER_SHIFT,
     BatchEmbeddingOutput,
     BatchStrOutput,
     FrameLogprobs,
     InputLogprobs,
     OutputLogprobs,
     TokenTexts,
-    from_column,
 )
+from pipeline.columns import from_column
+from pipeline.worker_ids import WORKER_SHIFT
 from pipeline.logprob_columns import (
     LOGPROB_ID_DTYPE,
     LogprobArrays,
