@@ -54,10 +54,10 @@ async def _serve(config: ServerConfig) -> None:
             config.port,
         )
 
-    # The counter of clients dropped for sending their request too slowly (None: metrics off).
-    on_read_timeout = (
-        tm.metrics.requests.num_rejected["read_timeout"].inc if tm.metrics is not None else None
-    )
+    # Counts the clients dropped for sending their request too slowly.
+    def on_read_timeout() -> None:
+        tm.metrics.requests.on_rejected("read_timeout")
+
     try:
         await serve_http(
             app, config, on_started=started, on_read_timeout=on_read_timeout, reuse_port=several

@@ -1,17 +1,13 @@
 """Which names ``/metrics`` serves (``--metrics-compat``, docs/design.md section 7).
 
 A family changes names, label names and bucket boundaries, never values: every series is
-still fed by ``tokenizer_proc/metrics.py`` from the same ``ReqState`` and scheduler reports,
-so dashboards, alerts and autoscalers written for SGLang or vLLM read tokenpipe unchanged
-and the totals still equal the sums of meta_info.
+still fed from the same ``ReqState`` and scheduler reports (``request_metrics.py``,
+``scheduler_gauges.py``), so dashboards, alerts and autoscalers written for SGLang or vLLM
+read tokenpipe unchanged and the totals still equal the sums of meta_info.
 
-``FAMILIES`` is the one table. Per family it lists, by tokenpipe's name without the prefix,
-the tokenpipe series it has a counterpart for, and under names tokenpipe has not, the series
-of its own that tokenpipe computes only for it (``Naming.peer_*``). A tokenpipe series the
-family lacks keeps its ``tokenpipe:`` name and labels: nothing is lost, and no name is made
-up in a peer's namespace. The names, label names and buckets are the peers' own (vLLM's v1
-Prometheus logger, SGLang's metrics collector, and their Grafana dashboards). Counters are
-listed without ``_total``, which prometheus-client appends.
+``FAMILIES`` is the one table; ``Naming`` resolves it for one server. The names, label names
+and buckets are the peers' own (vLLM's v1 Prometheus logger, SGLang's metrics collector, and
+their Grafana dashboards; the buckets in ``tokenizer_proc/peer_buckets.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +21,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from pipeline.config import MetricsCompat
+from tokenizer_proc.peer_buckets import (
+    SGLANG_E2E,
+    SGLANG_ITL,
+    SGLANG_QUEUE,
+    SGLANG_TOKEN_COUNTS,
+    SGLANG_TTFT,
+    VLLM_ITERATION_TOKENS,
+    VLLM_ITL,
+    VLLM_N,
+    VLLM_REQUEST_LATENCY,
+    VLLM_TTFT,
+    one_two_five,
+)
 
 OWN_PREFIX = "tokenpipe:"
 
@@ -45,223 +54,15 @@ class Series:
 
 @dataclass(frozen=True, slots=True)
 class Family:
+    """Per family, by tokenpipe's name without the prefix: the tokenpipe series it has a
+    counterpart for, and under names tokenpipe has not, the series of its own that tokenpipe
+    computes only for it (``Naming.peer_*``). A tokenpipe series the family lacks keeps its
+    ``tokenpipe:`` name and labels: nothing is lost, and no name is made up in a peer's
+    namespace. Counters are listed without ``_total``, which prometheus-client appends."""
+
     # The labels every series of the family carries, from (model_name, engine_type).
     base_labels: Callable[[str, str], dict[str, str]]
     series: Mapping[str, Series]
-
-
-def one_two_five(limit: int) -> tuple[float, ...]:
-    """1, 2, 5, 10, 20, 50... up to ``limit``: vLLM's token-count buckets, up to the context length."""
-    out: list[float] = []
-    scale = 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > limit:
-                return tuple(out)
-            out.append(float(mantissa * scale))
-        scale *= 10
-
-
-# SGLang's defaults (its tokenizer and scheduler metric collectors).
-SGLANG_TTFT = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
-SGLANG_E2E = (
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1,
-    2,
-    4,
-    6,
-    8,
-    10,
-    20,
-    40,
-    60,
-    80,
-    100,
-    200,
-    400,
-    600,
-    1200,
-    1800,
-    2400,
-)
-SGLANG_ITL = (
-    0.002,
-    0.004,
-    0.006,
-    0.008,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.035,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1,
-    2,
-    4,
-    6,
-    8,
-)
-SGLANG_QUEUE = (
-    0.0,
-    0.1,
-    0.2,
-    0.5,
-    1,
-    2,
-    3,
-    4,
-    5,
-    10,
-    15,
-    20,
-    30,
-    40,
-    50,
-    60,
-    70,
-    80,
-    90,
-    100,
-    200,
-    300,
-    400,
-    500,
-    600,
-    700,
-    800,
-    900,
-    1000,
-    1200,
-    1400,
-    1600,
-    1800,
-    2000,
-    2500,
-    3000,
-)
-SGLANG_TOKEN_COUNTS = (
-    100,
-    300,
-    500,
-    700,
-    1000,
-    1500,
-    2000,
-    3000,
-    4000,
-    5000,
-    6000,
-    7000,
-    8000,
-    9000,
-    10000,
-    12500,
-    15000,
-    17500,
-    20000,
-    22500,
-    25000,
-    27500,
-    30000,
-    35000,
-    40000,
-    60000,
-    80000,
-    100000,
-    200000,
-    300000,
-    400000,
-    600000,
-    800000,
-    1000000,
-    1100000,
-)
-
-# vLLM's (its v1 Prometheus stat logger).
-VLLM_TTFT = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-VLLM_ITL = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-VLLM_REQUEST_LATENCY = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-VLLM_ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-VLLM_N = (1, 2, 5, 10, 20)
-# vLLM's finished_reason values tokenpipe produces (vLLM also has error and repetition).
-VLLM_FINISH_REASONS = ("stop", "length", "abort")
 
 
 def _labels_with_engine_type(model_name: str, engine_type: str) -> dict[str, str]:
@@ -432,6 +233,12 @@ class Absent:
 
 
 ABSENT = Absent()
+
+
+def one_child(bound: Bound[M] | None) -> M | Absent:
+    """The one child of a peer-only series, or ``ABSENT`` when the family has no such series."""
+    return bound() if bound is not None else ABSENT
+
 
 H = TypeVar("H", bound=Histogram)
 

@@ -1,16 +1,15 @@
 """Tokenizes requests, sends them to the scheduler, and keeps one ``ReqState`` per live
 request, updated from the detokenizer's frames.
 
-``handle_output`` is the only function that loops over a frame's rows: stats, text and
-finish for every row are applied in that one pass. It is plain synchronous code, so the
-differential test drives it without an HTTP server.
-
-Under ``--skip-tokenizer-init`` there is no tokenizer (``tokenizer`` is None): prompts must
-be token ids, and whatever needs text (a text prompt, stop strings, media placeholders, chat
-templates, /tokenize) is refused with a 400 from ``request_checks.without_tokenizer``.
-
-What a request is checked for before it is submitted is ``RequestChecks``' (``checks``); the
-control round trips to the scheduler are ``ControlClient``'s (``controls``).
+``handle_output`` dispatches each frame by its type; ``_handle_str_output`` is the only
+function that loops over a frame's rows: stats, text and finish for every row are applied in
+that one pass. It is plain synchronous code, so the differential test drives it without an
+HTTP server. Under ``--skip-tokenizer-init`` there is no tokenizer (``tokenizer`` is None):
+prompts must be token ids, and whatever needs text (a text prompt, stop strings, media
+placeholders, chat templates, /tokenize) is refused with a 400 from
+``request_checks.without_tokenizer``. What a request is checked for before it is submitted
+is ``RequestChecks``' (``checks``); the control round trips are ``ControlClient``'s
+(``controls``).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -51,7 +49,7 @@ from pipeline.io_struct import (
 )
 from pipeline.finish_reasons import DETOKENIZER_LOST_TEXT
 from pipeline.worker_ids import WORKER_SHIFT
-from pipeline.logprob_columns import read_input_logprobs, read_output_logprobs
+from pipeline.logprob_columns import RowLogprobs, read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
 from pipeline.sockets import (
     FrameDecoder,
@@ -64,12 +62,11 @@ from pipeline.sockets import (
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
 from tokenizer_proc.control_client import ControlClient
-from tokenizer_proc.metrics import ServiceMetrics
+from tokenizer_proc.frame_dispatch import FrameDispatch
+from tokenizer_proc.metrics import service_metrics
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_checks import RequestChecks
-
-if TYPE_CHECKING:  # imported when tracing is on: the OpenTelemetry SDK is slow to import
-    from tokenizer_proc.tracing import RequestTracer
+from tokenizer_proc.tracers import request_tracer
 
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
 
@@ -87,57 +84,77 @@ class TokenizerManager:
     ) -> None:
         self._clock = clock  # injectable, so the differential test is deterministic
         self.config = config
+        self._init_model(vocab, context_length)
+        self._init_request_ids(worker_index, req_id_base)
+        self._init_observers()
+        self._init_sockets()
+        self._init_owners()
+        self._dispatch = self._output_handlers()
+
+    def _init_model(self, vocab: LoadedTokenizer | ModelVocab, context_length: int) -> None:
         # None under --skip-tokenizer-init: the process then never loads one.
         self.tokenizer = vocab if isinstance(vocab, LoadedTokenizer) else None
-        # Logprob entries' token texts, mostly sent by the detokenizer with each frame.
+        # Logprob entries' token texts, mostly sent by the detokenizer with each frame; None
+        # with no tokenizer, which the routes answer with ids (``token_id:N``) or no texts.
         self.token_texts = (
             TokenTextCache(self.tokenizer.tokenizer) if self.tokenizer is not None else None
         )
         self.vocab_size = vocab.vocab_size
         self.context_length = context_length
-        self.model_name = config.served_model_name or vocab.name
+        self.model_name = self.config.served_model_name or vocab.name
+
+    def _init_request_ids(self, worker_index: int | None, req_id_base: int | None) -> None:
         self.states: dict[int, ReqState] = {}
         self.rid_to_req_id: dict[str, int] = {}
         # Of several API workers (--api-workers), this one's index: it lives in the high bits
-        # of every req_id and control_id this manager makes (``worker_ids.WORKER_SHIFT``).
+        # of every req_id and control_id this manager makes (``io_struct.WORKER_SHIFT``).
+        config = self.config
         self.worker_index = config.api_worker_index if worker_index is None else worker_index
         # Each start counts up from the current time in microseconds, so a restarted API
         # process never reuses an id a scheduler may still hold from before the restart.
         base = time.time_ns() // 1000 if req_id_base is None else req_id_base
         self._next_req_id = itertools.count((self.worker_index << WORKER_SHIFT) + base)
+
+    def _init_observers(self) -> None:
+        """Metrics and the tracer are always there: no-ops when they are off."""
+        self.metrics = service_metrics(self.config, self.model_name, self.context_length)
+        self.tracer = request_tracer(self.config, self.model_name)
         self._dropped_rows = RateLimitedWarning(logger)
         self.num_aborted_requests = 0
-        self.metrics = (
-            ServiceMetrics(
-                self.model_name,
-                config.engine_type,
-                multiprocess=config.api_workers > 1,
-                compat=config.metrics_compat,
-                context_length=context_length,
-            )
-            if config.enable_metrics
-            else None
-        )
         # The first report proves the whole path (scheduler, detokenizer, this process) is up:
         # until then the service is starting, and /health says so (``ready``).
         self.last_scheduler_report: SchedulerStatsReport | None = None
-        self.tracer: RequestTracer | None = None
-        if config.otlp_traces_endpoint:
-            from tokenizer_proc.tracing import RequestTracer
 
-            self.tracer = RequestTracer(config, self.model_name)
+    def _init_sockets(self) -> None:
         self._encoder = make_encoder()
         self._ctx: zmq.asyncio.Context | None = None
         self._recv_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._send: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._after_frame: dict[Callable[[], None], None] = {}  # an ordered set
+
+    def _init_owners(self) -> None:
         # Validation and the control round trips have their own owners; the routes reach
         # them through these (``tm.checks.tokenize``, ``tm.controls.flush_cache``).
         self.checks = RequestChecks(
-            config, self.tokenizer, vocab_size=self.vocab_size, context_length=context_length
+            self.config,
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
         )
         self.controls = ControlClient(self._send_obj, self.worker_index)
-        self._after_frame: dict[Callable[[], None], None] = {}  # an ordered set
+
+    def _output_handlers(self) -> FrameDispatch[TokenizerManagerInput]:
+        """The handler of each frame type that reaches this process: a new message is a row."""
+        return (
+            FrameDispatch[TokenizerManagerInput]()
+            .on(BatchStrOutput, self._handle_str_output)
+            .on(BatchEmbeddingOutput, self._handle_embedding_output)
+            .on(SchedulerStatsReport, self._on_scheduler_report)
+            .on(HiCacheStorageState, self.controls.answer)
+            .on(FlushCacheResult, self.controls.answer)
+            .on(AbortResult, self.controls.answer)
+        )
 
     @property
     def ready(self) -> bool:
@@ -163,8 +180,7 @@ class TokenizerManager:
         )
 
     async def close(self) -> None:
-        if self.tracer is not None:
-            self.tracer.shutdown()  # flushes spans still queued for export
+        self.tracer.shutdown()  # flushes spans still queued for export
         if self._loop_task is not None:
             self._loop_task.cancel()
         if self._ctx is not None:
@@ -217,7 +233,8 @@ class TokenizerManager:
     ) -> ReqState:
         if len(input_ids) > self.context_length:
             raise RequestValidationError(
-                f"input ({len(input_ids)} tokens) is longer than the context length ({self.context_length})",
+                f"input ({len(input_ids)} tokens) is longer than the context length "
+                f"({self.context_length})",
                 "input",
             )
         state = self.open_state(
@@ -257,7 +274,8 @@ class TokenizerManager:
     ) -> ReqState:
         if self.config.mode == "embedding" and not internal:
             raise RequestValidationError(
-                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate",
+                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a "
+                "server in --mode generate",
                 "model",
             )
         sampling, bootstrap = self.checks.pd_half(sampling, bootstrap, internal)
@@ -353,58 +371,45 @@ class TokenizerManager:
     # --- outputs: the one loop over rows -------------------------------------------------
 
     def handle_output(self, frame: TokenizerManagerInput) -> None:
-        if isinstance(frame, SchedulerStatsReport):
-            last = self.last_scheduler_report
-            if last is not None and last.instance != frame.instance:
-                self._fail_in_flight(
-                    "the scheduler restarted and lost this request; send it again", 503
+        """Applies one frame from the detokenizer, by its type (``_output_handlers``)."""
+        self._dispatch(frame)
+
+    def _on_scheduler_report(self, frame: SchedulerStatsReport) -> None:
+        last = self.last_scheduler_report
+        if last is not None and last.instance != frame.instance:
+            self._fail_in_flight(
+                "the scheduler restarted and lost this request; send it again", 503
+            )
+            # Requests sent while no scheduler ran wait in the socket and reach the new one,
+            # but their clients were just told they were lost: stop them there. Only this
+            # worker's, and only those: whatever is sent from now on comes after this message
+            # on the same socket.
+            self._send_obj(
+                AbortReq(
+                    abort_all=True,
+                    worker=self.worker_index,
+                    reason="reported lost to the client after a scheduler restart",
                 )
-                # Requests sent while no scheduler ran wait in the socket and reach the new
-                # one, but their clients were just told they were lost: stop them there. Only
-                # this worker's, and only those: whatever is sent from now on comes after this
-                # message on the same socket.
-                self._send_obj(
-                    AbortReq(
-                        abort_all=True,
-                        worker=self.worker_index,
-                        reason="reported lost to the client after a scheduler restart",
-                    )
-                )
-            self.last_scheduler_report = frame
-            # Every worker gets the reports; one sets the gauges, or a multiprocess /metrics
-            # would count the retraction total once per worker.
-            if self.metrics is not None and self.worker_index == 0:
-                self.metrics.scheduler.update(frame)
-            return
-        if isinstance(frame, (HiCacheStorageState, FlushCacheResult, AbortResult)):
-            self.controls.answer(frame)
-            return
-        if isinstance(frame, BatchEmbeddingOutput):
-            self._handle_embedding_output(frame)
-        else:
-            self._handle_str_output(frame)
+            )
+        self.last_scheduler_report = frame
+        # Every worker gets the reports; one sets the gauges, or a multiprocess /metrics
+        # would count the retraction total once per worker.
+        if self.worker_index == 0:
+            self.metrics.scheduler.update(frame)
 
     def _handle_str_output(self, frame: BatchStrOutput) -> None:
         now = self._clock()
         columns = read_token_rows(frame)  # ValueError when a column disagrees: nothing applied
-        req_ids, rows, completion = columns.req_ids, columns.tokens, columns.completion_tokens
-        n = len(req_ids)
-        # Also a ValueError (nothing applied) when the logprob columns disagree with the rows.
-        lp = frame.logprobs
-        logprobs = (
-            read_output_logprobs(lp.output, [len(r) for r in rows])
-            if lp is not None and lp.output is not None
-            else {}
-        )
-        prompt_logprobs = (
-            read_input_logprobs(lp.input, n) if lp is not None and lp.input is not None else {}
-        )
+        req_ids = columns.req_ids
+        rows = columns.tokens
+        completion = columns.completion_tokens
+        logprobs, prompt_logprobs = _logprob_rows(frame, rows)
         if frame.token_texts is not None and self.token_texts is not None:
             self.token_texts.add(frame.token_texts)  # ValueError when its columns disagree
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
-        metrics = self.metrics.requests if self.metrics is not None else None
-        for i in range(n):
+        metrics = self.metrics.requests
+        for i in range(len(req_ids)):
             state = self.states.get(req_ids[i])
             stats = stats_col[i] if stats_col is not None else None
             if state is not None and stats is not None:
@@ -429,13 +434,12 @@ class TokenizerManager:
                 state.prompt_logprobs.extend(prompt_logprobs[i])
             previous_token_time = state.last_token_time
             state.add_output(frame.text_deltas[i], rows[i], completion[i], now, logprobs.get(i))
-            if metrics is not None and rows[i] and not state.internal:
+            if rows[i] and not state.internal:
                 metrics.on_tokens(state, len(rows[i]), previous_token_time, now)
             if reason is not None:
                 self._finish(state, reason, now)
             state.event.set()
-        if metrics is not None:
-            metrics.end_frame()
+        metrics.end_frame()
 
     def _handle_embedding_output(self, frame: BatchEmbeddingOutput) -> None:
         now = self._clock()
@@ -478,21 +482,31 @@ class TokenizerManager:
     def _observe_finish(self, state: ReqState) -> None:
         if state.internal:
             return
+        metrics = self.metrics.requests
         reason = state.finished_reason
-        if (
-            self.metrics is not None
-            and isinstance(reason, FinishAbort)
-            and reason.retry_after is not None
-        ):
+        if isinstance(reason, FinishAbort) and reason.retry_after is not None:
             # Counted here, once per pipeline request the scheduler refused for a full
             # waiting queue (an OpenAI request of n choices may count up to n), whichever
             # route it came by; it is also a request and an abort, as any refusal is.
-            self.metrics.requests.num_rejected["queue_full"].inc()
+            metrics.on_rejected("queue_full")
         if state.request_stats is None:  # lost before the scheduler reported: counted, no span
-            if self.metrics is not None and isinstance(state.finished_reason, FinishAbort):
-                self.metrics.requests.on_lost(state)
+            if isinstance(reason, FinishAbort):
+                metrics.on_lost(state)
             return
-        if self.metrics is not None:
-            self.metrics.requests.on_finish(state)
-        if self.tracer is not None:
-            self.tracer.on_finish(state, operation=state.operation)
+        metrics.on_finish(state)
+        self.tracer.on_finish(state, operation=state.operation)
+
+
+def _logprob_rows(
+    frame: BatchStrOutput, rows: list[list[int]]
+) -> tuple[dict[int, RowLogprobs], dict[int, RowLogprobs]]:
+    """The output and prompt logprobs of the frame's rows, by row index. A ValueError (and
+    nothing applied) when the logprob columns disagree with the rows."""
+    lp = frame.logprobs
+    if lp is None:
+        return {}, {}
+    output = (
+        read_output_logprobs(lp.output, [len(r) for r in rows]) if lp.output is not None else {}
+    )
+    prompt = read_input_logprobs(lp.input, len(rows)) if lp.input is not None else {}
+    return output, prompt

@@ -89,6 +89,7 @@ from tests.sim_logprobs import (
 from tokenizer_proc.native.logprob_meta import logprob_meta, prompt_logprob_meta
 from tokenizer_proc.native.meta_info import build_meta_info
 from tokenizer_proc.req_state import LogprobEntries, ReqState
+from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 from tokenizer_proc.tracing import RequestTracer
 
@@ -153,7 +154,7 @@ class Recorder:
 
 def record_metrics(tm: TokenizerManager) -> list[tuple[str, str, float]]:
     log: list[tuple[str, str, float]] = []
-    if tm.metrics is None:
+    if not isinstance(tm.metrics, ServiceMetrics):  # metrics off: nothing to record
         return log
     requests = tm.metrics.requests
     for attr, value in list(vars(requests).items()):

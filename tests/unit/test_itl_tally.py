@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from pipeline.io_struct import SamplingParams
-from tokenizer_proc.metrics import ITL_BUCKETS, ServiceMetrics
+from tokenizer_proc.metric_buckets import ITL_BUCKETS
+from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.req_state import ReqState
 
 

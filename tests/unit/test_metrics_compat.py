@@ -23,7 +23,8 @@ from pipeline.io_struct import (
     SchedulerTimeStats,
 )
 from tokenizer_proc.metrics import ServiceMetrics
-from tokenizer_proc.metrics_compat import FAMILIES, SGLANG_TTFT, VLLM_TTFT, one_two_five
+from tokenizer_proc.metrics_compat import FAMILIES
+from tokenizer_proc.peer_buckets import SGLANG_TTFT, VLLM_TTFT, one_two_five
 from tokenizer_proc.req_state import ReqState
 
 T0 = 1_800_000_000.0

@@ -80,7 +80,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
 
     install_error_handlers(app)
     # Counts each stream's write path (tokenpipe:sse_streams_total), with metrics on.
-    on_stream = tm.metrics.requests.on_sse_stream if tm.metrics is not None else None
+    on_stream = tm.metrics.requests.on_sse_stream
 
     @app.get("/health")
     async def health() -> Response:
@@ -90,8 +90,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body = tm.metrics.render() if tm.metrics is not None else b""
-        return Response(content=body, media_type=CONTENT_TYPE)
+        return Response(content=tm.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -216,9 +215,9 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         **post_endpoints(openai_router, ("/v1/completions", "/v1/chat/completions")),
         **post_endpoints(responses_router, ("/v1/responses",)),
     }
-    too_large = (
-        tm.metrics.requests.num_rejected["body_too_large"].inc if tm.metrics is not None else None
-    )
+    def too_large() -> None:
+        tm.metrics.requests.on_rejected("body_too_large")
+
     # In front of FastAPI's own stack, so the generation routes (HotRoutes) are under them too.
     edge: ASGIApp = BodyLimit(
         HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large

@@ -36,7 +36,7 @@ def finish_parsed(
     tokens; counts it in the tool metrics when its request gave tools."""
     final = parsing.finish_reason(reason, splitter)
     reasoning_tokens = parsing.reasoning_tokens(splitter, token_bytes(tm, state))
-    if parsing.plan is not None and tm.metrics is not None and final is not None:
+    if parsing.plan is not None and final is not None:
         tm.metrics.requests.on_tool_answer(final, len(splitter.calls))
     return final, reasoning_tokens
 

@@ -223,9 +223,7 @@ async def _respond(
             usage = StreamUsage(
                 body.choices, body.include_usage, body.include_usage and body.continuous_usage
             )
-            on_stream = (
-                tm.metrics.requests.on_sse_stream if tm.metrics is not None else None
-            )  # tokenpipe:sse_streams_total
+            on_stream = tm.metrics.requests.on_sse_stream  # tokenpipe:sse_streams_total
             events = ChoiceEvents(tm, kind, states, head, usage, parsing, extras)
             return SseResponse(events, tm.call_after_frame, on_stream)
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at

@@ -123,7 +123,7 @@ def build_responses_router(tm: TokenizerManager) -> tuple[APIRouter, ResponseSto
         try:
             refused_state = await wait_started(tm, states, request)
             if refused_state is None and body.streaming:
-                on_stream = tm.metrics.requests.on_sse_stream if tm.metrics is not None else None
+                on_stream = tm.metrics.requests.on_sse_stream
                 return SseResponse(ResponseEvents(answer), tm.call_after_frame, on_stream)
             if refused_state is None:
                 await wait_finished(tm, states[0], request)
