@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ServerConfig
+from pipeline.hf_config_values import flag, positive_float, positive_int
+from pipeline.rope_scaling import RopeScaling, rope_from_hf_dict
 
 
 @dataclass(frozen=True)
@@ -35,28 +37,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture("qwen3", qkv_bias=None, qk_norm=True),
     "MistralForCausalLM": Architecture("mistral", qkv_bias=False, qk_norm=False),
 }
-
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """config.json's ``rope_scaling`` (``rope_parameters`` since transformers 5), as
-    transformers applies it (``transformers.modeling_rope_utils``). ``dynamic`` rescales only
-    past ``max_position_embeddings``, which the served context never is, so it computes the
-    default rotary there, as transformers does."""
-
-    rope_type: str
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn: None means from factor (and mscale)
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
-    truncate: bool = True  # yarn
 
 
 @dataclass(frozen=True)
@@ -125,8 +105,8 @@ class ModelConfig:
         unknown = sorted(k for k in d if k not in _READ_KEYS and k not in _NEUTRAL_KEYS)
         if unknown:
             raise ValueError(
-                f"config keys {', '.join(repr(k) for k in unknown)} are not implemented by tokenpipe's "
-                f"{architecture}: refusing to serve the checkpoint without them"
+                f"config keys {', '.join(repr(k) for k in unknown)} are not implemented by "
+                f"tokenpipe's {architecture}: refusing to serve the checkpoint without them"
             )
         for key, neutral in _NEUTRAL_KEYS.items():
             if key in d and not neutral(d[key]):
@@ -134,42 +114,43 @@ class ModelConfig:
                     f"config key {key!r}={d[key]!r} is not supported by tokenpipe's {architecture}"
                 )
 
-        ints = {key: _positive_int(d, key) for key in _INT_FIELDS if key != "num_key_value_heads"}
+        ints = {key: positive_int(d, key) for key in _INT_FIELDS if key != "num_key_value_heads"}
         # HF treats a missing num_key_value_heads as plain multi-head attention.
         if d.get("num_key_value_heads") is None:
             ints["num_key_value_heads"] = ints["num_attention_heads"]
         else:
-            ints["num_key_value_heads"] = _positive_int(d, "num_key_value_heads")
+            ints["num_key_value_heads"] = positive_int(d, "num_key_value_heads")
         head_dim = (
             ints["hidden_size"] // ints["num_attention_heads"]
             if d.get("head_dim") is None
-            else _positive_int(d, "head_dim")
+            else positive_int(d, "head_dim")
         )
 
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config key 'hidden_act'={act!r} is not supported: expected 'silu'")
-        attention_bias = _bool(d, "attention_bias")
+        attention_bias = flag(d, "attention_bias")
         if arch.qkv_bias is None:
             qkv_bias = o_bias = attention_bias
         else:
             if "attention_bias" in d and attention_bias != arch.qkv_bias:
                 raise ValueError(
-                    f"config key 'attention_bias'={attention_bias!r} is not supported by {architecture}"
+                    f"config key 'attention_bias'={attention_bias!r} "
+                    f"is not supported by {architecture}"
                 )
             qkv_bias, o_bias = arch.qkv_bias, False
 
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling = rope_from_hf_dict(d)
         return cls(
             **ints,
-            rms_norm_eps=_positive_float(d, "rms_norm_eps", 1e-5),
+            rms_norm_eps=positive_float(d, "rms_norm_eps", 1e-5),
             rope_theta=rope_theta,
-            tie_word_embeddings=_bool(d, "tie_word_embeddings"),
+            tie_word_embeddings=flag(d, "tie_word_embeddings"),
             architecture=architecture,
             head_dim=head_dim,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=_bool(d, "mlp_bias"),
+            mlp_bias=flag(d, "mlp_bias"),
             qk_norm=arch.qk_norm,
             rope_scaling=rope_scaling,
             sliding_window=_sliding_window(d, ints["num_hidden_layers"]),
@@ -328,96 +309,10 @@ def _architecture(d: dict[str, Any]) -> str:
     expected = ARCHITECTURES[archs[0]].model_type
     if model_type is not None and model_type != expected:
         raise ValueError(
-            f"config key 'model_type'={model_type!r} does not match {archs[0]} (expected {expected!r})"
+            f"config key 'model_type'={model_type!r} does not match {archs[0]} "
+            f"(expected {expected!r})"
         )
     return archs[0]
-
-
-def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """rope_theta and the scaling, from the pre-5 keys (``rope_theta``, ``rope_scaling``) or
-    transformers 5's ``rope_parameters`` (both in one dict)."""
-    params = d.get("rope_parameters")
-    scaling = d.get("rope_scaling")
-    if params is not None and scaling is not None and params != scaling:
-        raise ValueError("config keys 'rope_parameters' and 'rope_scaling' disagree")
-    spec = params if params is not None else scaling
-    if spec is not None and not isinstance(spec, dict):
-        raise ValueError(f"config key 'rope_scaling' must be an object, got {spec!r}")
-    spec = dict(spec or {})
-    theta_source = spec if "rope_theta" in spec else d
-    theta = _positive_float(theta_source, "rope_theta", 10000.0)
-    spec.pop("rope_theta", None)
-    rope_type = spec.pop("rope_type", None) or spec.pop("type", None) or "default"
-    spec.pop("type", None)
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"rope_scaling type {rope_type!r} is not supported; tokenpipe applies {', '.join(ROPE_TYPES)}"
-        )
-    if spec.pop("partial_rotary_factor", 1.0) not in (1, 1.0):
-        raise ValueError("rope_scaling 'partial_rotary_factor' other than 1 is not supported")
-    if rope_type == "default":
-        if spec:
-            raise ValueError(
-                f"rope_scaling keys {sorted(spec)} are not supported with the default rotary"
-            )
-        return theta, None
-    allowed = {
-        "linear": {"factor"},
-        "dynamic": {"factor", "original_max_position_embeddings"},
-        "llama3": {
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        },
-        "yarn": {
-            "factor",
-            "original_max_position_embeddings",
-            "beta_fast",
-            "beta_slow",
-            "attention_factor",
-            "mscale",
-            "mscale_all_dim",
-            "truncate",
-        },
-    }[rope_type]
-    unknown = sorted(set(spec) - allowed)
-    if unknown:
-        raise ValueError(
-            f"rope_scaling keys {unknown} are not supported with rope_type {rope_type!r}"
-        )
-    if rope_type == "yarn" and spec.get("factor") is None:
-        if spec.get("original_max_position_embeddings") is None:
-            raise ValueError(
-                "rope_scaling 'yarn' needs 'factor' or 'original_max_position_embeddings'"
-            )
-        spec["factor"] = (
-            _positive_int(d, "max_position_embeddings") / spec["original_max_position_embeddings"]
-        )
-    required = {
-        "linear": ("factor",),
-        "dynamic": ("factor",),
-        "llama3": tuple(sorted(allowed)),
-        "yarn": ("original_max_position_embeddings",),
-    }
-    for key in required[rope_type]:
-        if spec.get(key) is None:
-            raise ValueError(f"rope_scaling {rope_type!r} needs {key!r}")
-    values: dict[str, Any] = {}
-    for key, value in spec.items():
-        if value is None:
-            continue
-        if key == "truncate":
-            if not isinstance(value, bool):
-                raise ValueError(f"rope_scaling 'truncate' must be a bool, got {value!r}")
-            values[key] = value
-        elif key == "original_max_position_embeddings":
-            values[key] = _positive_int(spec, key)
-        else:
-            values[key] = _positive_float(spec, key, 1.0)
-    if rope_type == "llama3" and values["high_freq_factor"] <= values["low_freq_factor"]:
-        raise ValueError("rope_scaling 'llama3' needs high_freq_factor > low_freq_factor")
-    return theta, RopeScaling(rope_type, **values)
 
 
 def _sliding_window(d: dict[str, Any], num_layers: int) -> int | None:
@@ -460,7 +355,8 @@ def _dtype(d: dict[str, Any]) -> str | None:
         return None
     if value not in ("float32", "bfloat16", "float16"):
         raise ValueError(
-            f"config key 'torch_dtype'={value!r} is not supported: expected float32, bfloat16 or float16"
+            f"config key 'torch_dtype'={value!r} is not supported: "
+            "expected float32, bfloat16 or float16"
         )
     return str(value)
 
@@ -511,36 +407,9 @@ def context_length_of(config: ServerConfig, vocab_size: int) -> int:
         and config.context_length > limit
     ):
         raise ValueError(
-            f"--context-length {config.context_length} exceeds the model's sliding_window ({model.sliding_window}): "
-            f"tokenpipe attends over the whole context, which equals the window's attention only within "
-            f"{limit} tokens; pass --context-length {limit} or less"
+            f"--context-length {config.context_length} exceeds the model's sliding_window "
+            f"({model.sliding_window}): tokenpipe attends over the whole context, which equals "
+            f"the window's attention only within {limit} tokens; "
+            f"pass --context-length {limit} or less"
         )
     return min(config.context_length or limit, limit)
-
-
-def _positive_int(d: dict[str, Any], key: str) -> int:
-    if key not in d:
-        raise ValueError(f"config is missing required key {key!r}")
-    value = d[key]
-    # bool is an int subclass; `true` as a layer count is a broken config, not 1.
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config key {key!r} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive_float(d: dict[str, Any], key: str, default: float) -> float:
-    value = d.get(key, default)
-    if value is None:
-        value = default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config key {key!r} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _bool(d: dict[str, Any], key: str) -> bool:
-    value = d.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ValueError(f"config key {key!r} must be a bool, got {value!r}")
-    return value

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from pipeline.model_config import ModelConfig, RopeScaling
+from pipeline.model_config import ModelConfig
+from pipeline.rope_scaling import RopeScaling
 
 
 def rotary_tables(cfg: ModelConfig, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
