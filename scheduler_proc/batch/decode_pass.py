@@ -53,8 +53,9 @@ class BatchDecoder:
         logits = self.runner.decode(
             batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots), batch.joined[:n]
         )
+        params = batch.params
         bans = self.stop_checker.min_new_bans(
-            batch.output_len(), batch.min_new[:n], batch.stop_ids[:n]
+            batch.output_len(), params["min_new_tokens"][:n], batch.stop_ids[:n]
         )
         grammar = batch.grammar_rows()
         mask = None
@@ -68,8 +69,9 @@ class BatchDecoder:
             keep_decode_logprobs(batch, logits, asking, new)
         out_len = batch.output_len()
         code, check_strings = self.stop_checker.check_columns(
-            new, out_len, batch.seq_len[:n], batch.min_new[:n], batch.max_new[:n],
-            batch.ignore_eos[:n], batch.stop_ids[:n], batch.has_stop_strings[:n],
+            new, out_len, batch.seq_len[:n], params["min_new_tokens"][:n],
+            params["max_new_tokens"][:n], params["ignore_eos"][:n], batch.stop_ids[:n],
+            batch.has_stop_strings[:n],
         )  # fmt: skip
         if grammar is not None and self.masks is not None:
             ended, refused = self.masks.accept(grammar, new)

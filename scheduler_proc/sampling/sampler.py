@@ -41,6 +41,7 @@ import torch
 
 from pipeline.io_struct import SamplingParams
 from scheduler_proc.sampling.grammar import GrammarMask
+from scheduler_proc.sampling.param_columns import SAMPLER_COLUMNS
 from scheduler_proc.sampling.penalties import (
     adjusted_logits,
     bias_tensor,
@@ -111,7 +112,10 @@ class BannedTokens:
 
 @dataclass(frozen=True, slots=True)
 class SamplingColumns:
-    """The sampling parameters of n rows as columns (row i samples logits row i)."""
+    """The sampling parameters of n rows as columns (row i samples logits row i). Its
+    parameter columns are ``param_columns.SAMPLER_COLUMNS``, named as in ``SamplingParams``;
+    both ways of building it (``RunningBatch.sampling_columns``, ``from_requests``) fill
+    them from that table."""
 
     temperature: np.ndarray  # float32 [n]; <= GREEDY_EPS: greedy
     top_k: np.ndarray  # int64 [n]; <= 0 or >= vocab: no cut
@@ -145,24 +149,23 @@ class SamplingColumns:
         """Columns built from scratch: the event path (a request's first token, dLLM,
         tests). Per-row Python is fine here; a steady decode step should keep columns
         up to date instead."""
-        freq = np.array([p.frequency_penalty for p in params], dtype=np.float32)
-        pres = np.array([p.presence_penalty for p in params], dtype=np.float32)
-        rep = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        columns = {
+            c.field: np.array([getattr(p, c.field) for p in params], dtype=c.dtype)
+            for c in SAMPLER_COLUMNS
+        }
+        counts_asked = (columns["frequency_penalty"] != 0) | (columns["presence_penalty"] != 0)
+        repeats_asked = columns["repetition_penalty"] != 1
         n = len(params)
         return cls(
-            temperature=np.array([p.temperature for p in params], dtype=np.float32),
-            top_k=np.array([p.top_k for p in params], dtype=np.int64),
-            top_p=np.array([p.top_p for p in params], dtype=np.float32),
-            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            **columns,
             seed=np.array([s & _MASK64 for s in seeds], dtype=np.uint64),
             counter=np.array(counters, dtype=np.uint64).reshape(n),
-            frequency_penalty=freq,
-            presence_penalty=pres,
-            repetition_penalty=rep,
             output_counts=output_count_tensor(
-                np.flatnonzero((freq != 0) | (pres != 0)), outputs, n, vocab_size, device
+                np.flatnonzero(counts_asked), outputs, n, vocab_size, device
             ),
-            seen=seen_tensor(np.flatnonzero(rep != 1), prompts, outputs, n, vocab_size, device),
+            seen=seen_tensor(
+                np.flatnonzero(repeats_asked), prompts, outputs, n, vocab_size, device
+            ),
             logit_bias=bias_tensor([p.logit_bias for p in params], vocab_size, device),
             banned=banned,
             grammar=grammar,
