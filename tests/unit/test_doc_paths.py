@@ -226,13 +226,62 @@ def test_the_checker_finds_dangling_references(tmp_path: Path) -> None:
     )
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "design.md").write_text(
-        "`scheduler_proc/cache/kv_pool.py` and `kv_pool.py` hold `scheduler_proc.cache.kv_pool.KVPool`.\n"
-        "Gone: `pd_role.py`, `scheduler_proc.pd_role.PdRole`, `scheduler_proc.cache.kv_pool.Pool`, `scheduler_proc.cache.gone`.\n"
+        "`scheduler_proc/cache/kv_pool.py` and `kv_pool.py` hold "
+        "`scheduler_proc.cache.kv_pool.KVPool`.\n"
+        "Gone: `pd_role.py`, `scheduler_proc.pd_role.PdRole`, "
+        "`scheduler_proc.cache.kv_pool.Pool`, `scheduler_proc.cache.gone`.\n"
     )
     assert dangling(tmp_path) == [
         "docs/design.md:2: no file is named pd_role.py",
-        "docs/design.md:2: scheduler_proc.pd_role.PdRole: scheduler_proc/ holds no module or package pd_role",
-        "docs/design.md:2: scheduler_proc.cache.kv_pool.Pool: scheduler_proc/cache/kv_pool.py defines no Pool",
-        "docs/design.md:2: scheduler_proc.cache.gone: scheduler_proc/cache/ holds no module or package gone",
+        "docs/design.md:2: scheduler_proc.pd_role.PdRole: "
+        "scheduler_proc/ holds no module or package pd_role",
+        "docs/design.md:2: scheduler_proc.cache.kv_pool.Pool: "
+        "scheduler_proc/cache/kv_pool.py defines no Pool",
+        "docs/design.md:2: scheduler_proc.cache.gone: "
+        "scheduler_proc/cache/ holds no module or package gone",
         "scheduler_proc/cache/kv_pool.py:1: scheduler_proc/kv_pool.py does not exist",
+    ]
+
+
+# "docs/design.md section 10", "design.md sections 9 and 11", 'docs/design.md, "Structured outputs"'
+SECTION_CITATION = re.compile(r"design\.md,?\s+sections?\s+(\d+(?:(?:,\s*|\s+and\s+)\d+)*)")
+TITLE_CITATION = re.compile(r'design\.md,\s+"([^"]+)"')
+
+
+def uncited_sections(root: Path) -> list[str]:
+    """Each citation of the design overview by section number or by a quoted title, in the docs,
+    docstrings and comments, that names no section or text the overview has."""
+    overview = (root / "docs" / "design.md").read_text()
+    numbers = set(re.findall(r"^## (\d+)\. ", overview, re.M))
+    found = []
+    for path, number, text in texts(root):
+        where = f"{path.relative_to(root)}:{number}"
+        for cited in SECTION_CITATION.findall(text):
+            for section in re.findall(r"\d+", cited):
+                if section not in numbers:
+                    found.append(f"{where}: docs/design.md has no section {section}")
+        for title in TITLE_CITATION.findall(text):
+            if title not in overview:
+                found.append(f'{where}: docs/design.md has no "{title}"')
+    return found
+
+
+def test_every_cited_design_section_exists() -> None:
+    problems = uncited_sections(REPO)
+    assert not problems, "citations of docs/design.md that lead nowhere:\n" + "\n".join(problems)
+
+
+def test_the_citation_checker_finds_missing_sections(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "design.md").write_text(
+        "# Design\n\n## 3. When stats travel\n\n## 10. Sampling\n\n**Structured outputs**\n"
+    )
+    (tmp_path / "README.md").write_text(
+        "See docs/design.md section 10, design.md sections 3 and 11, design.md section 16,\n"
+        'docs/design.md, "Structured outputs" and docs/design.md, "Gone".\n'
+    )
+    assert uncited_sections(tmp_path) == [
+        "README.md:1: docs/design.md has no section 11",
+        "README.md:1: docs/design.md has no section 16",
+        'README.md:2: docs/design.md has no "Gone"',
     ]
