@@ -73,7 +73,7 @@ from io import BytesIO
 from PIL import Image
 
 from pipeline.io_struct import MediaItem, MediaKind
-from tokenizer_proc.native.schema import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 
 __all__ = [
     "AUDIO_MAX_TOKENS",

@@ -19,7 +19,8 @@ import msgspec
 from pipeline.config import ServerConfig
 from pipeline.io_struct import Constraint, LogprobParams, MediaItem, SamplingParams
 from pipeline.tokenizer_loader import LoadedTokenizer
-from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
+from tokenizer_proc.request_edge.bootstrap import Bootstrap
+from tokenizer_proc.request_edge.errors import RequestValidationError
 
 
 class ContextLengthError(RequestValidationError):

@@ -18,7 +18,7 @@ from tokenizer_proc.metric_buckets import (
     TTFT_BUCKETS,
 )
 from tokenizer_proc.metrics_compat import ABSENT, Absent, Naming, one_child
-from tokenizer_proc.native.meta_info import time_per_output_token
+from tokenizer_proc.request_edge.meta_info import time_per_output_token
 from tokenizer_proc.peer_buckets import VLLM_FINISH_REASONS
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tally_histogram import TallyHistogram

@@ -60,7 +60,8 @@ from pipeline.sockets import (
     receive_frames,
 )
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
-from tokenizer_proc.native.schema import Bootstrap, RequestValidationError
+from tokenizer_proc.request_edge.bootstrap import Bootstrap
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.control_client import ControlClient
 from tokenizer_proc.frame_dispatch import FrameDispatch
 from tokenizer_proc.metrics import service_metrics

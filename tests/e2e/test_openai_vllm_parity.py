@@ -23,7 +23,7 @@ from pipeline.model_config import ModelConfig
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from scheduler_proc.model.llama import LlamaForCausalLM
 from tests.server_harness import ServerProcess
-from tokenizer_proc.native.schema import decode_body
+from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.chat_template import ChatTemplate
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 

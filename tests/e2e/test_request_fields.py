@@ -17,15 +17,15 @@ from pipeline.io_struct import SamplingParams
 from pipeline.request_limits import MAX_STOP_TOKEN_IDS
 from tokenizer_proc.native.schema import (
     GENERATE_REFUSED,
-    MAX_LOGIT_BIAS,
     SAMPLING_REFUSED,
     GenerateBody,
     GenerateRequest,
-    RequestValidationError,
-    bootstrap_of,
-    decode_body,
 )
-from tokenizer_proc.openai.known_fields import AsksUnlessNeutral, Refusal, is_neutral
+from tokenizer_proc.request_edge.body import decode_body
+from tokenizer_proc.request_edge.bootstrap import bootstrap_of
+from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.request_edge.fields import MAX_LOGIT_BIAS
+from tokenizer_proc.request_edge.known_fields import AsksUnlessNeutral, Refusal, is_neutral
 from tokenizer_proc.openai.schema import (
     COMMON_REFUSED,
     ChatCompletionBody,

@@ -2,7 +2,7 @@
 ``structured_outputs`` and ``guided_*``, SGLang's ``json_schema``/``regex``/``ebnf``) decodes
 to the one ``Constraint`` the scheduler compiles, malformed input is a 400 naming the field,
 and a server that cannot serve a constraint says why before anything is submitted
-(``tokenizer_proc.openai.constraints``, ``RequestChecks.validate_constraint``)."""
+(``tokenizer_proc.request_edge.constraints``, ``RequestChecks.validate_constraint``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 from pipeline.config import ServerConfig
 from pipeline.io_struct import CONSTRAINT_KINDS, Constraint
 from pipeline.tokenizer_loader import load_tokenizer
-from tokenizer_proc.native.schema import RequestValidationError, decode_body
+from tokenizer_proc.request_edge.body import decode_body
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.openai.schema import ChatCompletionBody, CompletionBody
 from tokenizer_proc.request_checks import RequestChecks
 

@@ -87,9 +87,9 @@ from tests.sim_logprobs import (
     prompt_positions,
 )
 from tokenizer_proc.native.logprob_meta import logprob_meta, prompt_logprob_meta
-from tokenizer_proc.native.meta_info import build_meta_info
-from tokenizer_proc.req_state import LogprobEntries, ReqState
+from tokenizer_proc.request_edge.meta_info import build_meta_info
 from tokenizer_proc.metrics import ServiceMetrics
+from tokenizer_proc.req_state import LogprobEntries, ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 from tokenizer_proc.tracing import RequestTracer
 

@@ -13,7 +13,7 @@ from PIL import Image
 
 from pipeline.io_struct import MediaItem
 from tokenizer_proc import media
-from tokenizer_proc.native.schema import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.media import MediaError, expand_prompt, parse_media
 
 MEDIA_IDS = {"image": 901, "audio": 902, "video": 903}

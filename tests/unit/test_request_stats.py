@@ -19,7 +19,7 @@ from pipeline.io_struct import (
 from pipeline.tokenizer_loader import load_tokenizer
 from scheduler_proc.output_builder import build_token_output
 from scheduler_proc.req import Req, StatsPending
-from tokenizer_proc.native.meta_info import build_meta_info
+from tokenizer_proc.request_edge.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 

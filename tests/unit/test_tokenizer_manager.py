@@ -14,7 +14,7 @@ from pipeline.config import ServerConfig
 from pipeline.io_struct import AbortReq, SamplingParams, SchedulerInput
 from pipeline.sockets import FrameDecoder
 from pipeline.tokenizer_loader import load_tokenizer
-from tokenizer_proc.native.schema import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 DUPLICATE = (

@@ -30,7 +30,7 @@ from fastapi.responses import Response
 from pipeline.config import ServerConfig
 from pipeline.tokenizer_loader import LoadedTokenizer, model_directory
 from tokenizer_proc.http.hot_routes import Endpoint
-from tokenizer_proc.native.schema import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 # The body key that picks each /invocations route, in vLLM's order of preference.

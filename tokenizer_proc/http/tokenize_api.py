@@ -29,10 +29,12 @@ from fastapi.responses import JSONResponse, Response
 from msgspec import Meta
 
 from pipeline.tokenizer_loader import LoadedTokenizer
-from tokenizer_proc.native.schema import RequestValidationError, TokenId, decode_body
+from tokenizer_proc.request_edge.body import decode_body
+from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.request_edge.fields import TokenId
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
 from tokenizer_proc.http.common import error_response, model_not_found
-from tokenizer_proc.openai.messages import Message
+from tokenizer_proc.request_edge.chat_messages import Message
 from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 

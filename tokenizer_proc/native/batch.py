@@ -23,12 +23,9 @@ from fastapi import Request
 from pipeline.io_struct import Constraint, SamplingParams
 from tokenizer_proc.http.common import abort_unfinished, trace_context
 from tokenizer_proc.media import expand_prompt, parse_media
-from tokenizer_proc.native.schema import (
-    GenerateBody,
-    GenerateRequest,
-    RequestValidationError,
-    convert_body,
-)
+from tokenizer_proc.native.schema import GenerateBody, GenerateRequest
+from tokenizer_proc.request_edge.body import convert_body
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.req_state import ReqState
 from pipeline.peer_errors import duplicate_rid_message
 from tokenizer_proc.tokenizer_manager import TokenizerManager

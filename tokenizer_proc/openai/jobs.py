@@ -14,7 +14,7 @@ from fastapi import Request
 from pipeline.io_struct import Constraint, SamplingParams
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, FinalMessageError
 from tokenizer_proc.http.common import abort_unfinished, trace_context
-from tokenizer_proc.native.schema import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.openai.chat_parsing import ChatParsing
 from tokenizer_proc.openai.schema import ChatCompletionRequest, SamplingRequest
 from tokenizer_proc.openai.vllm_extras import truncate_prompt

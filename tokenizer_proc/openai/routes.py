@@ -15,7 +15,7 @@ not, with the other choices aborted; a refusal after the stream started (a PD fa
 SSE ``error`` event.
 
 A structured output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
-SGLang's ``json_schema``/``regex``/``ebnf``: ``tokenizer_proc.openai.constraints``) is one
+SGLang's ``json_schema``/``regex``/``ebnf``: ``tokenizer_proc.request_edge.constraints``) is one
 ``Constraint`` that every choice carries; whether it compiles is the scheduler's 400.
 
 Under ``--skip-tokenizer-init`` a completions prompt must be token ids, and each choice (and
@@ -39,7 +39,8 @@ from fastapi.responses import JSONResponse, Response
 
 from pipeline.io_struct import Constraint
 from pipeline.tokenizer_loader import model_directory
-from tokenizer_proc.native.schema import RequestValidationError, decode_body
+from tokenizer_proc.request_edge.body import decode_body
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
 from tokenizer_proc.http.common import (
     ClientGone,
@@ -81,92 +82,112 @@ from tokenizer_proc.tokenizer_manager import TokenizerManager
 def build_openai_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
     template = ChatTemplate.for_tokenizer(tm.tokenizer) if tm.tokenizer is not None else None
-    started = int(time.time())
-    root = str(model_directory(tm.config.model_path))
-
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": tm.model_name,
-            "object": "model",
-            "created": started,
-            "owned_by": "tokenpipe",
-            "root": root,  # vLLM's and SGLang's: the served model's path (its directory here)
-            "max_model_len": tm.context_length,  # vLLM's name
-        }
+    card = _model_card(tm)
 
     @router.get("/v1/models")
     async def list_models() -> Response:
         if not tm.ready:
             return not_ready()
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [card]})
 
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
         if model != tm.model_name:
             return model_not_found(model)
-        return JSONResponse(model_card())
+        return JSONResponse(card)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrived = time.time()
-        body: CompletionRequest = decode_body(await request.body(), CompletionBody)
-        body.refuse_unsupported()
-        if body.model is not None and body.model != tm.model_name:
-            return model_not_found(body.model)
-        constraint = body.constraint()
-        prompts = body.prompts()
-        if len(prompts) * body.choices > MAX_CHOICES:
-            raise RequestValidationError(
-                f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n"
-            )
-        # vLLM's default: a text prompt gets the tokenizer's special tokens (a Llama BOS).
-        add_special_tokens = body.add_special_tokens is not False
-        jobs: list[Job] = []
-        for prompt in prompts:
-            with openai_names("prompt", "max_tokens"):
-                if isinstance(prompt, str):
-                    ids = tm.checks.tokenize(prompt, None, add_special_tokens=add_special_tokens)
-                else:
-                    ids = tm.checks.tokenize(None, prompt, add_special_tokens=add_special_tokens)
-                kept = truncate_prompt(
-                    ids,
-                    body.truncate_prompt_tokens,
-                    body.truncation_side,
-                    tm.context_length,
-                    body.max_output(),
-                    "max_tokens",
-                )
-                # A truncated prompt echoes what is left of it, the tokens its logprobs are of.
-                echo = _echo_text(tm, prompt if kept is ids else kept) if body.echo else None
-                ids = kept
-                jobs.extend(
-                    choice_jobs(tm, body, ids, _completion_max_tokens(tm, body, len(ids)), echo)
-                )
-        return await _respond(
-            tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint
-        )
+        return await answer_completions(tm, request)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrived = time.time()
-        body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)
-        body.refuse_unsupported()
-        if body.model is not None and body.model != tm.model_name:
-            return model_not_found(body.model)
-        if template is None:
-            raise without_tokenizer(
-                "chat needs a tokenizer and a chat template; send token ids to /v1/completions or /generate",
-                "messages",
-            )
-        try:
-            chat = prepare_chat(tm, template, body)
-        except ChatTemplateUnavailable as exc:
-            return error_response(500, str(exc), err_type="internal_error")
-        return await _respond(
-            tm, request, CHAT, body, chat.jobs, arrived, chat.names, chat.constraint, chat.parsing
-        )
+        return await answer_chat(tm, template, request)
 
     return router
+
+
+def _model_card(tm: TokenizerManager) -> dict[str, Any]:
+    """The served model, as ``GET /v1/models`` lists it; ``created`` is the server's start."""
+    return {
+        "id": tm.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "tokenpipe",
+        # vLLM's and SGLang's: the served model's path (its directory here)
+        "root": str(model_directory(tm.config.model_path)),
+        "max_model_len": tm.context_length,  # vLLM's name
+    }
+
+
+async def answer_completions(tm: TokenizerManager, request: Request) -> Response:
+    """``POST /v1/completions``: every prompt's choices, submitted together."""
+    arrived = time.time()
+    body: CompletionRequest = decode_body(await request.body(), CompletionBody)
+    body.refuse_unsupported()
+    if body.model is not None and body.model != tm.model_name:
+        return model_not_found(body.model)
+    constraint = body.constraint()
+    prompts = body.prompts()
+    if len(prompts) * body.choices > MAX_CHOICES:
+        raise RequestValidationError(
+            f"prompts x n is {len(prompts) * body.choices}; at most {MAX_CHOICES}", "n"
+        )
+    jobs: list[Job] = []
+    for prompt in prompts:
+        with openai_names("prompt", "max_tokens"):
+            jobs.extend(_prompt_jobs(tm, body, prompt))
+    return await _respond(
+        tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint
+    )
+
+
+def _prompt_jobs(
+    tm: TokenizerManager, body: CompletionRequest, prompt: str | list[int]
+) -> list[Job]:
+    """The choices of one completions prompt: tokenized, truncated as asked, echoed."""
+    # vLLM's default: a text prompt gets the tokenizer's special tokens (a Llama BOS).
+    add_special_tokens = body.add_special_tokens is not False
+    if isinstance(prompt, str):
+        ids = tm.checks.tokenize(prompt, None, add_special_tokens=add_special_tokens)
+    else:
+        ids = tm.checks.tokenize(None, prompt, add_special_tokens=add_special_tokens)
+    kept = truncate_prompt(
+        ids,
+        body.truncate_prompt_tokens,
+        body.truncation_side,
+        tm.context_length,
+        body.max_output(),
+        "max_tokens",
+    )
+    # A truncated prompt echoes what is left of it, the tokens its logprobs are of.
+    echo = _echo_text(tm, prompt if kept is ids else kept) if body.echo else None
+    max_tokens = _completion_max_tokens(tm, body, len(kept))
+    return choice_jobs(tm, body, kept, max_tokens, echo)
+
+
+async def answer_chat(
+    tm: TokenizerManager, template: ChatTemplate | None, request: Request
+) -> Response:
+    """``POST /v1/chat/completions``: the messages rendered by ``template``, then choices."""
+    arrived = time.time()
+    body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)
+    body.refuse_unsupported()
+    if body.model is not None and body.model != tm.model_name:
+        return model_not_found(body.model)
+    if template is None:
+        raise without_tokenizer(
+            "chat needs a tokenizer and a chat template; send token ids to /v1/completions"
+            " or /generate",
+            "messages",
+        )
+    try:
+        chat = prepare_chat(tm, template, body)
+    except ChatTemplateUnavailable as exc:
+        return error_response(500, str(exc), err_type="internal_error")
+    return await _respond(
+        tm, request, CHAT, body, chat.jobs, arrived, chat.names, chat.constraint, chat.parsing
+    )
 
 
 def _completion_max_tokens(tm: TokenizerManager, body: CompletionRequest, prompt_len: int) -> int:

@@ -18,7 +18,7 @@ Beyond OpenAI, the SGLang/vLLM sampling extensions ``top_k``, ``min_p``,
 ``return_tokens_as_token_ids``, ``return_token_ids``, ``truncate_prompt_tokens`` and chat's
 ``echo``, ``add_generation_prompt`` and ``continue_final_message``
 (``tokenizer_proc.openai.vllm_extras``). So do structured outputs, in OpenAI's, vLLM's and
-SGLang's fields (``tokenizer_proc.openai.constraints``). Every other field of SGLang's and
+SGLang's fields (``tokenizer_proc.request_edge.constraints``). Every other field of SGLang's and
 vLLM's request schemas is known (``known_fields``): accepted at its neutral value, refused
 otherwise. The routes decode ``CompletionBody`` and ``ChatCompletionBody``: the request types with those
 known fields added.
@@ -32,25 +32,27 @@ import msgspec
 from msgspec import Meta
 
 from pipeline.io_struct import Constraint, LogprobParams, SamplingParams
-from tokenizer_proc.native.schema import (
+from tokenizer_proc.request_edge.bootstrap import (
     Bootstrap,
     HostField,
+    PortField,
+    RoomField,
+    bootstrap_of,
+)
+from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.request_edge.fields import (
     LogitBias,
     MinP,
     NonNegInt,
     Penalty,
-    PortField,
     PositiveInt,
     RepetitionPenalty,
-    RequestValidationError,
-    RoomField,
     StopTokenIds,
     TokenId,
-    bootstrap_of,
     logit_bias_pairs,
 )
 from tokenizer_proc.openai.tools import ChatTool, ToolChoice, ToolPlan, plan_tools
-from tokenizer_proc.openai.constraints import (
+from tokenizer_proc.request_edge.constraints import (
     JsonSchema,
     ResponseFormat,
     StructuredOutputs,
@@ -62,8 +64,8 @@ from tokenizer_proc.openai.constraints import (
     response_format_constraint,
     structured_outputs_constraint,
 )
-from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
-from tokenizer_proc.openai.messages import Message
+from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
+from tokenizer_proc.request_edge.chat_messages import Message
 from tokenizer_proc.openai.vllm_extras import AnswerExtras, check_prompt_logprobs, check_truncation
 
 MAX_CHOICES = 128

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 from pipeline.io_struct import Constraint
-from tokenizer_proc.request_errors import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 
 __all__ = [
     "ChatTool",

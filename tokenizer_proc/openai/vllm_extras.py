@@ -37,7 +37,7 @@ from typing import Any
 
 from pipeline.io_struct import LogprobParams
 from pipeline.token_texts import TokenText
-from tokenizer_proc.request_errors import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.req_state import LogprobEntries
 
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default max_logprobs, as top_logprobs

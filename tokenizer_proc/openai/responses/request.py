@@ -25,8 +25,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from tokenizer_proc.native.schema import RequestValidationError
-from tokenizer_proc.openai.known_fields import Refusal, declare, neutral, refuse
+from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 
 __all__ = [

@@ -32,7 +32,8 @@ from tokenizer_proc.http.common import (
 )
 from tokenizer_proc.http.sse_events import json_bytes
 from tokenizer_proc.http.sse_stream import SseResponse
-from tokenizer_proc.native.schema import RequestValidationError, decode_body
+from tokenizer_proc.request_edge.body import decode_body
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.openai.chat_answers import finish_parsed
 from tokenizer_proc.openai.chat_parsing import ChatParsing, ChatSplitter
 from tokenizer_proc.openai.jobs import prepare_chat, submit_jobs

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from tokenizer_proc.native.schema import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 
 
 class TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):

@@ -27,8 +27,8 @@ from typing import Any, Literal
 import msgspec
 
 from pipeline.io_struct import Constraint
-from tokenizer_proc.openai.known_fields import Refusal, neutral, refuse
-from tokenizer_proc.request_errors import RequestValidationError
+from tokenizer_proc.request_edge.known_fields import Refusal, neutral, refuse
+from tokenizer_proc.request_edge.errors import RequestValidationError
 
 JsonSchema = str | dict[str, Any]  # an object, or its JSON text (vLLM and SGLang take both)
 

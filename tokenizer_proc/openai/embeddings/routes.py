@@ -9,16 +9,15 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Any
 
-import msgspec
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from msgspec import Meta
 
 from pipeline.io_struct import EMBEDDING_DTYPE, FinishAbort
-from tokenizer_proc.native.schema import RequestValidationError, TokenId, decode_body
+from tokenizer_proc.request_edge.body import decode_body
+from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.http.common import (
     ClientGone,
     abort_response,
@@ -26,30 +25,14 @@ from tokenizer_proc.http.common import (
     wait_finished,
     wait_started,
 )
-from tokenizer_proc.native.meta_info import build_meta_info
+from tokenizer_proc.openai.embeddings.request import (
+    MAX_INPUTS,
+    EmbeddingRequest,
+    EncodeRequest,
+)
+from tokenizer_proc.request_edge.meta_info import build_meta_info
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
-
-MAX_INPUTS = 256
-
-# msgspec allows one array type per union, so a list's items are checked for one kind below.
-EmbeddingInput = str | list[str | TokenId | list[TokenId]]
-
-
-class EmbeddingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    input: EmbeddingInput
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Meta(ge=1)] | None = None
-    user: str | None = None
-    # vLLM's: a text input gets the tokenizer's special tokens (a Llama BOS) unless false.
-    add_special_tokens: bool = True
-
-
-class EncodeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    text: str | list[str] | None = None
-    input_ids: list[TokenId | list[TokenId]] | None = None
-    rid: str | None = None
 
 
 class EmbeddingFailed(Exception):

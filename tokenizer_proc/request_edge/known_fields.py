@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 
 import msgspec
 
-from tokenizer_proc.request_errors import RequestValidationError
+from tokenizer_proc.request_edge.errors import RequestValidationError
 
 # (field, does this value ask for something unsupported?, what to say)
 Refusal = tuple[str, Callable[[object], bool], str]
