@@ -8,10 +8,7 @@ embeddings), ``qwen2`` (q/k/v biases, tied embeddings), ``qwen3`` (per-head q/k 
 its own head_dim) and ``mistral`` (a sliding window no shorter than the positions).
 transformers initialises with std 0.02, which makes attention near-uniform and greedy text
 stick on one token; the weights are redrawn (``_init``) so context (and so the rotary) changes
-the logits and the next-token distribution is far from flat.
-
-Usage: ``python bench/family_checkpoints.py DIR FAMILY [--hidden 256] [--layers 4]
-[--dtype float32] [--max-shard-size 200KB]``.
+the logits and the next-token distribution is far from flat. Usage: bench/README.md.
 """
 
 from __future__ import annotations

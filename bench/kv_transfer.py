@@ -1,19 +1,14 @@
 """PD KV transfer benchmark: what it costs to move a prompt's KV from a prefill scheduler to
 a decode scheduler, against computing it again (the prefill the transfer replaces).
 
-For each prompt length (``--lengths``, default 64,256,1024) the real code path runs in one
-process over real ZeroMQ sockets (``--transport ipc`` or ``tcp``; both by default):
+For each prompt length the real code path runs in one process over real ZeroMQ sockets:
 ``gather_kv`` from the prefill pool, ``KVFetchServer.send`` (header plus the raw K and V
 frames), ``KVFetchClient.receive`` on the decode side, ``tensors_from_frames`` (size and
 layout checks, copy out of the frames) and ``scatter_kv`` into the decode pool. The
 baseline, timed in the same run and interleaved round by round, is one prefill of the same
-tokens by the model (``ModelRunner.extend``). Each figure is the minimum over
-``--rounds`` (default 20). The table prints milliseconds, KV megabytes, transfer
-bandwidth and the ratio transfer / prefill: below 1 the transfer is cheaper than
-recomputing.
-
-Usage: ``python bench/kv_transfer.py [--lengths 64,256,1024] [--rounds 20]
-[--transport ipc,tcp] [--torch-threads N] [--json PATH]``.
+tokens by the model (``ModelRunner.extend``); each figure is the minimum over rounds. A
+ratio transfer / prefill below 1 means the transfer is cheaper than recomputing. Usage:
+bench/README.md.
 """
 
 from __future__ import annotations

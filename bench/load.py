@@ -1,33 +1,14 @@
 """Load benchmark: N concurrent streaming clients against one server, all at once.
 
-``--url`` drives a server that is already running; ``--launch`` starts ``tokenpipe serve``
-on a free port (extra flags through ``--server-args "..."``) and stops it at the end.
-
 Every client opens its own connection at the same moment and sends one streaming
-``/generate``: ``--prompt-len`` random token ids (different for every request),
-``--max-new-tokens`` with ``ignore_eos``, temperature 0.7 with a per-request seed. Per
-stream it counts the tokens received (summed ``output_ids`` of the SSE events: a server run
-with ``--incremental-streaming-output``, as ``--launch`` runs it) and reads
-the final ``meta_info.completion_tokens``. It reports:
-
-- streams: how many were sent; held: the most streams open at once (headers received,
-  not yet ended);
-- errors: a non-200 answer, an exception (refused or reset connection, timeout), an SSE
-  error event, a stream that ended without ``[DONE]`` or without a finish reason;
-- tokens lost: the sum over streams of |tokens streamed - final completion_tokens|, and
-  how many streams disagree;
-- wall time and tokens/s (tokens streamed / wall time).
-
-The client is a small HTTP/1.1 client on raw asyncio streams (uvloop), not httpx: a
-thousand httpx streams cost more CPU than the server on a 2-core machine, and the timing
-would measure the client. It speaks just what tokenpipe answers: Content-Length and
-chunked bodies, keep-alive, and SSE ``data:`` events. The server side needs nothing
-special for 1000 connections: uvicorn's listen backlog is 2048 and it sets no
-concurrency limit; the one limit that bites is open files, so ``--launch`` raises the
-soft RLIMIT_NOFILE to the hard limit (the server inherits it) and the client checks it.
-
-Usage: ``python bench/load.py --launch [--clients 1000] [--max-new-tokens 32]
-[--prompt-len 16] [--json PATH] [--server-args "..."]`` or ``--url http://host:port``.
+``/generate``; the report counts the streams held open at once, the errors and the tokens
+lost (streamed against the final ``completion_tokens``). The client is a small HTTP/1.1
+client on raw asyncio streams (uvloop), not httpx: a thousand httpx streams cost more CPU
+than the server on a 2-core machine, and the timing would measure the client. The server
+needs nothing special for 1000 connections (uvicorn's listen backlog is 2048, no concurrency
+limit); the one limit that bites is open files, so ``--launch`` raises the soft
+RLIMIT_NOFILE to the hard limit (the server inherits it) and the client checks it. Usage:
+bench/README.md.
 """
 
 from __future__ import annotations

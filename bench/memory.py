@@ -1,32 +1,14 @@
 """Memory benchmark: many short requests, then is any process growing, and is any
 per-request state left behind?
 
-It sends ``--requests`` short requests (default 100,000: ``--prompt-len`` random token ids,
-``--max-new-tokens`` 4 with ``ignore_eos``, temperature 0.7 with a per-request seed; a
-``--stream-ratio`` fraction streaming) from ``--concurrency`` clients (64), each on one
-keep-alive connection. The first ``--warmup`` requests (5,000) are a warm-up: allocator
-pools, caches and lazily built state fill up there. After the warm-up and again at the
-end, it waits until the server is idle and reads the resident set size (``VmRSS`` in
-``/proc/PID/status``) of the scheduler, the detokenizer and the API process (children of
-the ``tokenpipe serve`` supervisor, found by parent pid). Growth from the warm-up to the
-end should stay under ``--target`` percent (5) for every process.
-
-Then the per-request state must be gone: ``/server_info`` ``live_requests`` (the API's
-``ReqState``s), ``scheduler.live_reqs`` (the scheduler's requests) and
-``scheduler.detokenizer_live_reqs`` (the detokenizer's decode states) are all 0.
-
-Every answer is checked: HTTP 200, exactly ``max_new_tokens`` tokens, and for a stream,
-the tokens streamed equal the final ``completion_tokens``.
-
-``--malloc-trim`` tells a leak from allocator retention: after each raw sample it calls
-glibc's ``malloc_trim(0)`` in every process (through ``gdb -p``, so it needs gdb and
-ptrace rights) and samples again. Freed heap that glibc kept shows in the raw RSS only;
-live objects that pile up show in both. (On the default model, the scheduler's raw RSS
-grew 13% over a 100,000-request run; trimmed, it stayed within 1 MiB over 20,000.)
-
-``--launch`` (the default) starts a server with ``--server-args``; ``--url`` with
-``--supervisor-pid`` measures a running one. ``--json PATH`` writes the result. The exit
-status is 0 when there were no errors, no state is left and growth is under the target.
+After a warm-up (allocator pools, caches and lazily built state fill up there) and again at
+the end, with the server idle, it reads the resident set size of the scheduler, the
+detokenizer and the API process: growth must stay under a target in every one. Then the
+per-request state must be gone (the API's ``ReqState``s, the scheduler's requests and the
+detokenizer's decode states), and every answer is checked. ``--malloc-trim`` tells a leak
+from allocator retention: after each raw sample it calls glibc's ``malloc_trim(0)`` in every
+process (through ``gdb -p``) and samples again; freed heap that glibc kept shows in the raw
+RSS only, live objects that pile up show in both. Usage and figures: bench/README.md.
 """
 
 from __future__ import annotations

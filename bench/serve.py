@@ -1,30 +1,14 @@
 """End-to-end serving benchmark: N concurrent HTTP clients against a running server.
 
-``--url`` drives a server that is already running; ``--launch`` starts ``tokenpipe serve``
-on a free port (extra flags through ``--server-args "..."``) and stops it at the end. Every
-server it starts runs with ``--incremental-streaming-output``: a /generate event then
-carries its new tokens only, the streaming path these figures have always measured (by
-default, SGLang's, each event repeats the whole output so far, which costs bytes quadratic
-in its length; the client reads either). A
-router (sglang-router in front of a PD pair, say) serves no ``/server_info``: with
-``--url ROUTER --info-url SERVER`` the vocabulary size comes from a server behind it, and
-no step rate is measured.
-
-The jobs live in modules of their own, each with its part of the story: the requests
-in ``bench.serve_client``, the server-side readings (step rate, CPU per process) in
-``bench.serve_readings``, the attached run in ``bench.serve_load``, the comparisons
-(``--compare-discard``, ``--compare-sampling``, ``--top-logprobs``,
-``--compare-api-workers``) in ``bench.serve_compare``, structured output's
-(``--json-schema``) in ``bench.serve_structured``, tool calling's (``--tools``, with
-``--api chat``) in ``bench.serve_tools`` and the printed table and the plot
-in ``bench.serve_report``. This module reads the command line and runs them.
-
-Usage: ``python bench/serve.py --launch [--api generate|completions|chat] [--concurrency 64]
-[--requests N] [--stream-ratio 0.5] [--max-new-tokens 64] [--prompt-len 32]
-[--temperature 0.7] [--top-p P] [--[no-]seeded] [--compare-discard] [--compare-sampling]
-[--top-logprobs K] [--json-schema FILE] [--tools FILE] [--compare-api-workers N] [--rounds 2] [--json PATH] [--plot PATH.png]
-[--no-progress] [--server-args "..."]``, or ``--url URL [--pids PID,...]`` for a running
-server.
+``--url`` drives a running server; ``--launch`` starts ``tokenpipe serve`` on a free port with
+``--incremental-streaming-output`` (a /generate event then carries its new tokens only, the
+streaming path these figures have always measured; SGLang's default repeats the whole
+output so far, bytes quadratic in its length) and stops it at the end. The jobs live in
+modules of their own: the requests in ``bench.serve_client``, the server-side readings in
+``bench.serve_readings``, the attached run in ``bench.serve_load``, the comparisons in
+``bench.serve_compare``, ``bench.serve_structured`` and ``bench.serve_tools``, the table and
+the plot in ``bench.serve_report``. This module reads the command line and runs them.
+Usage and figures: bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """The load client of bench/serve.py: the workload's request bodies, and one request sent
 and read (``send_one``).
 
-Each of ``--concurrency`` clients sends requests one after the other until ``--requests``
-have been sent: ``--prompt-len`` random token ids (different for every request, so the
-prefix cache cannot share them), ``--max-new-tokens`` with ``ignore_eos``, ``--temperature``
-(default 0.7), ``--top-p`` (default: not sent, the server's 1.0) and, unless
-``--no-seeded``, a distinct seed per request (``--seed`` plus its index); a
-``--stream-ratio`` fraction of them streaming; with a JSON schema (``--json-schema``'s
-constrained runs) every request follows it. Per request it
-measures (client side) TTFT (send to the first SSE event with tokens; a non-streaming
-request's whole response), ITL (the gap before each later event divided by the tokens in
-it), end-to-end latency and the tokens received. A request whose ``output_ids`` (over the
-events of a stream: summed when each event holds its new tokens, as with
-``--incremental-streaming-output``, the servers ``--launch`` starts; the last event's when
-each holds the output so far, SGLang's default) differ from its final
-``meta_info.completion_tokens`` counts as tokens lost.
-
-``--api completions`` sends the same workload to ``/v1/completions`` instead (default
-``generate``): the prompt as token ids, ``max_tokens``, ``ignore_eos``, ``temperature``,
-``top_p`` and ``seed`` as above, and on streams ``stream_options: {"include_usage": true,
-"continuous_usage_stats": true}``. A chunk's text holds one or more tokens (or none yet)
-and the server sends no token ids in completions chunks, so an event's tokens are its
-``usage.completion_tokens`` less the previous event's; a stream whose final usage chunk
-disagrees with their sum counts as tokens lost. (That checks the count the chunks carry,
-not their text.) A non-streaming completion has only its usage: nothing is lost by this
-measure there.
-
-``--api chat`` sends it to ``/v1/chat/completions``, counted the same way: one user message
-of ``--prompt-len`` words drawn from ``PROMPT_WORDS`` (chat takes text, and a word of them
-is about one token), ``max_tokens``, ``ignore_eos``, ``temperature``, ``top_p`` and
-``seed``; a JSON schema goes in ``response_format``. With tools (``--tools``' runs) every
-request carries them with its ``tool_choice``; the tool calls of each answer are
-counted (in a stream, the ``tool_calls`` deltas that carry an ``id``: each opens a call).
+Prompts are random token ids (words for chat), different for every request so the prefix
+cache cannot share them. Per request it measures, client side, TTFT, ITL (the gap before
+each later event divided by the tokens in it), end-to-end latency and the tokens received; a
+request whose tokens differ from its final ``completion_tokens`` counts as tokens lost. A
+/generate stream's tokens are its events' ``output_ids`` (summed when each event holds its
+new tokens, the last event's when each holds the output so far); OpenAI chunks carry no
+token ids, so there an event's tokens are its ``usage.completion_tokens`` less the previous
+event's (the count the chunks carry, not their text). Each API's body: bench/README.md.
 """
 
 from __future__ import annotations

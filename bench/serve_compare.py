@@ -1,40 +1,14 @@
 """The comparisons of bench/serve.py: each runs the main run's workload again against a
-variant of it (``run_discard``, ``run_rounds`` and the comparisons built on it).
+variant of it, because on a shared machine only a ratio measured in one run says anything.
 
-``--compare-discard`` (with ``--launch``) then starts a second server with the same flags
-plus ``--discard-output``: its scheduler builds and encodes every frame but drops it, so
-no client ever gets output. Streaming requests are kept at the same number live in that
-scheduler (topped up from the ``live_reqs`` it reports) for the same duration, then, once
-every request sent has reached the scheduler, ``/abort_request {"abort_all": true}`` ends
-the work, the step rate is taken the same way (the run ends at the abort), the hanging
-clients are cancelled and the server is stopped. The ratio of the two step rates is what
-the output path costs the scheduler; the target is >= 0.95x at 256 streams.
-
-``--compare-sampling`` (with ``--launch``) then runs the same workload on the same server
-greedy (temperature 0, no seed) and sampled (temperature 0.7, top_p 0.9, seeded; a
-``--temperature``, ``--top-p`` or ``--[no-]seeded`` given replaces its part), in
-``--rounds`` (default 2; ``--sampling-rounds`` is the same flag) rounds of one run each, the order swapped from one round
-to the next so neither always goes first. Every run has its own prompts, so none finds
-another's in the prefix cache; the main run before them warms the server up. It reports
-the output tokens/s of each and the ratio sampled/greedy, medians over the rounds; the
-target is >= 0.9x at 256 streams.
-
-``--top-logprobs K`` (with ``--launch``) then runs, the same way and on the same server, the
-workload as given (``without``) against the same with ``return_logprob`` and
-``top_logprobs_num`` K on every request (``logprobs``), in ``--rounds`` rounds; it reports
-the ratio logprobs/without of output tokens/s (target >= 0.9x at 256 streams with K = 5;
-vLLM measured 0.73x). A logprobs request whose ``output_token_logprobs`` (summed over its
-events) do not number its tokens counts as logprobs lost.
-
-``--compare-api-workers N`` (with ``--launch``) then starts a second server with the same
-flags plus ``--api-workers N`` (N API processes sharing the port; with N = 1 no flag is
-passed, one API process being the default) while the main one stays up: both on their own
-ports, and an idle server takes next to no CPU, so the rounds alternate between them
-without a restart (``--rounds`` of one run on each, order swapped each round, prompts of
-their own). It reports each server's output tokens/s and the ratio multi/single (medians),
-and each server's per-API-process cores and tokens per API CPU-second (medians over
-rounds). ``--server-args`` must not hold ``--api-workers`` then: the main server is the
-one-process arm.
+``run_discard`` (``--compare-discard``): the scheduler's step rate with the pipeline attached
+against a second server started with ``--discard-output``, what the output path costs the
+scheduler. ``run_rounds`` runs arms in rounds, the order swapped (or rotated) each round so
+none always goes first, every run with prompts of its own so none finds another's in the
+prefix cache; built on it: ``run_sampling`` (``--compare-sampling``: greedy against
+sampled), ``run_logprobs`` (``--top-logprobs K``: without against top-K logprobs on every
+request) and ``run_api_workers`` (``--compare-api-workers N``: one API process against N,
+two servers up at once). Usage, targets and figures: bench/README.md.
 """
 
 from __future__ import annotations

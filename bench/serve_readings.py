@@ -1,29 +1,14 @@
 """Readings of a bench/serve.py run from the server's side: the scheduler's step rate and
-each process's CPU.
+each process's CPU, both over the steady part of the run (every client has a request in
+flight, until the first client runs out of work).
 
-**CPU per process.** With ``--launch`` the server's processes are its supervisor's
-children, named by role from /proc/PID/cmdline: scheduler, detokenizer, api (api-0, api-1,
-... in start order when ``--api-workers`` runs several). With ``--url``, ``--pids`` names
-them (a supervisor's pid stands for its children); without it only the client is measured.
-Each process's utime + stime (/proc/PID/stat, all threads, in clock ticks, 1/SC_CLK_TCK s:
-10 ms on Linux) and the client's own (getrusage) are read at the two moments that bound the
-steady part of the run (below: every client has a request in flight, then the first client
-runs out of work), in the client's event loop between two events. The report gives each
-one's CPU-seconds and cores (CPU-s / window-s), and **tokens per API CPU-second**: the
-output tokens the clients received in that window (by each event's arrival time) over the
-CPU-seconds of all API processes together in it. Arrival is when the client parsed the
-event, a little after the API sent it, which matters only at the window's edges.
-CPU-seconds are much steadier than wall-clock rates on a shared machine.
-
-The scheduler step rate comes from ``scheduler.forward_steps_total`` in ``/server_info``
-(the scheduler's stats report: about every 0.5 s while it works, and one when it runs out
-of work). The counter is cumulative, so readings at two moments give the steps between
-them: one before the run (the scheduler idle after a warm-up request), one after it (the
-report sent when the run's work was done, waited for up to ``SETTLE_TIMEOUT``), and each
-report polled in between, timed by the first poll that saw it. The rate is taken between
-the last reading at or before the steady part of the run starts (every client has a
-request in flight) and the first at or after it ends (the first client runs out of work):
-the steady part on a long run, the whole run on one shorter than the report interval.
+CPU-seconds are much steadier than wall-clock rates on a shared machine: each server
+process's utime + stime (/proc/PID/stat, all threads) and the client's own (getrusage) are
+read at the two ends of the steady window; the report gives each one's cores and **tokens
+per API CPU-second**. The step rate comes from the cumulative
+``scheduler.forward_steps_total`` in ``/server_info`` (the scheduler reports about every
+0.5 s while it works): a reading before the run, one at each new report and one after the
+run give the steps between any two moments. Details: bench/README.md.
 """
 
 from __future__ import annotations

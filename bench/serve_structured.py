@@ -1,22 +1,14 @@
 """``--json-schema FILE`` of bench/serve.py: what structured output costs a serving run.
 
-With ``--launch``, after the main run, two measurements on the same server:
-
-- **Throughput.** The workload as given (``unconstrained``) against the same with every
-  request constrained by the schema in FILE (``constrained``: ``sampling_params.json_schema``
-  on /generate, ``response_format`` json_schema on /v1/completions), in ``run_rounds``
-  (``--rounds``, the order swapped each round, prompts of their own). It reports the output
-  tokens/s of each and the ratio constrained/unconstrained; the target is >= 0.8x at 256
-  streams. The schema is compiled once, in the first constrained run: every later request
-  finds it in the scheduler's grammar cache, so the rounds measure the mask's cost per step.
-  A schema whose answers can end before ``--max-new-tokens`` (the grammar ends them with
-  ``stop``) makes the constrained requests shorter: ``bench/schemas/order.json`` asks for at
-  least four order lines, so at 64 tokens none ends early.
-- **Compile cost.** On the idle server, ``COMPILE_TRIALS`` times: one streaming request whose
-  schema is new to the server (FILE with a fresh ``description``, so neither the scheduler's
-  cache nor xgrammar's own knows it), then one with that same schema again (cached), then one
-  unconstrained, each with a prompt of its own and ``COMPILE_PROBE_TOKENS`` new tokens. The
-  medians of their TTFT: new minus cached is what a compile adds to a first request.
+With ``--launch``, after the main run, two measurements on the same server. Throughput: the
+workload unconstrained against every request constrained by the schema in FILE, in
+``run_rounds``; the schema is compiled once, in the first constrained run, and every later
+request finds it in the scheduler's grammar cache, so the rounds measure the mask's cost per
+step. Compile cost: on the idle server, the TTFT of a request whose schema is new to the
+server (a fresh ``description``, so no cache knows it) against the same schema cached and no
+schema. A schema whose answers can end before ``--max-new-tokens`` makes the constrained
+requests shorter: ``bench/schemas/order.json`` keeps every answer going. Details:
+bench/README.md.
 """
 
 from __future__ import annotations

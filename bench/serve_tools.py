@@ -1,28 +1,14 @@
 """``--tools FILE`` of bench/serve.py (with ``--api chat``): what tool calling costs a
 serving run.
 
-With ``--launch``, after the main run, three arms of the chat workload in ``run_rounds``
-(``--rounds``, the order rotated each round, prompts of their own), on the same server:
-
-- ``no_tools``: the workload as given: a short user message, a plain answer;
-- ``tools_none``: every request carries the tools in FILE (a JSON list of OpenAI tools; see
-  ``bench/schemas/tools.json``: four functions) with ``tool_choice: "none"``: the prompt
-  holds the tools block (the chat template renders it: hundreds of tokens, found in the
-  prefix cache after the first request, but every decode step attends over them), the
-  answer is plain content, each chunk a filled template: the parser is off;
-- ``tools``: the same prompt with ``tool_choice: "required"``: each answer is constrained to
-  one or more calls of those tools, and its stream goes through the API's tool-call parser,
-  which turns the JSON into ``tool_calls`` deltas: the parser is on.
-
-It reports output tokens/s of each and the ratios to ``no_tools`` (medians over rounds): the
-tools against no tools is the whole cost of tool calling; against ``tools_none`` it is the
-constraint's and the parser's, the prompt being the same. And, per arm, the API process's
-CPU per streamed token (microseconds: its CPU-seconds over the run's steady window divided
-by the output tokens received in it; medians over rounds), whose difference between
-``tools`` and ``tools_none`` is the parser's cost; tokens per answer, and tool calls per
-answer in the ``tools`` arm. The grammar ends an answer when its call list closes, so
-``tools`` answers may stop short of ``--max-new-tokens`` (its tokens/s counts every token all
-the same).
+With ``--launch``, after the main run, three arms of the chat workload in ``run_rounds`` on
+the same server: ``no_tools`` (a short user message, a plain answer); ``tools_none`` (every
+request carries the tools in FILE with ``tool_choice: "none"``: the same long prompt, a plain
+answer, the parser off); ``tools`` (``tool_choice: "required"``: each answer constrained to
+calls and read by the API's tool-call parser). Tools against no tools is the whole cost of
+tool calling; against ``tools_none`` it is the constraint's and the parser's, the prompt
+being the same, and the difference in API CPU per streamed token is the parser's cost.
+Details: bench/README.md.
 """
 
 from __future__ import annotations
