@@ -14,14 +14,11 @@ is ``RequestChecks``' (``checks``); the control round trips are ``ControlClient`
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
 from collections.abc import Callable
 
-import zmq
-import zmq.asyncio
 
 from pipeline.config import ServerConfig
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
@@ -40,7 +37,6 @@ from pipeline.io_struct import (
     LogprobParams,
     MediaItem,
     SamplingParams,
-    SchedulerInput,
     SchedulerStatsReport,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -51,19 +47,13 @@ from pipeline.finish_reasons import DETOKENIZER_LOST_TEXT
 from pipeline.worker_ids import WORKER_SHIFT
 from pipeline.logprob_columns import RowLogprobs, read_input_logprobs, read_output_logprobs
 from pipeline.token_texts import TokenTextCache
-from pipeline.sockets import (
-    FrameDecoder,
-    RateLimitedWarning,
-    bind_pull,
-    connect_push,
-    make_encoder,
-    receive_frames,
-)
+from pipeline.sockets import RateLimitedWarning
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.request_edge.bootstrap import Bootstrap
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.control_client import ControlClient
 from tokenizer_proc.frame_dispatch import FrameDispatch
+from tokenizer_proc.manager_sockets import ManagerSockets
 from tokenizer_proc.metrics import service_metrics
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_checks import RequestChecks
@@ -127,12 +117,10 @@ class TokenizerManager:
         self.last_scheduler_report: SchedulerStatsReport | None = None
 
     def _init_sockets(self) -> None:
-        self._encoder = make_encoder()
-        self._ctx: zmq.asyncio.Context | None = None
-        self._recv_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._send: zmq.asyncio.Socket | None = None
-        self._loop_task: asyncio.Task[None] | None = None
-        self._after_frame: dict[Callable[[], None], None] = {}  # an ordered set
+        self.sockets = ManagerSockets(self.config, self.worker_index, self.handle_output)
+        self._send_obj = self.sockets.send
+        # Streams write their events once the frame being applied is (one write per frame).
+        self.call_after_frame = self.sockets.call_after_frame
 
     def _init_owners(self) -> None:
         # Validation and the control round trips have their own owners; the routes reach
@@ -167,12 +155,7 @@ class TokenizerManager:
     # --- sockets -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._send = connect_push(self._ctx, self.config.scheduler_input)
-        # A plain socket, read through receive_frames: one wake per burst of frames.
-        self._recv_ctx = zmq.Context()
-        recv = bind_pull(self._recv_ctx, self.config.tokenizer_endpoint(self.worker_index))
-        self._loop_task = asyncio.create_task(self._receive_loop(recv))
+        self.sockets.start()
         # Requests a previous incarnation of this process left in the scheduler have no
         # client any more: stop them rather than let them run to completion. Only this
         # worker's: the other API workers' clients are still there.
@@ -182,50 +165,7 @@ class TokenizerManager:
 
     async def close(self) -> None:
         self.tracer.shutdown()  # flushes spans still queued for export
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-        if self._recv_ctx is not None:
-            self._recv_ctx.destroy(linger=0)
-
-    async def _receive_loop(self, sock: zmq.Socket[bytes]) -> None:
-        decoder: FrameDecoder[TokenizerManagerInput] = FrameDecoder(
-            TokenizerManagerInput, logger, "tokenizer manager input"
-        )
-        inconsistent = RateLimitedWarning(logger)
-        async for frame in receive_frames(sock):
-            msg = decoder.decode(frame.buffer)
-            if msg is None:
-                continue
-            try:
-                self.handle_output(msg)
-            except ValueError as exc:  # inconsistent columns: drop the frame, keep serving
-                inconsistent.warn("dropped an inconsistent output frame: %s", exc)
-            except Exception:  # a bug must not end this loop: every later request would hang
-                logger.exception("failed to handle an output frame; dropped it")
-            if self._after_frame:
-                self._run_after_frame()
-
-    def call_after_frame(self, callback: Callable[[], None]) -> None:
-        """Runs ``callback`` once the frame being applied is, once however often it is asked
-        for (streams write their events then: one write per stream per frame)."""
-        self._after_frame[callback] = None
-
-    def _run_after_frame(self) -> None:
-        due, self._after_frame = self._after_frame, {}
-        for callback in due:
-            try:
-                callback()
-            except Exception:  # one stream's failure must not stop the others'
-                logger.exception("an after-frame callback failed")
-
-    def _send_obj(self, obj: SchedulerInput) -> None:
-        if self._send is None:
-            raise RuntimeError(
-                "TokenizerManager.start() has not run: there is no socket to the scheduler yet"
-            )
-        self._send.send(self._encoder.encode(obj), copy=False)
+        self.sockets.close()
 
     # --- requests ------------------------------------------------------------------------
 

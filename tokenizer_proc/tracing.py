@@ -4,35 +4,10 @@ One SERVER span per request, named ``{gen_ai.operation.name} {model}`` and a chi
 incoming W3C ``traceparent`` when there is one. Spans are not opened while a request runs:
 ``RequestTracer.on_finish`` builds the whole tree at once from timestamps the request
 already holds, so tracing adds nothing to the per-token path and one short call per
-finished request.
-
-Span tree (times are wall clock, ``time.time()``; the scheduler's come from
-``SchedulerTimeStats``, so they exist only while metrics are on):
-
-- ``{operation} {model}`` (SERVER): ``created_time`` (HTTP arrival) to ``finished_time``
-  (the finished row reaching the tokenizer manager). One ``retract`` event per retraction,
-  at ``ReqState.retract_times``.
-- ``tokenize``: ``created_time`` to ``tokenized_time`` (the request left for the scheduler).
-- ``queue``: ``tokenized_time`` to ``forward_entry_time`` (the first forward pass). It
-  includes the hop to the scheduler: ``wait_queue_entry_time`` is the *latest* queue entry
-  (a retraction moves it), so it cannot mark the first one.
-- ``prefill``: ``forward_entry_time`` to ``prefill_finished_time`` (the first prefill; a
-  re-prefill after a retraction is part of ``decode`` and shows as a ``retract`` event).
-- ``decode``: ``prefill_finished_time`` to ``completion_time`` (else ``finished_time``);
-  none for an embedding request.
-
-A stage that was entered but never left (a request aborted while waiting, or mid-prefill)
-ends at the completion, so its span shows where the time went; a stage never entered has
-no span. With metrics off only ``tokenize`` exists.
-
-Attributes come from ``span_attributes`` (a pure function of the state, so the differential
-test can compare them exactly): per-request numbers from ``ReqState.request_stats``, never
-from per-row values.
-
-Export goes through a ``BatchSpanProcessor``: ``on_finish`` only appends to its queue, a
-background thread exports, and an unreachable or slow collector only costs log lines (the
-SDK's own retries run on that thread). The ``TracerProvider`` is private to this object;
-the global one is left alone.
+finished request. The child spans are ``stage_intervals``'; the attributes come from
+``span_attributes``, a pure function of the state (the differential test compares them
+exactly), built from ``ReqState.request_stats``, never from per-row values. A server without
+``--otlp-traces-endpoint`` runs ``tracers.NoTracer`` and never imports this module.
 """
 
 from __future__ import annotations
@@ -145,11 +120,27 @@ def span_attributes(
 
 
 def stage_intervals(state: ReqState, operation: str = "generate") -> list[tuple[str, float, float]]:
-    """``(name, start, end)`` in wall-clock seconds for each stage child span, in order
-    (an embedding request has no ``decode``). A PD decode request (it has a
-    ``bootstrap_done_time``) has no ``prefill``: that ran on the prefill server, and its
-    ``queue`` includes the KV transfer. An interval whose end precedes its start (clocks of
-    different hosts) is clamped to zero length rather than dropped."""
+    """``(name, start, end)`` in wall-clock seconds for each stage child span, in order.
+    Times are wall clock, ``time.time()``; the scheduler's come from ``SchedulerTimeStats``,
+    so they exist only while metrics are on (with metrics off only ``tokenize`` exists).
+
+    - ``tokenize``: ``created_time`` (HTTP arrival) to ``tokenized_time`` (the request left
+      for the scheduler).
+    - ``queue``: ``tokenized_time`` to ``forward_entry_time`` (the first forward pass). It
+      includes the hop to the scheduler: ``wait_queue_entry_time`` is the *latest* queue
+      entry (a retraction moves it), so it cannot mark the first one.
+    - ``prefill``: ``forward_entry_time`` to ``prefill_finished_time`` (the first prefill; a
+      re-prefill after a retraction is part of ``decode`` and shows as a ``retract`` event
+      of the SERVER span, which runs from ``created_time`` to ``finished_time``).
+    - ``decode``: ``prefill_finished_time`` to ``completion_time`` (else ``finished_time``);
+      none for an embedding request.
+
+    A stage that was entered but never left (a request aborted while waiting, or
+    mid-prefill) ends at the completion, so its span shows where the time went; a stage
+    never entered has no span. A PD decode request (it has a ``bootstrap_done_time``) has no
+    ``prefill``: that ran on the prefill server, and its ``queue`` includes the KV transfer.
+    An interval whose end precedes its start (clocks of different hosts) is clamped to zero
+    length rather than dropped."""
     end_of_request = state.finished_time if state.finished_time is not None else time.time()
     stages: list[tuple[str, float | None, float | None]] = [
         ("tokenize", state.created_time, state.tokenized_time)
@@ -242,21 +233,26 @@ class _RateLimitFilter(logging.Filter):
         return True
 
 
+# One filter for the process, as the SDK's logger is one: ``addFilter`` adds it once however
+# many tracers ask.
 _queue_full_filter = _RateLimitFilter()
-_queue_full_filter_lock = threading.Lock()
-_queue_full_filter_installed = False
 
 
 def _install_queue_full_filter() -> None:
-    global _queue_full_filter_installed
-    with _queue_full_filter_lock:
-        if not _queue_full_filter_installed:
-            logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(_queue_full_filter)
-            _queue_full_filter_installed = True
+    logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(_queue_full_filter)
 
 
 class RequestTracer:
-    """Builds and exports one span tree per finished request."""
+    """Builds and exports one span tree per finished request.
+
+    The SERVER span runs from ``created_time`` (HTTP arrival) to ``finished_time`` (the
+    finished row reaching the tokenizer manager), with one ``retract`` event per retraction,
+    at ``ReqState.retract_times``.
+
+    Export goes through a ``BatchSpanProcessor``: ``on_finish`` only appends to its queue, a
+    background thread exports, and an unreachable or slow collector only costs log lines
+    (the SDK's own retries run on that thread). The ``TracerProvider`` is private to this
+    object; the global one is left alone."""
 
     def __init__(
         self, config: ServerConfig, model_name: str, exporter: SpanExporter | None = None
