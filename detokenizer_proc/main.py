@@ -16,6 +16,7 @@ import msgspec
 import zmq
 
 from pipeline.config import ServerConfig
+from pipeline.dispatch import TypeDispatcher, route
 from pipeline.frame_checks import count_token_rows, read_token_rows
 from pipeline.io_struct import (
     COUNT_DTYPE,
@@ -24,6 +25,7 @@ from pipeline.io_struct import (
     BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
+    ControlAnswer,
     DetokenizerInput,
     FlushCacheResult,
     HiCacheStorageState,
@@ -82,82 +84,111 @@ def detokenize_frame(
     )
 
 
-def send_parts(
-    outboxes: list[zmq.Socket[bytes]],
-    split: WorkerSplit[BatchStrOutput] | WorkerSplit[BatchEmbeddingOutput],
-    encoder: msgspec.msgpack.Encoder,
-    warning: RateLimitedWarning,
-) -> None:
-    """Each worker's part of a frame to that worker; rows of no worker are dropped with a warning."""
-    for worker, part in split.parts:
-        outboxes[worker].send(encoder.encode(part), copy=False)
-    if split.stray:
-        warning.warn(
-            "dropped %d output rows of API workers that do not exist (req_ids %s)",
-            len(split.stray),
-            split.stray[:5],
+class Detokenizer:
+    """The process's state between frames: the decode states, its sockets, and the table
+    that hands each message to its handler. A handler gets the message and the frame it
+    was decoded from, so what is not ours to change is forwarded as it came."""
+
+    def __init__(self, config: ServerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self._init_decoding(config)
+        self._init_sockets(config, ctx)
+        self.dispatcher = TypeDispatcher(
+            [
+                route(BatchTokenIDOutput, self.on_tokens),
+                route(BatchEmbeddingOutput, self.on_embeddings),
+                route(SchedulerStatsReport, self.on_stats_report),
+                route(HiCacheStorageState, self.on_control_answer),
+                route(FlushCacheResult, self.on_control_answer),
+                route(AbortResult, self.on_control_answer),
+            ]
         )
+
+    def _init_decoding(self, config: ServerConfig) -> None:
+        tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model_path)
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer.tokenizer)
+        self.texts = None if tokenizer is None else TokenTextCache(tokenizer.tokenizer)
+        self.decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(
+            DetokenizerInput, logger, "detokenizer input"
+        )
+        self.encoder = make_encoder()
+        self.inconsistent = RateLimitedWarning(logger)
+
+    def _init_sockets(self, config: ServerConfig, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.inbox = bind_pull(ctx, config.detokenizer_input)
+        self.outboxes = [
+            connect_push(ctx, config.tokenizer_endpoint(i)) for i in range(config.api_workers)
+        ]
+        self.several = len(self.outboxes) > 1
+
+    def handle(self, frame: zmq.Frame) -> None:
+        """One frame off the inbox; one that does not decode is dropped (``FrameDecoder``)."""
+        msg = self.decoder.decode(frame.buffer)
+        if msg is not None:
+            self.dispatcher.dispatch(msg, frame)
+
+    def on_tokens(self, msg: BatchTokenIDOutput, frame: zmq.Frame) -> None:
+        try:
+            out = detokenize_frame(self.detok, msg, self.texts)
+            if not self.several:
+                self.outboxes[0].send(self.encoder.encode(out), copy=False)
+                return
+            parts = split_str_output(out, len(self.outboxes))
+        except ValueError as exc:
+            self.inconsistent.warn("dropped an inconsistent token frame: %s", exc)
+            return
+        self.send_parts(parts)
+
+    def on_embeddings(self, msg: BatchEmbeddingOutput, frame: zmq.Frame) -> None:
+        if not self.several:
+            self.outboxes[0].send(frame, copy=False)
+            return
+        try:
+            parts = split_embedding_output(msg, len(self.outboxes))
+        except ValueError as exc:
+            self.inconsistent.warn("dropped an inconsistent embedding frame: %s", exc)
+            return
+        self.send_parts(parts)
+
+    def on_stats_report(self, msg: SchedulerStatsReport, frame: zmq.Frame) -> None:
+        """Forwarded to every worker with this process's own count of live decode states, so
+        /server_info shows per-request state left behind here too (frames arrive in order,
+        so every row the scheduler sent before this report has been processed)."""
+        live = self.detok.num_live if self.detok is not None else 0
+        report = self.encoder.encode(msgspec.structs.replace(msg, detokenizer_live_reqs=live))
+        for box in self.outboxes:
+            box.send(report, copy=False)
+
+    def on_control_answer(self, msg: ControlAnswer, frame: zmq.Frame) -> None:
+        """To the worker its control_id names, as it came (not ours to change)."""
+        worker = worker_of(msg.control_id)
+        if 0 <= worker < len(self.outboxes):
+            self.outboxes[worker].send(frame, copy=False)
+        else:
+            self.inconsistent.warn(
+                "dropped a control answer for API worker %d, which does not exist", worker
+            )
+
+    def send_parts(
+        self, split: WorkerSplit[BatchStrOutput] | WorkerSplit[BatchEmbeddingOutput]
+    ) -> None:
+        """Each worker's part of a frame to that worker; rows of no worker are dropped with a
+        warning."""
+        for worker, part in split.parts:
+            self.outboxes[worker].send(self.encoder.encode(part), copy=False)
+        if split.stray:
+            self.inconsistent.warn(
+                "dropped %d output rows of API workers that do not exist (req_ids %s)",
+                len(split.stray),
+                split.stray[:5],
+            )
 
 
 def run_detokenizer(config: ServerConfig) -> None:
     shutdown = ShutdownFlag.install()
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model_path).tokenizer
-    detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
-    texts = None if tokenizer is None else TokenTextCache(tokenizer)
     ctx = zmq.Context()
-    inbox = bind_pull(ctx, config.detokenizer_input)
-    outboxes = [connect_push(ctx, config.tokenizer_endpoint(i)) for i in range(config.api_workers)]
-    outbox = outboxes[0]
-    several = len(outboxes) > 1
-    decoder: FrameDecoder[DetokenizerInput] = FrameDecoder(
-        DetokenizerInput, logger, "detokenizer input"
-    )
-    encoder = make_encoder()
-    inconsistent = RateLimitedWarning(logger)
+    detokenizer = Detokenizer(config, ctx)
     report_ready(ctx, config, "detokenizer")
-
     while not shutdown.is_set():
-        if not inbox.poll(200):
-            continue
-        frame = inbox.recv(copy=False)
-        msg = decoder.decode(frame.buffer)
-        if isinstance(msg, (HiCacheStorageState, FlushCacheResult, AbortResult)):
-            worker = worker_of(msg.control_id)
-            if 0 <= worker < len(outboxes):
-                outboxes[worker].send(
-                    frame, copy=False
-                )  # not ours to change: forward the frame as it came
-            else:
-                inconsistent.warn(
-                    "dropped a control answer for API worker %d, which does not exist", worker
-                )
-        elif isinstance(msg, BatchEmbeddingOutput):
-            if not several:
-                outbox.send(frame, copy=False)
-                continue
-            try:
-                embedding_parts = split_embedding_output(msg, len(outboxes))
-            except ValueError as exc:
-                inconsistent.warn("dropped an inconsistent embedding frame: %s", exc)
-                continue
-            send_parts(outboxes, embedding_parts, encoder, inconsistent)
-        elif isinstance(msg, SchedulerStatsReport):
-            # Forwarded with this process's own count of live decode states, so /server_info
-            # shows per-request state left behind here too (frames arrive in order, so every
-            # row the scheduler sent before this report has been processed).
-            live = detok.num_live if detok is not None else 0
-            report = encoder.encode(msgspec.structs.replace(msg, detokenizer_live_reqs=live))
-            for box in outboxes:
-                box.send(report, copy=False)
-        elif isinstance(msg, BatchTokenIDOutput):
-            try:
-                out = detokenize_frame(detok, msg, texts)
-                if not several:
-                    outbox.send(encoder.encode(out), copy=False)
-                    continue
-                str_parts = split_str_output(out, len(outboxes))
-            except ValueError as exc:
-                inconsistent.warn("dropped an inconsistent token frame: %s", exc)
-                continue
-            send_parts(outboxes, str_parts, encoder, inconsistent)
+        if detokenizer.inbox.poll(200):
+            detokenizer.handle(detokenizer.inbox.recv(copy=False))
     ctx.destroy(linger=0)
