@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from scheduler_proc.sampling.grammar import GrammarMask
+from scheduler_proc.sampling.grammar import GrammarMask, NoGrammars
 from scheduler_proc.scheduler import Scheduler
 
 
@@ -50,7 +50,7 @@ def instrument_grammar(scheduler: Scheduler) -> GrammarTimers:
     """Timers of the mask fill, apply and accept, and the undo of the apply's wrapper (a
     class attribute: a mask is a new object every step)."""
     masks = scheduler.masks
-    if masks is None:
+    if isinstance(masks, NoGrammars):
         raise RuntimeError("--constrained needs a scheduler with a tokenizer")
     sync = torch.cuda.synchronize if scheduler.runner.device.type == "cuda" else None
     fill, accept = Timer(masks.fill, sync), Timer(masks.accept, sync)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.io_struct import FinishLength, FinishReason, FinishStop
-from scheduler_proc.sampling.grammar import TokenMasks, refused_token
+from scheduler_proc.sampling.grammar import StepMasks, refused_token
 from scheduler_proc.sampling.logprobs import keep_decode_logprobs
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows
@@ -37,13 +37,13 @@ class BatchDecoder:
         stop_checker: StopChecker,
         stats_pending: StatsPending,
         dense_usage_columns: bool,
-        masks: TokenMasks | None = None,
+        masks: StepMasks,
     ) -> None:
         self.runner = runner
         self.stop_checker = stop_checker
         self.stats_pending = stats_pending  # the scheduler's: whose rows carry stats
         self.dense_usage_columns = dense_usage_columns  # SteadyRows keep their requests
-        self.masks = masks  # None: this scheduler has no grammars (no tokenizer)
+        self.masks = masks  # the constrained rows' masks (NoGrammars: a scheduler has none)
 
     def step(self, batch: RunningBatch, slots: torch.Tensor, rows: list[Req]) -> SteadyRows | None:
         """Decodes one token for every row of ``batch`` (``slots``: one new KV slot each).
@@ -58,10 +58,7 @@ class BatchDecoder:
             batch.output_len(), params["min_new_tokens"][:n], batch.stop_ids[:n]
         )
         grammar = batch.grammar_rows()
-        mask = None
-        if grammar is not None:
-            assert self.masks is not None, "a constrained request on a scheduler without grammars"
-            mask = self.masks.fill(grammar, n)
+        mask = self.masks.fill(grammar, n) if grammar is not None else None
         new = self.runner.sample(logits, batch.sampling_columns(bans, mask))
         batch.append_tokens(new)
         asking = np.flatnonzero(batch.wants_logprobs[:n])
@@ -73,7 +70,7 @@ class BatchDecoder:
             params["max_new_tokens"][:n], params["ignore_eos"][:n], batch.stop_ids[:n],
             batch.has_stop_strings[:n],
         )  # fmt: skip
-        if grammar is not None and self.masks is not None:
+        if grammar is not None:
             ended, refused = self.masks.accept(grammar, new)
             code[ended] = STOP_TOKEN  # the grammar ended (its stop token), whatever ignore_eos says
             code[refused] = OUTSIDE_GRAMMAR

@@ -17,7 +17,7 @@ from scheduler_proc.embedding import accumulate_hidden
 from scheduler_proc.sampling.logprobs import keep_prompt_logprobs, step_logprobs
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.req import Req
-from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows, TokenMasks
+from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows, StepMasks
 from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
 from scheduler_proc.stop_checker import StopChecker
 
@@ -63,7 +63,7 @@ def sample_first_tokens(
     logits: torch.Tensor,
     reqs: list[Req],
     stop_checker: StopChecker,
-    masks: TokenMasks | None = None,
+    masks: StepMasks,
 ) -> list[int]:
     """The next token of each of these requests (not in the running batch: a first token
     after a prefill), each drawn at its output index, never a stop token while the output
@@ -95,10 +95,9 @@ def sample_first_tokens(
     return first
 
 
-def _grammar_mask(reqs: list[Req], masks: TokenMasks | None) -> GrammarMask | None:
+def _grammar_mask(reqs: list[Req], masks: StepMasks) -> GrammarMask | None:
     rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
     if not rows:
         return None
-    assert masks is not None, "a constrained request on a scheduler without grammars"
     matchers = [m for m in (r.matcher for r in reqs) if m is not None]
     return masks.fill(GrammarRows(np.array(rows, dtype=np.int64), rows, matchers), len(reqs))

@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from types import ModuleType
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import numpy as np
 import tokenizers
@@ -257,6 +257,26 @@ class GrammarMask:
             x, self.bitmask, vocab_size=x.shape[1], indices=self.rows
         )
         return x
+
+
+class StepMasks(Protocol):
+    """The constrained rows' masks of a draw: ``TokenMasks``, or ``NoGrammars`` on a
+    scheduler that serves none (no tokenizer)."""
+
+    def fill(self, grammar: GrammarRows, n: int) -> GrammarMask: ...
+
+    def accept(self, grammar: GrammarRows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class NoGrammars:
+    """The masks of a scheduler without grammars: no request there is constrained (admission
+    refuses one), so a step never asks."""
+
+    def fill(self, grammar: GrammarRows, n: int) -> GrammarMask:
+        raise AssertionError("a constrained request on a scheduler without grammars")
+
+    def accept(self, grammar: GrammarRows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise AssertionError("a constrained request on a scheduler without grammars")
 
 
 class TokenMasks:
