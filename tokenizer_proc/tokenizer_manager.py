@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 
 from pipeline.config import ServerConfig
+from pipeline.dispatch import TypeDispatcher, route
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
 from pipeline.peer_errors import duplicate_rid_message
 from pipeline.io_struct import (
@@ -52,7 +53,6 @@ from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.request_edge.bootstrap import Bootstrap
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.control_client import ControlClient
-from tokenizer_proc.frame_dispatch import FrameDispatch
 from tokenizer_proc.manager_sockets import ManagerSockets
 from tokenizer_proc.metrics import service_metrics
 from tokenizer_proc.req_state import ReqState
@@ -133,16 +133,17 @@ class TokenizerManager:
         )
         self.controls = ControlClient(self._send_obj, self.worker_index)
 
-    def _output_handlers(self) -> FrameDispatch[TokenizerManagerInput]:
+    def _output_handlers(self) -> TypeDispatcher[[], None]:
         """The handler of each frame type that reaches this process: a new message is a row."""
-        return (
-            FrameDispatch[TokenizerManagerInput]()
-            .on(BatchStrOutput, self._handle_str_output)
-            .on(BatchEmbeddingOutput, self._handle_embedding_output)
-            .on(SchedulerStatsReport, self._on_scheduler_report)
-            .on(HiCacheStorageState, self.controls.answer)
-            .on(FlushCacheResult, self.controls.answer)
-            .on(AbortResult, self.controls.answer)
+        return TypeDispatcher(
+            [
+                route(BatchStrOutput, self._handle_str_output),
+                route(BatchEmbeddingOutput, self._handle_embedding_output),
+                route(SchedulerStatsReport, self._on_scheduler_report),
+                route(HiCacheStorageState, self.controls.answer),
+                route(FlushCacheResult, self.controls.answer),
+                route(AbortResult, self.controls.answer),
+            ]
         )
 
     @property
@@ -313,7 +314,7 @@ class TokenizerManager:
 
     def handle_output(self, frame: TokenizerManagerInput) -> None:
         """Applies one frame from the detokenizer, by its type (``_output_handlers``)."""
-        self._dispatch(frame)
+        self._dispatch.dispatch(frame)
 
     def _on_scheduler_report(self, frame: SchedulerStatsReport) -> None:
         last = self.last_scheduler_report

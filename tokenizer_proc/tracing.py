@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from opentelemetry import trace
@@ -26,9 +25,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import FinishAbort
+from pipeline.io_struct import FinishAbort, RequestOutputStats
 from pipeline.finish_reasons import finish_reason_to_dict
 from tokenizer_proc.req_state import ReqState
 
@@ -42,6 +42,8 @@ SHUTDOWN_TIMEOUT_S = 3.0
 
 _propagator = TraceContextTextMapPropagator()
 
+SpanAttributes = dict[str, AttributeValue]
+
 
 def _ns(seconds: float) -> int:
     return int(round(seconds * 1e9))
@@ -49,7 +51,7 @@ def _ns(seconds: float) -> int:
 
 def span_attributes(
     state: ReqState, model_name: str, operation: str = "generate"
-) -> dict[str, Any]:
+) -> SpanAttributes:
     """The SERVER span's attributes, from ``state.request_stats`` and the request itself.
 
     Keys that have no value are left out rather than set to a placeholder: ``seed`` when
@@ -61,7 +63,15 @@ def span_attributes(
     sampling keys, ``gen_ai.request.stream`` and ``gen_ai.usage.output_tokens`` are left out
     too.
     """
-    attrs: dict[str, Any] = {
+    attrs = _request_attributes(state, model_name, operation)
+    if state.request_stats is not None:  # None: never sent (the manager drops such rows anyway)
+        attrs.update(_stats_attributes(state, state.request_stats))
+    return attrs
+
+
+def _request_attributes(state: ReqState, model_name: str, operation: str) -> SpanAttributes:
+    """The attributes of the request itself: what it asked, and how it finished."""
+    attrs: SpanAttributes = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": PROVIDER_NAME,
         "gen_ai.request.model": model_name,
@@ -88,10 +98,12 @@ def span_attributes(
         attrs["gen_ai.usage.output_tokens"] = state.completion_tokens
     if state.first_token_time is not None:
         attrs["gen_ai.response.time_to_first_chunk"] = state.first_token_time - state.created_time
+    return attrs
 
-    stats = state.request_stats
-    if stats is None:  # never sent by the scheduler (the manager drops such rows anyway)
-        return attrs
+
+def _stats_attributes(state: ReqState, stats: RequestOutputStats) -> SpanAttributes:
+    """The attributes of the scheduler's numbers, from ``state.request_stats``."""
+    attrs: SpanAttributes = {}
     attrs["gen_ai.usage.input_tokens"] = stats.prompt_tokens
     attrs["gen_ai.usage.cache_read.input_tokens"] = stats.cached_tokens
     attrs["tokenpipe.num_retractions"] = stats.num_retractions
