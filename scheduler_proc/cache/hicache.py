@@ -50,7 +50,13 @@ from safetensors.torch import load_file, save_file
 from pipeline.config import storage_dir_problem
 from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl, HiCacheStorageState
 from scheduler_proc.cache.kv_pool import KVPool
-from scheduler_proc.cache.radix_cache import RadixCache, RadixNode, StorageRef, common_prefix_len
+from scheduler_proc.cache.radix_cache import (
+    DeviceOnly,
+    RadixCache,
+    RadixNode,
+    StorageRef,
+    common_prefix_len,
+)
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
@@ -96,15 +102,29 @@ def apply_storage_control(
             error = exc
     else:
         hicache.detach_storage()
-    storage = hicache.storage if hicache is not None else None
+    storage = hicache.storage if hicache is not None else NoStorage()
     return HiCacheStorageState(
         control_id=msg.control_id,
         ok=error is None,
         error=str(error) if error is not None else "",
         param=error.param if error is not None else None,
-        backend=storage.backend if storage is not None else None,
-        dir=str(storage.dir) if storage is not None else None,
+        backend=storage.backend,
+        dir=str(storage.dir) if storage.attached else None,
     )
+
+
+class NoStorage:
+    """The storage tier while none is attached: it stores and finds nothing."""
+
+    attached = False
+    backend: str | None = None
+    dir: Path | None = None
+
+    def put(self, key: str, k: torch.Tensor, v: torch.Tensor) -> bool:
+        return False
+
+    def get(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
 
 
 class FileStorage:
@@ -113,6 +133,7 @@ class FileStorage:
     reader never sees half a file. ``index`` maps the keys present to their sizes; it is
     read from the directory at attach time and kept up to date by ``put``."""
 
+    attached = True
     backend = "file"
     SUFFIX = ".kv"
 
@@ -187,7 +208,7 @@ class HiCache:
         pin = kv.k.device.type == "cuda"  # page-locked host memory makes the copies async-capable
         self.kv = kv
         self.host = KVPool(layers, host_tokens, heads, dim, kv.k.dtype, "cpu", pin_memory=pin)
-        self.storage: FileStorage | None = None
+        self.storage: FileStorage | NoStorage = NoStorage()
         self.namespace = namespace
         self.cache: RadixCache | None = None
         self._host_nodes: set[RadixNode] = set()
@@ -203,7 +224,7 @@ class HiCache:
 
     @property
     def storage_backend(self) -> str | None:
-        return self.storage.backend if self.storage is not None else None
+        return self.storage.backend
 
     # --- storage attach / detach -----------------------------------------------------------
 
@@ -215,7 +236,7 @@ class HiCache:
                 f"unknown storage backend {backend!r}; this server supports: {', '.join(STORAGE_BACKENDS)}",
                 "backend",
             )
-        if self.storage is not None:
+        if self.storage.attached:
             if self.storage.backend == backend and str(self.storage.dir) == directory:
                 return
             raise StorageError(
@@ -232,7 +253,7 @@ class HiCache:
 
     def detach_storage(self) -> None:
         """Drops every storage node from the tree (their files stay on disk)."""
-        if self.storage is None:
+        if not self.storage.attached:
             return
         cache = self._cache()
         dropped = 0
@@ -250,7 +271,7 @@ class HiCache:
             self.storage.dir,
             dropped,
         )
-        self.storage = None
+        self.storage = NoStorage()
 
     # --- LowerTiers: what the radix tree calls ---------------------------------------------
 
@@ -327,7 +348,7 @@ class HiCache:
             self._cache().remove_subtree(node)  # frees its host slots (and its subtree's)
 
     def _write_storage(self, node: RadixNode, k: torch.Tensor, v: torch.Tensor) -> bool:
-        if self.storage is None:
+        if not self.storage.attached:  # before hashing the key
             return False
         key, start = self._key_of(node)
         if not self.storage.put(key, k, v):
@@ -396,7 +417,7 @@ class HiCache:
             else:
                 ref: StorageRef | None = node.storage
                 data = None
-                if ref is not None and self.storage is not None:
+                if ref is not None:
                     started = time.perf_counter()
                     data = files.get(ref.key)
                     if data is None:
@@ -466,7 +487,7 @@ class HiCache:
             assert r >= parent_rank, f"{node} is in a higher tier than its parent"
             assert (node in self._host_nodes) == (r == rank["host"])
             if r == rank["storage"]:
-                assert self.storage is not None, "a storage node while no storage is attached"
+                assert self.storage.attached, "a storage node while no storage is attached"
             if node.host_value is not None:
                 assert node.host_value.numel() == len(node)
                 host_used += len(node)
@@ -478,3 +499,21 @@ class HiCache:
     def _cache(self) -> RadixCache:
         assert self.cache is not None, "HiCache.bind(cache) first"
         return self.cache
+
+
+class NoHiCache(DeviceOnly):
+    """HiCache off: no tier below the device, so a prefix match never continues below it."""
+
+    storage_backend: str | None = None
+
+    def bind(self, cache: RadixCache) -> None:
+        pass
+
+    def match_below(self, node: RadixNode, token_ids: list[int], pos: int) -> list[RadixNode]:
+        return []
+
+    def fetch(self, path: list[RadixNode]) -> Fetched:
+        raise AssertionError("nothing to fetch: HiCache is off")
+
+    def install(self, fetched: Fetched, slots: torch.Tensor) -> RadixNode:
+        raise AssertionError("nothing to install: HiCache is off")

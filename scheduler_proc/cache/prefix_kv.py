@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler_proc.cache.hicache import Fetched, HiCache
+from scheduler_proc.cache.hicache import Fetched, HiCache, NoHiCache
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.radix_cache import Dropped, RadixCache, RadixNode
 from scheduler_proc.req import Req
@@ -20,14 +20,13 @@ from scheduler_proc.req import Req
 class PrefixKV:
     def __init__(self, kv: KVPool, hicache: HiCache | None = None) -> None:
         self.kv = kv
-        self.hicache = hicache
-        self.cache = RadixCache(kv, lower=hicache)
-        if hicache is not None:
-            hicache.bind(self.cache)
+        self.hicache: HiCache | NoHiCache = hicache or NoHiCache()  # the tiers below the device
+        self.cache = RadixCache(kv, lower=self.hicache)
+        self.hicache.bind(self.cache)
 
     @property
     def storage_backend(self) -> str | None:
-        return self.hicache.storage_backend if self.hicache is not None else None
+        return self.hicache.storage_backend
 
     def admit(
         self, req: Req, *, match: bool, budget: int, reserve: int
@@ -50,8 +49,7 @@ class PrefixKV:
             req.prefix_node = node
             req.kv_slots = cached
             req.num_computed = len(cached)
-            if hicache is not None:
-                lower = hicache.match_below(node, key, len(cached))
+            lower = hicache.match_below(node, key, len(cached))
         to_load = sum(len(node) for node in lower)
         take = min(len(fill) - req.num_computed - to_load, budget)
         if not self.fits(to_load + take, reserve):
@@ -59,16 +57,14 @@ class PrefixKV:
                 self.unlock(req)  # it holds only the cache's own slots so far
             return None
         fetched = None
-        if lower and hicache is not None:  # only HiCache finds nodes below the device match
+        if lower:  # only HiCache finds nodes below the device match
             fetched = hicache.fetch(lower)
             # Fewer tokens when a storage file could not be read: compute the rest.
             to_load = fetched.num_tokens
             take = min(len(fill) - req.num_computed - to_load, budget)
         slots = self.alloc(to_load + take)
         assert slots is not None, "fits() promised these slots"
-        if (
-            to_load and hicache is not None and fetched is not None
-        ):  # to_load > 0: something was fetched
+        if to_load and fetched is not None:  # to_load > 0: something was fetched
             held = req.kv_slots
             assert held is not None, "the match above set it"
             node = hicache.install(fetched, slots[:to_load])

@@ -117,10 +117,23 @@ class LowerTiers(Protocol):
         ...
 
 
+class DeviceOnly:
+    """No tier below the device (HiCache off): an evicted node leaves the tree."""
+
+    def demote(self, node: RadixNode) -> bool:
+        return False
+
+    def release(self, node: RadixNode) -> None:
+        pass
+
+    def on_split(self, head: RadixNode, tail: RadixNode, at: int) -> None:
+        pass
+
+
 class RadixCache:
     def __init__(self, kv: KVPool, lower: LowerTiers | None = None) -> None:
         self.kv = kv
-        self.lower = lower
+        self.lower: LowerTiers = lower or DeviceOnly()
         self._clock = itertools.count(1)  # LRU time: a counter is enough and never ties by accident
         self._seq = itertools.count()  # heap tie-break, so nodes are never compared
         self._heap: list[tuple[float, int, RadixNode]] = []
@@ -265,8 +278,7 @@ class RadixCache:
         assert node.parent is self.root or node.parent.value is not None
         assert slots.numel() == len(node)
         node.value = slots.clone()
-        if self.lower is not None:
-            self.lower.release(node)
+        self.lower.release(node)
         self._evictable += len(node)
         self._push_if_evictable(node)
 
@@ -288,8 +300,7 @@ class RadixCache:
         child.value = None if value is None else value[at:]
         child.parent = head
         self._num_nodes += 1
-        if self.lower is not None:
-            self.lower.on_split(head, child, at)
+        self.lower.on_split(head, child, at)
         return head
 
     # --- eviction ------------------------------------------------------------------------
@@ -310,7 +321,7 @@ class RadixCache:
             self._evictable -= len(node)
             count += len(node)
             freed.append(node.value)
-            if self.lower is not None and self.lower.demote(node):
+            if self.lower.demote(node):
                 node.value = None  # stays in the tree, its KV one tier down
             else:
                 node.value = None
@@ -330,8 +341,7 @@ class RadixCache:
             n = stack.pop()
             assert n.value is None and n.lock_ref == 0
             stack.extend(n.children.values())
-            if self.lower is not None:
-                self.lower.release(n)
+            self.lower.release(n)
             n.parent = None
             self._num_nodes -= 1
 

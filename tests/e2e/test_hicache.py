@@ -21,7 +21,7 @@ import torch
 
 from pipeline.config import ServerConfig
 from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl
-from scheduler_proc.cache.hicache import HiCache
+from scheduler_proc.cache.hicache import FileStorage, HiCache
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.cache.radix_cache import RadixCache
@@ -192,7 +192,8 @@ def test_detach_drops_stored_prefixes_and_reattach_reuses_files(tmp_path: Path) 
     s.storage_control(
         HiCacheStorageControl(control_id=2, attach=True, backend="file", dir=str(tmp_path))
     )
-    assert s.hicache.storage is not None and set(s.hicache.storage.index) >= {f[:-3] for f in files}
+    storage = s.hicache.storage
+    assert isinstance(storage, FileStorage) and set(storage.index) >= {f[:-3] for f in files}
 
 
 # --- the radix tree with lower tiers, no model -----------------------------------------
@@ -270,7 +271,7 @@ def test_random_moves_keep_every_tokens_kv_exact(tmp_path: Path) -> None:
         elif op < 0.85:
             cache.evict(rng.randrange(1, 30))
         elif op < 0.9:
-            if hicache.storage is not None:
+            if hicache.storage.attached:
                 hicache.detach_storage()
             else:
                 hicache.attach_storage("file", str(tmp_path))
