@@ -80,7 +80,7 @@ class TokenizerManager:
         self._init_observers()
         self._init_sockets()
         self._init_owners()
-        self._dispatch = self._output_handlers()
+        self.dispatcher = self._output_handlers()
 
     def _init_model(self, vocab: LoadedTokenizer | ModelVocab, context_length: int) -> None:
         # None under --skip-tokenizer-init: the process then never loads one.
@@ -314,7 +314,7 @@ class TokenizerManager:
 
     def handle_output(self, frame: TokenizerManagerInput) -> None:
         """Applies one frame from the detokenizer, by its type (``_output_handlers``)."""
-        self._dispatch.dispatch(frame)
+        self.dispatcher.dispatch(frame)
 
     def _on_scheduler_report(self, frame: SchedulerStatsReport) -> None:
         last = self.last_scheduler_report

@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import get_args
 
 import msgspec
 import pytest
 import zmq
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import AbortReq, SamplingParams, SchedulerInput
+from pipeline.io_struct import AbortReq, SamplingParams, SchedulerInput, TokenizerManagerInput
 from pipeline.sockets import FrameDecoder
 from pipeline.tokenizer_loader import load_tokenizer
 from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.metrics import NoMetrics, ServiceMetrics
 from tokenizer_proc.tokenizer_manager import TokenizerManager
+from tokenizer_proc.tracers import NoTracer
 
 DUPLICATE = (
     r"^Duplicate request ID detected: same \(a request with rid 'same' is already running\)$"
@@ -109,3 +112,23 @@ def test_each_api_worker_has_its_own_endpoint_and_ids() -> None:
     ):
         with pytest.raises(ValueError, match="api-worker"):
             msgspec.structs.replace(config, **bad).validate()
+
+
+def test_the_manager_has_a_row_for_every_message_of_its_socket(tmp_path: Path) -> None:
+    table = _manager(tmp_path).dispatcher
+    assert table.message_types == frozenset(get_args(TokenizerManagerInput))
+
+
+def test_metrics_and_tracing_off_are_objects_that_do_nothing(tmp_path: Path) -> None:
+    """Off, each is still there (callers never test for None): NoMetrics renders an empty
+    /metrics and observes nothing, NoTracer records no span and has no exporter."""
+    config = ServerConfig(
+        scheduler_input=f"ipc://{tmp_path}/sched",
+        tokenizer_input=f"ipc://{tmp_path}/tm",
+        enable_metrics=False,
+    )
+    tm = TokenizerManager(config, load_tokenizer(None), context_length=2048)
+    assert isinstance(tm.metrics, NoMetrics) and tm.metrics.render() == b""
+    assert isinstance(tm.tracer, NoTracer)
+    on = _manager(tmp_path)
+    assert isinstance(on.metrics, ServiceMetrics) and isinstance(on.tracer, NoTracer)
