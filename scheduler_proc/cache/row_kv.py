@@ -75,6 +75,18 @@ class RowKVPass:
         return keys[: self.n].view(shape), values[: self.n].view(shape)
 
 
+class NoRowKV:
+    """No dense copy (``--decode-kv-rows off``, or a GPU by default): every decode pass reads
+    the pool."""
+
+    shape = (0, 0)
+
+    def prepare(
+        self, joined: np.ndarray, seq_len: np.ndarray, kv_slot_table: torch.Tensor, width: int
+    ) -> RowKVPass | None:
+        return None
+
+
 class RowKV:
     def __init__(self, pool: KVPool, budget_tokens: int) -> None:
         if budget_tokens < 1:

@@ -12,7 +12,7 @@ from pipeline.config import ServerConfig
 from pipeline.model_config import load_model_config
 from scheduler_proc.model.forward_batch import ForwardBatch, decode_key_columns
 from scheduler_proc.cache.kv_pool import KVPool
-from scheduler_proc.cache.row_kv import RowKV
+from scheduler_proc.cache.row_kv import NoRowKV, RowKV
 from scheduler_proc.model.host_memory import keep_freed_host_memory
 from scheduler_proc.model.llama import LlamaForCausalLM
 from scheduler_proc.model.weights import DTYPES
@@ -76,7 +76,7 @@ class ModelRunner:
             self.device,
         )
         budget = row_kv_budget(config, self.device)
-        self.row_kv = RowKV(self.kv, budget) if budget else None
+        self.row_kv: RowKV | NoRowKV = RowKV(self.kv, budget) if budget else NoRowKV()
 
     def extend(
         self,
@@ -104,11 +104,9 @@ class ModelRunner:
         token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``; the
         request in row b joined the batch as ``joined[b]`` (which says whether the dense KV
         copy's row b is still its). Returns last-token logits [B, V]."""
-        row_kv = None
-        if self.row_kv is not None:
-            row_kv = self.row_kv.prepare(
-                joined, seq_lens, kv_slot_table, decode_key_columns(kv_slot_table.shape[1])
-            )
+        row_kv = self.row_kv.prepare(
+            joined, seq_lens, kv_slot_table, decode_key_columns(kv_slot_table.shape[1])
+        )
         batch = ForwardBatch.decode(
             torch.from_numpy(last_tokens.astype(np.int64)),
             torch.from_numpy(seq_lens),

@@ -32,7 +32,7 @@ from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import read_output_logprobs
 from scheduler_proc.model.forward_batch import AttentionLayout, ForwardBatch, decode_key_columns
 from scheduler_proc.cache.kv_pool import KVPool
-from scheduler_proc.cache.row_kv import RowKV, _move_rows
+from scheduler_proc.cache.row_kv import NoRowKV, RowKV, _move_rows
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.model.attention import pool_attention
 from scheduler_proc.scheduler import Scheduler
@@ -121,7 +121,7 @@ def test_decode_through_the_copy_equals_decode_through_the_pool(
     off = build_scheduler(
         ServerConfig(max_total_tokens=pool, torch_threads=1, decode_kv_rows="off")
     )
-    assert off.runner.row_kv is None
+    assert isinstance(off.runner.row_kv, NoRowKV)
     expected = _run(off)
     assert [len(expected[i][0]) for i in range(len(expected))] == [
         r[1].max_new_tokens for r in _requests()
@@ -153,7 +153,7 @@ def test_decode_through_the_copy_equals_decode_through_the_pool(
 
 def test_the_copy_is_on_by_default_on_the_cpu_and_bounded_by_the_pool() -> None:
     s = build_scheduler(ServerConfig(max_total_tokens=512, torch_threads=1))
-    assert s.runner.row_kv is not None
+    assert isinstance(s.runner.row_kv, RowKV)
     pool = s.runner.kv
     row_kv = RowKV(pool, 512)
     table = torch.zeros((8, 70), dtype=torch.long)
