@@ -1,70 +1,21 @@
-"""Block diffusion decoding (``--mode dllm``, docs/design.md section 4).
+"""Block diffusion decoding (``--mode dllm``, docs/design.md section 4). A request prefills
+like any other, then decodes block by block: a block is ``block_size`` positions after its
+tokens, all starting as the mask token; each step runs one refinement pass over every running
+request (one batched forward in which the block attends both ways), unmasks the most
+confident positions, and after ``steps`` passes commits the block as one row.
 
-A dLLM request prefills its prompt like any other (chunked, from the prefix cache), then
-decodes block by block instead of token by token:
-
-- A block is ``block_size`` (B) positions right after the request's tokens, all starting as
-  the mask token. The mask is the tokenizer's EOS id (``<|endoftext|>``, id 0, for the
-  shipped tokenizer): the built-in model has no dedicated mask token, so the EOS embedding
-  stands in for "not unmasked yet". A model with a real mask token would set it here.
-- Each scheduler step runs one refinement pass: ONE batched forward over every running dLLM
-  request, each with its prefix KV from the pool, its last committed token (the anchor) and
-  its block's B positions, which attend to the whole prefix and to each other both ways
-  (``ForwardBatch.bidirectional_from``). As in diffusion models adapted from a causal LM
-  (Dream), the logits at position i predict token i + 1: the anchor's predict the block's
-  first position, block position j's predict position j + 1. So block size 1 with one step
-  is exactly greedy/sampled autoregressive decoding, which a test pins. Logits are taken
-  only at the rows that predict still-masked positions (``ModelRunner.logits_at``).
-- Unmasking: a candidate token per masked position by the sampler's rules (``sample``:
-  argmax at temperature 0; otherwise bias, penalties, temperature and cuts, then a draw
-  whose counter is ``draw_counter(len(output_ids) + position, pass)``, so a seeded request
-  is reproducible whatever it is batched with, and a restarted block draws the same numbers
-  again; an output index below min_new_tokens draws no stop token or EOS, as in generate
-  mode). Its confidence is the model's softmax probability of that token. Pass p of
-  ``steps`` (S) commits the ``B // S + (p < B % S)`` most confident masked positions (ties
-  go to the earlier position); the last pass commits all that remain.
-- After the S-th pass the block is committed: its tokens are appended one by one through
-  ``StopChecker`` (so EOS, stop tokens and stop strings cut the block right after the match,
-  and max_new_tokens truncates the last block) and the block becomes one output row.
-
-KV invariant: the pool holds for committed tokens the *causal* KV that a prefill of the same
-tokens computes (up to float rounding, as a decode step's KV is). The block's B slots are
-rewritten by every pass, and after the last pass they hold the keys of the tokens as they
-were before its unmasking, so they are freed at commit; the next block's first pass
-recomputes the committed tokens causally (they ride in front of the new masks in the same
-forward: "recompute when the next block starts", no extra pass) and only then are they part
-of ``Req.kv_slots``. The anchor is rewritten by every pass with the causal KV it already
-had (it never attends to the block). Hence a retraction's re-prefill, a prefix-cache hit and
-the block path give the same keys, and a retracted request simply re-prefills prompt +
-committed tokens and restarts its block. A block's slots never enter the prefix cache.
-
-Stats: after a block is committed and the request goes on, ``cached_tokens`` (and its
-device count) is set through ``Req.update_stats`` to prompt + committed tokens: the prefix
-whose KV the next block's passes reuse rather than run again with the block (the block just
-committed gets its final KV from the next block's first pass; the rest is already in the
-pool). The epoch bump
-makes the block's row carry the new value. The last block changes nothing (no block
-follows); its row carries stats because it is finished.
-
-Rows: a streaming request emits one row per committed block (the block is the unit of
-streaming, whatever the stream interval); a non-streaming one emits only its finished row.
-
-Logprobs (docs/design.md section 11): a committed token's are those of the pass that committed it,
-the raw log-softmax of that pass's logits at its position (before bias, penalties,
-temperature and cuts; the confidence that chose it is not part of them). Each pass computes
-them in one batched ``span_logprobs`` over the positions it commits of the requests that
-asked (nothing when none asked), and the block keeps them by position
-(``BlockLogprobs``); at commit those of the appended tokens, in output order, join the
-request's pending logprobs, so the block's row carries one entry per token. A block that is
-dropped (retraction) drops its logprobs with it: its tokens were never sent, and the
-restarted block computes them again. Prompt logprobs come from the prefill, as in generate
-mode.
+KV invariant: the pool holds for committed tokens the *causal* KV a prefill of the same tokens
+computes. A block's slots are rewritten by every pass and freed at commit; the next block's
+first pass recomputes the committed tokens causally in front of its masks, and only then are
+they in ``Req.kv_slots``. Hence a re-prefill after a retraction, a prefix-cache hit and the
+block path give the same keys, a retracted request re-prefills its prompt and committed
+tokens and restarts its block, and a block's slots never enter the prefix cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -72,6 +23,7 @@ import torch
 from pipeline.io_struct import CachedTokensDetails
 from scheduler_proc.dllm_block import Block, BlockLogprobs
 from scheduler_proc.model.runner import ModelRunner
+from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
 from scheduler_proc.sampling.logprobs import span_logprobs
@@ -80,12 +32,44 @@ from scheduler_proc.stop_checker import StopChecker
 
 @dataclass(frozen=True)
 class DllmConfig:
+    """The mask token is a stand-in for "not unmasked yet": the built-in model has none of its
+    own, so ``scheduler_proc.main.dllm_config`` takes the lowest EOS id (``<|endoftext|>``);
+    a model with a real mask token would set it here."""
+
     block_size: int
     steps: int
     mask_token_id: int
 
 
+@dataclass
+class _Pass:
+    """One refinement pass being built: per request its new tokens (the head, then the
+    block), its prefix's and new tokens' slots, where its block starts, and the slots of
+    committed tokens it recomputes; flat over the masked positions of all blocks, the row
+    of ``logits_at`` that predicts each, its request, output index and draw counter."""
+
+    new_ids: list[list[int]] = field(default_factory=list)
+    prefixes: list[torch.Tensor] = field(default_factory=list)
+    new_slots: list[torch.Tensor] = field(default_factory=list)
+    block_start: list[int] = field(default_factory=list)
+    fresh_slots: list[torch.Tensor | None] = field(default_factory=list)
+    masked: list[list[int]] = field(default_factory=list)
+    rows_of_masked: list[int] = field(default_factory=list)
+    owners: list[Req] = field(default_factory=list)
+    out_lens: list[int] = field(default_factory=list)
+    counters: list[np.uint64] = field(default_factory=list)
+    offset: int = 0
+
+
 class DllmDecoder:
+    """The scheduler's ``DecodeMode`` in ``--mode dllm``: its running requests are a list,
+    each refining the block it holds (``Req.dllm_block``)."""
+
+    samples_first_token = False  # the first block's passes pick the first tokens
+    output_slots_note = " in whole blocks"
+    # A pass commits positions of a block out of order; a grammar reads left to right.
+    constraint_refusal: str | None = "structured outputs are not supported in --mode dllm"
+
     def __init__(
         self,
         config: DllmConfig,
@@ -99,6 +83,14 @@ class DllmDecoder:
         self.stop_checker = stop_checker
         self.context_length = context_length
         self._alloc = alloc
+        self._running: list[Req] = []
+
+    @property
+    def running(self) -> list[Req]:
+        return self._running
+
+    def note_sent(self, req: Req) -> None:
+        pass  # a block's row carries all it has
 
     # --- KV accounting -------------------------------------------------------------------
 
@@ -107,6 +99,9 @@ class DllmDecoder:
         the output stops short of it."""
         b = self.config.block_size
         return -(-max_new_tokens // b) * b
+
+    def demand(self) -> int:
+        return sum(self.slots_needed(r) for r in self._running)
 
     def slots_needed(self, req: Req) -> int:
         """New pool slots the request's next pass takes: at a block's start the committed
@@ -118,7 +113,7 @@ class DllmDecoder:
     def drop_block(self, req: Req) -> None:
         """Drops the block in progress (retraction: it restarts later, drawing what it drew
         before, as the draws' counters depend on the output length and the pass only;
-        finish; abort)."""
+        finish; abort). A dropped block's logprobs go with it: its tokens were never sent."""
         if req.dllm_block is not None:
             self._free(req)
 
@@ -132,91 +127,28 @@ class DllmDecoder:
 
     # --- one refinement pass -------------------------------------------------------------
 
-    def step(self, reqs: Sequence[Req], rows: list[Req]) -> tuple[list[Req], int]:
-        """One batched pass over ``reqs`` (every running request; the caller has made room
-        for ``slots_needed`` of each). Queues due rows; returns the requests that keep
-        running and the number of tokens committed."""
-        new_ids: list[list[int]] = []
-        prefixes: list[torch.Tensor] = []
-        new_slots: list[torch.Tensor] = []
-        block_start: list[int] = []
-        fresh_slots: list[
-            torch.Tensor | None
-        ] = []  # per request: slots of committed tokens recomputed
-        masked: list[list[int]] = []  # per request: its masked block positions
-        rows_of_masked: list[int] = []  # the rows predicting them among the pass's new tokens, flat
-        owners: list[Req] = []  # and their requests
-        out_lens: list[int] = []  # and their output indices
-        counters: list[np.uint64] = []  # and their draws' counters
-        offset = 0
+    def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
+        """One batched pass over every running request (the caller has made room for
+        ``slots_needed`` of each). Queues due rows, keeps running the requests that go on;
+        returns no steady rows and the number of tokens committed."""
+        reqs = self._running
+        built = _Pass()
         for req in reqs:
-            kv_slots = req.kv_slots
-            assert kv_slots is not None
-            block, fresh = req.dllm_block, None
-            if block is None:
-                # A block starts: committed tokens without final KV are recomputed in front.
-                size, stale = self._block_size(req), req.seq_len - req.num_computed
-                slots = self._alloc(stale + size)
-                assert slots is not None, "the scheduler made room for every block"
-                fresh = slots[:stale]
-                block = req.dllm_block = Block(
-                    size, self.config.mask_token_id, slots[stale:], req.logprob
-                )
-            # The head: tokens before the block that this pass writes. At least the anchor
-            # (the last committed token, rewritten with the causal KV it already had), as
-            # its hidden state predicts the block's first position.
-            start = min(req.num_computed, req.seq_len - 1)
-            head = _tokens_from(req, start)
-            head_slots = kv_slots[start:] if fresh is None else torch.cat((kv_slots[start:], fresh))
-            new_ids.append(head + block.tokens)
-            prefixes.append(kv_slots[:start])
-            new_slots.append(torch.cat((head_slots, block.slots)))
-            block_start.append(req.seq_len)
-            fresh_slots.append(fresh)
-            positions = block.masked_positions()
-            masked.append(positions)
-            anchor_row = offset + len(head) - 1
-            rows_of_masked.extend(anchor_row + j for j in positions)
-            owners.extend([req] * len(positions))
-            emitted = len(req.output_ids)
-            out_lens.extend(emitted + j for j in positions)
-            counters.extend(draw_counter(emitted + j, block.passes) for j in positions)
-            offset += len(head) + len(block.tokens)
-
+            self._add_to_pass(built, req)
         logits = self.runner.logits_at(
-            new_ids,
-            prefixes,
-            new_slots,
-            torch.tensor(rows_of_masked, dtype=torch.long),
-            block_start,
+            built.new_ids,
+            built.prefixes,
+            built.new_slots,
+            torch.tensor(built.rows_of_masked, dtype=torch.long),
+            built.block_start,
         )
-        params = [r.sampling for r in owners]
-        cols = SamplingColumns.from_requests(
-            params,
-            [r.seed for r in owners],
-            counters,
-            [r.origin_input_ids for r in owners],
-            [r.output_ids for r in owners],
-            logits.shape[-1],
-            logits.device,
-            self.stop_checker.min_new_bans_of(params, out_lens),
-        )
-        drawn = self.runner.sample(logits, cols)
-        picked = torch.from_numpy(drawn).to(logits.device).unsqueeze(1)
-        confidence = torch.softmax(logits, dim=-1).gather(1, picked).squeeze(1).tolist()
+        drawn, confidence = self._draw(logits, built)
         candidates = drawn.tolist()
-
-        lp_rows: list[
-            int
-        ] = []  # rows of ``logits`` whose positions this pass commits, of requests that asked
-        lp_where: list[
-            tuple[BlockLogprobs, list[int]]
-        ] = []  # per such request: those positions, in that order
+        lp_rows: list[int] = []  # rows of ``logits`` committed now, of requests that asked
+        lp_where: list[tuple[BlockLogprobs, list[int]]] = []  # and their positions, by request
         first = 0
-        for req, fresh, positions in zip(reqs, fresh_slots, masked):
-            if (
-                fresh is not None and fresh.numel()
-            ):  # their KV is final now: they join the request's KV
+        for req, fresh, positions in zip(reqs, built.fresh_slots, built.masked):
+            if fresh is not None and fresh.numel():  # their KV is final now: the request's
                 held = req.kv_slots
                 assert held is not None
                 req.kv_slots = torch.cat((held, fresh))
@@ -229,30 +161,75 @@ class DllmDecoder:
                 lp_where.append((block.logprobs, [positions[i] for i in chosen]))
             first = last
         if lp_rows:
-            index = np.array(lp_rows, dtype=np.int64)
-            spans = [(kept.ask, len(where)) for kept, where in lp_where]
-            for (kept, where), part in zip(
-                lp_where, span_logprobs(logits, index, drawn[index], spans)
-            ):
-                kept.keep(where, part)
+            _keep_logprobs(logits, drawn, lp_rows, lp_where)
+        return None, self._commit_completed(rows)
 
-        still_running: list[Req] = []
-        committed = 0
-        for req in reqs:
-            if _block_of(req).passes < self.config.steps:
-                still_running.append(req)
-                continue
-            committed += self._commit(req, rows)
-            if not req.finished:
-                still_running.append(req)
-        return still_running, committed
+    def _add_to_pass(self, built: _Pass, req: Req) -> None:
+        """Adds ``req`` to the pass, starting its block when it has none. Its head (the
+        tokens before the block that the pass writes) is at least the anchor, the last
+        committed token, rewritten with the causal KV it already had (it never attends to
+        the block). As in diffusion models adapted from a causal LM (Dream), the logits at
+        position i predict token i + 1: the anchor's predict the block's first position, so
+        a block of one position and one pass is exactly autoregressive decoding."""
+        kv_slots = req.kv_slots
+        assert kv_slots is not None
+        block, fresh = req.dllm_block, None
+        if block is None:
+            # A block starts: committed tokens without final KV are recomputed in front.
+            size, stale = self._block_size(req), req.seq_len - req.num_computed
+            slots = self._alloc(stale + size)
+            assert slots is not None, "the scheduler made room for every block"
+            fresh = slots[:stale]
+            mask = self.config.mask_token_id
+            block = req.dllm_block = Block(size, mask, slots[stale:], req.logprob)
+        start = min(req.num_computed, req.seq_len - 1)
+        head = _tokens_from(req, start)
+        head_slots = kv_slots[start:] if fresh is None else torch.cat((kv_slots[start:], fresh))
+        built.new_ids.append(head + block.tokens)
+        built.prefixes.append(kv_slots[:start])
+        built.new_slots.append(torch.cat((head_slots, block.slots)))
+        built.block_start.append(req.seq_len)
+        built.fresh_slots.append(fresh)
+        positions = block.masked_positions()
+        built.masked.append(positions)
+        anchor_row = built.offset + len(head) - 1
+        built.rows_of_masked.extend(anchor_row + j for j in positions)
+        built.owners.extend([req] * len(positions))
+        emitted = len(req.output_ids)
+        built.out_lens.extend(emitted + j for j in positions)
+        built.counters.extend(draw_counter(emitted + j, block.passes) for j in positions)
+        built.offset += len(head) + len(block.tokens)
+
+    def _draw(self, logits: torch.Tensor, built: _Pass) -> tuple[np.ndarray, list[float]]:
+        """A candidate token per masked position by the sampler's rules (argmax at
+        temperature 0; otherwise bias, penalties, temperature and cuts, then a draw whose
+        counter is ``draw_counter(len(output_ids) + position, pass)``, so a seeded request is
+        reproducible whatever it is batched with, and a restarted block draws the same numbers
+        again; an output index below min_new_tokens draws no stop token or EOS), and its
+        confidence: the model's softmax probability of that token."""
+        owners = built.owners
+        params = [r.sampling for r in owners]
+        cols = SamplingColumns.from_requests(
+            params,
+            [r.seed for r in owners],
+            built.counters,
+            [r.origin_input_ids for r in owners],
+            [r.output_ids for r in owners],
+            logits.shape[-1],
+            logits.device,
+            self.stop_checker.min_new_bans_of(params, built.out_lens),
+        )
+        drawn = self.runner.sample(logits, cols)
+        picked = torch.from_numpy(drawn).to(logits.device).unsqueeze(1)
+        confidence = torch.softmax(logits, dim=-1).gather(1, picked).squeeze(1).tolist()
+        return drawn, confidence
 
     def _unmask(
         self, block: Block, positions: list[int], candidates: list[int], confidence: list[float]
     ) -> list[int]:
-        """Commits this pass's share of the masked positions: the most confident ones
-        (ties to the earlier position), and all that remain on the last pass. Returns the
-        indices into ``positions`` it committed."""
+        """Commits this pass's share of the masked positions: pass p of ``steps`` (S) takes
+        the ``B // S + (p < B % S)`` most confident (ties to the earlier position), and the
+        last pass all that remain. Returns the indices into ``positions`` it committed."""
         steps, p, size = self.config.steps, block.passes, len(block.tokens)
         take = size // steps + (p < size % steps) if p < steps - 1 else size
         best = sorted(range(len(positions)), key=lambda i: (-confidence[i], positions[i]))[:take]
@@ -262,9 +239,30 @@ class DllmDecoder:
         block.passes += 1
         return best
 
+    def _commit_completed(self, rows: list[Req]) -> int:
+        """Commits the blocks that had their last pass; the running list keeps the requests
+        that go on. Returns the number of tokens committed."""
+        still_running: list[Req] = []
+        committed = 0
+        for req in self._running:
+            if _block_of(req).passes < self.config.steps:
+                still_running.append(req)
+                continue
+            committed += self._commit(req, rows)
+            if not req.finished:
+                still_running.append(req)
+        self._running[:] = still_running
+        return committed
+
     def _commit(self, req: Req, rows: list[Req]) -> int:
-        """Appends the block's tokens through the stop checks, queues the row, frees the
-        block's slots; returns the number of tokens appended."""
+        """Appends the block's tokens through the stop checks (EOS, stop tokens and stop
+        strings cut the block right after the match; max_new_tokens truncates the last
+        block), frees the block's slots and queues its row; returns the tokens appended.
+
+        A streaming request emits one row per block, whatever the stream interval. When the
+        request goes on, ``cached_tokens`` becomes prompt + committed tokens (the prefix the
+        next block's passes reuse), through the stats setter, so the block's row carries it.
+        """
         block = _block_of(req)
         tokens = block.tokens
         self._free(req)
@@ -287,6 +285,22 @@ class DllmDecoder:
         if req.finished or req.stream:
             rows.append(req)
         return appended
+
+
+def _keep_logprobs(
+    logits: torch.Tensor,
+    drawn: np.ndarray,
+    lp_rows: list[int],
+    lp_where: list[tuple[BlockLogprobs, list[int]]],
+) -> None:
+    """A committed token's logprobs (docs/design.md section 11) are the raw log-softmax of
+    the logits of the pass that committed it (not the confidence that chose it): one batched
+    ``span_logprobs`` over those positions, kept on each block by position until its commit
+    hands those of the appended tokens to the request's pending logprobs."""
+    index = np.array(lp_rows, dtype=np.int64)
+    spans = [(kept.ask, len(where)) for kept, where in lp_where]
+    for (kept, where), part in zip(lp_where, span_logprobs(logits, index, drawn[index], spans)):
+        kept.keep(where, part)
 
 
 def _tokens_from(req: Req, start: int) -> list[int]:

@@ -3,13 +3,12 @@ outputs): while it waits for its grammar, outside the waiting queue and the runn
 so a compile never stalls a step and other requests keep decoding; and when a token is
 appended to it one request at a time (``accept_appended``).
 
-A constrained request that passed admission checks comes here first (``start``). A cached
-grammar gives it its matcher at once; otherwise its compile starts on the compiler's worker
-thread and the request waits here. Each step, ``take`` looks at the finished compiles
-without blocking: a compiled request gets its matcher and its wait in
-``SchedulerTimeStats.grammar_wait`` (through the stats setter) and goes on to the waiting
-queue; an invalid spec finishes it with a 400 that names the field it came from, before
-any token.
+A constrained request that passed admission comes here first (``start``): a cached grammar
+gives it its matcher at once, else its compile starts on the compiler's worker thread and
+it waits here. Each step, ``take`` looks at the finished compiles without blocking: a
+compiled request gets its matcher and its wait in ``SchedulerTimeStats.grammar_wait`` and
+goes on to the waiting queue; an invalid spec finishes it with a 400 that names its field.
+Without a compiler (no tokenizer) the queue stays empty, and admission refuses constraints.
 """
 
 from __future__ import annotations
@@ -41,9 +40,16 @@ class _Waiting:
 
 
 class GrammarQueue:
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self.compiler = compiler
+    def __init__(self, compiler: GrammarCompiler | None) -> None:
+        self.compiler = compiler  # None: structured outputs are off (no tokenizer)
         self._waiting: list[_Waiting] = []  # in arrival order
+        # Why admission refuses a constrained request here (None: it does not).
+        self.refusal = (
+            None
+            if compiler is not None
+            else "structured outputs need a tokenizer, and this server runs with "
+            "--skip-tokenizer-init"
+        )
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -51,12 +57,12 @@ class GrammarQueue:
     def start(self, req: Req, now: float) -> bool:
         """Gives a constrained request its matcher from the cache (or, for a spec known to
         be invalid, its 400), or starts its compile: True when it must wait here."""
-        constraint = req.constraint
-        assert constraint is not None
+        constraint, compiler = req.constraint, self.compiler
+        assert constraint is not None and compiler is not None, "admission refuses it"
         key = (constraint.kind, constraint.spec)
-        outcome = self.compiler.lookup(key)
+        outcome = compiler.lookup(key)
         if outcome is None:
-            self._waiting.append(_Waiting(req, key, self.compiler.submit(key), now))
+            self._waiting.append(_Waiting(req, key, compiler.submit(key), now))
             return True
         _settle(req, outcome, now)
         return False
@@ -77,9 +83,11 @@ class GrammarQueue:
         if not done:
             return []
         self._waiting = still
+        compiler = self.compiler
+        assert compiler is not None, "only a compiler fills the queue"
         for w in done:
             try:
-                outcome = self.compiler.settle(w.key, w.future)
+                outcome = compiler.settle(w.key, w.future)
             except Exception as exc:  # a fault of the engine, not a bad spec: not cached
                 logger.exception(
                     "compiling the grammar of req_id=%d rid=%s failed", w.req.req_id, w.req.rid
@@ -95,6 +103,11 @@ class GrammarQueue:
             w.req.update_time_stats(grammar_wait=now - w.since)
             _settle(w.req, outcome, now)
         return [w.req for w in done]
+
+    def close(self) -> None:
+        """Stops the compiler's worker (a compile under way is left to finish)."""
+        if self.compiler is not None:
+            self.compiler.close()
 
     def remove(self, req: Req) -> bool:
         """Forgets an aborted request (its compile goes on and is cached for the next)."""

@@ -119,6 +119,14 @@ class Req:
         self.stream = stream
         self.stream_interval = sampling.stream_interval or stream_interval
         self.arrival_time = arrival_time
+        self.is_embedding = is_embedding
+        self._init_progress()
+        self._init_draws(logprob, constraint)
+        self._init_features()
+        self._init_stats(media, collect_time_stats, stats_pending)
+
+    def _init_progress(self) -> None:
+        """Nothing generated, sent or computed yet."""
         self.output_ids: list[int] = []
         self.num_sent_tokens = 0
         self.finished_reason: FinishReason | None = None
@@ -126,9 +134,18 @@ class Req:
         self.kv_slots: torch.Tensor | None = None
         self.num_computed = 0
         self.prefix_node: PrefixNode | None = None  # radix-cache node locked for this request
-        # The seed of every draw (docs/design.md section 10): the client's, or a random one fixed at
-        # arrival, so an unseeded request takes the same counter-based path as a seeded one.
-        # Any integer a client sends is a seed: the draws read its low 64 bits.
+        self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
+        self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
+        self._decode_options_sent = False
+        self._queue_stay_open = False  # between enter_waiting_queue and leaving the queue
+
+    def _init_draws(self, logprob: LogprobParams | None, constraint: Constraint | None) -> None:
+        """What each draw needs: its seed, the logprobs asked and the constraint."""
+        # The seed of every draw (docs/design.md section 10): the client's, or a random one
+        # fixed at arrival, so an unseeded request takes the same counter-based path as a
+        # seeded one. Any integer a client sends is a seed: the draws read its low 64 bits.
+        seed = self.sampling.seed
+        self.seed = (seed if seed is not None else random.getrandbits(64)) & _SEED_MASK
         # Logprobs asked (None: none), and those of generated tokens not yet in a row (while
         # the request is in the running batch, its row holds them: running_batch.py).
         self.logprob: LogprobParams | None = logprob
@@ -138,26 +155,26 @@ class Req:
         # predicting position to compute (None: none asked, or all computed).
         self.prompt_logprobs: list[TokenLogprobs] = []
         start = logprob.logprob_start_len if logprob is not None else -1
+        first = max(start, 1)
         self.prompt_logprobs_next: int | None = (
-            max(start, 1) - 1 if 0 <= start and max(start, 1) < len(input_ids) else None
+            first - 1 if 0 <= start and first < len(self.origin_input_ids) else None
         )
-        self.seed = (
-            sampling.seed if sampling.seed is not None else random.getrandbits(64)
-        ) & _SEED_MASK
-        self.is_embedding = is_embedding
-        self.admitted_once = False  # the prefix-cache hit is counted at the first admission only
-        self.cached_by_tier = (0, 0, 0)  # of cached_tokens: (device, host, storage) hits
-        self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
-        self.dllm_block: Block | None = None  # --mode dllm: the block being refined
-        self.pd: PdState = None  # its part in PD disaggregation (pd_state.py)
         # Structured output: what the output must spell, and once its grammar is compiled
         # the matcher, which has accepted exactly ``output_ids`` (a re-prefill accepts
         # nothing again; scheduler_proc/sampling/grammar.py).
         self.constraint = constraint
         self.matcher: xgrammar.GrammarMatcher | None = None
-        self._decode_options_sent = False
-        self._queue_stay_open = False  # between enter_waiting_queue and leaving the queue
 
+    def _init_features(self) -> None:
+        """The state a mode or a role keeps on the request, empty until it sets it."""
+        self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
+        self.dllm_block: Block | None = None  # --mode dllm: the block being refined
+        self.pd: PdState = None  # its part in PD disaggregation (pd_state.py)
+
+    def _init_stats(
+        self, media: tuple[MediaItem, ...], collect_time_stats: bool, stats_pending: StatsPending
+    ) -> None:
+        """Its first stats, due with its first output."""
         self.stats_epoch = 0
         self.request_stats_retraction_count: int | None = None
         self._stats_epoch_sent: int | None = None
@@ -165,7 +182,7 @@ class Req:
         for item in media:
             counts[item.kind] += item.num_tokens
         self._stats = RequestOutputStats(
-            prompt_tokens=len(input_ids),
+            prompt_tokens=len(self.origin_input_ids),
             image_tokens=counts["image"],
             audio_tokens=counts["audio"],
             video_tokens=counts["video"],

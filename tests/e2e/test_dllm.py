@@ -290,14 +290,14 @@ def test_retraction_restarts_the_block_and_leaks_nothing() -> None:
 
     s = make(pool=300, steps=3)
     mid_block = 0
-    drop = s.dllm.drop_block  # type: ignore[union-attr]
+    drop = s.mode.drop_block
 
     def counting_drop(req: Req) -> None:
         nonlocal mid_block
         mid_block += req.dllm_block is not None and not req.finished
         drop(req)
 
-    s.dllm.drop_block = counting_drop  # type: ignore[union-attr,method-assign]
+    s.mode.drop_block = counting_drop  # type: ignore[method-assign]
     rows = run_all(s)
     assert mid_block > 0, "some retraction should hit a block in progress"
     assert s.num_retracted_total > 0

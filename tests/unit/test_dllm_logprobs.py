@@ -220,7 +220,7 @@ def test_each_committed_token_has_the_logprobs_of_the_pass_that_committed_it(
     dropped_with_logprobs = (
         0  # blocks dropped mid-way (retraction) holding committed positions' logprobs
     )
-    drop = s.dllm.drop_block  # type: ignore[union-attr]
+    drop = s.mode.drop_block
 
     def counting_drop(req: Req) -> None:
         nonlocal dropped_with_logprobs
@@ -230,7 +230,7 @@ def test_each_committed_token_has_the_logprobs_of_the_pass_that_committed_it(
         )
         drop(req)
 
-    s.dllm.drop_block = counting_drop  # type: ignore[union-attr,method-assign]
+    s.mode.drop_block = counting_drop  # type: ignore[method-assign]
     dllm_module.span_logprobs = counting  # type: ignore[assignment]
     try:
         # One arrival per step, so that passes mix block starts and blocks mid-way.

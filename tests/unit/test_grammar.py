@@ -631,7 +631,7 @@ def test_no_mask_work_while_no_running_row_is_constrained(monkeypatch: pytest.Mo
 
 def test_without_a_tokenizer_a_constrained_request_is_refused_with_a_400_naming_the_flag() -> None:
     s = make(skip_tokenizer_init=True)
-    assert s.grammars is None
+    assert s.grammars.compiler is None
     submit(s, 1, constraint("regex", param="sampling_params.regex"), sampling(1))
     finish = run(s)[1].finish
     assert isinstance(finish, FinishAbort) and finish.status_code == 400

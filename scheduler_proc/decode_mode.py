@@ -1,0 +1,86 @@
+"""How the running requests decode, one object per ``--mode``: ``TokenDecode`` (generate and
+embedding: one token per request per step, as column work on the ``RunningBatch``) or
+``dllm.DllmDecoder`` (block diffusion: a request list refined block by block). The
+scheduler calls its ``DecodeMode`` the same way in every mode and never asks which it holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from scheduler_proc.batch.decode_pass import BatchDecoder
+from scheduler_proc.batch.running_batch import RunningBatch
+from scheduler_proc.output_builder import SteadyRows
+from scheduler_proc.req import Req
+
+
+class DecodeMode(Protocol):
+    # Whether the logits of a completed prefill pick the request's first token.
+    samples_first_token: bool
+    # What admission says of max_new_tokens when the output does not fit the pool.
+    output_slots_note: str
+    # Why a constrained request is refused in this mode (None: grammars may run here).
+    constraint_refusal: str | None
+
+    @property
+    def running(self) -> RunningBatch | list[Req]:
+        """The running requests, which the scheduler extends and removes from."""
+
+    def demand(self) -> int:
+        """Pool slots the next step takes (the scheduler retracts until they fit)."""
+
+    def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
+        """One decode pass over every running request: queues the rows with an event in
+        ``rows``, drops the finished ones from ``running``; returns the other due rows as
+        columns and the number of tokens it added to outputs."""
+
+    def note_sent(self, req: Req) -> None:
+        """An event row of this running request went out."""
+
+    def drop_block(self, req: Req) -> None:
+        """Forgets work in progress that is not in ``req.kv_slots`` (its KV is released)."""
+
+    def peak_output_slots(self, max_new_tokens: int) -> int:
+        """KV slots the output may take at its peak."""
+
+
+class TokenDecode:
+    """Generate and embedding modes: one token per running request per step."""
+
+    samples_first_token = True
+    output_slots_note = ""
+    constraint_refusal: str | None = None
+
+    def __init__(
+        self,
+        decoder: BatchDecoder,
+        batch: RunningBatch,
+        alloc: Callable[[int], torch.Tensor | None],
+    ) -> None:
+        self._decoder = decoder
+        self._batch = batch
+        self._alloc = alloc
+
+    @property
+    def running(self) -> RunningBatch:
+        return self._batch
+
+    def demand(self) -> int:
+        return len(self._batch)
+
+    def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
+        slots = self._alloc(len(self._batch))
+        assert slots is not None, "retraction left too few KV slots"
+        return self._decoder.step(self._batch, slots, rows), len(slots)
+
+    def note_sent(self, req: Req) -> None:
+        if req in self._batch:
+            self._batch.note_sent(req)
+
+    def drop_block(self, req: Req) -> None:
+        pass  # a token's KV is in the request's slots as soon as it is decoded
+
+    def peak_output_slots(self, max_new_tokens: int) -> int:
+        return max_new_tokens
