@@ -21,7 +21,8 @@ import torch
 
 from pipeline.config import ServerConfig
 from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl
-from scheduler_proc.cache.hicache import FileStorage, HiCache
+from scheduler_proc.cache.hicache import HiCache
+from scheduler_proc.cache.kv_storage import FileStorage
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.cache.radix_cache import RadixCache
