@@ -102,7 +102,8 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     for row in report["rows"]:
         lines.append(
-            f"{row['family']:>8}{row['batch_size']:>7d}{row['ms_per_step']:>10.3f}{row['fwd_ms']:>10.3f}"
+            f"{row['family']:>8}{row['batch_size']:>7d}"
+            f"{row['ms_per_step']:>10.3f}{row['fwd_ms']:>10.3f}"
             f"{row['tokens_per_s']:>11.1f}{row['vs_llama']:>9.3f}x"
         )
     return "\n".join(lines)

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import uvloop
@@ -159,7 +160,8 @@ class Traffic:
                 self.error(res.error)
             elif res.tokens != want or res.completion_tokens != want:
                 self.error(
-                    f"stream got {res.tokens} tokens, completion_tokens {res.completion_tokens}, wanted {want}"
+                    f"stream got {res.tokens} tokens, "
+                    f"completion_tokens {res.completion_tokens}, wanted {want}"
                 )
             self.tokens += res.tokens
             return
@@ -210,6 +212,28 @@ class Traffic:
         return time.perf_counter() - t0
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A phase of traffic and what was read once the server was idle after it."""
+
+    seconds: float
+    info: dict[str, Any]  # /server_info, idle
+    rss: dict[str, int]  # KiB by role
+    trimmed: dict[str, int] | None  # KiB by role after malloc_trim, with --malloc-trim
+
+
+async def run_phase(
+    traffic: Traffic, url: str, upto: int, concurrency: int, pids: dict[str, int], trim: bool
+) -> Phase:
+    """Sends requests until ``upto`` in all, waits until the server is idle, samples RSS."""
+    seconds = await traffic.run(url, upto, concurrency)
+    steps = ((await load.get_json(url, "/server_info")).get("scheduler") or {}).get(
+        "forward_steps_total", 0
+    )
+    info = await wait_idle(url, min_steps=steps)
+    return Phase(seconds, info, sample_rss(pids), sample_trimmed(pids) if trim else None)
+
+
 async def measure(
     url: str,
     pids: dict[str, int],
@@ -240,25 +264,10 @@ async def measure(
         seed=seed,
         progress=progress,
     )
-
-    warm_s = await traffic.run(url, warmup, concurrency)
-    steps = ((await load.get_json(url, "/server_info")).get("scheduler") or {}).get(
-        "forward_steps_total", 0
-    )
-    info = await wait_idle(url, min_steps=steps)
-    rss_warm = sample_rss(pids)
-    trimmed_warm = sample_trimmed(pids) if trim else None
-
-    main_s = await traffic.run(url, requests, concurrency)
-    steps = ((await load.get_json(url, "/server_info")).get("scheduler") or {}).get(
-        "forward_steps_total", 0
-    )
-    info = await wait_idle(url, min_steps=steps)
-    rss_end = sample_rss(pids)
-    trimmed_end = sample_trimmed(pids) if trim else None
-
-    left = leftover_state(info)
-    growth = growth_percent(rss_warm, rss_end)
+    warm = await run_phase(traffic, url, warmup, concurrency, pids, trim)
+    end = await run_phase(traffic, url, requests, concurrency, pids, trim)
+    left = leftover_state(end.info)
+    growth = growth_percent(warm.rss, end.rss)
     measured = requests - warmup
     return {
         "config": {
@@ -277,17 +286,17 @@ async def measure(
         "errors": traffic.errors,
         "error_examples": traffic.error_examples,
         "tokens": traffic.tokens,
-        "warmup_s": warm_s,
-        "measured_s": main_s,
-        "requests_per_s": measured / main_s if main_s > 0 else 0.0,
-        "rss_kib_warmup": rss_warm,
-        "rss_kib_end": rss_end,
+        "warmup_s": warm.seconds,
+        "measured_s": end.seconds,
+        "requests_per_s": measured / end.seconds if end.seconds > 0 else 0.0,
+        "rss_kib_warmup": warm.rss,
+        "rss_kib_end": end.rss,
         "rss_growth_percent": growth,
         "growth_ok": all(g < target for g in growth.values()),
-        "trimmed_rss_kib_warmup": trimmed_warm,
-        "trimmed_rss_kib_end": trimmed_end,
-        "trimmed_rss_growth_percent": growth_percent(trimmed_warm, trimmed_end)
-        if trimmed_warm and trimmed_end
+        "trimmed_rss_kib_warmup": warm.trimmed,
+        "trimmed_rss_kib_end": end.trimmed,
+        "trimmed_rss_growth_percent": growth_percent(warm.trimmed, end.trimmed)
+        if warm.trimmed and end.trimmed
         else None,
         "state_left": left,
         "no_state_left": no_state_left(left),
@@ -308,15 +317,19 @@ def format_table(result: dict[str, Any]) -> str:
         line = f"{role:<12} {w / 1024:>8.1f} MiB {e / 1024:>8.1f} MiB {g:>+7.2f}%"
         if trimmed:
             tw, te = result["trimmed_rss_kib_warmup"][role], result["trimmed_rss_kib_end"][role]
-            line += f" {tw / 1024:>12.1f} MiB {te / 1024:>8.1f} MiB {result['trimmed_rss_growth_percent'][role]:>+7.2f}%"
+            tg = result["trimmed_rss_growth_percent"][role]
+            line += f" {tw / 1024:>12.1f} MiB {te / 1024:>8.1f} MiB {tg:>+7.2f}%"
         lines.append(line)
     left = result["state_left"]
     lines += [
-        f"requests: {result['requests_done']} ({cfg['warmup']} warm-up), errors: {result['errors']}, "
-        f"{result['warmup_s'] + result['measured_s']:.1f} s, {result['requests_per_s']:.0f} req/s after the warm-up",
+        f"requests: {result['requests_done']} ({cfg['warmup']} warm-up), "
+        f"errors: {result['errors']}, {result['warmup_s'] + result['measured_s']:.1f} s, "
+        f"{result['requests_per_s']:.0f} req/s after the warm-up",
         f"growth target < {cfg['target_percent']:g}%: {'met' if result['growth_ok'] else 'MISSED'}",
-        f"state left: live_requests={left['live_requests']} scheduler.live_reqs={left['scheduler_live_reqs']} "
-        f"scheduler.detokenizer_live_reqs={left['detokenizer_live_reqs']} token_usage={left['token_usage']}"
+        f"state left: live_requests={left['live_requests']} "
+        f"scheduler.live_reqs={left['scheduler_live_reqs']} "
+        f"scheduler.detokenizer_live_reqs={left['detokenizer_live_reqs']} "
+        f"token_usage={left['token_usage']}"
         f" -> {'none' if result['no_state_left'] else 'LEFT BEHIND'}",
     ]
     lines += [f"  error: {e}" for e in result["error_examples"]]

@@ -60,8 +60,7 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_server_flags(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--url", default="http://127.0.0.1:30000", help="a running server (default %(default)s)"
@@ -79,19 +78,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--info-url",
         default=None,
-        help="when --url is a router: a server behind it, for the vocabulary size (no step rate is measured then)",
+        help="when --url is a router: a server behind it, for the vocabulary size "
+        "(no step rate is measured then)",
     )
     p.add_argument(
         "--pids",
         default=None,
         metavar="PID[,PID...]",
-        help="with --url: the server's processes whose CPU to measure (a `tokenpipe serve` supervisor's pid stands for its children)",
+        help="with --url: the server's processes whose CPU to measure "
+        "(a `tokenpipe serve` supervisor's pid stands for its children)",
     )
+
+
+def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api",
         choices=sorted(ENDPOINTS),
         default="generate",
-        help="generate: SGLang's /generate (default); completions: /v1/completions with token-id prompts and usage on every chunk; "
+        help="generate: SGLang's /generate (default); completions: /v1/completions with "
+        "token-id prompts and usage on every chunk; "
         "chat: /v1/chat/completions with word prompts and usage on every chunk",
     )
     p.add_argument("--concurrency", type=int, default=64)
@@ -111,7 +116,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--temperature",
         type=float,
         default=None,
-        help=f"default {DEFAULT_TEMPERATURE} ({SAMPLED_TEMPERATURE} for --compare-sampling's sampled runs)",
+        help=f"default {DEFAULT_TEMPERATURE} "
+        f"({SAMPLED_TEMPERATURE} for --compare-sampling's sampled runs)",
     )
     p.add_argument(
         "--top-p",
@@ -125,6 +131,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="a distinct seed per request, --seed plus its index (default on)",
     )
+
+
+def add_comparison_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compare-discard",
         action="store_true",
@@ -133,21 +142,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--compare-sampling",
         action="store_true",
-        help="with --launch: also run the workload greedy and sampled on the same server, in alternating rounds",
+        help="with --launch: also run the workload greedy and sampled on the same server, "
+        "in alternating rounds",
     )
     p.add_argument(
         "--top-logprobs",
         type=int,
         default=None,
         metavar="K",
-        help="with --launch: also run the workload without and with top-K logprobs on every request, in alternating rounds",
+        help="with --launch: also run the workload without and with top-K logprobs on every "
+        "request, in alternating rounds",
     )
     p.add_argument(
         "--json-schema",
         type=Path,
         default=None,
         metavar="FILE",
-        help="with --launch: also run the workload without and with every request constrained by the JSON schema in FILE, "
+        help="with --launch: also run the workload without and with every request constrained "
+        "by the JSON schema in FILE, "
         "in alternating rounds, then time a first request with a new schema against a cached one",
     )
     p.add_argument(
@@ -155,27 +167,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="FILE",
-        help="with --launch and --api chat: also run the chat workload without tools, and with the tools in FILE (a JSON list) "
-        'on every request with tool_choice "none" and "required", in rotating rounds, with the API CPU per streamed token of each',
+        help="with --launch and --api chat: also run the chat workload without tools, and with "
+        "the tools in FILE (a JSON list) "
+        'on every request with tool_choice "none" and "required", in rotating rounds, '
+        "with the API CPU per streamed token of each",
     )
     p.add_argument(
         "--compare-api-workers",
         type=int,
         default=None,
         metavar="N",
-        help="with --launch: also run the workload on the main server and on one with --api-workers N (both up at once), in alternating rounds",
+        help="with --launch: also run the workload on the main server and on one with "
+        "--api-workers N (both up at once), in alternating rounds",
     )
     p.add_argument(
         "--rounds",
         "--sampling-rounds",
         type=int,
         default=2,
-        help="rounds of --compare-sampling, --top-logprobs and --compare-api-workers (default 2, at least 2)",
+        help="rounds of --compare-sampling, --top-logprobs and --compare-api-workers "
+        "(default 2, at least 2)",
     )
-    p.add_argument("--json", type=Path, default=None, metavar="PATH")
-    p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
+
+
+def check_comparisons(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The comparisons' flags checked, and their files read (``p.error`` exits)."""
     if args.compare_discard and not args.launch:
         p.error("--compare-discard needs --launch")
     if args.compare_sampling and not args.launch:
@@ -200,6 +216,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.tools = read_tools(args.tools.read_text())
         except (OSError, ValueError) as exc:
             p.error(f"--tools: {exc}")
+
+
+def check_server(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The server's and the API's flags checked against the comparisons asked for."""
     if args.pids is not None and args.launch:
         p.error("--pids is for --url: --launch knows its server's processes")
     if args.pids is not None:
@@ -220,8 +240,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error("--compare-api-workers must be >= 1")
         if "--api-workers" in shlex.split(args.server_args):
             p.error(
-                "--compare-api-workers runs the main server with one API process: leave --api-workers out of --server-args"
+                "--compare-api-workers runs the main server with one API process: "
+                "leave --api-workers out of --server-args"
             )
+
+
+def check_workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.rounds < 2:
         p.error("--rounds must be >= 2")
     if args.temperature is not None and args.temperature < 0.0:
@@ -232,12 +256,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--info-url is for --url (a router); --launch starts a server of its own")
     if args.concurrency < 1 or not 0.0 <= args.stream_ratio <= 1.0:
         p.error("--concurrency must be >= 1 and --stream-ratio in [0, 1]")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_server_flags(p)
+    add_workload_flags(p)
+    add_comparison_flags(p)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    check_comparisons(p, args)
+    check_server(p, args)
+    check_workload(p, args)
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    cfg = LoadConfig(
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    return LoadConfig(
         concurrency=args.concurrency,
         requests=args.requests if args.requests is not None else 4 * args.concurrency,
         stream_ratio=args.stream_ratio,
@@ -250,6 +287,95 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeded=args.seeded if args.seeded is not None else True,
         api=args.api,
     )
+
+
+def run_same_server(
+    args: argparse.Namespace,
+    cfg: LoadConfig,
+    url: str,
+    procs: dict[str, int] | None,
+    report: dict[str, Any],
+) -> int:
+    """The comparisons on the main server, each run with prompts of its own; returns the
+    next prompt set."""
+    next_set = 1  # every run has prompts of its own: the main run had set 0
+    if args.compare_sampling:
+        variants = sampling_variants(cfg, args.temperature, args.top_p, args.seeded)
+        report["sampling"] = run_async(run_sampling(url, variants, args.rounds, procs))
+        next_set += 2 * args.rounds
+    if args.top_logprobs is not None:
+        report["logprobs"] = run_async(
+            run_logprobs(url, cfg, args.top_logprobs, args.rounds, next_set, procs)
+        )
+        next_set += 2 * args.rounds
+    if args.json_schema is not None:
+        report["structured"] = run_async(
+            run_structured(url, cfg, args.json_schema, args.rounds, next_set, procs)
+        )
+        next_set += 2 * args.rounds + 1
+    if args.tools is not None:
+        report["tool_calling"] = run_async(
+            run_tools(url, cfg, args.tools, args.rounds, next_set, procs)
+        )
+        next_set += 3 * args.rounds
+    return next_set
+
+
+def run_api_workers_beside(
+    args: argparse.Namespace,
+    cfg: LoadConfig,
+    main_arm: Arm,
+    server_args: list[str],
+    next_set: int,
+) -> dict[str, Any]:
+    flags = api_workers_flags(args.compare_api_workers)
+    # Both servers stay up, on their own ports, so the rounds alternate without a
+    # restart; the idle one waits on its sockets meanwhile.
+    with LaunchedServer(["--log-level", "warning", *server_args, *flags]) as multi:
+        arms = {SINGLE: main_arm, MULTI: Arm(cfg, multi.url, server_processes(multi.proc.pid))}
+        return run_async(run_api_workers(arms, args.compare_api_workers, args.rounds, next_set))
+
+
+def run_discard_beside(cfg: LoadConfig, server_args: list[str], report: dict[str, Any]) -> None:
+    """The same step rate on a ``--discard-output`` server, over the main run's steady span."""
+    lo, hi = report["steady_s"]
+    with LaunchedServer(
+        ["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"]
+    ) as discard:
+        report["discard"] = run_async(run_discard(discard.url, cfg, max(2.0, hi - lo)))
+    a, d = report.get("scheduler_steps"), report["discard"]["scheduler_steps"]
+    report["steps_ratio"] = ratio(a["steps_per_s"] if a else None, d["steps_per_s"] if d else None)
+
+
+def write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    results: list[ReqResult] = report.pop("_results")
+    print(format_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if args.plot is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        write_plot(args.plot, report, results)
+
+
+def all_clean(report: dict[str, Any]) -> bool:
+    """No errors, tokens lost or logprobs lost in the main run or any comparison."""
+    runs = [
+        report,
+        *(
+            report[k]
+            for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers")
+            if k in report
+        ),
+    ]
+    return all(
+        run["errors"] == 0 and run["tokens_lost"] == 0 and run["logprobs_lost"] == 0 for run in runs
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args)
     server_args = [INCREMENTAL_STREAMS, *shlex.split(args.server_args)]
     launched = (
         LaunchedServer(["--log-level", "warning", *server_args])
@@ -266,68 +392,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         report = run_async(run_load(url, cfg, args.info_url, procs))
-        next_set = 1  # every run has prompts of its own: the main run had set 0
-        if args.compare_sampling:
-            variants = sampling_variants(cfg, args.temperature, args.top_p, args.seeded)
-            report["sampling"] = run_async(run_sampling(url, variants, args.rounds, procs))
-            next_set += 2 * args.rounds
-        if args.top_logprobs is not None:
-            report["logprobs"] = run_async(
-                run_logprobs(url, cfg, args.top_logprobs, args.rounds, next_set, procs)
-            )
-            next_set += 2 * args.rounds
-        if args.json_schema is not None:
-            report["structured"] = run_async(
-                run_structured(url, cfg, args.json_schema, args.rounds, next_set, procs)
-            )
-            next_set += 2 * args.rounds + 1
-        if args.tools is not None:
-            report["tool_calling"] = run_async(
-                run_tools(url, cfg, args.tools, args.rounds, next_set, procs)
-            )
-            next_set += 3 * args.rounds
+        next_set = run_same_server(args, cfg, url, procs, report)
         if args.compare_api_workers is not None:
-            flags = api_workers_flags(args.compare_api_workers)
-            # Both servers stay up, on their own ports, so the rounds alternate without a
-            # restart; the idle one waits on its sockets meanwhile.
-            with LaunchedServer(["--log-level", "warning", *server_args, *flags]) as multi:
-                arms = {
-                    SINGLE: Arm(cfg, url, procs),
-                    MULTI: Arm(cfg, multi.url, server_processes(multi.proc.pid)),
-                }
-                report["api_workers"] = run_async(
-                    run_api_workers(arms, args.compare_api_workers, args.rounds, next_set)
-                )
+            report["api_workers"] = run_api_workers_beside(
+                args, cfg, Arm(cfg, url, procs), server_args, next_set
+            )
     if args.compare_discard:
-        lo, hi = report["steady_s"]
-        with LaunchedServer(
-            ["--log-level", "warning", *server_args, "--discard-output", "--graceful-timeout", "1"]
-        ) as discard:
-            report["discard"] = run_async(run_discard(discard.url, cfg, max(2.0, hi - lo)))
-        a, d = report.get("scheduler_steps"), report["discard"]["scheduler_steps"]
-        report["steps_ratio"] = ratio(
-            a["steps_per_s"] if a else None, d["steps_per_s"] if d else None
-        )
-    results: list[ReqResult] = report.pop("_results")
-    print(format_report(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    if args.plot is not None:
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        write_plot(args.plot, report, results)
-    runs = [
-        report,
-        *(
-            report[k]
-            for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers")
-            if k in report
-        ),
-    ]
-    ok = all(
-        run["errors"] == 0 and run["tokens_lost"] == 0 and run["logprobs_lost"] == 0 for run in runs
-    )
-    return 0 if ok else 1
+        run_discard_beside(cfg, server_args, report)
+    write_outputs(args, report)
+    return 0 if all_clean(report) else 1
 
 
 if __name__ == "__main__":

@@ -35,10 +35,11 @@ CONTINUOUS_USAGE = {"include_usage": True, "continuous_usage_stats": True}
 # Chat prompts are text: common words, most of them one token in a BPE vocabulary, drawn at
 # random per request so that no two prompts share a prefix beyond the chat template's.
 PROMPT_WORDS = tuple(
-    "time year people way day man thing woman life child world school state family student group country "
-    "problem hand part place case week company system program question work government number night point "
-    "home water room mother area money story fact month lot right study book eye job word business issue "
-    "side kind head house service friend father power hour game line end member law car city name".split()
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city name".split()
 )
 
 
@@ -178,7 +179,8 @@ def usage_event_tokens(event: dict[str, Any], res: ReqResult) -> int:
     usage = event.get("usage")
     if usage is None:
         raise ValueError(
-            "a chunk without usage: the server does not honour stream_options.continuous_usage_stats"
+            "a chunk without usage: "
+            "the server does not honour stream_options.continuous_usage_stats"
         )
     if not event["choices"]:
         res.completion_tokens = int(usage["completion_tokens"])

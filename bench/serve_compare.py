@@ -46,6 +46,27 @@ SAMPLED_SEEDED = True
 # --- the discarded run ------------------------------------------------------------------------
 
 
+def step_seconds(samples: Sequence[Sample], seen: Sample | None) -> float:
+    """The scheduler's step time between the report ``seen`` and the latest (0.5 s before
+    any)."""
+    if seen is None:
+        return 0.5
+    return (samples[-1].answered - seen.answered) / (samples[-1].steps - seen.steps)
+
+
+async def await_reached(
+    tasks: list[asyncio.Task[ReqResult]], acked: list[tuple[float, asyncio.Task[ReqResult]]]
+) -> None:
+    """Waits (up to ``SETTLE_TIMEOUT``) until every request sent was acknowledged (``acked``
+    grows meanwhile), so has reached the scheduler, or is done (one done before its
+    acknowledgement failed)."""
+    deadline = time.perf_counter() + SETTLE_TIMEOUT
+    while time.perf_counter() < deadline and any(
+        not t.done() for t in set(tasks) - {t for _, t in acked}
+    ):
+        await asyncio.sleep(POLL_INTERVAL / 2)
+
+
 async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, Any]:
     """Keeps ``concurrency`` streaming requests live in a ``--discard-output`` scheduler for
     ``window_s`` after they are first all sent, then aborts everything.
@@ -94,11 +115,7 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
                 continue
             # The scheduler takes in new requests between steps, so one that arrived during
             # the step before the report is not in it yet: allow two steps, plus transit.
-            step_s = (
-                (samples[-1].answered - seen.answered) / (samples[-1].steps - seen.steps)
-                if seen is not None
-                else 0.5
-            )
+            step_s = step_seconds(samples, seen)
             seen = samples[-1]
             cut = samples[-2].asked - 0.02 - min(1.0, 2 * step_s)
             counted = bisect.bisect_left([t for t, _ in acked], cut)
@@ -107,11 +124,7 @@ async def run_discard(url: str, cfg: LoadConfig, window_s: float) -> dict[str, A
                 acked[closed][1].cancel()
                 closed += 1
             send(max(0, cfg.concurrency - live - (len(tasks) - counted)))
-        deadline = time.perf_counter() + SETTLE_TIMEOUT
-        while time.perf_counter() < deadline and any(
-            not t.done() for t in set(tasks) - {t for _, t in acked}
-        ):
-            await asyncio.sleep(POLL_INTERVAL / 2)  # (one done before its acknowledgement failed)
+        await await_reached(tasks, acked)
         async with httpx.AsyncClient(timeout=10.0) as ctl:
             await ctl.post(f"{url}/abort_request", json={"abort_all": True})
             end_t = time.perf_counter() - t0

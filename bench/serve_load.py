@@ -11,7 +11,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -35,6 +35,23 @@ from bench.serve_readings import (
 # --- the attached run -------------------------------------------------------------------------
 
 
+@dataclass
+class SteadyWindow:
+    """The steady part of a run: from when every client first has a request in flight
+    (``full_at``) to when the first client finds no work left (``dry_at``), in seconds since
+    the run's start, with the processes' CPU read at each end."""
+
+    full_at: float | None = None
+    dry_at: float | None = None
+    cpu_full: CpuReading | None = None
+    cpu_dry: CpuReading | None = None
+
+
+def request_details(results: Sequence[ReqResult]) -> list[dict[str, Any]]:
+    """Each request's figures for the JSON, without its per-event lists."""
+    return [{k: v for k, v in asdict(r).items() if k not in ("itl", "arrivals")} for r in results]
+
+
 async def run_load(
     url: str, cfg: LoadConfig, info_url: str | None = None, procs: dict[str, int] | None = None
 ) -> dict[str, Any]:
@@ -47,11 +64,8 @@ async def run_load(
     samples: list[Sample] = []
     next_i = 0
     in_flight = 0
-    full_at: float | None = None  # every client has a request in flight
-    dry_at: float | None = None  # the first client found no work left
+    window = SteadyWindow()
     last_sent = 0.0
-    cpu_full: CpuReading | None = None  # read when full_at is set, and cpu_dry when dry_at is
-    cpu_dry: CpuReading | None = None
     watched = procs or {}
     target = min(cfg.concurrency, cfg.requests)
     limits = httpx.Limits(
@@ -64,22 +78,23 @@ async def run_load(
     t0 = time.perf_counter()
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        nonlocal next_i, in_flight, full_at, dry_at, last_sent, cpu_full, cpu_dry
+        nonlocal next_i, in_flight, last_sent
         while next_i < cfg.requests:
             i = next_i
             next_i += 1
             in_flight += 1
             last_sent = time.perf_counter() - t0
-            if full_at is None and in_flight >= target:
-                full_at = last_sent
-                cpu_full = read_cpu(watched, t0)  # no event is handled in between: one thread
+            if window.full_at is None and in_flight >= target:
+                window.full_at = last_sent
+                # no event is handled in between: one thread
+                window.cpu_full = read_cpu(watched, t0)
             res = await send_one(client, url, make_body(i, cfg, vocab, streams[i]), t0, api=cfg.api)
             in_flight -= 1
             results.append(res)
             bar.update(1)
-        if dry_at is None:
-            dry_at = time.perf_counter() - t0
-            cpu_dry = read_cpu(watched, t0)
+        if window.dry_at is None:
+            window.dry_at = time.perf_counter() - t0
+            window.cpu_dry = read_cpu(watched, t0)
 
     sampler = asyncio.create_task(sample_loop(url, t0, samples, stop))
     async with httpx.AsyncClient(
@@ -95,11 +110,11 @@ async def run_load(
         async with httpx.AsyncClient(timeout=10.0) as client:
             end = await settle(client, url, latest_steps(start, samples, last_sent), SETTLE_TIMEOUT)
     summary = summarize(results, duration)
-    lo, hi = full_at or 0.0, dry_at or duration
+    lo, hi = window.full_at or 0.0, window.dry_at or duration
     rate = run_step_rate(start, samples, end, duration, lo, hi)
     cpu = (
-        window_cpu(cpu_full, cpu_dry, watched, results)
-        if cpu_full is not None and cpu_dry is not None
+        window_cpu(window.cpu_full, window.cpu_dry, watched, results)
+        if window.cpu_full is not None and window.cpu_dry is not None
         else None
     )
     if cpu is not None and procs is None:
@@ -111,9 +126,7 @@ async def run_load(
         scheduler_steps=rate,
         cpu=cpu,
         samples=[asdict(s) for s in samples],
-        requests_detail=[
-            {k: v for k, v in asdict(r).items() if k not in ("itl", "arrivals")} for r in results
-        ],
+        requests_detail=request_details(results),
     )
     summary["_results"] = results  # for the plot; dropped before the JSON
     return summary

@@ -33,7 +33,10 @@ def fmt_rate(label: str, rate: dict[str, Any] | None, extra: str = "") -> str:
     if not rate:
         return f"  {label:<20}{'n/a':>10}   (no scheduler reports)"
     lo, hi = rate["window_s"]
-    line = f"  {label:<20}{rate['steps_per_s']:10.2f}   ({rate['steps']} steps, {lo:.1f}-{hi:.1f} s{extra})"
+    line = (
+        f"  {label:<20}{rate['steps_per_s']:10.2f}   "
+        f"({rate['steps']} steps, {lo:.1f}-{hi:.1f} s{extra})"
+    )
     if not rate.get("confirmed", True):
         line += (
             f"  [no report of the work done within {SETTLE_TIMEOUT:g} s: may miss the last steps]"
@@ -89,11 +92,15 @@ def fmt_rounds(
     for i, row in enumerate(s["rounds"], 1):
         value = f"{row['ratio']:{w - 1}.3f}x" if row["ratio"] is not None else f"{'n/a':>{w}}"
         lines.append(
-            f"  {i:<8d}{row['first']:<{fw}}{row[base]['output_tokens_per_s']:{bw}.1f}{row[other]['output_tokens_per_s']:{ow}.1f}{value}"
+            f"  {i:<8d}{row['first']:<{fw}}"
+            f"{row[base]['output_tokens_per_s']:{bw}.1f}"
+            f"{row[other]['output_tokens_per_s']:{ow}.1f}{value}"
         )
     value = f"{s['ratio']:{w - 1}.3f}x" if s["ratio"] is not None else f"{'n/a':>{w}}"
     lines.append(
-        f"  {'median':<{8 + fw}}{s[base + '_output_tokens_per_s']:{bw}.1f}{s[other + '_output_tokens_per_s']:{ow}.1f}{value}"
+        f"  {'median':<{8 + fw}}"
+        f"{s[base + '_output_tokens_per_s']:{bw}.1f}"
+        f"{s[other + '_output_tokens_per_s']:{ow}.1f}{value}"
     )
     lost = f", logprobs lost {s['logprobs_lost']}" if s["logprobs_lost"] else ""
     lines.append(
@@ -114,14 +121,16 @@ def fmt_cpu(cpu: dict[str, Any] | None) -> list[str]:
         return [f"  {'CPU':<20}{'n/a':>10}   (no steady window)"]
     lo, hi = cpu["window_s"]
     lines = [
-        f"  CPU, steady window  {'CPU-s':>10}{'cores':>10}   ({lo:.1f}-{hi:.1f} s; cores = CPU-s / {hi - lo:.1f} s)"
+        f"  CPU, steady window  {'CPU-s':>10}{'cores':>10}   "
+        f"({lo:.1f}-{hi:.1f} s; cores = CPU-s / {hi - lo:.1f} s)"
     ]
     for name, p in cpu["processes"].items():
         lines.append(
             f"    {name:<18}{p['cpu_s']:10.2f}{fmt_num(p['cores'], 10, 3)}   (pid {p['pid']})"
         )
     lines.append(
-        f"    {'bench client':<18}{cpu['client']['cpu_s']:10.2f}{fmt_num(cpu['client']['cores'], 10, 3)}"
+        f"    {'bench client':<18}{cpu['client']['cpu_s']:10.2f}"
+        f"{fmt_num(cpu['client']['cores'], 10, 3)}"
     )
     if "note" in cpu:
         lines.append(f"    {cpu['note']}")
@@ -140,7 +149,10 @@ def fmt_api_workers(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
         if s["flags"]
         else "(N = 1: no --api-workers flag, one API process as the default)"
     )
-    title = f"one API process against {n}: {SINGLE} = the main server; {MULTI} = a second one, the same flags {flags}"
+    title = (
+        f"one API process against {n}: {SINGLE} = the main server; "
+        f"{MULTI} = a second one, the same flags {flags}"
+    )
     lines = fmt_rounds(s, c, title, SINGLE, MULTI, None, where="two servers up at once")
     for name in (SINGLE, MULTI):
         m = s["cpu"][name]
@@ -149,7 +161,8 @@ def fmt_api_workers(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
             or "n/a"
         )
         lines.append(
-            f"  {name:<8}API cores: {api}; tokens/API CPU-s {fmt_num(m['tokens_per_api_cpu_s'], 0, 1)} "
+            f"  {name:<8}API cores: {api}; "
+            f"tokens/API CPU-s {fmt_num(m['tokens_per_api_cpu_s'], 0, 1)} "
             f"(medians over rounds; "
             + ", ".join(f"{k} {fmt_num(v, 0, 3)}" for k, v in m["cores"].items() if not is_api(k))
             + f", client {fmt_num(m['client_cores'], 0, 3)} cores)"
@@ -158,7 +171,10 @@ def fmt_api_workers(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
 
 
 def fmt_sampling(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
-    title = f"greedy against sampled: greedy = {fmt_params(s['params']['greedy'])}; sampled = {fmt_params(s['params']['sampled'])}"
+    title = (
+        f"greedy against sampled: greedy = {fmt_params(s['params']['greedy'])}; "
+        f"sampled = {fmt_params(s['params']['sampled'])}"
+    )
     return fmt_rounds(s, c, title, "greedy", "sampled", TARGET_SAMPLING_RATIO)
 
 
@@ -168,12 +184,16 @@ def fmt_logprobs(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
 
 
 def fmt_structured(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
-    title = f"unconstrained against every request constrained by a JSON schema ({s['schema_bytes']} bytes)"
+    title = (
+        "unconstrained against every request constrained by a JSON schema "
+        f"({s['schema_bytes']} bytes)"
+    )
     lines = fmt_rounds(s, c, title, "unconstrained", "constrained", TARGET_STRUCTURED_RATIO)
     k = s["compile"]
     lines.append(
-        f"  TTFT ms, medians of {k['trials']}: new schema {k['new_ttft_ms']:.1f}, cached {k['cached_ttft_ms']:.1f}, "
-        f"unconstrained {k['unconstrained_ttft_ms']:.1f}; a compile adds {k['compile_ms']:.1f} ms to a first request"
+        f"  TTFT ms, medians of {k['trials']}: new schema {k['new_ttft_ms']:.1f}, "
+        f"cached {k['cached_ttft_ms']:.1f}, unconstrained {k['unconstrained_ttft_ms']:.1f}; "
+        f"a compile adds {k['compile_ms']:.1f} ms to a first request"
     )
     return lines
 
@@ -181,7 +201,8 @@ def fmt_structured(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
 def format_report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
-        f"bench/serve  {r['url']}  concurrency {c['concurrency']}, {r['requests']} requests ({r['streaming']} streaming), "
+        f"bench/serve  {r['url']}  concurrency {c['concurrency']}, "
+        f"{r['requests']} requests ({r['streaming']} streaming), "
         f"prompt {c['prompt_len']}, max_new_tokens {c['max_new_tokens']}, {fmt_params(c)}"
         + (f", through {ENDPOINTS[c['api']]}" if c["api"] != "generate" else ""),
         f"  duration            {r['duration_s']:10.2f} s",
@@ -192,7 +213,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"  e2e ms              {fmt_pcts(r['e2e_ms'])}",
         f"  errors              {r['errors']:10d}"
         + (f"   e.g. {r['error_examples'][0]}" if r["error_examples"] else ""),
-        f"  tokens lost         {r['tokens_lost']:10d}   ({r['requests_with_lost_tokens']} requests)",
+        f"  tokens lost         {r['tokens_lost']:10d}   "
+        f"({r['requests_with_lost_tokens']} requests)",
     ]
     lines.append(fmt_rate("scheduler steps/s", r.get("scheduler_steps")))
     lines += fmt_cpu(r.get("cpu"))

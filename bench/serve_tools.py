@@ -96,7 +96,8 @@ def fmt_tool_calling(s: dict[str, Any]) -> list[str]:
     to no_tools and the per-arm figures."""
     w = 14
     lines = [
-        f"  chat without tools, with {s['tools']} tools and tool_choice none (parser off), and required (parser on); "
+        f"  chat without tools, with {s['tools']} tools and tool_choice none (parser off), "
+        "and required (parser on); "
         f"same server, {len(s['rounds'])} rounds (order rotated each round)",
         f"  {'round':<8}{'first':<12}" + "".join(f"{name + ' tok/s':>{w + 4}}" for name in ARMS),
     ]
