@@ -3,18 +3,8 @@
 Per request it keeps the token ids and two offsets (the prefix/read-offset method): the
 text of ``ids[prefix:read]`` is already emitted context, and the new text is what
 ``ids[prefix:]`` decodes to beyond it. Both decodes for every row of a frame go through
-two ``decode_batch`` calls, so the per-row Python work is slicing only.
-
-Guarantees: no U+FFFD for an incomplete UTF-8 sequence while the request runs (such text
-is held until the sequence completes; a byte run that can no longer become a character is
-released as U+FFFD as soon as that is certain, counted in bytes); at the finish the text
-is the tokenizer's decode of the ids, held bytes included, as ``decode`` shows them; a stop
-token's text and a stop string from the occurrence that ended the request on are trimmed
-(unless ``no_stop_trim``), and while a streaming request has stop strings the last
-``len(longest stop) - 1`` characters are held back, so a trim never has to take back
-text that was already sent. State is dropped when the request finishes. A row of a request
-whose first row never came here (the detokenizer restarted) fails that request
-(``DETOKENIZER_LOST_TEXT``) instead of passing on without its text.
+two ``decode_batch`` calls, so the per-row Python work is slicing only. What the text
+guarantees is stated on ``IncrementalDetokenizer``.
 """
 
 from __future__ import annotations
@@ -88,7 +78,7 @@ class _RequestText:
     # the prefix text that are already in ``text`` (settled, though no token boundary
     # after them lets the offsets move).
     settled: int = 0
-    stop_search_from: int = 0  # where a matched stop string's occurrence may start, at the earliest
+    stop_search_from: int = 0  # the earliest a matched stop string's occurrence may start
 
     def __post_init__(self) -> None:
         if self.options.stream and self.options.stop and not self.options.no_stop_trim:
@@ -117,6 +107,18 @@ def _trims_stop_token(reason: FinishReason | None, state: _RequestText) -> bool:
 
 
 class IncrementalDetokenizer:
+    """The text deltas of every request, frame by frame. Guarantees: no U+FFFD for an
+    incomplete UTF-8 sequence while the request runs (such text is held until the sequence
+    completes; a byte run that can no longer become a character is released as U+FFFD as
+    soon as that is certain, counted in bytes); at the finish the text is the tokenizer's
+    decode of the ids, held bytes included, as ``decode`` shows them; a stop token's text and
+    a stop string from the occurrence that ended the request on are trimmed (unless
+    ``no_stop_trim``), and while a streaming request has stop strings the last
+    ``len(longest stop) - 1`` characters are held back, so a trim never has to take back text
+    that was already sent. State is dropped when the request finishes. A row of a request
+    whose first row never came here (the detokenizer restarted) fails that request
+    (``DETOKENIZER_LOST_TEXT``) instead of passing on without its text."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._states: dict[int, _RequestText] = {}
@@ -192,8 +194,8 @@ class IncrementalDetokenizer:
     ) -> list[FinishReason | None]:
         """The finish column with the ``lost`` rows failed. Rare: only after a restart."""
         self._unknown.warn(
-            "%d rows have no decode state (req_ids %s...): their requests began before this detokenizer started, "
-            "and fail with a 503",
+            "%d rows have no decode state (req_ids %s...): their requests began before this "
+            "detokenizer started, and fail with a 503",
             len(lost),
             [req_ids[i] for i in lost[:5]],
         )

@@ -1,14 +1,7 @@
 """Command-line flags generated from a msgspec ``Struct``'s annotated fields, so each setting
 is declared once: its name, type and default on the field, its help and flag details in the
-``Annotated`` marker beside them.
-
-- ``Flag``: the field is a flag, ``--field-name`` unless spelled otherwise. The flag's type
-  follows the field's: ``int``, ``float`` and ``str`` (optional or not) parse as such, a
-  ``Literal`` gives the choices, and a ``bool`` is a switch: a field that defaults to False
-  is set by its flag (``store_true``), one that defaults to True needs a spelling that says
-  so, such as ``--disable-metrics``, and is cleared by it.
-- ``NoFlag``: the field is deliberately not on the command line (set by the environment, or
-  by the supervisor for each child); ``field_flags`` refuses a field with neither marker.
+``Annotated`` marker beside them (``Flag``, or ``NoFlag`` for a field deliberately not on the
+command line; ``field_flags`` refuses a field with neither).
 
 The generated arguments store each value under the field's name, so the struct is built from
 the parsed namespace field by field.
@@ -31,6 +24,12 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 @dataclass(frozen=True)
 class Flag:
+    """The field is a flag, ``--field-name`` unless spelled otherwise. The flag's type follows
+    the field's: ``int``, ``float`` and ``str`` (optional or not) parse as such, a ``Literal``
+    gives the choices, and a ``bool`` is a switch: a field that defaults to False is set by
+    its flag (``store_true``), one that defaults to True needs a spelling that says so, such
+    as ``--disable-metrics``, and is cleared by it."""
+
     group: str  # the --help section it is listed under
     help: str | None = None  # None only with hidden=True
     spelling: str | None = None  # default: --field-name
@@ -44,6 +43,9 @@ class Flag:
 
 @dataclass(frozen=True)
 class NoFlag:
+    """The field is deliberately not on the command line: set by the environment, or by the
+    supervisor for each child."""
+
     why: str
     env: str | None = None  # read into the field; without it the field keeps its default
 
@@ -73,7 +75,8 @@ def field_flags(struct: type[msgspec.Struct]) -> list[FieldFlag]:
         markers = [m for m in extras if isinstance(m, (Flag, NoFlag))]
         if len(markers) != 1:
             raise TypeError(
-                f"{struct.__name__}.{field.name} needs exactly one Flag(...) or NoFlag(...) marker, has {len(markers)}"
+                f"{struct.__name__}.{field.name} needs exactly one Flag(...) or NoFlag(...) "
+                f"marker, has {len(markers)}"
             )
         annotation = typing.get_args(hint)[0] if extras else hint
         found.append(FieldFlag(field.name, annotation, field.default, markers[0]))
@@ -111,7 +114,8 @@ def add_flags(parser: argparse.ArgumentParser, struct: type[msgspec.Struct]) -> 
         if kind is bool:
             if f.default and flag.spelling is None:
                 raise TypeError(
-                    f"{struct.__name__}.{f.name} defaults to True: its flag needs a spelling that clears it"
+                    f"{struct.__name__}.{f.name} defaults to True: "
+                    "its flag needs a spelling that clears it"
                 )
             settings["action"] = "store_false" if f.default else "store_true"
         elif typing.get_origin(kind) is Literal:

@@ -1,18 +1,12 @@
 """Splitting output frames by API worker (``tokenpipe serve --api-workers N``, docs/design.md
 section 2): the detokenizer sends each worker one frame per step holding only its rows.
 
-A request's worker is in its ``req_id``: ``req_id >> WORKER_SHIFT`` is the index of the API
-worker (tokenizer manager) that assigned it, and a control's ``control_id`` carries the index
-the same way. A part keeps its worker's rows in their order, and every column is cut
-consistently with them, the logprob blocks' row indices renumbered to the part's rows. The
-index arithmetic is numpy over the columns; only the Python lists (text deltas, finish
-reasons, stats, token texts) are gathered entry by entry, and only when a frame has rows of
-several workers.
-
-Rows whose worker does not exist (an index >= the number of workers, or a negative req_id)
-belong in no part: a split returns their req_ids in ``stray`` rather than refusing the
-frame, so the caller warns about them and the other workers still get their rows (a
-refused frame would lose a step of every worker's requests, finished rows included).
+A request's worker is in its ``req_id`` (``pipeline.worker_ids``). A part keeps its worker's
+rows in their order, and every column is cut consistently with them, the logprob blocks' row
+indices renumbered to the part's rows. The index arithmetic is numpy over the columns; only
+the Python lists (text deltas, finish reasons, stats, token texts) are gathered entry by
+entry, and only when a frame has rows of several workers. Rows whose worker does not exist
+belong in no part (``WorkerSplit.stray``).
 """
 
 from __future__ import annotations
@@ -56,7 +50,10 @@ def workers_of(req_ids: np.ndarray) -> np.ndarray:
 
 class WorkerSplit(NamedTuple, Generic[Frame]):
     """A frame split by worker: one part per worker that has rows in it, in worker order,
-    and the req_ids of the rows whose worker does not exist (dropped: the caller warns)."""
+    and the req_ids of the rows whose worker does not exist (an index >= the number of
+    workers, or a negative req_id). A split returns those in ``stray`` rather than refusing
+    the frame, so the caller warns about them and the other workers still get their rows (a
+    refused frame would lose a step of every worker's requests, finished rows included)."""
 
     parts: list[tuple[int, Frame]]
     stray: list[int]

@@ -1,24 +1,7 @@
 """``tokenpipe serve``: starts the three processes, waits until each reports ready, and keeps
-the service whole.
-
-- With ``--api-workers N`` there are N API processes (``api-0`` ... ``api-{N-1}``), each with
-  its own index and frame socket, sharing the HTTP port through SO_REUSEPORT. Before
-  starting them the supervisor binds the port once without SO_REUSEPORT, so a port that
-  another server holds fails here rather than being silently shared. They share Prometheus
-  metrics through a ``metrics`` directory inside the private ipc directory
-  (``PROMETHEUS_MULTIPROC_DIR``), so any of them serves the totals of all.
-
-- Any child exiting stops the others and the supervisor exits non-zero, with a log line
-  naming the child and its exit code: the service is never left half alive.
-- SIGTERM/SIGINT: the API process is asked to stop first (uvicorn stops accepting and lets
-  in-flight requests finish, bounded by --graceful-timeout), then the scheduler and the
-  detokenizer; the supervisor exits 0.
-- Children run in their own process group (a terminal's Ctrl-C reaches only the
-  supervisor, which then shuts down in order). The private ipc directory is removed on every
-  exit path: by the supervisor, or, when it is SIGKILLed, by its children, which watch for
-  their parent's death, remove the directory (named to them in the environment), and stop
-  (``process_util.die_with_parent``).
-"""
+the service whole: any child exiting stops the others and the supervisor exits non-zero,
+with a log line naming the child and its exit code, so the service is never left half
+alive. SIGTERM/SIGINT stop it in order (``Supervisor.run``) and it exits 0."""
 
 from __future__ import annotations
 
@@ -47,6 +30,12 @@ _STOP_TIMEOUT = 3.0
 
 
 class Supervisor:
+    """The children and their private ipc directory. Children run in their own process group
+    (a terminal's Ctrl-C reaches only the supervisor, which then shuts down in order). The
+    private ipc directory is removed on every exit path: by the supervisor, or, when it is
+    SIGKILLed, by its children, which watch for their parent's death, remove the directory
+    (named to them in the environment), and stop (``process_util.die_with_parent``)."""
+
     def __init__(self, config: ServerConfig) -> None:
         self.ipc = PrivateIpcDir()
         self.config = msgspec.structs.replace(
@@ -64,6 +53,9 @@ class Supervisor:
         self._stopping = False
 
     def run(self) -> int:
+        """Until a child exits (1) or a signal comes (0). On SIGTERM/SIGINT the API processes
+        are asked to stop first (uvicorn stops accepting and lets in-flight requests finish,
+        bounded by --graceful-timeout), then the scheduler and the detokenizer."""
         started = time.monotonic()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
@@ -97,6 +89,12 @@ class Supervisor:
         self._stopping = True
 
     def _spawn_all(self) -> None:
+        """With ``--api-workers N`` there are N API processes (``api-0`` ... ``api-{N-1}``),
+        each with its own index and frame socket, sharing the HTTP port through SO_REUSEPORT.
+        Before starting them the port is bound once without SO_REUSEPORT, so a port that
+        another server holds fails here rather than being silently shared. They share
+        Prometheus metrics through a ``metrics`` directory inside the private ipc directory
+        (``PROMETHEUS_MULTIPROC_DIR``), so any of them serves the totals of all."""
         # Through the environment, not argv: /proc/PID/cmdline is world-readable and the
         # config may hold the API key, while /proc/PID/environ is readable by the owner only.
         # The pid and the directory let a child clean up and stop when this process is killed.
@@ -154,13 +152,13 @@ class Supervisor:
 
     def _announce(self, elapsed: float) -> None:
         c = self.config
-        auth = (
-            " -H 'Authorization: Bearer $TOKENPIPE_API_KEY'" if c.api_key else ""
-        )  # never print the key
+        # Never print the key itself.
+        auth = " -H 'Authorization: Bearer $TOKENPIPE_API_KEY'" if c.api_key else ""
+        body = '{"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
         print(
             f"tokenpipe ready on http://{c.host}:{c.port} in {elapsed:.1f} s. Try:\n"
-            f"  curl -s http://{c.host}:{c.port}/generate{auth} -H 'Content-Type: application/json' "
-            '-d \'{"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}\'',
+            f"  curl -s http://{c.host}:{c.port}/generate{auth} "
+            f"-H 'Content-Type: application/json' -d '{body}'",
             flush=True,
         )
 

@@ -6,11 +6,8 @@ A body without one (chunked) is counted as its ``http.request`` messages arrive;
 that takes the count over the limit is dropped, the app is told the client went away
 (``http.disconnect``), and the client gets the 413 unless the app has already started its
 response. So the app holds at most ``max_bytes`` of body, plus the server's own read buffer
-(uvicorn pauses reading past 64 KiB).
-
-The 413 carries ``Connection: close``: uvicorn then closes the connection instead of reading
-and discarding the rest of the body to reuse it, which for a 200 MiB upload means 200 MiB
-more to receive for nothing."""
+(uvicorn pauses reading past 64 KiB). The 413 carries ``Connection: close``: uvicorn then
+closes the connection instead of reading and discarding the rest of an oversized body."""
 
 from __future__ import annotations
 
@@ -25,13 +22,17 @@ __all__ = ["BodyLimit"]
 _DISCONNECT: Message = {"type": "http.disconnect"}
 
 
+def _nothing() -> None:
+    pass
+
+
 class BodyLimit:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it buffers the body and breaks disconnect
     detection). ``on_reject`` runs once per refused request (the API counts it as
     ``num_rejected_requests_total{reason="body_too_large"}``)."""
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] | None = None
+        self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] = _nothing
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
@@ -54,11 +55,11 @@ class BodyLimit:
         await _LimitedRequest(self, scope, receive, send).run()
 
     async def refuse(self, scope: Scope, send: Send) -> None:
-        if self.on_reject is not None:
-            self.on_reject()
+        self.on_reject()
         response = error_response(
             413,
-            f"request body is larger than the limit of {self.max_bytes} bytes (--max-request-bytes)",
+            f"request body is larger than the limit of {self.max_bytes} bytes "
+            "(--max-request-bytes)",
             err_type="request_too_large",
         )
         response.headers["connection"] = "close"

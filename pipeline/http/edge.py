@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pipeline.http.read_timeout import read_timeout_protocol
+from pipeline.http.read_timeout import nothing, read_timeout_protocol
 from pipeline.http.uvicorn_internals import graceful_shutdown_timeout
 
 logger = logging.getLogger("tokenpipe.http")
@@ -152,7 +152,7 @@ async def serve_http(
     app: ASGIApp,
     settings: HttpSettings,
     on_started: Callable[[], None],
-    on_read_timeout: Callable[[], None] | None = None,
+    on_read_timeout: Callable[[], None] = nothing,
     reuse_port: bool = False,
 ) -> None:
     """Runs ``app`` on uvicorn (on the running loop) until SIGTERM/SIGINT, then drains

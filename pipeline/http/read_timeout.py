@@ -19,6 +19,10 @@ logger = logging.getLogger("tokenpipe.http")
 _BODY_TIMEOUTS = 10
 
 
+def nothing() -> None:
+    """The default ``on_read_timeout``: a server that counts nothing."""
+
+
 class _ReadTimeoutProtocol(HttpToolsBase):
     """uvicorn's httptools protocol (``HttpToolsBase``, which holds every use of uvicorn's
     internals), plus a bound on how slowly a client may send its request (uvicorn's own
@@ -34,10 +38,11 @@ class _ReadTimeoutProtocol(HttpToolsBase):
       not to blame, and the deadline is postponed.
 
     A late client's connection is aborted (an ASGI app still running sees a disconnect) and
-    ``on_read_timeout`` runs, unless the client sent nothing at all. Set as class attributes by ``read_timeout_protocol``."""
+    ``on_read_timeout`` runs, unless the client sent nothing at all. Set as class attributes
+    by ``read_timeout_protocol``."""
 
     read_timeout: float = 30.0
-    on_read_timeout: Callable[[], None] | None = None
+    on_read_timeout: Callable[[], None] = staticmethod(nothing)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -102,12 +107,12 @@ class _ReadTimeoutProtocol(HttpToolsBase):
             )
         self._stop_reading()
         self.abort()
-        if began and self.on_read_timeout is not None:
+        if began:
             self.on_read_timeout()
 
 
 def read_timeout_protocol(
-    read_timeout: float, on_read_timeout: Callable[[], None] | None
+    read_timeout: float, on_read_timeout: Callable[[], None]
 ) -> type[HttpToolsBase]:
     """The uvicorn ``http`` protocol class for one server: a subclass per server, so the
     settings live on it and nothing is shared between servers."""
@@ -116,6 +121,6 @@ def read_timeout_protocol(
         (_ReadTimeoutProtocol,),
         {
             "read_timeout": read_timeout,
-            "on_read_timeout": staticmethod(on_read_timeout) if on_read_timeout else None,
+            "on_read_timeout": staticmethod(on_read_timeout),
         },
     )

@@ -1,33 +1,15 @@
-"""Every use tokenpipe makes of uvicorn's private internals, in one module: the base of the API
-server's protocol (``HttpToolsBase``, which ``read_timeout`` builds on) and the direct write of
-a streamed response's body parts (``direct_writer``, which ``sse_stream`` uses). No other
-module names them. uvicorn's public API is used where it is needed: ``edge`` runs
-``uvicorn.Server`` with a ``uvicorn.Config`` and overrides ``Server.capture_signals``; of that
-config, what its type does not say is ``graceful_shutdown_timeout``'s.
+"""Every use tokenpipe makes of uvicorn's private internals, all of
+``uvicorn.protocols.http.httptools_impl``, in one module: the base of the API server's
+protocol (``HttpToolsBase``, which ``read_timeout`` builds on) and the direct write of a
+streamed response's body parts (``direct_writer``, which ``sse_stream`` uses). No other module
+names them; ``edge`` uses uvicorn's public ``Server`` (overriding ``capture_signals``) and
+``Config`` (``graceful_shutdown_timeout`` here says what its type does not).
 
 Written against uvicorn 0.55.0 and httptools 0.9.0. pyproject.toml bounds both to the
-releases these names are known in (the reasons are written there): a new uvicorn minor may
-rename any of them, and then the server either fails here, at once, or quietly drops to the
-slow path. tests/unit/test_uvicorn_internals.py checks each use against the installed uvicorn,
-and tests/e2e/test_uvicorn_fast_path.py fails when a stream under ``tokenpipe serve`` does not
-take the direct path (``tokenpipe:sse_streams_total{write_path="asgi"}`` counts one that did not).
-
-What is used, all of ``uvicorn.protocols.http.httptools_impl``:
-
-- ``HttpToolsProtocol``: the asyncio protocol of one connection, whose httptools parser
-  (llhttp, in C) calls its ``on_message_begin`` (a request's first byte),
-  ``on_headers_complete`` and ``on_message_complete`` (its body fully read). Those three and
-  ``connection_made``, ``connection_lost`` and ``data_received`` are extended here, each
-  still running uvicorn's; of its state, ``loop`` (the event loop), ``transport`` (the
-  connection's asyncio transport), ``flow.read_paused`` (uvicorn stopped reading: its app has
-  not taken the body so far) and ``client`` (the peer's address) are read.
-- ``RequestResponseCycle``: one request's response. The ASGI ``send`` uvicorn gives the app is
-  its bound method ``send``, which writes a chunked body part as ``%x\\r\\n`` (the size), the
-  part, ``\\r\\n`` straight to the transport. Read: ``chunked_encoding`` (True once a response
-  without a content-length has started), ``disconnected`` (the client went away),
-  ``transport``, and ``flow.write_paused`` (the transport's buffer is over its high-water
-  mark: uvicorn's ``send`` would wait).
-"""
+releases these names are known in: a new uvicorn minor may rename any of them, and then the
+server either fails here, at once, or quietly drops to the slow path.
+tests/unit/test_uvicorn_internals.py checks each use against the installed uvicorn, and
+tests/e2e/test_uvicorn_fast_path.py fails when a stream does not take the direct path."""
 
 from __future__ import annotations
 
@@ -42,7 +24,14 @@ class HttpToolsBase(HttpToolsProtocol):
     """uvicorn's httptools protocol (its fast one: llhttp parses in C, and a response body is
     one transport write with no per-message state machine in Python), with hooks for a
     subclass, which then names nothing of uvicorn's. Each hook is a no-op here; all but
-    ``bytes_arriving`` and ``connection_ending`` run after uvicorn's own handling."""
+    ``bytes_arriving`` and ``connection_ending`` run after uvicorn's own handling.
+
+    Of ``HttpToolsProtocol`` (the asyncio protocol of one connection), used: the parser's
+    callbacks ``on_message_begin`` (a request's first byte), ``on_headers_complete`` and
+    ``on_message_complete`` (its body fully read), and ``connection_made``,
+    ``connection_lost`` and ``data_received``, each extended here and still running uvicorn's;
+    read: ``loop``, ``transport``, ``flow.read_paused`` (uvicorn stopped reading: its app has
+    not taken the body so far) and ``client`` (the peer's address)."""
 
     # uvicorn narrows asyncio's BaseTransport to Transport here itself (with the same ignore).
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -121,7 +110,14 @@ class DirectWriter:
     """The body parts of one started, chunked response written straight to its connection,
     as uvicorn's ``send`` writes one, with no ASGI message, no task switch and no await. The
     response stays uvicorn's: its end still goes through ``send``, and so does any part
-    ``try_write`` refuses (``send`` then waits for the client)."""
+    ``try_write`` refuses (``send`` then waits for the client).
+
+    Of ``RequestResponseCycle`` (one request's response; the ASGI ``send`` uvicorn gives the
+    app is its bound method ``send``, which writes a chunked body part as ``%x\\r\\n`` (the
+    size), the part, ``\\r\\n`` straight to the transport), read: ``chunked_encoding`` (True
+    once a response without a content-length has started), ``disconnected`` (the client went
+    away), ``transport``, and ``flow.write_paused`` (the transport's buffer is over its
+    high-water mark: uvicorn's ``send`` would wait)."""
 
     __slots__ = ("_cycle", "_flow", "_write")
 
@@ -147,7 +143,8 @@ def direct_writer(send: Send) -> DirectWriter | None:
     """A ``DirectWriter`` for the response ``send`` has started, when ``send`` is uvicorn's
     own, unwrapped one and the response is chunked; None otherwise (another server or
     protocol, a middleware's wrapper, a response with a content-length, or one not started),
-    and every body part then goes through ``send``."""
+    and every body part then goes through ``send`` (a stream that does so counts in
+    ``tokenpipe:sse_streams_total{write_path="asgi"}``)."""
     cycle = getattr(send, "__self__", None)
     if (
         type(cycle) is RequestResponseCycle
