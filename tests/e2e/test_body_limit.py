@@ -77,7 +77,8 @@ def assert_too_large(response: httpx.Response) -> None:
     error = response.json()["error"]
     assert error["type"] == "request_too_large" and error["code"] == 413
     assert str(LIMIT) in error["message"] and "--max-request-bytes" in error["message"]
-    # Closed, not drained: uvicorn would otherwise read the rest of the body to reuse the connection.
+    # Closed, not drained: uvicorn would otherwise read the rest of the body to reuse the
+    # connection.
     assert response.headers["connection"] == "close"
 
 
@@ -86,7 +87,8 @@ def api_pid(server: ServerProcess) -> int:
 
 
 def reset_peak(pid: int) -> None:
-    # "5" resets VmHWM to the current RSS (proc(5)), so an earlier test's peak cannot hide this one's.
+    # "5" resets VmHWM to the current RSS (proc(5)), so an earlier test's peak cannot hide this
+    # one's.
     Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
@@ -182,7 +184,8 @@ def test_declared_oversize_body_is_answered_without_being_read(limited: ServerPr
 
 
 def test_a_media_item_over_the_body_limit_is_refused_by_it_first(limited: ServerProcess) -> None:
-    # One item at the media limit (20 MiB decoded, ~26.7 MiB of base64) fits the default body limit ...
+    # One item at the media limit (20 MiB decoded, ~26.7 MiB of base64) fits the default body
+    # limit ...
     assert 4 * -(-MAX_ITEM_BYTES // 3) < ServerConfig().max_request_bytes
     # ... and one over a smaller body limit never reaches the media decoding (whose error is a 400).
     image = base64.b64encode(b"\x89PNG" + b"\0" * LIMIT).decode()

@@ -665,8 +665,8 @@ def test_fuzzed_post_bodies_get_4xx_or_a_valid_answer(urls: dict[str, str]) -> N
     @settings(max_examples=POST_EXAMPLES // BATCH, **FUZZ_SETTINGS)  # type: ignore[arg-type]
     @given(st.lists(post_case(), min_size=BATCH, max_size=BATCH))
     # Found by this test (500s before the fix in tokenizer_proc.request_edge.body.decode_body):
-    # integers that no 64-bit wire field can carry, and nesting past the JSON decoder's recursion limit inside
-    # a free-form (Any) field.
+    # integers that no 64-bit wire field can carry, and nesting past the JSON decoder's recursion
+    # limit inside a free-form (Any) field.
     @example(
         raw(
             "gen",

@@ -116,8 +116,8 @@ def test_promtool_finds_no_problems(metrics_server: ServerProcess) -> None:
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
     )
     findings = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
-    # docs/design.md section 7 fixes the names: a `tokenpipe:` prefix (as SGLang's `sglang:`) and the
-    # `*_tokens_histogram` metrics. promtool's style lint flags exactly those two choices;
+    # docs/design.md section 7 fixes the names: a `tokenpipe:` prefix (as SGLang's `sglang:`) and
+    # the `*_tokens_histogram` metrics. promtool's style lint flags exactly those two choices;
     # anything else (a parse error, missing HELP, a counter without _total...) fails here.
     spec_mandated = (
         "metric names should not contain ':'",

@@ -238,7 +238,8 @@ def test_chat_cached_tokens(oai: openai.OpenAI) -> None:
     second = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage
     assert first is not None and second is not None
     assert first.prompt_tokens_details is not None and second.prompt_tokens_details is not None
-    # The first run can only reuse the template's opening tokens; the second reuses the system prompt.
+    # The first run can only reuse the template's opening tokens; the second reuses the system
+    # prompt.
     assert (
         second.prompt_tokens_details.cached_tokens - first.prompt_tokens_details.cached_tokens
         >= 100

@@ -349,7 +349,8 @@ def test_tokenize_add_special_tokens(llama_server: ServerProcess, llama_dir: Pat
             json={"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True},
         )
     assert plain == [bos, *loaded.encode("Hello")] and without == loaded.encode("Hello")
-    # The chat form defaults to false because the template already wrote the BOS: asked for, it doubles.
+    # The chat form defaults to false because the template already wrote the BOS: asked for, it
+    # doubles.
     assert chat_with.json()["tokens"] == [bos, *loaded.encode("<s>[INST] Hi [/INST]")]
 
 

@@ -120,7 +120,8 @@ def test_matched_stop_names_the_stop_string_token_or_eos_and_is_null_on_length(
     assert eos.finish_reason == "stop" and eos.model_extra is not None
     assert eos.model_extra["matched_stop"] == EOS and eos.model_extra["stop_reason"] is None
 
-    # Streamed: on the finishing chunk only (as SGLang's final chunk), the content chunks as they were.
+    # Streamed: on the finishing chunk only (as SGLang's final chunk), the content chunks as they
+    # were.
     for stream in (
         oai.completions.create(
             model=MODEL,

@@ -281,7 +281,7 @@ def test_generate_takes_the_served_model_name_or_null(http: httpx.Client) -> Non
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
 
 
-# --- the sampling parameters of docs/design.md section 10 ----------------------------------------------
+# --- the sampling parameters of docs/design.md section 10 -----------------------------------------
 
 # A value of each that asks for something. /generate takes them all in sampling_params
 # (SGLang's names); the official client takes OpenAI's names as its own arguments and vLLM's
@@ -295,7 +295,8 @@ ASKING: dict[str, Any] = {
     "top_k": 20,
 }
 OPENAI_OWN = {"frequency_penalty", "presence_penalty", "logit_bias", "temperature", "top_p"}
-# The fields that were neutral-only before the sampler implemented them; null is their neutral value.
+# The fields that were neutral-only before the sampler implemented them; null is their neutral
+# value.
 NULLABLE = ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
 
 # Values every route refuses with a 400 naming the field.

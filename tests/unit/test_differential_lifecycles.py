@@ -218,7 +218,8 @@ class Pipeline:
 
     def feed(self, frame: BatchTokenIDOutput | BatchEmbeddingOutput) -> None:
         wire = TO_DETOKENIZER.decode(ENCODER.encode(frame))
-        # The detokenizer passes embedding frames on as they came (split by worker on the split side).
+        # The detokenizer passes embedding frames on as they came (split by worker on the split
+        # side).
         out = (
             wire
             if isinstance(wire, BatchEmbeddingOutput)

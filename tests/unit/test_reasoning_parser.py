@@ -279,7 +279,8 @@ def test_count_is_exact_when_the_tags_fall_on_token_boundaries(
 def test_count_by_bytes_on_hand_made_tokens() -> None:
     text = "<think>é</think>x"
     span = (7, 8)
-    # A character's bytes in two tokens both count; so do skipped tokens inside, the first byte included.
+    # A character's bytes in two tokens both count; so do skipped tokens inside, the first byte
+    # included.
     assert (
         count_reasoning_tokens(
             [b"<think>", b"", b"\xc3", b"", b"\xa9", b"</think>", b"", b"x"], text, span

@@ -301,7 +301,8 @@ def drive(run: Run, abort_after: int | None = None) -> dict[str, int]:
         ids = req_ids(frame)
         result = split(frame)
         assert result.stray == []
-        # (a) each part holds exactly its worker's rows, in order, and only workers with rows get one
+        # (a) each part holds exactly its worker's rows, in order, and only workers with rows get
+        # one
         assert [w for w, _ in result.parts] == sorted({worker_of(r) for r in ids})
         for w, part in result.parts:
             assert req_ids(part) == [r for r in ids if worker_of(r) == w]
