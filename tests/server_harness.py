@@ -167,7 +167,9 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
+def wait_until(  # type: ignore[no-untyped-def]
+    predicate, timeout: float, interval: float = 0.05
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -217,7 +217,8 @@ SAMPLING_FIELDS = {
 }  # fmt: skip
 OPENAI_FIELDS = {
     "model": MODEL, "temperature": FLOAT, "top_p": TOP_P, "seed": INT, "stop": STOP,
-    "n": pool(1, 2, 3, 8, 0, -1, 129, 10**20), "stream": BOOL,  # (n = 128 runs 128 sequences: too dear here)
+    # (n = 128 runs 128 sequences: too dear here)
+    "n": pool(1, 2, 3, 8, 0, -1, 129, 10**20), "stream": BOOL,
     "stream_options": pool({"include_usage": True}, {"include_usage": False}, {"include_obfuscation": True}, {"x": 1}),
     "frequency_penalty": FLOAT, "presence_penalty": FLOAT, "logit_bias": pool({}, {"1": 5}, {"x": 1.0}, {"1": "a"}),
     "user": TEXT, "top_k": INT, "min_tokens": pool(0, 1, 5, -1), "ignore_eos": BOOL, "stop_token_ids": IDS,

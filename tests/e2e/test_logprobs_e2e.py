@@ -55,7 +55,9 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     srv.stop()
 
 
-def reference(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def reference(  # type: ignore[no-untyped-def]
+    hf_model, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
     """transformers' log-softmax of the logits that predicted each output token."""
     ids = torch.tensor([prompt_ids + output_ids[:-1]])
     with torch.no_grad():
@@ -169,7 +171,9 @@ def test_logprob_fields_are_checked(server: ServerProcess) -> None:
     assert "output_token_logprobs" not in plain
 
 
-def test_openai_completions_logprobs_equal_transformers(server: ServerProcess, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_openai_completions_logprobs_equal_transformers(  # type: ignore[no-untyped-def]
+    server: ServerProcess, hf_model
+) -> None:
     """The official client reads OpenAI's completions shape: tokens, token_logprobs, the
     top ones (N plus the chosen token) and text offsets into the text."""
     with server.openai_client() as client:
@@ -360,7 +364,9 @@ def test_echo_scores_the_prompt_with_max_tokens_0(
     assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
 
 
-def test_each_choice_has_its_own_logprobs(server: ServerProcess, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_each_choice_has_its_own_logprobs(  # type: ignore[no-untyped-def]
+    server: ServerProcess, hf_model
+) -> None:
     """``n`` > 1 with sampling: each choice's logprobs are those of its own tokens. Choice i
     draws with seed + i, so /generate with that seed gives its token ids."""
     prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=30).json()[
@@ -400,7 +406,9 @@ def test_each_choice_has_its_own_logprobs(server: ServerProcess, hf_model) -> No
     assert len(set(drawn)) > 1, "the seeded choices all drew the same tokens"
 
 
-def prompt_reference(hf_model, prompt_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def prompt_reference(  # type: ignore[no-untyped-def]
+    hf_model, prompt_ids: list[int]
+) -> torch.Tensor:
     """Row q - 1: transformers' log-softmax of the logits that predict prompt token q."""
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt_ids])).logits[0]
@@ -427,7 +435,9 @@ def assert_prompt_entries(
         )
 
 
-def test_openai_prompt_logprobs_equal_transformers(server: ServerProcess, hf_model) -> None:  # type: ignore[no-untyped-def]
+def test_openai_prompt_logprobs_equal_transformers(  # type: ignore[no-untyped-def]
+    server: ServerProcess, hf_model
+) -> None:
     """vLLM's ``prompt_logprobs`` (on a completion choice, at a chat response's top level):
     each position's prompt token and its ``TOP`` most likely ones are transformers'
     log-softmax of the logits before it (within 1e-4), ranked 1..TOP; the prompt token's rank

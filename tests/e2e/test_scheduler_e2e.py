@@ -34,7 +34,10 @@ def small_pool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     srv.stop()
 
 
-def stream_text(c: httpx.Client, body: dict) -> tuple[str, list[int], dict]:  # type: ignore[type-arg]
+def stream_text(
+    c: httpx.Client,
+    body: dict,  # type: ignore[type-arg]
+) -> tuple[str, list[int], dict]:  # type: ignore[type-arg]
     """The last event's text, ids and meta_info: each event holds the output so far."""
     text, ids, meta = "", [], {}
     with c.stream("POST", "/generate", json={**body, "stream": True}) as resp:

@@ -88,7 +88,11 @@ def ids_only_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_ids_only_dir(tmp_path_factory.mktemp("ids-only-model"))
 
 
-def sse_payloads(client: httpx.Client, path: str, body: dict) -> list[dict]:  # type: ignore[type-arg]
+def sse_payloads(
+    client: httpx.Client,
+    path: str,
+    body: dict,  # type: ignore[type-arg]
+) -> list[dict]:  # type: ignore[type-arg]
     """The JSON events of a stream, which must end with ``[DONE]``."""
     events: list[dict] = []  # type: ignore[type-arg]
     with client.stream("POST", path, json={**body, "stream": True}) as resp:

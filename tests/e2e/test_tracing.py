@@ -456,7 +456,11 @@ def test_real_otlp_http_export_with_gzip(monkeypatch: pytest.MonkeyPatch) -> Non
 # --- end to end through a real server ----------------------------------------------------
 
 
-def _generate(client: httpx.Client, body: dict, headers: dict[str, str]) -> tuple[dict, float]:  # type: ignore[type-arg]
+def _generate(
+    client: httpx.Client,
+    body: dict,  # type: ignore[type-arg]
+    headers: dict[str, str],
+) -> tuple[dict, float]:  # type: ignore[type-arg]
     start = time.perf_counter()
     if not body.get("stream"):
         resp = client.post("/generate", json=body, headers=headers)

@@ -200,7 +200,8 @@ class Pipeline:
     detok: IncrementalDetokenizer
     metrics_logs: list[list[tuple[str, str, float]]]  # per worker
     spans: list[InMemorySpanExporter]  # per worker
-    split: bool  # True: each worker gets its part of each frame; False: every worker gets every frame whole
+    # True: each worker gets its part of each frame; False: every worker gets every frame whole
+    split: bool
     states: dict[int, ReqState] = field(default_factory=dict)
     texts: TokenTextCache | None = None  # the detokenizer's logprob token texts
     text_of: dict[int, Callable[[int], str] | None] = field(

@@ -183,11 +183,15 @@ def test_a_row_whose_first_row_never_came_fails_its_request_and_keeps_no_state()
     assert first.finished is None and first.deltas == ["hi"]
 
 
-def _one_row(ids: list[int], reason, options: DecodeOptions = DecodeOptions(stream=False)) -> str:  # type: ignore[no-untyped-def]
+def _one_row(  # type: ignore[no-untyped-def]
+    ids: list[int], reason, options: DecodeOptions = DecodeOptions(stream=False)
+) -> str:
     return IncrementalDetokenizer(TOK.tokenizer).process([1], [ids], [reason], [options]).deltas[0]
 
 
-def _streamed(ids: list[int], reason, options: DecodeOptions = DecodeOptions()) -> list[str]:  # type: ignore[no-untyped-def]
+def _streamed(  # type: ignore[no-untyped-def]
+    ids: list[int], reason, options: DecodeOptions = DecodeOptions()
+) -> list[str]:
     return feed(IncrementalDetokenizer(TOK.tokenizer), 1, ids, [1] * len(ids), options, reason)
 
 

@@ -210,7 +210,9 @@ def test_a_steady_decode_step_asks_no_request_anything(monkeypatch: pytest.Monke
     ):
         original = getattr(cls, name)
 
-        def counted(*args: object, _original=original, _name=name) -> object:  # type: ignore[no-untyped-def]
+        def counted(  # type: ignore[no-untyped-def]
+            *args: object, _original=original, _name=name
+        ) -> object:
             calls.append(_name)
             return _original(*args)
 

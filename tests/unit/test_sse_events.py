@@ -71,7 +71,9 @@ def test_a_generate_event_filled_equals_the_whole_event() -> None:
     ],
 )
 @pytest.mark.parametrize("usage", [{}, {"usage": None}])
-def test_an_openai_chunk_filled_equals_the_whole_chunk(choice, usage) -> None:  # type: ignore[no-untyped-def]
+def test_an_openai_chunk_filled_equals_the_whole_chunk(  # type: ignore[no-untyped-def]
+    choice, usage
+) -> None:
     head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m\u2029"}
     hole = Hole()
     template = EventTemplate({**head, "choices": [choice(hole)], **usage})
@@ -87,7 +89,9 @@ def test_a_marker_in_the_constant_parts_is_refused() -> None:
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 @pytest.mark.parametrize("usage", [(False, False), (True, False), (True, True)])
-def test_a_stream_of_templated_chunks_equals_the_chunks_encoded_whole(kind, usage) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_of_templated_chunks_equals_the_chunks_encoded_whole(  # type: ignore[no-untyped-def]
+    kind, usage
+) -> None:
     """The real completions/chat event source, with and without ``include_usage`` and
     ``continuous_usage_stats``, templated against the same chunks encoded whole; the stats
     change mid-stream (as after a retraction), so a continuous template is remade."""
