@@ -20,7 +20,8 @@ from pipeline.worker_ids import MAX_API_WORKERS
 
 Mode = Literal["generate", "embedding", "dllm"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
-# The names tokenizer_proc/parsers registers (tests/unit/test_chat_parsers_flags.py keeps them equal).
+# The names tokenizer_proc/parsers registers (tests/unit/test_chat_parsers_flags.py keeps them
+# equal).
 ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 # The metric names /metrics serves: tokenpipe's own, or a peer's (tokenizer_proc/metrics_compat.py).
@@ -57,7 +58,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ModelDtype,
         Flag(
             "model",
-            "weights and KV cache: auto (the checkpoint's torch_dtype; float32 for the built-in model), float32, bfloat16, float16",
+            "weights and KV cache: auto (the checkpoint's torch_dtype; float32 for the built-in "
+            "model), float32, bfloat16, float16",
         ),
     ] = "auto"
     # None: all cores but two (the other processes need them)
@@ -68,22 +70,25 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Mode,
         Flag(
             "model",
-            "generate: text generation; embedding: mean-pooled embeddings (/v1/embeddings, /encode); dllm: block diffusion decoding",
+            "generate: text generation; embedding: mean-pooled embeddings (/v1/embeddings, "
+            "/encode); dllm: block diffusion decoding",
         ),
     ] = "generate"
     context_length: Annotated[
         int | None,
         Flag(
             "model",
-            "longest prompt plus output of a request (default, and at most: the model's max_position_embeddings)",
+            "longest prompt plus output of a request (default, and at most: the model's "
+            "max_position_embeddings)",
         ),
     ] = None
     skip_tokenizer_init: Annotated[
         bool,
         Flag(
             "model",
-            "token ids in, token ids out (SGLang's flag): no process loads a tokenizer; prompts are token ids and "
-            "answers carry output ids without text; text prompts, chat, stop strings and media get 400",
+            "token ids in, token ids out (SGLang's flag): no process loads a tokenizer; prompts "
+            "are token ids and answers carry output ids without text; text prompts, chat, stop "
+            "strings and media get 400",
         ),
     ] = False
 
@@ -96,8 +101,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Switch,
         Flag(
             "scheduler",
-            "decode passes read a dense copy of the running requests' KV, a row each, of at most --max-total-tokens "
-            "positions, instead of gathering it from the pool: auto (on for the CPU, off on CUDA), on, off",
+            "decode passes read a dense copy of the running requests' KV, a row each, of at most "
+            "--max-total-tokens positions, instead of gathering it from the pool: auto (on for "
+            "the CPU, off on CUDA), on, off",
         ),
     ] = "auto"
     chunked_prefill_size: Annotated[
@@ -118,15 +124,17 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         bool,
         Flag(
             "scheduler",
-            "benchmarking only: the scheduler builds and encodes its token frames but drops them, so clients get no output",
+            "benchmarking only: the scheduler builds and encodes its token frames but drops them, "
+            "so clients get no output",
         ),
     ] = False
     dense_usage_columns: Annotated[
         bool,
         Flag(
             "scheduler",
-            "every token frame row also carries prompt, cached, image, audio and video token counts as int32 columns, "
-            "for a consumer that keeps no per-request state (docs/wire.md)",
+            "every token frame row also carries prompt, cached, image, audio and video token "
+            "counts as int32 columns, for a consumer that keeps no per-request state "
+            "(docs/wire.md)",
         ),
     ] = False
 
@@ -135,7 +143,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int,
         Flag(
             "hicache",
-            "host-memory KV tier under the device pool, in tokens: evicted prefixes move there and come back on a hit (0: off)",
+            "host-memory KV tier under the device pool, in tokens: evicted prefixes move there "
+            "and come back on a hit (0: off)",
         ),
     ] = 0
     # Made absolute when read; storage can also be attached at runtime.
@@ -143,7 +152,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         str | None,
         Flag(
             "hicache",
-            "existing directory for the storage tier under the host tier (file backend); also POST /hicache/storage/attach",
+            "existing directory for the storage tier under the host tier (file backend); also "
+            "POST /hicache/storage/attach",
             parse=_absolute_or_none,
         ),
     ] = None
@@ -153,8 +163,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         DisaggregationMode,
         Flag(
             "PD disaggregation",
-            "prefill: compute KV and the first token, and send the KV to a decode server; decode: take requests "
-            "prebuilt from a prefill server (run both behind sglang-router); null: one unified server",
+            "prefill: compute KV and the first token, and send the KV to a decode server; decode: "
+            "take requests prebuilt from a prefill server (run both behind sglang-router); null: "
+            "one unified server",
         ),
     ] = "null"
     disaggregation_bootstrap_port: Annotated[
@@ -164,14 +175,16 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         str | None,
         Flag(
             "PD disaggregation",
-            "prefill: a tcp:// or ipc:// ZeroMQ endpoint for KV fetches, instead of --host and the port",
+            "prefill: a tcp:// or ipc:// ZeroMQ endpoint for KV fetches, instead of --host and "
+            "the port",
         ),
     ] = None
     disaggregation_bootstrap_timeout: Annotated[
         float,
         Flag(
             "PD disaggregation",
-            "decode: seconds to wait for a request's KV before failing it; prefill: seconds unclaimed KV is kept",
+            "decode: seconds to wait for a request's KV before failing it; prefill: seconds "
+            "unclaimed KV is kept",
         ),
     ] = 30.0
 
@@ -195,7 +208,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int | None,
         Flag(
             "http",
-            "when this many requests wait for admission, a new one gets 503 with Retry-After (default: no bound)",
+            "when this many requests wait for admission, a new one gets 503 with Retry-After "
+            "(default: no bound)",
         ),
     ] = None
     request_read_timeout: Annotated[
@@ -209,7 +223,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int,
         Flag(
             "http",
-            "API processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections over them)",
+            "API processes sharing the HTTP port (SO_REUSEPORT: the kernel spreads connections "
+            "over them)",
         ),
     ] = 1
     # Which of them this process is: the supervisor sets it per child.
@@ -227,8 +242,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         bool,
         Flag(
             "http",
-            "/generate stream events carry only the text, output_ids and output logprobs new since the previous "
-            "event (SGLang's flag); without it each event carries everything so far, as SGLang streams by default",
+            "/generate stream events carry only the text, output_ids and output logprobs new "
+            "since the previous event (SGLang's flag); without it each event carries everything "
+            "so far, as SGLang streams by default",
         ),
     ] = False
     enable_tokenizer_info_endpoint: Annotated[
@@ -244,16 +260,17 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ToolCallParserName,
         Flag(
             "chat",
-            "the format tool calls are read in when a chat request gives tools with tool_choice auto: hermes (Qwen 2.5 "
-            "and 3, Hermes, the built-in template), llama3_json (Llama 3.1 and later), mistral ([TOOL_CALLS])",
+            "the format tool calls are read in when a chat request gives tools with tool_choice "
+            "auto: hermes (Qwen 2.5 and 3, Hermes, the built-in template), llama3_json (Llama 3.1 "
+            "and later), mistral ([TOOL_CALLS])",
         ),
     ] = "hermes"
     reasoning_parser: Annotated[
         ReasoningParserName | None,
         Flag(
             "chat",
-            "split <think>...</think> out of chat answers into reasoning_content: deepseek_r1 (the answer starts inside "
-            "reasoning), qwen3 (default: none, all text is content)",
+            "split <think>...</think> out of chat answers into reasoning_content: deepseek_r1 "
+            "(the answer starts inside reasoning), qwen3 (default: none, all text is content)",
         ),
     ] = None
 
@@ -262,14 +279,16 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         int,
         Flag(
             "chat",
-            "stored responses kept for previous_response_id and GET /v1/responses/{id}; the oldest go first",
+            "stored responses kept for previous_response_id and GET /v1/responses/{id}; the "
+            "oldest go first",
         ),
     ] = 10_000
     responses_store_bytes: Annotated[
         int,
         Flag(
             "chat",
-            "bytes of stored responses (their JSON, conversations included) kept at most; the oldest go first",
+            "bytes of stored responses (their JSON, conversations included) kept at most; the "
+            "oldest go first",
         ),
     ] = 256 * 1024 * 1024
 
@@ -286,15 +305,17 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         MetricsCompat,
         Flag(
             "observability",
-            "the metric names, labels and buckets /metrics serves: tokenpipe's own, or SGLang's or vLLM's for their "
-            "dashboards and alerts (series they lack keep their tokenpipe: names)",
+            "the metric names, labels and buckets /metrics serves: tokenpipe's own, or SGLang's "
+            "or vLLM's for their dashboards and alerts (series they lack keep their tokenpipe: "
+            "names)",
         ),
     ] = "tokenpipe"
     otlp_traces_endpoint: Annotated[
         str | None,
         Flag(
             "observability",
-            "export one span per request over OTLP to this URL (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)",
+            "export one span per request over OTLP to this URL (default: "
+            "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)",
             env="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
         ),
     ] = None
@@ -380,7 +401,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--api-worker-index must be below --api-workers")
         if self.responses_store_max_count < 0 or self.responses_store_bytes < 0:
             problems.append(
-                "--responses-store-max-count and --responses-store-bytes must be 0 (store nothing) or more"
+                "--responses-store-max-count and --responses-store-bytes must be 0 (store "
+                "nothing) or more"
             )
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
@@ -388,7 +410,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("--dllm-block-size must be at least 1")
         if not 1 <= self.dllm_steps <= self.dllm_block_size:
             problems.append(
-                "--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least one position)"
+                "--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least "
+                "one position)"
             )
         if self.hicache_host_tokens < 0:
             problems.append("--hicache-host-tokens must be 0 (off) or positive")

@@ -1,6 +1,6 @@
-"""Single-token texts for logprob entries (docs/design.md section 11): what ``return_text_in_logprobs``
-and OpenAI's ``token``/``tokens`` fields show for a token id, its own decoding with special
-tokens shown.
+"""Single-token texts for logprob entries (docs/design.md section 11): what
+``return_text_in_logprobs`` and OpenAI's ``token``/``tokens`` fields show for a token id, its
+own decoding with special tokens shown.
 
 The detokenizer makes them for a whole frame at once (one ``decode_batch`` over the ids it
 has not decoded before) and sends them with the frame (``BatchStrOutput.token_texts``); the

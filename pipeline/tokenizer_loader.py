@@ -147,7 +147,8 @@ def load_model_vocab(model_path: str | os.PathLike[str] | None) -> ModelVocab:
     model_config = _read_json(directory / "config.json")
     if model_config is None:
         raise TokenizerLoadError(
-            f"config.json not found in {directory}: --skip-tokenizer-init reads the vocabulary size there"
+            f"config.json not found in {directory}: --skip-tokenizer-init reads the vocabulary "
+            "size there"
         )
     vocab_size = model_config.get("vocab_size")
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:

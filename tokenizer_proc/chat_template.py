@@ -150,7 +150,8 @@ class ChatTemplate:
                 )
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise FinalMessageError(
-                    'continue_final_message is set but the final message has no "content" to continue'
+                    "continue_final_message is set but the final message has no "
+                    '"content" to continue'
                 )
             final = messages[-1]["content"]
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARKER}]
@@ -187,9 +188,10 @@ def _left_open(rendered: str, final: str) -> str:
     marker = _CONTINUE_MARKER.strip()
     if final.strip() not in rendered or marker not in rendered:
         raise FinalMessageError(
-            "continue_final_message is set but the final message does not appear in the chat after applying the chat "
-            "template! This can happen if the chat template deletes portions of the final message. Please verify the "
-            "chat template and final message in your chat to ensure they are compatible."
+            "continue_final_message is set but the final message does not appear in the chat "
+            "after applying the chat template! This can happen if the chat template deletes "
+            "portions of the final message. Please verify the chat template and final message in "
+            "your chat to ensure they are compatible."
         )
     at = rendered.rindex(marker)
     if rendered.startswith(_CONTINUE_MARKER, at):

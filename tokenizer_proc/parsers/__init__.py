@@ -1,1 +1,2 @@
-"""Parsers that split a model's output text into content, reasoning and tool calls, incrementally per request."""
+"""Parsers that split a model's output text into content, reasoning and tool calls,
+incrementally per request."""
