@@ -26,7 +26,8 @@ async def _serve(config: ServerConfig) -> None:
     if several and config.enable_metrics and METRICS_DIR_ENV not in os.environ:
         # prometheus-client reads it when it is imported; `tokenpipe serve` sets it.
         raise SystemExit(
-            f"--api-workers {config.api_workers} with metrics on: set {METRICS_DIR_ENV} to a directory the workers share"
+            f"--api-workers {config.api_workers} with metrics on: set {METRICS_DIR_ENV} to a "
+            "directory the workers share"
         )
     # Under --skip-tokenizer-init only the model's configs are read, never a tokenizer file.
     vocab = load_vocab(config.model_path, skip_tokenizer_init=config.skip_tokenizer_init)

@@ -1,64 +1,13 @@
-"""Media inputs of the native ``/generate`` API: decoding, placeholder token counts, prompt expansion.
+"""Media inputs of the native ``/generate`` API: decoding, placeholder token counts, prompt
+expansion.
 
-``image_data``, ``audio_data`` and ``video_data`` each take one string or a list of strings.
-Every string is the bytes of one item, either as raw base64 or as a data URL
-(``data:image/png;base64,...``). The tokenizer manager decodes each item here, counts its
-placeholder tokens by the rules below, and puts that many copies of the kind's placeholder
-token (``<|image|>``, ``<|audio|>``, ``<|video|>``) in front of the prompt. The model never
-sees the pixels or samples: the count is what the scheduler's stats report as
-``image_tokens``, ``audio_tokens`` and ``video_tokens``.
-
-Rules
------
-
-Encoding
-    Raw base64 (standard alphabet, RFC 4648 section 4; padding optional; whitespace ignored)
-    or a ``data:`` URL whose header ends in ``;base64``. The media type a data URL declares is
-    not trusted: the bytes decide what the item is. URLs (``http://``, ``https://``,
-    ``file://``) and file paths are never fetched or opened; they are refused like any other
-    string that is not base64.
-
-Image (``image_data``)
-    A PNG, JPEG, GIF, WebP or BMP file, opened with Pillow. Only the header is read for the size
-    (``Image.open(...).size``) and the file is checked with ``Image.verify()``, so the pixels are
-    never decoded. ``verify()`` checks what a format allows without decoding (a PNG's chunks
-    and their CRCs through IEND, so a PNG header followed by garbage is refused); it does not
-    check a JPEG's compressed scan data. Tokens = ceil(width / 28) * ceil(height / 28), one
-    token per 28 x 28 pixel patch, at least 1 and capped at 1024 per image.
-
-Audio (``audio_data``)
-    A WAV file (RIFF/WAVE, uncompressed PCM, as the standard library's ``wave`` module reads
-    it), whose sample data must be all present. Duration = nframes / framerate seconds.
-    Tokens = ceil(duration * 25), one token per 40 ms (computed exactly, in integers, as
-    ceil(nframes * 25 / framerate)), at least 1 and capped at 3000 per clip (two minutes).
-
-Video (``video_data``)
-    An animated GIF, or any other multi-frame image of the formats above that Pillow opens
-    (an animated PNG or WebP). The frame count is Pillow's ``n_frames``, the documented field;
-    a still image counts as a one-frame video. At most 32 frames are sampled.
-    Tokens = min(n_frames, 32) * ceil(width / 56) * ceil(height / 56), one token per
-    56 x 56 pixel patch of each sampled frame, at least 1 and capped at 4096 per video.
-
-Limits
-    At most 16 items per kind per request, and at most 20 MiB (20 * 1024 * 1024 bytes) per
-    decoded item. A request over a limit is refused; for too many items the error names the
-    first item over the limit (``image_data[16]``). An item whose base64 text is already too
-    long is refused before it is decoded. The whole request body is bounded first, while it
-    is read, by ``--max-request-bytes`` (64 MiB by default, 413 beyond it): so the total of
-    all items is at most that, and one item's base64 text (~26.7 MiB at the 20 MiB limit)
-    fits in the default; a smaller body limit refuses a large item before this module sees it.
-
-Errors
-    Every refusal is a ``MediaError``, a ``RequestValidationError`` that the HTTP layer answers
-    with 400. Its ``param`` names the field and, when the field was a list, the index of the
-    item: ``image_data[1]``; a field sent as a single string is named without an index
-    (``audio_data``). The message says what is wrong and what was expected.
-
-Prompt order
-    The placeholders go before the text tokens: first every image, then every audio clip,
-    then every video, each kind in the order of its list; each item contributes
-    ``num_tokens`` copies of its kind's token id. A tokenizer without the placeholder token
-    of a kind that was given refuses the request.
+``image_data``, ``audio_data`` and ``video_data`` each take one string or a list of strings,
+each the bytes of one item (``_decode_string`` says the encodings). The tokenizer manager
+decodes each item here, counts its placeholder tokens (``image_tokens``, ``audio_tokens``,
+``video_tokens``), and puts that many copies of the kind's placeholder token (``<|image|>``,
+``<|audio|>``, ``<|video|>``) in front of the prompt (``expand_prompt``). The model never sees
+the pixels or samples: the count is what the scheduler's stats report as ``image_tokens``,
+``audio_tokens`` and ``video_tokens``. Every refusal is a ``MediaError``.
 """
 
 from __future__ import annotations
@@ -98,6 +47,13 @@ __all__ = [
 MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio", "video")
 """The kinds in prompt order."""
 
+# At most 16 items per kind per request, and at most 20 MiB per decoded item. For too many
+# items the error names the first item over the limit (``image_data[16]``). An item whose
+# base64 text is already too long is refused before it is decoded. The whole request body is
+# bounded first, while it is read, by ``--max-request-bytes`` (64 MiB by default, 413 beyond
+# it): so the total of all items is at most that, and one item's base64 text (~26.7 MiB at the
+# 20 MiB limit) fits in the default; a smaller body limit refuses a large item before this
+# module sees it.
 MAX_ITEMS_PER_KIND = 16
 MAX_ITEM_BYTES = 20 * 1024 * 1024
 
@@ -129,7 +85,10 @@ _WHITESPACE = re.compile(r"\s+")
 
 
 class MediaError(RequestValidationError):
-    """A media item the server refuses with 400; ``param`` names the field and index."""
+    """A media item the server refuses with 400 (a ``RequestValidationError``). Its ``param``
+    names the field and, when the field was a list, the index of the item: ``image_data[1]``;
+    a field sent as a single string is named without an index (``audio_data``). The message
+    says what is wrong and what was expected."""
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message, param)
@@ -140,19 +99,24 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def image_tokens(width: int, height: int) -> int:
-    """Placeholder tokens of a ``width`` x ``height`` image (see the module rules)."""
+    """Placeholder tokens of a ``width`` x ``height`` image: ceil(width / 28) *
+    ceil(height / 28), one token per 28 x 28 pixel patch, at least 1 and capped at 1024."""
     tokens = _ceil_div(width, IMAGE_PATCH_SIZE) * _ceil_div(height, IMAGE_PATCH_SIZE)
     return min(max(tokens, 1), IMAGE_MAX_TOKENS)
 
 
 def audio_tokens(nframes: int, framerate: int) -> int:
-    """Placeholder tokens of a clip of ``nframes`` frames at ``framerate`` Hz: ceil(seconds * 25)."""
+    """Placeholder tokens of a clip of ``nframes`` frames at ``framerate`` Hz: ceil(seconds *
+    25), one token per 40 ms (computed exactly, in integers, as ceil(nframes * 25 /
+    framerate)), at least 1 and capped at 3000 per clip (two minutes)."""
     tokens = _ceil_div(nframes * AUDIO_TOKENS_PER_SECOND, framerate)
     return min(max(tokens, 1), AUDIO_MAX_TOKENS)
 
 
 def video_tokens(n_frames: int, width: int, height: int) -> int:
-    """Placeholder tokens of a ``n_frames``-frame ``width`` x ``height`` video."""
+    """Placeholder tokens of a ``n_frames``-frame ``width`` x ``height`` video: at most 32
+    frames are sampled; min(n_frames, 32) * ceil(width / 56) * ceil(height / 56), one token per
+    56 x 56 pixel patch of each sampled frame, at least 1 and capped at 4096 per video."""
     frames = min(n_frames, VIDEO_MAX_FRAMES)
     tokens = frames * _ceil_div(width, VIDEO_PATCH_SIZE) * _ceil_div(height, VIDEO_PATCH_SIZE)
     return min(max(tokens, 1), VIDEO_MAX_TOKENS)
@@ -185,9 +149,10 @@ def parse_media(
 def expand_prompt(
     input_ids: list[int], items: list[MediaItem], media_token_ids: Mapping[str, int]
 ) -> list[int]:
-    """Placeholder tokens go before the text, in the order image, audio, video and item order:
-    for each item num_tokens copies of its kind's token id. Raises MediaError if the tokenizer
-    has no token for a kind that was given.
+    """Placeholder tokens go before the text: first every image, then every audio clip, then
+    every video, each kind in the order of its list; each item contributes ``num_tokens``
+    copies of its kind's token id. A tokenizer without the placeholder token of a kind that
+    was given refuses the request (MediaError).
 
     ``input_ids`` is not changed; a new list is returned.
     """
@@ -205,9 +170,9 @@ def expand_prompt(
             token_id = media_token_ids.get(kind)
             if token_id is None:
                 raise MediaError(
-                    f"this model's tokenizer has no <|{kind}|> placeholder token, so it cannot take "
-                    f"{kind}_data; send the request without {kind}_data or serve a model whose "
-                    f"tokenizer has that token",
+                    f"this model's tokenizer has no <|{kind}|> placeholder token, so it cannot "
+                    f"take {kind}_data; send the request without {kind}_data or serve a model "
+                    "whose tokenizer has that token",
                     f"{kind}_data",
                 )
             placeholders.extend([token_id] * item.num_tokens)
@@ -222,20 +187,25 @@ def _entries(kind: str, field: str, data: object) -> list[tuple[str, object]]:
         return [(field, data)]
     if not isinstance(data, (list, tuple)):
         raise MediaError(
-            f"{field} must be a string or a list of strings (raw base64 or {_DATA_URL_EXAMPLE[kind]}), "
-            f"got {type(data).__name__}",
+            f"{field} must be a string or a list of strings (raw base64 or "
+            f"{_DATA_URL_EXAMPLE[kind]}), got {type(data).__name__}",
             field,
         )
     if len(data) > MAX_ITEMS_PER_KIND:
         raise MediaError(
-            f"{field} has {len(data)} items; at most {MAX_ITEMS_PER_KIND} {kind} items are allowed per request",
+            f"{field} has {len(data)} items; at most {MAX_ITEMS_PER_KIND} {kind} items are "
+            "allowed per request",
             f"{field}[{MAX_ITEMS_PER_KIND}]",
         )
     return [(f"{field}[{i}]", value) for i, value in enumerate(data)]
 
 
 def _decode_string(kind: str, param: str, value: object) -> bytes:
-    """The bytes of one item, from raw base64 or a base64 data URL."""
+    """The bytes of one item: raw base64 (standard alphabet, RFC 4648 section 4; padding
+    optional; whitespace ignored) or a ``data:`` URL whose header ends in ``;base64``. The
+    media type a data URL declares is not trusted: the bytes decide what the item is. URLs
+    (``http://``, ``https://``, ``file://``) and file paths are never fetched or opened; they
+    are refused like any other string that is not base64."""
     expected = f"expected raw base64 or a base64 data URL such as {_DATA_URL_EXAMPLE[kind]}"
     if not isinstance(value, str):
         raise MediaError(
@@ -252,7 +222,8 @@ def _decode_string(kind: str, param: str, value: object) -> bytes:
             )
         if not header.lower().endswith(";base64"):
             raise MediaError(
-                f"{param} is a data URL that is not base64-encoded (no ';base64' before ','); {expected}",
+                f"{param} is a data URL that is not base64-encoded (no ';base64' before ','); "
+                f"{expected}",
                 param,
             )
     elif value.lstrip()[:8].lower().startswith(("http://", "https://", "file://")):
@@ -273,8 +244,8 @@ def _decode_string(kind: str, param: str, value: object) -> bytes:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise MediaError(
-            f"{param} is not valid base64 (it has characters outside the standard base64 alphabet or "
-            f"misplaced '=' padding; URLs and file paths are not read); {expected}",
+            f"{param} is not valid base64 (it has characters outside the standard base64 alphabet "
+            f"or misplaced '=' padding; URLs and file paths are not read); {expected}",
             param,
         ) from None
     if len(raw) > MAX_ITEM_BYTES:
@@ -301,8 +272,16 @@ def _count_tokens(kind: str, param: str, raw: bytes) -> int:
 
 
 def _image_header(kind: str, param: str, raw: bytes) -> tuple[int, int, int]:
-    """(width, height, frames) of an image file, read from its header and checked with
-    ``verify()`` without decoding the pixels; frames are counted only for a video."""
+    """(width, height, frames) of an image file: a PNG, JPEG, GIF, WebP or BMP file, opened
+    with Pillow. Only the header is read for the size (``Image.open(...).size``) and the file
+    is checked with ``Image.verify()``, so the pixels are never decoded. ``verify()`` checks
+    what a format allows without decoding (a PNG's chunks and their CRCs through IEND, so a
+    PNG header followed by garbage is refused); it does not check a JPEG's compressed scan
+    data.
+
+    Frames are counted only for a video: an animated GIF, or any other multi-frame image of
+    the formats above that Pillow opens (an animated PNG or WebP). The frame count is
+    Pillow's ``n_frames``, the documented field; a still image counts as a one-frame video."""
     what = _EXPECTED[kind]
     try:
         with Image.open(BytesIO(raw), formats=IMAGE_FORMATS) as im:
@@ -329,14 +308,15 @@ def _image_header(kind: str, param: str, raw: bytes) -> tuple[int, int, int]:
         raise MediaError(
             f"{param} is not an image of an accepted format; expected {what}", param
         ) from None
-    except Exception as exc:  # noqa: BLE001 - any failure of a parser of untrusted bytes means a bad file
+    # Any failure of a parser of untrusted bytes means a bad file.
+    except Exception as exc:  # noqa: BLE001
         raise MediaError(
             f"{param} is a broken or truncated image file ({_reason(exc)}); expected {what}", param
         ) from None
     if width <= 0 or height <= 0 or n_frames <= 0:
         raise MediaError(
-            f"{param} is a {fmt} file of {width}x{height} pixels and {n_frames} frames; expected {what} "
-            "of at least 1x1 pixels",
+            f"{param} is a {fmt} file of {width}x{height} pixels and {n_frames} frames; expected "
+            f"{what} of at least 1x1 pixels",
             param,
         )
     return width, height, n_frames
@@ -358,10 +338,14 @@ def _sniff(raw: bytes) -> str | None:
 
 
 def _audio(param: str, raw: bytes) -> int:
+    """The placeholder tokens of a WAV file (RIFF/WAVE, uncompressed PCM, as the standard
+    library's ``wave`` module reads it), whose sample data must be all present. Duration =
+    nframes / framerate seconds."""
     what = _EXPECTED["audio"]
     if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE":
         raise MediaError(
-            f"{param} is not a WAV file (it does not start with a RIFF/WAVE header); expected {what}",
+            f"{param} is not a WAV file (it does not start with a RIFF/WAVE header); expected "
+            f"{what}",
             param,
         )
     try:
@@ -370,7 +354,8 @@ def _audio(param: str, raw: bytes) -> int:
             framerate = w.getframerate()
             frame_size = w.getsampwidth() * w.getnchannels()
             data = w.readframes(nframes)
-    except Exception as exc:  # noqa: BLE001 - any failure of a parser of untrusted bytes means a bad file
+    # Any failure of a parser of untrusted bytes means a bad file.
+    except Exception as exc:  # noqa: BLE001
         raise MediaError(
             f"{param} is a broken or unsupported WAV file ({_reason(exc)}); expected {what}", param
         ) from None

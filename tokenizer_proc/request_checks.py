@@ -30,23 +30,29 @@ class ContextLengthError(RequestValidationError):
     tokenpipe's own detail after them."""
 
     def __init__(self, prompt_len: int, max_new_tokens: int, context_length: int) -> None:
-        self.prompt_len, self.max_new_tokens, self.context_length = (
-            prompt_len,
-            max_new_tokens,
-            context_length,
-        )
-        self.prompt_alone = prompt_len >= context_length  # the prompt leaves no room for any output
+        self.prompt_len = prompt_len
+        self.max_new_tokens = max_new_tokens
+        self.context_length = context_length
+        # The prompt leaves no room for any output.
+        self.prompt_alone = prompt_len >= context_length
         total = prompt_len + max_new_tokens
         if self.prompt_alone:
-            message = f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} tokens)."
+            message = (
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({context_length} tokens)."
+            )
         else:
             message = (
-                f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
-                f"You requested a total of {total} tokens: {prompt_len} tokens from the input messages and "
-                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
-                "messages or the completion to fit within the limit."
+                "Requested token count exceeds the model's maximum context length of "
+                f"{context_length} tokens. You requested a total of {total} tokens: {prompt_len} "
+                f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
+                "Please reduce the number of tokens in the input messages or the completion to "
+                "fit within the limit."
             )
-        detail = f" The prompt has {prompt_len} tokens and sampling_params.max_new_tokens is {max_new_tokens}."
+        detail = (
+            f" The prompt has {prompt_len} tokens and sampling_params.max_new_tokens is "
+            f"{max_new_tokens}."
+        )
         super().__init__(
             message + detail, "text" if self.prompt_alone else "sampling_params.max_new_tokens"
         )
@@ -56,16 +62,17 @@ class ContextLengthError(RequestValidationError):
         head = f"This model's maximum context length is {self.context_length} tokens. "
         if self.prompt_alone:
             body = (
-                f"However, your request has {self.prompt_len} input tokens. Please reduce the length of the input "
-                "messages."
+                f"However, your request has {self.prompt_len} input tokens. Please reduce the "
+                "length of the input messages."
             )
         else:
             body = (
-                f"However, you requested {self.prompt_len + self.max_new_tokens} tokens ({self.prompt_len} in the "
-                f"messages, {self.max_new_tokens} in the completion). Please reduce the length of the messages or "
-                "completion."
+                f"However, you requested {self.prompt_len + self.max_new_tokens} tokens "
+                f"({self.prompt_len} in the messages, {self.max_new_tokens} in the completion). "
+                "Please reduce the length of the messages or completion."
             )
-        return f"{head}{body} ({prompt_param}: {self.prompt_len} tokens; {max_param}: {self.max_new_tokens})"
+        counts = f"{prompt_param}: {self.prompt_len} tokens; {max_param}: {self.max_new_tokens}"
+        return f"{head}{body} ({counts})"
 
 
 _LISTED_IDS = 8  # out-of-vocabulary ids a message lists: a long prompt may hold many
@@ -77,25 +84,25 @@ class OutOfVocabularyError(RequestValidationError):
 
     def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
         bad = [(i, token) for i, token in enumerate(ids) if token >= vocab_size]
-        self.first_position, self.largest, self.vocab_size = (
-            bad[0][0],
-            max(t for _, t in bad),
-            vocab_size,
-        )
+        self.first_position = bad[0][0]
+        self.largest = max(t for _, t in bad)
+        self.vocab_size = vocab_size
         listed = list(dict.fromkeys(t for _, t in bad))
         shown = ", ".join(map(str, listed[:_LISTED_IDS])) + (
             ", ..." if len(listed) > _LISTED_IDS else ""
         )
         super().__init__(
-            f"The input_ids [{shown}] contains values greater than the vocab size ({vocab_size}). The first is at "
-            f"position {self.first_position}; token ids must be below {vocab_size}.",
+            f"The input_ids [{shown}] contains values greater than the vocab size ({vocab_size}). "
+            f"The first is at position {self.first_position}; token ids must be below "
+            f"{vocab_size}.",
             "input_ids",
         )
 
     def openai_message(self, prompt_param: str) -> str:
         return (
-            f"Token id {self.largest} is out of vocabulary. The first such id is at {prompt_param} position "
-            f"{self.first_position}; token ids must be below the vocabulary size {self.vocab_size}."
+            f"Token id {self.largest} is out of vocabulary. The first such id is at "
+            f"{prompt_param} position {self.first_position}; token ids must be below the "
+            f"vocabulary size {self.vocab_size}."
         )
 
 
@@ -159,7 +166,8 @@ class RequestChecks:
         if items:
             kind = items[0].kind
             raise without_tokenizer(
-                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request without media",
+                f"it has no <|{kind}|> placeholder token id for {kind}_data; send the request "
+                "without media",
                 f"{kind}_data",
             )
         return {}
@@ -168,14 +176,15 @@ class RequestChecks:
         """Everything a generate request is checked for before it is submitted."""
         if sampling.stop and self.tokenizer is None:
             raise without_tokenizer(
-                "sampling_params.stop needs one to match text; stop on token ids with stop_token_ids",
+                "sampling_params.stop needs one to match text; stop on token ids with "
+                "stop_token_ids",
                 "sampling_params.stop",
             )
         # Sorted by id: the last is the largest.
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
             raise RequestValidationError(
-                f"sampling_params.logit_bias names token id {sampling.logit_bias[-1][0]}, not below the vocabulary "
-                f"size {self.vocab_size}",
+                f"sampling_params.logit_bias names token id {sampling.logit_bias[-1][0]}, not "
+                f"below the vocabulary size {self.vocab_size}",
                 "sampling_params.logit_bias",
             )
         self.validate_lengths(prompt_len, sampling)
@@ -184,7 +193,8 @@ class RequestChecks:
         limit = self.config.max_new_tokens_limit
         if sampling.max_new_tokens > limit:
             raise RequestValidationError(
-                f"sampling_params.max_new_tokens is {sampling.max_new_tokens}; this server allows at most {limit}",
+                f"sampling_params.max_new_tokens is {sampling.max_new_tokens}; this server allows "
+                f"at most {limit}",
                 "sampling_params.max_new_tokens",
             )
         if prompt_len + sampling.max_new_tokens > self.context_length:
@@ -195,8 +205,9 @@ class RequestChecks:
         ):
             block = " (rounded up to whole dLLM blocks)" if self.config.mode == "dllm" else ""
             raise RequestValidationError(
-                f"prompt ({prompt_len} tokens) plus max_new_tokens ({sampling.max_new_tokens}){block} can never fit the "
-                f"KV pool ({self.config.max_total_tokens} tokens)",
+                f"prompt ({prompt_len} tokens) plus max_new_tokens "
+                f"({sampling.max_new_tokens}){block} can never fit the KV pool "
+                f"({self.config.max_total_tokens} tokens)",
                 "sampling_params.max_new_tokens",
             )
 
@@ -209,15 +220,15 @@ class RequestChecks:
             # The grammar is compiled over the vocabulary's token texts, which only a
             # tokenizer has.
             raise without_tokenizer(
-                f"{constraint.param} needs one to compile a structured output over its token texts; send the request "
-                "without a constraint",
+                f"{constraint.param} needs one to compile a structured output over its token "
+                "texts; send the request without a constraint",
                 constraint.param,
             )
         if self.config.mode == "dllm":
             # A block unmasks its positions out of order, and a grammar accepts tokens in order.
             raise RequestValidationError(
-                f"{constraint.param}: structured outputs are not served in --mode dllm (a block commits its tokens out "
-                "of order); send it to a server in --mode generate",
+                f"{constraint.param}: structured outputs are not served in --mode dllm (a block "
+                "commits its tokens out of order); send it to a server in --mode generate",
                 constraint.param,
             )
 
@@ -228,7 +239,8 @@ class RequestChecks:
             and max(logprobs.token_ids_logprob) >= self.vocab_size
         ):
             raise RequestValidationError(
-                f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below the vocabulary size {self.vocab_size}",
+                f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below "
+                f"the vocabulary size {self.vocab_size}",
                 "token_ids_logprob",
             )
 
@@ -261,8 +273,8 @@ class RequestChecks:
             # The pair always hands over a first token, so a prompt scored without a
             # completion is a unified server's work.
             raise RequestValidationError(
-                "sampling_params.max_new_tokens 0 (scoring the prompt) is not served through PD disaggregation; "
-                "send it to a unified server",
+                "sampling_params.max_new_tokens 0 (scoring the prompt) is not served through PD "
+                "disaggregation; send it to a unified server",
                 "sampling_params.max_new_tokens",
             )
         if mode == "prefill":
@@ -270,8 +282,9 @@ class RequestChecks:
         if mode == "decode":
             if bootstrap is None and not internal:
                 raise RequestValidationError(
-                    "this server runs --disaggregation-mode decode: a request needs bootstrap_room and bootstrap_endpoint "
-                    "(or bootstrap_host and bootstrap_port); send requests through sglang-router with --pd-disaggregation",
+                    "this server runs --disaggregation-mode decode: a request needs "
+                    "bootstrap_room and bootstrap_endpoint (or bootstrap_host and "
+                    "bootstrap_port); send requests through sglang-router with --pd-disaggregation",
                     "bootstrap_room",
                 )
             return sampling, bootstrap

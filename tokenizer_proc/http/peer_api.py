@@ -1,20 +1,6 @@
 """Endpoints vLLM and SGLang serve beside generation, which their users' tools call:
-
-- ``GET /version``: ``{"version"}``, tokenpipe's package version (both peers' shape).
-- ``GET /load``: vLLM's ``{"server_load": N}``, N the requests in flight in this API process
-  (vLLM counts them only under ``--enable-server-load-tracking``, and answers 0 otherwise;
-  tokenpipe always knows them: its live requests).
-- ``GET /tokenizer_info``: vLLM's, only under ``--enable-tokenizer-info-endpoint`` (404
-  otherwise, as vLLM does not register it then): the model directory's
-  ``tokenizer_config.json`` with ``tokenizer_class`` (its own, else
-  ``PreTrainedTokenizerFast``, what ``transformers`` loads a bare ``tokenizer.json`` as) and
-  the ``chat_template`` chat requests render with.
-- ``POST /invocations``: SageMaker's route, routed by its body as vLLM routes it (vLLM tries
-  chat completions, then completions, then the pooling requests, and takes the first whose
-  schema the body fits): a body with ``messages`` is a chat completion, one with ``prompt`` a
-  completion, one with ``input`` an embedding request. The chosen route answers it, refusals
-  included; a body with none of the three gets 400.
-"""
+``GET /version``, ``GET /load``, ``GET /tokenizer_info`` and ``POST /invocations``. Each
+route's comment says what it answers."""
 
 from __future__ import annotations
 
@@ -57,14 +43,20 @@ def build_peer_router(tm: TokenizerManager, endpoints: Mapping[str, Endpoint]) -
     if missing:
         raise ValueError(f"/invocations needs the endpoints of {missing}")
 
+    # ``{"version"}``, tokenpipe's package version (both peers' shape).
     @router.get("/version")
     async def show_version() -> dict[str, str]:
         return {"version": version}
 
+    # vLLM's ``{"server_load": N}``, N the requests in flight in this API process (vLLM counts
+    # them only under ``--enable-server-load-tracking``, and answers 0 otherwise; tokenpipe
+    # always knows them: its live requests).
     @router.get("/load")
     async def server_load() -> dict[str, int]:
         return {"server_load": len(tm.states)}
 
+    # vLLM's, only under ``--enable-tokenizer-info-endpoint`` (404 otherwise, as vLLM does not
+    # register it then).
     if tm.config.enable_tokenizer_info_endpoint:
         info = tokenizer_info(tm.config, tm.tokenizer)
 
@@ -72,6 +64,11 @@ def build_peer_router(tm: TokenizerManager, endpoints: Mapping[str, Endpoint]) -
         async def get_tokenizer_info() -> dict[str, Any]:
             return info
 
+    # SageMaker's route, routed by its body as vLLM routes it (vLLM tries chat completions,
+    # then completions, then the pooling requests, and takes the first whose schema the body
+    # fits): a body with ``messages`` is a chat completion, one with ``prompt`` a completion,
+    # one with ``input`` an embedding request. The chosen route answers it, refusals
+    # included; a body with none of the three gets 400.
     @router.post("/invocations")
     async def invocations(request: Request) -> Response:
         try:
@@ -93,7 +90,10 @@ def build_peer_router(tm: TokenizerManager, endpoints: Mapping[str, Endpoint]) -
 
 
 def tokenizer_info(config: ServerConfig, tokenizer: LoadedTokenizer | None) -> dict[str, Any]:
-    """vLLM's ``/tokenizer_info`` answer for the served model (see the module docstring)."""
+    """vLLM's ``/tokenizer_info`` answer for the served model: the model directory's
+    ``tokenizer_config.json`` with ``tokenizer_class`` (its own, else
+    ``PreTrainedTokenizerFast``, what ``transformers`` loads a bare ``tokenizer.json`` as) and
+    the ``chat_template`` chat requests render with."""
     path = model_directory(config.model_path) / "tokenizer_config.json"
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))

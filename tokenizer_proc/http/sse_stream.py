@@ -1,27 +1,9 @@
 """The streaming half of a streamed request: from the frames that change its states to the
-SSE bytes on the client's socket, with as little Python per event as the output allows.
+SSE bytes on the client's socket, with as little Python per event as the output allows: one
+wake per frame, one write per wake, plain ASGI, and straight to the socket between events
+(``SseResponse`` says how each is kept).
 
-- **One wake per frame.** When the stream starts, each state's ``event`` is replaced with a
-  ``_Mark``: ``handle_output``'s ``event.set()`` then records the state in the stream's
-  ``Changes`` (an ordered set, so the states are taken in the order they changed) and wakes
-  the stream's one task. No task or asyncio.Event per state, however many choices.
-- **One write per wake.** Everything the states' pending output makes (one event per
-  pending chunk: ``ReqState`` keeps a client that keeps up at one event per row) is joined
-  into one ``bytes`` and sent with one ASGI send; the events stay separate SSE events.
-  While that send waits on a full socket, the states are marked ``sending``, so rows that
-  come meanwhile merge into their last chunk (``ReqState._queue``): a slow reader gets
-  fewer, larger events, never an unbounded queue.
-- **Plain ASGI.** ``SseResponse`` sends straight to the server, without a task group or a
-  middleware's per-message wrapper. A task waits for the client's disconnect, which ends
-  the stream, and the source then aborts whatever has not finished.
-- **Straight to the socket.** Under uvicorn's own ``send`` (no wrapper), a stream between
-  events is parked: the frame that changes its states writes their events to the client's
-  socket itself, right after the frame (``_Stream.pump``, through
-  ``pipeline.http.uvicorn_internals.direct_writer``, which holds every use of uvicorn's
-  internals), with no task switch or ASGI message. Its start and end, and any write the
-  socket is not ready for, still go through ``send``.
-
-What the events say is the ``EventSource``'s business (``tokenizer_proc.http.server`` for
+What the events say is the ``EventSource``'s business (``tokenizer_proc.native.events`` for
 /generate, ``tokenizer_proc.openai.stream`` for completions and chat).
 """
 
@@ -220,8 +202,28 @@ class _Stream:
 
 
 class SseResponse(Response):
-    """A 200 ``text/event-stream`` answer whose events come from ``source``; see the
-    module docstring."""
+    """A 200 ``text/event-stream`` answer whose events come from ``source``.
+
+    - **One wake per frame.** When the stream starts, each state's ``event`` is replaced with a
+      ``_Mark``: ``handle_output``'s ``event.set()`` then records the state in the stream's
+      ``Changes`` (an ordered set, so the states are taken in the order they changed) and wakes
+      the stream's one task. No task or asyncio.Event per state, however many choices.
+    - **One write per wake.** Everything the states' pending output makes (one event per
+      pending chunk: ``ReqState`` keeps a client that keeps up at one event per row) is joined
+      into one ``bytes`` and sent with one ASGI send; the events stay separate SSE events.
+      While that send waits on a full socket, the states are marked ``sending``, so rows that
+      come meanwhile merge into their last chunk (``ReqState._queue``): a slow reader gets
+      fewer, larger events, never an unbounded queue.
+    - **Plain ASGI.** ``SseResponse`` sends straight to the server, without a task group or a
+      middleware's per-message wrapper. A task waits for the client's disconnect, which ends
+      the stream, and the source then aborts whatever has not finished.
+    - **Straight to the socket.** Under uvicorn's own ``send`` (no wrapper), a stream between
+      events is parked: the frame that changes its states writes their events to the client's
+      socket itself, right after the frame (``_Stream.pump``, through
+      ``pipeline.http.uvicorn_internals.direct_writer``, which holds every use of uvicorn's
+      internals), with no task switch or ASGI message. Its start and end, and any write the
+      socket is not ready for, still go through ``send``.
+    """
 
     media_type = "text/event-stream"
 

@@ -2,19 +2,6 @@
 ``POST /v1/tokenize`` and ``POST /v1/detokenize`` (each peer serves both paths; here all four
 take both peers' requests and answer both peers' keys).
 
-``/tokenize`` takes a ``prompt`` (``add_special_tokens`` defaults to true, as in vLLM and
-SGLang: the tokenizer's post-processor BOS/EOS, if it has one), SGLang's list of prompts (then
-``tokens``, ``count`` and ``token_strs`` are lists, one per prompt), or chat ``messages``
-rendered through the same chat template as ``/v1/chat/completions`` (``add_special_tokens``
-defaults to false there, so the ids are exactly the prompt a chat request would run). It
-answers ``{"count", "max_model_len", "tokens", "token_strs"}``, ``token_strs`` null unless
-``return_token_strs`` (vLLM's model, whose optional field is always in its answer).
-
-``/detokenize`` takes ``tokens`` (SGLang's list of lists too: one text per list) and
-SGLang's ``skip_special_tokens``, and answers ``{"prompt", "text"}`` (vLLM's key and
-SGLang's, the same text). Its default differs by path as between the peers: vLLM's
-``/detokenize`` keeps special tokens, SGLang's ``/v1/detokenize`` skips them.
-
 Neither touches the scheduler: they answer from the API process's own tokenizer. Under
 ``--skip-tokenizer-init`` there is none, and both answer 400 saying so.
 """
@@ -60,9 +47,8 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    tokens: list[
-        TokenId | list[TokenId]
-    ]  # ids, or SGLang's lists of ids (msgspec takes one array type per union)
+    # ids, or SGLang's lists of ids (msgspec takes one array type per union)
+    tokens: list[TokenId | list[TokenId]]
     model: str | None = None
     skip_special_tokens: bool | None = None  # SGLang's; None: the path's default
 
@@ -78,6 +64,9 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
         return [t for t in self.tokens if isinstance(t, list)], True
 
 
+TokenizerTools = tuple[LoadedTokenizer, ChatTemplate]
+
+
 def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
     # None under --skip-tokenizer-init: nothing to tokenize with.
@@ -90,75 +79,92 @@ def build_tokenize_router(tm: TokenizerManager) -> APIRouter:
     @router.post("/tokenize")
     @router.post("/v1/tokenize")
     async def tokenize(request: Request) -> Response:
-        body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
-        body.check_form()
-        if body.model is not None and body.model != tm.model_name:
-            return model_not_found(body.model)
-        if tools is None:
-            raise without_tokenizer(
-                "/tokenize has nothing to encode text with",
-                "prompt" if body.prompt is not None else "messages",
-            )
-        tokenizer, template = tools
-        if isinstance(body.prompt, list):
-            batch = [_prompt_tokens(tokenizer, p, body.add_special_tokens) for p in body.prompt]
-            strs = (
-                [_token_strs(tokenizer, ids) for ids in batch] if body.return_token_strs else None
-            )
-            return JSONResponse(
-                {
-                    "count": [len(ids) for ids in batch],
-                    "max_model_len": tm.context_length,
-                    "tokens": batch,
-                    "token_strs": strs,
-                }
-            )
-        try:
-            ids = _tokens(tokenizer, template, body)
-        except ChatTemplateUnavailable as exc:
-            return error_response(500, str(exc), err_type="internal_error")
-        token_strs = _token_strs(tokenizer, ids) if body.return_token_strs else None
-        return JSONResponse(
-            {
-                "count": len(ids),
-                "max_model_len": tm.context_length,
-                "tokens": ids,
-                "token_strs": token_strs,
-            }
-        )
-
-    async def detokenize(request: Request, skip_special_default: bool) -> Response:
-        body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
-        if body.model is not None and body.model != tm.model_name:
-            return model_not_found(body.model)
-        tokenizer = tm.checks.require_tokenizer(
-            "/detokenize has nothing to decode token ids with", "tokens"
-        )
-        batches, listed = body.batches()
-        vocab = tokenizer.vocab_size
-        for b, ids in enumerate(batches):
-            for i, token in enumerate(ids):
-                if token >= vocab:
-                    where = f"tokens[{b}][{i}]" if listed else f"tokens[{i}]"
-                    raise RequestValidationError(
-                        f"{where} is {token}, not below the vocabulary size {vocab}", where
-                    )
-        skip = (
-            skip_special_default if body.skip_special_tokens is None else body.skip_special_tokens
-        )
-        texts = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in batches]
-        text: str | list[str] = texts if listed else texts[0]
-        return JSONResponse({"prompt": text, "text": text})
+        return await answer_tokenize(tm, tools, request)
 
     @router.post("/detokenize")
     async def detokenize_vllm(request: Request) -> Response:
-        return await detokenize(request, skip_special_default=False)  # vLLM shows special tokens
+        return await answer_detokenize(tm, request, skip_special_default=False)  # vLLM's: shown
 
     @router.post("/v1/detokenize")
     async def detokenize_sglang(request: Request) -> Response:
-        return await detokenize(request, skip_special_default=True)  # SGLang's default
+        return await answer_detokenize(tm, request, skip_special_default=True)  # SGLang's default
 
     return router
+
+
+async def answer_tokenize(
+    tm: TokenizerManager, tools: TokenizerTools | None, request: Request
+) -> Response:
+    """``POST /tokenize``: takes a ``prompt`` (``add_special_tokens`` defaults to true, as in
+    vLLM and SGLang: the tokenizer's post-processor BOS/EOS, if it has one), SGLang's list of
+    prompts (then ``tokens``, ``count`` and ``token_strs`` are lists, one per prompt), or chat
+    ``messages`` rendered through the same chat template as ``/v1/chat/completions``
+    (``add_special_tokens`` defaults to false there, so the ids are exactly the prompt a chat
+    request would run). It answers ``{"count", "max_model_len", "tokens", "token_strs"}``,
+    ``token_strs`` null unless ``return_token_strs`` (vLLM's model, whose optional field is
+    always in its answer)."""
+    body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
+    body.check_form()
+    if body.model is not None and body.model != tm.model_name:
+        return model_not_found(body.model)
+    if tools is None:
+        raise without_tokenizer(
+            "/tokenize has nothing to encode text with",
+            "prompt" if body.prompt is not None else "messages",
+        )
+    tokenizer, template = tools
+    if isinstance(body.prompt, list):
+        batch = [_prompt_tokens(tokenizer, p, body.add_special_tokens) for p in body.prompt]
+        strs = [_token_strs(tokenizer, ids) for ids in batch] if body.return_token_strs else None
+        return JSONResponse(
+            {
+                "count": [len(ids) for ids in batch],
+                "max_model_len": tm.context_length,
+                "tokens": batch,
+                "token_strs": strs,
+            }
+        )
+    try:
+        ids = _tokens(tokenizer, template, body)
+    except ChatTemplateUnavailable as exc:
+        return error_response(500, str(exc), err_type="internal_error")
+    token_strs = _token_strs(tokenizer, ids) if body.return_token_strs else None
+    return JSONResponse(
+        {
+            "count": len(ids),
+            "max_model_len": tm.context_length,
+            "tokens": ids,
+            "token_strs": token_strs,
+        }
+    )
+
+
+async def answer_detokenize(
+    tm: TokenizerManager, request: Request, skip_special_default: bool
+) -> Response:
+    """``POST /detokenize``: takes ``tokens`` (SGLang's list of lists too: one text per list)
+    and SGLang's ``skip_special_tokens``, and answers ``{"prompt", "text"}`` (vLLM's key and
+    SGLang's, the same text). Its default differs by path as between the peers: vLLM's
+    ``/detokenize`` keeps special tokens, SGLang's ``/v1/detokenize`` skips them."""
+    body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
+    if body.model is not None and body.model != tm.model_name:
+        return model_not_found(body.model)
+    tokenizer = tm.checks.require_tokenizer(
+        "/detokenize has nothing to decode token ids with", "tokens"
+    )
+    batches, listed = body.batches()
+    vocab = tokenizer.vocab_size
+    for b, ids in enumerate(batches):
+        for i, token in enumerate(ids):
+            if token >= vocab:
+                where = f"tokens[{b}][{i}]" if listed else f"tokens[{i}]"
+                raise RequestValidationError(
+                    f"{where} is {token}, not below the vocabulary size {vocab}", where
+                )
+    skip = skip_special_default if body.skip_special_tokens is None else body.skip_special_tokens
+    texts = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in batches]
+    text: str | list[str] = texts if listed else texts[0]
+    return JSONResponse({"prompt": text, "text": text})
 
 
 def _prompt_tokens(

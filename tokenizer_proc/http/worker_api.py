@@ -1,21 +1,7 @@
 """The endpoints a router calls on each worker (SGLang's names and shapes, so sglang-router
-drives tokenpipe as it drives SGLang):
-
-- ``GET /server_info`` and ``GET /get_server_info``: the configuration, the served model
-  and the scheduler's latest report, with SGLang's ``max_total_num_tokens`` (the KV pool's
-  size) and ``version``. sglang-router reads ``model_path``,
-  ``served_model_name``, ``dp_size``, ``tp_size``, ``disaggregation_mode``, ``model_type``
-  and ``architectures`` from it when it registers a worker: ``served_model_name`` becomes
-  the worker's model id, and ``model_path`` is where it loads its tokenizer from, so
-  ``model_path`` is always a local directory holding ``tokenizer.json`` (for the built-in
-  model, the shipped tokenizer's; its weights come from ``--model-seed``).
-- ``GET /model_info`` and ``GET /get_model_info``: what the model is.
-- ``GET /get_load``: one entry per data-parallel rank (tokenpipe has one); sglang-router
-  sums ``num_tokens`` over the entries into the worker's load.
-- ``GET``/``POST /flush_cache``: drops the prefix cache on every tier, through a
-  ``FlushCacheControl`` round trip to the scheduler. As in SGLang it is refused (400) while
-  any request is running or waiting, and nothing changes then.
-"""
+drives tokenpipe as it drives SGLang): ``GET /server_info`` (and ``/get_server_info``),
+``GET /model_info`` (and ``/get_model_info``), ``GET /get_load`` and ``GET``/``POST
+/flush_cache``. Each route's function says what it answers."""
 
 from __future__ import annotations
 
@@ -71,15 +57,21 @@ def build_worker_router(tm: TokenizerManager) -> APIRouter:
     async def server_info() -> dict[str, Any]:
         return server_info_of(tm, model)
 
+    # What the model is.
     @router.get("/model_info")
     @router.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return model_info_of(tm, model)
 
+    # One entry per data-parallel rank (tokenpipe has one); sglang-router sums ``num_tokens``
+    # over the entries into the worker's load.
     @router.get("/get_load")
     async def get_load() -> list[dict[str, int]]:
         return [load_of(tm)]
 
+    # Drops the prefix cache on every tier, through a ``FlushCacheControl`` round trip to the
+    # scheduler. As in SGLang it is refused (400) while any request is running or waiting,
+    # and nothing changes then.
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> Response:
         body = await request.body()
@@ -103,6 +95,14 @@ def build_worker_router(tm: TokenizerManager) -> APIRouter:
 
 
 def server_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]:
+    """The configuration, the served model and the scheduler's latest report, with SGLang's
+    ``max_total_num_tokens`` (the KV pool's size) and ``version``. sglang-router reads
+    ``model_path``, ``served_model_name``, ``dp_size``, ``tp_size``, ``disaggregation_mode``,
+    ``model_type`` and ``architectures`` from it when it registers a worker:
+    ``served_model_name`` becomes the worker's model id, and ``model_path`` is where it loads
+    its tokenizer from, so ``model_path`` is always a local directory holding
+    ``tokenizer.json`` (for the built-in model, the shipped tokenizer's; its weights come
+    from ``--model-seed``)."""
     config = tm.config
     info = msgspec.to_builtins(config)
     info.pop("api_key", None)

@@ -95,7 +95,8 @@ def batch_items(tm: TokenizerManager, body: dict[str, Any]) -> list[BatchItem]:
     for name, value in (("sampling_params", sampling), ("rid", rid)):
         if isinstance(value, list) and len(value) != n:
             raise RequestValidationError(
-                f"{name} has {len(value)} entries for {n} prompts: give one per prompt, or one for all",
+                f"{name} has {len(value)} entries for {n} prompts: give one per prompt, or one "
+                "for all",
                 name,
             )
     # One string for all: item i's is "{rid}_{i}", as SGLang names them (anything else is
@@ -149,7 +150,8 @@ def _item(
         input_ids = expand_prompt(prompt_ids, media, tm.checks.media_token_ids(media))
         if tm.config.mode == "embedding":
             raise RequestValidationError(
-                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a server in --mode generate",
+                "this server runs --mode embedding: use /v1/embeddings or /encode, or start a "
+                "server in --mode generate",
                 "model",
             )
         checked, _ = tm.checks.pd_half(wire, obj.bootstrap(), internal=False)
@@ -191,7 +193,8 @@ def _check_rids(tm: TokenizerManager, items: list[BatchItem], listed: bool) -> N
         param = f"rid[{i}]" if listed else "rid"
         if rid in seen:
             raise RequestValidationError(
-                f"{param}: Duplicate request IDs detected within the request: [{rid!r}] (rid[{i}] repeats rid[{seen[rid]}])",
+                f"{param}: Duplicate request IDs detected within the request: [{rid!r}] (rid[{i}] "
+                f"repeats rid[{seen[rid]}])",
                 param,
             )
         if rid in tm.rid_to_req_id:

@@ -110,7 +110,8 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
             and self.seed != self.sampling_seed
         ):
             raise RequestValidationError(
-                "sampling_params.seed and sampling_params.sampling_seed name the same seed; they differ",
+                "sampling_params.seed and sampling_params.sampling_seed name the same seed; they "
+                "differ",
                 "sampling_params.sampling_seed",
             )
         return SamplingParams(

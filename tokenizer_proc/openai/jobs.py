@@ -138,7 +138,8 @@ def submit_jobs(
     bootstrap = body.bootstrap()
     if bootstrap is not None and len(jobs) > 1:
         raise RequestValidationError(
-            "PD disaggregation takes one completion per request (one bootstrap room): n and the prompts must make 1",
+            "PD disaggregation takes one completion per request (one bootstrap room): n and the "
+            "prompts must make 1",
             "n",
         )
     states: list[ReqState] = []
@@ -188,8 +189,9 @@ def room_left(tm: TokenizerManager, prompt_len: int) -> int:
 
 @contextmanager
 def openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
-    """``tm.checks.tokenize`` and ``tm.checks.validate_sampling`` speak the native API's field names; an
-    OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``, ``stop``)."""
+    """``tm.checks.tokenize`` and ``tm.checks.validate_sampling`` speak the native API's field
+    names; an OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``,
+    ``stop``)."""
     try:
         yield
     except ContextLengthError as exc:

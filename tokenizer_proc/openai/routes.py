@@ -2,30 +2,11 @@
 ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{model}``.
 
 Each choice is its own pipeline request (``n`` choices of ``p`` prompts are ``n * p``
-requests, submitted together so they batch). With a ``seed``, choice ``i`` of each prompt
-samples with ``seed + i``: the choices differ, and each prompt of a batch gives what it would
-give alone. What a response says (its choices, ``usage``, ``finish_reason``) is
-``tokenizer_proc.openai.shapes``'; a stream's events are ``tokenizer_proc.openai.stream``'s.
-
-Waiting, disconnect handling and error bodies are ``tokenizer_proc.http.common``'s: a client that
-disconnects aborts every choice of its request. A stream starts (status 200) only once every
-choice has changed once, so a choice the scheduler refuses (400, a full waiting queue's 503
-with ``Retry-After``, a PD peer's 502/504) makes the whole request that error, streaming or
-not, with the other choices aborted; a refusal after the stream started (a PD failure) is an
-SSE ``error`` event.
-
-A structured output (``response_format``, vLLM's ``structured_outputs`` and ``guided_*``,
-SGLang's ``json_schema``/``regex``/``ebnf``: ``tokenizer_proc.request_edge.constraints``) is one
-``Constraint`` that every choice carries; whether it compiles is the scheduler's 400.
-
-Under ``--skip-tokenizer-init`` a completions prompt must be token ids, and each choice (and
-each stream delta) also carries its ``token_ids``, the field SGLang and vLLM answer
-``return_token_ids`` with; its ``text`` is empty, as vLLM's is without a tokenizer. Chat needs a
-tokenizer and a chat template, so it is refused with a 400.
-
-vLLM's extra fields (``prompt_logprobs``, ``return_token_ids``, ``truncate_prompt_tokens``, ...)
-are ``tokenizer_proc.openai.vllm_extras``': the prompt is truncated here and in ``prepare_chat``,
-and the answer shows what ``body.extras()`` says.
+requests, submitted together so they batch; ``_respond`` waits for them). What a response
+says (its choices, ``usage``, ``finish_reason``) is ``tokenizer_proc.openai.shapes``'; a
+stream's events are ``tokenizer_proc.openai.stream``'s. A structured output (any dialect:
+``tokenizer_proc.request_edge.constraints``) is one ``Constraint`` that every choice carries;
+whether it compiles is the scheduler's 400.
 """
 
 from __future__ import annotations
@@ -121,7 +102,13 @@ def _model_card(tm: TokenizerManager) -> dict[str, Any]:
 
 
 async def answer_completions(tm: TokenizerManager, request: Request) -> Response:
-    """``POST /v1/completions``: every prompt's choices, submitted together."""
+    """``POST /v1/completions``: every prompt's choices, submitted together. With a ``seed``,
+    choice ``i`` of each prompt samples with ``seed + i``: the choices differ, and each prompt
+    of a batch gives what it would give alone.
+
+    Under ``--skip-tokenizer-init`` a prompt must be token ids, and each choice (and each
+    stream delta) also carries its ``token_ids``, the field SGLang and vLLM answer
+    ``return_token_ids`` with; its ``text`` is empty, as vLLM's is without a tokenizer."""
     arrived = time.time()
     body: CompletionRequest = decode_body(await request.body(), CompletionBody)
     body.refuse_unsupported()
@@ -145,7 +132,10 @@ async def answer_completions(tm: TokenizerManager, request: Request) -> Response
 def _prompt_jobs(
     tm: TokenizerManager, body: CompletionRequest, prompt: str | list[int]
 ) -> list[Job]:
-    """The choices of one completions prompt: tokenized, truncated as asked, echoed."""
+    """The choices of one completions prompt: tokenized, truncated as asked, echoed. vLLM's
+    extra fields (``prompt_logprobs``, ``return_token_ids``, ``truncate_prompt_tokens``, ...)
+    are ``tokenizer_proc.openai.vllm_extras``': the prompt is truncated here (and in
+    ``prepare_chat`` for chat), and the answer shows what ``body.extras()`` says."""
     # vLLM's default: a text prompt gets the tokenizer's special tokens (a Llama BOS).
     add_special_tokens = body.add_special_tokens is not False
     if isinstance(prompt, str):
@@ -169,7 +159,8 @@ def _prompt_jobs(
 async def answer_chat(
     tm: TokenizerManager, template: ChatTemplate | None, request: Request
 ) -> Response:
-    """``POST /v1/chat/completions``: the messages rendered by ``template``, then choices."""
+    """``POST /v1/chat/completions``: the messages rendered by ``template``, then choices.
+    Chat needs a tokenizer and a chat template: without them it is refused with a 400."""
     arrived = time.time()
     body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)
     body.refuse_unsupported()
@@ -177,8 +168,8 @@ async def answer_chat(
         return model_not_found(body.model)
     if template is None:
         raise without_tokenizer(
-            "chat needs a tokenizer and a chat template; send token ids to /v1/completions"
-            " or /generate",
+            "chat needs a tokenizer and a chat template; send token ids to /v1/completions or "
+            "/generate",
             "messages",
         )
     try:
@@ -221,7 +212,16 @@ async def _respond(
     constraint: Constraint | None,
     parsing: ChatParsing | None = None,
 ) -> Response:
-    """``names``: the request's prompt and max-tokens fields, for refusals at submission.
+    """Submits the jobs and answers them, whole or streamed.
+
+    Waiting, disconnect handling and error bodies are ``tokenizer_proc.http.common``'s: a
+    client that disconnects aborts every choice of its request. A stream starts (status 200)
+    only once every choice has changed once, so a choice the scheduler refuses (400, a full
+    waiting queue's 503 with ``Retry-After``, a PD peer's 502/504) makes the whole request
+    that error, streaming or not, with the other choices aborted; a refusal after the stream
+    started (a PD failure) is an SSE ``error`` event.
+
+    ``names``: the request's prompt and max-tokens fields, for refusals at submission.
     ``constraint``: the structured output every choice follows (None: none). ``parsing``: how
     a chat answer splits into reasoning, content and tool calls (None: all content)."""
     response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"

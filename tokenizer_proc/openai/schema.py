@@ -354,8 +354,8 @@ class CompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only=Tru
         if _strings_or_id_lists(prompt):
             return list(prompt)
         raise RequestValidationError(
-            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids "
-            "(not a mix)",
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+            "of token ids (not a mix)",
             "prompt",
         )
 

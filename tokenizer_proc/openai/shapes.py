@@ -275,7 +275,8 @@ def prompt_logprobs_of(
 
 
 def with_ids(choice: dict[str, Any], ids: list[int], ids_out: bool) -> dict[str, Any]:
-    """A choice or delta, with its ``token_ids`` when the ids are the output (--skip-tokenizer-init)."""
+    """A choice or delta, with its ``token_ids`` when the ids are the output
+    (--skip-tokenizer-init)."""
     if ids_out:
         choice["token_ids"] = ids
     return choice

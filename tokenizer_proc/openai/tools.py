@@ -125,7 +125,8 @@ def plan_tools(
     name = tool_choice.function.name
     if name not in parameters:
         raise RequestValidationError(
-            f"tool_choice names the function {name!r}, which is not in tools ({', '.join(sorted(names))})",
+            f"tool_choice names the function {name!r}, which is not in tools "
+            f"({', '.join(sorted(names))})",
             "tool_choice.function.name",
         )
     index = next(i for i, tool in enumerate(tools) if tool.function.name == name)
@@ -158,7 +159,8 @@ def _checked_parameters(tools: list[ChatTool]) -> dict[str, dict[str, Any]]:
         schema = tool.function.parameters
         if schema is not None and schema.get("type", "object") != "object":
             raise RequestValidationError(
-                f"{where}.parameters must be a JSON Schema of an object (the arguments), not of type {schema.get('type')!r}",
+                f"{where}.parameters must be a JSON Schema of an object (the arguments), not of "
+                f"type {schema.get('type')!r}",
                 f"{where}.parameters",
             )
         out[name] = schema if schema is not None else NO_ARGUMENTS

@@ -93,7 +93,8 @@ def check_prompt_logprobs(value: int | None, streaming: bool) -> None:
     if value == -1 or value > MAX_PROMPT_LOGPROBS:
         shown = "the vocabulary size" if value == -1 else str(value)
         raise RequestValidationError(
-            f"Requested prompt logprobs of {shown}, which is greater than max allowed: {MAX_PROMPT_LOGPROBS}",
+            f"Requested prompt logprobs of {shown}, which is greater than max allowed: "
+            f"{MAX_PROMPT_LOGPROBS}",
             "prompt_logprobs",
         )
 
@@ -124,8 +125,8 @@ def truncate_prompt(
         keep = max(room, 1)  # a prompt with no room left gets the context check's error
     elif keep > room:
         raise RequestValidationError(
-            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - {max_param} = {room}. "
-            "Please request a smaller truncation size.",
+            f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - {max_param} = "
+            f"{room}. Please request a smaller truncation size.",
             "truncate_prompt_tokens",
         )
     if keep >= len(ids):

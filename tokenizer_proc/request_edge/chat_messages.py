@@ -108,8 +108,8 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if not isinstance(part, (TextPart, RefusalPart)):
                 kind = type(part).__struct_config__.tag
                 raise RequestValidationError(
-                    f"{where}.content[{j}]: content parts of type {kind!r} are not supported by this server; "
-                    "only 'text'",
+                    f"{where}.content[{j}]: content parts of type {kind!r} are not supported by "
+                    "this server; only 'text'",
                     f"{where}.content[{j}].type",
                 )
             texts.append(part.text if isinstance(part, TextPart) else part.refusal)

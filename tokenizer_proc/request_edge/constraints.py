@@ -99,7 +99,8 @@ def response_format_constraint(value: ResponseFormat | None) -> Constraint | Non
         )
     if value.json_schema.schema is None:
         raise RequestValidationError(
-            "response_format.json_schema.schema is required: the JSON Schema the answer must follow",
+            "response_format.json_schema.schema is required: the JSON Schema the answer must "
+            "follow",
             "response_format.json_schema.schema",
         )
     return json_schema_constraint(value.json_schema.schema, "response_format.json_schema.schema")
@@ -178,7 +179,8 @@ def one_constraint(*found: Constraint | None) -> Constraint | None:
     if len(given) > 1:
         first, second = given[0], given[1]
         raise RequestValidationError(
-            f"{second.param}: a request takes one structured-output constraint, and {first.param} already gives one",
+            f"{second.param}: a request takes one structured-output constraint, and {first.param} "
+            "already gives one",
             second.param,
         )
     return given[0] if given else None

@@ -50,8 +50,8 @@ def logit_bias_pairs(bias: dict[str, float] | None, param: str) -> tuple[tuple[i
     for key, value in bias.items():
         if _TOKEN_ID_KEY.fullmatch(key) is None:
             raise RequestValidationError(
-                f"{param} key {key[:40]!r} is not a token id: keys are non-negative integers"
-                " written as strings",
+                f"{param} key {key[:40]!r} is not a token id: keys are non-negative integers "
+                "written as strings",
                 param,
             )
         if not low <= value <= high:

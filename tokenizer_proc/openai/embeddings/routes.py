@@ -115,7 +115,8 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
 def _require_embedding_mode(tm: TokenizerManager) -> None:
     if tm.config.mode != "embedding":
         raise RequestValidationError(
-            f"this server runs --mode {tm.config.mode}; embeddings need a server started with --mode embedding",
+            f"this server runs --mode {tm.config.mode}; embeddings need a server started with "
+            "--mode embedding",
             "model",
         )
 
@@ -145,7 +146,8 @@ def _token_inputs(
         kinds = {type(x) for x in items}
         if len(kinds) > 1 or int in kinds:
             raise RequestValidationError(
-                f"`{field}` must be a string, a list of strings, a list of token ids, or a list of such lists",
+                f"`{field}` must be a string, a list of strings, a list of token ids, or a list "
+                "of such lists",
                 field,
             )
     if not items:

@@ -1,20 +1,13 @@
 """A ``POST /v1/responses`` body (``ResponsesRequest``) and what it becomes: the chat request
-the pipeline runs (``to_chat``), with the conversation's items as chat messages.
+the pipeline runs (``to_chat``), with the conversation's items as chat messages
+(``conversation_messages``).
 
 OpenAI's fields, with vLLM's extra fields (``seed``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``logit_bias``, ``skip_special_tokens``, ``structured_outputs``). Everything a chat request
-does (the template, tools, ``tool_choice``, structured outputs, the reasoning parser) is the
-chat route's own code: a Responses request is read into a ``ChatCompletionRequest``, and an
-error found there names the Responses field (``input`` for ``messages``, ``tools[i].name``
-for ``tools[i].function.name``, ``text.format`` for ``response_format``).
-
-Items (``input``, and a stored conversation's) become messages as OpenAI's conversation
-state says: a message item is a message (``developer`` is ``system``), ``function_call``
-items are the assistant's ``tool_calls`` (consecutive ones, and the assistant text before
-them, make one assistant turn), a ``function_call_output`` is a ``tool`` message answering
-its ``call_id``, which an earlier ``function_call`` of the conversation must have made.
-Reasoning items are accepted and left out of the prompt (as the reasoning templates leave
-earlier turns' reasoning out).
+``repetition_penalty``, ``logit_bias``, ``skip_special_tokens``, ``structured_outputs``).
+Everything a chat request does (the template, tools, ``tool_choice``, structured outputs, the
+reasoning parser) is the chat route's own code: a Responses request is read into a
+``ChatCompletionRequest``, and an error found there names the Responses field
+(``responses_names``).
 """
 
 from __future__ import annotations
@@ -135,7 +128,8 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             )
         if self.truncation == "auto":
             raise RequestValidationError(
-                'truncation "auto" is not supported by this server: a prompt too long for the context is refused ("disabled")',
+                'truncation "auto" is not supported by this server: a prompt too long for the '
+                'context is refused ("disabled")',
                 "truncation",
             )
         for i, name in enumerate(self.include or ()):
@@ -154,7 +148,10 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         if len(metadata) > MAX_METADATA_KEYS or any(
             len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()
         ):
-            message = f"metadata takes at most {MAX_METADATA_KEYS} keys of at most {MAX_METADATA_KEY} characters, values of at most {MAX_METADATA_VALUE}"
+            message = (
+                f"metadata takes at most {MAX_METADATA_KEYS} keys of at most {MAX_METADATA_KEY} "
+                f"characters, values of at most {MAX_METADATA_VALUE}"
+            )
             raise RequestValidationError(message, "metadata")
 
     def to_chat(self, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -215,7 +212,8 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     if choice.get("type") == "function" and set(choice) == {"type", "name"}:
         return {"type": "function", "function": {"name": choice["name"]}}
     raise RequestValidationError(
-        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}; other tool choices are not supported by this server',
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}; '
+        "other tool choices are not supported by this server",
         "tool_choice",
     )
 
@@ -257,8 +255,9 @@ def _renamed(text: str) -> str:
 
 
 def responses_names(exc: RequestValidationError) -> RequestValidationError:
-    """A chat-side refusal with the Responses field names (``messages`` is ``input``,
-    ``tools[i].function.name`` is ``tools[i].name``, ...)."""
+    """A chat-side refusal with the Responses field names (``input`` for ``messages``,
+    ``tools[i].name`` for ``tools[i].function.name``, ``text.format`` for
+    ``response_format``, ...)."""
     return RequestValidationError(
         _renamed(str(exc)), _renamed(exc.param) if exc.param is not None else None
     )
@@ -295,7 +294,8 @@ def normalized_items(
         kind = item.get("type", "message" if "role" in item else None)
         if kind not in ITEM_TYPES:
             raise RequestValidationError(
-                f"{at}: items of type {kind!r} are not supported by this server; expected one of {', '.join(ITEM_TYPES)}",
+                f"{at}: items of type {kind!r} are not supported by this server; expected one of "
+                f"{', '.join(ITEM_TYPES)}",
                 f"{at}.type",
             )
         items.append(_READERS[kind](item, at))
@@ -320,7 +320,10 @@ def _message_item(item: dict[str, Any], at: str) -> dict[str, Any]:
             elif kind == "refusal" and isinstance(part.get("refusal"), str):
                 parts.append({"type": "refusal", "refusal": part["refusal"]})
             else:
-                message = f"{at}.content[{j}]: content parts of type {kind!r} are not supported by this server; only input_text, output_text and refusal"
+                message = (
+                    f"{at}.content[{j}]: content parts of type {kind!r} are not supported by this "
+                    "server; only input_text, output_text and refusal"
+                )
                 raise RequestValidationError(message, f"{at}.content[{j}].type")
     else:
         raise RequestValidationError(
@@ -398,7 +401,14 @@ _READERS = {
 def conversation_messages(items: list[dict[str, Any]], first_new: int) -> list[dict[str, Any]]:
     """The chat messages of a conversation's ``items`` (normalized), for the template.
     ``first_new``: the index of the first item of this request's ``input`` (the earlier ones
-    come from the stored conversation), to name an item at fault as ``input[i]``."""
+    come from the stored conversation), to name an item at fault as ``input[i]``.
+
+    Items become messages as OpenAI's conversation state says: a message item is a message
+    (``developer`` is ``system``), ``function_call`` items are the assistant's ``tool_calls``
+    (consecutive ones, and the assistant text before them, make one assistant turn), a
+    ``function_call_output`` is a ``tool`` message answering its ``call_id``, which an earlier
+    ``function_call`` of the conversation must have made. Reasoning items are accepted and
+    left out of the prompt (as the reasoning templates leave earlier turns' reasoning out)."""
     messages: list[dict[str, Any]] = []
     calls: set[str] = set()
     for i, item in enumerate(items):

@@ -36,7 +36,8 @@ from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.openai.chat_answers import finish_parsed
 from tokenizer_proc.openai.chat_parsing import ChatParsing, ChatSplitter
-from tokenizer_proc.openai.jobs import prepare_chat, submit_jobs
+from tokenizer_proc.openai.jobs import ChatJobs, prepare_chat, submit_jobs
+from tokenizer_proc.openai.schema import ChatCompletionRequest
 from tokenizer_proc.openai.shapes import finish_reason_of
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_checks import without_tokenizer
@@ -69,73 +70,7 @@ def build_responses_router(tm: TokenizerManager) -> tuple[APIRouter, ResponseSto
 
     @router.post(ROUTE)
     async def create_response(request: Request) -> Response:
-        arrived = time.time()
-        body: ResponsesRequest = decode_body(await request.body(), ResponsesBody)
-        body.refuse_unsupported()
-        if body.model is not None and body.model != tm.model_name:
-            return model_not_found(body.model)
-        if template is None:
-            raise without_tokenizer(
-                "the Responses API needs a tokenizer and a chat template; send token ids to /v1/completions or /generate",
-                "input",
-            )
-        earlier: list[dict[str, Any]] = []
-        if body.previous_response_id is not None:
-            stored = store.get(body.previous_response_id)
-            if stored is None:
-                message = f"no stored response with id {body.previous_response_id!r} (never stored, deleted, or evicted from the bounded store)"
-                return error_response(
-                    404, message, err_type="not_found_error", param="previous_response_id"
-                )
-            earlier = stored.conversation
-        items = earlier + normalized_items(body.input)
-        chat = body.to_chat(conversation_messages(items, len(earlier)))
-        try:
-            prepared = prepare_chat(tm, template, chat)
-        except RequestValidationError as exc:
-            raise responses_names(exc) from exc
-        except ChatTemplateUnavailable as exc:
-            return error_response(500, str(exc), err_type="internal_error")
-        response_id = new_item_id("resp")
-        try:
-            states = submit_jobs(
-                tm,
-                request,
-                chat,
-                prepared.jobs,
-                response_id,
-                arrived,
-                "chat",
-                prepared.names,
-                prepared.constraint,
-                ROUTE,
-            )
-        except RequestValidationError as exc:
-            raise responses_names(exc) from exc
-        answer = Answer(
-            tm,
-            body,
-            states[0],
-            prepared.parsing,
-            _head(tm, body, response_id, arrived),
-            store,
-            items,
-        )
-        try:
-            refused_state = await wait_started(tm, states, request)
-            if refused_state is None and body.streaming:
-                on_stream = tm.metrics.requests.on_sse_stream
-                return SseResponse(ResponseEvents(answer), tm.call_after_frame, on_stream)
-            if refused_state is None:
-                await wait_finished(tm, states[0], request)
-        except ClientGone:
-            abort_unfinished(tm, states)
-            return Response(status_code=499)
-        refused = _refused(states[0], prepared.constraint)
-        if refused is not None:
-            return refused
-        answer.feed(states[0].text, states[0].output_ids)
-        return JSONResponse(answer.finish())
+        return await answer_create(tm, template, store, request)
 
     @router.get(ROUTE + "/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
@@ -161,6 +96,98 @@ def build_responses_router(tm: TokenizerManager) -> tuple[APIRouter, ResponseSto
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return router, store
+
+
+async def answer_create(
+    tm: TokenizerManager, template: ChatTemplate | None, store: ResponseStore, request: Request
+) -> Response:
+    """``POST /v1/responses``: the request read as chat, run, and answered or streamed."""
+    arrived = time.time()
+    body: ResponsesRequest = decode_body(await request.body(), ResponsesBody)
+    body.refuse_unsupported()
+    if body.model is not None and body.model != tm.model_name:
+        return model_not_found(body.model)
+    if template is None:
+        raise without_tokenizer(
+            "the Responses API needs a tokenizer and a chat template; send token ids to "
+            "/v1/completions or /generate",
+            "input",
+        )
+    earlier = _earlier_items(store, body)
+    if isinstance(earlier, Response):
+        return earlier
+    items = earlier + normalized_items(body.input)
+    chat = body.to_chat(conversation_messages(items, len(earlier)))
+    try:
+        prepared = prepare_chat(tm, template, chat)
+    except RequestValidationError as exc:
+        raise responses_names(exc) from exc
+    except ChatTemplateUnavailable as exc:
+        return error_response(500, str(exc), err_type="internal_error")
+    return await _run(tm, request, body, chat, prepared, store, items, arrived)
+
+
+def _earlier_items(store: ResponseStore, body: ResponsesRequest) -> list[dict[str, Any]] | Response:
+    """The stored conversation ``previous_response_id`` continues (none without one), or the
+    404 for an id the store does not hold."""
+    if body.previous_response_id is None:
+        return []
+    stored = store.get(body.previous_response_id)
+    if stored is None:
+        message = (
+            f"no stored response with id {body.previous_response_id!r} (never stored, deleted, or "
+            "evicted from the bounded store)"
+        )
+        return error_response(
+            404, message, err_type="not_found_error", param="previous_response_id"
+        )
+    return stored.conversation
+
+
+async def _run(
+    tm: TokenizerManager,
+    request: Request,
+    body: ResponsesRequest,
+    chat: ChatCompletionRequest,
+    prepared: ChatJobs,
+    store: ResponseStore,
+    items: list[dict[str, Any]],
+    arrived: float,
+) -> Response:
+    """Submits the prepared chat and answers it, whole or as the Responses stream."""
+    response_id = new_item_id("resp")
+    try:
+        states = submit_jobs(
+            tm,
+            request,
+            chat,
+            prepared.jobs,
+            response_id,
+            arrived,
+            "chat",
+            prepared.names,
+            prepared.constraint,
+            ROUTE,
+        )
+    except RequestValidationError as exc:
+        raise responses_names(exc) from exc
+    head = _head(tm, body, response_id, arrived)
+    answer = Answer(tm, body, states[0], prepared.parsing, head, store, items)
+    try:
+        refused_state = await wait_started(tm, states, request)
+        if refused_state is None and body.streaming:
+            on_stream = tm.metrics.requests.on_sse_stream
+            return SseResponse(ResponseEvents(answer), tm.call_after_frame, on_stream)
+        if refused_state is None:
+            await wait_finished(tm, states[0], request)
+    except ClientGone:
+        abort_unfinished(tm, states)
+        return Response(status_code=499)
+    refused = _refused(states[0], prepared.constraint)
+    if refused is not None:
+        return refused
+    answer.feed(states[0].text, states[0].output_ids)
+    return JSONResponse(answer.finish())
 
 
 def _refused(state: ReqState, constraint: Constraint | None) -> Response | None:

@@ -6,13 +6,6 @@ One SQLite file in the service's private ipc directory (``TOKENPIPE_IPC_DIR``, m
 removed when the service stops), so every API worker (``--api-workers N``) reads and writes
 the same store: a conversation can go on through any worker. A process run alone
 (``tokenpipe api``) keeps a private directory of its own. Nothing outlives the service.
-
-Bounded by count and by bytes (``--responses-store-max-count``, ``--responses-store-bytes``):
-a put that goes over either removes the oldest responses first. The bytes counted are the
-stored JSON's; a single response larger than the byte bound is not stored at all.
-
-The calls are synchronous: a put or get of one row takes well under a millisecond, less than
-the request's own tokenizing, and happens once per request, never per token.
 """
 
 from __future__ import annotations
@@ -50,8 +43,16 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """See the module docstring. ``directory``: where the file lives (None: the service's
-    ipc directory, or a private one of this process's)."""
+    """The store of one SQLite file (see the module docstring). ``directory``: where the file
+    lives (None: the service's ipc directory, or a private one of this process's).
+
+    Bounded by count and by bytes (``--responses-store-max-count``,
+    ``--responses-store-bytes``): a put that goes over either removes the oldest responses
+    first. The bytes counted are the stored JSON's; a single response larger than the byte
+    bound is not stored at all.
+
+    The calls are synchronous: a put or get is one row, cheaper than the request's own
+    tokenizing, and happens once per request, never per token."""
 
     FILE_NAME = "responses.sqlite3"
 
@@ -100,7 +101,8 @@ class ResponseStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO responses (id, response, conversation, size) VALUES (?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO responses (id, response, conversation, size) VALUES "
+                    "(?, ?, ?, ?)",
                     (response_id, body, items, size),
                 )
                 self._evict()
