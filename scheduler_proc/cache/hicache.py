@@ -1,32 +1,11 @@
 """HiCache: a host tier and an optional storage tier under the device KV pool.
 
-Tiers, top to bottom:
-- device: the ``KVPool`` the model reads (``RadixNode.value``);
-- host: a second ``KVPool`` of ``--hicache-host-tokens`` slots in host memory, with its own
-  capacity (``RadixNode.host_value``). On a CPU-only machine both pools are CPU tensors, but
-  they stay separate pools and every move is a real copy;
-- storage: one file per evicted segment in a directory (``FileStorage``), keyed by a hash
-  of the token prefix the segment ends (``RadixNode.storage``, a ``StorageRef``).
-
-Life of a prefix. The radix tree evicts an unlocked device leaf: ``demote`` copies its K/V
-into the host pool (evicting host leaves first when the host is full) and the node stays in
-the tree with ``value`` None. A host leaf evicted for room is written to storage when storage
-is attached, and dropped otherwise. A node too large for the whole host pool goes straight
-to storage. Each node lives in exactly one tier, and tiers only get lower going down the
-tree: device nodes form a subtree from the root, host-or-device nodes another.
-
-A prefix match walks the device nodes (``RadixCache.match_prefix``), then the lower-tier
-nodes below them (``match_below``). The scheduler checks the device pool can take those
-tokens, ``fetch`` takes their K/V out of the host pool and reads their storage files
-(timed: that is the request's ``storage_prefetch_wait``), the scheduler allocates device
-slots, and ``install`` copies the K/V in and puts the nodes back on the device. Between
-``fetch`` and ``install`` the nodes hold no tier at all, so the evictions that the device
-allocation may cause can never touch them.
-
-Storage can be attached and detached at runtime (``attach_storage``/``detach_storage``).
-Detaching drops the storage nodes from the tree; the files stay in the directory, and a
-later write of the same key is skipped, since a key names its content: the hash covers a
-namespace (the model's identity), the segment's start and every token up to its end.
+Tiers, top to bottom: the device ``KVPool`` the model reads (``RadixNode.value``); a second
+``KVPool`` of ``--hicache-host-tokens`` slots in host memory (``RadixNode.host_value``: a
+separate pool even on a CPU-only machine, so every move is a real copy); storage, one file
+per evicted segment (``kv_storage.FileStorage``, ``RadixNode.storage``). Each node lives in
+exactly one tier, and tiers only get lower going down the tree: device nodes form a subtree
+from the root, host-or-device nodes another.
 
 Copies and file writes are synchronous, in the scheduler's step: simple and exact, at the
 cost of stalling a step while a large prefix moves (SGLang overlaps them with compute).
@@ -85,7 +64,8 @@ def apply_storage_control(
     error: StorageError | None = None
     if hicache is None:
         error = StorageError(
-            "HiCache is off on this server: start it with --hicache-host-tokens N to use a storage tier"
+            "HiCache is off on this server:"
+            " start it with --hicache-host-tokens N to use a storage tier"
         )
     elif msg.attach:
         try:
@@ -123,7 +103,26 @@ class Fetched:
 
 class HiCache:
     """The host pool, the storage backend and the tier bookkeeping of the radix tree's
-    off-device nodes. Implements ``radix_cache.LowerTiers``."""
+    off-device nodes. Implements ``radix_cache.LowerTiers``.
+
+    Life of a prefix. The radix tree evicts an unlocked device leaf: ``demote`` copies its
+    K/V into the host pool (evicting host leaves first when the host is full) and the node
+    stays in the tree with ``value`` None. A host leaf evicted for room is written to
+    storage when storage is attached, and dropped otherwise. A node too large for the whole
+    host pool goes straight to storage.
+
+    A prefix match walks the device nodes (``RadixCache.match_prefix``), then the lower-tier
+    nodes below them (``match_below``). The scheduler checks the device pool can take those
+    tokens, ``fetch`` takes their K/V out of the host pool and reads their storage files
+    (timed: that is the request's ``storage_prefetch_wait``), the scheduler allocates device
+    slots, and ``install`` copies the K/V in and puts the nodes back on the device. Between
+    ``fetch`` and ``install`` the nodes hold no tier at all, so the evictions that the device
+    allocation may cause can never touch them.
+
+    Storage can be attached and detached at runtime (``attach_storage``/``detach_storage``).
+    Detaching drops the storage nodes from the tree; the files stay in the directory, and a
+    later write of the same key is skipped, since a key names its content: the hash covers a
+    namespace (the model's identity), the segment's start and every token up to its end."""
 
     def __init__(self, kv: KVPool, host_tokens: int, namespace: str) -> None:
         if host_tokens <= 0:
@@ -157,14 +156,16 @@ class HiCache:
         or when another storage is attached. Attaching the attached one again is a no-op."""
         if backend not in STORAGE_BACKENDS:
             raise StorageError(
-                f"unknown storage backend {backend!r}; this server supports: {', '.join(STORAGE_BACKENDS)}",
+                f"unknown storage backend {backend!r};"
+                f" this server supports: {', '.join(STORAGE_BACKENDS)}",
                 "backend",
             )
         if self.storage.attached:
             if self.storage.backend == backend and str(self.storage.dir) == directory:
                 return
             raise StorageError(
-                f"storage is already attached ({self.storage.backend} at {self.storage.dir}): detach it first",
+                f"storage is already attached ({self.storage.backend} at {self.storage.dir}):"
+                " detach it first",
                 "dir",
             )
         self.storage = FileStorage(directory)

@@ -1,6 +1,4 @@
-"""Radix-tree prefix cache over token ids, sharing the KV pool's slots.
-
-Invariants:
+"""Radix-tree prefix cache over token ids, sharing the KV pool's slots. Invariants:
 - Every slot the tree holds is allocated in the pool and held by exactly one node; the tree
   frees a slot only when it evicts (or drops as a duplicate on insert) what it owns.
 - A node's lock_ref counts the locks taken on it or on any descendant, so "locked" is a
@@ -9,13 +7,7 @@ Invariants:
   (locked nodes) keep pointing at the node that ends where their match ended.
 - Eviction pops a lazily invalidated heap: an entry is stale when its node was removed,
   gained children, got locked or was touched since the push. No scan per evicted node.
-- Lower tiers (HiCache, ``scheduler_proc.cache.hicache``): when a ``LowerTiers`` is given, an
-  evicted node may stay in the tree off the device (``value`` None), its KV kept in a host
-  pool or a storage file that the lower tiers own (``host_value``, ``storage``). The device
-  nodes always form a subtree that hangs from the root (an off-device node has only
-  off-device descendants), so a device match is a walk that stops at the first off-device
-  node, and "leaf" means "no device child". The sizes below count device slots only.
-  Without lower tiers every node is on the device and all of this is moot.
+- The device nodes form a subtree that hangs from the root (nodes below a tier: ``LowerTiers``).
 """
 
 from __future__ import annotations
@@ -89,7 +81,10 @@ class RadixNode:
         return len(self.key)
 
     def __repr__(self) -> str:
-        return f"RadixNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        return (
+            f"RadixNode(len={len(self.key)}, lock_ref={self.lock_ref},"
+            f" children={len(self.children)})"
+        )
 
 
 class Dropped(NamedTuple):
@@ -101,7 +96,13 @@ class Dropped(NamedTuple):
 
 
 class LowerTiers(Protocol):
-    """Where evicted device KV goes (implemented by ``scheduler_proc.cache.hicache.HiCache``)."""
+    """Where evicted device KV goes: ``scheduler_proc.cache.hicache.HiCache``, or
+    ``DeviceOnly`` (none). With HiCache an evicted node may stay in the tree off the device
+    (``value`` None), its KV kept in a host pool or a storage file that the lower tiers own
+    (``host_value``, ``storage``). An off-device node has only off-device descendants, so a
+    device match is a walk that stops at the first off-device node, and "leaf" means "no
+    device child". The tree's sizes count device slots only. With ``DeviceOnly`` every node
+    is on the device and all of this is moot."""
 
     def demote(self, node: RadixNode) -> bool:
         """Copies an evicted device node's KV below the device; True when the node stays

@@ -2,42 +2,13 @@
 pass reads each sequence's keys as one contiguous block instead of gathering them slot by
 slot from the pool.
 
-Why: the pool is token-level (the radix cache shares slots between requests), so a
-decode pass that reads the pool gathers ``B * KH * L`` rows of ``head_dim`` values at
-random places, for keys and again for values, in every layer. On a CPU those reads are
-bound by memory latency: at batch 256 on the default model they were two fifths of a
-decode step. Here the keys of running-batch row ``r`` live at ``k[layer, r, :, :L]``, and
+Why: the pool is token-level (the radix cache shares slots between requests), so a decode
+pass that reads the pool gathers ``B * KH * L`` rows of ``head_dim`` values at random places,
+for keys and again for values, in every layer; on a CPU those reads are bound by memory
+latency. Here the keys of running-batch row ``r`` live at ``k[layer, r, :, :L]``, and
 ``[:n]`` of them is a ``[n * KH, L, D]`` view that the attention's batched matmuls read
 directly. A decode pass appends one column per row (the new token's K and V, which it also
-writes to the pool, the truth for everything else).
-
-Which rows are current is decided here, from two running-batch columns, not from the
-batch's membership events: row ``r`` holds the KV of the request whose join number
-(``RunningBatch.joined``, never reused by one batch) is ``owner[r]``, for its first
-``filled[r]`` positions. A decode pass over rows with ``joined`` and ``seq_len`` trusts a
-row only when ``owner == joined`` and ``filled == seq_len - 1`` (all but the new token);
-any other row (a request that just joined, came back after a retraction, or moved rows in
-a swap-remove) is filled again from the pool first. A running request's slots are never
-rewritten while it runs (its prefix slots are the radix cache's, read-only; its own are
-its own), so a current row equals what the pool holds.
-
-The copy is exactly as wide as the pass reads (``width`` key columns), so its first ``n``
-rows are one contiguous block: strided batches (a wider copy, read ``[:, :, :width]``) made
-the batched matmuls copy or crawl, and a batch-256 step slower by a fifth. When the width
-changes (every 16 tokens the longest row grows, or when it leaves) the copy is laid out
-again, in place: its storage is reserved once at the budget's size (pages are committed as
-they are first written), and rows move block by block, through a staging copy only where a
-block overlaps its new place. A fresh tensor per layout instead had the kernel fault in
-every page again (tens of MB at batch 256; about 100 ms under a VM).
-
-Memory is bounded: the copy holds at most ``budget_tokens`` token positions (rows times
-columns). A pass that would need more reads the pool instead (``prepare`` returns None) and
-the copy is dropped; it is built again when a later pass fits.
-
-Columns past a row's length hold finite values (the pool's slot-0 padding, zeros, or an
-earlier column of its own): the decode pass weights them exactly 0, as it does the pool's
-padding slots, so a row's output is the same bits read either way
-(tests/unit/test_row_kv.py).
+writes to the pool, the truth for everything else). How rows stay current: ``RowKV``.
 """
 
 from __future__ import annotations
@@ -88,6 +59,34 @@ class NoRowKV:
 
 
 class RowKV:
+    """Which rows are current is decided here, from two running-batch columns, not from the
+    batch's membership events: row ``r`` holds the KV of the request whose join number
+    (``RunningBatch.joined``, never reused by one batch) is ``owner[r]``, for its first
+    ``filled[r]`` positions. A decode pass over rows with ``joined`` and ``seq_len`` trusts a
+    row only when ``owner == joined`` and ``filled == seq_len - 1`` (all but the new token);
+    any other row (a request that just joined, came back after a retraction, or moved rows
+    in a swap-remove) is filled again from the pool first. A running request's slots are
+    never rewritten while it runs (its prefix slots are the radix cache's, read-only; its
+    own are its own), so a current row equals what the pool holds.
+
+    The copy is exactly as wide as the pass reads (``width`` key columns), so its first
+    ``n`` rows are one contiguous block: strided batches (a wider copy, read ``[:, :,
+    :width]``) made the batched matmuls copy or crawl. When the width changes (every 16
+    tokens the longest row grows, or when it leaves) the copy is laid out again, in place:
+    its storage is reserved once at the budget's size (pages are committed as they are
+    first written), and rows move block by block, through a staging copy only where a block
+    overlaps its new place. A fresh tensor per layout instead had the kernel fault in every
+    page again.
+
+    Memory is bounded: the copy holds at most ``budget_tokens`` token positions (rows times
+    columns). A pass that would need more reads the pool instead (``prepare`` returns None)
+    and the copy is dropped; it is built again when a later pass fits.
+
+    Columns past a row's length hold finite values (the pool's slot-0 padding, zeros, or an
+    earlier column of its own): the decode pass weights them exactly 0, as it does the
+    pool's padding slots, so a row's output is the same bits read either way
+    (tests/unit/test_row_kv.py)."""
+
     def __init__(self, pool: KVPool, budget_tokens: int) -> None:
         if budget_tokens < 1:
             raise ValueError(f"RowKV: budget_tokens must be positive, got {budget_tokens}")

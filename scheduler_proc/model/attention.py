@@ -5,19 +5,9 @@ values into the pool and attends each new token over its sequence's keys, read t
 ``AttentionLayout.kv_slot_table``. It is the one place that knows how keys are read back, so
 a faster kernel replaces this module and nothing else.
 
-Two paths, chosen by the pass's shape (``AttentionLayout.is_decode``), never by the rows in
-it, so a row's output does not depend on its neighbours' kind:
-
-- decode (one new token per sequence, causal): ``decode_attention`` attends over each row's
-  keys as a head-major [B * KH, L, D] block with two batched matmuls and a softmax (SDPA
-  would reorder the keys and expand them for GQA). The block is a view of the running
-  batch's dense KV copy (``scheduler_proc.cache.row_kv``) when the pass has one, else it is
-  gathered from the pool head-major, straight into that shape; the gathers, random reads
-  of the pool, were two fifths of a batch-256 decode step on the CPU.
-- everything else (prefill chunks, mixed lengths, dLLM blocks): ``padded_attention``, one
-  masked SDPA call over queries padded to [B, Qmax].
-
-Both read padded key columns (finite: the KVPool's and RowKV's invariant) and weight them 0.
+Two paths (``pool_attention``), chosen by the pass's shape (``AttentionLayout.is_decode``),
+never by the rows in it, so a row's output does not depend on its neighbours' kind. Both
+read padded key columns (finite: the KVPool's and RowKV's invariant) and weight them 0.
 """
 
 from __future__ import annotations
@@ -39,7 +29,16 @@ def pool_attention(
     layer: int,
 ) -> torch.Tensor:
     """q [T, H, D], k and v [T, KH, D] of the new tokens; k_cache and v_cache one layer's
-    pool [slots, KH, D], that of layer ``layer``. Returns the attention output [T, H, D]."""
+    pool [slots, KH, D], that of layer ``layer``. Returns the attention output [T, H, D].
+
+    - decode (one new token per sequence, causal): ``decode_attention`` attends over each
+      row's keys as a head-major [B * KH, L, D] block with two batched matmuls and a softmax
+      (SDPA would reorder the keys and expand them for GQA). The block is a view of the
+      running batch's dense KV copy (``scheduler_proc.cache.row_kv``) when the pass has one,
+      else it is gathered from the pool head-major, straight into that shape (random reads
+      of the pool: a large share of a big decode step on the CPU, which the copy saves).
+    - everything else (prefill chunks, mixed lengths, dLLM blocks): ``padded_attention``,
+      one masked SDPA call over queries padded to [B, Qmax]."""
     if not layout.is_decode:
         return padded_attention(q, k, v, layout, k_cache, v_cache, scale)
     reads = layout.decode_reads(k_cache.shape[1])

@@ -126,8 +126,8 @@ class ForwardBatch:
 
 def _cat_cpu(tensors: list[torch.Tensor]) -> torch.Tensor:
     """One CPU int64 tensor of all the slots. Slot tensors are 1-D CPU int64 already (a
-    KVPool invariant), so one ``cat`` does it: converting each of 512 tensors first took
-    2 ms of a batch-256 decode step's 3.7 ms build. Anything else takes the slow path."""
+    KVPool invariant), so one ``cat`` does it (converting each tensor first was most of a
+    large step's build). Anything else takes the slow path."""
     try:
         out = torch.cat(tensors)
     except RuntimeError:  # a 0-d or foreign-device tensor
@@ -243,7 +243,8 @@ class AttentionLayout:
         ``num_kv_heads`` heads; built once per pass."""
         if not self.is_decode:
             raise ValueError(
-                "AttentionLayout.decode_reads: not a decode pass (one causal new token per sequence)"
+                "AttentionLayout.decode_reads: not a decode pass"
+                " (one causal new token per sequence)"
             )
         reads = self._decode_reads
         if reads is None or reads.bias.shape[0] != self.batch_size * num_kv_heads:

@@ -1,20 +1,12 @@
 """Keeps the scheduler's freed host memory in the process instead of handing it back to the
 kernel after every step.
 
-Why: a CPU forward allocates and frees the same large buffers every step (gathered keys
-and values, scores, activations: about 10 MB each at batch 256). By default glibc returns
-a freed chunk that large to the kernel (``munmap``, or trimming the heap's top), and the
-next step faults every page back in. Under a VM such as Firecracker a fault costs about
-2 us, so at batch 256 a decode step took ~22,000 faults and ~48 ms of system time: more
-than the forward's own arithmetic. With the two settings below the step reuses the heap
-and takes about 60 faults.
-
-The price: the heap keeps its peak. The memory kept is what the largest step needed
-(tens of MB at batch 256 and a short context; a few hundred MB for long contexts), and
-the next step of that size needs it again, so the resident set stays at the step's peak
-instead of dipping between steps. A single allocation of 1 GiB or more still gets its own
-mapping and is returned on free; that is where a one-off spike (a huge prefill) would cost
-most to keep.
+Why: a CPU forward allocates and frees the same large buffers every step (gathered keys and
+values, scores, activations). By default glibc returns a freed chunk that large to the
+kernel (``munmap``, or trimming the heap's top), and the next step faults every page back
+in; under a VM such as Firecracker those faults cost a large step more system time than the
+forward's own arithmetic (bench/README.md). With the two settings below the step reuses the
+heap. The price, that the heap keeps its peak: ``keep_freed_host_memory``.
 
 Only glibc has these knobs (``mallopt``); anywhere else this does nothing. Device memory
 (CUDA) has its own caching allocator and is not touched.
@@ -36,7 +28,13 @@ _KEEP_BYTES = 1 << 30
 
 def keep_freed_host_memory() -> bool:
     """Sets glibc's mmap and trim thresholds for this process (idempotent). Returns whether
-    they were set: False off glibc (musl, macOS, Windows)."""
+    they were set: False off glibc (musl, macOS, Windows).
+
+    The price: the heap keeps its peak. The memory kept is what the largest step needed
+    (more for long contexts), and the next step of that size needs it again, so the resident
+    set stays at the step's peak instead of dipping between steps. A single allocation of
+    ``_KEEP_BYTES`` or more still gets its own mapping and is returned on free; that is where
+    a one-off spike (a huge prefill) would cost most to keep."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):  # glibc answers; others raise or say None
             return False

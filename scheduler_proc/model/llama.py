@@ -5,12 +5,10 @@ Qwen2, Qwen3, Mistral): their differences are switches of ``ModelConfig`` (proje
 biases, per-head q/k RMSNorm, explicit head_dim, the rotary scaling of
 ``scheduler_proc.model.rotary``), not copies of the decoder.
 
-Hot-path invariants (forward):
-- One pass per call for the whole batch: per-layer work is batched tensor ops; the only
-  Python loop is over layers.
-- The attention layout (padding index, mask, rotary rows) is computed once per pass and
-  shared by every layer.
-- One host sync per pass (max new length, to size the padded query block).
+Hot-path invariants (forward): one pass per call for the whole batch (per-layer work is
+batched tensor ops; the only Python loop is over layers); the attention layout (padding
+index, mask, rotary rows) is computed once per pass and shared by every layer; one host
+sync per pass (max new length, to size the padded query block).
 """
 
 from __future__ import annotations

@@ -77,13 +77,15 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    # Old HF exports persist the rotary table; tied checkpoints may still carry a head copy.
+                    # Old HF exports persist the rotary table; tied checkpoints may still
+                    # carry a head copy.
                     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                         continue
                     param = expected.get(name)
                     if param is None:
                         raise ValueError(
-                            f"unexpected tensor {name!r} in {path}: not a parameter of {config.architecture}"
+                            f"unexpected tensor {name!r} in {path}:"
+                            f" not a parameter of {config.architecture}"
                         )
                     if name in loaded:
                         raise ValueError(
@@ -92,7 +94,8 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     tensor = f.get_tensor(name)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(
-                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} from config.json"
+                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)},"
+                            f" expected {tuple(param.shape)} from config.json"
                         )
                     param.copy_(tensor)
                     loaded[name] = path

@@ -1,30 +1,14 @@
 """Structured outputs (docs/design.md section 10): the grammar a request's tokens must spell,
-compiled by xgrammar off the step, and the token mask of the constrained rows of a step.
-
-- ``tokenizer_info``: xgrammar's view of the served vocabulary (each token's bytes, the EOS
-  ids as its stop tokens), built once per scheduler from the tokenizer it serves.
-- ``GrammarCompiler`` (one per scheduler): a bounded LRU of compile outcomes keyed by
-  ``(kind, spec)`` (a compiled grammar, or the engine's reason it is invalid); a miss
-  compiles on the scheduler's one worker thread, and the step never waits for it (xgrammar
-  releases the GIL while it compiles). The requests that wait are
-  ``scheduler_proc.grammar_queue``'s.
-- ``TokenMasks`` (one per scheduler): the step's int32 bitmask ``[rows, ceil(V / 32)]``,
-  preallocated, filled for the constrained rows only (``xgr.BatchGrammarMatcher``: one call
-  for all of them); ``GrammarMask.apply`` puts -inf on every token a row's grammar forbids,
-  before bias, penalties and everything else the sampler does, so no bias brings one back;
-  ``accept`` feeds each constrained row its drawn token.
+compiled by xgrammar off the step (``GrammarCompiler``, over ``tokenizer_info``'s view of
+the vocabulary), and the token mask of the constrained rows of a step (``TokenMasks``).
 
 A matcher lives with its request (``Req.matcher``) and has accepted exactly the request's
 output tokens: a retracted request resumes with it as it is, and a re-prefill accepts
 nothing again. A matcher ends (terminates) exactly when it accepts a stop token, which it
 allows only where the grammar can end, so the request then finishes with ``stop``.
 
-Cost per step, only while a row is constrained (nothing otherwise: no bitmask, no copy):
-the fill, a copy of the logits with xgrammar's masked write, and the accepts. At B=256,
-every row following a nested JSON schema, V=4096, one torch thread of the 2-core dev box
-(bench/scheduler_step.py --constrained): fill about 0.5 ms, apply 4.5, accept 0.6, beside a
-50-60 ms forward. Per row, Python builds only the list of drawn tokens xgrammar takes; the
-list of matchers is kept between steps (``RunningBatch.grammar_rows``).
+A step costs something only while a row is constrained (``TokenMasks``); without one, no
+bitmask and no copy.
 """
 
 from __future__ import annotations
@@ -149,7 +133,11 @@ def _engine_reason(exc: Exception) -> str:
 
 
 class GrammarCompiler:
-    """Compiles specs on one worker thread and keeps the last ``cache_size`` outcomes.
+    """Compiles specs on one worker thread and keeps the last ``cache_size`` outcomes: a
+    bounded LRU keyed by ``(kind, spec)`` of a compiled grammar or the engine's reason it is
+    invalid. A miss compiles on the worker, and the step never waits for it (xgrammar
+    releases the GIL while it compiles); the requests that wait are
+    ``scheduler_proc.grammar_queue``'s.
 
     Used from the scheduler's thread only: ``lookup``, ``submit`` and ``settle`` touch the
     cache there; the worker runs ``compile`` and nothing else. The worker's first task makes
@@ -280,7 +268,15 @@ class NoGrammars:
 
 
 class TokenMasks:
-    """The step's bitmask (reused step after step) and the batched fill and accept."""
+    """The step's bitmask (reused step after step) and the batched fill and accept: an int32
+    bitmask ``[rows, ceil(V / 32)]``, filled for the constrained rows only
+    (``xgr.BatchGrammarMatcher``: one call for all of them); ``GrammarMask.apply`` puts -inf
+    on every token a row's grammar forbids, before bias, penalties and everything else the
+    sampler does, so no bias brings one back; ``accept`` feeds each constrained row its drawn
+    token. A step with a constrained row costs the fill, a copy of the logits with
+    xgrammar's masked write, and the accepts; per row, Python builds only the list of drawn
+    tokens xgrammar takes, and the list of matchers is kept between steps
+    (``RunningBatch.grammar_rows``)."""
 
     def __init__(self, vocab_size: int, stop_ids: Set[int], device: torch.device) -> None:
         self._vocab_size = vocab_size

@@ -6,28 +6,9 @@ seeded request samples the same tokens whatever it is batched with, across retra
 (the counter is the output index, not a generator's history) and across PD (the decode
 server draws token 1 with counter 1 whatever the prefill server did).
 
-Per row, in order: the grammar mask of a constrained row (``grammar.py``: -inf on every
-token its grammar forbids, so nothing after it can bring one back), logit_bias, penalties
-(``penalties.py``), the ban of the tokens a row may not draw yet (``BannedTokens``: its
-stop tokens and EOS while it is short of ``min_new_tokens``), temperature, top_k, top_p,
-min_p, the draw. The draw is an inverse CDF over unnormalised weights
-``e = exp((x - rowmax) / T)`` (so the top token weighs exactly 1 and min_p is
-``e >= min_p``) with one uniform per row, hashed from (seed, counter, round):
-
-- greedy rows (T <= GREEDY_EPS): argmax of the adjusted logits;
-- top_k rows: ``torch.topk`` on those rows only, then top_p, min_p and the draw in the
-  small sorted [rows, k] space;
-- the others: the inverse CDF in vocabulary order, two-level (block sums, then within the
-  block) so no full-width cumsum is needed; top_p rows are then checked by exact rejection
-  (redraw among heavier tokens until the draw is in the nucleus), so nothing is sorted.
-
-Cost, B=256 and V=4096 on one thread of the 2-core dev box (best of 400): greedy 0.1 ms,
-temperature 1.5 ms, temperature + top_p 2.4 ms (also when the nucleus is 90% of a near-
-uniform vocabulary), top_k 50 5.5 ms (torch.topk). The full-width passes are max,
-subtract, divide, exp and block sums, plus one masked sum for the top_p rows (and for the
-~10% that a rejection round sends back). A step with a constrained row adds a copy of the
-logits and xgrammar's masked write (``GrammarMask.apply``: 4.5 ms at B=256, every row
-constrained, on that thread); a step without one, nothing.
+Per row, in order (``sample``): the grammar mask of a constrained row, logit_bias,
+penalties, the ban of the tokens a row may not draw yet, temperature, top_k, top_p, min_p,
+the draw. Its costs per path are in bench/README.md.
 """
 
 from __future__ import annotations
@@ -173,7 +154,23 @@ class SamplingColumns:
 
 
 def sample(logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
-    """``logits`` is [n, V], one row per row of ``cols``; returns n token ids, int64."""
+    """``logits`` is [n, V], one row per row of ``cols``; returns n token ids, int64.
+
+    First the grammar mask (``grammar.py``: -inf on every token a row's grammar forbids, so
+    nothing after it can bring one back), bias and penalties (``penalties.py``) and the ban
+    (``BannedTokens``: its stop tokens and EOS while a row is short of ``min_new_tokens``).
+    The draw is an inverse CDF over unnormalised weights ``e = exp((x - rowmax) / T)`` (so
+    the top token weighs exactly 1 and min_p is ``e >= min_p``) with one uniform per row,
+    hashed from (seed, counter, round):
+
+    - greedy rows (T <= GREEDY_EPS): argmax of the adjusted logits;
+    - top_k rows: ``torch.topk`` on those rows only, then top_p, min_p and the draw in the
+      small sorted [rows, k] space;
+    - the others: the inverse CDF in vocabulary order, two-level (block sums, then within
+      the block) so no full-width cumsum is needed; top_p rows are then checked by exact
+      rejection (redraw among heavier tokens until the draw is in the nucleus), so nothing
+      is sorted. The full-width passes are max, subtract, divide, exp and block sums, plus
+      one masked sum for the top_p rows (and for the few a rejection round sends back)."""
     n, vocab = logits.shape
     x = adjusted_logits(logits if cols.grammar is None else cols.grammar.apply(logits), cols)
     if cols.banned is not None:
@@ -245,8 +242,7 @@ def _take(x: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
 
 def _argmax(logits: torch.Tensor) -> np.ndarray:
     """The greedy token of each row. On the CPU numpy's argmax is an order of magnitude
-    faster than torch's (1.5 ms against 0.1 ms for 256 x 4096 float32 logits here); both
-    return the first index of a tie."""
+    faster than torch's; both return the first index of a tie."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return np.argmax(logits.numpy(), axis=-1).astype(np.int64)
     return torch.argmax(logits, dim=-1).cpu().numpy().astype(np.int64)
@@ -284,8 +280,7 @@ def _draw_full(x: torch.Tensor, r: _Rows) -> np.ndarray:
 def _weights(x: torch.Tensor, temperature: np.ndarray) -> np.ndarray:
     """exp((x - rowmax) / T) in float32 on the host, zero-padded to whole blocks: the top
     token weighs exactly 1 (exp(0)), so min_p needs no normalisation. The subtract and
-    divide are torch's (0.3 ms for both against 0.7 for numpy's at 256 x 4096), the exp
-    numpy's (0.6 ms against torch's 1.3-3 ms)."""
+    divide are torch's, the exp numpy's: each the faster of the two here."""
     x = x.detach().to(device="cpu", dtype=torch.float32)
     m, vocab = x.shape
     e = torch.empty((m, -(-vocab // _BLOCK) * _BLOCK), dtype=torch.float32)
