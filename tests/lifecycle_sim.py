@@ -198,7 +198,8 @@ def make_req(
     if rng.random() < 0.2:
         for kind in ("image", "audio", "video"):
             if rng.random() < 0.5:
-                media.append(MediaItem(kind=kind, num_tokens=rng.randint(1, 12 if short else 64)))  # type: ignore[arg-type]
+                tokens = rng.randint(1, 12 if short else 64)
+                media.append(MediaItem(kind=kind, num_tokens=tokens))  # type: ignore[arg-type]
     longest = 48 if short else 300
     prompt_len = rng.randint(1, longest) + sum(m.num_tokens for m in media)
     return Req(

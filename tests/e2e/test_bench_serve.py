@@ -625,7 +625,8 @@ def test_generate_events_count_their_new_tokens_in_either_stream_mode(
         return seen, res
 
     seen, res = read(rows, [1, 3, 3, 4])
-    assert seen == [1, 2, 0, 1] and res.tokens == res.completion_tokens == 4  # type: ignore[attr-defined]
+    assert seen == [1, 2, 0, 1]
+    assert res.tokens == res.completion_tokens == 4  # type: ignore[attr-defined]
     _, lossy = read([[7], [8], [10]], [1, 3, 4])  # token 9 never arrived
     assert lossy.tokens != lossy.completion_tokens  # type: ignore[attr-defined]
 

@@ -63,7 +63,10 @@ def submit(
             rid=f"r{req_id}",
             req_id=req_id,
             input_ids=ids,
-            sampling_params=SamplingParams(max_new_tokens=max_new, **params),  # type: ignore[arg-type]
+            sampling_params=SamplingParams(
+                max_new_tokens=max_new,
+                **params,  # type: ignore[arg-type]
+            ),
             stream=stream,
             arrival_time=time.time(),
         )
@@ -170,7 +173,10 @@ def test_rows_are_whole_blocks_and_cached_tokens_grow_per_block() -> None:
     # block's KV; the last block has no successor, so the finished row repeats the value.
     cached = [r.stats.cached_tokens for r in streamed]  # type: ignore[union-attr]
     assert cached == [len(prompt) + 4, len(prompt) + 8, len(prompt) + 8]
-    assert streamed[1].stats.cached_tokens_details.device == len(prompt) + 8  # type: ignore[union-attr]
+    assert (
+        streamed[1].stats.cached_tokens_details.device  # type: ignore[union-attr]
+        == len(prompt) + 8
+    )
     assert_stats_exactly_when_changed(streamed)
     # A non-streaming request: only its finished row, with every token.
     assert len(rows[2]) == 1 and len(rows[2][0].tokens) == 10 and rows[2][0].stats is not None
@@ -305,7 +311,11 @@ def test_retraction_restarts_the_block_and_leaks_nothing() -> None:
         assert len(tokens(got)) == 30 and tokens(got) == expected[rid], rid
         assert [len(r.tokens) for r in got] == [4] * 7 + [2]
         assert_stats_exactly_when_changed(got)
-    retracted = [got for got in rows.values() if got[-1].stats.num_retractions]  # type: ignore[union-attr]
+    retracted = [
+        got
+        for got in rows.values()
+        if got[-1].stats.num_retractions  # type: ignore[union-attr]
+    ]
     assert retracted
     assert_no_kv_leak(s)
 
@@ -409,7 +419,8 @@ def test_serve_logprobs_of_each_block_token(dllm_server: ServerProcess) -> None:
         whole = c.post("/generate", json=body).json()
     meta, out = whole["meta_info"], whole["output_ids"]
     runner = make().runner  # the server's model (the default seed), block size and passes
-    expected, ref = reference_decode(runner, prompt, SamplingParams(**sampling), 5, S, max_new=10)  # type: ignore[arg-type]
+    params = SamplingParams(**sampling)  # type: ignore[arg-type]
+    expected, ref = reference_decode(runner, prompt, params, 5, S, max_new=10)
     assert out == expected
     assert [e[1] for e in meta["output_token_logprobs"]] == out
     for j, token in enumerate(out):

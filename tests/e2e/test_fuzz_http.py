@@ -561,7 +561,8 @@ class Dispatcher:
                             with self._lock:
                                 self.retried += 1
                             continue
-                    except Exception as exc:  # noqa: BLE001 - every failure is reported with its case
+                    # every failure is reported with its case
+                    except Exception as exc:  # noqa: BLE001
                         problem = f"{type(exc).__name__}: {exc}"
                     break
                 took = time.monotonic() - started

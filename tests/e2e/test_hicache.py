@@ -83,13 +83,17 @@ def test_prefix_evicted_from_device_is_served_from_host(uncached_tokens: list[in
     assert s.hicache is not None and s.hicache.tier_sizes()["host"] >= 100
     tokens, stats = serve_one(s, 10, PROMPTS[0] + SUFFIX)
     assert stats.cached_tokens == 100  # type: ignore[attr-defined]
-    assert stats.cached_tokens_details == CachedTokensDetails(device=0, host=100)  # type: ignore[attr-defined]
+    assert stats.cached_tokens_details == CachedTokensDetails(  # type: ignore[attr-defined]
+        device=0, host=100
+    )
     assert stats.time_stats.storage_prefetch_wait == 0.0  # type: ignore[attr-defined]
     assert tokens == uncached_tokens
     assert_no_leak(s)
     # The prefix is on the device now: the next hit is a device hit.
     _, again = serve_one(s, 11, PROMPTS[0] + [9])
-    assert again.cached_tokens_details == CachedTokensDetails(device=100, host=0)  # type: ignore[attr-defined]
+    assert again.cached_tokens_details == CachedTokensDetails(  # type: ignore[attr-defined]
+        device=100, host=0
+    )
     assert_no_leak(s)
 
 

@@ -81,7 +81,8 @@ def test_prometheus_counters_equal_the_meta_info_sums(
         time.sleep(0.5)
 
     prompt_total = scalar(prometheus, "tokenpipe:prompt_tokens_total")
-    warm_prompt = scalar(prometheus, "tokenpipe:prompt_tokens_histogram_sum") - expected_prompt  # type: ignore[operator]
+    prompt_sum = scalar(prometheus, "tokenpipe:prompt_tokens_histogram_sum")
+    warm_prompt = prompt_sum - expected_prompt  # type: ignore[operator]
     assert warm_prompt > 0
     assert prompt_total == expected_prompt + warm_prompt
     assert (

@@ -52,4 +52,7 @@ def test_time_per_output_token_is_the_scheduler_decode_interval(
     assert after[1] - before[1] == 1, "one observation per finished request"
     assert observed > 0
     # The same interval as decode_throughput: 11 tokens after the first over the decode time.
-    assert observed == pytest.approx(1 / meta["decode_throughput"], rel=1e-6)  # type: ignore[operator]
+    assert observed == pytest.approx(
+        1 / meta["decode_throughput"],  # type: ignore[operator]
+        rel=1e-6,
+    )

@@ -148,7 +148,11 @@ def test_llama_template_renders_bos_and_eos_tokens(
     assert expected_ids[0] == loaded.tokenizer.token_to_id("<s>")
     # What a chat request really runs.
     model = llama_oai.models.list().data[0].id
-    out = llama_oai.chat.completions.create(model=model, messages=LLAMA_MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    out = llama_oai.chat.completions.create(
+        model=model,
+        messages=LLAMA_MESSAGES,  # type: ignore[arg-type]
+        max_tokens=1,
+    )
     assert out.usage is not None and out.usage.prompt_tokens == len(expected_ids)
     with llama_server.client() as c:
         tokenized = c.post("/tokenize", json={"messages": LLAMA_MESSAGES}).json()
@@ -311,7 +315,10 @@ def test_model_cards_carry_max_model_len(
     context = http.get("/server_info").json()["context_length"]
     assert oai.models.list().data[0].max_model_len == context  # type: ignore[attr-defined]
     assert oai.models.retrieve(MODEL).max_model_len == context  # type: ignore[attr-defined]
-    assert llama_oai.models.list().data[0].max_model_len == LLAMA_CONTEXT  # type: ignore[attr-defined]
+    assert (
+        llama_oai.models.list().data[0].max_model_len  # type: ignore[attr-defined]
+        == LLAMA_CONTEXT
+    )
 
 
 # --- (12f) /tokenize and /detokenize ----------------------------------------------------------
@@ -404,14 +411,16 @@ def test_stop_reason_is_the_stop_string(oai: openai.OpenAI) -> None:
     stopped = oai.completions.create(
         prompt=PROMPT, stop=[word, "never-produced-zzz"], **kw
     ).choices[0]
-    assert stopped.finish_reason == "stop" and stopped.stop_reason == word  # type: ignore[attr-defined]
+    assert stopped.finish_reason == "stop"
+    assert stopped.stop_reason == word  # type: ignore[attr-defined]
 
     messages: Any = [{"role": "user", "content": PROMPT}]
     chat = oai.chat.completions.create(messages=messages, **kw).choices[0]
     assert chat.stop_reason is None  # type: ignore[attr-defined]
     chat_word = (chat.message.content or "").split()[2]
     chat_stopped = oai.chat.completions.create(messages=messages, stop=chat_word, **kw).choices[0]
-    assert chat_stopped.finish_reason == "stop" and chat_stopped.stop_reason == chat_word  # type: ignore[attr-defined]
+    assert chat_stopped.finish_reason == "stop"
+    assert chat_stopped.stop_reason == chat_word  # type: ignore[attr-defined]
 
     # Streamed: null on every chunk but the finishing one, which names the stop string.
     for stream, stop in (
@@ -422,7 +431,10 @@ def test_stop_reason_is_the_stop_string(oai: openai.OpenAI) -> None:
         ),
     ):
         choices = [chunk.choices[0] for chunk in stream if chunk.choices]
-        assert [c.stop_reason for c in choices] == [None] * (len(choices) - 1) + [stop]  # type: ignore[attr-defined]
+        assert [
+            c.stop_reason  # type: ignore[attr-defined]
+            for c in choices
+        ] == [None] * (len(choices) - 1) + [stop]
         assert choices[-1].finish_reason == "stop"
 
 
@@ -444,7 +456,9 @@ def test_stop_reason_is_the_stop_token_id_and_null_for_eos(
     named = llama_oai.completions.create(
         model=model, prompt="Hello", max_tokens=4, extra_body={"stop_token_ids": [token]}, **GREEDY
     ).choices[0]
-    assert named.finish_reason == "stop" and named.stop_reason == token  # type: ignore[attr-defined]
+    assert (
+        named.finish_reason == "stop" and named.stop_reason == token  # type: ignore[attr-defined]
+    )
     # Chat's first greedy token, from the same prompt through /generate, named as a stop token.
     messages: Any = [{"role": "user", "content": "Hi"}]
     with llama_server.client() as c:

@@ -107,7 +107,8 @@ def test_decode_retractions_rebootstrap_and_match_the_unified_server(
         assert all("error" not in e for e in events), events
         # Each event holds the output so far: a retraction never changes what was sent.
         for e in events:
-            assert e["output_ids"] == want["output_ids"][: len(e["output_ids"])]  # type: ignore[arg-type, index]
+            sent = e["output_ids"]
+            assert sent == want["output_ids"][: len(sent)]  # type: ignore[arg-type, index]
             assert want["text"].startswith(str(e["text"]))  # type: ignore[attr-defined]
         assert events[-1]["output_ids"] == want["output_ids"] and events[-1]["text"] == want["text"]
         metas = [e["meta_info"] for e in events]
@@ -124,10 +125,17 @@ def test_decode_retractions_rebootstrap_and_match_the_unified_server(
         # The first event after a re-bootstrap (or several: a slow client's events merge) shows
         # the new count and the prefill side's new cached tokens: the whole prompt is in its
         # cache by then.
-        first_after = next(m for m in metas if m["num_retractions"] >= 1)  # type: ignore[index, operator]
+        first_after = next(
+            m
+            for m in metas
+            if m["num_retractions"] >= 1  # type: ignore[index, operator]
+        )
         assert first_after["cached_tokens"] == final["prompt_tokens"]  # type: ignore[index]
         assert metas[0]["cached_tokens"] < final["prompt_tokens"]  # type: ignore[index]
-        assert first_after["bootstrap_done_time"] > metas[0]["bootstrap_done_time"]  # type: ignore[index, operator]
+        assert (
+            first_after["bootstrap_done_time"]  # type: ignore[index, operator]
+            > metas[0]["bootstrap_done_time"]
+        )
     assert retracted > 0, "the small decode pool never retracted: the test proves nothing"
     print(
         f"\nPD: {len(PROMPTS)} streams equal the unified server's after {retracted} decode-side re-bootstraps"
@@ -186,7 +194,10 @@ def test_constrained_streams_through_pd_match_the_unified_server(
     for want, got in zip(expected, answers, strict=True):
         assert re.fullmatch(LONG_REGEX, str(want["text"])), want
         assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
-        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]  # type: ignore[index]
+        assert (
+            got["meta_info"]["finish_reason"]  # type: ignore[index]
+            == want["meta_info"]["finish_reason"]  # type: ignore[index]
+        )
 
 
 def _server_info(srv: ServerProcess) -> dict[str, object]:

@@ -22,7 +22,9 @@ from scheduler_proc.admission import QUEUE_FULL_RETRY_AFTER
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler
 from tests.server_harness import ServerProcess, wait_until
-from tests.e2e.test_metrics import prometheus, query, scalar  # noqa: F401 (prometheus: a fixture, scraping metrics_server below)
+
+# prometheus: a fixture, scraping metrics_server below
+from tests.e2e.test_metrics import prometheus, query, scalar  # noqa: F401
 from tests.unit.test_scheduler_steps import PROMPT, run_to_end, submit
 
 MAX_NEW = 12

@@ -57,7 +57,8 @@ def _text(route: str, answer: dict[str, Any]) -> str:
     if route == "/generate" or "choices" not in answer:
         return answer["text"]  # type: ignore[no-any-return]
     choice = answer["choices"][0]
-    return choice["text"] if route == "/v1/completions" else choice["message"]["content"]  # type: ignore[no-any-return]
+    text = choice["text"] if route == "/v1/completions" else choice["message"]["content"]
+    return text  # type: ignore[no-any-return]
 
 
 def _bodies(prompt: str, stream: bool) -> dict[str, dict[str, Any]]:

@@ -48,7 +48,8 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 def server_of(mode: str, request: pytest.FixtureRequest) -> ServerProcess:
     """The shared server (SGLang's cumulative events) or the incremental one."""
-    return request.getfixturevalue("server" if mode == "cumulative" else "incremental")  # type: ignore[no-any-return]
+    name = "server" if mode == "cumulative" else "incremental"
+    return request.getfixturevalue(name)  # type: ignore[no-any-return]
 
 
 def greedy(max_new_tokens: int) -> dict[str, Any]:

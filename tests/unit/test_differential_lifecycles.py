@@ -264,7 +264,10 @@ class Pipeline:
             self.tms[w].handle_output(received)
         if isinstance(frame, BatchTokenIDOutput):
             # The logprob columns pass through the detokenizer; none stays none in every part.
-            assert (frame.logprobs is None) == all(part.logprobs is None for _, part in split.parts)  # type: ignore[union-attr]
+            assert (frame.logprobs is None) == all(
+                part.logprobs is None  # type: ignore[union-attr]
+                for _, part in split.parts
+            )
 
     def finished_spans(self) -> list[list[dict[str, Any]]]:
         """Per worker, the exported spans without their random ids: name, kind, times,
@@ -463,7 +466,8 @@ def run_differential(lifecycles: int, seed: int, metrics: bool) -> int:
             if shown and texts is not None and decoder is not None:
                 decoder.arriving = True
                 if asked.logprob_start_len >= 0:  # type: ignore[union-attr]
-                    texts.fill(req.origin_input_ids[asked.logprob_start_len :])  # type: ignore[union-attr]
+                    start = asked.logprob_start_len  # type: ignore[union-attr]
+                    texts.fill(req.origin_input_ids[start:])
                 texts.fill(asked.token_ids_logprob)  # type: ignore[union-attr]
                 decoder.arriving = False
             active.append(

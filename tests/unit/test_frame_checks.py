@@ -81,7 +81,10 @@ def test_split_token_rows_refuses_counts_that_miss_the_token_column(
     if total < 0:
         return
     with pytest.raises(ValueError):
-        split_token_rows(to_column(range(total), TOKEN_DTYPE), to_column(counts, COUNT_DTYPE))  # type: ignore[arg-type]
+        split_token_rows(
+            to_column(range(total), TOKEN_DTYPE),  # type: ignore[arg-type]
+            to_column(counts, COUNT_DTYPE),
+        )
 
 
 def test_split_token_rows_refuses_negative_counts() -> None:

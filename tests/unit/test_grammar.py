@@ -128,7 +128,8 @@ KIND_BIAS: dict[str, tuple[tuple[int, float], ...]] = {
 
 
 def make(pool: int = 8192, **kw: object) -> Scheduler:
-    return build_scheduler(ServerConfig(max_total_tokens=pool, torch_threads=1, **kw))  # type: ignore[arg-type]
+    config = ServerConfig(max_total_tokens=pool, torch_threads=1, **kw)  # type: ignore[arg-type]
+    return build_scheduler(config)
 
 
 def sampling(seed: int | None, **kw: object) -> SamplingParams:

@@ -106,7 +106,12 @@ def test_eos_and_stop_ids_are_never_drawn_before_min_new_tokens(
     s = build_scheduler(ServerConfig(max_total_tokens=4096, torch_threads=1))
     submit(s, 1, pushed(EOS, **sampling))
     submit(s, 2, pushed(STOP_ID, stop_token_ids=(STOP_ID,), ignore_eos=True, **sampling))
-    submit(s, 3, SamplingParams(max_new_tokens=12, logit_bias=((EOS, 100.0),), **sampling))  # type: ignore[arg-type]
+    params = SamplingParams(
+        max_new_tokens=12,
+        logit_bias=((EOS, 100.0),),
+        **sampling,  # type: ignore[arg-type]
+    )
+    submit(s, 3, params)
     tokens, finished, _ = outputs(s)
     for req_id, stop in ((1, EOS), (2, STOP_ID)):
         assert stop not in tokens[req_id][:MIN_NEW], (req_id, tokens[req_id])

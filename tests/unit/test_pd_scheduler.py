@@ -274,12 +274,17 @@ def test_forced_retraction_rebootstraps_and_finishes_the_same(
         assert [t for row in out[j + 1] for t in row.tokens] == expected[j + 1]
     rows = out[victim]
     with_stats = [row.stats for row in rows if row.stats is not None]
-    assert with_stats[0].cached_tokens == 0 and with_stats[0].num_retractions == 0  # type: ignore[union-attr]
+    assert (
+        with_stats[0].cached_tokens == 0  # type: ignore[union-attr]
+        and with_stats[0].num_retractions == 0  # type: ignore[union-attr]
+    )
     # The first row after the re-bootstrap carries the new count and the prefill side's
     # new cached tokens: the whole prompt is in its cache now.
     after = next(s for s in with_stats if s.num_retractions == 1)  # type: ignore[union-attr]
     assert after.cached_tokens == len(PROMPTS[victim - 1])
-    assert with_stats[-1] == after or with_stats[-1].num_retractions == 1  # type: ignore[union-attr]
+    assert (
+        with_stats[-1] == after or with_stats[-1].num_retractions == 1  # type: ignore[union-attr]
+    )
     assert any(
         "re-bootstrapping its KV" in r.getMessage() and f"req_id={victim}" in r.getMessage()
         for r in caplog.records
@@ -395,10 +400,14 @@ def test_unreachable_silent_and_dying_peers_fail_the_request(tmp_path: Path) -> 
     run([decode], out, until=10, on_step=kill_dying_peer_once_it_has_the_fetch)
     reasons = {req_id: rows[-1].finished for req_id, rows in out.items()}
     assert all(isinstance(r, FinishAbort) for r in reasons.values()), reasons
-    assert reasons[1].status_code == 502 and "cannot connect" in reasons[1].message  # type: ignore[union-attr]
-    assert reasons[2].status_code == 504 and "timed out" in reasons[2].message  # type: ignore[union-attr]
-    assert reasons[3].status_code == 502 and "was lost" in reasons[3].message  # type: ignore[union-attr]
-    assert reasons[4].status_code == 502 and "late but alive" in reasons[4].message  # type: ignore[union-attr]
+    assert reasons[1].status_code == 502
+    assert "cannot connect" in reasons[1].message  # type: ignore[union-attr]
+    assert reasons[2].status_code == 504
+    assert "timed out" in reasons[2].message  # type: ignore[union-attr]
+    assert reasons[3].status_code == 502
+    assert "was lost" in reasons[3].message  # type: ignore[union-attr]
+    assert reasons[4].status_code == 502
+    assert "late but alive" in reasons[4].message  # type: ignore[union-attr]
     assert 2.0 <= finished_at[1] < 4.0 and finished_at[3] < 1.5 and finished_at[2] >= 6.0, (
         finished_at
     )

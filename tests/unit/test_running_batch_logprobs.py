@@ -102,7 +102,8 @@ def test_pending_logprobs_leave_in_order_by_every_way_out() -> None:
     assert as_lists(reqs[0].take_pending_logprobs()) == due(0)  # type: ignore[arg-type]
     step()  # rows moved (swap-remove): each keeps its own
     rest = batch.take_steady(np.arange(len(batch)))
-    got = read_output_logprobs(rest.logprobs.columns(), rest.counts.tolist())  # type: ignore[union-attr]
+    columns = rest.logprobs.columns()  # type: ignore[union-attr]
+    got = read_output_logprobs(columns, rest.counts.tolist())
     for row, req in enumerate(batch.reqs):
         if req.logprob is not None:
             assert got[row].chosen == [w[0] for w in due(req.req_id)]

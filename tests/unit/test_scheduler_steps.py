@@ -157,7 +157,11 @@ def test_embedding_pools_the_same_chunked_or_not() -> None:
     b, _ = embed(whole, 1, PROMPT)
     assert np.allclose(a, b, atol=1e-5)
     assert abs(float(np.linalg.norm(a)) - 1.0) < 1e-5
-    assert stats is not None and stats.prompt_tokens == len(PROMPT) and stats.cached_tokens == 0  # type: ignore[attr-defined]
+    assert (
+        stats is not None
+        and stats.prompt_tokens == len(PROMPT)  # type: ignore[attr-defined]
+        and stats.cached_tokens == 0  # type: ignore[attr-defined]
+    )
     c, _ = embed(whole, 2, PROMPT[:80])
     assert not np.allclose(a, c, atol=1e-3), "different inputs should embed differently"
     assert_no_kv_leak(whole)

@@ -39,7 +39,8 @@ SAMPLED = [
 
 
 def make(pool: int = 8192, **kw: object) -> Scheduler:
-    return build_scheduler(ServerConfig(max_total_tokens=pool, torch_threads=1, **kw))  # type: ignore[arg-type]
+    config = ServerConfig(max_total_tokens=pool, torch_threads=1, **kw)  # type: ignore[arg-type]
+    return build_scheduler(config)
 
 
 def submit(
@@ -68,7 +69,11 @@ def run(s: Scheduler) -> dict[int, list[int]]:
     while s.has_work():
         for frame in s.step():
             ids = from_column(frame.req_ids, REQ_ID_DTYPE).tolist()  # type: ignore[union-attr]
-            for req_id, row in zip(ids, split_token_rows(frame.output_ids, frame.output_counts)):  # type: ignore[union-attr]
+            rows = split_token_rows(
+                frame.output_ids,  # type: ignore[union-attr]
+                frame.output_counts,  # type: ignore[union-attr]
+            )
+            for req_id, row in zip(ids, rows):
                 tokens.setdefault(req_id, []).extend(row)
     return tokens
 

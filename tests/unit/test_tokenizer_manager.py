@@ -71,7 +71,8 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(tmp_path: Path)
         "AbortReq",
         "TokenizedGenerateReqInput",
     ]
-    assert isinstance(sent[1], AbortReq) and sent[1].req_id == sent[0].req_id  # type: ignore[union-attr]
+    assert isinstance(sent[1], AbortReq)
+    assert sent[1].req_id == sent[0].req_id  # type: ignore[union-attr]
 
 
 def test_req_ids_are_never_reused_and_carry_the_worker_index(tmp_path: Path) -> None:
