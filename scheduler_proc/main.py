@@ -7,11 +7,14 @@ import ctypes
 import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import zmq
 
 from pipeline.config import ServerConfig
+from pipeline.dispatch import TypeDispatcher, route
 from pipeline.io_struct import (
     AbortReq,
     FlushCacheControl,
@@ -23,9 +26,10 @@ from pipeline.io_struct import (
 from pipeline.model_config import context_length_of
 from pipeline.process_util import ShutdownFlag, report_ready
 from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
-from pipeline.tokenizer_loader import LoadedTokenizer, load_vocab
+from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab, load_vocab
 from scheduler_proc.dllm import DllmConfig
-from scheduler_proc.cache.hicache import HiCache, StorageError
+from scheduler_proc.cache.hicache import HiCache
+from scheduler_proc.cache.kv_storage import StorageError
 from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.pd.decode import DecodeBootstrapper
@@ -51,16 +55,6 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
     context_length = context_length_of(config, vocab.vocab_size)
     decode = vocab.decode if isinstance(vocab, LoadedTokenizer) else None
     stop_checker = StopChecker(vocab.eos_token_ids, decode, context_length)
-    grammar = None
-    if isinstance(vocab, LoadedTokenizer):
-        # The grammar's vocabulary is the model's logits' width; its stop tokens are EOS.
-        tokenizer, width, eos, special = (
-            vocab.tokenizer,
-            runner.model_config.vocab_size,
-            vocab.eos_token_ids,
-            vocab.special_token_ids,
-        )
-        grammar = GrammarCompiler(lambda: tokenizer_info(tokenizer, width, eos, special), eos)
     return Scheduler(
         runner,
         stop_checker,
@@ -74,8 +68,20 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         dense_usage_columns=config.dense_usage_columns,
         dllm=dllm_config(config, vocab.eos_token_ids),
         hicache=build_hicache(config, runner),
-        grammar=grammar,
+        grammar=grammar_compiler(vocab, runner),
     )
+
+
+def grammar_compiler(
+    vocab: LoadedTokenizer | ModelVocab, runner: ModelRunner
+) -> GrammarCompiler | None:
+    """The grammar compiler of structured outputs, or None without a tokenizer. The
+    grammar's vocabulary is the model's logits' width; its stop tokens are EOS."""
+    if not isinstance(vocab, LoadedTokenizer):
+        return None
+    tokenizer, eos, special = vocab.tokenizer, vocab.eos_token_ids, vocab.special_token_ids
+    width = runner.model_config.vocab_size
+    return GrammarCompiler(lambda: tokenizer_info(tokenizer, width, eos, special), eos)
 
 
 def dllm_config(config: ServerConfig, eos_token_ids: frozenset[int]) -> DllmConfig | None:
@@ -85,7 +91,8 @@ def dllm_config(config: ServerConfig, eos_token_ids: frozenset[int]) -> DllmConf
         return None
     if not eos_token_ids:
         raise SystemExit(
-            "--mode dllm masks with an EOS id, and the model's configs name none (generation_config.json eos_token_id)"
+            "--mode dllm masks with an EOS id, and the model's configs name none "
+            "(generation_config.json eos_token_id)"
         )
     return DllmConfig(config.dllm_block_size, config.dllm_steps, min(eos_token_ids))
 
@@ -134,15 +141,14 @@ def attach_pd(
 def release_free_heap() -> None:
     """Hands freed heap back to the OS when the scheduler goes idle. Without it glibc keeps
     the peak of every burst, and RSS creeps up over hours of traffic although no request
-    state is left (bench/memory.py measured +13% over 100,000 requests)."""
+    state is left (bench/memory.py measures it)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
 
 
-def run_scheduler(config: ServerConfig) -> None:
-    shutdown = ShutdownFlag.install()
+def build_or_exit(config: ServerConfig) -> Scheduler:
     try:
         scheduler = build_scheduler(config)
     except StorageError as exc:
@@ -150,54 +156,104 @@ def run_scheduler(config: ServerConfig) -> None:
     logger.info("model on %s, KV pool of %d tokens", scheduler.runner.device, scheduler.kv.capacity)
     if scheduler.hicache is not None:
         logger.info("HiCache host tier of %d tokens", scheduler.hicache.host.capacity)
+    return scheduler
 
-    ctx = zmq.Context()
-    inbox = bind_pull(ctx, config.scheduler_input)
-    outbox = connect_push(ctx, config.detokenizer_input)
-    decoder: FrameDecoder[SchedulerInput] = FrameDecoder(SchedulerInput, logger, "scheduler input")
-    encoder = make_encoder()
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    attach_pd(scheduler, config, ctx, poller)
-    reporter = SchedulerStatsReporter(scheduler)
-    report_ready(ctx, config, "scheduler")
 
-    while not shutdown.is_set():
-        # Block only when idle; with work in flight, take what has arrived and step.
-        if not scheduler.has_work():
-            poller.poll(200)
-        elif scheduler.only_compiling():
-            poller.poll(GRAMMAR_POLL_MS)
+class SchedulerLoop:
+    """The scheduler process: its ``Scheduler``, its sockets, and what it does with each
+    message between two steps (``dispatcher``: type -> handler, one row per message)."""
+
+    def __init__(self, config: ServerConfig, scheduler: Scheduler, ctx: zmq.Context[Any]) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self._init_sockets(config, ctx)
+        attach_pd(self.scheduler, config, ctx, self.poller)
+        self.reporter = SchedulerStatsReporter(self.scheduler)
+        self.dispatcher = TypeDispatcher(
+            [
+                route(TokenizedGenerateReqInput, self.scheduler.add_request),
+                route(TokenizedEmbeddingReqInput, self.scheduler.add_request),
+                route(AbortReq, self.on_abort),
+                route(HiCacheStorageControl, self.on_storage_control),
+                route(FlushCacheControl, self.on_flush_cache),
+            ]
+        )
+
+    def _init_sockets(self, config: ServerConfig, ctx: zmq.Context[Any]) -> None:
+        self.inbox = bind_pull(ctx, config.scheduler_input)
+        self.outbox = connect_push(ctx, config.detokenizer_input)
+        self.decoder: FrameDecoder[SchedulerInput] = FrameDecoder(
+            SchedulerInput, logger, "scheduler input"
+        )
+        self.encoder = make_encoder()
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.outbox.send(self.encoder.encode(msg), copy=False)
+
+    def on_abort(self, msg: AbortReq) -> None:
+        answer = self.scheduler.abort(msg)
+        if answer is not None:
+            self.send(answer)
+
+    def on_storage_control(self, msg: HiCacheStorageControl) -> None:
+        # Answered at once, before this step's frames: every row after the answer reflects
+        # the new storage state.
+        self.send(self.scheduler.storage_control(msg))
+
+    def on_flush_cache(self, msg: FlushCacheControl) -> None:
+        self.send(self.scheduler.flush_cache(msg))
+        # A report at once, so /server_info and /metrics show the emptied cache: an idle
+        # scheduler would send none until its next work.
+        self.send(self.reporter.report(time.time()))
+
+    def run(self, shutdown: ShutdownFlag) -> None:
+        scheduler = self.scheduler
+        while not shutdown.is_set():
+            self.wait_for_input()
+            for msg in self.received():
+                self.dispatcher.dispatch(msg)
+            for out in scheduler.step():
+                encoded = self.encoder.encode(out)
+                if not self.config.discard_output:
+                    self.outbox.send(encoded, copy=False)
+            self.maybe_report()
+
+    def wait_for_input(self) -> None:
+        """Blocks only when idle; with work in flight, the step takes what has arrived."""
+        if not self.scheduler.has_work():
+            self.poller.poll(200)
+        elif self.scheduler.only_compiling():
+            self.poller.poll(GRAMMAR_POLL_MS)
+
+    def received(self) -> Iterator[SchedulerInput]:
+        """The messages that have arrived, without waiting (a frame that fails to decode is
+        dropped with a warning)."""
         while True:
             try:
-                frame = inbox.recv(zmq.NOBLOCK, copy=False)
+                frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
-            msg = decoder.decode(frame.buffer)
-            if isinstance(msg, AbortReq):
-                answer = scheduler.abort(msg)
-                if answer is not None:
-                    outbox.send(encoder.encode(answer), copy=False)
-            elif isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
-                scheduler.add_request(msg)
-            elif isinstance(msg, HiCacheStorageControl):
-                # Answered at once, before this step's frames: every row after the answer
-                # reflects the new storage state.
-                outbox.send(encoder.encode(scheduler.storage_control(msg)), copy=False)
-            elif isinstance(msg, FlushCacheControl):
-                outbox.send(encoder.encode(scheduler.flush_cache(msg)), copy=False)
-                # A report at once, so /server_info and /metrics show the emptied cache:
-                # an idle scheduler would send none until its next work.
-                outbox.send(encoder.encode(reporter.report(time.time())), copy=False)
-        for out in scheduler.step():
-            encoded = encoder.encode(out)
-            if not config.discard_output:
-                outbox.send(encoded, copy=False)
-        report = reporter.maybe_report(time.time())
+                return
+            msg = self.decoder.decode(frame.buffer)
+            if msg is not None:
+                yield msg
+
+    def maybe_report(self) -> None:
+        report = self.reporter.maybe_report(time.time())
         if report is not None:
-            outbox.send(encoder.encode(report), copy=False)
+            self.send(report)
             if report.live_reqs == 0:
                 release_free_heap()
+
+
+def run_scheduler(config: ServerConfig) -> None:
+    shutdown = ShutdownFlag.install()
+    scheduler = build_or_exit(config)
+    ctx = zmq.Context()
+    loop = SchedulerLoop(config, scheduler, ctx)
+    report_ready(ctx, config, "scheduler")
+    loop.run(shutdown)
     logger.info("scheduler exiting (pid %d)", os.getpid())
-    scheduler.close()
+    loop.scheduler.close()
     ctx.destroy(linger=0)

@@ -6,18 +6,9 @@ A request with a bootstrap room and endpoint (``Req.pd``: a ``DecodeBootstrap``)
 prefills here. ``start`` sends a ``KVFetch`` (attempt 0: the prompt); ``poll`` takes the
 transfers that arrived and moves their requests to ``ready``; ``take_inputs`` installs the
 KV into pool slots the scheduler gives (in arrival order, while the pool allows), and the
-request joins the running batch. A request that asked for logprobs gets its first token's
-and its prompt's from the first transfer (the prefill server computed them; nothing is
-computed twice), and its first row carries them. A retraction frees the KV and calls ``start``
-again (a re-bootstrap): the prefill server recomputes the prompt plus the generated
-tokens, mostly from its prefix cache, and reports its new cached tokens; that transfer
-carries no logprobs, as none are sent twice.
-
-Nothing waits forever. A fetch out to a peer whose connection drops, or to one that has
-refused connections for ``connect_grace`` seconds, fails with a 502 (the grace lets a
-restarting peer come back, and connection events that raced the fetch settle); so does an
-error from the prefill server or a malformed transfer. A fetch with no answer within
-``timeout`` seconds (the prefill server never got the request, or hangs) fails with a 504.
+request joins the running batch. A retraction frees the KV and calls ``start`` again (a
+re-bootstrap). Nothing waits forever: a lost or refusing peer, a prefill server's error or
+a malformed transfer fails a fetch with a 502, and no answer within ``timeout`` with a 504.
 """
 
 from __future__ import annotations
@@ -96,9 +87,8 @@ class DecodeBootstrapper:
         self.connect_grace = connect_grace
         self.layout = pool_layout(kv)
         self.timeout = timeout
-        self._pending: dict[
-            tuple[str, int], Req
-        ] = {}  # (endpoint, room) -> request waiting for its KV
+        # (endpoint, room) -> request waiting for its KV
+        self._pending: dict[tuple[str, int], Req] = {}
         self.ready: deque[Req] = deque()  # KV arrived, waiting for pool slots
         self._stray = RateLimitedWarning(logger)
         self._failed: list[Req] = []  # failed in start(), reported by the next poll()
@@ -142,7 +132,9 @@ class DecodeBootstrapper:
         pass  # a request prefilled here is not a PD request
 
     def on_retract(self, req: Req, now: float) -> bool:
-        """A PD request's KV is fetched again (a re-bootstrap) instead of re-prefilled."""
+        """A PD request's KV is fetched again (a re-bootstrap) instead of re-prefilled: the
+        prefill server recomputes the prompt plus the generated tokens, mostly from its
+        prefix cache, and reports its new cached tokens."""
         if not req.kv_prebuilt:
             return False
         self.start(req, now)
@@ -207,14 +199,17 @@ class DecodeBootstrapper:
 
     def poll(self, now: float) -> list[Req]:
         """Takes arrived transfers; returns the requests that failed (finished, with the
-        reason), for the scheduler to emit and release."""
+        reason), for the scheduler to emit and release. A fetch with no answer within
+        ``timeout`` seconds (the prefill server never got the request, or hangs) fails with
+        a 504."""
         failed: list[Req] = []
         for endpoint, header, frames in self.client.receive():
             req = self._pending.get((endpoint, header.room))
             pd = req.pd if req is not None else None
             if req is None or not isinstance(pd, DecodeBootstrap) or pd.attempt != header.attempt:
                 self._stray.warn(
-                    "dropped a KV transfer for room %d (attempt %d) from %s: no request waits for it",
+                    "dropped a KV transfer for room %d (attempt %d) from %s: "
+                    "no request waits for it",
                     header.room,
                     header.attempt,
                     endpoint,
@@ -242,8 +237,9 @@ class DecodeBootstrapper:
             if now > pd.deadline:
                 del self._pending[key]
                 message = (
-                    f"PD bootstrap timed out after {self.timeout:g} s: the prefill server at {pd.endpoint} sent no KV "
-                    f"for room {pd.room} (is it running, and did it get this request?)"
+                    f"PD bootstrap timed out after {self.timeout:g} s: the prefill server at "
+                    f"{pd.endpoint} sent no KV for room {pd.room} (is it running, and did it "
+                    "get this request?)"
                 )
                 req.finish(FinishAbort(message=message, status_code=504), now)
                 failed.append(req)
@@ -255,7 +251,8 @@ class DecodeBootstrapper:
 
     def _fail_lost_peers(self, now: float) -> None:
         """Fails the fetches out to a peer that dropped the connection, or that has refused
-        connections for ``connect_grace`` seconds of the fetch's life."""
+        connections for ``connect_grace`` seconds of the fetch's life (the grace lets a
+        restarting peer come back, and connection events that raced the fetch settle)."""
         lost = self.client.lost_peers(now)
         for key, req in list(self._pending.items()):
             pd = bootstrap_of(req)
@@ -293,7 +290,8 @@ class DecodeBootstrapper:
             header.first_token is not None and 0 <= header.first_token < self.vocab_size
         ):
             raise KVTransferError(
-                f"the first transfer must carry a first token in [0, {self.vocab_size}), got {header.first_token}"
+                "the first transfer must carry a first token in "
+                f"[0, {self.vocab_size}), got {header.first_token}"
             )
         if not 0 <= header.cached_tokens <= prompt:
             raise KVTransferError(
@@ -307,9 +305,11 @@ class DecodeBootstrapper:
         self, header: KVTransferHeader, req: Req
     ) -> tuple[TokenLogprobs | None, TokenLogprobs | None]:
         """The first token's and the prompt's logprobs a first transfer carries for a
-        request that asked, checked as the tokenizer manager checks a frame's, and against
-        what this request asked: one token, then the prompt positions it still needs
-        (``prompt_logprobs_next`` on), each with its top_logprobs_num and token ids."""
+        request that asked (the prefill server computed them: nothing is computed twice, and
+        the request's first row carries them), checked as the tokenizer manager checks a
+        frame's, and against what this request asked: one token, then the prompt positions
+        it still needs (``prompt_logprobs_next`` on), each with its top_logprobs_num and
+        token ids. A re-bootstrap's transfer carries none, as none are sent twice."""
         lp = header.logprobs
         if req.output_ids:
             if lp is not None:
@@ -322,7 +322,8 @@ class DecodeBootstrapper:
             return None, None  # the prefill side's request asked, this one did not: answer as asked
         if lp is None or lp.output is None:
             raise KVTransferError(
-                "the request asks for logprobs and the transfer carries none for its first token (did the prefill server's request ask too?)"
+                "the request asks for logprobs and the transfer carries none for its first "
+                "token (did the prefill server's request ask too?)"
             )
         nxt = req.prompt_logprobs_next
         want_prompt = 0 if nxt is None else len(req.origin_input_ids) - 1 - nxt
@@ -335,14 +336,16 @@ class DecodeBootstrapper:
         if first is None or got_prompt != want_prompt:
             got_first = 0 if first is None else 1
             raise KVTransferError(
-                f"asked for the logprobs of 1 first token and {want_prompt} prompt positions, got {got_first} and {got_prompt}"
+                f"asked for the logprobs of 1 first token and {want_prompt} prompt positions, "
+                f"got {got_first} and {got_prompt}"
             )
         k, m = ask.top_logprobs_num, len(ask.token_ids_logprob)
         for part in (first, prompt) if prompt is not None else (first,):
             if part.top_ids.shape[1] != k or part.ids_values.shape[1] != m:
                 got_k, got_m = part.top_ids.shape[1], part.ids_values.shape[1]
                 raise KVTransferError(
-                    f"asked for {k} top logprobs and {m} token ids per position, got {got_k} and {got_m}"
+                    f"asked for {k} top logprobs and {m} token ids per position, "
+                    f"got {got_k} and {got_m}"
                 )
             if part.top_ids.size and not (
                 0 <= part.top_ids.min() and part.top_ids.max() < self.vocab_size

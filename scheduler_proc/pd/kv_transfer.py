@@ -69,14 +69,16 @@ def tensors_from_frames(
     layout = header.layout
     if layout != expected:
         raise KVTransferError(
-            f"the prefill server's KV layout {layout} differs from this server's {expected} (different models?)"
+            f"the prefill server's KV layout {layout} differs from this server's {expected} "
+            "(different models?)"
         )
     dtype = getattr(torch, expected.dtype)
     shape = (expected.num_layers, header.num_tokens, expected.num_kv_heads, expected.head_dim)
     size = shape[0] * shape[1] * shape[2] * shape[3] * torch.empty((), dtype=dtype).element_size()
     if header.num_tokens <= 0 or len(k_raw) != size or len(v_raw) != size:
         raise KVTransferError(
-            f"KV frames of {len(k_raw)} and {len(v_raw)} bytes do not hold {header.num_tokens} tokens ({size} bytes each)"
+            f"KV frames of {len(k_raw)} and {len(v_raw)} bytes do not hold "
+            f"{header.num_tokens} tokens ({size} bytes each)"
         )
     # bytearray: a writable copy, which torch.frombuffer wants.
     k = torch.frombuffer(bytearray(k_raw), dtype=torch.uint8).view(dtype).reshape(shape)
@@ -171,7 +173,8 @@ class KVFetchClient:
         if sock is None:
             if len(self._sockets) >= MAX_PREFILL_PEERS:
                 raise KVTransferError(
-                    f"this decode server already fetches from {MAX_PREFILL_PEERS} prefill endpoints, its limit"
+                    f"this decode server already fetches from {MAX_PREFILL_PEERS} prefill "
+                    "endpoints, its limit"
                 )
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)

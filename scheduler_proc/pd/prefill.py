@@ -2,16 +2,13 @@
 fetches it. ``PrefillKVSender`` is the scheduler's ``PdRole`` on a prefill server.
 
 Two kinds of requests carry a ``Req.pd`` here (scheduler_proc/pd_state.py):
-- ``PrefillHalf``: a request this server's API received with a bootstrap room. It runs
-  as usual (its API clamps it to one new token). When it is released, its prompt KV and
-  first token go to the decode server's fetch for the same room: at once if the fetch has
-  arrived, else kept until it does (at most ``timeout`` seconds). When it asked for
-  logprobs, its first token's and its prompt's go too (``keep_first_logprobs``): the
-  decode server's first row carries them.
-- ``KVFetchJob``: a re-bootstrap. A decode server retracted the request and asks again,
-  for the prompt plus the tokens it generated. The scheduler computes that KV as an
-  internal prefill that emits no rows (the prompt mostly comes from the prefix cache),
-  and its release sends the KV.
+- ``PrefillHalf``: a request this server's API received with a bootstrap room. It runs as
+  usual (its API clamps it to one new token). When it is released, its prompt KV, first
+  token and (when asked) logprobs go to the decode server's fetch for the same room: at
+  once if the fetch has arrived, else kept until it does (at most ``timeout`` seconds).
+- ``KVFetchJob``: a re-bootstrap. A decode server retracted the request and asks again for
+  the prompt plus the tokens it generated; the scheduler computes that KV as an internal
+  prefill that emits no rows (mostly from the prefix cache), and its release sends the KV.
 """
 
 from __future__ import annotations
@@ -124,12 +121,10 @@ class PrefillKVSender:
         self.kv = kv
         self.layout = pool_layout(kv)
         self.timeout = timeout
-        self._waiting: dict[
-            int, _WaitingFetch
-        ] = {}  # room -> a first fetch that came before its prefill ended
-        self._stash: dict[
-            int, _Stashed
-        ] = {}  # room -> KV of a finished prefill that nobody fetched yet
+        # room -> a first fetch that came before its prefill ended
+        self._waiting: dict[int, _WaitingFetch] = {}
+        # room -> KV of a finished prefill that nobody fetched yet
+        self._stash: dict[int, _Stashed] = {}
         self._next_job_id = -1  # re-bootstrap requests count down: never a client's req_id
 
     # --- the scheduler's hooks (PdRole) ----------------------------------------------------
@@ -185,7 +180,10 @@ class PrefillKVSender:
         jobs: list[tuple[bytes, KVFetch]] = []
         for identity, fetch in self.server.receive():
             if fetch.layout != self.layout:
-                message = f"this prefill server's KV layout {self.layout} differs from the decode server's {fetch.layout} (different models?)"
+                message = (
+                    f"this prefill server's KV layout {self.layout} differs from the decode "
+                    f"server's {fetch.layout} (different models?)"
+                )
                 self.server.send(
                     identity,
                     KVTransferHeader(
@@ -313,7 +311,10 @@ class PrefillKVSender:
             )
         for room in [room for room, w in self._waiting.items() if w.deadline < now]:
             waiting = self._waiting.pop(room)
-            message = f"the prefill server got no request for bootstrap room {room} within {self.timeout:g} s"
+            message = (
+                f"the prefill server got no request for bootstrap room {room} "
+                f"within {self.timeout:g} s"
+            )
             self.server.send(
                 waiting.identity, KVTransferHeader(room=room, attempt=0, ok=False, error=message)
             )
