@@ -1,30 +1,10 @@
-"""Renders chat messages to a prompt string with the model's Jinja2 chat template.
-
-The template is the model directory's (``LoadedTokenizer.chat_template``: tokenizer_config.json's
-``chat_template`` or chat_template.jinja). A tokenizer without one gets
-``DEFAULT_CHAT_TEMPLATE``, the shipped tokenizer's own (``pipeline/assets/chat_template.jinja``):
-ChatML, with tools in the Hermes / Qwen 2.5 style (a tools block in the system turn, earlier
-calls as ``<tool_call>`` blocks, results as ``tool`` turns)::
-
-    <|im_start|>{role}\\n{content}<|im_end|>\\n   (one per message)
-    <|im_start|>assistant\\n                      (the generation prompt)
+"""Renders chat messages to a prompt string with the model's Jinja2 chat template: the model
+directory's (``LoadedTokenizer.chat_template``: tokenizer_config.json's ``chat_template`` or
+chat_template.jinja), else ``DEFAULT_CHAT_TEMPLATE``.
 
 Rendering follows Hugging Face ``transformers`` so that a model's own template renders the same
-here as in ``apply_chat_template``: a sandboxed environment (a template is data from a model
-directory, it must not reach Python internals), ``trim_blocks``/``lstrip_blocks``, the
-``raise_exception`` and ``strftime_now`` globals, a ``tojson`` that does not HTML-escape, the
-``{% generation %}`` tag rendered as its body, ``tools`` as the request's tool definitions
-(``{"type": "function", "function": {...}}`` each, as ``apply_chat_template(tools=...)`` passes
-them; none without), ``documents`` as none, a request's ``chat_template_kwargs`` (such as
-``enable_thinking``) as variables, and the tokenizer's special tokens (``bos_token``,
-``eos_token``, ...: ``LoadedTokenizer.special_tokens``) as variables, which Llama-style
-templates open with.
-
-``continue_final_message`` (vLLM's request field, transformers' argument) leaves the last
-message open so that the model continues it, as ``apply_chat_template`` does: the message's
-text gets a marker at its end, the conversation renders as usual, and the prompt is cut where
-the marker stands (the whitespace the template trimmed from the text's end stays trimmed). A
-template that drops or rewrites the message's text is a ``FinalMessageError``.
+here as in ``apply_chat_template`` (``ChatTemplate`` lists what that takes), in a sandboxed
+environment: a template is data from a model directory, it must not reach Python internals.
 """
 
 from __future__ import annotations
@@ -45,6 +25,11 @@ from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, LoadedTokenizer
 
 logger = logging.getLogger("tokenpipe.chat_template")
 
+# The shipped tokenizer's own (``pipeline/assets/chat_template.jinja``): ChatML, with tools in the
+# Hermes / Qwen 2.5 style (a tools block in the system turn, earlier calls as ``<tool_call>``
+# blocks, results as ``tool`` turns):
+#     <|im_start|>{role}\n{content}<|im_end|>\n   (one per message)
+#     <|im_start|>assistant\n                      (the generation prompt)
 DEFAULT_CHAT_TEMPLATE = (DEFAULT_TOKENIZER_DIR / "chat_template.jinja").read_text(encoding="utf-8")
 
 
@@ -102,7 +87,16 @@ def _strftime_now(fmt: str) -> str:
 class ChatTemplate:
     """One compiled template, built once per server. A template that does not compile is
     logged at start-up and makes every chat request a 500 naming the problem, rather than
-    stopping a server whose other endpoints work."""
+    stopping a server whose other endpoints work.
+
+    As in transformers: ``trim_blocks``/``lstrip_blocks``, the ``raise_exception`` and
+    ``strftime_now`` globals, a ``tojson`` that does not HTML-escape, the ``{% generation %}``
+    tag rendered as its body, ``tools`` as the request's tool definitions (``{"type":
+    "function", "function": {...}}`` each, as ``apply_chat_template(tools=...)`` passes them;
+    none without), ``documents`` as none, a request's ``chat_template_kwargs`` (such as
+    ``enable_thinking``) as variables, and the tokenizer's special tokens (``bos_token``,
+    ``eos_token``, ...: ``LoadedTokenizer.special_tokens``) as variables, which Llama-style
+    templates open with."""
 
     def __init__(self, source: str | None, special_tokens: Mapping[str, str] | None = None) -> None:
         self.source = source if source is not None else DEFAULT_CHAT_TEMPLATE
@@ -138,7 +132,7 @@ class ChatTemplate:
         ``tool_calls``, ``tool_call_id``); ``tools`` the request's tool definitions (None:
         none); ``kwargs`` its ``chat_template_kwargs``, extra variables that cannot replace
         the ones above (as in vLLM); ``continue_final_message``: the last message is left
-        open (module docstring). Raises ChatTemplateError for messages the template refuses
+        open (``_left_open``). Raises ChatTemplateError for messages the template refuses
         or fails on."""
         if self._template is None:
             raise ChatTemplateUnavailable(self._compile_error)
@@ -182,9 +176,13 @@ class ChatTemplate:
 
 
 def _left_open(rendered: str, final: str) -> str:
-    """The rendered conversation cut at the marker after the final message's text. A
-    template that trimmed the marker's trailing space trimmed the text's too: what stands
-    before the marker is then right-stripped, as transformers does."""
+    """``continue_final_message`` (vLLM's request field, transformers' argument) leaves the
+    last message open so that the model continues it, as ``apply_chat_template`` does: the
+    message's text gets a marker at its end, the conversation renders as usual, and the
+    prompt is cut where the marker stands. A template that trimmed the marker's trailing space
+    trimmed the text's too: what stands before the marker is then right-stripped, as
+    transformers does. A template that drops or rewrites the message's text is a
+    ``FinalMessageError``."""
     marker = _CONTINUE_MARKER.strip()
     if final.strip() not in rendered or marker not in rendered:
         raise FinalMessageError(

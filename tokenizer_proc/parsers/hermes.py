@@ -1,25 +1,7 @@
 """Tool calls in the Hermes format (Qwen 2.5 and 3, Hermes): content, then blocks of
 ``<tool_call>`` + a JSON object ``{"name": ..., "arguments": {...}}`` + ``</tool_call>``,
-whitespace around the JSON as the model likes. Several blocks are parallel calls.
-
-The rule for each block (``CallObject`` decides the object's part):
-
-- A block is a call from the moment its ``"name"`` string is complete, names a known tool
-  and everything before it is valid JSON; until then its text is held back.
-- A block that breaks before that (not JSON, not an object, an unknown name, no name, or
-  the answer ends) is content: its ``<tool_call>`` is content, and the text after it is
-  read again as content, so a good block inside it still counts.
-- A block's end is its object's ``}``, found by JSON structure (``</tool_call>`` inside a
-  string is not the end). Whitespace and ``</tool_call>`` after it are dropped; anything
-  else there is content, read on from just after the ``}``. A closing tag missing at the
-  end of the answer is forgiven.
-- A call that breaks after its header keeps its header and the arguments sent (see
-  ``CallObject``); the text from where it broke is content, after whitespace and a
-  ``</tool_call>`` there are dropped as for a whole call (a model that forgets the
-  object's last ``}`` still makes a clean call).
-- Whitespace between calls, before the first and after the last is dropped; text with
-  anything else is content as written. So an answer that makes no call is all content,
-  exactly as written.
+whitespace around the JSON as the model likes. Several blocks are parallel calls; what is a
+call and what is content is ``HermesToolParser``'s rule.
 """
 
 from __future__ import annotations
@@ -46,7 +28,26 @@ class _At(enum.Enum):
 
 
 class HermesToolParser:
-    """One answer's Hermes tool calls (see the module docstring for the rule)."""
+    """One answer's Hermes tool calls.
+
+    The rule for each block (``CallObject`` decides the object's part):
+
+    - A block is a call from the moment its ``"name"`` string is complete, names a known tool
+      and everything before it is valid JSON; until then its text is held back.
+    - A block that breaks before that (not JSON, not an object, an unknown name, no name, or
+      the answer ends) is content: its ``<tool_call>`` is content, and the text after it is
+      read again as content, so a good block inside it still counts.
+    - A block's end is its object's ``}``, found by JSON structure (``</tool_call>`` inside a
+      string is not the end). Whitespace and ``</tool_call>`` after it are dropped; anything
+      else there is content, read on from just after the ``}``. A closing tag missing at the
+      end of the answer is forgiven.
+    - A call that breaks after its header keeps its header and the arguments sent (see
+      ``CallObject``); the text from where it broke is content, after whitespace and a
+      ``</tool_call>`` there are dropped as for a whole call (a model that forgets the
+      object's last ``}`` still makes a clean call).
+    - Whitespace between calls, before the first and after the last is dropped; text with
+      anything else is content as written. So an answer that makes no call is all content,
+      exactly as written."""
 
     __slots__ = ("_at", "_block", "_call", "_gap", "_held", "_sink", "_tool_names")
 

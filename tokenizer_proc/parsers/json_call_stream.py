@@ -3,18 +3,11 @@
 (``DeltaSink``), and the text tests around the call markers.
 
 Why a scanner of our own: a call's arguments are sent as the model's own text, so the parser
-must know where, in the raw text, the arguments value starts and ends, and where the call's
-object ends (a ``</tool_call>`` inside a JSON string is not the end of a block). Neither
-``json`` nor ``partial_json_parser`` says where a value ends in text that is still arriving,
-so ``JsonScanner`` tracks only the lexical structure (strings, escapes, brackets). Values are
-still read by ``json``, and ``partial_json_parser`` closes an arguments text that never ended.
-
-Everything here works a character at a time in effect (state carries over between pieces),
-so where the text was split never changes a decision.
-
-Cost: one pass over each call's text (strings and runs of plain characters are skipped with
-one regex step each), plus one ``json.loads`` of each value that decides whether a call
-exists (its name, and members written before it).
+must know where, in the raw text, the arguments value and the call's object end (a
+``</tool_call>`` inside a JSON string is not the end of a block), and neither ``json`` nor
+``partial_json_parser`` says that of text still arriving. ``JsonScanner`` tracks only the
+lexical structure; values are still read by ``json``. State carries over between pieces, so
+where the text was split never changes a decision.
 """
 
 from __future__ import annotations
@@ -224,6 +217,10 @@ class CallObject:
     checked, to find the end: if the object breaks or never closes, the arguments are what
     was sent, closed by ``partial_json_parser``'s completion where appending it makes a JSON
     object (``{"a": [1`` gets ``]}``), and ``"{}"`` if none was sent (see ``end``).
+
+    Cost: one pass over each call's text (strings and runs of plain characters are skipped
+    with one regex step each), plus one ``json.loads`` of each value that decides whether a
+    call exists (its name, and members written before it).
     """
 
     __slots__ = (

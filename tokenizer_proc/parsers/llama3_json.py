@@ -1,21 +1,7 @@
 """Tool calls in Llama 3.1/3.2's JSON format: the answer is, after optional whitespace and an
 optional ``<|python_tag|>``, a JSON object ``{"name": ..., "parameters": {...}}``
-(``"arguments"`` is taken too), and further calls follow it after a ``;``.
-
-The rule (``CallObject`` decides each object's part):
-
-- An answer that does not begin, after whitespace, with ``{`` or ``<|python_tag|>`` is all
-  content. So is one where the tag is followed by anything but an object.
-- An object is a call from the moment its ``"name"`` string is complete, names a known tool
-  and everything before it is valid JSON; until then it is held back. If it breaks before
-  that (``{"result": 1}``, an unknown name, the answer ends), everything from where this
-  attempt began (the answer's start, or the end of the previous call) is content, and so
-  is the rest of the answer.
-- After a call: whitespace, then ``;`` and the next object. Anything else is content, from
-  just after the call's ``}`` to the end of the answer; whitespace alone at the end is
-  dropped.
-- A call that breaks after its header keeps its header and the arguments sent (see
-  ``CallObject``); the rest of the answer, from where it broke, is content.
+(``"arguments"`` is taken too), and further calls follow it after a ``;``. What is a call and
+what is content is ``Llama3JsonToolParser``'s rule.
 """
 
 from __future__ import annotations
@@ -43,7 +29,22 @@ class _At(enum.Enum):
 
 
 class Llama3JsonToolParser:
-    """One answer's Llama 3 JSON tool calls (see the module docstring for the rule)."""
+    """One answer's Llama 3 JSON tool calls.
+
+    The rule (``CallObject`` decides each object's part):
+
+    - An answer that does not begin, after whitespace, with ``{`` or ``<|python_tag|>`` is all
+      content. So is one where the tag is followed by anything but an object.
+    - An object is a call from the moment its ``"name"`` string is complete, names a known tool
+      and everything before it is valid JSON; until then it is held back. If it breaks before
+      that (``{"result": 1}``, an unknown name, the answer ends), everything from where this
+      attempt began (the answer's start, or the end of the previous call) is content, and so
+      is the rest of the answer.
+    - After a call: whitespace, then ``;`` and the next object. Anything else is content, from
+      just after the call's ``}`` to the end of the answer; whitespace alone at the end is
+      dropped.
+    - A call that breaks after its header keeps its header and the arguments sent (see
+      ``CallObject``); the rest of the answer, from where it broke, is content."""
 
     __slots__ = ("_at", "_attempt", "_call", "_held", "_sink", "_tool_names")
 

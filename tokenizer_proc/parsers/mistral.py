@@ -1,21 +1,6 @@
 """Tool calls in Mistral's older format: content, then ``[TOOL_CALLS]`` and a JSON array of
-call objects, ``[{"name": ..., "arguments": {...}}, ...]``.
-
-The rule (``CallObject`` decides each object's part):
-
-- Text before ``[TOOL_CALLS]`` is content.
-- An object is a call from the moment its ``"name"`` string is complete, names a known tool
-  and everything before it is valid JSON; until then it is held back.
-- When the array stops parsing (not an array, an element that breaks before it is a call,
-  text where a ``,`` or ``]`` belongs) and no call of it was made, its ``[TOOL_CALLS]`` is
-  content and the text after it is read again as content. When calls were made, the text
-  from the end of the last call is read again as content.
-- A call that breaks after its header keeps its header and the arguments sent (see
-  ``CallObject``); the text from where it broke is read again as content.
-- After the array's ``]``, or at the end of the answer where ``]`` is missing, whitespace
-  alone is dropped, and other text is content (another ``[TOOL_CALLS]`` starts calls again).
-  Whitespace before an array that makes a call is dropped too. So an answer that makes no
-  call is all content, exactly as written.
+call objects, ``[{"name": ..., "arguments": {...}}, ...]``. What is a call and what is
+content is ``MistralToolParser``'s rule.
 """
 
 from __future__ import annotations
@@ -43,7 +28,23 @@ class _At(enum.Enum):
 
 
 class MistralToolParser:
-    """One answer's Mistral tool calls (see the module docstring for the rule)."""
+    """One answer's Mistral tool calls.
+
+    The rule (``CallObject`` decides each object's part):
+
+    - Text before ``[TOOL_CALLS]`` is content.
+    - An object is a call from the moment its ``"name"`` string is complete, names a known tool
+      and everything before it is valid JSON; until then it is held back.
+    - When the array stops parsing (not an array, an element that breaks before it is a call,
+      text where a ``,`` or ``]`` belongs) and no call of it was made, its ``[TOOL_CALLS]`` is
+      content and the text after it is read again as content. When calls were made, the text
+      from the end of the last call is read again as content.
+    - A call that breaks after its header keeps its header and the arguments sent (see
+      ``CallObject``); the text from where it broke is read again as content.
+    - After the array's ``]``, or at the end of the answer where ``]`` is missing, whitespace
+      alone is dropped, and other text is content (another ``[TOOL_CALLS]`` starts calls again).
+      Whitespace before an array that makes a call is dropped too. So an answer that makes no
+      call is all content, exactly as written."""
 
     __slots__ = ("_at", "_attempt", "_call", "_gap", "_held", "_made_calls", "_sink", "_tool_names")
 

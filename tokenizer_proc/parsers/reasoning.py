@@ -1,52 +1,12 @@
 """Split a chat completion's output into reasoning and content as it streams, and count the
 reasoning tokens once the answer is finished.
 
-The chat route makes one :class:`ReasoningParser` per choice (:func:`make_reasoning_parser`)
-and feeds it every text delta as the detokenizer sends it. The text is split at the tags
-(``<think>``, ``</think>``), which are dropped from both sides; after
-:meth:`ReasoningParser.finish`, :attr:`ReasoningParser.span` says where the reasoning text
-lies in the output, and :func:`count_reasoning_tokens` counts the answer's tokens against it.
-
-Dialects (vLLM's parsers of the same names):
-
-- ``deepseek_r1``: the R1 chat template ends the prompt with ``<think>\\n``, so the output
-  starts inside reasoning: everything before the first ``</think>`` is reasoning, the rest
-  content; no ``</think>`` at all makes everything reasoning. A ``<think>`` the model writes
-  at the very start anyway is dropped; one anywhere else is text. ``enable_thinking`` is
-  ignored, as by the R1 template.
-- ``qwen3``: with ``enable_thinking=False`` nothing is parsed: all text is content and no
-  token is a reasoning token. With thinking on:
-
-  * output that starts with ``<think>`` (nothing before it): reasoning up to the first
-    ``</think>``, content after it; no ``</think>`` makes all of it after ``<think>``
-    reasoning (a reply cut off while thinking);
-  * output that does not start with ``<think>``: reasoning is the text before the first
-    ``</think>`` (templates from Qwen3-2507 open ``<think>`` in the prompt); with no
-    ``</think>`` at all it is all content. Which of the two it is stays open until the first
-    ``</think>`` or :meth:`ReasoningParser.finish`, and the parser holds all of that text back
-    until then: such a reply streams nothing until its ``</think>`` arrives, or all at once at
-    the finish when none does.
-
-Common to both: text after the first ``</think>`` is content, verbatim (the newline the models
-write after the tag included, and any later ``</think>``); a ``<tool_call>`` inside the
-reasoning is reasoning text, so a tool parser, which sees only content, never sees it. Text
-that may be the beginning of a tag (a trailing ``</thi``) is held back until the next text
-settles it; at the finish it goes to the side it was on.
-
-Counting (:func:`count_reasoning_tokens`): a token is a reasoning token when its bytes
-overlap the reasoning text's bytes in the output. The output's UTF-8 is the concatenation of
-the tokens' bytes, so token i covers ``[a_i, b_i)`` with ``a_0 = 0`` and ``b_i = a_i +
-len(bytes_i)``; the reasoning covers ``[S, E)``, the UTF-8 offsets of the span's ends. A token
-counts when ``a_i < E`` and ``b_i > S``; a zero-byte token (a special token the detokenizer
-skipped) when ``S <= a_i < E``; an empty reasoning has no tokens. With single-token tags
-(``<think>`` is one token in the Qwen3 and DeepSeek tokenizers) that is exactly the tokens
-strictly between the tag tokens; with tags spelled in several tokens, a token that straddles
-a tag's edge counts. It runs once, on the finished answer's ids, so it is exact and the same
-whether the answer was streamed or not, however the output was cut into rows.
-
-Hot path: per delta, one ``str.find`` over the held-back text and the delta while inside
-reasoning, a pass-through after it. The count is one pass over the answer's tokens, at the
-finish.
+The chat route makes one :class:`ReasoningParser` per choice (:func:`make_reasoning_parser`,
+which states each dialect's rule) and feeds it every text delta as the detokenizer sends it.
+The text is split at the tags (``<think>``, ``</think>``), which are dropped from both sides;
+after :meth:`ReasoningParser.finish`, :attr:`ReasoningParser.span` says where the reasoning
+text lies in the output, and :func:`count_reasoning_tokens` counts the answer's tokens
+against it.
 """
 
 from __future__ import annotations
@@ -108,10 +68,20 @@ class _Phase(Enum):
 def count_reasoning_tokens(
     token_bytes: Sequence[bytes], text: str, span: tuple[int, int] | None
 ) -> int:
-    """The tokens whose bytes overlap the reasoning's (the module docstring's rule).
-    ``token_bytes``: each token's raw bytes, ``b""`` for one the detokenizer skipped; their
-    concatenation is ``text``'s UTF-8. ``span``: :attr:`ReasoningParser.span`, in characters
-    of ``text``; None (no reasoning) counts nothing."""
+    """The tokens whose bytes overlap the reasoning's. ``token_bytes``: each token's raw
+    bytes, ``b""`` for one the detokenizer skipped; their concatenation is ``text``'s UTF-8.
+    ``span``: :attr:`ReasoningParser.span`, in characters of ``text``; None (no reasoning)
+    counts nothing.
+
+    Token i covers ``[a_i, b_i)`` with ``a_0 = 0`` and ``b_i = a_i + len(bytes_i)``; the
+    reasoning covers ``[S, E)``, the UTF-8 offsets of the span's ends. A token counts when
+    ``a_i < E`` and ``b_i > S``; a zero-byte token (a special token the detokenizer skipped)
+    when ``S <= a_i < E``; an empty reasoning has no tokens. With single-token tags
+    (``<think>`` is one token in the Qwen3 and DeepSeek tokenizers) that is exactly the tokens
+    strictly between the tag tokens; with tags spelled in several tokens, a token that
+    straddles a tag's edge counts. It runs once, one pass over the finished answer's ids, so
+    it is exact and the same whether the answer was streamed or not, however the output was
+    cut into rows."""
     if span is None or span[0] >= span[1]:
         return 0  # no reasoning, or an empty one: no bytes to overlap
     start, end = span
@@ -136,6 +106,15 @@ class ReasoningParser:
     content, and the same :attr:`span`, as one feed of all of it; every decision depends on
     the text so far, and text that the next delta may change waits. ``enabled=False`` is the
     pass-through (qwen3 with thinking off).
+
+    In every dialect, text after the first ``</think>`` is content, verbatim (the newline the
+    models write after the tag included, and any later ``</think>``); a ``<tool_call>`` inside
+    the reasoning is reasoning text, so a tool parser, which sees only content, never sees it.
+    Text that may be the beginning of a tag (a trailing ``</thi``) is held back until the next
+    text settles it; at the finish it goes to the side it was on.
+
+    Hot path: per delta, one ``str.find`` over the held-back text and the delta while inside
+    reasoning, a pass-through after it.
     """
 
     __slots__ = (
@@ -268,8 +247,24 @@ class ReasoningParser:
 def make_reasoning_parser(
     name: str, *, enable_thinking: bool = True, think: ThinkTags = DEFAULT_THINK
 ) -> ReasoningParser:
-    """A parser of the named dialect; ``enable_thinking`` is the request's
-    ``chat_template_kwargs`` value, which only ``qwen3`` reads."""
+    """A parser of the named dialect (vLLM's parsers of the same names); ``enable_thinking``
+    is the request's ``chat_template_kwargs`` value, which only ``qwen3`` reads.
+
+    - ``deepseek_r1``: the R1 chat template ends the prompt with ``<think>\\n``, so the output
+      starts inside reasoning: everything before the first ``</think>`` is reasoning, the
+      rest content; no ``</think>`` at all makes everything reasoning. A ``<think>`` the model
+      writes at the very start anyway is dropped; one anywhere else is text.
+      ``enable_thinking`` is ignored, as by the R1 template.
+    - ``qwen3``: with ``enable_thinking=False`` nothing is parsed: all text is content and no
+      token is a reasoning token. With thinking on, output that starts with ``<think>``
+      (nothing before it) is reasoning up to the first ``</think>``, content after it; no
+      ``</think>`` makes all of it after ``<think>`` reasoning (a reply cut off while
+      thinking). In output that does not start with ``<think>``, reasoning is the text before
+      the first ``</think>`` (templates from Qwen3-2507 open ``<think>`` in the prompt); with
+      no ``</think>`` at all it is all content. Which of the two it is stays open until the
+      first ``</think>`` or :meth:`ReasoningParser.finish`, and the parser holds all of that
+      text back until then: such a reply streams nothing until its ``</think>`` arrives, or
+      all at once at the finish when none does."""
     if name == "deepseek_r1":
         return ReasoningParser(think, starts_in_reasoning=True)
     if name == "qwen3":

@@ -1,20 +1,9 @@
-"""What a tool-call parser says about an answer, and the contract every format keeps.
+"""What a tool-call parser says about an answer, and the contract every format keeps
+(``ToolParser``; ``tests/unit/test_tool_parsers.py`` holds each format to it).
 
 A parser is made per request and fed the text delta of each output row; each ``feed`` and
 the final ``finish`` return a ``ToolParseDelta``: the content text that is certain now, and
-tool call deltas in the shape of OpenAI's streamed ``tool_calls``. The contract, for every
-format (``tests/unit/test_tool_parsers.py`` holds each one to it):
-
-- Streamed equals whole: however the text is split into deltas, the content pieces and the
-  call deltas, put together by :func:`assemble`, are what one ``feed`` of the whole text and
-  ``finish`` give. Every decision a parser makes depends on the text only, never on where it
-  was split.
-- The first delta of a call carries its index, id and name, and is sent as soon as the name
-  string is complete; later deltas of that index carry argument text only.
-- ``arguments`` pieces are the model's own JSON text of the arguments object as it arrives,
-  so they add up to that text; a call without an arguments object gets ``"{}"``.
-- Malformed output comes back as content, never as an exception (each format module states
-  its rule).
+tool call deltas in the shape of OpenAI's streamed ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -57,7 +46,19 @@ class ToolCall:
 
 
 class ToolParser(Protocol):
-    """One answer's parser: ``feed`` each text delta in order, then ``finish`` once."""
+    """One answer's parser: ``feed`` each text delta in order, then ``finish`` once. The
+    contract, for every format:
+
+    - Streamed equals whole: however the text is split into deltas, the content pieces and the
+      call deltas, put together by :func:`assemble`, are what one ``feed`` of the whole text
+      and ``finish`` give. Every decision a parser makes depends on the text only, never on
+      where it was split.
+    - The first delta of a call carries its index, id and name, and is sent as soon as the
+      name string is complete; later deltas of that index carry argument text only.
+    - ``arguments`` pieces are the model's own JSON text of the arguments object as it
+      arrives, so they add up to that text; a call without an arguments object gets ``"{}"``.
+    - Malformed output comes back as content, never as an exception (each format's parser
+      states its rule)."""
 
     def feed(self, text: str) -> ToolParseDelta: ...
 
