@@ -107,7 +107,8 @@ class TokenizerManager:
         self._next_req_id = itertools.count((self.worker_index << WORKER_SHIFT) + base)
 
     def _init_observers(self) -> None:
-        """Metrics and the tracer are always there: no-ops when they are off."""
+        """What this process observes and counts. Metrics and the tracer are always there:
+        objects that do nothing when they are off, so no caller tests for them."""
         self.metrics = service_metrics(self.config, self.model_name, self.context_length)
         self.tracer = request_tracer(self.config, self.model_name)
         self._dropped_rows = RateLimitedWarning(logger)
@@ -153,7 +154,7 @@ class TokenizerManager:
         every ``IDLE_REPORT_INTERVAL`` seconds)."""
         return self.last_scheduler_report is not None
 
-    # --- sockets -------------------------------------------------------------------------
+    # --- start and stop ------------------------------------------------------------------
 
     async def start(self) -> None:
         self.sockets.start()
