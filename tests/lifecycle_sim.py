@@ -415,7 +415,8 @@ def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str:
         assert any(
             text.startswith(stop, first) and first + len(stop) > before_last for stop in s.stop
         ), (
-            f"{req.rid}: a stop string at {first} of {text!r} was missed before the one it finished on"
+            f"{req.rid}: a stop string at {first} of {text!r} was missed before the one it "
+            "finished on"
         )
         return text if s.no_stop_trim else text[:first]
     # No other finish leaves a stop string in what the checker saw: a stop token's own text
@@ -426,7 +427,8 @@ def expected_text(tokenizer: LoadedTokenizer, req: Req) -> str:
             at for stop in s.stop for at in _occurrences(checked, stop) if at + len(stop) > allowed
         ]
     assert not starts, (
-        f"{req.rid}: finished with {reason} though its text {text!r} holds a stop string at {starts}"
+        f"{req.rid}: finished with {reason} though its text {text!r} holds a stop string at "
+        f"{starts}"
     )
     return text
 

@@ -122,7 +122,8 @@ def test_eight_concurrent_200mib_bodies_get_413_and_the_api_does_not_hold_them(
         )
     after_kib = vm_hwm_kib(pid)
     print(
-        f"API VmHWM before {before_kib / 1024:.1f} MiB, after {after_kib / 1024:.1f} MiB ({declared=})"
+        f"API VmHWM before {before_kib / 1024:.1f} MiB, after {after_kib / 1024:.1f} MiB "
+        f"({declared=})"
     )
     assert after_kib - before_kib < 128 * 1024
     for response in responses:

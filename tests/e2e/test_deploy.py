@@ -645,8 +645,8 @@ def test_dashboard_panels_query_tokenpipe_metrics() -> None:
         assert needed in joined, needed
     for q in ("0.5", "0.9", "0.99"):
         assert (
-            f"histogram_quantile({q}, sum by (le) (rate(tokenpipe:time_to_first_token_seconds_bucket"
-            in joined
+            f"histogram_quantile({q}, sum by (le) "
+            "(rate(tokenpipe:time_to_first_token_seconds_bucket" in joined
         )
 
 

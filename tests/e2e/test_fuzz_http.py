@@ -147,8 +147,8 @@ JUNK = pool(
 )  # fmt: skip
 
 TEXT = pool(
-    "", " ", "Hello", "Once upon a time", "<|im_start|>user", "<|endoftext|>", "\x00\x01", "日本語のテキスト", "\U0001f642", "a" * 200,
-    st.text(max_size=16),
+    "", " ", "Hello", "Once upon a time", "<|im_start|>user", "<|endoftext|>", "\x00\x01",
+    "日本語のテキスト", "\U0001f642", "a" * 200, st.text(max_size=16),
 )  # fmt: skip
 IDS = pool(
     [],
@@ -211,17 +211,21 @@ MODEL = pool(
 RID = pool("r1", "r2", "", "x" * 256, "x" * 257, st.text(max_size=8))
 
 SAMPLING_FIELDS = {
-    "max_new_tokens": TOKENS, "min_new_tokens": pool(0, 1, 3, 5, -1), "temperature": FLOAT, "top_p": TOP_P,
-    "top_k": INT, "seed": INT, "stop": STOP, "stop_token_ids": IDS, "ignore_eos": BOOL,
-    "stream_interval": pool(1, 2, 0, -1, None, 10**30), "skip_special_tokens": BOOL, "no_stop_trim": BOOL,
+    "max_new_tokens": TOKENS, "min_new_tokens": pool(0, 1, 3, 5, -1), "temperature": FLOAT,
+    "top_p": TOP_P, "top_k": INT, "seed": INT, "stop": STOP, "stop_token_ids": IDS,
+    "ignore_eos": BOOL, "stream_interval": pool(1, 2, 0, -1, None, 10**30),
+    "skip_special_tokens": BOOL, "no_stop_trim": BOOL,
 }  # fmt: skip
 OPENAI_FIELDS = {
     "model": MODEL, "temperature": FLOAT, "top_p": TOP_P, "seed": INT, "stop": STOP,
     # (n = 128 runs 128 sequences: too dear here)
     "n": pool(1, 2, 3, 8, 0, -1, 129, 10**20), "stream": BOOL,
-    "stream_options": pool({"include_usage": True}, {"include_usage": False}, {"include_obfuscation": True}, {"x": 1}),
-    "frequency_penalty": FLOAT, "presence_penalty": FLOAT, "logit_bias": pool({}, {"1": 5}, {"x": 1.0}, {"1": "a"}),
-    "user": TEXT, "top_k": INT, "min_tokens": pool(0, 1, 5, -1), "ignore_eos": BOOL, "stop_token_ids": IDS,
+    "stream_options": pool({"include_usage": True}, {"include_usage": False},
+        {"include_obfuscation": True}, {"x": 1}),
+    "frequency_penalty": FLOAT, "presence_penalty": FLOAT,
+    "logit_bias": pool({}, {"1": 5}, {"x": 1.0}, {"1": "a"}),
+    "user": TEXT, "top_k": INT, "min_tokens": pool(0, 1, 5, -1), "ignore_eos": BOOL,
+    "stop_token_ids": IDS,
     "skip_special_tokens": BOOL,
 }  # fmt: skip
 
@@ -235,15 +239,17 @@ def message(draw: Any) -> dict[str, Any]:
     }
     content = _value(draw, pool(
         MISSING, None, "hi", "Tell me a story", "", "<|im_end|>", [],
-        [{"type": "text", "text": "a"}], [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}],
-        [{"type": "image_url", "image_url": {"url": MEDIA_ITEMS[1]}}], [{"type": "input_audio", "input_audio": {}}],
-        [{"type": "video", "text": "a"}], [{"text": "no type"}], [{"type": "text"}], TEXT, JUNK,
+        [{"type": "text", "text": "a"}],
+        [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "no"}],
+        [{"type": "image_url", "image_url": {"url": MEDIA_ITEMS[1]}}],
+        [{"type": "input_audio", "input_audio": {}}], [{"type": "video", "text": "a"}],
+        [{"text": "no type"}], [{"type": "text"}], TEXT, JUNK,
     ))  # fmt: skip
     if content is not MISSING:
         out["content"] = content
     extra = draw(pool(
-        MISSING, MISSING, ("name", "bob"), ("tool_call_id", "1"), ("refusal", "no"), ("tool_calls", [{"id": "1"}]),
-        ("audio", {"id": "a"}), ("weight", 1),
+        MISSING, MISSING, ("name", "bob"), ("tool_call_id", "1"), ("refusal", "no"),
+        ("tool_calls", [{"id": "1"}]), ("audio", {"id": "a"}), ("weight", 1),
     ))  # fmt: skip
     if extra is not MISSING:
         out[extra[0]] = extra[1]
@@ -283,7 +289,8 @@ RESPONSE_ITEMS = pool(
 # Per endpoint: the main field (present 9 times in 10), then the others.
 FIELDS: dict[str, tuple[str, dict[str, st.SearchStrategy[Any]]]] = {
     "/generate": ("text", {
-        "text": TEXT, "input_ids": IDS, "sampling_params": pool(MISSING), "stream": BOOL, "rid": RID,
+        "text": TEXT, "input_ids": IDS, "sampling_params": pool(MISSING), "stream": BOOL,
+        "rid": RID,
         "image_data": MEDIA, "audio_data": MEDIA, "video_data": MEDIA,
     }),
     "/v1/completions": ("prompt", {
@@ -291,23 +298,35 @@ FIELDS: dict[str, tuple[str, dict[str, st.SearchStrategy[Any]]]] = {
         "echo": BOOL, "logprobs": pool(None, 0, 3), "suffix": TEXT, "best_of": pool(1, 2, 0),
     }),
     "/v1/chat/completions": ("messages", {
-        **OPENAI_FIELDS, "messages": MESSAGES, "max_tokens": TOKENS, "max_completion_tokens": TOKENS,
-        "logprobs": BOOL, "top_logprobs": pool(None, 0, 3), "tools": pool([], [{"type": "function"}]),
+        **OPENAI_FIELDS, "messages": MESSAGES, "max_tokens": TOKENS,
+        "max_completion_tokens": TOKENS,
+        "logprobs": BOOL, "top_logprobs": pool(None, 0, 3),
+        "tools": pool([], [{"type": "function"}]),
         "tool_choice": pool("none", "auto", {"type": "function"}),
-        "response_format": pool({"type": "text"}, {"type": "json_object"}, {"type": "xml"}, {"type": "json_schema", "json_schema": {}}),
-        "modalities": pool(["text"], ["audio"], ["video"]), "metadata": pool({"a": "b"}, {"a": 1}), "store": BOOL,
+        "response_format": pool({"type": "text"}, {"type": "json_object"}, {"type": "xml"},
+            {"type": "json_schema", "json_schema": {}}),
+        "modalities": pool(["text"], ["audio"], ["video"]), "metadata": pool({"a": "b"}, {"a": 1}),
+        "store": BOOL,
         "prediction": JUNK, "web_search_options": pool({}, None),
     }),
     "/v1/responses": ("input", {
-        **OPENAI_FIELDS, "input": pool(TEXT, TEXT, MESSAGES, RESPONSE_ITEMS), "max_output_tokens": TOKENS,
-        "instructions": TEXT, "tools": pool([], [{"type": "function"}], [{"type": "web_search"}], [{"type": "function", "name": "f"}]),
-        "tool_choice": pool("none", "auto", "required", {"type": "function", "name": "f"}, {"type": "file_search"}),
-        "text": pool({"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {"type": "json_schema"}}, {}),
-        "previous_response_id": pool("resp_x", RID), "store": BOOL, "include": pool([], ["x"]), "background": BOOL,
-        "reasoning": pool({}, {"effort": "low"}, {"effort": "x"}), "metadata": pool({"a": "b"}, {"a": 1}),
+        **OPENAI_FIELDS, "input": pool(TEXT, TEXT, MESSAGES, RESPONSE_ITEMS),
+        "max_output_tokens": TOKENS,
+        "instructions": TEXT,
+        "tools": pool([], [{"type": "function"}], [{"type": "web_search"}],
+            [{"type": "function", "name": "f"}]),
+        "tool_choice": pool("none", "auto", "required", {"type": "function", "name": "f"},
+            {"type": "file_search"}),
+        "text": pool({"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+            {"format": {"type": "json_schema"}}, {}),
+        "previous_response_id": pool("resp_x", RID), "store": BOOL, "include": pool([], ["x"]),
+        "background": BOOL,
+        "reasoning": pool({}, {"effort": "low"}, {"effort": "x"}),
+        "metadata": pool({"a": "b"}, {"a": 1}),
     }),
     "/v1/embeddings": ("input", {
-        "input": pool(TEXT, TEXT, TEXTS, IDS, ID_LISTS), "model": MODEL, "encoding_format": pool("float", "base64", "hex"),
+        "input": pool(TEXT, TEXT, TEXTS, IDS, ID_LISTS), "model": MODEL,
+        "encoding_format": pool("float", "base64", "hex"),
         "dimensions": pool(None, 1, 256, -1), "user": TEXT,
     }),
     "/encode": ("text", {"text": pool(TEXT, TEXTS), "input_ids": pool(IDS, ID_LISTS), "rid": RID}),
@@ -594,7 +613,8 @@ class Dispatcher:
 
     def report(self) -> str:
         lines = [
-            f"{len(self.failures)} failures of {self.sent} requests; slowest answer {self.slowest:.2f} s; "
+            f"{len(self.failures)} failures of {self.sent} requests; slowest answer "
+            f"{self.slowest:.2f} s; "
             f"{self.retried} resent after a dropped keep-alive connection"
         ]
         for case, problem in self.failures[:15]:
@@ -673,14 +693,16 @@ def test_fuzzed_post_bodies_get_4xx_or_a_valid_answer(urls: dict[str, str]) -> N
         raw(
             "gen",
             "/generate",
-            b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "top_k": 100000000000000000000000}}',
+            b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "top_k": '
+            b"100000000000000000000000}}",
         )
     )
     @example(
         raw(
             "gen",
             "/generate",
-            b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "stop_token_ids": [18446744073709551616]}}',
+            b'{"text": "a", "sampling_params": {"max_new_tokens": 2, "stop_token_ids": '
+            b"[18446744073709551616]}}",
         )
     )
     @example(
@@ -704,7 +726,8 @@ def test_fuzzed_post_bodies_get_4xx_or_a_valid_answer(urls: dict[str, str]) -> N
     dispatcher.finish()
     took = time.monotonic() - started
     print(
-        f"\n{dispatcher.sent} POSTs in {took:.1f} s (generated in {generated:.1f} s); {dispatcher.report()}"
+        f"\n{dispatcher.sent} POSTs in {took:.1f} s (generated in {generated:.1f} s); "
+        f"{dispatcher.report()}"
     )
     print("statuses:", dict(sorted(dispatcher.statuses.items())))
     assert dispatcher.sent >= POST_EXAMPLES

@@ -198,7 +198,8 @@ def test_an_item_too_long_for_the_context_names_it_in_sglang_words(server: Serve
     error = resp.json()["error"]
     assert error["param"] == "input_ids[1]"
     assert error["message"].startswith(
-        f"input_ids[1]: The input ({context + 5} tokens) is longer than the model's context length ({context} tokens)."
+        f"input_ids[1]: The input ({context + 5} tokens) is longer than the model's context length "
+        f"({context} tokens)."
     ), error
 
 
@@ -248,7 +249,8 @@ def test_a_prompt_longer_than_the_context_gets_the_peers_wording(server: ServerP
     )
     assert native["param"] == "text"
     assert completion["message"].startswith(
-        f"This model's maximum context length is {ctx} tokens. However, your request has {ctx + 9} input tokens. "
+        f"This model's maximum context length is {ctx} tokens. However, your request has {ctx + 9} "
+        "input tokens. "
         "Please reduce the length of the input messages."
     ), completion
     assert completion["param"] == "prompt"
@@ -273,13 +275,16 @@ def test_a_prompt_plus_max_tokens_beyond_the_context_gets_the_peers_wording(
             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": ctx},
         )
     assert native["message"].startswith(
-        f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested a total of "
+        f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+        "requested a total of "
         f"{ctx + 10} tokens: 10 tokens from the input messages and {ctx} tokens for the completion."
     ), native
     assert native["param"] == "sampling_params.max_new_tokens"
     assert completion["message"].startswith(
-        f"This model's maximum context length is {ctx} tokens. However, you requested {ctx + 10} tokens (10 in the "
-        f"messages, {ctx} in the completion). Please reduce the length of the messages or completion."
+        f"This model's maximum context length is {ctx} tokens. However, you requested {ctx + 10} "
+        "tokens (10 in the "
+        f"messages, {ctx} in the completion). Please reduce the length of the messages or "
+        "completion."
     ), completion
     assert completion["param"] == "max_tokens"
     assert chat["message"].startswith(

@@ -55,14 +55,13 @@ def run_guidellm(server: ServerProcess, request_format: str, workdir: Path) -> d
     """``guidellm run`` as a subprocess, offline; returns its one benchmark from the JSON report."""
     report = workdir / "benchmarks.json"
     command = [
-        sys.executable, "-m", "guidellm", "run",
-        "--backend", f"kind=openai_http,target={server.url},request_format={request_format}",
-        "--profile", f"kind=concurrent,streams={STREAMS}",
-        "--constraint", f"kind=max_requests,count={REQUESTS}",
-        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
-        "--tokenizer", f"kind=huggingface_auto,model={TOKENIZER_DIR}",
-        "--output", f"kind=json,path={report}",
-        "--disable-console-interactive",
+        sys.executable, "-m", "guidellm", "run", "--backend",
+        f"kind=openai_http,target={server.url},request_format={request_format}", "--profile",
+        f"kind=concurrent,streams={STREAMS}", "--constraint", f"kind=max_requests,count={REQUESTS}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
+        "--tokenizer", f"kind=huggingface_auto,model={TOKENIZER_DIR}", "--output",
+        f"kind=json,path={report}", "--disable-console-interactive",
     ]  # fmt: skip
     env = offline_hub_env(
         workdir,

@@ -22,33 +22,36 @@ from tests.server_harness import ServerProcess, free_port
 # examples/observability/prometheus_grafana/grafana.json: every metric its panels query, in its
 # current version (the one docs.vllm.ai publishes, with the TPOT panel).
 VLLM_DASHBOARD = (
-    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
-    "vllm:request_time_per_output_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_sum",
-    "vllm:request_time_per_output_token_seconds_count",
-    "vllm:num_requests_running", "vllm:num_requests_waiting",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
-    "vllm:kv_cache_usage_perc",
-    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
-    "vllm:request_success_total",
-    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
-    "vllm:request_max_num_generation_tokens_sum",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:request_time_per_output_token_seconds_sum",
+    "vllm:request_time_per_output_token_seconds_count", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_sum",
 )  # fmt: skip
 # sgl-project/sglang, examples/monitoring/grafana/dashboards/json/sglang-dashboard.json: every
 # metric its panels query; and the serving ones of training-capture-dashboard.json in the same
 # folder (its sglang:training_capture_* series belong to a feature tokenpipe has not: docs/design.md
 # section 7).
 SGLANG_DASHBOARD = (
-    "sglang:e2e_request_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_sum", "sglang:e2e_request_latency_seconds_count",
-    "sglang:time_to_first_token_seconds_bucket", "sglang:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_count",
-    "sglang:num_running_reqs", "sglang:gen_throughput", "sglang:cache_hit_rate", "sglang:num_queue_reqs",
-    "sglang:inter_token_latency_seconds_bucket",
+    "sglang:e2e_request_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_sum",
+    "sglang:e2e_request_latency_seconds_count", "sglang:time_to_first_token_seconds_bucket",
+    "sglang:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_count",
+    "sglang:num_running_reqs", "sglang:gen_throughput", "sglang:cache_hit_rate",
+    "sglang:num_queue_reqs", "sglang:inter_token_latency_seconds_bucket",
 )  # fmt: skip
 # What the team's issue names as alerted on beyond the dashboards.
 VLLM_ALERTED = (
-    "vllm:iteration_tokens_total_bucket", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:request_params_max_tokens_bucket", "vllm:request_params_n_bucket", "vllm:num_preemptions_total",
+    "vllm:iteration_tokens_total_bucket", "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total", "vllm:request_params_max_tokens_bucket",
+    "vllm:request_params_n_bucket", "vllm:num_preemptions_total",
 )  # fmt: skip
 SGLANG_ALERTED = (
     "sglang:token_usage",
@@ -80,7 +83,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config = root / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n"
-        f"scrape_configs:\n  - job_name: tokenpipe\n    static_configs:\n      - targets: [{targets}]\n"
+        "scrape_configs:\n  - job_name: tokenpipe\n    static_configs:\n      - targets: "
+        f"[{targets}]\n"
     )
     port = free_port()
     prometheus = Launched(

@@ -266,7 +266,8 @@ def test_a_bfloat16_checkpoint_follows_transformers_in_bfloat16(tmp_path: Path) 
             )
     figure = agreed / (NEW_TOKENS * len(PROMPTS))
     print(
-        f"\nbfloat16 {BF16_CASE}: {figure:.3f} of greedy positions equal transformers' before the first divergence"
+        f"\nbfloat16 {BF16_CASE}: {figure:.3f} of greedy positions equal transformers' before the "
+        "first divergence"
     )
     Path("/tmp/tp").mkdir(parents=True, exist_ok=True)
     with open("/tmp/tp/bf16_figure.txt", "a") as f:

@@ -340,7 +340,8 @@ def test_template_errors_are_client_errors() -> None:
     with pytest.raises(ChatTemplateError, match="user first"):
         refusing.render([{"role": "system", "content": "x"}])
     tagged = ChatTemplate(
-        "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% endfor %}"
+        "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% "
+        "endfor %}"
     )
     assert tagged.render([{"role": "user", "content": "<é>"}]) == '"<é>"'
 

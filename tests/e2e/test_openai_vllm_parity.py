@@ -40,12 +40,14 @@ LLAMA2_TEMPLATE = (
     "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
     "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') "
+    "}}{% endif %}"
     "{% if loop.index0 == 0 and system_message != false %}"
     "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
     "{% else %}{% set content = message['content'] %}{% endif %}"
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% "
+    "endif %}{% endfor %}"
 )
 LLAMA_MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},

@@ -138,7 +138,8 @@ def test_decode_retractions_rebootstrap_and_match_the_unified_server(
         )
     assert retracted > 0, "the small decode pool never retracted: the test proves nothing"
     print(
-        f"\nPD: {len(PROMPTS)} streams equal the unified server's after {retracted} decode-side re-bootstraps"
+        f"\nPD: {len(PROMPTS)} streams equal the unified server's after {retracted} decode-side "
+        "re-bootstraps"
     )
     log = decode.output()
     assert log.count("re-bootstrapping its KV") == retracted

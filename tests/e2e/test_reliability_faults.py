@@ -121,8 +121,10 @@ def test_kill_9_of_a_child_under_streaming_load(tmp_path: Path, victim: str) -> 
             float("nan")
         ]
         print(
-            f"\nkill -9 {victim} under {CLIENTS} streams: supervisor exited {code} after {elapsed:.2f} s; "
-            f"clients {sorted({c.outcome for c in clients})} ended {ends[0]:.2f}..{ends[-1]:.2f} s after the kill"
+            f"\nkill -9 {victim} under {CLIENTS} streams: supervisor exited {code} after "
+            f"{elapsed:.2f} s; "
+            f"clients {sorted({c.outcome for c in clients})} ended {ends[0]:.2f}..{ends[-1]:.2f} s "
+            "after the kill"
         )
         hung = [c.index for c in clients if c.is_alive()]
         assert not hung, f"clients {hung} still waiting 15 s after the kill"
@@ -191,7 +193,8 @@ def test_stalled_scheduler_fails_health_generate_but_not_health(tmp_path: Path) 
             assert wait_until(lambda: c.get("/server_info").json()["live_requests"] == 0, timeout=5)
             assert srv.proc.poll() is None, "the stall took the service down"
             print(
-                f"\nstall: /health_generate 503 after {took:.2f} s; /health max {max(health_times) * 1000:.1f} ms over {len(health_times)} calls"
+                f"\nstall: /health_generate 503 after {took:.2f} s; /health max "
+                f"{max(health_times) * 1000:.1f} ms over {len(health_times)} calls"
             )
     finally:
         if stopped:

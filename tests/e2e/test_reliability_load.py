@@ -170,7 +170,8 @@ def test_memory_bench_smoke_leaves_no_state(srv: ServerProcess, tmp_path: Path) 
     out = tmp_path / "memory.json"
     t0 = time.monotonic()
     memory.main(
-        ["--url", srv.url, "--supervisor-pid", str(srv.proc.pid), "--requests", "300", "--warmup", "100",
+        ["--url", srv.url, "--supervisor-pid", str(srv.proc.pid), "--requests", "300", "--warmup",
+            "100",
          "--concurrency", "32", "--no-progress", "--json", str(out)]
     )  # fmt: skip
     result = json.loads(out.read_text())

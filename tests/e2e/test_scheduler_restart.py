@@ -91,10 +91,13 @@ def test_requests_lost_by_a_restarted_scheduler_get_503(three: ThreeProcesses) -
         running = pool.submit(post, url, "/generate", long)  # admitted first: the one that runs
         assert wait_until(lambda: three.scheduler_live_reqs() == 1, 60)
         queued: dict[str, Future[Any]] = {
-            "completions": pool.submit(post, url, "/v1/completions", {"prompt": "queued", "max_tokens": 16, **GREEDY}),
-            "generate stream": pool.submit(stream, url, "/generate", {"text": "queued", "sampling_params": short}),
+            "completions": pool.submit(post, url, "/v1/completions",
+                {"prompt": "queued", "max_tokens": 16, **GREEDY}),
+            "generate stream": pool.submit(stream, url, "/generate",
+                {"text": "queued", "sampling_params": short}),
             "chat stream": pool.submit(
-                stream, url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "queued"}], "max_tokens": 16, **GREEDY}
+                stream, url, "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "queued"}], "max_tokens": 16, **GREEDY}
             ),
         }  # fmt: skip
         assert wait_until(lambda: three.scheduler_live_reqs() == 4, 60), (

@@ -65,10 +65,13 @@ def _bodies(prompt: str, stream: bool) -> dict[str, dict[str, Any]]:
     greedy = {"temperature": 0, "ignore_eos": True}
     options = {"stream_options": {"include_usage": True}} if stream else {}
     return {
-        "/generate": {"text": prompt, "sampling_params": {"max_new_tokens": 8, **greedy}, "stream": stream},
-        "/v1/completions": {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": stream, **greedy, **options},
+        "/generate": {"text": prompt, "sampling_params": {"max_new_tokens": 8, **greedy},
+            "stream": stream},
+        "/v1/completions": {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": stream,
+            **greedy, **options},
         "/v1/chat/completions": {
-            "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "stream": stream, **greedy, **options,
+            "model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8,
+            "stream": stream, **greedy, **options,
         },
     }  # fmt: skip
 

@@ -85,7 +85,8 @@ def test_a_body_slower_than_the_timeout_is_dropped(srv: ServerProcess) -> None:
     before = _read_timeouts(srv)
     with _connect(srv) as slow:
         slow.sendall(
-            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{"
         )
         assert _closed_after(slow) < CLOSE_WITHIN
     assert _read_timeouts(srv) == before + 1
@@ -96,7 +97,8 @@ def test_a_body_trickled_forever_is_dropped(srv: ServerProcess) -> None:
     a bound too (ten read timeouts)."""
     with _connect(srv) as slow:
         slow.sendall(
-            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n"
         )
         started = time.monotonic()
         with pytest.raises(OSError):

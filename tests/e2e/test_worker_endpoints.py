@@ -343,8 +343,8 @@ def test_router_registers_the_workers_with_their_model_and_tokenizer(
     log = sglang_router.output()
     # It loads the tokenizer from the model_path of /server_info: the shipped tokenizer's directory.
     assert (
-        f"Successfully registered tokenizer for model {DEFAULT_MODEL_NAME} from {DEFAULT_TOKENIZER_DIR}"
-        in log
+        f"Successfully registered tokenizer for model {DEFAULT_MODEL_NAME} from "
+        f"{DEFAULT_TOKENIZER_DIR}" in log
     )
     assert "HuggingFace" not in log and "returned 404" not in log, (
         "a worker endpoint was missing or the tokenizer was not local"

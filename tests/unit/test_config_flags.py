@@ -17,16 +17,19 @@ from tokenpipe.cli import main
 
 # Every flag tokenpipe has ever taken, as deploy/, README, docs/ and the tests spell them.
 FLAGS = {
-    "--model-path", "--served-model-name", "--model-seed", "--device", "--dtype", "--torch-threads", "--mode", "--context-length",
-    "--skip-tokenizer-init", "--max-total-tokens", "--max-running-requests", "--decode-kv-rows", "--chunked-prefill-size", "--stream-interval",
-    "--max-new-tokens-limit", "--dllm-block-size", "--dllm-steps", "--discard-output", "--dense-usage-columns",
-    "--hicache-host-tokens", "--hicache-storage-dir", "--disaggregation-mode", "--disaggregation-bootstrap-port",
-    "--disaggregation-bootstrap-endpoint", "--disaggregation-bootstrap-timeout", "--host", "--port", "--api-key",
-    "--graceful-timeout", "--health-generate-timeout", "--max-request-bytes", "--max-queued-requests",
-    "--request-read-timeout", "--api-workers", "--api-worker-index", "--disable-metrics", "--otlp-traces-endpoint",
-    "--log-level", "--scheduler-input", "--detokenizer-input", "--tokenizer-input", "--incremental-streaming-output",
-    "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count", "--responses-store-bytes", "--metrics-compat",
-    "--enable-tokenizer-info-endpoint",
+    "--model-path", "--served-model-name", "--model-seed", "--device", "--dtype", "--torch-threads",
+    "--mode", "--context-length", "--skip-tokenizer-init", "--max-total-tokens",
+    "--max-running-requests", "--decode-kv-rows", "--chunked-prefill-size", "--stream-interval",
+    "--max-new-tokens-limit", "--dllm-block-size", "--dllm-steps", "--discard-output",
+    "--dense-usage-columns", "--hicache-host-tokens", "--hicache-storage-dir",
+    "--disaggregation-mode", "--disaggregation-bootstrap-port",
+    "--disaggregation-bootstrap-endpoint", "--disaggregation-bootstrap-timeout", "--host", "--port",
+    "--api-key", "--graceful-timeout", "--health-generate-timeout", "--max-request-bytes",
+    "--max-queued-requests", "--request-read-timeout", "--api-workers", "--api-worker-index",
+    "--disable-metrics", "--otlp-traces-endpoint", "--log-level", "--scheduler-input",
+    "--detokenizer-input", "--tokenizer-input", "--incremental-streaming-output",
+    "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count",
+    "--responses-store-bytes", "--metrics-compat", "--enable-tokenizer-info-endpoint",
 }  # fmt: skip
 HIDDEN = {"--ready-endpoint", "--config-json"}
 
@@ -82,11 +85,12 @@ def test_an_empty_command_line_gives_the_struct_defaults() -> None:
 
 def test_values_arrive_in_their_fields_with_their_types() -> None:
     argv = [
-        "--mode", "dllm", "--context-length", "1024", "--skip-tokenizer-init", "--chunked-prefill-size", "-1",
-        "--disaggregation-bootstrap-timeout", "2", "--max-queued-requests", "0", "--disable-metrics",
-        "--hicache-host-tokens", "64", "--hicache-storage-dir", "kv", "--api-workers", "2", "--api-worker-index", "1",
-        "--incremental-streaming-output",
-        "--scheduler-input", "tcp://127.0.0.1:5001", "--ready-endpoint", "ipc:///tmp/ready",
+        "--mode", "dllm", "--context-length", "1024", "--skip-tokenizer-init",
+        "--chunked-prefill-size", "-1", "--disaggregation-bootstrap-timeout", "2",
+        "--max-queued-requests", "0", "--disable-metrics", "--hicache-host-tokens", "64",
+        "--hicache-storage-dir", "kv", "--api-workers", "2", "--api-worker-index", "1",
+        "--incremental-streaming-output", "--scheduler-input", "tcp://127.0.0.1:5001",
+        "--ready-endpoint", "ipc:///tmp/ready",
     ]  # fmt: skip
     config = config_from_args(parser().parse_args(argv), environ={})
     assert config == ServerConfig(

@@ -570,7 +570,8 @@ def compare_frame(
         got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
         if got != want:
             pytest.fail(
-                f"seed {seed}: output of {req.rid} differs at t={world.now:.3f}\n optimized: {got}\n reference: {want}"
+                f"seed {seed}: output of {req.rid} differs at t={world.now:.3f}\n optimized: "
+                f"{got}\n reference: {want}"
             )
         got_so_far = delivered.setdefault(req.req_id, Delivered())
         if got is not None:
@@ -584,7 +585,8 @@ def compare_frame(
     new_opt, new_ref = opt.metrics_since(marks[0]), ref.metrics_since(marks[1])
     if new_opt != new_ref:
         pytest.fail(
-            f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: {new_opt}\n reference: {new_ref}"
+            f"seed {seed}: metrics observations differ at t={world.now:.3f}\n optimized: "
+            f"{new_opt}\n reference: {new_ref}"
         )
     return len(rows)
 
@@ -749,7 +751,8 @@ def check_logprob_meta(
         got = {k: v for k, v in event["meta_info"].items() if "logprobs" in k}
         if got != want:
             pytest.fail(
-                f"seed {seed}: {req.rid} ({asked}), event at token {offset}: logprob keys\n got:  {got}\n want: {want}"
+                f"seed {seed}: {req.rid} ({asked}), event at token {offset}: logprob keys\n got:  "
+                f"{got}\n want: {want}"
             )
         offset += len(ids)
 
@@ -765,7 +768,8 @@ def compare_embedding_frame(world: SimWorld, opt: Pipeline, ref: Pipeline, seed:
         got, want = opt.client_output(req.req_id), ref.client_output(req.req_id)
         if got != want or got is None:
             pytest.fail(
-                f"seed {seed}: embedding output of {req.rid} differs\n optimized: {got}\n reference: {want}"
+                f"seed {seed}: embedding output of {req.rid} differs\n optimized: {got}\n "
+                f"reference: {want}"
             )
     same_states(opt, ref, seed)
     if opt.metrics_since(marks[0]) != ref.metrics_since(marks[1]):

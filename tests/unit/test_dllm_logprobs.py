@@ -147,8 +147,8 @@ def reference_decode(
             runner.kv.free(slots)
             n = len(positions)
             cols = SamplingColumns.from_requests(
-                [params] * n, [seed] * n, [draw_counter(len(out) + j, p) for j in positions], [prompt] * n, [out] * n,
-                logits.shape[-1], logits.device,
+                [params] * n, [seed] * n, [draw_counter(len(out) + j, p) for j in positions],
+                [prompt] * n, [out] * n, logits.shape[-1], logits.device,
             )  # fmt: skip
             drawn = sample(logits, cols).tolist()
             confidence = [float(torch.softmax(logits[i], dim=-1)[drawn[i]]) for i in range(n)]

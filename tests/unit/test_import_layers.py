@@ -229,7 +229,8 @@ def import_circles(root: Path) -> list[str]:
         steps = " -> ".join(f"{file_of(a)}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
         files = ", ".join(file_of(m) for m in component)
         found.append(
-            f"{steps} -> {file_of(cycle[-1])} ({len(component)} files in the circle: {files}): {CIRCLE_RULE}"
+            f"{steps} -> {file_of(cycle[-1])} ({len(component)} files in the circle: {files}): "
+            f"{CIRCLE_RULE}"
         )
     return found
 
@@ -291,10 +292,12 @@ def test_the_circle_checker_names_each_circle_with_files_and_lines(tmp_path: Pat
         (tmp_path / name).write_text(text)
 
     assert import_circles(tmp_path) == [
-        f"pipeline/a.py:1 -> pipeline/b.py:4 -> pipeline/a.py (2 files in the circle: pipeline/a.py, pipeline/b.py): {CIRCLE_RULE}",
-        "scheduler_proc/sub/x.py:4 -> scheduler_proc/y.py:1 -> scheduler_proc/z.py:1 -> scheduler_proc/sub/x.py"
-        " (3 files in the circle: scheduler_proc/sub/x.py, scheduler_proc/y.py, scheduler_proc/z.py): "
-        + CIRCLE_RULE,
+        "pipeline/a.py:1 -> pipeline/b.py:4 -> pipeline/a.py (2 files in the circle: "
+        f"pipeline/a.py, pipeline/b.py): {CIRCLE_RULE}",
+        "scheduler_proc/sub/x.py:4 -> scheduler_proc/y.py:1 -> scheduler_proc/z.py:1 -> "
+        "scheduler_proc/sub/x.py"
+        " (3 files in the circle: scheduler_proc/sub/x.py, scheduler_proc/y.py, "
+        "scheduler_proc/z.py): " + CIRCLE_RULE,
     ]
 
 

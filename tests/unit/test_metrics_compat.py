@@ -63,8 +63,9 @@ def finished(
 
 def report(instance: int, steps: int, tokens: int) -> SchedulerStatsReport:
     return SchedulerStatsReport(
-        num_running_reqs=3, num_queue_reqs=2, token_usage=0.25, cache_hit_rate=0.5, gen_throughput=10.0, num_retracted_reqs=0,
-        num_retracted_requests_total=1, kv_used_tokens=300, kv_capacity=1000, cached_tokens_in_tree=50, forward_steps_total=steps,
+        num_running_reqs=3, num_queue_reqs=2, token_usage=0.25, cache_hit_rate=0.5,
+        gen_throughput=10.0, num_retracted_reqs=0, num_retracted_requests_total=1,
+        kv_used_tokens=300, kv_capacity=1000, cached_tokens_in_tree=50, forward_steps_total=steps,
         live_reqs=5, instance=instance, forward_tokens_total=tokens,
     )  # fmt: skip
 

@@ -27,8 +27,9 @@ ASKS = [
 
 def joined(req_id: int, ask: LogprobParams | None) -> Req:
     req = Req(
-        rid=f"r{req_id}", req_id=req_id, input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=64),
-        stream=True, stream_interval=1, arrival_time=time.time(), stats_pending=StatsPending(), logprob=ask,
+        rid=f"r{req_id}", req_id=req_id, input_ids=[1, 2, 3],
+        sampling=SamplingParams(max_new_tokens=64), stream=True, stream_interval=1,
+        arrival_time=time.time(), stats_pending=StatsPending(), logprob=ask,
     )  # fmt: skip
     req.output_ids.append(4)
     req.num_sent_tokens = 1  # its first row went out at the prefill

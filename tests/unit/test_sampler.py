@@ -192,8 +192,9 @@ def test_a_seeded_row_draws_the_same_alone_or_in_any_batch() -> None:
             rng.shuffle(entries)
             logits = torch.stack([e[2] for e in entries])
             cols = columns(
-                [e[1] for e in entries], logits, seeds=[e[3] for e in entries], counters=[draw_counter(c)] * size,
-                prompts=[e[4] for e in entries], outputs=[e[5] for e in entries],
+                [e[1] for e in entries], logits, seeds=[e[3] for e in entries],
+                counters=[draw_counter(c)] * size, prompts=[e[4] for e in entries],
+                outputs=[e[5] for e in entries],
             )  # fmt: skip
             got = sample(logits, cols)
             for pos, entry in enumerate(entries):
@@ -415,8 +416,8 @@ def test_banned_tokens_are_never_drawn_and_the_logits_stay_raw() -> None:
     )
     for c in range(n):
         cols = SamplingColumns.from_requests(
-            params, [3] * len(params), [draw_counter(c)] * len(params), [[]] * len(params), [[1]] * len(params),
-            vocab, "cpu", banned,
+            params, [3] * len(params), [draw_counter(c)] * len(params), [[]] * len(params),
+            [[1]] * len(params), vocab, "cpu", banned,
         )  # fmt: skip
         got = sample(logits, cols)
         assert not np.isin(got[: len(kinds)], [5, 6]).any(), (c, got)
@@ -425,7 +426,8 @@ def test_banned_tokens_are_never_drawn_and_the_logits_stay_raw() -> None:
         for i in (1, 3):
             alone = SamplingColumns.from_requests(
                 [params[i]], [3], [draw_counter(c)], [[]], [[1]], vocab, "cpu",
-                sampler_module.BannedTokens(np.zeros(2, dtype=np.int64), np.array([5, 6], dtype=np.int64)),
+                sampler_module.BannedTokens(np.zeros(2, dtype=np.int64),
+                    np.array([5, 6], dtype=np.int64)),
             )  # fmt: skip
             assert sample(logits[i : i + 1], alone)[0] == got[i]
     assert torch.equal(logits, raw), "the ban wrote into the caller's logits"

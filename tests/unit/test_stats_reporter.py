@@ -24,7 +24,8 @@ def test_work_done_within_one_interval_of_an_idle_report_is_reported() -> None:
 
     scheduler.add_request(
         TokenizedGenerateReqInput(
-            rid="r", req_id=1, input_ids=[11, 12, 13], sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+            rid="r", req_id=1, input_ids=[11, 12, 13],
+            sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
             stream=False, arrival_time=now,
         )
     )  # fmt: skip

@@ -105,7 +105,8 @@ def test_chat_template_renders_to_control_tokens(default: LoadedTokenizer) -> No
         )
     )
     assert rendered == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
     ids = default.encode(rendered)
     assert ids.count(1) == 3 and ids.count(2) == 2

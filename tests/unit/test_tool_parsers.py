@@ -79,14 +79,16 @@ CASES = [
     ),
     hermes(
         "content_then_call",
-        'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call>',
         "Let me look that up.\n",
         ("get_weather", {"city": "Paris", "unit": "celsius"}),
     ),
     hermes(
         "parallel",
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "search", "arguments": {"query": "weather in Paris", "limit": 3}}\n</tool_call>\n',
+        '<tool_call>\n{"name": "search", "arguments": {"query": "weather in Paris", "limit": 3}}\n'
+        "</tool_call>\n",
         "",
         ("get_weather", {"city": "Paris"}),
         ("search", {"query": "weather in Paris", "limit": 3}),
@@ -99,13 +101,15 @@ CASES = [
     ),
     hermes(
         "non_ascii",
-        'Je vérifie… 🙂\n<tool_call>{"name": "get_weather", "arguments": {"city": "東京", "note": "café ☕ 🙂"}}</tool_call>',
+        'Je vérifie… 🙂\n<tool_call>{"name": "get_weather", "arguments": {"city": "東京", '
+        '"note": "café ☕ 🙂"}}</tool_call>',
         "Je vérifie… 🙂\n",
         ("get_weather", {"city": "東京", "note": "café ☕ 🙂"}),
     ),
     hermes(
         "empty_missing_and_early_arguments",
-        '<tool_call>{"name": "search", "arguments": {}}</tool_call><tool_call>{"name": "get_weather"}</tool_call>'
+        '<tool_call>{"name": "search", "arguments": {}}</tool_call><tool_call>{"name": '
+        '"get_weather"}</tool_call>'
         '<tool_call>{"arguments": {"query": "first"}, "name": "search"}</tool_call>'
         '<tool_call>{"name": "search", "arguments": null}</tool_call>',
         "",
@@ -116,7 +120,8 @@ CASES = [
     ),
     hermes(
         "tight_then_content_after",
-        '<tool_call>{"name":"search","arguments":{"query":"tight"}}</tool_call>\nI will wait for the result.',
+        '<tool_call>{"name":"search","arguments":{"query":"tight"}}</tool_call>\nI will wait for '
+        "the result.",
         "\nI will wait for the result.",
         ("search", {"query": "tight"}),
     ),
@@ -189,7 +194,8 @@ CASES = [
     ),
     hermes(
         "malformed_then_valid",
-        '<tool_call>oops</tool_call>\n<tool_call>{"name": "search", "arguments": {"q": 1}}</tool_call>',
+        '<tool_call>oops</tool_call>\n<tool_call>{"name": "search", "arguments": {"q": '
+        "1}}</tool_call>",
         "<tool_call>oops</tool_call>\n",
         ("search", {"q": 1}),
     ),
@@ -224,7 +230,8 @@ CASES = [
     ),
     llama(
         "separated_calls",
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "arguments": {"query": "Paris weather"}}',
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "search", "arguments": '
+        '{"query": "Paris weather"}}',
         "",
         ("get_weather", {"city": "Paris"}),
         ("search", {"query": "Paris weather"}),
