@@ -149,7 +149,8 @@ class RoleProcesses:
         self.procs[role] = self.start(role)
 
     def stop(self, timeout: float = 15.0) -> dict[str, int]:
-        """SIGTERM to all three, then each waited for (killed after ``timeout`` s); the exit codes."""
+        """SIGTERM to all three, then each waited for (killed after ``timeout`` s); the exit
+        codes."""
         return dict(zip(self.procs, stop_all(self.procs.values(), timeout)))
 
     def __enter__(self) -> Self:

@@ -9,9 +9,10 @@ So the test knows every value a client must see, whatever the pipeline did with 
 ``LogprobTruth`` keeps them per request, built once), and ``expected_meta`` the /generate
 ``meta_info`` keys built from them (docs/design.md section 11).
 
-``prefill_chunk`` is the simulated half of ``scheduler_proc.sampling.logprobs.keep_prompt_logprobs``:
-the positions of one prefill chunk that predict a prompt token and were not computed
-before (``Req.prompt_logprobs_next``), so a re-prefill after a retraction adds nothing.
+``prefill_chunk`` is the simulated half of
+``scheduler_proc.sampling.logprobs.keep_prompt_logprobs``: the positions of one prefill chunk
+that predict a prompt token and were not computed before (``Req.prompt_logprobs_next``), so a
+re-prefill after a retraction adds nothing.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def chunks(total: int, size: int = MiB) -> Iterator[bytes]:
-    """``total`` bytes of padding (not JSON), one reused chunk at a time, so the test never holds them."""
+    """``total`` bytes of padding (not JSON), one reused chunk at a time, so the test never
+    holds them."""
     block = b"x" * size
     sent = 0
     while sent < total:
@@ -165,7 +166,10 @@ def declared_huge_post(port: int) -> tuple[bytes, bytes]:
     head and body, read until the server closes the connection (a timeout fails the test)."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(
-            f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {HUGE}\r\n\r\n".encode()
+            (
+                "POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {HUGE}\r\n\r\n"
+            ).encode()
             + b"{" * 1024
         )
         received = b""

@@ -363,9 +363,9 @@ class _TokFrameBefore(msgspec.Struct, tag="tok", array_like=True, gc=False):
 def test_flag_off_leaves_usage_none_and_adds_one_nil_byte() -> None:
     """msgspec writes every field of an array_like struct (``omit_defaults`` does not drop
     trailing defaults there), so the appended field costs exactly its ``nil`` byte when the
-    flag is off (and so does the logprobs field after it, when no row asked). Every other byte matches the frame from before the field existed, which
-    decodes with the new type as usage=None. A new frame decodes with the old type, which
-    ignores the extra element."""
+    flag is off (and so does the logprobs field after it, when no row asked). Every other byte
+    matches the frame from before the field existed, which decodes with the new type as
+    usage=None. A new frame decodes with the old type, which ignores the extra element."""
     reqs = [_req(i, [200 + i] * (3 + i)) for i in range(1, 65)]
     for r in reqs:
         r.output_ids.append(1000)

@@ -389,9 +389,11 @@ PD_PORTS = (
 
 
 @pytest.mark.timeout(300)
-def test_supervisord_pd_router_matches_the_unified_server_restarts_a_killed_prefill_and_stops_clean(  # type: ignore[no-untyped-def]
+def test_supervisord_pd_pair_matches_unified_survives_prefill_kill(  # type: ignore[no-untyped-def]
     server: ServerProcess, supervisord_factory
 ) -> None:
+    """A PD pair behind sglang-router, run by supervisord, answers as the unified server
+    does, restarts a killed prefill server and stops clean."""
     sd = supervisord_factory(
         "supervisord-pd.conf",
         PD_PORTS,
@@ -500,9 +502,11 @@ def one_request_on_each_replica(sd: Supervisord) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_supervisord_replicas_behind_sglang_router_share_requests_survive_a_killed_replica_and_drain_on_shutdown(  # type: ignore[no-untyped-def]
+def test_supervisord_replicas_share_survive_a_kill_and_drain(  # type: ignore[no-untyped-def]
     supervisord_factory,
 ) -> None:
+    """Replicas behind sglang-router, run by supervisord, share the requests, survive a killed
+    replica and drain on shutdown."""
     sd = supervisord_factory(
         "supervisord-replicas.conf",
         REPLICA_PORTS,

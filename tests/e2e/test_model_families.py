@@ -45,7 +45,10 @@ PROMPTS = [
     "1, 2, 3, 4,",
 ]
 # Longer than the 16-token chunk, and short enough to fit the pool with its answer.
-LONG_PROMPT = "The printing press came to Europe in the fifteenth century, when Gutenberg set movable metal type in oil-based ink"
+LONG_PROMPT = (
+    "The printing press came to Europe in the fifteenth century, "
+    "when Gutenberg set movable metal type in oil-based ink"
+)
 NEW_TOKENS = 12
 CHUNK = 16
 POOL = 64

@@ -188,7 +188,10 @@ def test_chat_non_stream(oai: openai.OpenAI) -> None:
     [choice] = out.choices
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
-    rendered = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay\nhello<|im_end|>\n<|im_start|>assistant\n"
+    rendered = (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nSay\nhello<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert out.usage is not None and out.usage.prompt_tokens == len(TOKENIZER.encode(rendered))
 
 
@@ -328,7 +331,10 @@ def test_default_template_is_the_shipped_one() -> None:
         {"role": "user", "content": "u"},
         {"role": "assistant", "content": "a"},
     ]
-    expected = "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n<|im_start|>assistant\n"
+    expected = (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n"
+        "<|im_start|>assistant\na<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert ChatTemplate(None).render(messages) == ChatTemplate(shipped).render(messages) == expected
     assert ChatTemplate(None).source == DEFAULT_CHAT_TEMPLATE
 

@@ -526,8 +526,8 @@ def test_a_text_prompt_gets_the_bos_on_every_route_that_adds_it(
             "logprob_start_len": 0,
         }
         meta = c.post("/generate", json=body).json()["meta_info"]
-        streamed = [json.loads(line[6:]) for line in c.post("/generate", json={**body, "stream": True}).text.splitlines()
-                    if line.startswith("data: {")]  # fmt: skip
+        lines = c.post("/generate", json={**body, "stream": True}).text.splitlines()
+        streamed = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert meta["prompt_tokens"] == 1 + len(text_ids)
     assert [entry[1] for entry in meta["input_token_logprobs"]] == [bos, *text_ids]
     assert [entry[1] for entry in streamed[0]["meta_info"]["input_token_logprobs"]] == [

@@ -156,8 +156,8 @@ def test_constrained_streams_through_pd_match_the_unified_server(
     server: ServerProcess, pd_small: tuple[ServerProcess, ServerProcess, SglangRouter]
 ) -> None:
     """The prefill server draws the first token under the grammar's mask and the decode server
-    goes on from it (through any re-bootstrap its small pool forces): each seeded stream equals the unified
-    server's answer and follows the pattern."""
+    goes on from it (through any re-bootstrap its small pool forces): each seeded stream equals
+    the unified server's answer and follows the pattern."""
     _, _, router = pd_small
 
     def body(i: int, stream: bool) -> dict[str, object]:

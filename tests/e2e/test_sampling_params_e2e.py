@@ -1,5 +1,6 @@
-"""The sampling parameters of docs/design.md section 10 against real servers: what they do to the tokens
-a server generates, and the vocabulary check of ``logit_bias`` on a server without a tokenizer.
+"""The sampling parameters of docs/design.md section 10 against real servers: what they do to the
+tokens a server generates, and the vocabulary check of ``logit_bias`` on a server without a
+tokenizer.
 
 A bias of 100 outweighs every logit of the built-in model, so with ``logit_bias {id: 100}``
 every token generated is that id, greedy or sampled (bias comes before everything else)."""

@@ -1,8 +1,7 @@
-"""The security properties the "Security" section of docs/operations.md claims, checked for real: the ipc
-directory keeps other users out, no socket carries pickle (a pickle frame runs no code), a
-tcp endpoint listens only where it is configured, and the API key is compared in constant
-time, refuses every wrong key with an OpenAI-style 401 and is not needed on /health and
-/metrics."""
+"""The security properties the "Security" section of docs/operations.md claims, checked for real:
+the ipc directory keeps other users out, no socket carries pickle (a pickle frame runs no code), a
+tcp endpoint listens only where it is configured, and the API key is compared in constant time,
+refuses every wrong key with an OpenAI-style 401 and is not needed on /health and /metrics."""
 
 from __future__ import annotations
 

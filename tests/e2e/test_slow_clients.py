@@ -147,7 +147,10 @@ def test_a_client_gone_mid_upload_is_an_info_line_not_an_error(
     seen = len(srv.output())
     with _connect(srv) as sock:
         sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode()
+            (
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1000\r\n\r\n"
+            ).encode()
             + b'{"text": "half a bo'
         )
     line = f"a client disconnected while sending its request (POST {path})"

@@ -169,7 +169,10 @@ def test_auto_reads_a_hermes_block_and_streams_openai_deltas(http: httpx.Client)
     """Under "auto" the hermes parser reads the block the regex makes the model write: text
     before it is content, the call is a call. Streamed, the first delta of the call carries
     its index, id, type and name, later ones argument text, and they add up to the whole."""
-    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "unit": "c"}}\n</tool_call>'
+    block = (
+        '<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Oslo", "days": 2, "unit": "c"}}\n</tool_call>'
+    )
     pattern = "Sure[.] " + re.escape(block)
     body = {
         "model": MODEL,

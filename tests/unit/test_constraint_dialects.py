@@ -27,7 +27,10 @@ SCHEMA: dict[str, Any] = {
     "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string", "maxLength": 8}},
     "required": ["zeta", "alpha"],
 }
-SCHEMA_TEXT = '{"type":"object","properties":{"zeta":{"type":"integer"},"alpha":{"type":"string","maxLength":8}},"required":["zeta","alpha"]}'
+SCHEMA_TEXT = (
+    '{"type":"object","properties":{"zeta":{"type":"integer"},'
+    '"alpha":{"type":"string","maxLength":8}},"required":["zeta","alpha"]}'
+)
 GRAMMAR = 'root ::= "yes" | "no"'
 
 
@@ -362,8 +365,8 @@ def test_two_constraints_are_refused_naming_the_second(
     error = refusal_of(extra)
     assert error.param == second
     assert (
-        str(error)
-        == f"{second}: a request takes one structured-output constraint, and {first} already gives one"
+        str(error) == f"{second}: a request takes one structured-output constraint, "
+        f"and {first} already gives one"
     )
 
 

@@ -1,9 +1,9 @@
-"""Structured outputs in the scheduler (docs/design.md section 10; scheduler_proc/sampling/grammar.py,
-scheduler_proc/grammar_queue.py): every kind of constraint makes every answer of the
-built-in random model, at temperature 1 and any seed, one the grammar allows; the mask
-comes before logit_bias; a row's tokens never depend on its neighbours, a retraction or a
-PD hand-over; compiles run off the step and are cached; invalid specs and servers that
-cannot compile are refused with a 400 that names the field.
+"""Structured outputs in the scheduler (docs/design.md section 10;
+scheduler_proc/sampling/grammar.py, scheduler_proc/grammar_queue.py): every kind of constraint makes
+every answer of the built-in random model, at temperature 1 and any seed, one the grammar allows;
+the mask comes before logit_bias; a row's tokens never depend on its neighbours, a retraction or a
+PD hand-over; compiles run off the step and are cached; invalid specs and servers that cannot
+compile are refused with a 400 that names the field.
 
 In-process schedulers (real model, real pools), as in tests/unit/test_scheduler_steps.py.
 The answers are bounded (patterns, enums, maxItems, integer ranges) so that they end well
@@ -579,9 +579,7 @@ def test_a_slow_compile_does_not_stop_other_requests_steps() -> None:
     assert ts is not None and ts.grammar_wait > 0
 
 
-def test_an_abort_while_the_grammar_compiles_finishes_the_request_and_its_compile_serves_the_next() -> (
-    None
-):
+def test_an_abort_during_compile_finishes_the_request_and_the_compile_serves_the_next() -> None:
     s = make()
     calls = _count_compiles(s)
     release = threading.Event()
@@ -637,8 +635,8 @@ def test_without_a_tokenizer_a_constrained_request_is_refused_with_a_400_naming_
     finish = run(s)[1].finish
     assert isinstance(finish, FinishAbort) and finish.status_code == 400
     assert (
-        finish.message
-        == "sampling_params.regex: structured outputs need a tokenizer, and this server runs with --skip-tokenizer-init"
+        finish.message == "sampling_params.regex: structured outputs need a tokenizer, "
+        "and this server runs with --skip-tokenizer-init"
     )
 
 

@@ -107,7 +107,9 @@ def test_the_checker_names_each_broken_rule_with_file_and_line(tmp_path: Path) -
             """,
         "pipeline/entry.py": "import tokenpipe.cli\n",
         "scheduler_proc/__init__.py": "",
-        "scheduler_proc/own.py": "from . import sibling\nfrom .sibling import y\nimport scheduler_proc.req\n",
+        "scheduler_proc/own.py": (
+            "from . import sibling\nfrom .sibling import y\nimport scheduler_proc.req\n"
+        ),
         "scheduler_proc/typed.py": """\
             from typing import TYPE_CHECKING
 
@@ -115,8 +117,13 @@ def test_the_checker_names_each_broken_rule_with_file_and_line(tmp_path: Path) -
                 from tokenizer_proc.req_state import ReqState
             """,
         "detokenizer_proc/cli_user.py": "from tokenpipe import cli\n",
-        "tokenizer_proc/dynamic.py": "import importlib\nmod = importlib.import_module('detokenizer_proc.main')\n",
-        "tokenpipe/cli.py": "from pipeline.config import ServerConfig\n\ndef main():\n    from scheduler_proc.main import run\n",
+        "tokenizer_proc/dynamic.py": (
+            "import importlib\nmod = importlib.import_module('detokenizer_proc.main')\n"
+        ),
+        "tokenpipe/cli.py": (
+            "from pipeline.config import ServerConfig\n\n"
+            "def main():\n    from scheduler_proc.main import run\n"
+        ),
     }
     for name, text in sources.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +142,10 @@ def test_the_checker_names_each_broken_rule_with_file_and_line(tmp_path: Path) -
 
 # The benchmarks too: a circle reads as badly there.
 CIRCLE_CHECKED = (*CHECKED, "bench")
-CIRCLE_RULE = "modules import each other in a circle: move the shared type to the module that owns it or below both"
+CIRCLE_RULE = (
+    "modules import each other in a circle: "
+    "move the shared type to the module that owns it or below both"
+)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -279,7 +289,10 @@ def test_the_circle_checker_names_each_circle_with_files_and_lines(tmp_path: Pat
         "pipeline/b.py": "import numpy\n\ndef f():\n    from pipeline import a\n",
         "scheduler_proc/__init__.py": "",
         "scheduler_proc/sub/__init__.py": "",
-        "scheduler_proc/sub/x.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from scheduler_proc.y import Y\n",
+        "scheduler_proc/sub/x.py": (
+            "from typing import TYPE_CHECKING\n\n"
+            "if TYPE_CHECKING:\n    from scheduler_proc.y import Y\n"
+        ),
         "scheduler_proc/y.py": "from .z import Z\n",
         "scheduler_proc/z.py": "import scheduler_proc.sub.x\n",
         "scheduler_proc/leaf.py": "from scheduler_proc.y import Y\nfrom scheduler_proc import z\n",
@@ -403,7 +416,9 @@ def test_the_direction_checker_names_each_bad_import(tmp_path: Path) -> None:
         "tokenizer_proc/native/__init__.py": "",
         "tokenizer_proc/native/routes.py": "from tokenizer_proc.openai.schema import X\n",
         "tokenizer_proc/openai/__init__.py": "",
-        "tokenizer_proc/openai/schema.py": "def f():\n    from tokenizer_proc.native import routes\n",
+        "tokenizer_proc/openai/schema.py": (
+            "def f():\n    from tokenizer_proc.native import routes\n"
+        ),
         "tokenizer_proc/openai/routes.py": "router = 1\n",
         "tokenizer_proc/media.py": "from tokenizer_proc.native.routes import E\n",
         "tokenizer_proc/http/__init__.py": "",

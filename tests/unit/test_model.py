@@ -40,7 +40,8 @@ def new_pool(model: LlamaForCausalLM, capacity: int = 1024, debug: bool = True) 
 
 
 def reference_forward(model: LlamaForCausalLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Textbook causal Llama in float64 on the same weights: (logits [T, V], normed hidden [T, H])."""
+    """Textbook causal Llama in float64 on the same weights: (logits [T, V], normed hidden
+    [T, H])."""
     c = model.config
     w = {k: v.double() for k, v in model.state_dict().items()}
     t, d, g = len(ids), c.head_dim, c.num_attention_heads // c.num_key_value_heads

@@ -266,7 +266,8 @@ def test_count_is_exact_when_the_tags_fall_on_token_boundaries(
     dialect: str, reasoning: str, shipped: Tokenizer
 ) -> None:
     opening = [START] if dialect == "qwen3" else []  # R1's prompt opens the reasoning
-    ids = [i for part in [*opening, reasoning, END, "\n\nanswer ✓"] for i in encode(shipped, part)]
+    parts = [*opening, reasoning, END, "\n\nanswer ✓"]
+    ids = [i for part in parts for i in encode(shipped, part)]
     text = shipped.decode(ids, skip_special_tokens=False)
     parser = make_reasoning_parser(dialect)
     got = parse(parser, token_deltas(shipped, ids))

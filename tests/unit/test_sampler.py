@@ -1,6 +1,6 @@
-"""The sampler (docs/design.md section 10): a row's token depends on its own logits, parameters, seed
-and counter only; its draws follow the distribution a plain sort-based implementation
-defines; bias and penalties match a per-row Python reference."""
+"""The sampler (docs/design.md section 10): a row's token depends on its own logits,
+parameters, seed and counter only; its draws follow the distribution a plain sort-based
+implementation defines; bias and penalties match a per-row Python reference."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def test_a_marker_in_the_constant_parts_is_refused() -> None:
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 @pytest.mark.parametrize("usage", [(False, False), (True, False), (True, True)])
-def test_a_stream_of_templated_chunks_equals_the_chunks_encoded_whole(  # type: ignore[no-untyped-def]
+def test_templated_chunks_stream_equals_the_chunks_encoded_whole(  # type: ignore[no-untyped-def]
     kind, usage
 ) -> None:
     """The real completions/chat event source, with and without ``include_usage`` and

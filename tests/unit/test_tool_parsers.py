@@ -62,7 +62,10 @@ def mistral(id: str, text: str, content: str, *calls: tuple[str, dict[str, objec
     return Case(id, "mistral", text, content, calls)
 
 
-TRICKY_ARGS = r'{"filter": {"tags": ["a", "b"], "range": [1, 2.5e3, -4]}, "text": "brace } quote \" newline \n tag </tool_call> ]", "ok": true, "none": null}'
+TRICKY_ARGS = (
+    r'{"filter": {"tags": ["a", "b"], "range": [1, 2.5e3, -4]}, '
+    r'"text": "brace } quote \" newline \n tag </tool_call> ]", "ok": true, "none": null}'
+)
 TRICKY = {
     "filter": {"tags": ["a", "b"], "range": [1, 2500.0, -4]},
     "text": 'brace } quote " newline \n tag </tool_call> ]',
@@ -402,7 +405,10 @@ def test_every_cut_streams_what_the_whole_output_gives(case: Case) -> None:
 def test_tokens_cut_inside_markers_and_characters() -> None:
     """Guards against the token cut passing vacuously: the shipped tokenizer splits the
     markers over several tokens and holds a character's bytes back."""
-    pieces = token_pieces('<tool_call>{"city": "東京 🙂"}</tool_call>[TOOL_CALLS]<|python_tag|>')
+    pieces = token_pieces(
+        '<tool_call>{"city": "東京 🙂"}</tool_call>'  # characters of several bytes
+        "[TOOL_CALLS]<|python_tag|>"
+    )
     assert len(pieces) > 10
     assert not any(
         marker in piece

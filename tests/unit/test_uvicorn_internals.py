@@ -142,7 +142,10 @@ async def serving(
 async def request(port: int, path: str, body: bytes = b"") -> bytes:
     """The raw response to a POST of ``body`` to ``path``, read until the server closes."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = f"POST {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     writer.write(head.encode() + body)
     try:
         return await asyncio.wait_for(reader.read(), timeout=10)
