@@ -40,18 +40,21 @@ MESSAGES = [{"role": "user", "content": "Tell me a story"}]
 # The bodies sglang-router 0.3.2 sends for a plain client request: it re-serializes each body
 # with its own defaults (captured from the router in front of a logging HTTP server).
 ROUTER_GENERATE = {
-    "text": "hi", "model": None, "sampling_params": {"max_new_tokens": 4}, "return_text_in_logprobs": False,
-    "stream": False, "log_metrics": True, "return_hidden_states": False, "background": False, "no_logs": False,
-    "return_bytes": False, "return_entropy": False,
+    "text": "hi", "model": None, "sampling_params": {"max_new_tokens": 4},
+    "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+    "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
+    "return_entropy": False,
 }  # fmt: skip
 ROUTER_COMPLETION = {
-    "model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": False, "echo": False, "no_stop_trim": False,
-    "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False,
+    "model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": False, "echo": False,
+    "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+    "return_hidden_states": False,
 }  # fmt: skip
 ROUTER_CHAT = {
-    "messages": MESSAGES, "model": MODEL, "logprobs": False, "max_completion_tokens": 4, "stream": False,
-    "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
-    "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+    "messages": MESSAGES, "model": MODEL, "logprobs": False, "max_completion_tokens": 4,
+    "stream": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+    "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+    "return_hidden_states": False,
 }  # fmt: skip
 ROUTES = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -351,7 +354,12 @@ def _openai(oai: openai.OpenAI, route: str, fields: dict[str, Any]) -> Any:
         kwargs["extra_body"] = extra
     if route == "completions":
         return oai.completions.create(model=MODEL, prompt="hi", max_tokens=2, **kwargs)
-    return oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)  # type: ignore[arg-type]
+    return oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=2,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize(
