@@ -26,8 +26,8 @@ from tokenizer_proc.request_edge.bootstrap import bootstrap_of
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.fields import MAX_LOGIT_BIAS
 from tokenizer_proc.request_edge.known_fields import AsksUnlessNeutral, Refusal, is_neutral
+from tokenizer_proc.openai.sampling_request import COMMON_REFUSED
 from tokenizer_proc.openai.schema import (
-    COMMON_REFUSED,
     ChatCompletionBody,
     ChatCompletionRequest,
     CompletionBody,

@@ -1,6 +1,6 @@
 """The logprob keys of a /generate answer or stream event (SGLang's names, docs/design.md
-section 11): each entry ``[logprob, token_id, text|null]``; a stream event carries the entries of the
-tokens in its ``output_ids``: every token so far (SGLang's default), or its own with
+section 11): each entry ``[logprob, token_id, text|null]``; a stream event carries the entries
+of the tokens in its ``output_ids``: every token so far (SGLang's default), or its own with
 ``--incremental-streaming-output``."""
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """A chat answer split into reasoning, content and tool calls, row by row, the same way
 streamed or whole (docs/api.md, "Tools and reasoning").
 
-Each choice gets one ``ChatSplitter``: the reasoning parser (``--reasoning-parser``) sees the
-answer's text first and keeps what lies inside ``<think>...</think>``; the tool parser sees
-only the content it leaves (a call inside reasoning is not a call): ``--tool-call-parser`` under
-``tool_choice`` "auto", the array of calls under "required", the arguments of the named
-function otherwise. A non-streaming choice is one ``feed`` of its whole text and ``finish``;
-a stream feeds each row's text. The parsers' decisions depend on the text only, so a stream's
-deltas add up to the whole answer.
-
-Reasoning tokens are counted once, when the choice is finished, from its output ids: a token
-whose bytes overlap the reasoning text (``count_reasoning_tokens``), never by tokenizing the
-text again.
+Each choice gets one ``ChatSplitter``. A non-streaming choice is one ``feed`` of its whole
+text and ``finish``; a stream feeds each row's text. The parsers' decisions depend on the text
+only, so a stream's deltas add up to the whole answer.
 """
 
 from __future__ import annotations
@@ -55,7 +47,12 @@ class ChatDelta:
 class ChatSplitter:
     """One choice's answer: ``feed`` each row's text in order, then ``finish`` once. It
     keeps what the whole message needs: the calls made (``calls``: id, name, arguments) and
-    the reasoning text's place in the answer (``reasoning_span``)."""
+    the reasoning text's place in the answer (``reasoning_span``).
+
+    The reasoning parser (``--reasoning-parser``) sees the answer's text first and keeps what
+    lies inside ``<think>...</think>``; the tool parser sees only the content it leaves (a call
+    inside reasoning is not a call): ``--tool-call-parser`` under ``tool_choice`` "auto", the
+    array of calls under "required", the arguments of the named function otherwise."""
 
     __slots__ = ("_reasoning", "_tools", "calls", "content", "ids", "reasoning", "text")
 
@@ -179,7 +176,9 @@ class ChatParsing:
         return reason
 
     def reasoning_tokens(self, splitter: ChatSplitter, token_bytes: Callable[[int], bytes]) -> int:
-        """The finished answer's reasoning tokens (see the module docstring)."""
+        """The finished answer's reasoning tokens, counted once, when the choice is finished,
+        from its output ids: a token whose bytes overlap the reasoning text
+        (``count_reasoning_tokens``), never by tokenizing the text again."""
         span = splitter.reasoning_span
         if span is None:
             return 0

@@ -16,7 +16,8 @@ from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, FinalM
 from tokenizer_proc.http.common import abort_unfinished, trace_context
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.openai.chat_parsing import ChatParsing
-from tokenizer_proc.openai.schema import ChatCompletionRequest, SamplingRequest
+from tokenizer_proc.openai.sampling_request import SamplingRequest
+from tokenizer_proc.openai.schema import ChatCompletionRequest
 from tokenizer_proc.openai.vllm_extras import truncate_prompt
 from tokenizer_proc.req_state import ChoiceGroup, ReqState
 from tokenizer_proc.request_checks import ContextLengthError, OutOfVocabularyError

@@ -1,11 +1,4 @@
-"""OpenAI's logprob shapes (docs/design.md section 11), from a choice's ``LogprobEntries``:
-
-- completions (``logprobs: N``): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``,
-  each ``top_logprobs`` entry a token -> logprob object of the N most likely tokens plus the
-  chosen one (OpenAI: "up to logprobs+1 elements"), ``text_offset`` each token's character
-  offset in the choice's text;
-- chat (``logprobs: true, top_logprobs: N``): ``{"content": [{"token", "logprob", "bytes",
-  "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
+"""OpenAI's logprob shapes (docs/design.md section 11), from a choice's ``LogprobEntries``.
 
 A token's text is its own decoding (special tokens shown); chat's ``bytes`` are the
 token's raw bytes, so a character split over tokens (each shown as U+FFFD) can be put back
@@ -52,8 +45,12 @@ def completion_logprobs(
     offset: int = 0,
     top_n: int | None = None,
 ) -> dict[str, Any]:
-    """``offset``: the character offset of the first of ``ids`` in the choice's text (a
-    stream chunk continues where the previous one ended)."""
+    """Completions' shape (``logprobs: N``): ``{"tokens", "token_logprobs", "top_logprobs",
+    "text_offset"}``, each ``top_logprobs`` entry a token -> logprob object of the N most
+    likely tokens plus the chosen one (OpenAI: "up to logprobs+1 elements"), ``text_offset``
+    each token's character offset in the choice's text. ``offset``: the character offset of
+    the first of ``ids`` in the choice's text (a stream chunk continues where the previous one
+    ended)."""
     tokens = [text_of(t) for t in ids]
     offsets = []
     for text in tokens:
@@ -74,6 +71,9 @@ def completion_logprobs(
 def chat_logprobs(
     entries: LogprobEntries, ids: list[int], text_of: TokenText, top_n: int | None = None
 ) -> dict[str, Any]:
+    """Chat's shape (``logprobs: true, top_logprobs: N``): ``{"content": [{"token", "logprob",
+    "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``."""
+
     def item(token: int, logprob: float) -> dict[str, Any]:
         text = text_of(token)
         return {"token": text, "logprob": logprob, "bytes": list(text_of.raw(token))}

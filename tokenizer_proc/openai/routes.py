@@ -45,13 +45,12 @@ from tokenizer_proc.openai.jobs import (
 )
 from tokenizer_proc.openai.logprobs import openai_token_text
 from tokenizer_proc.openai.vllm_extras import truncate_prompt
+from tokenizer_proc.openai.sampling_request import MAX_CHOICES, SamplingRequest
 from tokenizer_proc.openai.schema import (
-    MAX_CHOICES,
     ChatCompletionBody,
     ChatCompletionRequest,
     CompletionBody,
     CompletionRequest,
-    SamplingRequest,
 )
 from tokenizer_proc.openai.shapes import CHAT, COMPLETION, Shape, request_usage, with_ids
 from tokenizer_proc.openai.stream import ChoiceEvents, StreamUsage

@@ -2,25 +2,11 @@
 choice, of a stream's opening and delta chunks, and of ``usage`` (``CompletionShape`` and
 ``ChatShape``, with their one instances ``COMPLETION`` and ``CHAT``).
 
-``usage`` comes from the pipeline's own numbers: ``ReqState.request_stats`` (prompt and cached
-tokens) and ``ReqState.completion_tokens``. As OpenAI does, a prompt is counted once however
-many choices it has: ``prompt_tokens`` sums over prompts, ``completion_tokens`` over every
-choice. A prompt's ``cached_tokens`` is the smallest count among its choices (the copy that
-really computed the prompt; the other copies may have reused its prefix), capped at the
-prompt (in ``--mode dllm`` a request's ``cached_tokens`` also counts its committed blocks),
-so ``cached_tokens <= prompt_tokens`` always holds.
-
-``finish_reason``: ``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``,
-``FinishLength`` is ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``.
-A choice's ``stop_reason`` (vLLM's; streamed, on the finishing chunk) is the stop string or
-``stop_token_ids`` id that ended it, null for EOS and every other finish. Its
-``matched_stop`` (SGLang's; streamed on the finishing chunk only) is the stop string or token
-id that ended it, the EOS id included, null for a length or abort finish.
-
 Fields the peers always send: a completion choice's ``prompt_logprobs`` and a chat
 response's (``ChatShape.response_fields``), null unless the request asked for them. What
 vLLM's extra request fields add (``AnswerExtras``: prompt logprobs, token ids, token-id
-texts, a chat echo and role) is placed where vLLM places it (``tokenizer_proc.openai.vllm_extras``).
+texts, a chat echo and role) is placed where vLLM places it
+(``tokenizer_proc.openai.vllm_extras``).
 """
 
 from __future__ import annotations
@@ -231,12 +217,16 @@ Shape = CompletionShape | ChatShape  # what a response is made with
 
 
 def finish_reason_of(state: ReqState) -> str | None:
+    """``FinishStop`` (EOS, a stop token or a stop string) is ``"stop"``, ``FinishLength`` is
+    ``"length"``, ``FinishAbort`` (``/abort_request``, shutdown) is ``"abort"``."""
     reason = state.finished_reason
     return None if reason is None else _FINISH_REASONS[type(reason)]
 
 
 def stop_reason_of(state: ReqState) -> int | str | None:
-    """``FinishStop.matched`` is a token id both for EOS and for a stop token: only the
+    """vLLM's ``stop_reason`` (streamed, on the finishing chunk): the stop string or
+    ``stop_token_ids`` id that ended the choice, null for EOS and every other finish.
+    ``FinishStop.matched`` is a token id both for EOS and for a stop token: only the
     request's own ``stop_token_ids`` make it a stop token (the stop checker tests them first)."""
     reason = state.finished_reason
     if not isinstance(reason, FinishStop):
@@ -247,8 +237,9 @@ def stop_reason_of(state: ReqState) -> int | str | None:
 
 
 def matched_stop_of(state: ReqState) -> int | str | None:
-    """SGLang's ``matched_stop``: what ``FinishStop`` matched (a stop string, or a token id:
-    a ``stop_token_ids`` id or an EOS id alike); null for every other finish."""
+    """SGLang's ``matched_stop`` (streamed on the finishing chunk only): what ``FinishStop``
+    matched (a stop string, or a token id: a ``stop_token_ids`` id or an EOS id alike); null
+    for a length or abort finish."""
     reason = state.finished_reason
     return reason.matched if isinstance(reason, FinishStop) else None
 
@@ -288,7 +279,14 @@ def _finished_stats(state: ReqState) -> RequestOutputStats:
 
 
 def request_usage(states: list[ReqState], n: int) -> dict[str, Any]:
-    """``states`` in choice order, ``n`` per prompt; see the module docstring."""
+    """``usage`` of ``states`` in choice order, ``n`` per prompt, from the pipeline's own
+    numbers: ``ReqState.request_stats`` (prompt and cached tokens) and
+    ``ReqState.completion_tokens``. As OpenAI does, a prompt is counted once however many
+    choices it has: ``prompt_tokens`` sums over prompts, ``completion_tokens`` over every
+    choice. A prompt's ``cached_tokens`` is the smallest count among its choices (the copy that
+    really computed the prompt; the other copies may have reused its prefix), capped at the
+    prompt (in ``--mode dllm`` a request's ``cached_tokens`` also counts its committed
+    blocks), so ``cached_tokens <= prompt_tokens`` always holds."""
     prompt = cached = 0
     for start in range(0, len(states), n):
         stats = [_finished_stats(s) for s in states[start : start + n]]

@@ -2,15 +2,6 @@
 and vLLM define them, checked and made into a ``ToolPlan`` (docs/api.md, "Tools and
 reasoning").
 
-- ``"none"``: the prompt has the tools; the output is free, and all of it is content.
-- ``"auto"`` (the default with tools): the prompt has the tools; the output is free, and
-  ``--tool-call-parser`` reads calls out of it.
-- ``"required"``: the output is a JSON array of one or more calls,
-  ``[{"name": ..., "arguments": {...}}]`` (exactly one with ``parallel_tool_calls: false``),
-  each ``arguments`` valid against its tool's ``parameters``.
-- ``{"type": "function", "function": {"name": ...}}``: the output is that function's
-  arguments object, valid against its ``parameters``.
-
 "required" and a named function are constrained decoding: their ``Constraint`` is one JSON
 schema the scheduler compiles like any structured output, so a client's ``response_format``
 beside them is a second constraint and refused. The schema engine judges ``parameters``
@@ -84,7 +75,17 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """What a request's tools make of its prompt and its answer (see the module docstring).
+    """What a request's tools make of its prompt and its answer, by ``tool_choice``:
+
+    - ``"none"``: the prompt has the tools; the output is free, and all of it is content.
+    - ``"auto"`` (the default with tools): the prompt has the tools; the output is free, and
+      ``--tool-call-parser`` reads calls out of it.
+    - ``"required"``: the output is a JSON array of one or more calls,
+      ``[{"name": ..., "arguments": {...}}]`` (exactly one with ``parallel_tool_calls:
+      false``), each ``arguments`` valid against its tool's ``parameters``.
+    - ``{"type": "function", "function": {"name": ...}}``: the output is that function's
+      arguments object, valid against its ``parameters``.
+
     ``named``: the forced function (mode ``named``); ``constraint``: the output's schema
     (modes ``required`` and ``named``)."""
 

@@ -1,33 +1,7 @@
 """vLLM's extra request fields on the OpenAI routes (docs/design.md section 6), with vLLM's
 semantics: what each asks of a request's prompt, and what it adds to the answer.
-
-- ``prompt_logprobs`` (k, 0..20): the prompt's logprobs, one entry per prompt token, the first
-  null, each a token id (as a string) -> ``{"logprob", "rank", "decoded_token"}`` object of
-  the prompt's token and the k most likely ones (``prompt_logprobs_entries``). On each
-  completion choice, at a chat response's top level; never streamed (k > 0 with ``stream``
-  is a 400, as in vLLM). As in vLLM, an ``echo`` without it asks for the request's own top
-  count (completions ``logprobs``, chat ``top_logprobs``): a completion echoed with logprobs,
-  and any chat echo, list the prompt's logprobs too.
-- ``return_tokens_as_token_ids``: the logprobs' token texts are ``token_id:N``.
-- ``return_token_ids``: ``prompt_token_ids`` and each choice's ``token_ids``; a stream sends
-  the prompt's once, on its first chunk (a completion choice's first chunk, a chat choice's
-  role chunk), and each chunk's own ``token_ids``.
-- chat ``add_generation_prompt`` (default true) and ``continue_final_message`` (the template
-  leaves the last message open, and the model continues it): false makes the answer's role
-  the last message's; both true is a 400. ``echo`` puts the last message's text in front of
-  the answer's content when its role is the answer's (a stream sends it as the chunk after
-  the role chunk).
-- ``truncate_prompt_tokens`` (k >= 1, or -1 for all the context leaves after the requested
-  output) keeps the prompt's last k tokens (``truncation_side`` "right": its first k);
-  ``usage.prompt_tokens`` counts what is kept.
-
 ``AnswerExtras`` is what one request's answer shows, read once from its body; the shapes
 (``tokenizer_proc.openai.shapes``) and the stream (``tokenizer_proc.openai.stream``) take it.
-
-A prompt token's ``rank`` is exact when it is among the top entries the scheduler returned
-(their position; the scheduler is always asked for at least the top 1, so the most likely
-token is rank 1); otherwise it is null: the scheduler sends no rank of its own, and counting
-the vocabulary above a token is a scheduler column (docs/design.md section 11).
 """
 
 from __future__ import annotations
@@ -51,7 +25,23 @@ class AnswerExtras:
     """What a request's answer shows beyond its text. ``output_top``: the output logprobs'
     top count (None: no output logprobs); ``prompt_top``: ``prompt_logprobs``' (None: null);
     ``token_id_texts``: ``return_tokens_as_token_ids``; ``token_ids``: ``return_token_ids``;
-    ``echo`` and ``role``: a chat answer's leading text and its role."""
+    ``echo`` and ``role``: a chat answer's leading text and its role.
+
+    - ``prompt_logprobs`` (k, 0..20): the prompt's logprobs (``prompt_logprobs_entries``), on
+      each completion choice, at a chat response's top level; never streamed (k > 0 with
+      ``stream`` is a 400, as in vLLM). As in vLLM, an ``echo`` without it asks for the
+      request's own top count (completions ``logprobs``, chat ``top_logprobs``): a completion
+      echoed with logprobs, and any chat echo, list the prompt's logprobs too.
+    - ``return_tokens_as_token_ids``: the logprobs' token texts are ``token_id:N``.
+    - ``return_token_ids``: ``prompt_token_ids`` and each choice's ``token_ids``; a stream
+      sends the prompt's once, on its first chunk (a completion choice's first chunk, a chat
+      choice's role chunk), and each chunk's own ``token_ids``.
+    - chat ``add_generation_prompt`` (default true) and ``continue_final_message`` (the
+      template leaves the last message open, and the model continues it): false makes the
+      answer's role the last message's; both true is a 400. ``echo`` puts the last message's
+      text in front of the answer's content when its role is the answer's (a stream sends it
+      as the chunk after the role chunk).
+    """
 
     output_top: int | None = None
     prompt_top: int | None = None
@@ -115,7 +105,11 @@ def truncate_prompt(
     max_output: int,
     max_param: str,
 ) -> list[int]:
-    """The prompt ``truncate_prompt_tokens`` leaves: its last ``keep`` tokens (its first with
+    """``truncate_prompt_tokens`` (k >= 1, or -1 for all the context leaves after the requested
+    output) keeps the prompt's last k tokens (``truncation_side`` "right": its first k);
+    ``usage.prompt_tokens`` counts what is kept.
+
+    The prompt ``truncate_prompt_tokens`` leaves: its last ``keep`` tokens (its first with
     ``truncation_side`` "right"); -1 keeps what the context leaves after ``max_output``
     (the requested output, 0 when none is). More than that is a 400, as in vLLM."""
     if keep is None:
@@ -140,7 +134,14 @@ def prompt_logprobs_entries(
     """vLLM's ``prompt_logprobs``: null for position 0, then per position the prompt token's
     entry first and the ``top`` most likely tokens' after it (a prompt token among them is
     listed once, with its place in the top as its rank). ``text_of`` None: no tokenizer, the
-    decoded tokens are null."""
+    decoded tokens are null. Each entry maps a token id (as a string) to ``{"logprob",
+    "rank", "decoded_token"}``.
+
+    A prompt token's ``rank`` is exact when it is among the top entries the scheduler
+    returned (their position; the scheduler is always asked for at least the top 1, so the
+    most likely token is rank 1); otherwise it is null: the scheduler sends no rank of its
+    own, and counting the vocabulary above a token is a scheduler column (docs/design.md
+    section 11)."""
 
     def entry(logprob: float, rank: int | None, token: int) -> dict[str, Any]:
         return {

@@ -1,23 +1,15 @@
-"""Structured outputs on the OpenAI routes: every dialect a client sends, made into the one
-``pipeline.io_struct.Constraint`` the scheduler compiles (docs/api.md, "Structured outputs").
+"""Structured outputs in every dialect a client sends, made into the one
+``pipeline.io_struct.Constraint`` the scheduler compiles (docs/api.md, "Structured outputs"):
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``, and SGLang's ``json_schema`` (a
+string), ``regex`` and ``ebnf``.
 
-| dialect | field | kind |
-|---|---|---|
-| OpenAI | ``response_format`` ``{"type": "json_object"}`` | ``json_object`` |
-| OpenAI | ``response_format`` ``{"type": "json_schema", "json_schema": {"name", "schema", ...}}`` | ``json_schema`` |
-| vLLM | ``structured_outputs`` ``{"json" | "regex" | "choice" | "grammar" | "json_object": true}`` | by key |
-| vLLM (older) | ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` | by name |
-| SGLang | ``json_schema`` (a string), ``regex``, ``ebnf`` | by name |
-
-Each function here reads one field and returns its ``Constraint`` or None (the field is
-absent or asks for nothing, as ``{"type": "text"}``); malformed input is a
-``RequestValidationError`` naming the field. The fields are only checked for shape: whether
-a schema, pattern or grammar compiles is the engine's answer, a 400 from the scheduler naming
-``Constraint.param``. ``one_constraint`` refuses a request that asks for two.
-
-A schema's spec is its JSON text with the client's key order kept (the order its properties
-are generated in), compact, so a schema sent as an object or as a string shares one compiled
-grammar in the scheduler's cache.
+Each function here reads one field and returns its ``Constraint`` or None (absent, or asking
+for nothing, as ``{"type": "text"}``); malformed input is a ``RequestValidationError`` naming
+the field. The fields are only checked for shape: whether a schema, pattern or grammar
+compiles is the engine's answer, a 400 from the scheduler naming ``Constraint.param``.
+``one_constraint`` refuses a request that asks for two.
 """
 
 from __future__ import annotations
@@ -131,7 +123,9 @@ def structured_outputs_constraint(value: StructuredOutputs | None) -> Constraint
 
 def json_schema_constraint(value: JsonSchema | None, param: str) -> Constraint | None:
     """A JSON Schema given as an object or as its JSON text (``guided_json``, SGLang's
-    ``json_schema``, ``structured_outputs.json``)."""
+    ``json_schema``, ``structured_outputs.json``). Its spec is its JSON text with the client's
+    key order kept (the order its properties are generated in), compact, so a schema sent as
+    an object or as a string shares one compiled grammar in the scheduler's cache."""
     if value is None:
         return None
     if isinstance(value, str):
