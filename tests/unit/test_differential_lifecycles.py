@@ -344,7 +344,7 @@ class Pipeline:
         *,
         first_event: bool,
     ) -> None:
-        """The logprob keys as /generate adds them (``tokenizer_proc.http.server``): the
+        """The logprob keys as /generate adds them (``tokenizer_proc.native.events``): the
         output ones of these ids, the prompt's on the first event only."""
         asked = state.logprob
         if asked is None:
