@@ -98,7 +98,7 @@ class TokenizerManager:
         self.states: dict[int, ReqState] = {}
         self.rid_to_req_id: dict[str, int] = {}
         # Of several API workers (--api-workers), this one's index: it lives in the high bits
-        # of every req_id and control_id this manager makes (``io_struct.WORKER_SHIFT``).
+        # of every req_id and control_id this manager makes (``worker_ids.WORKER_SHIFT``).
         config = self.config
         self.worker_index = config.api_worker_index if worker_index is None else worker_index
         # Each start counts up from the current time in microseconds, so a restarted API
