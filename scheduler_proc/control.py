@@ -27,9 +27,8 @@ def abort_targets(msg: AbortReq, live: dict[int, Req]) -> list[Req]:
     if msg.abort_all:
         return [r for r in live.values() if msg.worker is None or worker_of(r.req_id) == msg.worker]
     if msg.rid is not None:  # from an API worker that does not hold the request
-        return [
-            r for r in live.values() if r.rid == msg.rid and r.req_id >= 0
-        ]  # never an internal one
+        # Never an internal request (a PD KV job: negative req_id).
+        return [r for r in live.values() if r.rid == msg.rid and r.req_id >= 0]
     return [live[msg.req_id]] if msg.req_id in live else []
 
 
