@@ -15,7 +15,7 @@ DETOKENIZER_LOST_TEXT = FinishAbort(
 
 
 def finish_reason_to_dict(reason: FinishReason) -> dict[str, object]:
-    """The HTTP form (docs/design.md section 2): ``{"type": "stop", "matched": ...}`` and so
+    """The HTTP form (docs/design/wire-types.md): ``{"type": "stop", "matched": ...}`` and so
     on. An optional field left unset (``retry_after``) is not part of that form."""
     out: dict[str, object] = {"type": type(reason).__struct_config__.tag}
     for field in reason.__struct_fields__:

@@ -69,7 +69,7 @@ class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class LogprobParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    """The logprobs a request asks for (docs/design.md section 11): the chosen token's
+    """The logprobs a request asks for (docs/design/logprobs.md): the chosen token's
     always, the ``top_logprobs_num`` most likely tokens at each position (0..20), the
     logprobs of the ``token_ids_logprob`` ids at each position, and from
     ``logprob_start_len`` (-1: none) the prompt's. Values are the model's raw log-softmax,
@@ -249,7 +249,7 @@ class UsageColumns(msgspec.Struct, array_like=True, gc=False, frozen=True):
     ``BatchTokenIDOutput``, read from the row's current ``Req.stats`` when the row is built.
     For a consumer that keeps no per-request state (a gateway in another language; its
     schema: docs/wire.md section 6); the same values also travel in ``request_stats`` on
-    the rows that are due (docs/design.md section 3)."""
+    the rows that are due (docs/design/stats.md)."""
 
     prompt_tokens: bytes
     cached_tokens: bytes

@@ -1,4 +1,4 @@
-"""A frame's logprob columns (``OutputLogprobs``, docs/design.md section 11): laid out from each
+"""A frame's logprob columns (``OutputLogprobs``, docs/design/logprobs.md): laid out from each
 row's logprobs by the scheduler, read back per row by the tokenizer manager (and, one row
 of a PD KV header, by a decode server's scheduler)."""
 

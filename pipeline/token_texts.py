@@ -1,4 +1,4 @@
-"""Single-token texts for logprob entries (docs/design.md section 11): what
+"""Single-token texts for logprob entries (docs/design/logprobs.md): what
 ``return_text_in_logprobs`` and OpenAI's ``token``/``tokens`` fields show for a token id, its
 own decoding with special tokens shown.
 

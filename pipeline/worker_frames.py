@@ -1,5 +1,6 @@
-"""Splitting output frames by API worker (``tokenpipe serve --api-workers N``, docs/design.md
-section 2): the detokenizer sends each worker one frame per step holding only its rows.
+"""Splitting output frames by API worker (``tokenpipe serve --api-workers N``,
+docs/design/processes.md): the detokenizer sends each worker one frame per step holding only
+its rows.
 
 A request's worker is in its ``req_id`` (``pipeline.worker_ids``). A part keeps its worker's
 rows in their order, and every column is cut consistently with them, the logprob blocks' row
