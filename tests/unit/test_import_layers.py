@@ -278,7 +278,7 @@ def test_the_circle_checker_sees_module_imports() -> None:
     graph = module_imports(REPO)
     assert "scheduler_proc.req" in graph["scheduler_proc.scheduler"]
     assert "scheduler_proc.dllm_block" in graph["scheduler_proc.req"]
-    assert "tokenizer_proc.tracing" in graph["tokenizer_proc.tokenizer_manager"]  # TYPE_CHECKING
+    assert "tokenizer_proc.tracing" in graph["tokenizer_proc.tracers"]  # under TYPE_CHECKING
     assert "tokenizer_proc.req_state" in graph["tokenizer_proc.http.sse_stream"]
 
 
