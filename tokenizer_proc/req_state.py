@@ -86,17 +86,15 @@ class ReqState:
     created_time: float  # time.time() when the HTTP request arrived
     logprob: LogprobParams | None = None  # the logprobs asked; None: none
     trace: TraceContext | None = None
-    operation: str = (
-        "generate"  # gen_ai.operation.name: generate, chat, text_completion, embeddings
-    )
+    # gen_ai.operation.name: generate, chat, text_completion, embeddings.
+    operation: str = "generate"
     route: str | None = None  # the HTTP route it came by (the span's http.route); None: internal
     internal: bool = False  # a health probe: served, but kept out of metrics and traces
     # The structured output's kind (``Constraint.kind``), for the metrics and the span;
     # None: unconstrained.
     constraint_kind: str | None = None
-    choices: ChoiceGroup | None = (
-        None  # the n > 1 choices this one is of; None: a request of its own
-    )
+    # The n > 1 choices this one is of; None: a request of its own.
+    choices: ChoiceGroup | None = None
     tokenized_time: float | None = None  # when the request left for the scheduler
     prompt_tokens: int = 0  # as sent to the scheduler; /get_load counts them until stats arrive
     request_stats: RequestOutputStats | None = None

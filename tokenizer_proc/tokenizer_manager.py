@@ -232,9 +232,8 @@ class TokenizerManager:
         if state.logprob is not None and state.logprob.logprob_start_len >= 0:
             state.prompt_ids = input_ids  # the tokens the prompt logprobs belong to
             if state.logprob.return_text and self.token_texts is not None:
-                self.token_texts.fill(
-                    input_ids[state.logprob.logprob_start_len :]
-                )  # one batch; the frames bring the rest
+                # The prompt's texts in one batch; the frames bring the output's.
+                self.token_texts.fill(input_ids[state.logprob.logprob_start_len :])
         state.operation = operation
         state.route = route
         state.internal = internal

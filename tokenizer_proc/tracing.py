@@ -167,13 +167,8 @@ def stage_intervals(state: ReqState, operation: str = "generate") -> list[tuple[
                 if state.tokenized_time is not None
                 else ts.wait_queue_entry_time
             )
-            stages.append(
-                (
-                    "queue",
-                    queue_start,
-                    ts.forward_entry_time if ts.forward_entry_time is not None else done,
-                )
-            )
+            queue_end = ts.forward_entry_time if ts.forward_entry_time is not None else done
+            stages.append(("queue", queue_start, queue_end))
         prebuilt = ts.bootstrap_done_time is not None
         if ts.forward_entry_time is not None and not prebuilt:
             prefill_end = ts.prefill_finished_time if ts.prefill_finished_time is not None else done
