@@ -30,6 +30,11 @@ EMBEDDING_DTYPE = np.dtype("<f4")
 
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A request's sampling parameters, whatever dialect asked. A new field goes last, with a
+    default that asks for nothing; the scheduler carries each field by the one declaration in
+    scheduler_proc/sampling/param_columns.py, and docs/design/adding-a-sampling-parameter.md
+    lists the rest (tests/unit/test_sampling_declaration.py holds every place to it)."""
+
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     temperature: float = 1.0

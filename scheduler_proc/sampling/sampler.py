@@ -8,7 +8,7 @@ server draws token 1 with counter 1 whatever the prefill server did).
 
 Per row, in order (``sample``): the grammar mask of a constrained row, logit_bias,
 penalties, the ban of the tokens a row may not draw yet, temperature, top_k, top_p, min_p,
-the draw. Its costs per path are in bench/README.md.
+the draw. A greedy row only takes an argmax; full-width work is paid by sampled rows.
 """
 
 from __future__ import annotations
