@@ -131,9 +131,8 @@ class DllmDecoder:
         """One batched pass over every running request (the caller has made room for
         ``slots_needed`` of each). Queues due rows, keeps running the requests that go on;
         returns no steady rows and the number of tokens committed."""
-        reqs = self._running
         built = _Pass()
-        for req in reqs:
+        for req in self._running:
             self._add_to_pass(built, req)
         logits = self.runner.logits_at(
             built.new_ids,
@@ -143,12 +142,21 @@ class DllmDecoder:
             built.block_start,
         )
         drawn, confidence = self._draw(logits, built)
+        self._unmask_all(built, logits, drawn, confidence)
+        return None, self._commit_completed(rows)
+
+    def _unmask_all(
+        self, built: _Pass, logits: torch.Tensor, drawn: np.ndarray, confidence: list[float]
+    ) -> None:
+        """Each block takes this pass's share of its candidates; the committed tokens a block
+        start recomputed join their request's KV (final now), and the committed positions'
+        logprobs are kept on the blocks of the requests that asked."""
         candidates = drawn.tolist()
         lp_rows: list[int] = []  # rows of ``logits`` committed now, of requests that asked
         lp_where: list[tuple[BlockLogprobs, list[int]]] = []  # and their positions, by request
         first = 0
-        for req, fresh, positions in zip(reqs, built.fresh_slots, built.masked):
-            if fresh is not None and fresh.numel():  # their KV is final now: the request's
+        for req, fresh, positions in zip(self._running, built.fresh_slots, built.masked):
+            if fresh is not None and fresh.numel():
                 held = req.kv_slots
                 assert held is not None
                 req.kv_slots = torch.cat((held, fresh))
@@ -162,7 +170,6 @@ class DllmDecoder:
             first = last
         if lp_rows:
             _keep_logprobs(logits, drawn, lp_rows, lp_where)
-        return None, self._commit_completed(rows)
 
     def _add_to_pass(self, built: _Pass, req: Req) -> None:
         """Adds ``req`` to the pass, starting its block when it has none. Its head (the
