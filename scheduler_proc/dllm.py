@@ -1,4 +1,4 @@
-"""Block diffusion decoding (``--mode dllm``, docs/design.md section 4). A request prefills
+"""Block diffusion decoding (``--mode dllm``, docs/design/scheduler.md). A request prefills
 like any other, then decodes block by block: a block is ``block_size`` positions after its
 tokens, all starting as the mask token; each step runs one refinement pass over every running
 request (one batched forward in which the block attends both ways), unmasks the most
@@ -300,7 +300,7 @@ def _keep_logprobs(
     lp_rows: list[int],
     lp_where: list[tuple[BlockLogprobs, list[int]]],
 ) -> None:
-    """A committed token's logprobs (docs/design.md section 11) are the raw log-softmax of
+    """A committed token's logprobs (docs/design/logprobs.md) are the raw log-softmax of
     the logits of the pass that committed it (not the confidence that chose it): one batched
     ``span_logprobs`` over those positions, kept on each block by position until its commit
     hands those of the appended tokens to the request's pending logprobs."""

@@ -1,6 +1,6 @@
 """The block a dLLM request is refining (``Req.dllm_block``), and its committed positions'
 logprobs. A request holds its block, and ``dllm.DllmDecoder`` refines it: both import this
-module, which imports neither (docs/design.md section 4 describes the decoding)."""
+module, which imports neither (docs/design/scheduler.md describes the decoding)."""
 
 from __future__ import annotations
 

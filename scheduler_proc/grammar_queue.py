@@ -1,7 +1,7 @@
-"""A constrained request outside the batched step (docs/design.md section 10, structured
-outputs): while it waits for its grammar, outside the waiting queue and the running batch,
-so a compile never stalls a step and other requests keep decoding; and when a token is
-appended to it one request at a time (``accept_appended``).
+"""A constrained request outside the batched step (docs/design/structured-outputs.md):
+while it waits for its grammar, outside the waiting queue and the running batch, so a
+compile never stalls a step and other requests keep decoding; and when a token is appended
+to it one request at a time (``accept_appended``).
 
 A constrained request that passed admission comes here first (``start``): a cached grammar
 gives it its matcher at once, else its compile starts on the compiler's worker thread and

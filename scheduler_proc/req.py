@@ -141,7 +141,7 @@ class Req:
 
     def _init_draws(self, logprob: LogprobParams | None, constraint: Constraint | None) -> None:
         """What each draw needs: its seed, the logprobs asked and the constraint."""
-        # The seed of every draw (docs/design.md section 10): the client's, or a random one
+        # The seed of every draw (docs/design/sampling.md): the client's, or a random one
         # fixed at arrival, so an unseeded request takes the same counter-based path as a
         # seeded one. Any integer a client sends is a seed: the draws read its low 64 bits.
         seed = self.sampling.seed
@@ -336,7 +336,7 @@ class Req:
         return isinstance(self.pd, DecodeBootstrap)
 
     def output_due(self) -> bool:
-        """Whether this step's tokens go out now (docs/design.md section 4, stream interval)."""
+        """Whether this step's tokens go out now (docs/design/scheduler.md, stream interval)."""
         if self.finished_reason is not None:
             return True
         if not self.stream:

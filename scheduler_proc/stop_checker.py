@@ -1,7 +1,7 @@
 """Decides whether a request is finished after a token was appended: max_new_tokens,
-EOS (unless ignore_eos), stop token ids and stop strings (docs/design.md section 4); and,
+EOS (unless ignore_eos), stop token ids and stop strings (docs/design/scheduler.md); and,
 before a draw, which tokens a request short of ``min_new_tokens`` may not draw (its stop
-token ids and EOS: the sampler bans them, docs/design.md section 10)."""
+token ids and EOS: the sampler bans them, docs/design/sampling.md)."""
 
 from __future__ import annotations
 
