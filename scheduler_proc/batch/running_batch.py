@@ -58,9 +58,10 @@ class RunningBatch:
         self._row_of: dict[int, int] = {}  # req_id -> row
         self._init_tables(_FIRST_ROWS, context_length)
         self._init_row_columns(_FIRST_ROWS)
-        self.params = {
+        # The sampling parameters' columns, keyed by SamplingParams field (PARAM_COLUMNS).
+        self.params: dict[str, np.ndarray] = {
             c.field: np.full(_FIRST_ROWS, c.fill, dtype=c.dtype) for c in PARAM_COLUMNS
-        }  # the sampling parameters' columns, by SamplingParams field
+        }
         self.logprobs = PendingLogprobs(_FIRST_ROWS)
         self._init_grammar_rows()
         self._init_penalty_tables()
