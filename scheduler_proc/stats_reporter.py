@@ -63,6 +63,9 @@ class SchedulerStatsReporter:
         cached = s.cached_tokens_total - self._last_cached
         if prompt > 0:
             self._cache_hit_rate = cached / prompt
+        # Prompt tokens count at their first admission, so a chunked prefill's tokens land in
+        # the report of the step that admitted it; retraction recomputes are not counted.
+        forward_tokens = s.prefill_tokens_total - s.cached_tokens_total + s.generated_tokens_total
         report = SchedulerStatsReport(
             num_running_reqs=s.num_running,
             num_queue_reqs=s.num_waiting,
@@ -79,12 +82,8 @@ class SchedulerStatsReporter:
             instance=self._instance,
             hicache_host_used_tokens=hicache.host.num_used if hicache is not None else 0,
             hicache_host_capacity=hicache.host.capacity if hicache is not None else 0,
-            hicache_storage_backend=hicache.storage_backend if hicache is not None else None,
-            # Prompt tokens count at their first admission, so a chunked prefill's tokens land in
-            # the report of the step that admitted it; retraction recomputes are not counted.
-            forward_tokens_total=s.prefill_tokens_total
-            - s.cached_tokens_total
-            + s.generated_tokens_total,
+            hicache_storage_backend=s.prefix_kv.storage_backend,
+            forward_tokens_total=forward_tokens,
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total
