@@ -313,7 +313,7 @@ def _inverse_cdf(e: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _block_sums(e: np.ndarray) -> np.ndarray:
-    """float32 [m, width / _BLOCK]; torch's, 2-4x faster than numpy's for 64-wide sums."""
+    """float32 [m, width / _BLOCK]; torch's, faster than numpy's for 64-wide sums."""
     m, width = e.shape
     return torch.from_numpy(e).view(m, width // _BLOCK, _BLOCK).sum(dim=-1).numpy()
 
