@@ -14,7 +14,7 @@ from pipeline.io_struct import (
     HiCacheStorageState,
 )
 from pipeline.worker_ids import worker_of
-from scheduler_proc.cache.hicache import HiCache, apply_storage_control, cached_details
+from scheduler_proc.cache.hicache import HiCache, NoHiCache, cached_details
 from scheduler_proc.cache.prefix_kv import PrefixKV
 from scheduler_proc.req import Req
 
@@ -33,12 +33,12 @@ def abort_targets(msg: AbortReq, live: dict[int, Req]) -> list[Req]:
 
 
 def storage_control(
-    hicache: HiCache | None, live: Iterable[Req], msg: HiCacheStorageControl
+    hicache: HiCache | NoHiCache, live: Iterable[Req], msg: HiCacheStorageControl
 ) -> HiCacheStorageState:
     """Attaches or detaches HiCache storage. On a change, every admitted live request's
     ``cached_tokens_details`` changes keys through the one stats setter, so its next row
     shows the storage keys appear or go."""
-    state = apply_storage_control(hicache, msg)
+    state = hicache.apply_storage_control(msg)
     backend = state.backend
     for req in live:
         if req.admitted_once:

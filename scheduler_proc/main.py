@@ -154,8 +154,8 @@ def build_or_exit(config: ServerConfig) -> Scheduler:
     except StorageError as exc:
         raise SystemExit(f"--hicache-storage-dir: {exc}") from None
     logger.info("model on %s, KV pool of %d tokens", scheduler.runner.device, scheduler.kv.capacity)
-    if scheduler.hicache is not None:
-        logger.info("HiCache host tier of %d tokens", scheduler.hicache.host.capacity)
+    if scheduler.hicache.host_capacity:
+        logger.info("HiCache host tier of %d tokens", scheduler.hicache.host_capacity)
     return scheduler
 
 

@@ -98,7 +98,8 @@ class Scheduler:
     def _init_cache(self, hicache: HiCache | None) -> None:
         self.prefix_kv = PrefixKV(self.kv, hicache)
         self.cache = self.prefix_kv.cache
-        self.hicache = hicache  # host and storage tiers under the device pool, or None
+        # The host and storage tiers under the device pool (a NoHiCache when off).
+        self.hicache = self.prefix_kv.hicache
 
     def _init_queues(self) -> None:
         # This scheduler's requests whose next row carries stats (never another scheduler's).

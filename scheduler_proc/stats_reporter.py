@@ -80,8 +80,8 @@ class SchedulerStatsReporter:
             forward_steps_total=s.forward_steps,
             live_reqs=len(s.live),
             instance=self._instance,
-            hicache_host_used_tokens=hicache.host.num_used if hicache is not None else 0,
-            hicache_host_capacity=hicache.host.capacity if hicache is not None else 0,
+            hicache_host_used_tokens=hicache.host_used_tokens,
+            hicache_host_capacity=hicache.host_capacity,
             hicache_storage_backend=s.prefix_kv.storage_backend,
             forward_tokens_total=forward_tokens,
         )

@@ -57,26 +57,17 @@ def cached_details(
     return CachedTokensDetails(device=device, host=host)
 
 
-def apply_storage_control(
-    hicache: HiCache | None, msg: HiCacheStorageControl
+HICACHE_OFF = (
+    "HiCache is off on this server: start it with --hicache-host-tokens N to use a storage tier"
+)
+
+
+def storage_state(
+    control_id: int, storage: FileStorage | NoStorage, error: StorageError | None
 ) -> HiCacheStorageState:
-    """Carries out one attach/detach; the answer tells the storage attached afterwards."""
-    error: StorageError | None = None
-    if hicache is None:
-        error = StorageError(
-            "HiCache is off on this server:"
-            " start it with --hicache-host-tokens N to use a storage tier"
-        )
-    elif msg.attach:
-        try:
-            hicache.attach_storage(msg.backend, msg.dir)
-        except StorageError as exc:
-            error = exc
-    else:
-        hicache.detach_storage()
-    storage = hicache.storage if hicache is not None else NoStorage()
+    """The answer to an attach/detach: whether it worked, and the storage attached after it."""
     return HiCacheStorageState(
-        control_id=msg.control_id,
+        control_id=control_id,
         ok=error is None,
         error=str(error) if error is not None else "",
         param=error.param if error is not None else None,
@@ -381,6 +372,26 @@ class HiCache:
 
     # --- introspection ---------------------------------------------------------------------
 
+    def apply_storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
+        """Carries out one attach/detach; the answer tells the storage attached afterwards."""
+        error: StorageError | None = None
+        if msg.attach:
+            try:
+                self.attach_storage(msg.backend, msg.dir)
+            except StorageError as exc:
+                error = exc
+        else:
+            self.detach_storage()
+        return storage_state(msg.control_id, self.storage, error)
+
+    @property
+    def host_used_tokens(self) -> int:
+        return self.host.num_used
+
+    @property
+    def host_capacity(self) -> int:
+        return self.host.capacity
+
     def tier_sizes(self) -> dict[str, int]:
         """Tokens the tree holds per tier, from a walk of the tree (tests, debugging)."""
         sizes = {"device": 0, "host": 0, "storage": 0}
@@ -427,9 +438,15 @@ class HiCache:
 
 
 class NoHiCache(DeviceOnly):
-    """HiCache off: no tier below the device, so a prefix match never continues below it."""
+    """HiCache off: no tier below the device, so a prefix match never continues below it,
+    the host tier holds nothing, and a storage attach or detach is refused."""
 
     storage_backend: str | None = None
+    host_used_tokens = 0
+    host_capacity = 0
+
+    def apply_storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
+        return storage_state(msg.control_id, NoStorage(), StorageError(HICACHE_OFF))
 
     def bind(self, cache: RadixCache) -> None:
         pass
