@@ -49,67 +49,77 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        arrived = time.time()
-        obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
-        _require_embedding_mode(tm)
-        if obj.dimensions is not None:
-            raise RequestValidationError(
-                "`dimensions` is not supported: the model's size is fixed", "dimensions"
-            )
-        inputs = _token_inputs(tm, obj.input, "input", add_special_tokens=obj.add_special_tokens)
-        try:
-            states = await _embed_all(tm, inputs, request, arrived)
-        except EmbeddingFailed as exc:
-            return exc.response("input")
-        if states is None:
-            return Response(status_code=499)
-        data = []
-        for i, state in enumerate(states):
-            vector = _vector(state)
-            value: str | list[float] = (
-                base64.b64encode(vector.astype(EMBEDDING_DTYPE).tobytes()).decode()
-                if obj.encoding_format == "base64"
-                else vector.tolist()
-            )
-            data.append({"object": "embedding", "index": i, "embedding": value})
-        prompt_tokens = sum(
-            s.request_stats.prompt_tokens for s in states if s.request_stats is not None
-        )
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": data,
-                "model": tm.model_name,
-                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-            }
-        )
+        return await answer_embeddings(tm, request)
 
     @router.post("/encode")
     async def encode(request: Request) -> Response:
-        arrived = time.time()
-        obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)
-        _require_embedding_mode(tm)
-        if (obj.text is None) == (obj.input_ids is None):
-            raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
-        given: str | Sequence[str | int | list[int]] = (
-            obj.text if obj.text is not None else obj.input_ids or []
-        )
-        single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))
-        # As SGLang encodes a text input: with the tokenizer's special tokens.
-        inputs = _token_inputs(
-            tm, given, "text" if obj.text is not None else "input_ids", add_special_tokens=True
-        )
-        try:
-            states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
-        except EmbeddingFailed as exc:
-            param = "text" if obj.text is not None else "input_ids"
-            return exc.response(param)
-        if states is None:
-            return Response(status_code=499)
-        out = [{"embedding": _vector(s).tolist(), "meta_info": build_meta_info(s)} for s in states]
-        return JSONResponse(out[0] if single else out)
+        return await answer_encode(tm, request)
 
     return router
+
+
+async def answer_embeddings(tm: TokenizerManager, request: Request) -> Response:
+    """``POST /v1/embeddings``: OpenAI's answer, one vector per input."""
+    arrived = time.time()
+    obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
+    _require_embedding_mode(tm)
+    if obj.dimensions is not None:
+        raise RequestValidationError(
+            "`dimensions` is not supported: the model's size is fixed", "dimensions"
+        )
+    inputs = _token_inputs(tm, obj.input, "input", add_special_tokens=obj.add_special_tokens)
+    try:
+        states = await _embed_all(tm, inputs, request, arrived)
+    except EmbeddingFailed as exc:
+        return exc.response("input")
+    if states is None:
+        return Response(status_code=499)
+    data = []
+    for i, state in enumerate(states):
+        vector = _vector(state)
+        value: str | list[float] = (
+            base64.b64encode(vector.astype(EMBEDDING_DTYPE).tobytes()).decode()
+            if obj.encoding_format == "base64"
+            else vector.tolist()
+        )
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    prompt_tokens = sum(
+        s.request_stats.prompt_tokens for s in states if s.request_stats is not None
+    )
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": tm.model_name,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        }
+    )
+
+
+async def answer_encode(tm: TokenizerManager, request: Request) -> Response:
+    """``POST /encode``: SGLang's answer, a vector and ``meta_info`` per input."""
+    arrived = time.time()
+    obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)
+    _require_embedding_mode(tm)
+    if (obj.text is None) == (obj.input_ids is None):
+        raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")
+    given: str | Sequence[str | int | list[int]] = (
+        obj.text if obj.text is not None else obj.input_ids or []
+    )
+    single = isinstance(given, str) or (bool(given) and isinstance(given[0], int))
+    # As SGLang encodes a text input: with the tokenizer's special tokens.
+    inputs = _token_inputs(
+        tm, given, "text" if obj.text is not None else "input_ids", add_special_tokens=True
+    )
+    try:
+        states = await _embed_all(tm, inputs, request, arrived, rid=obj.rid if single else None)
+    except EmbeddingFailed as exc:
+        param = "text" if obj.text is not None else "input_ids"
+        return exc.response(param)
+    if states is None:
+        return Response(status_code=499)
+    out = [{"embedding": _vector(s).tolist(), "meta_info": build_meta_info(s)} for s in states]
+    return JSONResponse(out[0] if single else out)
 
 
 def _require_embedding_mode(tm: TokenizerManager) -> None:
