@@ -48,9 +48,7 @@ def build_native_router(tm: TokenizerManager) -> APIRouter:
     return router
 
 
-async def answer_generate(
-    tm: TokenizerManager, request: Request, on_stream: OnStream | None
-) -> Response:
+async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnStream) -> Response:
     """``POST /generate``: one request's answer or stream; a batch's when the body is one."""
     arrived = time.time()
     raw = await request.body()
@@ -121,7 +119,7 @@ async def _generate_batch(
     request: Request,
     body: dict[str, Any],
     arrived: float,
-    on_stream: OnStream | None,
+    on_stream: OnStream,
 ) -> Response:
     """A /generate batch (``tokenizer_proc.native.batch``): every item checked, then all
     submitted; answered with a JSON list in order, or streamed as SGLang streams a batch:
