@@ -213,7 +213,10 @@ def test_a_live_rid_refuses_a_batch_naming_the_item(server: ServerProcess) -> No
         }
         with c.stream("POST", "/generate", json=body) as live:
             assert live.status_code == 200
-            next(live.iter_lines())  # it runs
+            # Held, not dropped: a dropped iterator closes the stream, and the server then
+            # aborts the request as a disconnect, racing what the test checks.
+            lines = live.iter_lines()
+            next(lines)  # it runs
             resp = c.post("/generate", json={"text": ["a", "b"], "rid": ["ok-1", "live-1"]})
             c.post("/abort_request", json={"rid": "live-1"})
     assert resp.status_code == 400, resp.text
@@ -320,7 +323,10 @@ def test_a_duplicate_live_rid_gets_sglangs_wording(server: ServerProcess) -> Non
         }
         with c.stream("POST", "/generate", json=body) as live:
             assert live.status_code == 200
-            next(live.iter_lines())
+            # Held, not dropped: a dropped iterator closes the stream, and the server then
+            # aborts the request as a disconnect, racing what the test checks.
+            lines = live.iter_lines()
+            next(lines)  # it runs
             error = _error(c, "/generate", {"text": "y", "rid": "dup-wording"})
             c.post("/abort_request", json={"rid": "dup-wording"})
     assert error["message"].startswith("Duplicate request ID detected: dup-wording"), error

@@ -252,7 +252,10 @@ def test_load_counts_requests_in_flight(server: ServerProcess, http: httpx.Clien
         other.stream("POST", "/generate", json=body) as stream,
     ):
         assert stream.status_code == 200
-        next(stream.iter_lines())  # the request is running
+        # Held, not dropped: a dropped iterator closes the stream, and the server then
+        # aborts the request as a disconnect, racing what the test checks.
+        lines = stream.iter_lines()
+        next(lines)  # the request is running
         load = http.get("/load").json()
         # Stop it if it still runs: with a fast forward its 2000 tokens may already be done,
         # so the abort's answer proves nothing. The load of 1 does: nothing else was live.
