@@ -43,7 +43,6 @@ class ServiceMetrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.multiprocess = multiprocess
-        self.labels = {"model_name": model_name, "engine_type": engine_type}
         naming = Naming(compat, self.registry, model_name, engine_type, context_length)
         self.scheduler = SchedulerGauges(naming)
         self.requests = RequestMetrics(naming)
@@ -67,6 +66,9 @@ class NoSchedulerGauges:
 
 class NoRequestMetrics:
     """``RequestMetrics`` under ``--disable-metrics``: every observation goes nowhere."""
+
+    # The output loop skips ``on_tokens`` on this, rather than call a no-op once per row.
+    observes_tokens = False
 
     def on_tokens(
         self, state: ReqState, num_tokens: int, previous_token_time: float | None, now: float

@@ -28,6 +28,8 @@ class RequestMetrics:
     """Request-level metrics of docs/design.md section 7. Every value comes from the ReqState:
     its ``request_stats`` (the scheduler's numbers) and its own timing."""
 
+    observes_tokens = True
+
     def __init__(self, naming: Naming) -> None:
         # Registered in this order, which is the order /metrics lists them in.
         self._init_counts(naming)

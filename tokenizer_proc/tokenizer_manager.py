@@ -119,9 +119,6 @@ class TokenizerManager:
 
     def _init_sockets(self) -> None:
         self.sockets = ManagerSockets(self.config, self.worker_index, self.handle_output)
-        self._send_obj = self.sockets.send
-        # Streams write their events once the frame being applied is (one write per frame).
-        self.call_after_frame = self.sockets.call_after_frame
 
     def _init_owners(self) -> None:
         # Validation and the control round trips have their own owners; the routes reach
@@ -132,7 +129,7 @@ class TokenizerManager:
             vocab_size=self.vocab_size,
             context_length=self.context_length,
         )
-        self.controls = ControlClient(self._send_obj, self.worker_index)
+        self.controls = ControlClient(self.sockets.send, self.worker_index)
 
     def _output_handlers(self) -> TypeDispatcher[[], None]:
         """The handler of each frame type that reaches this process: a new message is a row."""
@@ -161,7 +158,7 @@ class TokenizerManager:
         # Requests a previous incarnation of this process left in the scheduler have no
         # client any more: stop them rather than let them run to completion. Only this
         # worker's: the other API workers' clients are still there.
-        self._send_obj(
+        self.sockets.send(
             AbortReq(abort_all=True, worker=self.worker_index, reason="the API process restarted")
         )
 
@@ -188,7 +185,7 @@ class TokenizerManager:
         )
         state.operation = "embeddings"
         state.prompt_tokens = len(input_ids)
-        self._send_obj(
+        self.sockets.send(
             TokenizedEmbeddingReqInput(
                 rid=state.rid,
                 req_id=state.req_id,
@@ -239,7 +236,7 @@ class TokenizerManager:
         state.internal = internal
         state.constraint_kind = constraint.kind if constraint is not None else None
         state.prompt_tokens = len(input_ids)
-        self._send_obj(
+        self.sockets.send(
             TokenizedGenerateReqInput(
                 rid=state.rid,
                 req_id=state.req_id,
@@ -287,11 +284,11 @@ class TokenizerManager:
 
     def abort(self, req_id: int, reason: str = "client disconnected") -> None:
         if req_id in self.states and not self.states[req_id].finished:
-            self._send_obj(AbortReq(req_id=req_id, reason=reason))
+            self.sockets.send(AbortReq(req_id=req_id, reason=reason))
 
     def abort_all(self, reason: str) -> None:
         """Every request of every API worker."""
-        self._send_obj(AbortReq(abort_all=True, reason=reason))
+        self.sockets.send(AbortReq(abort_all=True, reason=reason))
 
     async def abort_rid(self, rid: str, reason: str, timeout: float = 10.0) -> bool:
         """Stops the running request ``rid``; False when none is running. A request of
@@ -326,7 +323,7 @@ class TokenizerManager:
             # but their clients were just told they were lost: stop them there. Only this
             # worker's, and only those: whatever is sent from now on comes after this message
             # on the same socket.
-            self._send_obj(
+            self.sockets.send(
                 AbortReq(
                     abort_all=True,
                     worker=self.worker_index,
@@ -351,6 +348,7 @@ class TokenizerManager:
         stats_col = frame.request_stats
         finished_col = frame.finished_reasons
         metrics = self.metrics.requests
+        observe_tokens = metrics.observes_tokens
         for i in range(len(req_ids)):
             state = self.states.get(req_ids[i])
             stats = stats_col[i] if stats_col is not None else None
@@ -376,7 +374,7 @@ class TokenizerManager:
                 state.prompt_logprobs.extend(prompt_logprobs[i])
             previous_token_time = state.last_token_time
             state.add_output(frame.text_deltas[i], rows[i], completion[i], now, logprobs.get(i))
-            if rows[i] and not state.internal:
+            if observe_tokens and rows[i] and not state.internal:
                 metrics.on_tokens(state, len(rows[i]), previous_token_time, now)
             if reason is not None:
                 self._finish(state, reason, now)
@@ -417,7 +415,7 @@ class TokenizerManager:
             self.num_aborted_requests += 1
             if reason == DETOKENIZER_LOST_TEXT:
                 # The scheduler still runs it, for nobody: only this process can stop it.
-                self._send_obj(AbortReq(req_id=state.req_id, reason=reason.message))
+                self.sockets.send(AbortReq(req_id=state.req_id, reason=reason.message))
         self._observe_finish(state)
         self.forget(state)
 

@@ -16,14 +16,11 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.http.edge import error_response
+from pipeline.http.read_timeout import nothing
 
 __all__ = ["BodyLimit"]
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
-
-
-def _nothing() -> None:
-    pass
 
 
 class BodyLimit:
@@ -32,7 +29,7 @@ class BodyLimit:
     ``num_rejected_requests_total{reason="body_too_large"}``)."""
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] = _nothing
+        self, app: ASGIApp, max_bytes: int, on_reject: Callable[[], None] = nothing
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes

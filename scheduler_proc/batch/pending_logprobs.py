@@ -52,10 +52,7 @@ class PendingLogprobs:
     def grow(self, cap: int) -> None:
         """Room for ``cap`` rows, the present ones kept."""
         for name in _COLUMNS:
-            old = getattr(self, name)
-            new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
-            new[: len(old)] = old
-            setattr(self, name, new)
+            setattr(self, name, grown(getattr(self, name), cap))
 
     def set_row(self, row: int, req: Req) -> None:
         """What the request asks, and its pending logprobs (a first token not sent yet,
@@ -203,3 +200,10 @@ def _ragged(
         return block_a.reshape(-1), block_b.reshape(-1)
     keep = np.arange(most) < width[:, None]
     return block_a[keep], block_b[keep]
+
+
+def grown(old: np.ndarray, cap: int) -> np.ndarray:
+    """``old`` with room for ``cap`` rows, its rows kept."""
+    new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
+    new[: len(old)] = old
+    return new

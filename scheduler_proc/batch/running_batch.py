@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.io_struct import TOKEN_DTYPE
-from scheduler_proc.batch.pending_logprobs import PendingLogprobs
+from scheduler_proc.batch.pending_logprobs import PendingLogprobs, grown
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows
@@ -273,8 +273,8 @@ class RunningBatch:
     def _grow(self) -> None:
         cap = 2 * len(self.req_id)
         for name in (*_ROW_COLUMNS, "tokens"):  # ``tokens`` moves by its width, not whole
-            setattr(self, name, _grown(getattr(self, name), cap))
-        self.params = {field: _grown(column, cap) for field, column in self.params.items()}
+            setattr(self, name, grown(getattr(self, name), cap))
+        self.params = {field: grown(column, cap) for field, column in self.params.items()}
         self.logprobs.grow(cap)
         for name in ("req_to_token", "output_counts", "seen", "logit_bias"):
             old = getattr(self, name)
@@ -392,13 +392,6 @@ class RunningBatch:
         self, rows: np.ndarray, step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     ) -> None:
         self.logprobs.keep(rows, step)
-
-
-def _grown(old: np.ndarray, cap: int) -> np.ndarray:
-    """``old`` with room for ``cap`` rows, its rows kept."""
-    new = np.zeros((cap, *old.shape[1:]), dtype=old.dtype)
-    new[: len(old)] = old
-    return new
 
 
 def _any_count_penalty(params: dict[str, np.ndarray]) -> bool:

@@ -50,8 +50,6 @@ class NoRowKV:
     """No dense copy (``--decode-kv-rows off``, or a GPU by default): every decode pass reads
     the pool."""
 
-    shape = (0, 0)
-
     def prepare(
         self, joined: np.ndarray, seq_len: np.ndarray, kv_slot_table: torch.Tensor, width: int
     ) -> RowKVPass | None:

@@ -61,7 +61,7 @@ class Changes:
         after_frame: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._marked: dict[int, None] = {}
-        # Runs a callback once the frame being applied is (TokenizerManager.call_after_frame);
+        # Runs a callback once the frame being applied is (ManagerSockets.call_after_frame);
         # without one, the event loop's next turn.
         self._after_frame = after_frame
         self._waiter: asyncio.Future[None] | None = None
@@ -233,7 +233,7 @@ class SseResponse(Response):
         after_frame: Callable[[Callable[[], None]], None] | None = None,
         on_write_path: Callable[[bool], None] | None = None,
     ) -> None:
-        """``after_frame``: ``TokenizerManager.call_after_frame``, so a parked stream's events
+        """``after_frame``: ``ManagerSockets.call_after_frame``, so a parked stream's events
         are written right after the frame that made them. ``on_write_path``: told once per
         stream, as it starts, whether its events go straight to the client's socket (True)
         or through ASGI ``send`` (``RequestMetrics.on_sse_stream`` counts them)."""

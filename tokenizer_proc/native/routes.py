@@ -89,7 +89,7 @@ async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnS
             # when it comes: answer it with its status rather than a 200 stream.
             if await wait_started(tm, [state], request) is None:
                 events = GenerateEvents(tm, state, text_of)
-                return SseResponse(events, tm.call_after_frame, on_stream)
+                return SseResponse(events, tm.sockets.call_after_frame, on_stream)
         else:
             await wait_finished(tm, state, request)
     except ClientGone:
@@ -136,7 +136,7 @@ async def _generate_batch(
                 sources = [
                     GenerateEvents(tm, state, text_of, index) for index, state in enumerate(states)
                 ]
-                return SseResponse(BatchEvents(sources), tm.call_after_frame, on_stream)
+                return SseResponse(BatchEvents(sources), tm.sockets.call_after_frame, on_stream)
         else:
             for state in states:
                 await wait_finished(tm, state, request)

@@ -33,13 +33,14 @@ from tokenizer_proc.request_edge.fields import (
     Penalty,
     PositiveInt,
     RepetitionPenalty,
-    Seed,
     StopTokenIds,
     TokenId,
     logit_bias_pairs,
 )
 from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
 
+
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 # SGLang's sampling parameters that tokenpipe does not implement, at the values that ask for
 # nothing (``known_fields``). They are declared as fields below too: a nested struct cannot be

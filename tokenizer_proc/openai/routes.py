@@ -245,7 +245,7 @@ async def _respond(
             )
             on_stream = tm.metrics.requests.on_sse_stream  # tokenpipe:sse_streams_total
             events = ChoiceEvents(tm, kind, states, head, usage, parsing, extras)
-            return SseResponse(events, tm.call_after_frame, on_stream)
+            return SseResponse(events, tm.sockets.call_after_frame, on_stream)
         # Sequentially: they all run at once in the scheduler, and one disconnect watcher at
         # a time reads the ASGI receive channel.
         for state in states if refused_state is None else ():

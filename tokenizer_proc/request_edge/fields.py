@@ -17,8 +17,6 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
 
-Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-
 # The sampling parameters of docs/design.md section 10 beyond temperature/top_p/top_k, with
 # the ranges all three APIs share.
 MinP = Annotated[float, Meta(ge=0.0, le=1.0)]

@@ -177,7 +177,7 @@ async def _run(
         refused_state = await wait_started(tm, states, request)
         if refused_state is None and body.streaming:
             on_stream = tm.metrics.requests.on_sse_stream
-            return SseResponse(ResponseEvents(answer), tm.call_after_frame, on_stream)
+            return SseResponse(ResponseEvents(answer), tm.sockets.call_after_frame, on_stream)
         if refused_state is None:
             await wait_finished(tm, states[0], request)
     except ClientGone:
