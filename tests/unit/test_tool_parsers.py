@@ -19,7 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.tokenizer_loader import load_tokenizer
+from tokenizer_proc.parsers.forced_calls import RequiredCallsParser
+from tokenizer_proc.parsers.mistral import mistral_call_id
 from tokenizer_proc.parsers.tool_calls import (
+    FirstCallOnly,
     ToolCall,
     ToolParseDelta,
     ToolParser,
@@ -27,7 +30,7 @@ from tokenizer_proc.parsers.tool_calls import (
     new_call_id,
     parse_whole,
 )
-from tokenizer_proc.parsers.tool_parsers import TOOL_PARSERS, make_tool_parser
+from tokenizer_proc.parsers.tool_parsers import TOOL_PARSERS, format_call_ids, make_tool_parser
 
 TOK = load_tokenizer(None)
 TOOLS = frozenset({"get_weather", "search"})
@@ -566,3 +569,60 @@ def test_any_text_streams_what_the_whole_gives_and_text_without_calls_is_content
     deltas = run(case, pieces)
     check_first_delta_rule(deltas)
     assert assemble(deltas) == whole
+
+
+REQUIRED_ANSWER = (
+    '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "search", "arguments": {}}]'
+)
+
+
+def test_a_required_answer_cut_anywhere_gives_back_only_the_text_the_model_wrote() -> None:
+    """``tool_choice: "required"`` cut by ``max_tokens``: before its first call is made the
+    answer is content exactly as written (no ``[TOOL_CALLS]`` the model never wrote), after
+    it the calls made so far; streamed as whole."""
+    for end in range(len(REQUIRED_ANSWER) + 1):
+        cut = REQUIRED_ANSWER[:end]
+        content, calls = parse_whole(RequiredCallsParser(TOOLS, counting_ids()), cut)
+        assert "[TOOL_CALLS]" not in content, cut
+        if not calls:
+            assert content == cut
+        parser = RequiredCallsParser(TOOLS, counting_ids())
+        deltas = [parser.feed(piece) for piece in cut] + [parser.finish()]
+        check_first_delta_rule(deltas)
+        assert assemble(deltas) == (content, calls), cut
+
+
+TWO_HERMES_CALLS = (
+    'One.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> two. '
+    '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call> three.'
+)
+
+
+def test_first_call_only_keeps_the_first_call_and_the_parsers_content() -> None:
+    """``parallel_tool_calls: false`` under "auto": one call, the first; the content is the
+    format parser's (the second call's text is dropped with it); every cut streams the same."""
+    whole = parse_whole(
+        FirstCallOnly(make_tool_parser("hermes", TOOLS, counting_ids())), TWO_HERMES_CALLS
+    )
+    all_content, all_calls = parse_whole(
+        make_tool_parser("hermes", TOOLS, counting_ids()), TWO_HERMES_CALLS
+    )
+    assert len(all_calls) == 2
+    assert whole == (all_content, all_calls[:1])
+    assert whole[0] == "One. two.  three."
+    for how, pieces in cuts(TWO_HERMES_CALLS):
+        parser = FirstCallOnly(make_tool_parser("hermes", TOOLS, counting_ids()))
+        deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+        check_first_delta_rule(deltas)
+        assert assemble(deltas) == whole, how
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits_in_every_mode() -> None:
+    """Mistral's templates refuse any other id when a call comes back on the next turn."""
+    ids = {mistral_call_id() for _ in range(200)}
+    assert len(ids) == 200 and all(re.fullmatch("[A-Za-z0-9]{9}", i) for i in ids)
+    assert format_call_ids("mistral") is mistral_call_id
+    assert format_call_ids("hermes") is new_call_id
+    answer = '[TOOL_CALLS][{"name": "search", "arguments": {}}]'
+    [call] = parse_whole(make_tool_parser("mistral", TOOLS), answer)[1]
+    assert re.fullmatch("[A-Za-z0-9]{9}", call.id)

@@ -20,8 +20,8 @@ from tokenizer_proc.parsers.reasoning import (
     count_reasoning_tokens,
     make_reasoning_parser,
 )
-from tokenizer_proc.parsers.tool_calls import ToolCallDelta, ToolParser
-from tokenizer_proc.parsers.tool_parsers import make_tool_parser, tool_markers
+from tokenizer_proc.parsers.tool_calls import FirstCallOnly, ToolCallDelta, ToolParser
+from tokenizer_proc.parsers.tool_parsers import format_call_ids, make_tool_parser, tool_markers
 
 __all__ = ["ChatDelta", "ChatParsing", "ChatSplitter", "delta_fields", "message_fields"]
 
@@ -135,15 +135,18 @@ class ChatParsing:
         return ChatSplitter(reasoning, self._tool_parser())
 
     def _tool_parser(self) -> ToolParser | None:
+        """The plan's parser; every mode's call ids in the server's format's shape."""
         plan = self.plan
         if plan is None or plan.mode == "none":
             return None
+        call_ids = format_call_ids(self.tool_parser)
         if plan.mode == "auto":
-            return make_tool_parser(self.tool_parser, plan.names)
+            parser = make_tool_parser(self.tool_parser, plan.names, call_ids)
+            return parser if plan.parallel else FirstCallOnly(parser)
         if plan.mode == "required":
-            return RequiredCallsParser(plan.names)
+            return RequiredCallsParser(plan.names, call_ids)
         assert plan.named is not None, "a named plan names its function"
-        return NamedCallParser(plan.named)
+        return NamedCallParser(plan.named, call_ids)
 
     def markers(self) -> tuple[str, ...]:
         """The texts the parsers look for in the answer: the think tags, and under "auto" the

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import msgspec
 
 from pipeline.io_struct import Constraint
+from tokenizer_proc.openai.calls_schema import calls_schema
 from tokenizer_proc.request_edge.errors import RequestValidationError
 
 __all__ = [
@@ -79,10 +80,11 @@ class ToolPlan:
 
     - ``"none"``: the prompt has the tools; the output is free, and all of it is content.
     - ``"auto"`` (the default with tools): the prompt has the tools; the output is free, and
-      ``--tool-call-parser`` reads calls out of it.
+      ``--tool-call-parser`` reads calls out of it (the first only, with ``parallel``
+      false: ``parallel_tool_calls: false``).
     - ``"required"``: the output is a JSON array of one or more calls,
-      ``[{"name": ..., "arguments": {...}}]`` (exactly one with ``parallel_tool_calls:
-      false``), each ``arguments`` valid against its tool's ``parameters``.
+      ``[{"name": ..., "arguments": {...}}]`` (exactly one with ``parallel`` false), each
+      ``arguments`` valid against its tool's ``parameters`` (``calls_schema``).
     - ``{"type": "function", "function": {"name": ...}}``: the output is that function's
       arguments object, valid against its ``parameters``.
 
@@ -92,6 +94,7 @@ class ToolPlan:
     mode: ToolMode
     names: frozenset[str]
     template_tools: list[dict[str, Any]]
+    parallel: bool = True
     named: str | None = None
     constraint: Constraint | None = None
 
@@ -114,14 +117,19 @@ def plan_tools(
     parameters = _checked_parameters(tools)
     names = frozenset(parameters)
     template_tools = [tool.to_template() for tool in tools]
+    parallel = parallel_tool_calls is not False
     if tool_choice is None or tool_choice == "auto":
-        return ToolPlan("auto", names, template_tools)
+        return ToolPlan("auto", names, template_tools, parallel)
     if tool_choice == "none":
-        return ToolPlan("none", names, template_tools)
+        return ToolPlan("none", names, template_tools, parallel)
     if tool_choice == "required":
-        schema = _calls_schema(parameters, one=parallel_tool_calls is False)
+        schema = calls_schema(parameters, one=not parallel)
         return ToolPlan(
-            "required", names, template_tools, constraint=_schema_constraint(schema, "tools")
+            "required",
+            names,
+            template_tools,
+            parallel,
+            constraint=_schema_constraint(schema, "tools"),
         )
     name = tool_choice.function.name
     if name not in parameters:
@@ -136,6 +144,7 @@ def plan_tools(
         "named",
         names,
         template_tools,
+        parallel,
         named=name,
         constraint=_schema_constraint(schema, f"tools[{index}].function.parameters"),
     )
@@ -166,28 +175,6 @@ def _checked_parameters(tools: list[ChatTool]) -> dict[str, dict[str, Any]]:
             )
         out[name] = schema if schema is not None else NO_ARGUMENTS
     return out
-
-
-def _calls_schema(parameters: dict[str, dict[str, Any]], one: bool) -> dict[str, Any]:
-    """``tool_choice: "required"``: an array of calls, each a known name and arguments
-    valid against that tool's schema."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": schema},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, schema in parameters.items()
-    ]
-    array: dict[str, Any] = {
-        "type": "array",
-        "minItems": 1,
-        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-    }
-    if one:
-        array["maxItems"] = 1
-    return array
 
 
 def _schema_constraint(schema: dict[str, Any], param: str) -> Constraint:

@@ -5,7 +5,7 @@ id and name, and the arguments are the model's own JSON text.
 
 - "required": the answer is a JSON array of ``{"name", "arguments"}`` objects, which is the
   array Mistral's format writes after its marker, so ``RequiredCallsParser`` is that parser
-  with the marker read first.
+  started inside the array (the marker is not in the answer, nor in what it gives back).
 - A named function: the whole answer is the arguments object of one call.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tokenizer_proc.parsers.mistral import MARKER, MistralToolParser
+from tokenizer_proc.parsers.mistral import MistralToolParser
 from tokenizer_proc.parsers.tool_calls import ToolCallDelta, ToolParseDelta, new_call_id
 
 __all__ = ["NamedCallParser", "RequiredCallsParser"]
@@ -22,16 +22,15 @@ _NOTHING = ToolParseDelta("", ())
 
 
 class RequiredCallsParser:
-    """A JSON array of calls (``tool_choice: "required"``)."""
+    """A JSON array of calls (``tool_choice: "required"``). An answer cut before its first
+    call is complete (``max_tokens``) is content, exactly as the model wrote it."""
 
     __slots__ = ("_array",)
 
     def __init__(
         self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id
     ) -> None:
-        self._array = MistralToolParser(tool_names, call_ids)
-        opened = self._array.feed(MARKER)
-        assert opened == _NOTHING, "the marker alone is held back, never content"
+        self._array = MistralToolParser(tool_names, call_ids, in_array=True)
 
     def feed(self, text: str) -> ToolParseDelta:
         return self._array.feed(text)

@@ -6,16 +6,25 @@ content is ``MistralToolParser``'s rule.
 from __future__ import annotations
 
 import enum
+import secrets
+import string
 from typing import ClassVar
 from collections.abc import Callable
 
 from tokenizer_proc.parsers.json_call_stream import CallObject, DeltaSink, Scan
 from tokenizer_proc.parsers.markers import WHITESPACE, opening_of_calls, split_at_marker
-from tokenizer_proc.parsers.tool_calls import ToolParseDelta, new_call_id
+from tokenizer_proc.parsers.tool_calls import ToolParseDelta
 
-__all__ = ["MistralToolParser"]
+__all__ = ["MistralToolParser", "mistral_call_id"]
 
 MARKER = "[TOOL_CALLS]"
+_ID_CHARACTERS = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """9 random letters and digits: Mistral's chat templates refuse any other id when the
+    call comes back on the next turn (``raise_exception``), so vLLM makes them so too."""
+    return "".join(secrets.choice(_ID_CHARACTERS) for _ in range(9))
 
 
 class _At(enum.Enum):
@@ -44,18 +53,37 @@ class MistralToolParser:
     - After the array's ``]``, or at the end of the answer where ``]`` is missing, whitespace
       alone is dropped, and other text is content (another ``[TOOL_CALLS]`` starts calls again).
       Whitespace before an array that makes a call is dropped too. So an answer that makes no
-      call is all content, exactly as written."""
+      call is all content, exactly as written.
 
-    __slots__ = ("_at", "_attempt", "_call", "_gap", "_held", "_made_calls", "_sink", "_tool_names")
+    ``in_array``: the answer starts after a marker it does not write (the array of
+    ``tool_choice`` "required"); if that array fails before a call, nothing is given back for
+    the marker, so the content is again the text as written."""
+
+    __slots__ = (
+        "_at",
+        "_attempt",
+        "_call",
+        "_gap",
+        "_held",
+        "_made_calls",
+        "_marker",
+        "_sink",
+        "_tool_names",
+    )
 
     MARKERS: ClassVar[tuple[str, ...]] = (MARKER,)  # the texts the parser looks for
 
     def __init__(
-        self, tool_names: frozenset[str], call_ids: Callable[[], str] = new_call_id
+        self,
+        tool_names: frozenset[str],
+        call_ids: Callable[[], str] = mistral_call_id,
+        *,
+        in_array: bool = False,
     ) -> None:
         self._tool_names = tool_names
         self._sink = DeltaSink(call_ids)
-        self._at = _At.BETWEEN
+        self._at = _At.ARRAY if in_array else _At.BETWEEN
+        self._marker = "" if in_array else MARKER  # the text that opened the current array
         self._held = ""  # text not yet decided, read again with the next
         self._gap = ""  # whitespace before an array that has not made a call yet
         self._call = CallObject(tool_names, self._sink)
@@ -95,6 +123,7 @@ class MistralToolParser:
                     return
                 self._attempt = ""
                 self._made_calls = False
+                self._marker = MARKER
                 self._at = _At.ARRAY
                 text = after
                 continue
@@ -148,7 +177,7 @@ class MistralToolParser:
         if self._made_calls:
             self._at = _At.BETWEEN
         else:
-            self._sink.content(self._gap + MARKER)
+            self._sink.content(self._gap + self._marker)
             self._at = _At.CONTENT
         self._gap = ""
         text = self._attempt + text

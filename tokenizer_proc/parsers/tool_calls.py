@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
+    "FirstCallOnly",
     "ToolCall",
     "ToolCallDelta",
     "ToolParseDelta",
@@ -65,6 +66,30 @@ class ToolParser(Protocol):
     def finish(self) -> ToolParseDelta:
         """The end of the answer: what was held back in case it began a call is settled."""
         ...
+
+
+class FirstCallOnly:
+    """``parallel_tool_calls: false`` on a parser of free text (``tool_choice`` "auto"): the
+    answer's first call, as ``parser`` reads it. The calls after it are dropped with their
+    text, and the content is what ``parser`` makes of the answer, as in vLLM (which keeps
+    index 0 of the calls read). The contract above holds, as ``parser`` keeps it."""
+
+    __slots__ = ("_parser",)
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+
+    def feed(self, text: str) -> ToolParseDelta:
+        return _first_call(self._parser.feed(text))
+
+    def finish(self) -> ToolParseDelta:
+        return _first_call(self._parser.finish())
+
+
+def _first_call(delta: ToolParseDelta) -> ToolParseDelta:
+    if all(call.index == 0 for call in delta.tool_calls):
+        return delta
+    return ToolParseDelta(delta.content, tuple(c for c in delta.tool_calls if c.index == 0))
 
 
 def new_call_id() -> str:
