@@ -24,9 +24,9 @@ from scheduler_proc.sampling.grammar import (
     GrammarCompiler,
     GrammarError,
     Key,
-    new_matcher,
     refused_token,
 )
+from scheduler_proc.sampling.reasoning_gate import start_grammar
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
@@ -124,7 +124,9 @@ def _settle(req: Req, outcome: CompileOutcome, now: float) -> None:
     if isinstance(outcome, GrammarError):
         req.finish(FinishAbort(message=f"{constraint.param}: {outcome}", status_code=400), now)
     else:
-        req.matcher = new_matcher(outcome)
+        reason = start_grammar(req, outcome)  # its matcher, or its gate until reasoning ends
+        if reason is not None:
+            req.finish(reason, now)
 
 
 def accept_appended(req: Req, token: int) -> FinishReason | None:

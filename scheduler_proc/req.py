@@ -37,6 +37,8 @@ from scheduler_proc.dllm_block import Block
 if TYPE_CHECKING:  # the grammar engine is the scheduler's; a Req only holds its matcher
     import xgrammar
 
+    from scheduler_proc.sampling.reasoning_gate import ReasoningGate
+
 _replace = msgspec.structs.replace
 _SEED_MASK = (1 << 64) - 1
 
@@ -91,6 +93,7 @@ class Req:
         "pd",
         "constraint",
         "matcher",
+        "gate",
         "_stats_pending",
         "__weakref__",
     )
@@ -161,9 +164,11 @@ class Req:
         )
         # Structured output: what the output must spell, and once its grammar is compiled
         # the matcher, which has accepted exactly ``output_ids`` (a re-prefill accepts
-        # nothing again; scheduler_proc/sampling/grammar.py).
+        # nothing again; scheduler_proc/sampling/grammar.py); or, with a reasoning end, the
+        # output after it, and until then the grammar waits in ``gate`` (reasoning_gate.py).
         self.constraint = constraint
         self.matcher: xgrammar.GrammarMatcher | None = None
+        self.gate: ReasoningGate | None = None
 
     def _init_features(self) -> None:
         """The state a mode or a role keeps on the request, empty until it sets it."""

@@ -48,6 +48,7 @@ from scheduler_proc.decode_mode import DecodeMode, TokenDecode
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import pooled_embedding
 from scheduler_proc.grammar_queue import GrammarQueue, accept_appended
+from scheduler_proc.sampling.reasoning_gate import open_if_ended
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd.role import PdRole, Unified
@@ -407,7 +408,11 @@ class Scheduler:
         self.generated_tokens_total += len(tokens)
         for req, token in zip(reqs, tokens):
             req.output_ids.append(token)
-            reason = accept_appended(req, token) if req.matcher is not None else None
+            reason = None
+            if req.matcher is not None:
+                reason = accept_appended(req, token)
+            else:
+                open_if_ended(req)  # a grammar waiting for the end of the reasoning
             if reason is None:
                 reason = self.stop_checker.check(req)
             if reason is not None:

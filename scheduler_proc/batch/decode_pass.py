@@ -74,6 +74,7 @@ class BatchDecoder:
             ended, refused = self.masks.accept(grammar, new)
             code[ended] = STOP_TOKEN  # the grammar ended (its stop token), whatever ignore_eos says
             code[refused] = OUTSIDE_GRAMMAR
+        batch.open_gates(new)  # grammars waiting for the end of the reasoning
         due = batch.due(code != RUNNING)
         event = (code != RUNNING) | check_strings
         if (

@@ -23,6 +23,7 @@ from scheduler_proc.batch.pending_logprobs import PendingLogprobs, grown
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows
+from scheduler_proc.sampling.reasoning_gate import open_if_ended
 from scheduler_proc.sampling.param_columns import PARAM_COLUMNS, SAMPLER_COLUMNS
 from scheduler_proc.sampling.sampler import BannedTokens, SamplingColumns, draw_counter
 
@@ -34,6 +35,7 @@ _FIRST_ROWS = 64  # rows allocated up front; the tables double when more request
 _ROW_COLUMNS = (
     "req_id", "prompt_len", "seq_len", "sent", "joined", "stream", "interval",
     "has_stop_strings", "stop_ids", "stop_count", "seed", "has_bias", "constrained",
+    "gate_last",
 )  # fmt: skip
 
 
@@ -86,9 +88,12 @@ class RunningBatch:
         self.seed = np.zeros(cap, dtype=np.uint64)
         self.has_bias = np.zeros(cap, dtype=bool)
         self.constrained = np.zeros(cap, dtype=bool)  # the request has a grammar (Req.matcher)
+        # The last token id of the reasoning end a gated grammar waits for (Req.gate), else -1.
+        self.gate_last = np.full(cap, -1, dtype=np.int64)
 
     def _init_grammar_rows(self) -> None:
         self._num_constrained = 0
+        self._num_gated = 0
         # The constrained rows and their matchers, kept between steps (a steady step builds
         # no list); None: to be gathered again (a constrained row joined, or rows moved).
         self._grammar_rows: GrammarRows | None = None
@@ -155,6 +160,8 @@ class RunningBatch:
         if req.matcher is not None:
             self._num_constrained += 1
             self._grammar_rows = None
+        self.gate_last[row] = req.gate.end[-1] if req.gate is not None else -1
+        self._num_gated += req.gate is not None
         self.logprobs.set_row(row, req)
         self._set_penalty_rows(row, req)
         req.kv_slots = None  # the row holds them now (see the class docstring)
@@ -217,6 +224,7 @@ class RunningBatch:
         if self._num_constrained:  # the swap below may move a constrained row
             self._num_constrained -= int(self.constrained[row])
             self._grammar_rows = None
+        self._num_gated -= int(self.gate_last[row] >= 0)
         width = self.stop_ids.shape[1]
         widest = width > 0 and int(self.stop_count[row]) == width  # the table may narrow
         last = self._n - 1
@@ -314,6 +322,22 @@ class RunningBatch:
             assert len(matchers) == len(rows), "a constrained row lost its matcher"
             self._grammar_rows = GrammarRows(rows, rows.tolist(), matchers)
         return self._grammar_rows
+
+    def open_gates(self, new: np.ndarray) -> None:
+        """After a draw (``new``: each row's token, appended): the gated rows whose output now
+        ends with their reasoning's end get their matcher, and are constrained from the next
+        step on. Costs one comparison per step while a row is gated."""
+        if not self._num_gated:
+            return
+        for row in np.flatnonzero(new == self.gate_last[: self._n]).tolist():
+            end = int(self.seq_len[row])
+            output = self.tokens[row, int(self.prompt_len[row]) : end].tolist()
+            if open_if_ended(self.reqs[row], output):
+                self.gate_last[row] = -1
+                self._num_gated -= 1
+                self.constrained[row] = True
+                self._num_constrained += 1
+                self._grammar_rows = None
 
     def sampling_columns(
         self, banned: BannedTokens | None = None, grammar: GrammarMask | None = None

@@ -7,16 +7,14 @@ Its ``<tool_call>`` and ``</tool_call>`` are special tokens, as in Hermes 2 Pro'
 an answer read for tool calls keeps special tokens in its text, or the parser would never
 see them.
 
-A random model never thinks by itself: a ``guided_regex`` spells the answer, and a bias on the
-two tag tokens makes the model write each tag as its one token where the grammar allows it
-(a masked token stays masked whatever its bias). Which tokens spell the rest is the model's
-choice; the logprobs list them, so the test counts the tokens between the tags from them.
+A random model never thinks by itself: a bias on ``</think>`` makes it close its reasoning
+after a few free tokens (the seed decides how many), and a constraint (which applies from the
+end of the reasoning) spells the answer. The logprobs list the tokens each part took.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +23,7 @@ import pytest
 
 from bench.small_checkpoint import write
 from pipeline.tokenizer_loader import DEFAULT_TOKENIZER_DIR, SHIPPED_VOCAB_SIZE
+from tests.grammar_bias import STEADY
 from tests.server_harness import ServerProcess
 
 MODEL = "reasoner"
@@ -32,7 +31,6 @@ THINK, END_THINK = SHIPPED_VOCAB_SIZE, SHIPPED_VOCAB_SIZE + 1  # the added token
 TOOL_CALL = (
     SHIPPED_VOCAB_SIZE + 2
 )  # <tool_call>, a special token here (as in Hermes 2 Pro's tokenizer)
-TAGS = {str(THINK): 100, str(END_THINK): 100}
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]
 # Qwen3's switch: with thinking off, the generation prompt holds an empty, closed think block.
 QWEN3_SWITCH = (
@@ -71,16 +69,24 @@ def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
 
 
 def _body(pattern: str, **extra: Any) -> dict[str, Any]:
+    """A seeded answer that thinks a few tokens, then follows ``pattern``."""
     return {
         "model": MODEL,
         "messages": MESSAGES,
         "max_tokens": 64,
-        "temperature": 0,
+        "temperature": 1.0,
+        "seed": THINKS[0],
         "guided_regex": pattern,
-        "logit_bias": TAGS,
+        "logit_bias": {str(END_THINK): THINKS[1]},
         "logprobs": True,
         **extra,
     }
+
+
+# Seeds and biases on </think> under which the model thinks a few tokens of valid UTF-8
+# (a random model also writes broken characters, which the reasoning count does not expect).
+THINKS = (2, 5)
+THINKS_TOO = (0, 8)
 
 
 def _streamed(http: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -107,35 +113,32 @@ def _between_tags(logprobs: dict[str, Any]) -> int:
 
 
 @pytest.mark.parametrize(
-    ("pattern", "reasoning", "content"),
+    ("seed", "bias"),
     [
-        pytest.param("<think>abc déf</think>answer", "abc déf", "answer", id="tagged"),
-        pytest.param(
-            "plan first</think>\nthen answer",
-            "plan first",
-            "\nthen answer",
-            id="opened-by-the-template",
-        ),
-        pytest.param("<think></think>just this", None, "just this", id="empty"),
+        pytest.param(*THINKS, id="thinks-then-answers"),
+        pytest.param(*THINKS_TOO, id="thinks-less"),
+        pytest.param(0, 100, id="empty"),
     ],
 )
 def test_reasoning_is_split_out_counted_from_the_ids_and_streamed_the_same(
-    http: httpx.Client, pattern: str, reasoning: str | None, content: str
+    http: httpx.Client, seed: int, bias: int
 ) -> None:
-    answer = http.post("/v1/chat/completions", json=_body(pattern)).json()
+    body = _body("answer", seed=seed, logit_bias={str(END_THINK): bias})
+    answer = http.post("/v1/chat/completions", json=body).json()
     choice = answer["choices"][0]
     message = choice["message"]
-    assert message["reasoning_content"] == message["reasoning"] == reasoning
-    assert message["content"] == content and choice["finish_reason"] == "stop"
+    assert message["reasoning_content"] == message["reasoning"]
+    # The grammar applied from the end of the reasoning, so the answer is the pattern.
+    assert message["content"] == "answer" and choice["finish_reason"] == "stop"
     usage = answer["usage"]
     expected = _between_tags(choice["logprobs"])
     assert usage["completion_tokens_details"]["reasoning_tokens"] == expected
-    assert (expected > 0) == bool(reasoning)
-    # Every generated token is a completion token, the tags and the EOS included.
+    assert (expected > 0) == bool(message["reasoning"]) == (bias < 100), message
+    # Every generated token is a completion token, the tag and the EOS included.
     assert usage["completion_tokens"] == len(choice["logprobs"]["content"])
 
-    streamed, stream_usage = _streamed(http, _body(pattern))
-    assert streamed == {"reasoning_content": reasoning or "", "content": content}
+    streamed, stream_usage = _streamed(http, body)
+    assert streamed == {"reasoning_content": message["reasoning"] or "", "content": "answer"}
     # (The stream's prompt was in the prefix cache: only its cached tokens differ.)
     assert {**stream_usage, "prompt_tokens_details": None} == {
         **usage,
@@ -143,16 +146,41 @@ def test_reasoning_is_split_out_counted_from_the_ids_and_streamed_the_same(
     }
 
 
-def test_a_tool_call_inside_reasoning_is_reasoning(http: httpx.Client) -> None:
-    block = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
-    tools = [{"type": "function", "function": {"name": "now"}}]
-    body = _body(f"<think>{re.escape(block)}</think>ok", tools=tools, max_tokens=80)
-    response = http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    assert choice["message"]["reasoning_content"] == block
-    assert choice["message"]["content"] == "ok" and "tool_calls" not in choice["message"]
-    assert choice["finish_reason"] == "stop"
+YES_NO = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_tools_and_max_tokens_after_reasoning(http: httpx.Client) -> None:
+    """Grammars after reasoning (issue: the JSON landed in reasoning_content): the answer
+    under ``response_format`` is the JSON, the reasoning is the model's own text; a named tool
+    call's arguments and ``required`` calls parse; ``max_tokens`` spent inside the reasoning
+    ends with ``length`` and nothing breaks."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO}}
+    tools = [{"type": "function", "function": {"name": "vote", "parameters": YES_NO}}]
+    base = {k: v for k, v in _body("").items() if k != "guided_regex"}
+    base["logit_bias"] = {**STEADY, **base["logit_bias"]}  # no runs of whitespace in the JSON
+    answer = http.post("/v1/chat/completions", json={**base, "response_format": schema_format})
+    message = answer.json()["choices"][0]["message"]
+    assert json.loads(message["content"])["answer"] in ("yes", "no"), message
+    assert message["reasoning_content"], message
+    named = {"type": "function", "function": {"name": "vote"}}
+    for choice in (named, "required"):
+        body = {**base, "tools": tools, "tool_choice": choice}
+        reply = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+        (call,) = reply["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"])["answer"] in ("yes", "no"), reply
+        assert reply["message"]["reasoning_content"], reply
+    never_closes = {**base, "logit_bias": {str(END_THINK): -100}, "max_tokens": 6}
+    for extra in ({"response_format": schema_format}, {"tools": tools, "tool_choice": named}):
+        cut = http.post("/v1/chat/completions", json={**never_closes, **extra})
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["choices"][0]["finish_reason"] == "length", cut.text
+        streamed, usage = _streamed(http, {**never_closes, **extra})
+        assert usage["completion_tokens"] == 6
 
 
 def test_enable_thinking_false_reaches_the_template_and_leaves_the_text_as_content(
@@ -200,23 +228,25 @@ def test_the_responses_api_gives_a_reasoning_item_streamed_the_same(http: httpx.
     """/v1/responses over the same parser: a reasoning item (``reasoning_text``), then the
     message; reasoning tokens as chat counts them; streamed as ``response.reasoning_text``
     deltas that add up to the same items."""
-    pattern = "<think>abc déf</think>answer"
     body = {
         "model": MODEL,
-        "input": "Think, then answer.",
+        "input": MESSAGES[0]["content"],
         "max_output_tokens": 64,
-        "temperature": 0,
-        "logit_bias": TAGS,
+        "temperature": 1.0,
+        "seed": THINKS[0],
+        "logit_bias": {str(END_THINK): THINKS[1]},
+        "structured_outputs": {"regex": "answer"},
     }
-    body["structured_outputs"] = {"regex": pattern}
     whole = http.post("/v1/responses", json=body).json()
     assert whole["status"] == "completed", whole
     reasoning, message = whole["output"]
+    chat = http.post("/v1/chat/completions", json=_body("answer")).json()
+    thought = chat["choices"][0]["message"]["reasoning_content"]
+    assert thought
     assert reasoning["type"] == "reasoning" and reasoning["content"] == [
-        {"type": "reasoning_text", "text": "abc déf"}
+        {"type": "reasoning_text", "text": thought}
     ]
     assert message["type"] == "message" and message["content"][0]["text"] == "answer"
-    chat = http.post("/v1/chat/completions", json=_body(pattern)).json()
     assert (
         whole["usage"]["output_tokens_details"]["reasoning_tokens"]
         == chat["usage"]["completion_tokens_details"]["reasoning_tokens"]
@@ -230,7 +260,7 @@ def test_the_responses_api_gives_a_reasoning_item_streamed_the_same(http: httpx.
         ]
     assert (
         "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
-        == "abc déf"
+        == thought
     )
     assert (
         "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "answer"

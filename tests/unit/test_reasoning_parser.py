@@ -17,6 +17,8 @@ from tokenizers import AddedToken, Tokenizer
 
 from pipeline.token_texts import TokenTextCache
 from pipeline.tokenizer_loader import load_tokenizer
+from tokenizer_proc.openai.chat_parsing import ChatParsing
+from tokenizer_proc.openai.tools import ChatTool, FunctionDefinition, plan_tools
 from tokenizer_proc.parsers.reasoning import (
     REASONING_PARSERS,
     ReasoningParser,
@@ -337,3 +339,14 @@ def test_feed_after_finish_and_span_before_finish_are_refused() -> None:
     parser.finish()
     with pytest.raises(RuntimeError, match="after finish"):
         parser.feed("x")
+
+
+def test_a_tool_call_inside_reasoning_is_reasoning_not_a_call() -> None:
+    """A chat answer read for tools under "auto" with a reasoning parser: the tool parser sees
+    only the content the reasoning parser leaves."""
+    tools = [ChatTool(type="function", function=FunctionDefinition(name="f"))]
+    parsing = ChatParsing(plan_tools(tools, None, None), "hermes", "qwen3")
+    splitter = parsing.splitter()
+    whole = splitter.feed(f"{START}{TOOL_CALL}{END}ok") + splitter.finish()
+    assert (whole.reasoning, whole.content, whole.tool_calls) == (TOOL_CALL, "ok", ())
+    assert splitter.calls == []

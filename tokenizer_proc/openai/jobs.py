@@ -5,10 +5,11 @@ which /v1/responses takes too), and the submission of a request's jobs (``submit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import msgspec
 from fastapi import Request
 
 from pipeline.io_struct import Constraint, SamplingParams
@@ -19,6 +20,7 @@ from tokenizer_proc.openai.chat_parsing import ChatParsing
 from tokenizer_proc.openai.sampling_request import SamplingRequest
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 from tokenizer_proc.openai.vllm_extras import truncate_prompt
+from tokenizer_proc.parsers.reasoning import DEFAULT_THINK
 from tokenizer_proc.req_state import ChoiceGroup, ReqState
 from tokenizer_proc.request_checks import ContextLengthError, OutOfVocabularyError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -80,6 +82,8 @@ def prepare_chat(
         if plan or reasoning
         else None
     )
+    if constraint is not None and parsing is not None and tm.tokenizer is not None:
+        constraint = after_reasoning(constraint, parsing, tm.tokenizer.encode)
     special = tm.tokenizer.is_special_text if tm.tokenizer is not None else None
     if (
         parsing is not None
@@ -119,6 +123,21 @@ def prepare_chat(
         max_tokens = requested or room_left(tm, len(ids))
         jobs = choice_jobs(tm, body, ids, max_tokens, None)
     return ChatJobs(jobs, constraint, parsing, ("messages", max_param))
+
+
+def after_reasoning(
+    constraint: Constraint, parsing: ChatParsing, encode: Callable[[str], list[int]]
+) -> Constraint:
+    """With a reasoning parser on, the constraint applies from the end of the reasoning (the
+    token ids of ``</think>``), as vLLM's does: the model thinks freely, then answers in the
+    grammar. Not when the request switched thinking off (qwen3's ``enable_thinking: false``:
+    the template closes the reasoning in the prompt), nor without a reasoning parser."""
+    thinks = parsing.reasoning == "deepseek_r1" or (
+        parsing.reasoning is not None and parsing.enable_thinking
+    )
+    if not thinks:
+        return constraint
+    return msgspec.structs.replace(constraint, reasoning_end=tuple(encode(DEFAULT_THINK.end)))
 
 
 def submit_jobs(
