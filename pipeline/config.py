@@ -274,6 +274,22 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = None
 
+    # Structured outputs: JSON whitespace and compile limits (docs/api.md, "Structured outputs")
+    constrained_json_max_whitespace: Annotated[
+        int,
+        Flag(
+            "structured outputs",
+            "JSON answers put at most N whitespace characters between two tokens: room for a "
+            "newline and an indentation, not a budget spent on blanks (0: no bound)",
+        ),
+    ] = 24
+    constrained_json_disable_any_whitespace: Annotated[
+        bool, Flag("structured outputs", "JSON answers are compact (SGLang's flag)")
+    ] = False
+    grammar_compile_timeout: Annotated[
+        float, Flag("structured outputs", "seconds a grammar may compile; longer is a 400")
+    ] = 5.0
+
     # The Responses API's stored responses (previous_response_id, GET /v1/responses/{id})
     responses_store_max_count: Annotated[
         int,
@@ -406,6 +422,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         if self.max_running_requests < 1:
             problems.append("--max-running-requests must be at least 1")
+        if self.constrained_json_max_whitespace < 0 or self.grammar_compile_timeout <= 0:
+            problems.append(
+                "--constrained-json-max-whitespace must be 0 or more, --grammar-compile-timeout "
+                "positive"
+            )
         if self.dllm_block_size < 1:
             problems.append("--dllm-block-size must be at least 1")
         if not 1 <= self.dllm_steps <= self.dllm_block_size:

@@ -4,22 +4,23 @@ compile never stalls a step and other requests keep decoding; and when a token i
 to it one request at a time (``accept_appended``).
 
 A constrained request that passed admission comes here first (``start``): a cached grammar
-gives it its matcher at once, else its compile starts on the compiler's worker thread and
-it waits here. Each step, ``take`` looks at the finished compiles without blocking: a
-compiled request gets its matcher and its wait in ``SchedulerTimeStats.grammar_wait`` and
-goes on to the waiting queue; an invalid spec finishes it with a 400 that names its field.
-Without a compiler (no tokenizer) the queue stays empty, and admission refuses constraints.
+gives it its matcher at once, else its compile starts on the compiler's pool and it waits
+here. Each step, ``take`` looks at the ended compiles without blocking: a compiled request
+gets its matcher and its wait in ``SchedulerTimeStats.grammar_wait`` and goes on to the
+waiting queue; an invalid spec, or a compile past the time limit, finishes it with a 400 that
+names its field. An aborted request leaves nothing behind (``remove``). Without a compiler
+(no tokenizer) the queue stays empty, and admission refuses constraints.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pipeline.io_struct import FinishAbort, FinishReason, FinishStop
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.grammar import (
+    CompileFault,
     CompileOutcome,
     GrammarCompiler,
     GrammarError,
@@ -35,7 +36,6 @@ logger = logging.getLogger("tokenpipe.scheduler")
 class _Waiting:
     req: Req
     key: Key
-    future: Future[CompileOutcome]
     since: float
 
 
@@ -59,61 +59,60 @@ class GrammarQueue:
         be invalid, its 400), or starts its compile: True when it must wait here."""
         constraint, compiler = req.constraint, self.compiler
         assert constraint is not None and compiler is not None, "admission refuses it"
-        key = (constraint.kind, constraint.spec)
+        key = compiler.key(constraint)
         outcome = compiler.lookup(key)
         if outcome is None:
-            self._waiting.append(_Waiting(req, key, compiler.submit(key), now))
+            compiler.submit(key)
+            self._waiting.append(_Waiting(req, key, now))
             return True
         _settle(req, outcome, now)
         return False
 
     def any_done(self) -> bool:
         """Whether ``take`` would hand over a request now."""
-        return any(w.future.done() for w in self._waiting)
+        return self.compiler is not None and bool(self._waiting) and self.compiler.any_ended()
 
     def take(self, now: float) -> list[Req]:
-        """The requests whose compile finished, in arrival order: each with its matcher, or
-        finished with its refusal (the caller queues the first and emits the second)."""
-        if not self._waiting:
+        """The requests whose compile ended, in arrival order: each with its matcher, or
+        finished with its refusal (the caller queues the first and emits the second).
+        Compiles no request waits for any more are put in the cache all the same."""
+        if self.compiler is None:
             return []
-        done: list[_Waiting] = []
-        still: list[_Waiting] = []
-        for w in self._waiting:
-            (done if w.future.done() else still).append(w)
+        ended = self.compiler.poll()
+        done = [w for w in self._waiting if w.key in ended]
         if not done:
             return []
-        self._waiting = still
-        compiler = self.compiler
-        assert compiler is not None, "only a compiler fills the queue"
+        self._waiting = [w for w in self._waiting if w.key not in ended]
         for w in done:
-            try:
-                outcome = compiler.settle(w.key, w.future)
-            except Exception as exc:  # a fault of the engine, not a bad spec: not cached
-                logger.exception(
-                    "compiling the grammar of req_id=%d rid=%s failed", w.req.req_id, w.req.rid
-                )
-                w.req.finish(
-                    FinishAbort(
-                        message=f"compiling the grammar failed: {type(exc).__name__}",
-                        status_code=500,
-                    ),
-                    now,
-                )
+            outcome = ended[w.key]
+            if not isinstance(outcome, CompileFault):
+                w.req.update_time_stats(grammar_wait=now - w.since)
+                _settle(w.req, outcome, now)
                 continue
-            w.req.update_time_stats(grammar_wait=now - w.since)
-            _settle(w.req, outcome, now)
+            logger.error(
+                "compiling the grammar of req_id=%d rid=%s failed",
+                w.req.req_id,
+                w.req.rid,
+                exc_info=outcome.error,
+            )
+            message = f"compiling the grammar failed: {type(outcome.error).__name__}"
+            w.req.finish(FinishAbort(message=message, status_code=500), now)
         return [w.req for w in done]
 
     def close(self) -> None:
-        """Stops the compiler's worker (a compile under way is left to finish)."""
+        """Stops the compiler's workers (a compile under way is left to finish)."""
         if self.compiler is not None:
             self.compiler.close()
 
     def remove(self, req: Req) -> bool:
-        """Forgets an aborted request (its compile goes on and is cached for the next)."""
+        """Forgets an aborted request. A compile that no other request waits for is
+        released: it never runs if it has not started, and one under way is cached when it
+        ends (``take``), so nothing of it stays behind but a cache entry."""
         for i, w in enumerate(self._waiting):
             if w.req is req:
                 del self._waiting[i]
+                if self.compiler is not None and all(o.key != w.key for o in self._waiting):
+                    self.compiler.release(w.key)
                 return True
         return False
 

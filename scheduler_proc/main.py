@@ -35,6 +35,7 @@ from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.pd.decode import DecodeBootstrapper
 from scheduler_proc.pd.prefill import PrefillKVSender
 from scheduler_proc.sampling.grammar import GrammarCompiler, tokenizer_info
+from scheduler_proc.sampling.json_grammar import JsonOptions
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats_reporter import SchedulerStatsReporter
 from scheduler_proc.stop_checker import StopChecker
@@ -68,12 +69,12 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         dense_usage_columns=config.dense_usage_columns,
         dllm=dllm_config(config, vocab.eos_token_ids),
         hicache=build_hicache(config, runner),
-        grammar=grammar_compiler(vocab, runner),
+        grammar=grammar_compiler(config, vocab, runner),
     )
 
 
 def grammar_compiler(
-    vocab: LoadedTokenizer | ModelVocab, runner: ModelRunner
+    config: ServerConfig, vocab: LoadedTokenizer | ModelVocab, runner: ModelRunner
 ) -> GrammarCompiler | None:
     """The grammar compiler of structured outputs, or None without a tokenizer. The
     grammar's vocabulary is the model's logits' width; its stop tokens are EOS."""
@@ -81,7 +82,16 @@ def grammar_compiler(
         return None
     tokenizer, eos, special = vocab.tokenizer, vocab.eos_token_ids, vocab.special_token_ids
     width = runner.model_config.vocab_size
-    return GrammarCompiler(lambda: tokenizer_info(tokenizer, width, eos, special), eos)
+    json_options = JsonOptions(
+        max_whitespace=config.constrained_json_max_whitespace,
+        any_whitespace=not config.constrained_json_disable_any_whitespace,
+    )
+    return GrammarCompiler(
+        lambda: tokenizer_info(tokenizer, width, eos, special),
+        eos,
+        json_options=json_options,
+        timeout=config.grammar_compile_timeout,
+    )
 
 
 def dllm_config(config: ServerConfig, eos_token_ids: frozenset[int]) -> DllmConfig | None:

@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Set
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
-
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 import tokenizers
 import torch
 
-from pipeline.io_struct import FinishAbort
+from pipeline.io_struct import Constraint, FinishAbort
+from scheduler_proc.sampling.compile_pool import CompileJob, CompilePool
+from scheduler_proc.sampling.json_grammar import JsonOptions, json_schema_ebnf
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -36,13 +39,16 @@ if TYPE_CHECKING:
 def _xgr() -> ModuleType:
     """xgrammar, imported where it is first used. With the transformers it imports it takes
     over a second, which a scheduler's start need not wait for: ``GrammarCompiler`` imports
-    it on its worker thread while the model loads (docs/design.md, "Structured outputs")."""
+    it on a thread of its own while the model loads (docs/design.md, "Structured outputs")."""
     import xgrammar
 
     return xgrammar
 
 
 GRAMMAR_CACHE_SIZE = 256  # compile outcomes kept (LRU), as SGLang's and vLLM's caches are bounded
+# Threads that compile at once: a slow compile holds up its own requests, not every new spec.
+COMPILE_THREADS = 2
+JSON_KINDS = frozenset({"json_schema", "json_object"})  # the kinds whitespace options touch
 _FIRST_ROWS = 64  # bitmask rows allocated up front; doubled when a step has more
 # A JSON object of any shape: xgrammar's builtin JSON grammar would also take an array at
 # the root, and OpenAI's json_object (and vLLM's) means an object.
@@ -54,7 +60,14 @@ _MAX_REASON = (
 # and, for a failed check, the check ("Check failed: (error.empty()) is false: ").
 _LOG_PREFIX = re.compile(r"^\[[0-9:.]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
-Key = tuple[str, str]  # (Constraint.kind, Constraint.spec)
+
+class Key(NamedTuple):
+    """What a compile depends on: a ``Constraint``'s kind and spec, and for the JSON kinds
+    whether whitespace may go between tokens (``GrammarCompiler.key``)."""
+
+    kind: str
+    spec: str
+    any_whitespace: bool
 
 
 class GrammarError(ValueError):
@@ -63,6 +76,13 @@ class GrammarError(ValueError):
 
 # What a compile ends in: the grammar, or why there is none. Both are cached.
 CompileOutcome: TypeAlias = "xgr.CompiledGrammar | GrammarError"
+
+
+@dataclass(frozen=True, slots=True)
+class CompileFault:
+    """A compile that raised: a fault of the engine, not a bad spec (never cached)."""
+
+    error: BaseException
 
 
 def tokenizer_info(
@@ -106,25 +126,48 @@ def choice_grammar(spec: str) -> str:
     )
 
 
-def compile_spec(compiler: xgr.GrammarCompiler, kind: str, spec: str) -> CompileOutcome:
-    """Compiles one spec; an invalid one is returned as a GrammarError with the engine's
-    reason (not raised: the outcome is cached either way)."""
+def compile_spec(
+    compiler: xgr.GrammarCompiler, key: Key, json_options: JsonOptions
+) -> CompileOutcome:
+    """Compiles one spec; an invalid one, or one whose language is empty, is returned as a
+    GrammarError with the reason (not raised: the outcome is cached either way)."""
+    kind, spec, any_whitespace = key
     try:
-        if kind == "json_schema":
-            return compiler.compile_json_schema(spec)
-        if kind == "json_object":
-            return compiler.compile_json_schema(_ANY_OBJECT)
-        if kind == "regex":
-            return compiler.compile_regex(spec)
-        if kind == "grammar":
-            return compiler.compile_grammar(spec)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(spec))
-        return GrammarError(f"unknown constraint kind {kind!r}")
+        if kind in JSON_KINDS:
+            schema = spec if kind == "json_schema" else _ANY_OBJECT
+            grammar = compiler.compile_grammar(
+                json_schema_ebnf(schema, any_whitespace, json_options)
+            )
+        elif kind == "regex":
+            grammar = compiler.compile_regex(spec)
+        elif kind == "grammar":
+            grammar = compiler.compile_grammar(spec)
+        elif kind == "choice":
+            grammar = compiler.compile_grammar(choice_grammar(spec))
+        else:
+            return GrammarError(f"unknown constraint kind {kind!r}")
     except GrammarError as exc:
         return exc
     except (RuntimeError, ValueError) as exc:  # xgrammar's parse and conversion errors
         return GrammarError(_engine_reason(exc))
+    if matches_nothing(grammar):
+        return GrammarError(
+            "the grammar matches nothing: no answer can start (not even an empty one)"
+        )
+    return grammar
+
+
+def matches_nothing(grammar: xgr.CompiledGrammar) -> bool:
+    """Whether a new matcher allows no first token, the end (a stop token) included: an
+    empty language, as ``root ::= root`` or an empty character class has. A request with it
+    could only draw a token the mask forbids."""
+    xgr = _xgr()
+    vocab_size = grammar.tokenizer_info.vocab_size
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+    # int32 words, little-endian: bit i of word w is token 32 * w + i.
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+    return not bits[:vocab_size].any()
 
 
 def _engine_reason(exc: Exception) -> str:
@@ -133,44 +176,63 @@ def _engine_reason(exc: Exception) -> str:
 
 
 class GrammarCompiler:
-    """Compiles specs on one worker thread and keeps the last ``cache_size`` outcomes: a
-    bounded LRU keyed by ``(kind, spec)`` of a compiled grammar or the engine's reason it is
-    invalid. A miss compiles on the worker, and the step never waits for it (xgrammar
-    releases the GIL while it compiles); the requests that wait are
-    ``scheduler_proc.grammar_queue``'s.
+    """Compiles specs on a small pool of threads (``CompilePool``) and keeps the last
+    ``cache_size`` outcomes: a bounded LRU keyed by ``Key`` of a compiled grammar or the
+    reason there is none. A miss compiles on the pool, and the step never waits for it
+    (xgrammar releases the GIL while it compiles); the requests that wait are
+    ``scheduler_proc.grammar_queue``'s. A compile that runs past ``timeout`` seconds is
+    written off and its outcome is a GrammarError saying so, cached like any other.
 
-    Used from the scheduler's thread only: ``lookup``, ``submit`` and ``settle`` touch the
-    cache there; the worker runs ``compile`` and nothing else. The worker's first task makes
-    xgrammar's compiler from ``info`` (the vocabulary, ``tokenizer_info``), so the import and
-    the vocabulary's scan run beside the model's load, and a first compile queues behind
-    them. ``stop_ids``: the EOS ids, the stop tokens ``info`` gives xgrammar."""
+    Used from the scheduler's thread only: ``lookup``, ``submit``, ``release`` and ``poll``
+    touch the cache and the compiles under way there; the workers run ``compile`` and
+    nothing else. xgrammar's compiler is made from ``info`` (the vocabulary,
+    ``tokenizer_info``) on a thread of its own, so the import and the vocabulary's scan run
+    beside the model's load, and a first compile waits for them (not counted against its
+    time). ``stop_ids``: the EOS ids, the stop tokens ``info`` gives xgrammar."""
 
     def __init__(
         self,
         info: Callable[[], xgr.TokenizerInfo],
         stop_ids: Set[int],
         *,
+        json_options: JsonOptions,
+        timeout: float,
+        threads: int = COMPILE_THREADS,
         cache_size: int = GRAMMAR_CACHE_SIZE,
     ) -> None:
         self._cache: OrderedDict[Key, CompileOutcome] = OrderedDict()
         self._cache_size = cache_size
-        self._inflight: dict[Key, Future[CompileOutcome]] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._engine = self._pool.submit(self._start, info)
+        self._inflight: dict[Key, CompileJob[Key, CompileOutcome]] = {}
+        self._json = json_options
+        self.timeout = timeout
         self.stop_ids = frozenset(stop_ids)
-        # The compile step itself; a test may wrap it (to make a compile slow).
-        self.compile: Callable[[str, str], CompileOutcome] = self._compile
+        self._engine: Future[xgr.GrammarCompiler] = Future()
+        threading.Thread(
+            target=self._start, args=(info,), name="grammar-engine", daemon=True
+        ).start()
+        # The compile step itself, and the clock its time limit reads; a test may replace
+        # them (to make a compile slow, or the time pass).
+        self.compile: Callable[[Key], CompileOutcome] = self._compile
+        self.clock: Callable[[], float] = time.monotonic
+        self._pool: CompilePool[Key, CompileOutcome] = CompilePool(
+            lambda key: self.compile(key), self._engine.result, threads, lambda: self.clock()
+        )
 
-    @staticmethod
-    def _start(info: Callable[[], xgr.TokenizerInfo]) -> xgr.GrammarCompiler:
-        # Our own LRU keeps the outcomes (and bounds them); xgrammar's cache would be a
-        # second, unbounded copy.
-        return _xgr().GrammarCompiler(info(), cache_enabled=False)
+    def _start(self, info: Callable[[], xgr.TokenizerInfo]) -> None:
+        try:
+            # Our own LRU keeps the outcomes (and bounds them); xgrammar's cache would be a
+            # second, unbounded copy.
+            self._engine.set_result(_xgr().GrammarCompiler(info(), cache_enabled=False))
+        except Exception as exc:  # each compile raises it: a fault, not a bad spec
+            self._engine.set_exception(exc)
 
-    def _compile(self, kind: str, spec: str) -> CompileOutcome:
-        # On the worker, after _start (one worker: tasks run in order); a failed start
-        # raises here, a fault and not a bad spec.
-        return compile_spec(self._engine.result(), kind, spec)
+    def _compile(self, key: Key) -> CompileOutcome:
+        return compile_spec(self._engine.result(), key, self._json)
+
+    def key(self, constraint: Constraint) -> Key:
+        """The cache key of ``constraint``: whitespace counts for the JSON kinds only."""
+        free = constraint.kind in JSON_KINDS and constraint.any_whitespace
+        return Key(constraint.kind, constraint.spec, free and self._json.any_whitespace)
 
     def lookup(self, key: Key) -> CompileOutcome | None:
         """The cached outcome (now the most recently used), or None."""
@@ -179,20 +241,53 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return outcome
 
-    def submit(self, key: Key) -> Future[CompileOutcome]:
-        """The compile of ``key``, started unless one is already under way (requests that
-        ask for the same spec at once share it)."""
-        future = self._inflight.get(key)
-        if future is None:
-            future = self._inflight[key] = self._pool.submit(self.compile, *key)
-        return future
+    def submit(self, key: Key) -> None:
+        """Starts the compile of ``key`` unless one is already under way (requests that ask
+        for the same spec at once share it); ``poll`` reports its end."""
+        if key not in self._inflight:
+            self._inflight[key] = self._pool.submit(key)
 
-    def settle(self, key: Key, future: Future[CompileOutcome]) -> CompileOutcome:
-        """The outcome of a finished compile, now in the cache. An exception other than a
-        GrammarError (a fault, not a bad spec) is raised and not cached."""
-        if self._inflight.get(key) is future:
+    def release(self, key: Key) -> None:
+        """No request waits for ``key`` any more: a compile not yet started never runs; one
+        under way goes on, and ``poll`` caches its outcome for a next request."""
+        job = self._inflight.get(key)
+        if job is not None and self._pool.cancel(job):
             del self._inflight[key]
-        outcome = future.result()
+
+    def any_ended(self) -> bool:
+        """Whether ``poll`` would report a compile now (one done, or one past the limit)."""
+        now = self.clock()
+        return any(
+            job.future.done() or job.ran_for(now) > self.timeout for job in self._inflight.values()
+        )
+
+    def poll(self) -> dict[Key, CompileOutcome | CompileFault]:
+        """The compiles that ended since the last poll, each now in the cache, whether a
+        request still waits for it or not: the outcome, or a GrammarError for one written off
+        past the limit. A compile that raised is reported as a ``CompileFault`` and not
+        cached."""
+        now = self.clock()
+        ended: dict[Key, CompileOutcome | CompileFault] = {}
+        for key, job in list(self._inflight.items()):
+            if job.future.done():
+                fault = job.future.exception()
+                if fault is not None:
+                    del self._inflight[key]
+                    ended[key] = CompileFault(fault)
+                    continue
+                outcome = job.future.result()
+            elif job.ran_for(now) > self.timeout and self._pool.write_off(job):
+                outcome = GrammarError(
+                    f"compiling it took longer than {self.timeout:g} s (the server's "
+                    "--grammar-compile-timeout): a simpler schema or grammar would compile"
+                )
+            else:
+                continue
+            del self._inflight[key]
+            ended[key] = self._remember(key, outcome)
+        return ended
+
+    def _remember(self, key: Key, outcome: CompileOutcome) -> CompileOutcome:
         self._cache[key] = outcome
         self._cache.move_to_end(key)
         while len(self._cache) > self._cache_size:
@@ -203,8 +298,13 @@ class GrammarCompiler:
     def cache_len(self) -> int:
         return len(self._cache)
 
+    @property
+    def inflight_len(self) -> int:
+        """Compiles under way or waiting for a worker."""
+        return len(self._inflight)
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
 
 def new_matcher(grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:

@@ -30,6 +30,8 @@ FLAGS = {
     "--detokenizer-input", "--tokenizer-input", "--incremental-streaming-output",
     "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count",
     "--responses-store-bytes", "--metrics-compat", "--enable-tokenizer-info-endpoint",
+    "--constrained-json-max-whitespace", "--constrained-json-disable-any-whitespace",
+    "--grammar-compile-timeout",
 }  # fmt: skip
 HIDDEN = {"--ready-endpoint", "--config-json"}
 
