@@ -111,6 +111,11 @@ MAPPED: list[tuple[str, dict[str, Any], Constraint]] = [
         Constraint("regex", "a+", "structured_outputs.regex"),
     ),
     (
+        "vllm compact json",
+        {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+        Constraint("json_schema", SCHEMA_TEXT, "structured_outputs.json", any_whitespace=False),
+    ),
+    (
         "guided_json object",
         {"guided_json": SCHEMA},
         Constraint("json_schema", SCHEMA_TEXT, "guided_json"),
@@ -293,9 +298,15 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "structured_outputs option it cannot honour",
-        {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
-        "structured_outputs.disable_any_whitespace",
+        {"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
+        "structured_outputs.disable_additional_properties",
         "not supported",
+    ),
+    (
+        "a schema keyword the engine would ignore",
+        {"guided_json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+        "guided_json",
+        "uniqueItems at #/uniqueItems",
     ),
     (
         "structured_outputs structural_tag",

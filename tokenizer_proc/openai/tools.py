@@ -22,6 +22,7 @@ import msgspec
 from pipeline.io_struct import Constraint
 from tokenizer_proc.openai.calls_schema import calls_schema
 from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.request_edge.schema_support import check_schema
 
 __all__ = [
     "ChatTool",
@@ -178,4 +179,5 @@ def _checked_parameters(tools: list[ChatTool]) -> dict[str, dict[str, Any]]:
 
 
 def _schema_constraint(schema: dict[str, Any], param: str) -> Constraint:
+    check_schema(schema, param)  # what the engine would not enforce is a 400 naming param
     return Constraint("json_schema", msgspec.json.encode(schema).decode(), param)

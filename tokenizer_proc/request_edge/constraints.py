@@ -7,9 +7,9 @@ string), ``regex`` and ``ebnf``.
 
 Each function here reads one field and returns its ``Constraint`` or None (absent, or asking
 for nothing, as ``{"type": "text"}``); malformed input is a ``RequestValidationError`` naming
-the field. The fields are only checked for shape: whether a schema, pattern or grammar
-compiles is the engine's answer, a 400 from the scheduler naming ``Constraint.param``.
-``one_constraint`` refuses a request that asks for two.
+the field, and so is a JSON Schema the engine would not enforce (``schema_support``). Whether
+a schema, pattern or grammar compiles is the engine's answer, a 400 from the scheduler naming
+``Constraint.param``. ``one_constraint`` refuses a request that asks for two.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import msgspec
 from pipeline.io_struct import Constraint
 from tokenizer_proc.request_edge.known_fields import Refusal, neutral, refuse
 from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.request_edge.schema_support import check_schema
 
 JsonSchema = str | dict[str, Any]  # an object, or its JSON text (vLLM and SGLang take both)
 
@@ -42,7 +43,7 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's ``structured_outputs`` (its ``StructuredOutputsParams``): one of the five
-    constraints, plus options."""
+    constraints, plus options. ``disable_any_whitespace`` makes a JSON answer compact."""
 
     json: JsonSchema | None = None
     regex: str | None = None
@@ -50,7 +51,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: Any = None
-    disable_any_whitespace: Any = None
+    disable_any_whitespace: bool | None = None
     disable_additional_properties: Any = None
     whitespace_pattern: Any = None
     # There is one backend and it never falls back, so either value is what happens.
@@ -61,7 +62,6 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 # neutral values only.
 _OPTION_REFUSALS: tuple[Refusal, ...] = (
     neutral("structural_tag"),
-    neutral("disable_any_whitespace", False),
     neutral("disable_additional_properties", False),
     neutral("whitespace_pattern"),
 )
@@ -118,6 +118,8 @@ def structured_outputs_constraint(value: StructuredOutputs | None) -> Constraint
             "structured_outputs must set one of json, regex, choice, grammar or json_object (true)",
             "structured_outputs",
         )
+    if value.disable_any_whitespace:
+        return msgspec.structs.replace(constraint, any_whitespace=False)
     return constraint
 
 
@@ -137,6 +139,7 @@ def json_schema_constraint(value: JsonSchema | None, param: str) -> Constraint |
             raise RequestValidationError(
                 f"{param} must be a JSON Schema object, not {type(value).__name__}", param
             )
+    check_schema(value, param)
     return Constraint("json_schema", msgspec.json.encode(value).decode(), param)
 
 
