@@ -432,3 +432,66 @@ def test_an_aborted_stream_ends_cancelled_with_what_it_had(server: ServerProcess
         httpx.get(f"{server.url}/v1/responses/{data[0]['response']['id']}").json()["status"]
         == "cancelled"
     )
+
+
+def test_a_required_call_cut_by_max_output_tokens_is_the_text_the_model_wrote(
+    oai: openai.OpenAI,
+) -> None:
+    """``tool_choice: "required"`` cut before its call is whole: an incomplete response whose
+    message is the text the model wrote (the tokens chat's logprobs show for the same prompt,
+    greedy), with no ``[TOOL_CALLS]`` it never wrote; streamed as whole."""
+    kwargs: Any = {**WEATHER_CALL, "max_output_tokens": 4, "temperature": 0}
+    extra = {"logit_bias": STEADY}
+    whole = oai.responses.create(**kwargs, extra_body=extra)
+    tools: Any = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "parameters")}}]
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": WEATHER_CALL["input"]}],
+        tools=tools,
+        tool_choice="required",
+        max_tokens=4,
+        temperature=0,
+        logit_bias=STEADY,
+        logprobs=True,
+    ).choices[0]
+    assert chat.finish_reason == "length" and chat.logprobs and chat.logprobs.content
+    written = b"".join(bytes(t.bytes or []) for t in chat.logprobs.content).decode()
+    assert whole.status == "incomplete" and [item.type for item in whole.output] == ["message"]
+    assert whole.output_text == written and written.startswith("["), written
+    events = list(oai.responses.create(**kwargs, extra_body=extra, stream=True))
+    assert events[-1].type == "response.incomplete"
+    final = events[-1].response
+    assert final.status == "incomplete" and final.output_text == whole.output_text
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(oai: openai.OpenAI) -> None:
+    """A regex makes the model write two Hermes calls under "auto": both are function_call
+    items by default, only the first with ``parallel_tool_calls`` false, streamed as whole."""
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+    second = '<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+    answer = f"Sure. {first}</tool_call> and {second}</tool_call> done."
+    get_time = {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+    kwargs: Any = dict(
+        model=MODEL,
+        input="Weather in Oslo?",
+        tools=[WEATHER, get_time],
+        max_output_tokens=200,
+        temperature=0,
+    )
+    extra = {"structured_outputs": {"regex": re.escape(answer)}}
+
+    def calls(response: Any) -> list[tuple[str, str]]:
+        return [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
+
+    both = oai.responses.create(**kwargs, extra_body=extra)
+    assert both.status == "completed" and [name for name, _ in calls(both)] == [
+        "get_weather",
+        "get_time",
+    ]
+    one = oai.responses.create(**kwargs, parallel_tool_calls=False, extra_body=extra)
+    assert calls(one) == calls(both)[:1] and one.output_text == both.output_text
+    with oai.responses.stream(**kwargs, parallel_tool_calls=False, extra_body=extra) as stream:
+        final = stream.get_final_response()
+    assert calls(final) == calls(one) and final.output_text == one.output_text

@@ -16,14 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import Field
+from pydantic import BaseModel, Field
 
+from bench.small_checkpoint import write
 from tests.grammar_bias import STEADY, TOKENIZER
 from tests.server_harness import ServerProcess
 
@@ -473,3 +475,287 @@ def test_pydantic_ai_agent_calls_its_tool_then_returns_a_validated_output(
     result = agent.run_sync("What time is it?", model_settings=settings)  # type: ignore[arg-type]
     assert len(called) == 1 and isinstance(called[0], str), called
     assert isinstance(result.output, TimeAnswer)
+
+
+# --- answers a user must get (issue 40) --------------------------------------------------------
+
+
+def test_a_required_answer_cut_by_max_tokens_is_the_text_the_model_wrote(
+    oai: openai.OpenAI,
+) -> None:
+    """``tool_choice: "required"`` cut before its first call is whole: ``length``, no call,
+    and the content is exactly the tokens the model wrote (its logprobs spell them), streamed
+    as whole, with no ``[TOOL_CALLS]`` the model never wrote."""
+    for max_tokens in (2, 5):
+        kwargs: Any = dict(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=max_tokens,
+            temperature=0,
+            logit_bias=STEADY,
+        )
+        whole = oai.chat.completions.create(**kwargs, logprobs=True).choices[0]
+        assert whole.finish_reason == "length" and whole.message.tool_calls is None, whole
+        assert whole.logprobs is not None and whole.logprobs.content is not None
+        written = b"".join(bytes(t.bytes or []) for t in whole.logprobs.content).decode()
+        assert whole.message.content == written and written.startswith("["), written
+        stream = oai.chat.completions.create(**kwargs, stream=True)
+        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == written
+        assert chunks[-1].finish_reason == "length"
+
+
+TWO_BLOCKS = (
+    'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, '
+    '"unit": "c"}}\n</tool_call> and <tool_call>\n{"name": "get_time", "arguments": {}}\n'
+    "</tool_call> done."
+)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(oai: openai.OpenAI) -> None:
+    """A regex makes the model write two Hermes calls: by default both are calls; with
+    ``parallel_tool_calls`` false only the first, the second dropped with its text (as
+    vLLM), and the stream assembles exactly the whole answer."""
+    kwargs: Any = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"guided_regex": re.escape(TWO_BLOCKS)},
+    )
+    both = oai.chat.completions.create(**kwargs).choices[0]
+    assert both.finish_reason == "tool_calls", both
+    assert [name for name, _ in _calls(both.message)] == ["get_weather", "get_time"]
+    one = oai.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    assert _calls(one.message) == _calls(both.message)[:1]
+    assert one.message.content == both.message.content == "Sure.  and  done."
+    assert one.finish_reason == "tool_calls"
+    with oai.chat.completions.stream(**kwargs, parallel_tool_calls=False) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert _calls(streamed.message) == _calls(one.message)
+    assert streamed.message.content == one.message.content
+    assert streamed.finish_reason == "tool_calls"
+
+
+NAME = "^[A-Z][a-z]{1,8}$"
+
+
+class Address(BaseModel):
+    city: str = Field(pattern=NAME)
+
+
+class Person(BaseModel):
+    name: str = Field(pattern=NAME)
+    home: Address
+    work: Address | None
+
+
+class Node(BaseModel):
+    value: int = Field(ge=0, le=9)
+    children: list[Node] = Field(max_length=1)
+
+
+class Tree(BaseModel):
+    label: str = Field(pattern=NAME)
+    kids: list[Tree] = Field(max_length=1)
+
+
+def _shipment() -> type[BaseModel]:
+    """A model whose ``$defs`` has an ``Address`` too, another than ``Person``'s."""
+
+    class Address(BaseModel):
+        zip: int = Field(ge=1000, le=9999)
+
+    class Shipment(BaseModel):
+        to: Address
+
+    return Shipment
+
+
+def _pydantic_tools() -> tuple[list[Any], dict[str, type[BaseModel]]]:
+    """``openai.pydantic_function_tool`` of each model (``$defs`` and ``#/$defs/...``
+    references, two ``Address`` of different shapes, a recursive ``Node``), and ``Tree``
+    written against its own root (``"$ref": "#"``, as zod-to-json-schema writes one)."""
+    models: dict[str, type[BaseModel]] = {
+        "Person": Person,
+        "Shipment": _shipment(),
+        "Node": Node,
+        "Tree": Tree,
+    }
+    tools: list[Any] = [openai.pydantic_function_tool(model) for model in models.values()]
+    tree = tools[-1]["function"]["parameters"]
+    del tree["$defs"]
+    tools[-1]["function"]["parameters"] = json.loads(
+        json.dumps(tree).replace('"#/$defs/Tree"', '"#"')
+    )
+    return tools, models
+
+
+def _depth(value: Any) -> int:
+    """How deep objects nest in a JSON value."""
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return max((_depth(v) for v in value), default=0)
+    return 0
+
+
+def test_pydantic_tools_with_defs_and_recursion_are_called_with_valid_arguments(
+    oai: openai.OpenAI,
+) -> None:
+    """Tools from pydantic models, as ``openai.pydantic_function_tool`` and the Agents SDK
+    write them, under "required" (all four in one schema) and named: every call's arguments
+    validate against its model, and a recursive tool's children are its own shape (a
+    ``"$ref": "#"`` is the tool's arguments, not the array of calls)."""
+    tools, models = _pydantic_tools()
+    # A slight bias to "]" ends the recursive lists within the budget, yet lets some nest.
+    close = {str(i): 1 for i in range(TOKENIZER.vocab_size) if "]" in TOKENIZER.decode([i])}
+    nested = set()
+    # Seeds whose recursive calls nest, two per recursive tool where one would do.
+    forced = [("Person", 0), ("Shipment", 1), ("Node", 7), ("Node", 8), ("Tree", 5), ("Tree", 8)]
+    for name, seed in forced:
+        message = (
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                tools=tools,
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=MAX_TOKENS,
+                temperature=1.0,
+                seed=seed,
+                logit_bias={**STEADY, **close, **_favouring(name)},
+            )
+            .choices[0]
+            .message
+        )
+        [(called, arguments)] = _calls(message)
+        assert called == name, (called, arguments)
+        models[name].model_validate_json(arguments)
+        if name in ("Node", "Tree") and _depth(json.loads(arguments)) > 1:
+            nested.add(name)
+    assert nested == {"Node", "Tree"}, "a recursive tool never nested: the test shows little"
+    for name in ("Person", "Tree"):
+        named: Any = {"type": "function", "function": {"name": name}}
+        message = (
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                tools=tools,
+                tool_choice=named,
+                max_tokens=MAX_TOKENS,
+                temperature=1.0,
+                seed=1,
+                logit_bias={**STEADY, **close},
+            )
+            .choices[0]
+            .message
+        )
+        [(called, arguments)] = _calls(message)
+        models[called].model_validate_json(arguments)
+
+
+# --- a Mistral-style model (--tool-call-parser mistral) ----------------------------------------
+
+MISTRAL = "mistral-style"
+# Mistral's v3 format cut down to what a tool conversation needs, and its rule on ids: a call's
+# id and a result's tool_call_id must be 9 letters and digits, or the template refuses the
+# conversation (Mistral's own raises the same exception on any other length).
+MISTRAL_TEMPLATE = """
+{%- macro check(id) %}
+    {%- if not (id is string and id | length == 9 and id.isalnum()) %}
+        {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+    {%- endif %}
+{%- endmacro %}
+{%- for message in messages %}
+    {%- if message['role'] == 'user' %}
+        {%- if tools and loop.first %}
+            {{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}
+        {%- endif %}
+        {{- '[INST]' + message['content'] + '[/INST]' }}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] is defined %}
+        {{- '[TOOL_CALLS][' }}
+        {%- for call in message['tool_calls'] %}
+            {{- check(call['id']) }}
+            {{- '{"name": ' + (call['function']['name'] | tojson) + ', "arguments": ' }}
+            {{- (call['function']['arguments'] | tojson) + ', "id": "' + call['id'] + '"}' }}
+            {%- if not loop.last %}{{- ', ' }}{%- endif %}
+        {%- endfor %}
+        {{- ']</s>' }}
+    {%- elif message['role'] == 'assistant' %}
+        {{- message['content'] + '</s>' }}
+    {%- elif message['role'] == 'tool' %}
+        {{- check(message['tool_call_id']) }}
+        {{- '[TOOL_RESULTS]{"content": ' + (message['content'] | tojson) }}
+        {{- ', "call_id": "' + message['tool_call_id'] + '"}[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A small checkpoint with Mistral's ``[TOOL_CALLS]`` as a special token and a
+    Mistral-style template, served with ``--tool-call-parser mistral``."""
+    directory = tmp_path_factory.mktemp("mistral")
+    write(directory / "model", layers=2, hidden=64, seed=5, special_tokens=("[TOOL_CALLS]",))
+    (directory / "model" / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    args = ["--model-path", str(directory / "model"), "--served-model-name", MISTRAL]
+    srv = ServerProcess(directory / "tmp", [*args, "--tool-call-parser", "mistral"]).wait_ready()
+    try:
+        with srv.openai_client() as client:
+            yield client
+    finally:
+        srv.stop()
+
+
+MISTRAL_CALL = (
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "unit": "c"}}]'
+)
+
+
+def test_mistral_call_ids_are_nine_alphanumerics_and_the_next_turn_renders(
+    mistral: openai.OpenAI,
+) -> None:
+    """With ``--tool-call-parser mistral`` a call's id is 9 letters and digits under "auto"
+    (the parser reads the array the regex writes), "required" and a named function; the
+    next turn (the assistant's calls, then the tool's result) renders with the template,
+    which refuses OpenAI's ``call_...`` ids."""
+    common: Any = dict(model=MISTRAL, messages=MESSAGES, tools=TOOLS, max_tokens=MAX_TOKENS)
+    auto = mistral.chat.completions.create(
+        **common, temperature=0, extra_body={"guided_regex": re.escape(MISTRAL_CALL)}
+    ).choices[0]
+    assert auto.finish_reason == "tool_calls" and auto.message.content is None, auto
+    named: Any = {"type": "function", "function": {"name": "get_time"}}
+    forced = [
+        mistral.chat.completions.create(
+            **common, tool_choice=choice, temperature=1.0, seed=1, logit_bias=STEADY
+        ).choices[0]
+        for choice in ("required", named)
+    ]
+    for choice in (auto, *forced):
+        [call] = choice.message.tool_calls or []
+        assert re.fullmatch("[A-Za-z0-9]{9}", call.id), call
+
+    def next_turn(call_id: str) -> list[Any]:
+        [call] = auto.message.tool_calls or []
+        assistant = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{**call.model_dump(), "id": call_id}],
+        }
+        result = {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+        return [*MESSAGES, assistant, result]
+
+    [call] = auto.message.tool_calls or []
+    answer = mistral.chat.completions.create(
+        model=MISTRAL, messages=next_turn(call.id), tools=TOOLS, max_tokens=4
+    )
+    assert answer.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="alphanumeric strings with length 9"):
+        mistral.chat.completions.create(
+            model=MISTRAL, messages=next_turn("call_" + "0" * 24), tools=TOOLS, max_tokens=4
+        )

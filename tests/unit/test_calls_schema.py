@@ -140,3 +140,12 @@ def test_tools_without_references_are_as_before() -> None:
             "additionalProperties": False,
         },
     }
+
+
+def test_references_to_other_documents_and_anchors_are_left_as_they_are() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"$ref": "other.json#/x"}, "b": {"$ref": "#node"}},
+    }
+    combined = calls_schema({"f": schema}, one=False)
+    assert combined["items"]["properties"]["arguments"] == schema and "$defs" not in combined

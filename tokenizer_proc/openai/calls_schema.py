@@ -51,7 +51,8 @@ class _Hoist:
     reference to one is rewritten to its new place. A reference to anything else of the
     tool's own (``#``: the arguments object itself, as a recursive schema writes it, or a
     path inside it) makes the arguments one more entry of ``defs``, named for the tool, and
-    is rewritten to point there. A reference to another document is left as it is."""
+    is rewritten to point there. A reference to another document or to an anchor is left as
+    it is."""
 
     def __init__(self, tool: str, defs: dict[str, Any]) -> None:
         self._tool = tool
@@ -91,7 +92,7 @@ class _Hoist:
 
     def _is_own(self, ref: str) -> bool:
         """A reference to the arguments object or a path inside it (not a moved subschema)."""
-        return ref.startswith("#") and self._moved(ref) is None
+        return _is_pointer(ref) and self._moved(ref) is None
 
     def _moved(self, ref: str) -> tuple[str, list[str]] | None:
         """A reference into the tool's named subschemas: their name in defs and the rest of
@@ -103,13 +104,19 @@ class _Hoist:
         return None if renamed is None else (renamed, tokens[2:])
 
     def _ref(self, ref: str) -> str:
-        if not ref.startswith("#"):
+        if not _is_pointer(ref):
             return ref
         moved = self._moved(ref)
         if moved is not None:
             name, rest = moved
             return "/".join(["#", "$defs", _escaped(name), *rest])
         return f"#/$defs/{_escaped(self._itself)}{ref[1:]}"
+
+
+def _is_pointer(ref: str) -> bool:
+    """A JSON pointer into this document (``#``, ``#/...``); not another document's, nor an
+    anchor's name (``#node``), which no move changes."""
+    return ref == "#" or ref.startswith("#/")
 
 
 def _refs(schema: Any) -> list[str]:
