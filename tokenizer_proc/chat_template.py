@@ -129,7 +129,8 @@ class ChatTemplate:
         continue_final_message: bool = False,
     ) -> str:
         """``messages`` are plain dicts (``role``, ``content`` as a string, optional ``name``,
-        ``tool_calls``, ``tool_call_id``); ``tools`` the request's tool definitions (None:
+        ``tool_calls``, ``tool_call_id``, an assistant's ``reasoning_content`` and
+        ``reasoning``); ``tools`` the request's tool definitions (None:
         none); ``kwargs`` its ``chat_template_kwargs``, extra variables that cannot replace
         the ones above (as in vLLM); ``continue_final_message``: the last message is left
         open (``_left_open``). Raises ChatTemplateError for messages the template refuses

@@ -58,10 +58,18 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function_call: Any = None
     audio: Any = None
     refusal: str | None = None  # an earlier assistant refusal: ignored
+    # An earlier answer of this server sent back as it came: its reasoning (vLLM's newer
+    # ``reasoning``, and ``reasoning_content``) reaches the template, as in vLLM; OpenAI's
+    # ``annotations`` (citations) say nothing to the model and are ignored.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    annotations: list[Any] | None = None
 
     def to_template(self, index: int) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined with newlines and
-        ``developer`` as ``system`` (as vLLM and OpenAI do: templates know only ``system``)."""
+        """The message as the chat template sees it: text parts joined with newlines,
+        ``developer`` as ``system`` (as vLLM and OpenAI do: templates know only ``system``),
+        an assistant's reasoning as ``reasoning_content`` and ``reasoning`` (``reasoning``
+        wins where both are given and differ, as vLLM reads only that one)."""
         where = f"messages[{index}]"
         self._refuse_unsupported(where)
         role = "system" if self.role == "developer" else self.role
@@ -75,6 +83,10 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ]
         if self.role == "tool":
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            # Under both names, as vLLM passes it: Qwen3's template reads reasoning_content.
+            out["reasoning_content"] = out["reasoning"] = reasoning
         return out
 
     def _refuse_unsupported(self, where: str) -> None:
@@ -90,6 +102,11 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise RequestValidationError(
                 f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls"
             )
+        for name in ("reasoning", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise RequestValidationError(
+                    f"{where}.{name} is only allowed on assistant messages", f"{where}.{name}"
+                )
         if self.role == "tool" and self.tool_call_id is None:
             raise RequestValidationError(
                 f"{where}.tool_call_id is required on tool messages", f"{where}.tool_call_id"
