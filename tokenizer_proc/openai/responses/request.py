@@ -1,6 +1,6 @@
 """A ``POST /v1/responses`` body (``ResponsesRequest``) and what it becomes: the chat request
 the pipeline runs (``to_chat``), with the conversation's items as chat messages
-(``conversation_messages``).
+(``tokenizer_proc.openai.responses.input_items``).
 
 OpenAI's fields, with vLLM's extra fields (``seed``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``logit_bias``, ``skip_special_tokens``, ``structured_outputs``).
@@ -12,7 +12,6 @@ reasoning parser) is the chat route's own code: a Responses request is read into
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -22,13 +21,7 @@ from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 
-__all__ = [
-    "ResponsesBody",
-    "ResponsesRequest",
-    "conversation_messages",
-    "normalized_items",
-    "responses_names",
-]
+__all__ = ["ResponsesBody", "ResponsesRequest", "responses_names"]
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
@@ -269,179 +262,3 @@ def _param_in(message: str) -> str | None:
         return None
     end = message.find("`", start + 1)
     return message[start + 3 : end] if end > 0 else None
-
-
-# --- items --------------------------------------------------------------------------------------
-
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-
-
-def normalized_items(
-    value: str | list[dict[str, Any]] | None, where: str = "input"
-) -> list[dict[str, Any]]:
-    """The request's input as items in their full form (a string is one user message; a
-    message item's ``type`` is filled in). Raises RequestValidationError naming the item at
-    fault: an unknown type, a missing field, content of a kind this server cannot read."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}
-        ]
-    items = []
-    for i, item in enumerate(value):
-        at = f"{where}[{i}]"
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind not in ITEM_TYPES:
-            raise RequestValidationError(
-                f"{at}: items of type {kind!r} are not supported by this server; expected one of "
-                f"{', '.join(ITEM_TYPES)}",
-                f"{at}.type",
-            )
-        items.append(_READERS[kind](item, at))
-    return items
-
-
-def _message_item(item: dict[str, Any], at: str) -> dict[str, Any]:
-    role = item.get("role")
-    if role not in ("user", "system", "developer", "assistant"):
-        raise RequestValidationError(
-            f"{at}.role must be user, system, developer or assistant, got {role!r}", f"{at}.role"
-        )
-    content = item.get("content")
-    if isinstance(content, str):
-        parts = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
-    elif isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
-                parts.append({"type": kind, "text": part["text"]})
-            elif kind == "refusal" and isinstance(part.get("refusal"), str):
-                parts.append({"type": "refusal", "refusal": part["refusal"]})
-            else:
-                message = (
-                    f"{at}.content[{j}]: content parts of type {kind!r} are not supported by this "
-                    "server; only input_text, output_text and refusal"
-                )
-                raise RequestValidationError(message, f"{at}.content[{j}].type")
-    else:
-        raise RequestValidationError(
-            f"{at}.content must be a string or a list of content parts", f"{at}.content"
-        )
-    return {"type": "message", "role": role, "content": parts}
-
-
-def _string_field(item: dict[str, Any], name: str, at: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str):
-        raise RequestValidationError(
-            f"{at}.{name} is required and must be a string", f"{at}.{name}"
-        )
-    return value
-
-
-def _function_call_item(item: dict[str, Any], at: str) -> dict[str, Any]:
-    arguments = _string_field(item, "arguments", at)
-    try:
-        json.loads(arguments or "{}")
-    except json.JSONDecodeError as exc:
-        raise RequestValidationError(
-            f"{at}.arguments is not valid JSON: {exc}", f"{at}.arguments"
-        ) from exc
-    return {
-        "type": "function_call",
-        "call_id": _string_field(item, "call_id", at),
-        "name": _string_field(item, "name", at),
-        "arguments": arguments,
-    }
-
-
-def _function_call_output_item(item: dict[str, Any], at: str) -> dict[str, Any]:
-    output = item.get("output")
-    if isinstance(output, list):
-        texts = [
-            part.get("text")
-            for part in output
-            if isinstance(part, dict) and part.get("type") in ("input_text", "output_text")
-        ]
-        if len(texts) != len(output) or not all(isinstance(t, str) for t in texts):
-            raise RequestValidationError(
-                f"{at}.output: only text parts are supported by this server", f"{at}.output"
-            )
-        output = "".join(t for t in texts if isinstance(t, str))
-    if not isinstance(output, str):
-        raise RequestValidationError(
-            f"{at}.output is required and must be a string or a list of text parts", f"{at}.output"
-        )
-    return {
-        "type": "function_call_output",
-        "call_id": _string_field(item, "call_id", at),
-        "output": output,
-    }
-
-
-def _reasoning_item(item: dict[str, Any], at: str) -> dict[str, Any]:
-    content = item.get("content") or []
-    texts = [part.get("text", "") for part in content if isinstance(part, dict)]
-    return {
-        "type": "reasoning",
-        "content": [{"type": "reasoning_text", "text": t} for t in texts if isinstance(t, str)],
-    }
-
-
-_READERS = {
-    "message": _message_item,
-    "function_call": _function_call_item,
-    "function_call_output": _function_call_output_item,
-    "reasoning": _reasoning_item,
-}
-
-
-def conversation_messages(items: list[dict[str, Any]], first_new: int) -> list[dict[str, Any]]:
-    """The chat messages of a conversation's ``items`` (normalized), for the template.
-    ``first_new``: the index of the first item of this request's ``input`` (the earlier ones
-    come from the stored conversation), to name an item at fault as ``input[i]``.
-
-    Items become messages as OpenAI's conversation state says: a message item is a message
-    (``developer`` is ``system``), ``function_call`` items are the assistant's ``tool_calls``
-    (consecutive ones, and the assistant text before them, make one assistant turn), a
-    ``function_call_output`` is a ``tool`` message answering its ``call_id``, which an earlier
-    ``function_call`` of the conversation must have made. Reasoning items are accepted and
-    left out of the prompt (as the reasoning templates leave earlier turns' reasoning out)."""
-    messages: list[dict[str, Any]] = []
-    calls: set[str] = set()
-    for i, item in enumerate(items):
-        kind = item["type"]
-        if kind == "message":
-            texts = [p["text"] if p["type"] != "refusal" else p["refusal"] for p in item["content"]]
-            messages.append(
-                {
-                    "role": "system" if item["role"] == "developer" else item["role"],
-                    "content": "\n".join(texts),
-                }
-            )
-        elif kind == "function_call":
-            call = {
-                "id": item["call_id"],
-                "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            calls.add(item["call_id"])
-        elif kind == "function_call_output":
-            if item["call_id"] not in calls:
-                at = f"input[{i - first_new}].call_id" if i >= first_new else "previous_response_id"
-                raise RequestValidationError(
-                    f"{at}: no function_call of this conversation has call_id {item['call_id']!r}",
-                    at,
-                )
-            messages.append(
-                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
-            )
-        # reasoning items: left out of the prompt (see the module docstring)
-    return messages

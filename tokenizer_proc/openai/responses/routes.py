@@ -47,11 +47,10 @@ from tokenizer_proc.openai.responses.output import (
     response_object,
     response_usage,
 )
+from tokenizer_proc.openai.responses.input_items import conversation_messages, normalized_items
 from tokenizer_proc.openai.responses.request import (
     ResponsesBody,
     ResponsesRequest,
-    conversation_messages,
-    normalized_items,
     responses_names,
 )
 from tokenizer_proc.openai.responses.store import ResponseStore
