@@ -250,6 +250,7 @@ def message(draw: Any) -> dict[str, Any]:
     extra = draw(pool(
         MISSING, MISSING, ("name", "bob"), ("tool_call_id", "1"), ("refusal", "no"),
         ("tool_calls", [{"id": "1"}]), ("audio", {"id": "a"}), ("weight", 1),
+        ("reasoning", "hm"), ("reasoning_content", None), ("annotations", []),
     ))  # fmt: skip
     if extra is not MISSING:
         out[extra[0]] = extra[1]
@@ -269,7 +270,8 @@ MESSAGES = pool(
     st.lists(message(), max_size=3),
 )
 
-ITEM_KEYS = ["type", "role", "content", "call_id", "output", "name", "arguments"]
+ITEM_KEYS = ["type", "role", "content", "call_id", "output", "name", "arguments", "id", "status"]
+ITEM_KEYS += ["summary", "encrypted_content"]
 RESPONSE_ITEMS = pool(
     [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
     [
@@ -328,6 +330,12 @@ FIELDS: dict[str, tuple[str, dict[str, st.SearchStrategy[Any]]]] = {
         "input": pool(TEXT, TEXT, TEXTS, IDS, ID_LISTS), "model": MODEL,
         "encoding_format": pool("float", "base64", "hex"),
         "dimensions": pool(None, 1, 256, -1), "user": TEXT,
+    }),
+    "/tokenize": ("messages", {
+        "messages": MESSAGES, "prompt": pool(TEXT, TEXTS), "add_generation_prompt": BOOL,
+        "continue_final_message": BOOL, "tools": pool([], [{"type": "function"}]),
+        "chat_template_kwargs": pool({}, {"enable_thinking": False}), "add_special_tokens": BOOL,
+        "return_token_strs": BOOL, "chat_template": pool(None, "{{ messages }}"),
     }),
     "/encode": ("text", {"text": pool(TEXT, TEXTS), "input_ids": pool(IDS, ID_LISTS), "rid": RID}),
     "/abort_request": ("rid", {"rid": RID, "abort_all": BOOL}),
@@ -405,7 +413,12 @@ POST_TARGETS = (
     + [("gen", "/v1/completions")] * 4
     + [("gen", "/v1/chat/completions")] * 4
     + [("gen", "/v1/responses")] * 3
-    + [("gen", "/abort_request"), ("gen", "/v1/embeddings"), ("gen", "/encode")]
+    + [
+        ("gen", "/abort_request"),
+        ("gen", "/v1/embeddings"),
+        ("gen", "/encode"),
+        ("gen", "/tokenize"),
+    ]
     + [("emb", "/v1/embeddings")] * 3
     + [("emb", "/encode")] * 3
     + [("emb", "/generate"), ("emb", "/v1/completions"), ("emb", "/abort_request")]
@@ -525,6 +538,7 @@ def check_answer(case: Case, resp: httpx.Response) -> str | None:
         "/health_generate": "status",
         "/server_info": "live_requests",
         "/v1/models": "data",
+        "/tokenize": "tokens",
     }.get(path)
     if path == "/encode":
         items = body if isinstance(body, list) else [body]

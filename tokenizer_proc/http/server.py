@@ -19,12 +19,12 @@ from tokenizer_proc.http.hicache_api import build_hicache_router
 from tokenizer_proc.http.hot_routes import Endpoint, HotRoutes, post_endpoints
 from tokenizer_proc.http.peer_api import build_peer_router
 from tokenizer_proc.http.service_api import build_service_router
-from tokenizer_proc.http.tokenize_api import build_tokenize_router
 from tokenizer_proc.http.worker_api import build_worker_router
 from tokenizer_proc.native.routes import build_native_router
 from tokenizer_proc.openai.embeddings.routes import build_embeddings_router
 from tokenizer_proc.openai.responses.routes import build_responses_router
 from tokenizer_proc.openai.routes import build_openai_router
+from tokenizer_proc.openai.tokenize.routes import build_tokenize_router
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 

@@ -3,12 +3,14 @@
 take both peers' requests and answer both peers' keys).
 
 Neither touches the scheduler: they answer from the API process's own tokenizer. Under
-``--skip-tokenizer-init`` there is none, and both answer 400 saying so.
+``--skip-tokenizer-init`` there is none, and both answer 400 saying so. They are the OpenAI
+dialect's (both peers serve them from their OpenAI servers): the chat form renders a chat
+request's prompt with the chat route's messages and tools.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -19,8 +21,15 @@ from pipeline.tokenizer_loader import LoadedTokenizer
 from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.fields import TokenId
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateUnavailable
+from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
+from tokenizer_proc.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateUnavailable,
+    FinalMessageError,
+)
 from tokenizer_proc.http.common import error_response, model_not_found
+from tokenizer_proc.openai.tools import ChatTool, plan_tools
 from tokenizer_proc.request_edge.chat_messages import Message
 from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -28,22 +37,49 @@ from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's completion and chat forms in one struct (msgspec decodes no untagged union of
-    objects); ``check_form`` refuses a mix of the two. None means "not given"."""
+    objects); ``check_form`` refuses a mix of the two. None means "not given". The chat form
+    takes the fields of vLLM's ``TokenizeChatRequest`` that shape the prompt, with the chat
+    route's meanings, so its ids are the ones the same chat request runs."""
 
     model: str | None = None
     prompt: str | list[str] | None = None  # a list: SGLang's batch
     messages: Annotated[list[Message], Meta(min_length=1)] | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
+    # vLLM's, for what the chat route takes only at their neutral value too.
+    _REFUSED: ClassVar[tuple[Refusal, ...]] = (
+        neutral("chat_template"),
+        neutral("media_io_kwargs"),
+        neutral("mm_processor_kwargs"),
+    )
+    _CHAT_ONLY: ClassVar[tuple[str, ...]] = (
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "chat_template_kwargs",
+    )
+
     def check_form(self) -> None:
+        refuse(self, self._REFUSED)
         if (self.prompt is None) == (self.messages is None):
             raise RequestValidationError("give exactly one of `prompt` and `messages`", "prompt")
-        if self.prompt is not None and self.add_generation_prompt is not None:
+        for name in self._CHAT_ONLY if self.prompt is not None else ():
+            if getattr(self, name) is not None:
+                raise RequestValidationError(f"{name} goes with `messages`, not `prompt`", name)
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            # The chat route's check and words (vLLM's); add_generation_prompt defaults to true.
             raise RequestValidationError(
-                "add_generation_prompt goes with `messages`, not `prompt`", "add_generation_prompt"
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
             )
+
+
+TokenizeBody = declare(TokenizeRequest, TokenizeRequest._REFUSED)
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -98,12 +134,13 @@ async def answer_tokenize(
     """``POST /tokenize``: takes a ``prompt`` (``add_special_tokens`` defaults to true, as in
     vLLM and SGLang: the tokenizer's post-processor BOS/EOS, if it has one), SGLang's list of
     prompts (then ``tokens``, ``count`` and ``token_strs`` are lists, one per prompt), or chat
-    ``messages`` rendered through the same chat template as ``/v1/chat/completions``
-    (``add_special_tokens`` defaults to false there, so the ids are exactly the prompt a chat
-    request would run). It answers ``{"count", "max_model_len", "tokens", "token_strs"}``,
-    ``token_strs`` null unless ``return_token_strs`` (vLLM's model, whose optional field is
-    always in its answer)."""
-    body: TokenizeRequest = decode_body(await request.body(), TokenizeRequest)
+    ``messages`` rendered through the same chat template as ``/v1/chat/completions``, with
+    vLLM's ``add_generation_prompt``, ``continue_final_message``, ``tools`` and
+    ``chat_template_kwargs`` (``add_special_tokens`` defaults to false there, so the ids are
+    exactly the prompt the same chat request runs). It answers ``{"count", "max_model_len",
+    "tokens", "token_strs"}``, ``token_strs`` null unless ``return_token_strs`` (vLLM's
+    model, whose optional field is always in its answer)."""
+    body: TokenizeRequest = decode_body(await request.body(), TokenizeBody)
     body.check_form()
     if body.model is not None and body.model != tm.model_name:
         return model_not_found(body.model)
@@ -182,11 +219,27 @@ def _tokens(tokenizer: LoadedTokenizer, template: ChatTemplate, body: TokenizeRe
     if isinstance(body.prompt, str):
         return _prompt_tokens(tokenizer, body.prompt, body.add_special_tokens)
     assert body.messages is not None
+    return tokenizer.encode(
+        _chat_prompt(template, body), add_special_tokens=bool(body.add_special_tokens)
+    )
+
+
+def _chat_prompt(template: ChatTemplate, body: TokenizeRequest) -> str:
+    """The prompt text the chat route renders for the same messages and fields
+    (``tokenizer_proc.openai.jobs.prepare_chat``): the same template arguments, the tools as
+    the chat route's tool plan hands them over, the same refusals under the same names."""
+    assert body.messages is not None
     messages = [m.to_template(i) for i, m in enumerate(body.messages)]
+    plan = plan_tools(body.tools, None, None)
     try:
-        rendered = template.render(
-            messages, add_generation_prompt=body.add_generation_prompt is not False
+        return template.render(
+            messages,
+            add_generation_prompt=body.add_generation_prompt is not False,
+            tools=plan.template_tools if plan is not None else None,
+            kwargs=body.chat_template_kwargs,
+            continue_final_message=bool(body.continue_final_message),
         )
+    except FinalMessageError as exc:
+        raise RequestValidationError(str(exc), "continue_final_message") from exc
     except ChatTemplateError as exc:
         raise RequestValidationError(str(exc), "messages") from exc
-    return tokenizer.encode(rendered, add_special_tokens=bool(body.add_special_tokens))
