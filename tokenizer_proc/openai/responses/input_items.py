@@ -117,7 +117,8 @@ def normalized_items(
         at = f"{where}[{i}]"
         item = _object(item, at)
         # A message may give only its role (OpenAI's "easy" input message).
-        kind = _field(item, "type", at, (str,), required="role" not in item) or "message"
+        kind = _field(item, "type", at, (str,), required="role" not in item)
+        kind = "message" if kind is None else kind
         if kind not in ITEM_TYPES:
             raise RequestValidationError(
                 f"{at}.type: items of type {kind!r} are not supported by this server; expected "
