@@ -13,10 +13,11 @@ import msgspec
 from fastapi import Request
 
 from pipeline.io_struct import Constraint, SamplingParams
-from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateError, FinalMessageError
+from tokenizer_proc.chat_template import ChatTemplate
 from tokenizer_proc.http.common import abort_unfinished, trace_context
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.openai.chat_parsing import ChatParsing
+from tokenizer_proc.openai.chat_prompt import render_chat_prompt
 from tokenizer_proc.openai.sampling_request import SamplingRequest
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 from tokenizer_proc.openai.vllm_extras import truncate_prompt
@@ -94,19 +95,14 @@ def prepare_chat(
         # The parser must see its marker where that is a special token (as vLLM does for
         # Mistral's [TOOL_CALLS]); a request that says otherwise is obeyed.
         body.skip_special_tokens = False
-    try:
-        tools = plan.template_tools if plan is not None else None
-        prompt = template.render(
-            body.template_messages(),
-            add_generation_prompt=body.add_generation_prompt is not False,
-            tools=tools,
-            kwargs=body.chat_template_kwargs,
-            continue_final_message=bool(body.continue_final_message),
-        )
-    except FinalMessageError as exc:
-        raise RequestValidationError(str(exc), "continue_final_message") from exc
-    except ChatTemplateError as exc:
-        raise RequestValidationError(str(exc), "messages") from exc
+    prompt = render_chat_prompt(
+        template,
+        body.template_messages(),
+        tools=plan.template_tools if plan is not None else None,
+        add_generation_prompt=body.add_generation_prompt,
+        kwargs=body.chat_template_kwargs,
+        continue_final_message=body.continue_final_message,
+    )
     max_param = body.max_tokens_param()
     with openai_names("messages", max_param):
         # vLLM's default is false: the template writes the BOS itself.

@@ -22,13 +22,9 @@ from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.fields import TokenId
 from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
-from tokenizer_proc.chat_template import (
-    ChatTemplate,
-    ChatTemplateError,
-    ChatTemplateUnavailable,
-    FinalMessageError,
-)
+from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
 from tokenizer_proc.http.common import error_response, model_not_found
+from tokenizer_proc.openai.chat_prompt import render_chat_prompt
 from tokenizer_proc.openai.tools import ChatTool, plan_tools
 from tokenizer_proc.request_edge.chat_messages import Message
 from tokenizer_proc.request_checks import without_tokenizer
@@ -231,15 +227,11 @@ def _chat_prompt(template: ChatTemplate, body: TokenizeRequest) -> str:
     assert body.messages is not None
     messages = [m.to_template(i) for i, m in enumerate(body.messages)]
     plan = plan_tools(body.tools, None, None)
-    try:
-        return template.render(
-            messages,
-            add_generation_prompt=body.add_generation_prompt is not False,
-            tools=plan.template_tools if plan is not None else None,
-            kwargs=body.chat_template_kwargs,
-            continue_final_message=bool(body.continue_final_message),
-        )
-    except FinalMessageError as exc:
-        raise RequestValidationError(str(exc), "continue_final_message") from exc
-    except ChatTemplateError as exc:
-        raise RequestValidationError(str(exc), "messages") from exc
+    return render_chat_prompt(
+        template,
+        messages,
+        tools=plan.template_tools if plan is not None else None,
+        add_generation_prompt=body.add_generation_prompt,
+        kwargs=body.chat_template_kwargs,
+        continue_final_message=body.continue_final_message,
+    )
