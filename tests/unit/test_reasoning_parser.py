@@ -350,3 +350,18 @@ def test_a_tool_call_inside_reasoning_is_reasoning_not_a_call() -> None:
     whole = splitter.feed(f"{START}{TOOL_CALL}{END}ok") + splitter.finish()
     assert (whole.reasoning, whole.content, whole.tool_calls) == (TOOL_CALL, "ok", ())
     assert splitter.calls == []
+
+
+def test_count_with_broken_utf8_in_the_reasoning_goes_by_the_raw_bytes() -> None:
+    """A model can write a broken UTF-8 sequence (here the first two bytes of a three-byte
+    character, then ASCII): the text shows one U+FFFD for them, three bytes where the tokens
+    have two, and the count must still stop at the end tag."""
+    tokens = [b" a\xe4\xb8\x96\xe7\x95", b"e", b"b", b"</think>", b"ok"]
+    text = b"".join(tokens).decode("utf-8", "replace")
+    assert text == " a\u4e16\ufffdeb</think>ok"
+    assert count_reasoning_tokens(tokens, text, (0, text.index("</think>"))) == 3
+    # A broken sequence right before the tag, and one at the very end of the output.
+    tokens = [b"x\xe7\x95", b"</think>", b"y\xe7"]
+    text = b"".join(tokens).decode("utf-8", "replace")
+    assert count_reasoning_tokens(tokens, text, (0, text.index("</think>"))) == 1
+    assert count_reasoning_tokens(tokens, text, (0, len(text))) == 3

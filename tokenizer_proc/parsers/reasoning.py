@@ -11,6 +11,7 @@ against it.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -84,9 +85,7 @@ def count_reasoning_tokens(
     cut into rows."""
     if span is None or span[0] >= span[1]:
         return 0  # no reasoning, or an empty one: no bytes to overlap
-    start, end = span
-    first = len(text[:start].encode())  # S
-    stop = first + len(text[start:end].encode())  # E
+    first, stop = _byte_span(b"".join(token_bytes), text, span)  # S, E
     count = 0
     at = 0  # a_i
     for raw in token_bytes:
@@ -97,6 +96,35 @@ def count_reasoning_tokens(
             count += 1
         at = after
     return count
+
+
+def _byte_span(raw: bytes, text: str, span: tuple[int, int]) -> tuple[int, int]:
+    """``span`` (characters of ``text``) as offsets into ``raw``, the tokens' bytes. ``text``
+    is ``raw`` decoded, where a broken UTF-8 sequence (a model can write one) shows as one
+    U+FFFD, three bytes in ``text`` whatever it stands for in ``raw``: then the offsets come
+    from decoding ``raw`` again."""
+    start, end = span
+    if "\ufffd" in text:
+        starts = _char_starts(raw)
+        if len(starts) == len(text):
+            starts.append(len(raw))  # the end of the text
+            return starts[start], starts[end]
+    first = len(text[:start].encode())
+    return first, first + len(text[start:end].encode())
+
+
+def _char_starts(raw: bytes) -> list[int]:
+    """Where each character of ``raw.decode("utf-8", "replace")`` starts in ``raw``."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    starts: list[int] = []
+    pending = 0  # where the bytes not decoded yet start
+    for i in range(len(raw) + 1):
+        out = decoder.decode(raw[i : i + 1], final=i == len(raw))
+        # The first character began with the pending bytes; one emitted with it (after a
+        # broken sequence) is the byte just fed.
+        starts.extend([pending] + [i] * (len(out) - 1) if out else [])
+        pending = i + 1 - len(decoder.getstate()[0])
+    return starts
 
 
 class ReasoningParser:
