@@ -279,7 +279,7 @@ class GrammarCompiler:
             elif job.ran_for(now) > self.timeout and self._pool.write_off(job):
                 outcome = GrammarError(
                     f"compiling it took longer than {self.timeout:g} s (the server's "
-                    "--grammar-compile-timeout): a simpler schema or grammar would compile"
+                    "--grammar-compile-timeout)"
                 )
             else:
                 continue

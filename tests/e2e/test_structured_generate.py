@@ -7,9 +7,9 @@ the server goes on serving.
 
 Only the constraint makes a random model's answers parse. The answers are bounded
 (patterns, enums, maxItems, integer ranges), and whitespace-only tokens are biased away
-(``logit_bias`` -100: a JSON grammar allows any amount of whitespace between tokens), so
-each ends well within ``max_new_tokens``; a bias cannot bring back a token the grammar
-forbids, since the mask comes first.
+(``logit_bias`` -100: a random model would fill every gap between JSON tokens with as much
+whitespace as the grammar allows), so each ends well within ``max_new_tokens``; a bias
+cannot bring back a token the grammar forbids, since the mask comes first.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_a_compile_past_the_limit_fails_its_requests_and_the_other_specs_compile
             assert isinstance(finish, FinishAbort) and finish.status_code == 400, finish
             assert finish.message == (
                 "guided_regex: compiling it took longer than 5 s (the server's "
-                "--grammar-compile-timeout): a simpler schema or grammar would compile"
+                "--grammar-compile-timeout)"
             )
             assert out[req_id].tokens == []
         assert_valid("regex", out[4])

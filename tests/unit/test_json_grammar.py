@@ -1,8 +1,7 @@
 """The grammars the scheduler compiles, fed byte by byte (scheduler_proc/sampling/json_grammar.py,
 grammar.py's ``compile_spec``): every JSON string is strict RFC 8259 (no raw control
-character, no encoded surrogate; a bounded string takes escapes, each one character), the
-whitespace between tokens is bounded or absent as the options say, and a grammar whose
-language is empty is refused when it compiles.
+character, no encoded surrogate), the whitespace between tokens is bounded or absent as the
+options say, and a grammar whose language is empty is refused when it compiles.
 
 The vocabulary is the 256 bytes and a stop token, so a test spells any byte string and asks
 the matcher whether it takes it whole."""
@@ -62,25 +61,28 @@ STRINGS: dict[str, tuple[xgr.CompiledGrammar, str]] = {
 }
 
 
+# Where a string takes escapes: xgrammar writes a bounded one, or one with a pattern, as
+# characters alone (no quote, backslash or control character in it at all).
+ESCAPED = ("plain", "json_object key", "json_object value")
+
+
 @pytest.mark.parametrize("where", list(STRINGS))
 def test_no_json_string_takes_a_raw_control_character(where: str) -> None:
     """xgrammar 0.2.9 lets a bounded string take U+0000-U+001F raw (not JSON); here every
-    string refuses each of them, and takes it escaped (a pattern takes no escape at all)."""
+    string refuses each of them, and the strings that take escapes take it escaped."""
     grammar, document = STRINGS[where]
     assert takes(grammar, document.replace("@", '"ab"'))
     for code in range(0x20):
         assert not takes(grammar, document.replace("@", f'"ab{chr(code)}"')), (where, code)
-        if where != "pattern":
-            assert takes(grammar, document.replace("@", '"ab' + f"\\u{code:04x}" + '"'))
+        escaped = takes(grammar, document.replace("@", '"ab' + f"\\u{code:04x}" + '"'))
+        assert escaped == (where in ESCAPED), (where, code)
 
 
-def test_a_bounded_string_takes_escapes_each_one_character() -> None:
+def test_a_bounded_string_counts_its_characters_and_takes_no_escape() -> None:
     grammar = schema({"type": "string", "minLength": 2, "maxLength": 3})
-    assert takes(grammar, r'"\n\u00e9\""')
-    assert takes(grammar, r'"a\\"')
-    assert not takes(grammar, r'"\"\"\"\""')  # four characters
-    assert not takes(grammar, '"abcd"') and not takes(grammar, r'"\"')
-    assert not takes(grammar, r'"\x"')  # not a JSON escape
+    assert takes(grammar, '"ab"') and takes(grammar, '"a\x7fé"') and takes(grammar, '"😀😀😀"')
+    assert not takes(grammar, '"a"') and not takes(grammar, '"abcd"')
+    assert not takes(grammar, r'"a\n"') and not takes(grammar, '"a\\"')
 
 
 @pytest.mark.parametrize("where", ["maxLength", "plain", "json_object value"])
