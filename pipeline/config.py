@@ -109,6 +109,15 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chunked_prefill_size: Annotated[
         int, Flag("scheduler", "prompt tokens prefilled per step, at most; -1 disables chunking")
     ] = 512
+    enable_deterministic_inference: Annotated[
+        bool,
+        Flag(
+            "scheduler",
+            "the same tokens and logprobs for a seeded request whether its prompt is prefilled "
+            "whole, chunked or served from the prefix cache, alone or in any batch: kernels whose "
+            "result for a row does not depend on the other rows (SGLang's flag)",
+        ),
+    ] = False
     stream_interval: Annotated[
         int,
         Flag("scheduler", "a streaming request emits every N tokens (and on its first and last)"),

@@ -6,8 +6,10 @@ values into the pool and attends each new token over its sequence's keys, read t
 a faster kernel replaces this module and nothing else.
 
 Two paths (``pool_attention``), chosen by the pass's shape (``AttentionLayout.is_decode``),
-never by the rows in it, so a row's output does not depend on its neighbours' kind. Both
-read padded key columns (finite: the KVPool's and RowKV's invariant) and weight them 0.
+never by the rows in it, so a row's output does not depend on its neighbours' kind; with
+``--enable-deterministic-inference`` a third serves every other causal pass, attending each
+query as a decode step. All read padded key columns (finite: the KVPool's and RowKV's
+invariant) and weight them 0.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from scheduler_proc.model import batch_invariant
 from scheduler_proc.model.forward_batch import AttentionLayout
 
 
@@ -37,8 +40,12 @@ def pool_attention(
       running batch's dense KV copy (``scheduler_proc.cache.row_kv``) when the pass has one,
       else it is gathered from the pool head-major, straight into that shape (random reads
       of the pool: a large share of a big decode step on the CPU, which the copy saves).
+    - with ``layout.per_query`` (deterministic inference), every other causal pass:
+      ``per_query_attention``, each new token as a decode step over its own keys.
     - everything else (prefill chunks, mixed lengths, dLLM blocks): ``padded_attention``,
       one masked SDPA call over queries padded to [B, Qmax]."""
+    if layout.per_query:
+        return per_query_attention(q, k, v, layout, k_cache, v_cache, scale)
     if not layout.is_decode:
         return padded_attention(q, k, v, layout, k_cache, v_cache, scale)
     reads = layout.decode_reads(k_cache.shape[1])
@@ -54,14 +61,21 @@ def pool_attention(
         # view, not reshape: a non-contiguous layer slice would make reshape copy the whole pool.
         keys = k_cache.view(-1, d).index_select(0, reads.rows).view(b * kh, -1, d)  # [B*KH, L, D]
         values = v_cache.view(-1, d).index_select(0, reads.rows).view(b * kh, -1, d)
-    return decode_attention(q, keys, values, reads.bias, scale)
+    return decode_attention(q, keys, values, reads.bias, scale, layout.deterministic)
 
 
 def decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, H, D]; keys and values [B * KH, L, D], sequence b's
-    kv head h at b * KH + h; bias [B * KH, 1, L] (-inf on padded columns). Returns [B, H, D]."""
+    kv head h at b * KH + h; bias [B * KH, 1, L] (-inf on padded columns). Returns [B, H, D].
+    ``deterministic``: the weighted sum adds up key block by key block
+    (``batch_invariant.weighted_values``), so L does not change a row's bits."""
     b, h, d = q.shape
     kh = keys.shape[0] // b
     # Query head i reads kv head i // G (SDPA's enable_gqa, HF's repeat_kv): the G query
@@ -73,7 +87,53 @@ def decode_attention(
     queries = q.reshape(b * kh, h // kh, d).to(wide)
     scores = torch.baddbmm(bias.to(wide), queries, keys.to(wide).transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs, values.to(wide)).to(q.dtype).view(b, h, d)
+    if deterministic:
+        out = batch_invariant.weighted_values(probs, values.to(wide))
+    else:
+        out = torch.bmm(probs, values.to(wide))
+    return out.to(q.dtype).view(b, h, d)
+
+
+def per_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: AttentionLayout,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Any causal pass, each new token attending as a decode step does: its G query heads of a
+    kv head against that head's keys, one batched product per token (``decode_attention``),
+    so a token's output is the same bits in a whole prefill, a chunk, a cached prompt's last
+    position and a decode step. Same arguments and result as ``pool_attention``."""
+    k_cache.index_copy_(0, layout.out_slots, k)
+    v_cache.index_copy_(0, layout.out_slots, v)
+    t, h, d = q.shape
+    kh = k_cache.shape[1]
+    reads = layout.query_reads(kh)
+    # Widened once here: decode_attention's casts are then no-ops, never copies per token.
+    wide = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    keys = k_cache.view(-1, d).index_select(0, reads.rows).view(-1, kh, reads.bias.shape[-1], d)
+    values = v_cache.view(-1, d).index_select(0, reads.rows).view(keys.shape)
+    keys, values = keys.to(wide), values.to(wide)
+    out = torch.empty_like(q)
+    g = h // kh
+    for b, (start, n) in enumerate(reads.spans):
+        tokens = slice(start, start + n)
+        queries = q[tokens].view(n, kh, g, d)
+        for head in range(kh):
+            # Every token of the sequence reads the same keys: a stride-0 batch, no copy.
+            shape = (n, *keys.shape[2:])
+            out[tokens, head * g : (head + 1) * g] = decode_attention(
+                queries[:, head],
+                keys[b, head].expand(shape),
+                values[b, head].expand(shape),
+                reads.bias[tokens],
+                scale,
+                deterministic=True,
+            )
+    return out
 
 
 def padded_attention(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from scheduler_proc.cache.kv_pool import head_major_rows
 from scheduler_proc.cache.row_kv import RowKVPass
+from scheduler_proc.model.batch_invariant import KEY_BLOCK, key_columns
 
 
 @dataclass
@@ -138,15 +140,23 @@ def _cat_cpu(tensors: list[torch.Tensor]) -> torch.Tensor:
 # A decode pass reads each row's keys padded to a multiple of this many columns. Without it
 # a row's scores and softmax change in the last bit with the batch's longest row: the CPU
 # kernels (a gemm's edge tiles, softmax's vector tail) take a different path for the last
-# width % 16 columns. Aligned, the padding adds only exact zeros, so a row's output is the
-# same bits alone or in any batch (tests/unit/test_attention.py), which keeps a seeded
-# request's tokens the same beside any neighbours. It costs at most 15 padded columns.
+# width % 16 columns. Aligned, the padding adds only exact zeros to the scores and softmax,
+# and for the built-in model's shapes to the weighted sum too (tests/unit/test_attention.py);
+# at other shapes the weighted sum's matmul splits its sum by the width (4 query heads of 128:
+# 200 to 368 columns), which deterministic inference's key blocks avoid (KEY_BLOCK). It costs
+# at most 15 padded columns.
 DECODE_KEY_ALIGN = 16
 
 
-def decode_key_columns(max_kv_len: int) -> int:
+def key_align(deterministic: bool) -> int:
+    """What a decode (or per-query) pass pads its key columns to a multiple of: with
+    ``--enable-deterministic-inference`` the key block its weighted sum adds up by."""
+    return KEY_BLOCK if deterministic else DECODE_KEY_ALIGN
+
+
+def decode_key_columns(max_kv_len: int, align: int = DECODE_KEY_ALIGN) -> int:
     """The key columns a decode pass reads when its longest sequence has ``max_kv_len``."""
-    return -(-max_kv_len // DECODE_KEY_ALIGN) * DECODE_KEY_ALIGN
+    return key_columns(max_kv_len, align)
 
 
 @dataclass(frozen=True)
@@ -163,6 +173,18 @@ class DecodeReads:
     bias: torch.Tensor  # [B * KH, 1, L] model dtype: 0 on a key, -inf on a padded column
 
 
+@dataclass(frozen=True)
+class QueryReads:
+    """How a per-query pass (``AttentionLayout.per_query``) reads one layer's keys: the
+    head-major block a decode pass gathers from the pool, and each new token's bias over it,
+    so that every token attends as it would as a decode step."""
+
+    num_kv_heads: int
+    rows: torch.Tensor  # [B * KH * L] int64, in (b, h, column) order
+    bias: torch.Tensor  # [T, 1, L] model dtype: 0 on the token's keys (its position and before)
+    spans: list[tuple[int, int]]  # per sequence: its first new token's row, its new tokens
+
+
 @dataclass
 class AttentionLayout:
     """Per-pass view of a ForwardBatch for attention, computed once and shared by every layer.
@@ -172,7 +194,9 @@ class AttentionLayout:
     return NaN. Its output is dropped by unpad().
 
     A decode pass (``is_decode``: one new token per sequence, all causal) is read head-major
-    instead (``decode_reads``); its key columns past ``kv_lens[b]`` are padding.
+    instead (``decode_reads``); its key columns past ``kv_lens[b]`` are padding. With
+    ``deterministic`` every other causal pass is read so too (``per_query``, ``query_reads``):
+    each new token attends as a decode step of its own.
     """
 
     cos: torch.Tensor  # [T, 1, D] rotary rows of the new tokens, model dtype
@@ -186,9 +210,14 @@ class AttentionLayout:
     pad_index: torch.Tensor | None  # [T] row in the flattened [B * Qmax]; None = no padding
     is_decode: bool
     row_kv: RowKVPass | None  # the decode pass's dense KV copy, or None: gather from the pool
+    positions: torch.Tensor  # [T] the new tokens' positions
+    new_lens: torch.Tensor  # [B]
+    causal: bool  # False: a dLLM pass, whose blocks attend both ways
+    deterministic: bool  # --enable-deterministic-inference: per_query passes, key blocks
     # decode_reads' result for the one kv head count a model has: built by the first layer,
     # read by the rest (the head count is the pool's, which from_batch does not see).
     _decode_reads: DecodeReads | None = field(default=None, init=False, repr=False)
+    _query_reads: QueryReads | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_batch(
@@ -197,6 +226,8 @@ class AttentionLayout:
         cos_cache: torch.Tensor,
         sin_cache: torch.Tensor,
         dtype: torch.dtype,
+        *,
+        deterministic: bool = False,
     ) -> AttentionLayout:
         b, t = batch.batch_size, batch.num_tokens
         device = batch.input_ids.device
@@ -236,7 +267,21 @@ class AttentionLayout:
             pad_index=pad_index,
             is_decode=max_new == 1 and batch.bidirectional_from is None,
             row_kv=batch.row_kv,
+            positions=batch.positions,
+            new_lens=batch.new_lens,
+            causal=batch.bidirectional_from is None,
+            deterministic=deterministic,
         )
+
+    @property
+    def per_query(self) -> bool:
+        """Whether this pass attends query by query, as decode steps do (``query_reads``):
+        with ``deterministic``, every causal pass that is not a decode pass."""
+        return self.deterministic and self.causal and not self.is_decode
+
+    @property
+    def key_align(self) -> int:
+        return key_align(self.deterministic)
 
     def decode_reads(self, num_kv_heads: int) -> DecodeReads:
         """The head-major rows and padding bias of a decode pass, for pools of
@@ -254,8 +299,8 @@ class AttentionLayout:
     def _build_decode_reads(self, num_kv_heads: int) -> DecodeReads:
         table = self.kv_slot_table
         b, width = table.shape
-        # Key columns padded to a multiple of DECODE_KEY_ALIGN (weight 0): see there.
-        length = decode_key_columns(width)
+        # Key columns padded to a multiple of key_align (weight 0): see DECODE_KEY_ALIGN.
+        length = decode_key_columns(width, self.key_align)
         rows = head_major_rows(table, num_kv_heads, length) if self.row_kv is None else None
         # The new token is the last of its sequence, so causality is just "a key exists".
         padded = torch.arange(length, device=table.device).view(1, length) >= self.kv_lens.view(
@@ -270,6 +315,30 @@ class AttentionLayout:
             .reshape(b * num_kv_heads, 1, length)
         )
         return DecodeReads(rows=rows, bias=bias)
+
+    def query_reads(self, num_kv_heads: int) -> QueryReads:
+        """The head-major rows, per-token bias and spans of a per-query pass, for pools of
+        ``num_kv_heads`` heads; built once per pass."""
+        if not self.per_query:
+            raise ValueError("AttentionLayout.query_reads: not a per-query pass")
+        reads = self._query_reads
+        if reads is None or reads.num_kv_heads != num_kv_heads:
+            reads = self._query_reads = self._build_query_reads(num_kv_heads)
+        return reads
+
+    def _build_query_reads(self, num_kv_heads: int) -> QueryReads:
+        table = self.kv_slot_table
+        length = decode_key_columns(table.shape[1], self.key_align)
+        rows = head_major_rows(table, num_kv_heads, length)
+        # A token sees its sequence's keys up to its own position: causal, and every column
+        # past kv_lens[b] lies beyond it.
+        key_pos = torch.arange(length, device=table.device).view(1, length)
+        later = key_pos > self.positions.view(-1, 1)
+        bias = torch.zeros(later.shape, dtype=self.cos.dtype, device=table.device)
+        bias = bias.masked_fill_(later, float("-inf")).unsqueeze(1)
+        lens = self.new_lens.tolist()  # a host sync, once per pass (prefill only)
+        starts = accumulate(lens[:-1], initial=0)
+        return QueryReads(num_kv_heads, rows, bias, list(zip(starts, lens)))
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [B, Qmax, ...]"""

@@ -24,6 +24,7 @@ from torch import nn
 from pipeline.model_config import ModelConfig
 from scheduler_proc.model.forward_batch import AttentionLayout, ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.model import batch_invariant
 from scheduler_proc.model.attention import pool_attention
 from scheduler_proc.model.rotary import rotary_tables
 from scheduler_proc.model.weights import (
@@ -51,6 +52,7 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         *,
         bias: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         self.weight = _param((out_features, in_features), device, dtype)
@@ -58,8 +60,12 @@ class Linear(nn.Module):
             self.bias = _param((out_features,), device, dtype)
         else:
             self.register_parameter("bias", None)
+        # Each row the same bits at any row count (batch_invariant.linear).
+        self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return batch_invariant.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -89,7 +95,12 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        deterministic: bool,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -103,10 +114,14 @@ class LlamaAttention(nn.Module):
             cfg.num_attention_heads * cfg.head_dim,
             cfg.num_key_value_heads * cfg.head_dim,
         )
-        self.q_proj = Linear(h, q_dim, device, dtype, bias=cfg.qkv_bias)
-        self.k_proj = Linear(h, kv_dim, device, dtype, bias=cfg.qkv_bias)
-        self.v_proj = Linear(h, kv_dim, device, dtype, bias=cfg.qkv_bias)
-        self.o_proj = Linear(q_dim, h, device, dtype, bias=cfg.o_bias)
+
+        def proj(n_in: int, n_out: int, bias: bool) -> Linear:
+            return Linear(n_in, n_out, device, dtype, bias=bias, deterministic=deterministic)
+
+        self.q_proj = proj(h, q_dim, cfg.qkv_bias)
+        self.k_proj = proj(h, kv_dim, cfg.qkv_bias)
+        self.v_proj = proj(h, kv_dim, cfg.qkv_bias)
+        self.o_proj = proj(q_dim, h, cfg.o_bias)
         # Qwen3: each head's q and k are RMS-normed over head_dim before the rotary.
         self.q_norm = (
             RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
@@ -137,24 +152,32 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, deterministic: bool
+    ) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(h, i, device, dtype, bias=cfg.mlp_bias)
-        self.up_proj = Linear(h, i, device, dtype, bias=cfg.mlp_bias)
-        self.down_proj = Linear(i, h, device, dtype, bias=cfg.mlp_bias)
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = Linear(h, i, device, dtype, bias=bias, deterministic=deterministic)
+        self.up_proj = Linear(h, i, device, dtype, bias=bias, deterministic=deterministic)
+        self.down_proj = Linear(i, h, device, dtype, bias=bias, deterministic=deterministic)
+        self.silu = batch_invariant.silu if deterministic else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer_idx: int, device: torch.device | str, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        deterministic: bool,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype)
-        self.mlp = LlamaMLP(cfg, device, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, device, dtype, deterministic)
+        self.mlp = LlamaMLP(cfg, device, dtype, deterministic)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
@@ -164,11 +187,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, deterministic: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, i, device, dtype, deterministic)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
@@ -182,12 +208,22 @@ class LlamaForCausalLM(nn.Module):
     rotary_sin: torch.Tensor
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32
+        self,
+        config: ModelConfig,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        *,
+        deterministic: bool = False,
     ) -> None:
+        """``deterministic``: every row's result the same bits in any pass
+        (``--enable-deterministic-inference``, ``scheduler_proc.model.batch_invariant``)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, device, dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, device, dtype)
+        self.deterministic = deterministic
+        self.model = LlamaModel(config, device, dtype, deterministic)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, device, dtype, deterministic=deterministic
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         cos, sin = rotary_tables(config, config.context_limit)
@@ -217,7 +253,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
         """The final-normed hidden states [T, hidden] of all new tokens; writes their KV."""
-        layout = AttentionLayout.from_batch(batch, self.rotary_cos, self.rotary_sin, self.dtype)
+        layout = AttentionLayout.from_batch(
+            batch, self.rotary_cos, self.rotary_sin, self.dtype, deterministic=self.deterministic
+        )
         h = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             h = layer(h, layout, kv)
@@ -234,10 +272,12 @@ class LlamaForCausalLM(nn.Module):
         seed: int,
         device: torch.device | str,
         dtype: torch.dtype = torch.float32,
+        *,
+        deterministic: bool = False,
     ) -> LlamaForCausalLM:
         """Seeded init, drawn on the CPU in float32 so the weights are the same on every
         device and dtype conversion is the only difference."""
-        model = cls(config, device, dtype)
+        model = cls(config, device, dtype, deterministic=deterministic)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():  # deduplicates a tied lm_head
@@ -251,14 +291,20 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, device: torch.device | str, dtype: torch.dtype | None = None
+        cls,
+        model_dir: str | Path,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        *,
+        deterministic: bool = False,
     ) -> LlamaForCausalLM:
         """Load config.json and the checkpoint's safetensors (every shard of
         model.safetensors.index.json). dtype=None keeps the checkpoint's dtype."""
         model_dir = Path(model_dir)
         config = ModelConfig.from_hf_dict(read_config(model_dir))
         files = checkpoint_files(model_dir)
-        model = cls(config, device, dtype or checkpoint_dtype(config, files))
+        model_dtype = dtype or checkpoint_dtype(config, files)
+        model = cls(config, device, model_dtype, deterministic=deterministic)
         load_weights(model, files)
         return model
 

@@ -10,7 +10,7 @@ import torch
 
 from pipeline.config import ServerConfig
 from pipeline.model_config import load_model_config
-from scheduler_proc.model.forward_batch import ForwardBatch, decode_key_columns
+from scheduler_proc.model.forward_batch import ForwardBatch, decode_key_columns, key_align
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.row_kv import NoRowKV, RowKV
 from scheduler_proc.model.host_memory import keep_freed_host_memory
@@ -54,17 +54,20 @@ class ModelRunner:
         self.model_config = load_model_config(config, vocab_size)
         # --dtype auto: the checkpoint's own; the built-in model's is float32.
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
+        deterministic = config.enable_deterministic_inference
         if config.model_path is None:
             self.model = LlamaForCausalLM.random(
                 self.model_config,
                 seed=config.model_seed,
                 device=self.device,
                 dtype=dtype or torch.float32,
+                deterministic=deterministic,
             )
         else:
             self.model = LlamaForCausalLM.from_pretrained(
-                config.model_path, device=self.device, dtype=dtype
+                config.model_path, device=self.device, dtype=dtype, deterministic=deterministic
             )
+        self.key_align = key_align(deterministic)
         self.model.eval()
         mc = self.model_config
         self.kv = KVPool(
@@ -105,7 +108,10 @@ class ModelRunner:
         request in row b joined the batch as ``joined[b]`` (which says whether the dense KV
         copy's row b is still its). Returns last-token logits [B, V]."""
         row_kv = self.row_kv.prepare(
-            joined, seq_lens, kv_slot_table, decode_key_columns(kv_slot_table.shape[1])
+            joined,
+            seq_lens,
+            kv_slot_table,
+            decode_key_columns(kv_slot_table.shape[1], self.key_align),
         )
         batch = ForwardBatch.decode(
             torch.from_numpy(last_tokens.astype(np.int64)),

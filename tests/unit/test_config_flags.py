@@ -31,7 +31,7 @@ FLAGS = {
     "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count",
     "--responses-store-bytes", "--metrics-compat", "--enable-tokenizer-info-endpoint",
     "--constrained-json-max-whitespace", "--constrained-json-disable-any-whitespace",
-    "--grammar-compile-timeout",
+    "--grammar-compile-timeout", "--enable-deterministic-inference",
 }  # fmt: skip
 HIDDEN = {"--ready-endpoint", "--config-json"}
 

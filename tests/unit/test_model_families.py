@@ -76,15 +76,24 @@ def pool_logprobs(model: LlamaForCausalLM, ids: list[int], chunks: list[int]) ->
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_each_family_equals_transformers_through_the_pool(case: str, tmp_path: Path) -> None:
+def test_each_family_equals_transformers_through_the_pool(
+    case: str, deterministic: bool, tmp_path: Path
+) -> None:
+    """Both kernel sets: the default, and --enable-deterministic-inference's, whose logprobs
+    are moreover the same bits however the positions are split into passes."""
     reference = write_checkpoint(tmp_path, case)
-    ours = LlamaForCausalLM.from_pretrained(tmp_path, device="cpu")
+    ours = LlamaForCausalLM.from_pretrained(tmp_path, device="cpu", deterministic=deterministic)
     assert ours.config.architecture == reference.config.architectures[0]
     ids = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), -1)
-    torch.testing.assert_close(pool_logprobs(ours, ids, [40, 16]), expected, atol=1e-4, rtol=0)
+    got = pool_logprobs(ours, ids, [40, 16])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    if deterministic:
+        for chunks in ([70], [1, 5, 33], []):  # whole, ragged chunks, every position a decode
+            assert torch.equal(pool_logprobs(ours, ids, chunks), got), chunks
 
 
 def test_the_scalings_change_the_rotary() -> None:
