@@ -2,13 +2,13 @@
 
 For each batch size and sampling mode a fresh scheduler (``build_scheduler``) decodes B
 streamed requests that never finish during the run; each timed ``Scheduler.step()`` is split
-into the model forward, the batch build, the sampler and the host work left, because the host
-work is what the scheduler's own code owns. ``--constrained`` adds the grammar's cost per
-step, ``--profile`` a cProfile of the largest batch, and ``--compare-forward`` the forward
-before and after the dense KV copy, in alternating child processes. The jobs live in
-``bench.scheduler_step_workload``, ``bench.scheduler_step_timers``, ``bench.scheduler_step_run``,
-``bench.scheduler_step_report`` and ``bench.scheduler_step_forward``; this module reads the
-command line. Usage and figures: bench/README.md.
+into the model forward, the batch build, the sampler and the host work left. ``--constrained``
+adds the grammar's cost per step, ``--profile`` a cProfile of the largest batch,
+``--compare-forward`` the forward before and after the dense KV copy (alternating child
+processes), ``--compare-deterministic`` the step with deterministic inference off and on
+(steps taking turns). The jobs live in ``bench.scheduler_step_workload``, ``_timers``,
+``_run``, ``_report``, ``_forward`` and ``_deterministic``; this module reads the command
+line. Usage and figures: bench/README.md.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.scheduler_step_deterministic import (  # noqa: E402
+    compare_deterministic,
+    format_deterministic,
+)
 from bench.scheduler_step_forward import (  # noqa: E402
     FORWARD_ARMS,
     child_args,
@@ -128,7 +132,18 @@ def add_forward_flags(parser: argparse.ArgumentParser) -> None:
         "attention in alternating child processes; print both and the ratio",
     )
     parser.add_argument(
+        "--compare-deterministic",
+        action="store_true",
+        help="time the step with --enable-deterministic-inference off and on, two schedulers "
+        "in this process taking turns step by step; print both and the ratio",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="--compare-forward: rounds of both arms (default 3)"
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="build the schedulers with --enable-deterministic-inference",
     )
     parser.add_argument(
         "--forward",
@@ -166,11 +181,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.compare_forward:
-        if args.profile:
-            parser.error("--compare-forward does not profile; run --profile on its own")
+        if args.profile or args.compare_deterministic:
+            parser.error("--compare-forward runs alone: no --profile or --compare-deterministic")
         comparison = compare_forward(child_args(args), args.rounds)
         print(format_comparison(comparison))
         write_json(args.json, comparison)
+        return 0
+    if args.compare_deterministic:
+        if args.profile or args.constrained or args.deterministic:
+            parser.error("--compare-deterministic runs both arms unconstrained, unprofiled")
+        report = compare_deterministic(
+            args.batch_sizes,
+            samplings=args.sampling,
+            steps=args.steps,
+            context=args.context,
+            warmup=args.warmup,
+            torch_threads=args.torch_threads,
+            device=args.device,
+            seed=args.seed,
+            model_path=args.model_path,
+        )
+        print(format_deterministic(report))
+        write_json(args.json, report)
         return 0
     if args.forward == "before":
         use_forward_before()
@@ -189,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         constrained=args.constrained,
         model_path=args.model_path,
+        deterministic=args.deterministic,
     )
     print(format_report(report))
     write_json(args.json, report)

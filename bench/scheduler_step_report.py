@@ -56,7 +56,7 @@ def header(report: dict[str, Any]) -> list[str]:
     m, cfg, model = report["machine"], report["config"], report["model"]
     constrained = (
         "; every row constrained by a nested JSON schema" if cfg.get("constrained") else ""
-    )
+    ) + ("; --enable-deterministic-inference" if cfg.get("deterministic") else "")
     return [
         f"machine: cpu_count={m['cpu_count']} (usable {m['cpus_usable']}), "
         f"torch_threads={m['torch_threads']}, torch {m['torch']}, device={m['device']}"

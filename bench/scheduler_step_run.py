@@ -155,11 +155,14 @@ def run_batch(
     seed: int = 0,
     constrained: bool = False,
     model_path: str | None = None,
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     if batch_size < 1 or steps < 1 or context < 1 or warmup < 0:
         raise ValueError("batch size, steps and context must be >= 1, warmup >= 0")
     sizes = lengths(batch_size, context, warmup, steps, profile_steps)
-    scheduler = build(batch_size, context + sizes.max_new, torch_threads, device, model_path)
+    scheduler = build(
+        batch_size, context + sizes.max_new, torch_threads, device, model_path, deterministic
+    )
     max_new = fit_context(scheduler, context, warmup + steps + profile_steps, sizes.max_new)
     constraint = (
         Constraint("json_schema", json.dumps(bench_schema(max_new)), "bench")
@@ -272,6 +275,7 @@ def run(
     seed: int = 0,
     constrained: bool = False,
     model_path: str | None = None,
+    deterministic: bool = False,
 ) -> dict[str, Any]:
     results = []
     profiled = max(batch_sizes) if profile else None
@@ -293,6 +297,7 @@ def run(
                 seed=seed,
                 constrained=constrained,
                 model_path=model_path,
+                deterministic=deterministic,
             )
             results.append(row)
         if not machine:  # after the first build: build_scheduler sets the torch threads
@@ -318,6 +323,7 @@ def run(
             "seed": seed,
             "constrained": constrained,
             "model_path": model_path,
+            "deterministic": deterministic,
         },
         "machine": machine,
         "model": model,

@@ -38,6 +38,7 @@ def build(
     torch_threads: int | None,
     device: str,
     model_path: str | None = None,
+    deterministic: bool = False,
 ) -> Scheduler:
     # Headroom beyond the requests' own KV: the pool also leaves slots for the next decode
     # step during admission, and nothing here may ever trigger a retraction.
@@ -48,6 +49,7 @@ def build(
         torch_threads=torch_threads,
         device=device,
         model_path=model_path,
+        enable_deterministic_inference=deterministic,
     )
     return build_scheduler(config)
 

@@ -143,3 +143,31 @@ def test_sampling_flag_selects_the_modes(
     )
     with pytest.raises(SystemExit):
         bench.main(["--sampling", "greedy,beam"])
+
+
+@pytest.mark.timeout(60)
+def test_compare_deterministic_prints_both_arms_and_their_ratio(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--compare-deterministic``: a row per (batch size, sampling mode) with each arm's
+    median step, tokens/s, the pairs' on/off ratio and the prefill's; ``--deterministic``
+    runs the plain table with the mode on."""
+    out = tmp_path / "result.json"
+    argv = ["--batch-sizes", "2", "--sampling", "greedy", "--steps", "3", "--warmup", "1"]
+    argv += ["--context", "8", "--torch-threads", "1", "--device", "cpu"]
+    assert bench.main([*argv, "--compare-deterministic", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("batch"))
+    row = lines[lines.index(header) + 1].split()
+    columns = header.split()[2:]
+    assert row[:2] == ["2", "greedy"] and len(row) == 2 + len(columns)
+    result = json.loads(out.read_text())["results"][0]
+    assert result["steps"] == 3
+    for column in columns[1:]:
+        assert result[column] > 0 and math.isfinite(result[column]), column
+    assert result["off_tok/s"] == pytest.approx(2e3 / result["off_ms"])
+    assert bench.main([*argv, "--deterministic", "--json", str(out)]) == 0
+    assert "--enable-deterministic-inference" in capsys.readouterr().out
+    assert json.loads(out.read_text())["config"]["deterministic"] is True
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--compare-deterministic", "--compare-forward"])
