@@ -1,13 +1,17 @@
 """SGLang batch requests on /generate (``tokenizer_proc/native/batch.py``), and the peers'
-error wording on /generate and the OpenAI routes, against the shared server.
+error wording on /generate and the OpenAI routes, against this module's server, which runs
+``--enable-deterministic-inference``.
 
-A batch item is the single request it stands for: same text, ids and meta_info (ids,
-timings and cached tokens aside, which depend on when it ran and what ran before)."""
+A batch item is the single request it stands for: same text, ids, logprobs and meta_info
+(ids, timings and cached tokens aside, which depend on when it ran and what ran before),
+whether its prompt was prefilled or served from the prefix cache."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +20,20 @@ import pytest
 from tests.server_harness import ServerProcess
 
 N = 20
+# Top-level /generate fields of every request the batch test sends (one value for all items).
+LOGPROBS = {"return_logprob": True, "top_logprobs_num": 2}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server whose answers do not depend on the prefix cache or the batch (deterministic
+    inference), so the batch test compares answers bit for bit with no cache flushes."""
+    tmp: Path = tmp_path_factory.mktemp("deterministic-server") / "tmp"
+    srv = ServerProcess(tmp, ["--enable-deterministic-inference"]).wait_ready()
+    yield srv
+    srv.stop()
+
+
 _VARYING = {
     "id",
     "cached_tokens",
@@ -88,31 +106,32 @@ def _num_requests(c: httpx.Client) -> float:
 
 @pytest.mark.parametrize("field", ["text", "input_ids"])
 def test_a_batch_answers_as_its_single_requests_do(server: ServerProcess, field: str) -> None:
-    """20 prompts, greedy and seeded, non-streamed and streamed: each item's answer equals
-    the same single request's, in order."""
+    """20 prompts, greedy and seeded, non-streamed and streamed: each item's answer (tokens
+    and logprobs) equals the same single request's, in order. The singles fill the prefix
+    cache and the batches find their prompts there: the answers do not change."""
     prompts: list[Any] = [f"Batch prompt number {i}: once upon a time" for i in range(N)]
     if field == "input_ids":
         prompts = [[5 + i, 17, 230 + 3 * i, 41, 9] for i in range(N)]
     samplings = [_sampling(i) for i in range(N)]
     with server.client() as c:
-        # Each run starts from an empty prefix cache: a prompt found there has its last
-        # position recomputed alone, and last-bit differences could flip a sampled near-tie.
-        assert c.post("/flush_cache").status_code == 200
         singles = [
-            c.post("/generate", json={field: p, "sampling_params": s}).json()
+            c.post("/generate", json={field: p, "sampling_params": s, **LOGPROBS}).json()
             for p, s in zip(prompts, samplings)
         ]
-        assert c.post("/flush_cache").status_code == 200
-        batch = c.post("/generate", json={field: prompts, "sampling_params": samplings})
+        both = {field: prompts, "sampling_params": samplings, **LOGPROBS}
+        batch = c.post("/generate", json=both)
         assert batch.status_code == 200, batch.text
-        assert c.post("/flush_cache").status_code == 200
-        streamed = _last_per_index(_stream(c, {field: prompts, "sampling_params": samplings}), N)
+        streamed = _last_per_index(_stream(c, both), N)
     answers = batch.json()
     assert isinstance(answers, list) and len(answers) == N
     expected = [_comparable(s) for s in singles]
     assert [_comparable(a) for a in answers] == expected
     assert [_comparable(a) for a in streamed] == expected
     assert all(a["output_ids"] for a in answers)
+    assert all(
+        len(s["meta_info"]["output_token_logprobs"]) == len(s["output_ids"]) for s in singles
+    )
+    assert all(a["meta_info"]["cached_tokens"] > 0 for a in answers), "the cache served nothing"
 
 
 def test_one_sampling_params_and_one_rid_serve_every_item(server: ServerProcess) -> None:
