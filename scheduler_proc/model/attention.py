@@ -122,9 +122,9 @@ def per_query_attention(
     for b, (start, n) in enumerate(reads.spans):
         tokens = slice(start, start + n)
         queries = q[tokens].view(n, kh, g, d)
+        # Every token of the sequence reads the same keys: a stride-0 batch, no copy.
+        shape = (n, *keys.shape[2:])
         for head in range(kh):
-            # Every token of the sequence reads the same keys: a stride-0 batch, no copy.
-            shape = (n, *keys.shape[2:])
             out[tokens, head * g : (head + 1) * g] = decode_attention(
                 queries[:, head],
                 keys[b, head].expand(shape),

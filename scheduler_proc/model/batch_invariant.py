@@ -14,13 +14,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-# A matmul of fewer rows runs other kernels (a matrix-vector product for one row, small-M
-# kernels for a few; on several threads, a few rows per thread), each summing in its own
-# order. From 12 rows on, a row's bits were the same at any row count and place, 1 to 14
-# threads; 16 leaves a margin.
+# A matmul of fewer rows takes other code paths (below 4 rows; on several threads, 5 to 11
+# rows too), each summing in its own order. From 12 rows on, a row's bits were the same at any
+# row count and place, 1 to 14 threads; 16 leaves a margin.
 MIN_GEMM_ROWS = 16
 
-# ATen runs an elementwise op on one thread below this many values (at::internal::GRAIN_SIZE).
+# ATen runs an elementwise op of fewer values than this on one thread (at::internal::GRAIN_SIZE).
 SERIAL_VALUES = 32768
 
 # A multiple of every CPU build's vector step (2 * Vec::size() values: 32 floats on AVX512,
@@ -55,8 +54,8 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     lanes wherever it sits."""
     rows, width = x.shape
     out = x.new_empty((rows, width + VECTOR_STEP))[:, :width]
-    cols = width if width <= SERIAL_VALUES else SERIAL_VALUES
-    per = max(1, SERIAL_VALUES // cols)
+    cols = width if width < SERIAL_VALUES else SERIAL_VALUES - VECTOR_STEP
+    per = max(1, (SERIAL_VALUES - 1) // cols)
     if torch.get_num_threads() == 1 and cols == width:
         per = rows  # serial anyway: one call
     for c in range(0, width, cols):

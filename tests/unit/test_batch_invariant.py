@@ -54,7 +54,7 @@ def test_a_linear_rows_bits_do_not_depend_on_its_batch(
 
 
 @pytest.mark.parametrize("threads", [1, 3], indirect=True)
-@pytest.mark.parametrize("width", [37, 704, 5000, 40000])
+@pytest.mark.parametrize("width", [37, 704, 5000, 16384, 40000])
 def test_a_silu_rows_bits_do_not_depend_on_its_batch(threads: int, width: int) -> None:
     x = torch.randn(70, width, generator=torch.Generator().manual_seed(width)) * 4
     alone = each_row_alone(batch_invariant.silu, x)
