@@ -312,7 +312,7 @@ def run_same_server(
         report["structured"] = run_async(
             run_structured(url, cfg, args.json_schema, args.rounds, next_set, procs)
         )
-        next_set += 2 * args.rounds + 1
+        next_set += 2 * args.rounds + 2
     if args.tools is not None:
         report["tool_calling"] = run_async(
             run_tools(url, cfg, args.tools, args.rounds, next_set, procs)

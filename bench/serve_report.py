@@ -195,6 +195,12 @@ def fmt_structured(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
         f"cached {k['cached_ttft_ms']:.1f}, unconstrained {k['unconstrained_ttft_ms']:.1f}; "
         f"a compile adds {k['compile_ms']:.1f} ms to a first request"
     )
+    a = s["answers"]
+    lines.append(
+        f"  answers with room to end ({a['requests']}, at most {a['max_new_tokens']} tokens): "
+        f"median {a['median_completion_tokens']:.0f} completion tokens, "
+        f"{a['ended']} of {a['requests']} ended by the grammar"
+    )
     return lines
 
 

@@ -1,18 +1,18 @@
 """``--json-schema FILE`` of bench/serve.py: what structured output costs a serving run.
 
-With ``--launch``, after the main run, two measurements on the same server. Throughput: the
+With ``--launch``, after the main run, three measurements on the same server. Throughput: the
 workload unconstrained against every request constrained by the schema in FILE, in
-``run_rounds``; the schema is compiled once, in the first constrained run, and every later
-request finds it in the scheduler's grammar cache, so the rounds measure the mask's cost per
-step. Compile cost: on the idle server, the TTFT of a request whose schema is new to the
-server (a fresh ``description``, so no cache knows it) against the same schema cached and no
-schema. A schema whose answers can end before ``--max-new-tokens`` makes the constrained
-requests shorter: ``bench/schemas/order.json`` keeps every answer going. Details:
-bench/README.md.
+``run_rounds``; the schema is compiled once and then cached, so the rounds measure the mask's
+cost per step (``bench/schemas/order.json`` keeps every answer going past ``--max-new-tokens``).
+Compile cost: on the idle server, the TTFT of a request whose schema is new to the server (a
+fresh ``description``) against the same schema cached and no schema. Answer length: the median
+completion tokens of constrained answers with room to end (``ANSWER_ROOM``), which the JSON
+whitespace bound keeps short where a model spends tokens on blanks. Details: bench/README.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
@@ -27,6 +27,12 @@ from bench.serve_compare import run_rounds, same_server
 
 COMPILE_TRIALS = 5
 COMPILE_PROBE_TOKENS = 4
+ANSWER_REQUESTS = 64  # constrained answers sent at once to measure their length, at most
+# Their budget: room for the grammar to end them, this many times --max-new-tokens (the
+# README's 64 gives 1536), so a small test workload stays small; at most what the built-in
+# model's 2048 positions leave beside a prompt.
+ANSWER_ROOM = 24
+ANSWER_TOKENS = 1536
 
 
 def read_schema(text: str) -> str:
@@ -95,6 +101,40 @@ async def measure_compile_cost(
     }
 
 
+async def measure_answer_lengths(
+    url: str, cfg: LoadConfig, schema: str, prompt_set: int
+) -> dict[str, Any]:
+    """The completion tokens of constrained answers (``ANSWER_REQUESTS``, or the workload's
+    request count if smaller) with a budget ``ANSWER_ROOM`` times the workload's (at most
+    ``ANSWER_TOKENS``): the median, and how many the grammar ended before the budget."""
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        info = (await client.get(f"{url}/server_info")).raise_for_status().json()
+    vocab = int(info["vocab_size"])
+    n = min(ANSWER_REQUESTS, cfg.requests)
+    budget = min(ANSWER_TOKENS, ANSWER_ROOM * cfg.max_new_tokens)
+    probe = replace(cfg, json_schema=schema, max_new_tokens=budget, prompt_set=prompt_set)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                send_one(client, url, make_body(i, probe, vocab, False), t0, api=cfg.api)
+                for i in range(n)
+            )
+        )
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"answer length probe: {len(failed)} failed, e.g. {failed[0]}")
+    tokens = [r.completion_tokens or r.tokens for r in results]
+    return {
+        "requests": n,
+        "max_new_tokens": budget,
+        "completion_tokens": tokens,
+        "median_completion_tokens": statistics.median(tokens),
+        "ended": sum(t < budget for t in tokens),
+    }
+
+
 async def run_structured(
     url: str,
     cfg: LoadConfig,
@@ -103,9 +143,11 @@ async def run_structured(
     prompt_set: int,
     procs: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Unconstrained against constrained in ``run_rounds``, then the compile cost."""
+    """Unconstrained against constrained in ``run_rounds``, then the compile cost and the
+    answers' length."""
     result = await run_rounds(
         same_server(structured_variants(cfg, schema), url, procs), rounds, prompt_set
     )
     compile_cost = await measure_compile_cost(url, cfg, schema, prompt_set + 2 * rounds)
-    return {"schema_bytes": len(schema), **result, "compile": compile_cost}
+    lengths = await measure_answer_lengths(url, cfg, schema, prompt_set + 2 * rounds + 1)
+    return {"schema_bytes": len(schema), **result, "compile": compile_cost, "answers": lengths}
