@@ -98,10 +98,10 @@ class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     schema as JSON text; ``json_object``, empty (any JSON object); ``regex``, the pattern;
     ``grammar``, EBNF (xgrammar's GBNF dialect); ``choice``, a JSON list of the strings
     allowed. ``param``: the request field that asked for it, named in the 400 an invalid
-    ``spec`` gets (the engine's reason follows). ``any_whitespace``: False writes JSON with
-    no whitespace between its tokens (vLLM's ``disable_any_whitespace``); part of the compile's
-    key. ``reasoning_end``: the token ids that end the answer's reasoning; the grammar applies
-    from the token after them (empty: from the first token)."""
+    ``spec`` gets (the engine's reason follows). ``any_whitespace``: False writes compact JSON,
+    no whitespace but one space after ``,`` and ``:`` (vLLM's ``disable_any_whitespace``); part
+    of the compile's key. ``reasoning_end``: the token ids that end the answer's reasoning; the
+    grammar applies from the token after them (empty: from the first token)."""
 
     kind: str
     spec: str

@@ -412,19 +412,26 @@ def test_an_invalid_spec_is_a_400_with_the_field_and_the_engines_reason(
 def test_tool_parameters_the_engine_cannot_enforce_are_a_400_naming_the_tool(
     oai: openai.OpenAI,
 ) -> None:
+    """Under a named tool_choice and under "required" alike, the refusal names the tool whose
+    parameters are at fault, with the keyword's place in them."""
     tags = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
     parameters = {"type": "object", "properties": {"tags": tags}, "required": ["tags"]}
-    with pytest.raises(openai.BadRequestError) as caught:
-        oai.chat.completions.create(
-            model=MODEL,
-            messages=MESSAGES,
-            max_tokens=16,
-            tools=[{"type": "function", "function": {"name": "tag", "parameters": parameters}}],
-            tool_choice={"type": "function", "function": {"name": "tag"}},
-        )
-    error = caught.value.body
-    assert isinstance(error, dict) and error["param"] == "tools[0].function.parameters", error
-    assert "uniqueItems at #/properties/tags/uniqueItems" in error["message"], error
+    tools: list[Any] = [
+        {"type": "function", "function": {"name": "other"}},
+        {"type": "function", "function": {"name": "tag", "parameters": parameters}},
+    ]
+    named: Any = {"type": "function", "function": {"name": "tag"}}
+    for choice in (named, "required"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            oai.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=16, tools=tools, tool_choice=choice
+            )
+        error = caught.value.body
+        assert isinstance(error, dict) and error["param"] == "tools[1].function.parameters", error
+        assert "uniqueItems at #/properties/tags/uniqueItems" in error["message"], error
+    # Under "auto" the parameters are only shown to the model, so nothing is refused.
+    served = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, tools=tools)
+    assert served.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
 def test_two_constraints_are_refused_naming_the_second(http: httpx.Client) -> None:

@@ -124,6 +124,8 @@ def plan_tools(
     if tool_choice == "none":
         return ToolPlan("none", names, template_tools, parallel)
     if tool_choice == "required":
+        for i, tool_schema in enumerate(parameters.values()):  # each named by its own field
+            check_schema(tool_schema, f"tools[{i}].function.parameters")
         schema = calls_schema(parameters, one=not parallel)
         return ToolPlan(
             "required",
