@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.io_struct import FinishLength, FinishReason, FinishStop
-from scheduler_proc.sampling.grammar import StepMasks, refused_token
+from scheduler_proc.sampling.grammar import StepMasks
 from scheduler_proc.sampling.logprobs import keep_decode_logprobs
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows
@@ -113,8 +113,8 @@ class BatchDecoder:
             batch.sync(req)
             reason: FinishReason | None = None
             if outcome == OUTSIDE_GRAMMAR:
-                assert req.constraint is not None
-                reason = refused_token(req.constraint.param, token, 500)
+                assert req.constraint is not None and req.matcher is not None
+                reason = self.masks.refusal(req.constraint.param, req.matcher, token)
             elif (
                 req.sampling.stop
                 and outcome != STOP_TOKEN

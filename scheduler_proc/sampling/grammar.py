@@ -355,6 +355,8 @@ class StepMasks(Protocol):
 
     def accept(self, grammar: GrammarRows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
+    def refusal(self, param: str, matcher: xgr.GrammarMatcher, token: int) -> FinishAbort: ...
+
 
 class NoGrammars:
     """The masks of a scheduler without grammars: no request there is constrained (admission
@@ -364,6 +366,9 @@ class NoGrammars:
         raise AssertionError("a constrained request on a scheduler without grammars")
 
     def accept(self, grammar: GrammarRows, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise AssertionError("a constrained request on a scheduler without grammars")
+
+    def refusal(self, param: str, matcher: xgr.GrammarMatcher, token: int) -> FinishAbort:
         raise AssertionError("a constrained request on a scheduler without grammars")
 
 
@@ -413,3 +418,17 @@ class TokenMasks:
         )
         ended = grammar.rows[accepted & np.isin(drawn, self._stop_ids)]
         return ended, grammar.rows[~accepted]
+
+    def refusal(self, param: str, matcher: xgr.GrammarMatcher, token: int) -> FinishAbort:
+        """Why a row's matcher refused its drawn token (the event path only): a grammar that
+        allows no token where the answer stands (it can never be completed: a 400, as a
+        grammar that matches nothing is refused when it compiles), else a fault (500)."""
+        bitmask = _xgr().allocate_token_bitmask(1, self._vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            return FinishAbort(
+                message=f"{param}: the grammar allows no token after the output so far, so "
+                "the answer can never be completed",
+                status_code=400,
+            )
+        return refused_token(param, token, 500)

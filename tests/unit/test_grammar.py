@@ -661,3 +661,19 @@ def test_an_unknown_kind_is_refused_with_a_400() -> None:
         and finish.status_code == 400
         and finish.message.startswith("p: unknown structured-output kind 'yaml'")
     )
+
+
+def test_a_grammar_that_dead_ends_mid_answer_finishes_with_a_400_not_a_fault() -> None:
+    """A grammar whose first tokens can be written but that then allows nothing (an empty
+    character class after a literal) cannot be caught when it compiles; the row it strands
+    finishes with a 400 naming the field, not the 500 of a refused token."""
+    s = make()
+    dead_end = Constraint("grammar", 'root ::= "ab" [^\\x00-\\U0010FFFF]', "ebnf")
+    submit(s, 1, dead_end, sampling(1))
+    submit(s, 2, constraint("regex"), sampling(2))  # a neighbour that goes on
+    out = run(s)
+    finish = out[1].finish
+    assert isinstance(finish, FinishAbort) and finish.status_code == 400, finish
+    assert finish.message.startswith("ebnf: the grammar allows no token after"), finish
+    assert TOKENIZER.decode(out[1].tokens[:-1]) == "ab"
+    assert_valid("regex", out[2])
