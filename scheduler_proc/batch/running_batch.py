@@ -330,9 +330,11 @@ class RunningBatch:
         if not self._num_gated:
             return
         for row in np.flatnonzero(new == self.gate_last[: self._n]).tolist():
+            req = self.reqs[row]
+            assert req.gate is not None, "a gated row lost its gate"
             end = int(self.seq_len[row])
-            output = self.tokens[row, int(self.prompt_len[row]) : end].tolist()
-            if open_if_ended(self.reqs[row], output):
+            start = max(int(self.prompt_len[row]), end - len(req.gate.end))
+            if open_if_ended(req, self.tokens[row, start:end].tolist()):  # the output's tail
                 self.gate_last[row] = -1
                 self._num_gated -= 1
                 self.constrained[row] = True

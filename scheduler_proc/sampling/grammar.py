@@ -161,10 +161,13 @@ def matches_nothing(grammar: xgr.CompiledGrammar) -> bool:
     """Whether a new matcher allows no first token, the end (a stop token) included: an
     empty language, as ``root ::= root`` or an empty character class has. A request with it
     could only draw a token the mask forbids."""
-    xgr = _xgr()
-    vocab_size = grammar.tokenizer_info.vocab_size
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+    return allows_no_token(new_matcher(grammar), grammar.tokenizer_info.vocab_size)
+
+
+def allows_no_token(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Whether ``matcher``'s next mask is empty: the answer can go no further."""
+    bitmask = _xgr().allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
     # int32 words, little-endian: bit i of word w is token 32 * w + i.
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
     return not bits[:vocab_size].any()
@@ -423,9 +426,7 @@ class TokenMasks:
         """Why a row's matcher refused its drawn token (the event path only): a grammar that
         allows no token where the answer stands (it can never be completed: a 400, as a
         grammar that matches nothing is refused when it compiles), else a fault (500)."""
-        bitmask = _xgr().allocate_token_bitmask(1, self._vocab_size)
-        matcher.fill_next_token_bitmask(bitmask)
-        if not bool(bitmask.any()):
+        if allows_no_token(matcher, self._vocab_size):
             return FinishAbort(
                 message=f"{param}: the grammar allows no token after the output so far, so "
                 "the answer can never be completed",

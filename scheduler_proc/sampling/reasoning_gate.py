@@ -29,9 +29,18 @@ class ReasoningGate:
     end: tuple[int, ...]
 
     def ended_at(self, output_ids: Sequence[int]) -> bool:
-        """Whether ``output_ids`` ends with the reasoning's end (checked after each token)."""
+        """Whether ``output_ids`` (the output, or as many of its last tokens as ``end`` has)
+        ends with the reasoning's end (checked after each token)."""
         n = len(self.end)
         return len(output_ids) >= n and tuple(output_ids[-n:]) == self.end
+
+    def after_end(self, output_ids: Sequence[int]) -> int | None:
+        """Where the output after the first end starts, or None when it holds no end."""
+        n = len(self.end)
+        return next(
+            (i for i in range(n, len(output_ids) + 1) if tuple(output_ids[i - n : i]) == self.end),
+            None,
+        )
 
 
 class Req(Protocol):
@@ -57,17 +66,18 @@ def start_grammar(req: Req, grammar: xgr.CompiledGrammar) -> FinishReason | None
         req.matcher = new_matcher(grammar)
         return None
     gate = ReasoningGate(grammar, end)
-    for i in range(len(end), len(req.output_ids) + 1):
-        if gate.ended_at(req.output_ids[:i]):
-            return _open(req, grammar, req.output_ids[i:])
+    after = gate.after_end(req.output_ids)
+    if after is not None:
+        return _open(req, grammar, req.output_ids[after:])
     req.gate = gate
     return None
 
 
 def open_if_ended(req: Req, output_ids: Sequence[int] | None = None) -> bool:
-    """Called after each token a gated request appends (``output_ids``: its output, where the
-    running batch holds it rather than the request): makes its matcher when that token
-    completed the end of its reasoning, so the grammar applies from the next token."""
+    """Called after each token a gated request appends (``output_ids``: the output's last
+    tokens, where the running batch holds them rather than the request): makes its matcher
+    when that token completed the end of its reasoning, so the grammar applies from the next
+    token."""
     gate = req.gate
     if gate is None or not gate.ended_at(req.output_ids if output_ids is None else output_ids):
         return False

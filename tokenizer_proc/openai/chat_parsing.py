@@ -19,6 +19,7 @@ from tokenizer_proc.parsers.reasoning import (
     ReasoningParser,
     count_reasoning_tokens,
     make_reasoning_parser,
+    reasoning_enabled,
 )
 from tokenizer_proc.parsers.tool_calls import FirstCallOnly, ToolCallDelta, ToolParser
 from tokenizer_proc.parsers.tool_parsers import format_call_ids, make_tool_parser, tool_markers
@@ -121,6 +122,14 @@ class ChatParsing:
     def active(self) -> bool:
         """Whether anything is read out of the text: otherwise it is all content, as before."""
         return self.reads_calls or self.reasoning is not None
+
+    @property
+    def thinks(self) -> bool:
+        """Whether answers are read for reasoning: a reasoning parser is on, and the request
+        did not switch thinking off."""
+        return self.reasoning is not None and reasoning_enabled(
+            self.reasoning, self.enable_thinking
+        )
 
     @property
     def reads_calls(self) -> bool:

@@ -128,10 +128,7 @@ def after_reasoning(
     token ids of ``</think>``), as vLLM's does: the model thinks freely, then answers in the
     grammar. Not when the request switched thinking off (qwen3's ``enable_thinking: false``:
     the template closes the reasoning in the prompt), nor without a reasoning parser."""
-    thinks = parsing.reasoning == "deepseek_r1" or (
-        parsing.reasoning is not None and parsing.enable_thinking
-    )
-    if not thinks:
+    if not parsing.thinks:
         return constraint
     return msgspec.structs.replace(constraint, reasoning_end=tuple(encode(DEFAULT_THINK.end)))
 

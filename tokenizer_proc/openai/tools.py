@@ -143,6 +143,7 @@ def plan_tools(
         )
     index = next(i for i, tool in enumerate(tools) if tool.function.name == name)
     schema = parameters[name]
+    check_schema(schema, f"tools[{index}].function.parameters")
     return ToolPlan(
         "named",
         names,
@@ -181,5 +182,5 @@ def _checked_parameters(tools: list[ChatTool]) -> dict[str, dict[str, Any]]:
 
 
 def _schema_constraint(schema: dict[str, Any], param: str) -> Constraint:
-    check_schema(schema, param)  # what the engine would not enforce is a 400 naming param
+    """The output's schema; its tools' parameters were checked (``check_schema``) by name."""
     return Constraint("json_schema", msgspec.json.encode(schema).decode(), param)

@@ -26,6 +26,7 @@ __all__ = [
     "ThinkTags",
     "count_reasoning_tokens",
     "make_reasoning_parser",
+    "reasoning_enabled",
 ]
 
 REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")
@@ -293,10 +294,18 @@ def make_reasoning_parser(
       first ``</think>`` or :meth:`ReasoningParser.finish`, and the parser holds all of that
       text back until then: such a reply streams nothing until its ``</think>`` arrives, or
       all at once at the finish when none does."""
-    if name == "deepseek_r1":
-        return ReasoningParser(think, starts_in_reasoning=True)
-    if name == "qwen3":
-        return ReasoningParser(think, starts_in_reasoning=False, enabled=enable_thinking)
-    raise ValueError(
-        f"unknown reasoning parser {name!r}: expected one of {', '.join(REASONING_PARSERS)}"
+    if name not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {name!r}: expected one of {', '.join(REASONING_PARSERS)}"
+        )
+    return ReasoningParser(
+        think,
+        starts_in_reasoning=name == "deepseek_r1",
+        enabled=reasoning_enabled(name, enable_thinking),
     )
+
+
+def reasoning_enabled(name: str, enable_thinking: bool) -> bool:
+    """Whether the named dialect reads reasoning out of an answer: always, but for qwen3 with
+    ``enable_thinking=False`` (its template closes the reasoning in the prompt)."""
+    return enable_thinking or name != "qwen3"
