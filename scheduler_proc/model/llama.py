@@ -60,13 +60,11 @@ class Linear(nn.Module):
             self.bias = _param((out_features,), device, dtype)
         else:
             self.register_parameter("bias", None)
-        # Each row the same bits at any row count (batch_invariant.linear).
-        self.deterministic = deterministic
+        # Each row the same bits at any row count (batch_invariant.linear), chosen once here.
+        self._linear = batch_invariant.linear if deterministic else F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.deterministic:
-            return batch_invariant.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
