@@ -14,6 +14,13 @@ from __future__ import annotations
 import torch
 
 
+def attention_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention reads keys and values in: float32 for a half-precision model (the
+    scores, softmax and weighted sum are never rounded to 16 bits, as in SDPA's kernels),
+    else the model's own. Widening a 16-bit value to float32 is exact."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 class KVPool:
     def __init__(
         self,

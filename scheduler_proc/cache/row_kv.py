@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from scheduler_proc.cache.kv_pool import KVPool, head_major_rows
+from scheduler_proc.cache.kv_pool import KVPool, attention_dtype, head_major_rows
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class RowKVPass:
         returns that layer's keys and values as [n * KH, width, D] views."""
         keys, values = self.k[layer], self.v[layer]
         _, kh, width, d = keys.shape
-        keys.view(-1, d).index_copy_(0, self.write_rows, k.reshape(-1, d))
-        values.view(-1, d).index_copy_(0, self.write_rows, v.reshape(-1, d))
+        keys.view(-1, d).index_copy_(0, self.write_rows, k.reshape(-1, d).to(keys.dtype))
+        values.view(-1, d).index_copy_(0, self.write_rows, v.reshape(-1, d).to(values.dtype))
         shape = (self.n * kh, width, d)
         return keys[: self.n].view(shape), values[: self.n].view(shape)
 
@@ -83,7 +83,12 @@ class RowKV:
     Columns past a row's length hold finite values (the pool's slot-0 padding, zeros, or an
     earlier column of its own): the decode pass weights them exactly 0, as it does the
     pool's padding slots, so a row's output is the same bits read either way
-    (tests/unit/test_row_kv.py)."""
+    (tests/unit/test_row_kv.py).
+
+    The copy holds keys and values in the dtype attention reads them in
+    (``attention_dtype``: float32 for a half-precision model), widened once as they are
+    written, so no pass converts every row's keys again (in bfloat16 that cast was a
+    quarter of a batch-256 decode forward); widening is exact, so the bits are the same."""
 
     def __init__(self, pool: KVPool, budget_tokens: int) -> None:
         if budget_tokens < 1:
@@ -91,6 +96,7 @@ class RowKV:
         self._pool = pool
         self._budget = budget_tokens
         self._layers, _, self._heads, self._dim = pool.k.shape
+        self._dtype = attention_dtype(pool.k.dtype)
         # Flat storage of budget_tokens positions for every layer (None until a pass needs
         # it); the copy is its prefix viewed as [layers, rows, KH, width, D].
         self._storage: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -149,8 +155,8 @@ class RowKV:
             # pass reads it), so an unused budget costs address space, not memory.
             size = self._layers * self._budget * self._heads * self._dim
             self._storage = (
-                torch.empty(size, dtype=self._pool.k.dtype, device=self._pool.k.device),
-                torch.empty(size, dtype=self._pool.k.dtype, device=self._pool.k.device),
+                torch.empty(size, dtype=self._dtype, device=self._pool.k.device),
+                torch.empty(size, dtype=self._dtype, device=self._pool.k.device),
             )
         # Rows double as the batch grows, so that a growing batch lays the copy out again
         # only now and then; within the budget.
@@ -204,6 +210,7 @@ class RowKV:
                     pool.view(-1, self._dim)
                     .index_select(0, reads)
                     .view(len(stale), self._heads, width, self._dim)
+                    .to(copy.dtype)
                 )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from scheduler_proc.cache.kv_pool import attention_dtype
 from scheduler_proc.model import batch_invariant
 from scheduler_proc.model.forward_batch import AttentionLayout
 
@@ -83,7 +84,7 @@ def decode_attention(
     # Half-precision models attend in float32, as SDPA's kernels do (scores, softmax and the
     # weighted sum never rounded to 16 bits): a bfloat16 bmm would round every score, and
     # greedy tokens would leave transformers' at many more near ties. No-op casts in float32.
-    wide = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    wide = attention_dtype(q.dtype)
     queries = q.reshape(b * kh, h // kh, d).to(wide)
     scores = torch.baddbmm(bias.to(wide), queries, keys.to(wide).transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1)
@@ -113,7 +114,7 @@ def per_query_attention(
     kh = k_cache.shape[1]
     reads = layout.query_reads(kh)
     # Widened once here: decode_attention's casts are then no-ops, never copies per token.
-    wide = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    wide = attention_dtype(q.dtype)
     keys = k_cache.view(-1, d).index_select(0, reads.rows).view(-1, kh, reads.bias.shape[-1], d)
     values = v_cache.view(-1, d).index_select(0, reads.rows).view(keys.shape)
     keys, values = keys.to(wide), values.to(wide)
