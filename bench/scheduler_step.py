@@ -2,13 +2,13 @@
 
 For each batch size and sampling mode a fresh scheduler (``build_scheduler``) decodes B
 streamed requests that never finish during the run; each timed ``Scheduler.step()`` is split
-into the model forward, the batch build, the sampler and the host work left. ``--constrained``
-adds the grammar's cost per step, ``--profile`` a cProfile of the largest batch,
-``--compare-forward`` the forward before and after the dense KV copy (alternating child
-processes), ``--compare-deterministic`` the step with deterministic inference off and on
-(steps taking turns). The jobs live in ``bench.scheduler_step_workload``, ``_timers``,
-``_run``, ``_report``, ``_forward`` and ``_deterministic``; this module reads the command
-line. Usage and figures: bench/README.md.
+into the model forward, the batch build, the sampler and the host work left;
+``--torch-threads 1,2`` runs each count in a child process, ``--op-groups`` splits the forward
+by op group. ``--constrained`` adds the grammar's cost per step, ``--profile`` a cProfile of the
+largest batch, ``--compare-forward`` the forward before and after the dense KV copy,
+``--compare-deterministic`` the step with deterministic inference off and on. The jobs live in
+``bench.scheduler_step_workload``, ``_timers``, ``_run``, ``_report``, ``_ops``, ``_threads``,
+``_forward`` and ``_deterministic``; this module reads the command line. Figures: bench/README.md.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from bench.scheduler_step_report import (  # noqa: E402
     format_report,
 )
 from bench.scheduler_step_run import run  # noqa: E402
+from bench.scheduler_step_threads import sweep_args, sweep_threads  # noqa: E402
 from bench.scheduler_step_workload import (  # noqa: E402
     SAMPLED_TEMPERATURE,
     SAMPLED_TOP_P,
@@ -49,16 +50,25 @@ from bench.scheduler_step_workload import (  # noqa: E402
 __all__ = ["COLUMNS", "GRAMMAR_COLUMNS", "main"]
 
 
-def _batch_sizes(text: str) -> list[int]:
+def _positive_ints(text: str, what: str) -> list[int]:
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
             f"not a comma-separated list of integers: {text!r}"
         ) from exc
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError("batch sizes must be positive integers")
-    return sizes
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be positive integers")
+    return values
+
+
+def _batch_sizes(text: str) -> list[int]:
+    return _positive_ints(text, "batch sizes")
+
+
+def _thread_counts(text: str) -> list[int]:
+    # In the order given, each once.
+    return list(dict.fromkeys(_positive_ints(text, "torch thread counts")))
 
 
 def _samplings(text: str) -> list[str]:
@@ -111,9 +121,11 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
 def add_machine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--torch-threads",
-        type=int,
+        type=_thread_counts,
         default=None,
-        help="default: the server's (cores - 2, at least 1)",
+        metavar="N[,N...]",
+        help="torch intra-op threads; a comma list runs each count in its own child process "
+        "and the table gets a row per count; default: the server's (cores - 2, at least 1)",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     parser.add_argument(
@@ -160,6 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_machine_flags(parser)
     add_forward_flags(parser)
     parser.add_argument(
+        "--op-groups",
+        action="store_true",
+        help="after the timed steps, split the forward by op group (module hooks and wrapped "
+        "functions, bench/scheduler_step_ops.py): --op-steps steps with the hooks and as many "
+        "without, alternating; prints ms a step and %% of the hooked forward per group",
+    )
+    parser.add_argument(
+        "--op-steps", type=int, default=30, help="--op-groups: steps of each arm (default 30)"
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="cProfile extra steps of the largest batch size"
     )
     parser.add_argument("--profile-steps", type=int, default=20)
@@ -177,9 +199,24 @@ def write_json(path: Path | None, data: dict[str, Any]) -> None:
         path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def one_count(parser: argparse.ArgumentParser, counts: list[int] | None) -> int | None:
+    """The single thread count of a run that takes one (None: the server's)."""
+    if counts is not None and len(counts) > 1:
+        parser.error("--compare-forward and --compare-deterministic take one --torch-threads")
+    return None if counts is None else counts[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    counts: list[int] | None = args.torch_threads
+    comparing = args.compare_forward or args.compare_deterministic
+    if counts is not None and len(counts) > 1 and not comparing:
+        report = sweep_threads(sweep_args(args), counts)
+        print(format_report(report))
+        write_json(args.json, report)
+        return 0
+    args.torch_threads = one_count(parser, counts)
     if args.compare_forward:
         if args.profile or args.compare_deterministic:
             parser.error("--compare-forward runs alone: no --profile or --compare-deterministic")
@@ -222,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         constrained=args.constrained,
         model_path=args.model_path,
         deterministic=args.deterministic,
+        op_steps=args.op_steps if args.op_groups else 0,
     )
     print(format_report(report))
     write_json(args.json, report)

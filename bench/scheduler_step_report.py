@@ -1,10 +1,12 @@
 """The scheduler decode-step benchmark's printed table: the machine and model header, a row
-per (batch size, sampling mode), what each column holds, and the profile sections."""
+per (batch size, sampling mode, torch threads), what each column holds, the op-group tables
+(``bench.scheduler_step_ops``) and the profile sections."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from bench.scheduler_step_ops import format_op_groups, lead_header, row_label
 from bench.scheduler_step_workload import SAMPLED_TEMPERATURE, SAMPLED_TOP_P
 
 COLUMNS = (
@@ -21,7 +23,8 @@ COLUMNS = (
     "outside_%",
 )
 COLUMN_HELP = (
-    "steps: timed steps; ms/step: mean; p50_ms: median step; fwd_ms: model.forward; "
+    "threads: torch intra-op threads; steps: timed steps; ms/step: mean; p50_ms: median step; "
+    "fwd_ms: model.forward; "
     "build_ms: ForwardBatch build (extend minus forward); sample_ms: runner.sample (the sampler's "
     "tensor math); host_ms: step time outside extend and sample (scheduling, slot bookkeeping, "
     "stop checks, output frame); outside_ms / outside_%: step time outside runner.extend "
@@ -59,7 +62,9 @@ def header(report: dict[str, Any]) -> list[str]:
     ) + ("; --enable-deterministic-inference" if cfg.get("deterministic") else "")
     return [
         f"machine: cpu_count={m['cpu_count']} (usable {m['cpus_usable']}), "
-        f"torch_threads={m['torch_threads']}, torch {m['torch']}, device={m['device']}"
+        f"torch_threads={m['torch_threads']}"
+        + (f" ({m['threads_note']})" if "threads_note" in m else "")
+        + f", torch {m['torch']}, device={m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
         + f", python {m['python']}",
         f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, "
@@ -76,15 +81,16 @@ def profile_sections(row: dict[str, Any]) -> list[str]:
     if not prof:
         return []
     which = f"B={row['batch_size']} {row['sampling']}"
+    threads = f" ({row['threads']} torch threads)"
     return [
         "",
-        f"cProfile, {which}: top entries by own time",
+        f"cProfile, {which}: top entries by own time{threads}",
         prof["tottime"].strip(),
         "",
-        f"cProfile, {which}: top entries by cumulative time",
+        f"cProfile, {which}: top entries by cumulative time{threads}",
         prof["cumulative"].strip(),
         "",
-        f"cProfile, {which}: callees of the step's own functions",
+        f"cProfile, {which}: callees of the step's own functions{threads}",
         prof["callees"].strip(),
     ]
 
@@ -93,10 +99,11 @@ def format_report(report: dict[str, Any]) -> str:
     cfg = report["config"]
     columns = columns_of(cfg)
     lines = [*header(report), ""]
-    lines.append("batch".rjust(6) + f"{'sampling':>10}" + "".join(f"{c:>12}" for c in columns))
+    lines.append(lead_header() + "".join(f"{c:>12}" for c in columns))
     for row in report["results"]:
-        lines.append(f"{row['batch_size']:>6d}{row['sampling']:>10}" + cells(row, columns))
+        lines.append(row_label(row) + cells(row, columns))
     lines += ["", COLUMN_HELP] + ([GRAMMAR_HELP] if cfg.get("constrained") else [])
+    lines += format_op_groups(report["results"])
     for row in report["results"]:
         lines += profile_sections(row)
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """The scheduler decode-step benchmark's measurement: for each batch size and sampling mode a
 fresh scheduler, its requests submitted and brought to decoding, a warm-up, then the timed
 decode steps with the stages' timers in place, each checked to be a pure decode step that
-emitted one frame of B rows. ``--profile`` adds steps of the largest batch under cProfile."""
+emitted one frame of B rows. ``--op-groups`` then splits the forward by op group
+(``bench.scheduler_step_ops``); ``--profile`` adds steps of the largest batch under cProfile."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bench.scheduler_step_ops import measure_op_groups, op_decode_steps
 from bench.scheduler_step_timers import GrammarTimers, instrument, instrument_grammar
 from bench.scheduler_step_workload import (
     SAMPLED_TEMPERATURE,
@@ -55,13 +57,13 @@ class Lengths:
     prefill_steps_bound: int
 
 
-def lengths(batch_size: int, context: int, warmup: int, steps: int, profile_steps: int) -> Lengths:
-    # Decode tokens a request may see: warm-up, timed and profiled steps, plus the ones
+def lengths(batch_size: int, context: int, warmup: int, steps: int, extra_steps: int) -> Lengths:
+    # Decode tokens a request may see: warm-up, timed, op-group and profiled steps, plus the ones
     # emitted while the other requests' prefills were still running (each prefill step
     # fills the chunk budget, so the prompts take about B * context / chunk steps).
     chunk = ServerConfig().chunked_prefill_size
     prefill_steps_bound = (-(-batch_size * context // chunk) if chunk > 0 else 1) + 2
-    max_new = warmup + steps + profile_steps + prefill_steps_bound + 8
+    max_new = warmup + steps + extra_steps + prefill_steps_bound + 8
     return Lengths(max_new, prefill_steps_bound)
 
 
@@ -156,14 +158,16 @@ def run_batch(
     constrained: bool = False,
     model_path: str | None = None,
     deterministic: bool = False,
+    op_steps: int = 0,
 ) -> dict[str, Any]:
     if batch_size < 1 or steps < 1 or context < 1 or warmup < 0:
         raise ValueError("batch size, steps and context must be >= 1, warmup >= 0")
-    sizes = lengths(batch_size, context, warmup, steps, profile_steps)
+    extra_steps = profile_steps + op_decode_steps(op_steps)
+    sizes = lengths(batch_size, context, warmup, steps, extra_steps)
     scheduler = build(
         batch_size, context + sizes.max_new, torch_threads, device, model_path, deterministic
     )
-    max_new = fit_context(scheduler, context, warmup + steps + profile_steps, sizes.max_new)
+    max_new = fit_context(scheduler, context, warmup + steps + extra_steps, sizes.max_new)
     constraint = (
         Constraint("json_schema", json.dumps(bench_schema(max_new)), "bench")
         if constrained
@@ -186,6 +190,7 @@ def run_batch(
     result: dict[str, Any] = {
         "batch_size": batch_size,
         "sampling": sampling,
+        "threads": torch.get_num_threads(),
         **split,
         "prefill_steps": prefill_steps,
         "warmup_s": warmup_s,
@@ -194,6 +199,8 @@ def run_batch(
     }
     if grammar is not None:
         result.update(grammar_split(grammar, len(step_ns)))
+    if op_steps > 0:
+        result["op_groups"] = measure_op_groups(scheduler, batch_size, op_steps, forward)
     if profile_steps > 0:
         result["profile"] = profile_decode(scheduler, batch_size, profile_steps, profile_top)
     if grammar is not None:
@@ -276,6 +283,7 @@ def run(
     constrained: bool = False,
     model_path: str | None = None,
     deterministic: bool = False,
+    op_steps: int = 0,
 ) -> dict[str, Any]:
     results = []
     profiled = max(batch_sizes) if profile else None
@@ -298,6 +306,7 @@ def run(
                 constrained=constrained,
                 model_path=model_path,
                 deterministic=deterministic,
+                op_steps=op_steps,
             )
             results.append(row)
         if not machine:  # after the first build: build_scheduler sets the torch threads
@@ -324,6 +333,7 @@ def run(
             "constrained": constrained,
             "model_path": model_path,
             "deterministic": deterministic,
+            "op_steps": op_steps,
         },
         "machine": machine,
         "model": model,

@@ -51,7 +51,7 @@ def test_main_prints_table_and_writes_json(
 
     # A row per (batch size, sampling mode); both modes by default.
     header = next(line for line in lines if line.lstrip().startswith("batch"))
-    assert header.split() == ["batch", "sampling", *bench.COLUMNS]
+    assert header.split() == ["batch", "sampling", "threads", *bench.COLUMNS]
     start = lines.index(header) + 1
     rows = [line.split() for line in lines[start : start + 4]]
     assert [(int(row[0]), row[1]) for row in rows] == [
@@ -61,7 +61,8 @@ def test_main_prints_table_and_writes_json(
         (4, "sampled"),
     ]
     for row in rows:
-        numbers = [float(v) for v in row[2:]]
+        assert row[2] == "1"  # --torch-threads 1
+        numbers = [float(v) for v in row[3:]]
         assert len(numbers) == len(bench.COLUMNS) and all(
             v > 0 and math.isfinite(v) for v in numbers
         ), row
@@ -69,10 +70,10 @@ def test_main_prints_table_and_writes_json(
         assert values["steps"] == 3
         assert 0 < values["outside_%"] < 100
     tokens_per_s = {
-        (int(row[0]), row[1]): float(row[2 + bench.COLUMNS.index("tokens/s")]) for row in rows
+        (int(row[0]), row[1]): float(row[3 + bench.COLUMNS.index("tokens/s")]) for row in rows
     }
     steps_per_s = {
-        (int(row[0]), row[1]): float(row[2 + bench.COLUMNS.index("steps/s")]) for row in rows
+        (int(row[0]), row[1]): float(row[3 + bench.COLUMNS.index("steps/s")]) for row in rows
     }
     for (
         b,

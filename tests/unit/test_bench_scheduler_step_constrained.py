@@ -41,7 +41,13 @@ def test_constrained_rows_add_the_grammar_columns(
     lines = capsys.readouterr().out.splitlines()
     assert "every row constrained by a nested JSON schema" in lines[2]
     header = next(line for line in lines if line.lstrip().startswith("batch"))
-    assert header.split() == ["batch", "sampling", *bench.COLUMNS, *bench.GRAMMAR_COLUMNS]
+    assert header.split() == [
+        "batch",
+        "sampling",
+        "threads",
+        *bench.COLUMNS,
+        *bench.GRAMMAR_COLUMNS,
+    ]
     assert any(
         line.startswith("--constrained: every row follows a nested JSON schema") for line in lines
     )
