@@ -97,6 +97,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_running_requests: Annotated[
         int, Flag("scheduler", "requests decoded together in one batch, at most")
     ] = 256
+    disable_overlap_schedule: Annotated[
+        bool, Flag("scheduler", "run decode forwards inline, not on a thread beside host work")
+    ] = False
     decode_kv_rows: Annotated[
         Switch,
         Flag(
@@ -464,22 +467,6 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
         if problems:
             raise ValueError("; ".join(problems))
-
-
-def storage_dir_problem(directory: str) -> str | None:
-    """Why ``directory`` cannot hold HiCache storage files, or None when it can. Checked by
-    the scheduler (the process that writes there) and, for ``serve``, by the CLI first."""
-    if not directory:
-        return "the directory is empty: give the absolute path of an existing directory"
-    if not os.path.isabs(directory):
-        return f"the directory must be an absolute path, got {directory!r}"
-    if not os.path.exists(directory):
-        return f"storage directory {directory!r} does not exist"
-    if not os.path.isdir(directory):
-        return f"storage path {directory!r} is not a directory"
-    if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
-        return f"storage directory {directory!r} is not readable and writable by the scheduler"
-    return None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

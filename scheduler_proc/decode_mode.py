@@ -6,6 +6,7 @@ scheduler calls its ``DecodeMode`` the same way in every mode and never asks whi
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
@@ -31,10 +32,16 @@ class DecodeMode(Protocol):
     def demand(self) -> int:
         """Pool slots the next step takes (the scheduler retracts until they fit)."""
 
+    def start(self) -> None:
+        """Starts the next pass's forward where this mode can run it beside the step's
+        prefill (the scheduler calls it only when no request needs retracting first);
+        ``step`` finishes it."""
+
     def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
-        """One decode pass over every running request: queues the rows with an event in
-        ``rows``, drops the finished ones from ``running``; returns the other due rows as
-        columns and the number of tokens it added to outputs."""
+        """One decode pass over every running request (the one ``start`` began, if any):
+        queues the rows with an event in ``rows``, drops the finished ones from
+        ``running``; returns the other due rows as columns and the number of tokens it
+        added to outputs."""
 
     def note_sent(self, req: Req) -> None:
         """An event row of this running request went out."""
@@ -62,6 +69,7 @@ class TokenDecode:
         self._decoder = decoder
         self._batch = batch
         self._alloc = alloc
+        self._started: tuple[Future[torch.Tensor], int] | None = None  # (forward, tokens)
 
     @property
     def running(self) -> RunningBatch:
@@ -70,10 +78,17 @@ class TokenDecode:
     def demand(self) -> int:
         return len(self._batch)
 
-    def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
+    def start(self) -> None:
         slots = self._alloc(len(self._batch))
         assert slots is not None, "retraction left too few KV slots"
-        return self._decoder.step(self._batch, slots, rows), len(slots)
+        self._started = (self._decoder.launch(self._batch, slots), len(slots))
+
+    def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
+        if self._started is None:
+            self.start()
+        assert self._started is not None
+        (forward, tokens), self._started = self._started, None
+        return self._decoder.finish(self._batch, forward, rows), tokens
 
     def note_sent(self, req: Req) -> None:
         if req in self._batch:

@@ -127,6 +127,9 @@ class DllmDecoder:
 
     # --- one refinement pass -------------------------------------------------------------
 
+    def start(self) -> None:
+        pass  # a block's passes depend on each other: each runs in ``step``
+
     def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
         """One batched pass over every running request (the caller has made room for
         ``slots_needed`` of each). Queues due rows, keeps running the requests that go on;

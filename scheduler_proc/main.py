@@ -70,6 +70,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         dllm=dllm_config(config, vocab.eos_token_ids),
         hicache=build_hicache(config, runner),
         grammar=grammar_compiler(config, vocab, runner),
+        overlap_schedule=not config.disable_overlap_schedule,
     )
 
 

@@ -5,7 +5,8 @@ to ZeroMQ. One ``step()``:
 1. prefill: the request mid-chunk, then waiting requests in arrival order while the token
    budget and the KV pool allow, leaving each running request its next decode slots;
 2. decode: one pass of the ``DecodeMode`` over every running request, retracting requests
-   first when the pool cannot give each its slots;
+   first when the pool cannot give each its slots; with the overlap schedule its forward
+   runs on its own thread, beside step 1's prefill when the slots are free already;
 3. emit: one ``BatchTokenIDOutput`` with a row for each request whose output is due (none
    for a request mid-prefill); ``Req`` decides which rows carry stats.
 A feature that is off is still an object (a no-op), so the step never asks which are on.
@@ -39,7 +40,8 @@ from pipeline.io_struct import (
 )
 from scheduler_proc.admission import AdmissionCheck, QueueLimit, new_req, record_admission
 from scheduler_proc.batch.decode_pass import BatchDecoder
-from scheduler_proc.batch.prefill_pass import Chunk, forward_chunks, sample_first_tokens
+from scheduler_proc.batch import prefill_pass
+from scheduler_proc.batch.prefill_pass import Chunk
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.cache.hicache import Fetched, HiCache
 from scheduler_proc.cache.prefix_kv import PrefixKV
@@ -47,8 +49,8 @@ from scheduler_proc.control import abort_targets, flush_cache, storage_control
 from scheduler_proc.decode_mode import DecodeMode, TokenDecode
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import pooled_embedding
-from scheduler_proc.grammar_queue import GrammarQueue, accept_appended
-from scheduler_proc.sampling.reasoning_gate import open_if_ended
+from scheduler_proc.grammar_queue import GrammarQueue
+from scheduler_proc.model.forward_worker import ForwardRunner, ForwardThread, InlineForward
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd.role import PdRole, Unified
@@ -79,8 +81,11 @@ class Scheduler:
         hicache: HiCache | None = None,
         max_queued_requests: int | None = None,
         grammar: GrammarCompiler | None = None,
+        overlap_schedule: bool = False,
     ) -> None:
         self.runner = runner
+        # Where decode forwards run: their own thread (the overlap schedule), or inline.
+        self.forward: ForwardRunner = ForwardThread() if overlap_schedule else InlineForward()
         self.kv = runner.kv
         self.stop_checker = stop_checker
         self.context_length = context_length
@@ -143,7 +148,12 @@ class Scheduler:
         if dllm is not None:
             return DllmDecoder(dllm, runner, self.stop_checker, self.context_length, alloc)
         decoder = BatchDecoder(
-            runner, self.stop_checker, self.stats_pending, self.dense_usage_columns, self.masks
+            runner,
+            self.stop_checker,
+            self.stats_pending,
+            self.dense_usage_columns,
+            self.masks,
+            self.forward,
         )
         batch = RunningBatch(self.context_length, runner.model_config.vocab_size)
         return TokenDecode(decoder, batch, alloc)
@@ -255,15 +265,22 @@ class Scheduler:
         return not self._busy() and bool(self.grammars) and not self.grammars.any_done()
 
     def close(self) -> None:
-        """Stops the grammar compiler's worker (a compile under way is left to finish)."""
+        """Stops the grammar compiler's and the forward's threads (after their work)."""
         self.grammars.close()
+        self.forward.close()
 
     def step(self) -> list[Frame]:
         rows, self._rows_due = self._rows_due, []
         self._take_compiled(rows)
         prebuilt = self.pd.take_inputs(self, rows, time.time())
-        newly_running = self._prefill(rows)
-        steady = self._decode(rows)
+        chunks = self._schedule_chunks()
+        # The decode forward runs beside the prefill's when its slots are free already: taking
+        # them first then evicts nothing and retracts no one, as the sequential order would.
+        started = bool(chunks and self.running and self.kv.num_free >= self.mode.demand())
+        if started:
+            self.mode.start()
+        newly_running = self._prefill(chunks, rows)
+        steady = self._decode(rows, started)
         frames = self._emit(rows, steady)
         # New requests join after their first row is built, which records what it sent.
         self.running.extend(prebuilt)
@@ -280,13 +297,13 @@ class Scheduler:
             else:
                 self.enqueue(req, now)
 
-    def _prefill(self, rows: list[Req]) -> list[Req]:
-        """Step 1: one pass over this step's chunks. Returns the requests that start
-        decoding (their first token sampled, unless the decode mode picks it)."""
-        chunks = self._schedule_chunks()
+    def _prefill(self, chunks: list[Chunk], rows: list[Req]) -> list[Req]:
+        """Step 1: one pass over this step's chunks (``_schedule_chunks``). Returns the
+        requests that start decoding (their first token sampled, unless the decode mode
+        picks it)."""
         if not chunks:
             return []
-        logits, done_rows, mid_chunk = forward_chunks(self.runner, chunks)
+        logits, done_rows, mid_chunk = prefill_pass.forward_chunks(self.runner, chunks)
         self.forward_steps += 1
         self.prefilling.extend(mid_chunk)
         self._prefill_done([chunks[i][0] for i in done_rows], rows)
@@ -298,7 +315,8 @@ class Scheduler:
             return reqs  # they decode block by block from the next step on
         if len(generating) < len(chunks):
             logits = logits[torch.tensor(generating, device=logits.device)]
-        tokens = sample_first_tokens(self.runner, logits, reqs, self.stop_checker, self.masks)
+        draw = prefill_pass.sample_first_tokens
+        tokens = draw(self.runner, logits, reqs, self.stop_checker, self.masks)
         self.pd.on_first_token(reqs)  # before their rows take the first token's logprobs
         return self.append_tokens(reqs, tokens, rows)
 
@@ -368,13 +386,14 @@ class Scheduler:
                 req.finish(FinishLength(length=0), finished_at)
                 rows.append(req)
 
-    def _decode(self, rows: list[Req]) -> SteadyRows | None:
-        """Step 2: one decode pass over every running request. Rows with an event
-        (finished, a stop string to check, stats due) are queued in ``rows`` as requests;
-        the other due rows come back as columns."""
+    def _decode(self, rows: list[Req], started: bool) -> SteadyRows | None:
+        """Step 2: one decode pass over every running request (``started``: its forward
+        began before the prefill). Rows with an event (finished, a stop string to check,
+        stats due) are queued in ``rows`` as requests; the other due rows are columns."""
         if not self.running:
             return None
-        self._retract_until_fits()
+        if not started:
+            self._retract_until_fits()
         steady, generated = self.mode.step(rows)
         self.forward_steps += 1
         self.generated_tokens_total += generated
@@ -390,10 +409,8 @@ class Scheduler:
             pooled = np.stack([pooled_embedding(r, size) for r in embedded])
             frames.append(build_embedding_output(embedded, pooled))
         if rows or steady is not None:
-            dense = self.dense_usage_columns
-            frames.append(
-                build_token_output(rows, self.stats_pending, steady=steady, dense_usage=dense)
-            )
+            dense, pending = self.dense_usage_columns, self.stats_pending
+            frames.append(build_token_output(rows, pending, steady=steady, dense_usage=dense))
         for req in rows + embedded:
             if req.finished:
                 self._release(req)
@@ -404,24 +421,8 @@ class Scheduler:
     def append_tokens(self, reqs: list[Req], tokens: list[int], rows: list[Req]) -> list[Req]:
         """Appends one sampled token per request, checks stops, queues due rows; returns
         the requests that keep running."""
-        still_running: list[Req] = []
         self.generated_tokens_total += len(tokens)
-        for req, token in zip(reqs, tokens):
-            req.output_ids.append(token)
-            reason = None
-            if req.matcher is not None:
-                reason = accept_appended(req, token)
-            else:
-                open_if_ended(req)  # a grammar waiting for the end of the reasoning
-            if reason is None:
-                reason = self.stop_checker.check(req)
-            if reason is not None:
-                req.finish(reason)
-            else:
-                still_running.append(req)
-            if req.output_due():
-                rows.append(req)
-        return still_running
+        return prefill_pass.append_first_tokens(reqs, tokens, self.stop_checker, rows)
 
     # --- retraction ----------------------------------------------------------------------
 

@@ -14,12 +14,15 @@ and their drawn tokens are accepted after it; a row whose grammar ended finishes
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 import torch
 
 from pipeline.io_struct import FinishLength, FinishReason, FinishStop
 from scheduler_proc.sampling.grammar import StepMasks
 from scheduler_proc.sampling.logprobs import keep_decode_logprobs
+from scheduler_proc.model.forward_worker import ForwardRunner
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req, StatsPending
@@ -38,28 +41,46 @@ class BatchDecoder:
         stats_pending: StatsPending,
         dense_usage_columns: bool,
         masks: StepMasks,
+        forward: ForwardRunner,
     ) -> None:
         self.runner = runner
+        self.forward = forward  # where the forward runs: its own thread, or inline
         self.stop_checker = stop_checker
         self.stats_pending = stats_pending  # the scheduler's: whose rows carry stats
         self.dense_usage_columns = dense_usage_columns  # SteadyRows keep their requests
         self.masks = masks  # the constrained rows' masks (NoGrammars: a scheduler has none)
 
-    def step(self, batch: RunningBatch, slots: torch.Tensor, rows: list[Req]) -> SteadyRows | None:
-        """Decodes one token for every row of ``batch`` (``slots``: one new KV slot each).
-        Rows with an event are queued in ``rows`` as requests (a finished one leaves the
-        batch); the other due rows come back as columns."""
+    def launch(self, batch: RunningBatch, slots: torch.Tensor) -> Future[torch.Tensor]:
+        """Starts the forward of one decode pass over every row of ``batch`` (``slots``: one
+        new KV slot each) on the ``forward`` runner; ``finish`` takes its logits. Until then
+        the batch's rows, tokens and lengths must not change (the forward reads them)."""
         n = len(batch)
-        logits = self.runner.decode(
-            batch.last_tokens(), batch.seq_len[:n], batch.write_kv_slots(slots), batch.joined[:n]
+        return self.forward.submit(
+            self.runner.decode,
+            batch.last_tokens(),
+            batch.seq_len[:n],
+            batch.write_kv_slots(slots),
+            batch.joined[:n],
         )
+
+    def finish(
+        self, batch: RunningBatch, forward: Future[torch.Tensor], rows: list[Req]
+    ) -> SteadyRows | None:
+        """Samples one token for every row of ``batch`` from the launched ``forward``. Rows
+        with an event are queued in ``rows`` as requests (a finished one leaves the batch);
+        the other due rows come back as columns. The sampler's inputs (bans, the grammar
+        mask, the parameter columns) are built while the forward runs: the only wait is for
+        its logits."""
+        n = len(batch)
         params = batch.params
         bans = self.stop_checker.min_new_bans(
             batch.output_len(), params["min_new_tokens"][:n], batch.stop_ids[:n]
         )
         grammar = batch.grammar_rows()
         mask = self.masks.fill(grammar, n) if grammar is not None else None
-        new = self.runner.sample(logits, batch.sampling_columns(bans, mask))
+        columns = batch.sampling_columns(bans, mask)
+        logits = forward.result()
+        new = self.runner.sample(logits, columns)
         batch.append_tokens(new)
         asking = np.flatnonzero(batch.wants_logprobs[:n])
         if asking.size:

@@ -14,10 +14,12 @@ import numpy as np
 import torch
 
 from scheduler_proc.embedding import accumulate_hidden
+from scheduler_proc.grammar_queue import accept_appended
 from scheduler_proc.sampling.logprobs import keep_prompt_logprobs, step_logprobs
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows, StepMasks
+from scheduler_proc.sampling.reasoning_gate import open_if_ended
 from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
 from scheduler_proc.stop_checker import StopChecker
 
@@ -101,3 +103,28 @@ def _grammar_mask(reqs: list[Req], masks: StepMasks) -> GrammarMask | None:
         return None
     matchers = [m for m in (r.matcher for r in reqs) if m is not None]
     return masks.fill(GrammarRows(np.array(rows, dtype=np.int64), rows, matchers), len(reqs))
+
+
+def append_first_tokens(
+    reqs: list[Req], tokens: list[int], stop_checker: StopChecker, rows: list[Req]
+) -> list[Req]:
+    """Appends one sampled token to each request (not in the running batch: a first
+    token), checks its grammar and stops, queues the due rows in ``rows``; returns the
+    requests that keep running."""
+    still_running: list[Req] = []
+    for req, token in zip(reqs, tokens):
+        req.output_ids.append(token)
+        reason = None
+        if req.matcher is not None:
+            reason = accept_appended(req, token)
+        else:
+            open_if_ended(req)  # a grammar waiting for the end of the reasoning
+        if reason is None:
+            reason = stop_checker.check(req)
+        if reason is not None:
+            req.finish(reason)
+        else:
+            still_running.append(req)
+        if req.output_due():
+            rows.append(req)
+    return still_running

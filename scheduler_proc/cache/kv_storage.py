@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.config import storage_dir_problem
+from pipeline.storage_dir import storage_dir_problem
 
 logger = logging.getLogger("tokenpipe.scheduler")
 

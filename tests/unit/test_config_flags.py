@@ -19,7 +19,8 @@ from tokenpipe.cli import main
 FLAGS = {
     "--model-path", "--served-model-name", "--model-seed", "--device", "--dtype", "--torch-threads",
     "--mode", "--context-length", "--skip-tokenizer-init", "--max-total-tokens",
-    "--max-running-requests", "--decode-kv-rows", "--chunked-prefill-size", "--stream-interval",
+    "--max-running-requests", "--disable-overlap-schedule", "--decode-kv-rows",
+    "--chunked-prefill-size", "--stream-interval",
     "--max-new-tokens-limit", "--dllm-block-size", "--dllm-steps", "--discard-output",
     "--dense-usage-columns", "--hicache-host-tokens", "--hicache-storage-dir",
     "--disaggregation-mode", "--disaggregation-bootstrap-port",
