@@ -1,6 +1,6 @@
 """The output-path benchmark's tokenpipe variant: the scheduler's real steady-step frame build
 (``RunningBatch.due``, ``RunningBatch.take_steady`` and ``build_token_output``, as
-``BatchDecoder.step`` does), the real encoder of ``pipeline.sockets.make_encoder``, and the
+``BatchDecoder.finish`` does), the real encoder of ``pipeline.sockets.make_encoder``, and the
 detokenizer's real typed decoder plus reading the columns back as arrays."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def tokenpipe_variant(
     def step(token: int) -> Timings:
         new = np.full(len(reqs), token, dtype=np.int64)
         batch.append_tokens(new)  # set-up, not timed
-        if logits is not None:  # set-up, not timed: as BatchDecoder.step keeps them
+        if logits is not None:  # set-up, not timed: as BatchDecoder.finish keeps them
             keep_decode_logprobs(
                 batch, logits, np.flatnonzero(batch.wants_logprobs[: len(batch)]), new
             )
