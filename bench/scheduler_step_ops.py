@@ -13,7 +13,6 @@ seen, its time in the column of the hooked call around it or in ``other``.
 from __future__ import annotations
 
 import importlib
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -34,6 +33,9 @@ HERE = "bench/scheduler_step_ops.py"
 # Steps per block of one arm; the arms (hooks in, hooks out) alternate block by block.
 OP_BLOCK = 5
 ARMS = ("plain", "hooked")
+# Each arm's figures are means over its fastest steps, this share of them (by forward time):
+# a step the other processes' load held up would charge its stall to whichever op it hit.
+KEPT = 0.75
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,15 @@ def op_decode_steps(steps: int) -> int:
     return 2 * (steps + blocks)
 
 
+@dataclass(frozen=True)
+class OpStep:
+    """One timed decode step of an arm: its forward and each group's own time and calls."""
+
+    forward_ns: int
+    own_ns: list[int]
+    calls: list[int]
+
+
 def measure_op_groups(
     scheduler: Scheduler,
     batch_size: int,
@@ -284,60 +295,60 @@ def measure_op_groups(
     """``steps`` decode steps with the hooks in and ``steps`` without, in alternating blocks
     of ``OP_BLOCK`` (each after one untimed step: a switch may recompile or chill caches);
     ``forward`` is the timer on ``model.forward``. Returns each arm's forward and each
-    group's own time and calls, per forward."""
+    group's own time and calls, per forward, over the arm's fastest ``KEPT`` steps."""
     if steps < 1:
         raise ValueError("--op-steps must be >= 1")
     runner = scheduler.runner
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
     hooks = OpHooks(runner.model, groups, sync)
-    forward_ns: dict[str, list[int]] = {arm: [] for arm in ARMS}
-    own_ns, calls = [0] * len(groups), [0] * len(groups)
-    while len(forward_ns["hooked"]) < steps:
-        block = min(OP_BLOCK, steps - len(forward_ns["hooked"]))
+    arms: dict[str, list[OpStep]] = {arm: [] for arm in ARMS}
+    while len(arms["hooked"]) < steps:
+        block = min(OP_BLOCK, steps - len(arms["hooked"]))
         for arm in ARMS:
             with hooks.installed() if arm == "hooked" else nullcontext():
                 decode_step(scheduler, batch_size)
                 forward.take()
                 hooks.clock.take()
-                forward_ns[arm] += [
-                    one_forward(scheduler, batch_size, forward) for _ in range(block)
-                ]
-                block_ns, block_calls = hooks.clock.take()
-            own_ns = [a + b for a, b in zip(own_ns, block_ns)]
-            calls = [a + b for a, b in zip(calls, block_calls)]
-    return op_result(hooks, forward_ns, own_ns, calls)
+                arms[arm] += [op_step(scheduler, batch_size, forward, hooks) for _ in range(block)]
+    return op_result(hooks.groups, hooks.expected, arms)
 
 
-def one_forward(scheduler: Scheduler, batch_size: int, forward: Timer) -> int:
-    """A decode step's forward time (ns); the step must run exactly one forward."""
+def op_step(scheduler: Scheduler, batch_size: int, forward: Timer, hooks: OpHooks) -> OpStep:
+    """A decode step, which must run exactly one forward."""
     start = forward.calls
     decode_step(scheduler, batch_size)
     if forward.calls != start + 1:
         raise RuntimeError(f"a decode step ran {forward.calls - start} forwards, not one")
-    return forward.take()
+    return OpStep(forward.take(), *hooks.clock.take())
+
+
+def fastest(steps: list[OpStep]) -> list[OpStep]:
+    return sorted(steps, key=lambda step: step.forward_ns)[: max(1, round(KEPT * len(steps)))]
 
 
 def op_result(
-    hooks: OpHooks, forward_ns: dict[str, list[int]], own_ns: list[int], calls: list[int]
+    groups: Sequence[Group], expected: Sequence[int], arms: dict[str, list[OpStep]]
 ) -> dict[str, Any]:
-    n = len(forward_ns["hooked"])
-    hooked_ms = sum(forward_ns["hooked"]) / 1e6 / n
+    """Each arm's mean forward and the hooked arm's groups, over each arm's fastest steps;
+    ``expected``: the calls a forward makes to each group."""
+    plain, hooked = fastest(arms["plain"]), fastest(arms["hooked"])
+    n = len(hooked)
+    hooked_ms = sum(step.forward_ns for step in hooked) / 1e6 / n
     rows: list[dict[str, Any]] = [
         {
             "name": group.name,
             "what": group.what,
-            "ms": own_ns[i] / 1e6 / n,
-            "calls": calls[i],
-            "expected": hooks.expected[i] * n,
+            "ms": sum(step.own_ns[i] for step in hooked) / 1e6 / n,
+            "calls": sum(step.calls[i] for step in hooked),
+            "expected": expected[i] * n,
             "region": group.region,
         }
-        for i, group in enumerate(hooks.groups)
+        for i, group in enumerate(groups)
     ]
     return {
-        "steps": n,
-        "fwd_ms": sum(forward_ns["plain"]) / 1e6 / len(forward_ns["plain"]),
-        "fwd_p50_ms": statistics.median(forward_ns["plain"]) / 1e6,
-        "hooked_p50_ms": statistics.median(forward_ns["hooked"]) / 1e6,
+        "steps": len(arms["hooked"]),
+        "kept": n,
+        "fwd_ms": sum(step.forward_ns for step in plain) / 1e6 / len(plain),
         "hooked_ms": hooked_ms,
         "groups": rows,
         "other_ms": hooked_ms - sum(row["ms"] for row in rows),
@@ -371,19 +382,18 @@ def format_op_groups(results: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
         "",
         f"forward by op group (--op-groups): {first['steps']} decode steps with the hooks and "
-        f"{first['steps']} without, in alternating blocks of {OP_BLOCK}; each group's own time "
-        "(hooked calls inside it are theirs), other = the hooked forward less the groups",
+        f"{first['steps']} without, in alternating blocks of {OP_BLOCK}; means over each arm's "
+        f"fastest {first['kept']} (spikes of the other processes' load fall out); each group's "
+        "own time (hooked calls inside it are theirs), other = the hooked forward less the groups",
         "",
-        "ms a step: fwd_p50 and hk_p50 the median forward without and with the hooks, hooks_% "
-        "their cost (of the medians: the other processes' spikes fall on either arm); hooked "
-        "the mean hooked forward, which the groups and other add up to",
-        lead_header() + f"{'fwd_p50':>9}{'hk_p50':>9}{'hooks_%':>8}{'hooked':>9}" + columns,
+        "ms a step: fwd_ms the forward without the hooks, hooked with them, hooks_% their cost",
+        lead_header() + f"{'fwd_ms':>9}{'hooked':>9}{'hooks_%':>8}" + columns,
     ]
     for r in rows:
         op = r["op_groups"]
-        cost = 100.0 * (op["hooked_p50_ms"] / op["fwd_p50_ms"] - 1.0)
-        lead = f"{op['fwd_p50_ms']:>9.3f}{op['hooked_p50_ms']:>9.3f}{cost:>8.1f}"
-        lines.append(row_label(r) + lead + f"{op['hooked_ms']:>9.3f}" + op_cells(op, percent=False))
+        cost = 100.0 * (op["hooked_ms"] / op["fwd_ms"] - 1.0)
+        lead = f"{op['fwd_ms']:>9.3f}{op['hooked_ms']:>9.3f}{cost:>8.1f}"
+        lines.append(row_label(r) + lead + op_cells(op, percent=False))
     lines += ["", "% of the hooked forward", lead_header() + columns]
     lines += [row_label(r) + op_cells(r["op_groups"], percent=True) for r in rows]
     return [*lines, "", *group_help(rows[0]), *unseen_notes(rows)]
