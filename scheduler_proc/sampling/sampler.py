@@ -73,11 +73,14 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def _uniforms(seed: np.ndarray, counter: np.ndarray, round_index: int = 0) -> np.ndarray:
+def _streams(seed: np.ndarray, counter: np.ndarray) -> np.ndarray:
+    """The hash of (seed, counter) per row, which each round's uniform mixes on from."""
+    return _mix(_mix(seed.astype(np.uint64) + np.uint64(_GOLDEN)) + counter.astype(np.uint64))
+
+
+def _uniforms(stream: np.ndarray, round_index: int = 0) -> np.ndarray:
     """One uniform in [0, 1) per row, float64, a pure function of (seed, counter, round)."""
-    h = _mix(seed.astype(np.uint64) + np.uint64(_GOLDEN))
-    h = _mix(h + counter.astype(np.uint64))
-    h = _mix(h + np.uint64((round_index * _GOLDEN) & _MASK64))
+    h = _mix(stream + np.uint64((round_index * _GOLDEN) & _MASK64))
     return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
@@ -186,7 +189,7 @@ def sample(logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
     cut_k = ~greedy & (k > 0) & (k < vocab)
     # One topk per distinct k: a row's kept set (ties at the k-th value included) must not
     # depend on a neighbour's larger k.
-    for kk in np.unique(k[cut_k]):
+    for kk in np.unique(k[cut_k]) if cut_k.any() else ():
         rows = np.flatnonzero(cut_k & (k == kk))
         out[rows] = _draw_top_k(_take(x, rows), int(kk), _Rows(cols, rows))
     rows = np.flatnonzero(~greedy & ~cut_k)
@@ -198,19 +201,16 @@ def sample(logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
 class _Rows:
     """The scalar columns of a subset of rows."""
 
-    __slots__ = ("counter", "min_p", "seed", "temperature", "top_p")
+    __slots__ = ("min_p", "streams", "temperature", "top_p")
 
     def __init__(self, cols: SamplingColumns, rows: np.ndarray) -> None:
         self.temperature = cols.temperature[rows]
         self.top_p = cols.top_p[rows]
         self.min_p = np.minimum(cols.min_p[rows], 1.0)  # min_p > 1 would cut the top token too
-        self.seed = cols.seed[rows]
-        self.counter = cols.counter[rows]
+        self.streams = _streams(cols.seed[rows], cols.counter[rows])
 
     def uniforms(self, round_index: int, rows: np.ndarray | None = None) -> np.ndarray:
-        if rows is None:
-            return _uniforms(self.seed, self.counter, round_index)
-        return _uniforms(self.seed[rows], self.counter[rows], round_index)
+        return _uniforms(self.streams if rows is None else self.streams[rows], round_index)
 
 
 def _ban(x: torch.Tensor, logits: torch.Tensor, banned: BannedTokens) -> torch.Tensor:
@@ -259,57 +259,78 @@ def _draw_full(x: torch.Tensor, r: _Rows) -> np.ndarray:
     # with both, computed as the draw computes it for the others (the same row then gets
     # the same total whatever its neighbours ask).
     both = np.flatnonzero(cut_top_p & cut_min_p)
-    total_before_min_p = (
-        np.cumsum(_block_sums(e[both]), axis=1, dtype=np.float64)[:, -1] if both.size else None
-    )
+    total_before_min_p = _cumulative(_block_sums(_rows_of(e, both)))[:, -1] if both.size else None
     if cut_min_p.any():
-        np.multiply(
-            e, e >= r.min_p[:, None], out=e
-        )  # e * True is e: rows without min_p keep theirs
-    tokens, total = _inverse_cdf(e, r.uniforms(0))
+        _cut_min_p(e, np.flatnonzero(cut_min_p), r.min_p)
+    tokens, total = _inverse_cdf(e, _block_sums(e), r.uniforms(0))
     if nucleus.size:
         if total_before_min_p is not None:
             total[both] = total_before_min_p
-        w = e if nucleus.size == len(e) else e[nucleus]
         tokens[nucleus] = _reject_outside_nucleus(
-            w, tokens[nucleus], total[nucleus] * r.top_p[nucleus], r, nucleus
+            _rows_of(e, nucleus), tokens[nucleus], total[nucleus] * r.top_p[nucleus], r, nucleus
         )
     return tokens
+
+
+def _rows_of(e: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``e[rows]``, without the copy when they are all of e's rows."""
+    return e if rows.size == len(e) else e[rows]
 
 
 def _weights(x: torch.Tensor, temperature: np.ndarray) -> np.ndarray:
     """exp((x - rowmax) / T) in float32 on the host, zero-padded to whole blocks: the top
     token weighs exactly 1 (exp(0)), so min_p needs no normalisation. The subtract and
-    divide are torch's, the exp numpy's: each the faster of the two here."""
+    divide are torch's, the exp numpy's: each the faster of the two here (and numpy's exp
+    is the one whose bits the draws are pinned to)."""
     x = x.detach().to(device="cpu", dtype=torch.float32)
     m, vocab = x.shape
-    e = torch.empty((m, -(-vocab // _BLOCK) * _BLOCK), dtype=torch.float32)
+    width = -(-vocab // _BLOCK) * _BLOCK
+    e = torch.empty((m, width), dtype=torch.float32)
     e[:, vocab:] = 0.0
     body = e[:, :vocab]
     torch.sub(x, x.amax(dim=1, keepdim=True), out=body)
     if (temperature != 1.0).any():  # x / 1.0 is x: the batch-level test changes no row
         body.div_(torch.from_numpy(temperature).unsqueeze(1))
-    out = e.numpy()
-    np.exp(out[:, :vocab], out=out[:, :vocab])
-    return out
+    out = body.numpy()
+    np.exp(out, out=out)
+    return e.numpy()
 
 
-def _inverse_cdf(e: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _cut_min_p(e: np.ndarray, rows: np.ndarray, min_p: np.ndarray) -> None:
+    """min_p on ``rows`` of ``e``, in place: weights below min_p (the top token's is 1)
+    become 0 (e * False). The other rows are not touched."""
+    cut = _rows_of(e, rows)
+    np.multiply(cut, cut >= min_p[rows, None], out=cut)
+    if cut is not e:
+        e[rows] = cut
+
+
+def _inverse_cdf(
+    e: np.ndarray, block_sums: np.ndarray, u: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the token t at which the running sum of ``e`` first exceeds u * total, and
-    the totals (float64). Two levels: pick the block by its running sum, then the token
-    within it. A token of weight 0 is never returned, whatever the rounding."""
+    the totals (float64). Two levels: pick the block by its running sum (``block_sums``
+    are ``_block_sums(e)``), then the token within it. A token of weight 0 is never
+    returned, whatever the rounding."""
     m, width = e.shape
-    blocks = e.reshape(m, width // _BLOCK, _BLOCK)
-    block_sums = _block_sums(e)
-    cum = np.cumsum(block_sums, axis=1, dtype=np.float64)
-    total = cum[:, -1].copy()
+    cum = _cumulative(block_sums)
+    total = cum[:, -1]
     target = u * total
-    b = _first_above(cum, target, block_sums)
+    b = _first_above(cum[:, 1:], target, block_sums)
     rows = np.arange(m)
-    within = blocks[rows, b]
-    before = np.where(b > 0, cum[rows, np.maximum(b - 1, 0)], 0.0)
-    j = _first_above(np.cumsum(within, axis=1, dtype=np.float64), target - before, within)
+    within = e.reshape(m, width // _BLOCK, _BLOCK)[rows, b]
+    # cum[:, b] is the running sum before block b (cum's column 0 is 0).
+    j = _first_above(_cumulative(within)[:, 1:], target - cum[rows, b], within)
     return b * _BLOCK + j, total
+
+
+def _cumulative(w: np.ndarray) -> np.ndarray:
+    """float64 running sums of each row of ``w`` after a column of zeros: column i is the
+    sum of the first i entries, added one by one in order. torch's cumsum adds in the same
+    order as numpy's (a float64 accumulator) and is several times faster on short rows."""
+    cum = np.zeros((w.shape[0], w.shape[1] + 1), dtype=np.float64)
+    torch.cumsum(torch.from_numpy(w), dim=1, dtype=torch.float64, out=torch.from_numpy(cum)[:, 1:])
+    return cum
 
 
 def _block_sums(e: np.ndarray) -> np.ndarray:
@@ -323,7 +344,7 @@ def _first_above(cum: np.ndarray, target: np.ndarray, weights: np.ndarray) -> np
     its weight is positive. When rounding puts the target at or past the end (a float32
     block sum above the float64 sum of its tokens, u * total == total), the last index of
     positive weight instead."""
-    idx = (cum <= target[:, None]).sum(axis=1)
+    idx = np.count_nonzero(cum <= target[:, None], axis=1)
     past = idx >= cum.shape[1]
     if past.any():
         idx[past] = cum.shape[1] - 1 - np.argmax(weights[past][:, ::-1] > 0, axis=1)
@@ -342,15 +363,17 @@ def _reject_outside_nucleus(
     pending = np.arange(len(rows))
     w = e
     for round_index in range(1, _MAX_ROUNDS + 1):
-        drawn = np.take_along_axis(w, tokens[pending, None], axis=1)  # [p, 1]
-        heavier = np.einsum("ij,ij->i", w, w > drawn)
-        out = (heavier >= mass[pending]) & (drawn[:, 0] < 1.0)
+        drawn = w[np.arange(len(w)), tokens[pending]]
+        heavier_than_drawn = w > drawn[:, None]
+        heavier = np.einsum("ij,ij->i", w, heavier_than_drawn)
+        out = (heavier >= mass[pending]) & (drawn < 1.0)
         if not out.any():
             return tokens
-        pending, w = pending[out], w[out]
-        w = w * (w > drawn[out])  # the rejected token and every one as light are out
-        redrawn, _ = _inverse_cdf(w, r.uniforms(round_index, rows[pending]))
-        tokens[pending] = redrawn
+        pending = pending[out]
+        # The rejected token and every one as light are out.
+        w = w[out] * heavier_than_drawn[out]
+        u = r.uniforms(round_index, rows[pending])
+        tokens[pending], _ = _inverse_cdf(w, _block_sums(w), u)
     # Rare (a nucleus of many near-equal tokens): an exact sort of the rows left.
     tokens[pending] = _sorted_draw(w, mass[pending], r.uniforms(_MAX_ROUNDS + 1, rows[pending]))
     return tokens
