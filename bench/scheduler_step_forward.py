@@ -176,4 +176,6 @@ def child_args(args: argparse.Namespace) -> list[str]:
         out += ["--model-path", args.model_path]
     if args.constrained:
         out.append("--constrained")
+    if args.deterministic:
+        out.append("--deterministic")
     return out
