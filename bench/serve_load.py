@@ -53,11 +53,17 @@ def request_details(results: Sequence[ReqResult]) -> list[dict[str, Any]]:
 
 
 async def run_load(
-    url: str, cfg: LoadConfig, info_url: str | None = None, procs: dict[str, int] | None = None
+    url: str,
+    cfg: LoadConfig,
+    info_url: str | None = None,
+    procs: dict[str, int] | None = None,
+    vocab: int | None = None,
 ) -> dict[str, Any]:
     """The workload ``cfg`` against ``url``; with ``procs`` (the server's processes by name)
-    their CPU over the steady part too (``window_cpu``)."""
-    vocab, start = await prepare(url, info_url=info_url)
+    their CPU over the steady part too (``window_cpu``). ``vocab`` given: ``url`` is a peer
+    server (vLLM) with that vocabulary, no /server_info and so no step rate."""
+    peer = vocab is not None
+    vocab, start = await prepare(url, info_url=info_url, vocab=vocab)
     rng = random.Random(cfg.seed)
     streams = [rng.random() < cfg.stream_ratio for _ in range(cfg.requests)]
     results: list[ReqResult] = []
@@ -96,14 +102,15 @@ async def run_load(
             window.dry_at = time.perf_counter() - t0
             window.cpu_dry = read_cpu(watched, t0)
 
-    sampler = asyncio.create_task(sample_loop(url, t0, samples, stop))
+    sampler = None if peer else asyncio.create_task(sample_loop(url, t0, samples, stop))
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(600.0, connect=30.0), limits=limits
     ) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(cfg.concurrency)))
     duration = time.perf_counter() - t0
     stop.set()
-    await sampler
+    if sampler is not None:
+        await sampler
     bar.close()
     end = None
     if start is not None:

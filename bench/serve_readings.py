@@ -14,6 +14,7 @@ run give the steps between any two moments. Details: bench/README.md.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
 import time
@@ -29,6 +30,7 @@ from bench.serve_client import ReqResult
 
 POLL_INTERVAL = 0.1  # /server_info sampling; the scheduler reports about every 0.5 s
 SETTLE_TIMEOUT = 5.0  # for the report the scheduler sends once a run's work is done
+PEER_WARM_UP = {"prompt": [16, 17, 18, 19], "max_tokens": 4, "ignore_eos": True}
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's CPU times are in these ticks
 
 
@@ -137,15 +139,26 @@ def step_rate(readings: Sequence[tuple[float, int]], lo: float, hi: float) -> di
     return {"steps_per_s": (sb - sa) / (tb - ta), "steps": sb - sa, "window_s": [ta, tb]}
 
 
+def checkpoint_vocab(model_dir: Path) -> int:
+    """The vocabulary size in a checkpoint's config.json: a peer server's (vLLM has no
+    /server_info), for the prompts' token ids."""
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
 async def prepare(
-    url: str, discarding: bool = False, info_url: str | None = None
+    url: str, discarding: bool = False, info_url: str | None = None, vocab: int | None = None
 ) -> tuple[int, Settled | None]:
     """The vocabulary size, from the ``/server_info`` of ``info_url`` (a server behind the
     router at ``url``: a router has none of its own) or else of ``url``; and the scheduler's
     step count (None: ``url`` has no scheduler reports, as a router) after one short
     request, so the model's first (slow) forward is not timed. A discarding server never
-    answers that request: its report says when it is done."""
+    answers that request: its report says when it is done. ``vocab`` given: ``url`` is a
+    peer server (vLLM) with no /server_info: the vocabulary is that, the short request goes
+    to /v1/completions, and no step count is read."""
     async with httpx.AsyncClient(timeout=120.0) as client:
+        if vocab is not None:
+            (await client.post(f"{url}/v1/completions", json=PEER_WARM_UP)).raise_for_status()
+            return vocab, None
         resp = await client.get(f"{info_url or url}/server_info")
         resp.raise_for_status()
         info = resp.json()
@@ -254,6 +267,62 @@ def given_processes(pids: Sequence[int]) -> dict[str, int]:
         else:
             roles[pid] = role
     return {**name_processes(roles), **others}
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every live process under it (children, their children...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int(stat_fields(int(entry.name))[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def process_title(args: Sequence[bytes]) -> str:
+    """A name for a process that is not tokenpipe's, from its argv: the title it gave itself
+    (vLLM's ``VLLM::EngineCore`` reads ``vllm-enginecore``), else its program's name."""
+    first = args[0].decode(errors="replace") if args and args[0] else "process"
+    if "::" in first:
+        return first.lower().replace("::", "-").split()[0]
+    return Path(first).name
+
+
+def tree_processes(root: int, root_name: str) -> dict[str, int]:
+    """Every process of a server, by name, for a reading of its whole CPU: ``root`` as
+    ``root_name``, tokenpipe's processes by role (as ``name_processes``), any other by its
+    ``process_title``; a name held twice is numbered (``python-1``)."""
+    roles: dict[int, str | None] = {}
+    titles: dict[int, str] = {}
+    for pid in process_tree(root)[1:]:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if not args[0]:  # a process caught mid-exec reads empty: its command name then
+                args = [Path(f"/proc/{pid}/comm").read_bytes().strip()]
+        except OSError:
+            continue
+        role = cmdline_role(args)
+        if role is None:
+            titles[pid] = process_title(args)
+        else:
+            roles[pid] = role
+    names = {root_name: root, **name_processes(roles)}
+    for pid, title in sorted(titles.items()):
+        name, n = title, 0
+        while name in names:
+            n += 1
+            name = f"{title}-{n}"
+        names[name] = pid
+    return names
 
 
 @dataclass
