@@ -4,7 +4,9 @@ penalties, float32 and bfloat16, batch 1 to 256, the sorted fallback) against th
 recorded in tests/unit/data/sampler_golden.json. A faster sampler must draw the same bits.
 
 Re-record (``python tests/unit/test_sampler_golden.py``) only when the draws are meant to
-change; a token flips across machines only if a rounding lands exactly on a boundary.
+change. A rounding moves a token only when it lands on a boundary, which random draws almost
+never show, so the sums the draws hang on are also held bit for bit: the running sums to
+numpy's order, and each row's sums to its value alone.
 """
 
 from __future__ import annotations
@@ -212,6 +214,47 @@ def test_the_record_covers_every_case() -> None:
     recorded = json.loads(DATA.read_text())
     assert set(recorded) == {c.name for c in CASES}
     assert all(len(recorded[c.name]) == c.batch * c.draws for c in CASES)
+
+
+def _spread(rng: np.random.Generator, m: int, n: int) -> np.ndarray:
+    """float32 weights over many magnitudes, with zeros: sums whose rounding shows order."""
+    w = rng.random((m, n)) * 10.0 ** rng.integers(-20, 20, (m, n))
+    w[rng.random((m, n)) < 0.1] = 0.0
+    return w.astype(np.float32)
+
+
+def test_the_running_sums_add_in_numpys_order() -> None:
+    """A token flips when a rounding does: the sampler's float64 running sums (torch's
+    cumsum, for speed) must be numpy's sequential sums bit for bit, whatever the threads."""
+    rng = np.random.default_rng(5)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in {1, 2}:
+            torch.set_num_threads(n_threads)
+            for m, n in ((1, 1), (3, 64), (256, 64), (7, 2376), (64, 1000)):
+                w = _spread(rng, m, n)
+                got = sampler_module._cumulative(w)
+                assert (got[:, 0] == 0).all()
+                np.testing.assert_array_equal(got[:, 1:], np.cumsum(w, axis=1, dtype=np.float64))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("width", [64, 1088, 4096, 8256, 152064])
+def test_a_rows_sums_do_not_depend_on_the_rows_beside_it(width: int) -> None:
+    """The sampler computes a row's block sums and its nucleus test's masked sum on whatever
+    rows need them (all, the top_p rows, the rows a round sends back): each row's bits must
+    be the same alone as in any batch."""
+    rng = np.random.default_rng(width)
+    w = _spread(rng, 6, width)
+    above = w > np.median(w, axis=1, keepdims=True)
+    masked = np.einsum("ij,ij->i", w, above)
+    sums = sampler_module._block_sums(w)
+    for i in range(len(w)):
+        alone = slice(i, i + 1)
+        assert np.einsum("ij,ij->i", w[alone], above[alone])[0] == masked[i]
+        np.testing.assert_array_equal(sampler_module._block_sums(w[alone])[0], sums[i])
+    np.testing.assert_array_equal(np.einsum("ij,ij->i", w[1::2], above[1::2]), masked[1::2])
 
 
 def record() -> None:
