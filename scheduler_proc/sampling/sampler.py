@@ -42,6 +42,7 @@ __all__ = [
 GREEDY_EPS = 1e-5
 _BLOCK = 64  # width of the inverse CDF's first level (the vocabulary is padded to whole blocks)
 _MAX_ROUNDS = 32  # top_p rejection rounds before the few rows left are sorted
+_EARLY_ROUNDS = 3  # rounds whose uniforms are hashed with the draw's
 _PASS_LIMIT = 1 << 16
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -78,9 +79,11 @@ def _streams(seed: np.ndarray, counter: np.ndarray) -> np.ndarray:
     return _mix(_mix(seed.astype(np.uint64) + np.uint64(_GOLDEN)) + counter.astype(np.uint64))
 
 
-def _uniforms(stream: np.ndarray, round_index: int = 0) -> np.ndarray:
-    """One uniform in [0, 1) per row, float64, a pure function of (seed, counter, round)."""
-    h = _mix(stream + np.uint64((round_index * _GOLDEN) & _MASK64))
+def _uniforms(streams: np.ndarray, rounds: Sequence[int]) -> np.ndarray:
+    """Uniforms in [0, 1), float64, [rows, rounds]: each a pure function of (seed, counter,
+    round)."""
+    offsets = np.array([(r * _GOLDEN) & _MASK64 for r in rounds], dtype=np.uint64)
+    h = _mix(streams[:, None] + offsets)
     return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
@@ -199,18 +202,23 @@ def sample(logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
 
 
 class _Rows:
-    """The scalar columns of a subset of rows."""
+    """The scalar columns of a subset of rows, and their uniforms of the first rounds (the
+    draw and the rejection rounds most rows never reach, hashed in one go)."""
 
-    __slots__ = ("min_p", "streams", "temperature", "top_p")
+    __slots__ = ("early", "min_p", "streams", "temperature", "top_p")
 
     def __init__(self, cols: SamplingColumns, rows: np.ndarray) -> None:
         self.temperature = cols.temperature[rows]
         self.top_p = cols.top_p[rows]
         self.min_p = np.minimum(cols.min_p[rows], 1.0)  # min_p > 1 would cut the top token too
         self.streams = _streams(cols.seed[rows], cols.counter[rows])
+        self.early = _uniforms(self.streams, range(_EARLY_ROUNDS))
 
     def uniforms(self, round_index: int, rows: np.ndarray | None = None) -> np.ndarray:
-        return _uniforms(self.streams if rows is None else self.streams[rows], round_index)
+        if round_index < _EARLY_ROUNDS:
+            return self.early[:, round_index] if rows is None else self.early[rows, round_index]
+        streams = self.streams if rows is None else self.streams[rows]
+        return _uniforms(streams, [round_index])[:, 0]
 
 
 def _ban(x: torch.Tensor, logits: torch.Tensor, banned: BannedTokens) -> torch.Tensor:
@@ -259,7 +267,7 @@ def _draw_full(x: torch.Tensor, r: _Rows) -> np.ndarray:
     # with both, computed as the draw computes it for the others (the same row then gets
     # the same total whatever its neighbours ask).
     both = np.flatnonzero(cut_top_p & cut_min_p)
-    total_before_min_p = _cumulative(_block_sums(_rows_of(e, both)))[:, -1] if both.size else None
+    total_before_min_p = _running_sums(_block_sums(_rows_of(e, both)))[:, -1] if both.size else None
     if cut_min_p.any():
         _cut_min_p(e, np.flatnonzero(cut_min_p), r.min_p)
     tokens, total = _inverse_cdf(e, _block_sums(e), r.uniforms(0))
@@ -313,24 +321,23 @@ def _inverse_cdf(
     are ``_block_sums(e)``), then the token within it. A token of weight 0 is never
     returned, whatever the rounding."""
     m, width = e.shape
-    cum = _cumulative(block_sums)
+    cum = np.zeros((m, width // _BLOCK + 1), dtype=np.float64)
+    cum[:, 1:] = _running_sums(block_sums)
     total = cum[:, -1]
     target = u * total
     b = _first_above(cum[:, 1:], target, block_sums)
     rows = np.arange(m)
     within = e.reshape(m, width // _BLOCK, _BLOCK)[rows, b]
     # cum[:, b] is the running sum before block b (cum's column 0 is 0).
-    j = _first_above(_cumulative(within)[:, 1:], target - cum[rows, b], within)
+    j = _first_above(_running_sums(within), target - cum[rows, b], within)
     return b * _BLOCK + j, total
 
 
-def _cumulative(w: np.ndarray) -> np.ndarray:
-    """float64 running sums of each row of ``w`` after a column of zeros: column i is the
-    sum of the first i entries, added one by one in order. torch's cumsum adds in the same
-    order as numpy's (a float64 accumulator) and is several times faster on short rows."""
-    cum = np.zeros((w.shape[0], w.shape[1] + 1), dtype=np.float64)
-    torch.cumsum(torch.from_numpy(w), dim=1, dtype=torch.float64, out=torch.from_numpy(cum)[:, 1:])
-    return cum
+def _running_sums(w: np.ndarray) -> np.ndarray:
+    """float64 running sums of each row of ``w``, added one by one in order. torch's
+    cumsum adds in the same order as numpy's (a float64 accumulator) and is several times
+    faster on short rows."""
+    return torch.cumsum(torch.from_numpy(w), dim=1, dtype=torch.float64).numpy()
 
 
 def _block_sums(e: np.ndarray) -> np.ndarray:
@@ -344,7 +351,7 @@ def _first_above(cum: np.ndarray, target: np.ndarray, weights: np.ndarray) -> np
     its weight is positive. When rounding puts the target at or past the end (a float32
     block sum above the float64 sum of its tokens, u * total == total), the last index of
     positive weight instead."""
-    idx = np.count_nonzero(cum <= target[:, None], axis=1)
+    idx = (cum <= target[:, None]).sum(axis=1)
     past = idx >= cum.shape[1]
     if past.any():
         idx[past] = cum.shape[1] - 1 - np.argmax(weights[past][:, ::-1] > 0, axis=1)
