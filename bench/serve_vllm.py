@@ -1,6 +1,6 @@
 """``bench/serve.py --compare-vllm``: tokenpipe against vLLM-CPU (``bench.peer_vllm``) on one
 checkpoint, the same client and the same prompts: greedy and sampled output tokens/s, TTFT
-and ITL p50, and the CPU of every process of each server per 1k output tokens, in rounds
+p50, ITL p50 and mean, and the CPU of every process of each server per 1k output tokens, in rounds
 that rotate which server goes first; figures are medians over rounds, ratios the median of
 each round's tokenpipe/vLLM ratio. Both servers stay up unless one burns CPU while idle
 (or ``--one-at-a-time``): then each round starts and stops each server in turn, so they
@@ -37,7 +37,13 @@ IDLE_SETTLE_S = 2.0  # after the warm-up request, before the idle reading
 IDLE_WINDOW_S = 3.0
 IDLE_LIMIT_CORES = 0.05  # above it, a server is taken to spin while idle
 # Per run and arm: the figures the table shows, medians over rounds.
-METRICS = ("output_tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "cpu_s_per_1k_tokens")
+METRICS = (
+    "output_tokens_per_s",
+    "ttft_p50_ms",
+    "itl_p50_ms",
+    "itl_mean_ms",
+    "cpu_s_per_1k_tokens",
+)
 OTHER_COMPARISONS = (
     "compare_discard",
     "compare_sampling",
@@ -172,9 +178,9 @@ async def idle_cores(server: Server) -> float:
 
 
 def run_figures(run: dict[str, Any], cfg: LoadConfig) -> dict[str, Any]:
-    """A run's brief with the table's figures: TTFT and ITL p50, the CPU of all the server's
-    processes over the steady window per 1k output tokens received in it, and ``exact``:
-    every request completed with exactly ``cfg.max_new_tokens`` tokens."""
+    """A run's brief with the table's figures: TTFT p50, ITL p50 and mean, the CPU of all the
+    server's processes over the steady window per 1k output tokens received in it, and
+    ``exact``: every request completed with exactly ``cfg.max_new_tokens`` tokens."""
     cpu = run["cpu"] or {}
     procs = cpu.get("processes") or {}
     server_cpu = sum(p["cpu_s"] for p in procs.values()) if procs else None
@@ -183,6 +189,7 @@ def run_figures(run: dict[str, Any], cfg: LoadConfig) -> dict[str, Any]:
         **brief(run),
         "ttft_p50_ms": run["ttft_ms"]["p50"],
         "itl_p50_ms": run["itl_ms"]["p50"],
+        "itl_mean_ms": run["itl_ms"]["mean"],
         "server_cpu_s": server_cpu,
         "cpu_s_per_1k_tokens": ratio(1000.0 * server_cpu, tokens)
         if server_cpu is not None
@@ -292,8 +299,8 @@ def fmt(value: float | None, spec: str) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """The table: per arm and mode its medians, each round's tokens/s and whether every run
-    was exact; then the tokenpipe/vLLM ratios (ITL's is left to the JSON: a server whose
-    chunks arrive in bursts has an ITL p50 near 0, and a ratio to it says nothing)."""
+    was exact; then the tokenpipe/vLLM ratios (ITL's are left to the JSON: when a stream's
+    chunks arrive in bursts its ITL p50 reads near 0, and a ratio to it says nothing)."""
     cfg, summary = report["config"], report["summary"]
     how = "both up together" if report["together"] else "one at a time"
     idle = ", ".join(
@@ -305,7 +312,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{100 * cfg['stream_ratio']:.0f}% streaming; {len(report['rounds'])} rounds "
         f"(medians), servers {how}; idle cores (max): {idle}",
         f"{'arm':<16}{'mode':<9}{'tok/s':>9}  {'rounds tok/s':<26}{'TTFT p50':>10}"
-        f"{'ITL p50':>9}{'CPU-s/1k tok':>14}  exact",
+        f"{'ITL p50':>9}{'mean':>8}{'CPU-s/1k tok':>14}  exact",
     ]
     for arm, modes in summary["arms"].items():
         for mode, s in modes.items():
@@ -313,6 +320,7 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"{arm:<16}{mode:<9}{fmt(s['output_tokens_per_s'], '.1f'):>9}  {each:<26}"
                 f"{fmt(s['ttft_p50_ms'], '.0f'):>7} ms{fmt(s['itl_p50_ms'], '.1f'):>6} ms"
+                f"{fmt(s['itl_mean_ms'], '.1f'):>5} ms"
                 f"{fmt(s['cpu_s_per_1k_tokens'], '.3f'):>14}  {'yes' if s['exact'] else 'NO'}"
             )
     for pair, modes in summary["ratios"].items():
