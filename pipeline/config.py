@@ -62,9 +62,14 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "model), float32, bfloat16, float16",
         ),
     ] = "auto"
-    # None: all cores but two (the other processes need them)
+    # None: as many as the cores the other processes leave idle (thread_budget.py)
     torch_threads: Annotated[
-        int | None, Flag("model", "CPU threads for the model (default: cores - 2, at least 1)")
+        int | None,
+        Flag(
+            "model",
+            "CPU threads for the model, pinned (default: as many as the cores the other "
+            "processes leave idle, measured while serving; see docs/operations.md)",
+        ),
     ] = None
     mode: Annotated[
         Mode,

@@ -394,6 +394,8 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     # by the prefix cache, plus generated ones): with forward_steps_total, the tokens per step
     # (vLLM's iteration_tokens_total, tokenizer_proc/metrics_compat.py).
     forward_tokens_total: int = 0
+    # The scheduler's torch intra-op threads now (scheduler_proc/model/thread_budget.py).
+    torch_threads: int = 0
 
 
 class HiCacheStorageState(

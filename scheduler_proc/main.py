@@ -230,6 +230,7 @@ class SchedulerLoop:
                 if not self.config.discard_output:
                     self.outbox.send(encoded, copy=False)
             self.maybe_report()
+            scheduler.runner.threads.update(time.monotonic())
 
     def wait_for_input(self) -> None:
         """Blocks only when idle; with work in flight, the step takes what has arrived."""

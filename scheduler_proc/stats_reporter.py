@@ -84,6 +84,7 @@ class SchedulerStatsReporter:
             hicache_host_capacity=hicache.host_capacity,
             hicache_storage_backend=s.prefix_kv.storage_backend,
             forward_tokens_total=forward_tokens,
+            torch_threads=s.runner.threads.count,
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total

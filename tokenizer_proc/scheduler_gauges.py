@@ -32,6 +32,10 @@ class SchedulerGauges:
         self.num_retracted_reqs = gauge(
             "num_retracted_reqs", "Requests retracted in the last report interval."
         )
+        self.torch_threads = gauge(
+            "torch_threads",
+            "The scheduler's torch intra-op threads (--torch-threads, or the idle cores).",
+        )
         self._retracted_total = naming.counter(
             "num_retracted_requests", "Retractions since the scheduler started."
         )()
@@ -46,6 +50,7 @@ class SchedulerGauges:
         self.cache_hit_rate.set(report.cache_hit_rate)
         self.gen_throughput.set(report.gen_throughput)
         self.num_retracted_reqs.set(report.num_retracted_reqs)
+        self.torch_threads.set(report.torch_threads)
         # The scheduler reports a running total; a counter only moves by the difference,
         # counted afresh when a restarted scheduler starts its total from zero.
         if self.last_report is not None and report.instance != self.last_report.instance:

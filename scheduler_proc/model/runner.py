@@ -3,8 +3,6 @@ one batched forward pass. Nothing above this module touches torch devices."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -15,6 +13,7 @@ from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.row_kv import NoRowKV, RowKV
 from scheduler_proc.model.host_memory import keep_freed_host_memory
 from scheduler_proc.model.llama import LlamaForCausalLM
+from scheduler_proc.model.thread_budget import thread_budget
 from scheduler_proc.model.weights import DTYPES
 from scheduler_proc.sampling.sampler import SamplingColumns, sample
 
@@ -23,15 +22,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def cpu_threads(config: ServerConfig) -> int:
-    """Intra-op threads for the model. The scheduler shares the machine with the API and
-    detokenizer processes, and OpenMP threads that spin against them make every matmul
-    dozens of times slower, so by default two cores are left to the others."""
-    if config.torch_threads is not None:
-        return max(1, config.torch_threads)
-    return max(1, (os.cpu_count() or 1) - 2)
 
 
 def row_kv_budget(config: ServerConfig, device: torch.device) -> int:
@@ -49,7 +39,8 @@ def row_kv_budget(config: ServerConfig, device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, config: ServerConfig, vocab_size: int) -> None:
         keep_freed_host_memory()  # before the model's first allocation: see host_memory.py
-        torch.set_num_threads(cpu_threads(config))
+        # Intra-op threads: what the other processes leave idle, or --torch-threads N.
+        self.threads = thread_budget(config, torch.set_num_threads)
         self.device = resolve_device(config.device)
         self.model_config = load_model_config(config, vocab_size)
         # --dtype auto: the checkpoint's own; the built-in model's is float32.

@@ -1,12 +1,13 @@
 """The scheduler's real events through real processes: prefix-cache hits, retraction and
 re-prefill under a small KV pool, admission refusal, media placeholders, and the
-scheduler gauges on /metrics."""
+scheduler gauges on /metrics (its torch thread count among them)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import os
 import re
 import time
 import wave
@@ -195,6 +196,19 @@ def test_scheduler_gauges_on_metrics(server: ServerProcess) -> None:
             re.M,
         ), name
     assert re.search(r"^tokenpipe:num_running_reqs\{.*\} 0\.0$", text, re.M)
+
+
+def test_scheduler_reports_its_torch_threads(server: ServerProcess) -> None:
+    """The thread count the scheduler process set for torch (here the default, which follows
+    the idle cores: one to all this machine lets it use) reaches /server_info and /metrics."""
+    cores = len(os.sched_getaffinity(0))
+    with server.client() as c:
+        c.post("/generate", json={"text": "warm", "sampling_params": {"max_new_tokens": 4}})
+        threads = wait_idle(c)["scheduler"]["torch_threads"]
+        text = c.get("/metrics").text
+    assert 1 <= threads <= cores
+    gauge = re.search(r"^tokenpipe:torch_threads\{.*\} (\S+)$", text, re.M)
+    assert gauge is not None and 1 <= float(gauge[1]) <= cores
 
 
 def test_server_log_has_no_tracebacks(server: ServerProcess, tmp_path: Path) -> None:
