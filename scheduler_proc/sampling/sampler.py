@@ -371,11 +371,12 @@ def _reject_outside_nucleus(
     w = e
     for round_index in range(1, _MAX_ROUNDS + 1):
         drawn = w[np.arange(len(w)), tokens[pending]]
-        # A draw of the top token (weight 1) is in the nucleus: its row needs no test. Its
-        # row is dropped from the full-width test when that saves more than the copy (the
-        # masked sum of a row does not depend on the rows beside it).
+        # A draw of the top token (weight 1) is in the nucleus: its row needs no test. Such
+        # rows are dropped from the full-width test when copying the others costs less (from
+        # two fifths of the rows, measured); a row's masked sum does not depend on the rows
+        # beside it.
         tested = drawn < 1.0
-        if 4 * np.count_nonzero(tested) <= 3 * len(tested):
+        if 5 * np.count_nonzero(tested) <= 3 * len(tested):
             pending, w, drawn = pending[tested], w[tested], drawn[tested]
         heavier_than_drawn = w > drawn[:, None]
         heavier = np.einsum("ij,ij->i", w, heavier_than_drawn)
