@@ -4,9 +4,9 @@ processes, a client, other tenants) leaves idle: at most every ``READ_INTERVAL``
 busy time of the CPUs this process may run on (/proc/stat) less this process's own CPU time
 says how many cores the others kept busy. An OpenMP region waits at its barrier for its
 slowest thread, so one thread on a core the others need slows every op below what one thread
-fewer would do: the count backs off at the first reading that says so, and grows only after
-``GROW_READINGS`` quiet readings in a row, so a lull between bursts does not hand the others'
-core to the forward. Under ``--enable-deterministic-inference`` the count is part of the
+fewer would do: the count backs off at the first reading that says so, and grows only on a
+second of quiet readings (``GROW_READINGS``), so a lull between bursts does not hand the
+others' core to the forward. Under ``--enable-deterministic-inference`` the count is part of the
 bits (docs/design/determinism.md): it stays at its start. Reading costs tens of microseconds,
 four times a second, between steps, never per step."""
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,14 @@ from pipeline.config import ServerConfig
 
 PROC_STAT = Path("/proc/stat")
 READ_INTERVAL = 0.25  # seconds between two readings; each covers the time since the last
-GROW_READINGS = 4  # quiet readings in a row (a second) before the count grows
-# How much of a core the others may take from the forward's cores: more than BACK_OFF_SHARE
-# backs off at once, at most GROW_SHARE lets it grow. On 2 cores: 2 threads while the others
-# use up to 0.5 core, back to 1 above that, and 2 again once they stay under 0.2.
+GROW_READINGS = 4  # the last readings (a second) a growth is decided on
+# How much of a core the others may take from the forward's cores: more than BACK_OFF_SHARE in
+# one reading backs off at once; the count grows when the last GROW_READINGS readings took at
+# most GROW_SHARE on average and none more than BACK_OFF_SHARE. On 2 cores: 2 threads while the
+# others use up to half a core, 1 above that, and 2 again after a second averaging 0.3 at most
+# (beside a process busy 30% of a core, 2 threads still beat 1: figures below).
 BACK_OFF_SHARE = 0.5
-GROW_SHARE = 0.2
+GROW_SHARE = 0.3
 # OpenMP's wait policy stays libgomp's default (spin a while at a barrier, then sleep): the
 # count, not the policy, keeps a second thread off a busy core. A batch-256 greedy decode step
 # on 2 cores, ms, 1 thread / 2 threads / 2 threads with OMP_WAIT_POLICY=PASSIVE, in the
@@ -115,8 +118,8 @@ class ThreadBudget:
         self.lowest, self.highest = lowest, highest
         self.count = lowest if start is None else min(highest, max(lowest, start))
         self._next_read = 0.0
-        self._quiet = 0  # readings in a row that left room for more threads
-        self._room = highest  # the fewest threads those readings left room for
+        # The others' load in the readings since the count last changed, the latest last.
+        self._recent: deque[float] = deque(maxlen=GROW_READINGS)
         apply(self.count)
 
     @property
@@ -136,23 +139,24 @@ class ThreadBudget:
             self._set(self.decide(others))
 
     def decide(self, others: float) -> int:
-        """The count after a reading of ``others`` busy cores: down at once to the most threads
-        whose cores the others take over ``BACK_OFF_SHARE`` of a core from; up after
-        ``GROW_READINGS`` readings in a row leave room for more (to the fewest they left)."""
+        """The count after a reading of ``others`` busy cores: down at once when they would
+        take over ``BACK_OFF_SHARE`` of a core from the forward's cores; up once the last
+        ``GROW_READINGS`` readings leave room for more threads, on average with
+        ``GROW_SHARE`` and each with ``BACK_OFF_SHARE`` (so it does not grow into a count
+        that one of them would have backed off from)."""
         fewer = self._fitting(others, BACK_OFF_SHARE)
         if fewer < self.count:
-            self._quiet = 0
+            self._recent.clear()
             return fewer
-        more = self._fitting(others, GROW_SHARE)
-        if more <= self.count:
-            self._quiet = 0
+        self._recent.append(others)
+        if len(self._recent) < GROW_READINGS:
             return self.count
-        self._room = more if self._quiet == 0 else min(self._room, more)
-        self._quiet += 1
-        if self._quiet < GROW_READINGS:
-            return self.count
-        self._quiet = 0
-        return self._room
+        on_average = self._fitting(sum(self._recent) / len(self._recent), GROW_SHARE)
+        more = min(on_average, self._fitting(max(self._recent), BACK_OFF_SHARE))
+        if more > self.count:
+            self._recent.clear()
+            return more
+        return self.count
 
     def _fitting(self, others: float, share: float) -> int:
         """The most threads (within the range) whose cores the others, running on the cores

@@ -1,6 +1,6 @@
 """The scheduler's torch thread count (scheduler_proc/model/thread_budget.py): /proc/stat read
 as the kernel writes it, the others' load between two readings, the count's hysteresis (back
-off at once, grow after quiet readings), pinning, and the real runner applying it."""
+off at once, grow on a quiet second), pinning, and the real runner applying it."""
 
 from __future__ import annotations
 
@@ -140,10 +140,25 @@ def test_grows_only_after_quiet_readings_in_a_row(
 ) -> None:
     machine, budget, applied = two_cores
     now, counts = run_readings(budget, machine, 0.0, [0.1] * (GROW_READINGS - 1) + [0.9])
-    assert counts == [1] * GROW_READINGS, "a busy reading restarts the count of quiet ones"
+    assert counts == [1] * GROW_READINGS, "a busy reading holds the count for a second"
     now, counts = run_readings(budget, machine, now, [0.1] * GROW_READINGS)
     assert counts == [1] * (GROW_READINGS - 1) + [2]
     assert applied.applied == [1, 2]
+
+
+def test_grows_on_the_seconds_average(
+    two_cores: tuple[Machine, ThreadBudget, Recorder],
+) -> None:
+    """Readings of a light output path (API, detokenizer and client): each a few ticks, some
+    above the average's bound. A second of 0.35 core on average keeps one thread."""
+    machine, budget, _ = two_cores
+    _, counts = run_readings(budget, machine, 0.0, [0.24, 0.04, 0.4, 0.12])
+    assert counts == [1, 1, 1, 2]
+    busier = Machine()
+    budget = ThreadBudget(Recorder(), busier.load(), lowest=1, highest=2, start=1)
+    budget.update(0.0)
+    _, counts = run_readings(budget, busier, 0.0, [0.35] * (2 * GROW_READINGS))
+    assert counts == [1] * (2 * GROW_READINGS)
 
 
 def test_backs_off_at_the_first_busy_reading(
