@@ -116,7 +116,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = "auto"
     chunked_prefill_size: Annotated[
         int, Flag("scheduler", "prompt tokens prefilled per step, at most; -1 disables chunking")
-    ] = 512
+    ] = 2048
     enable_deterministic_inference: Annotated[
         bool,
         Flag(
