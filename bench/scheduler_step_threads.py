@@ -29,7 +29,6 @@ def sweep_args(args: argparse.Namespace) -> list[str]:
     plain.torch_threads = None
     out = child_args(plain) + ["--forward", args.forward]
     out += ["--op-steps", str(args.op_steps)] + (["--op-groups"] if args.op_groups else [])
-    out += ["--deterministic"] if args.deterministic else []
     if args.profile:
         out += ["--profile", "--profile-steps", str(args.profile_steps)]
         out += ["--profile-top", str(args.profile_top)]

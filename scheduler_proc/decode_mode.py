@@ -69,7 +69,7 @@ class TokenDecode:
         self._decoder = decoder
         self._batch = batch
         self._alloc = alloc
-        self._started: tuple[Future[torch.Tensor], int] | None = None  # (forward, tokens)
+        self._started: Future[torch.Tensor] | None = None  # the forward ``start`` launched
 
     @property
     def running(self) -> RunningBatch:
@@ -81,13 +81,14 @@ class TokenDecode:
     def start(self) -> None:
         slots = self._alloc(len(self._batch))
         assert slots is not None, "retraction left too few KV slots"
-        self._started = (self._decoder.launch(self._batch, slots), len(slots))
+        self._started = self._decoder.launch(self._batch, slots)
 
     def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
         if self._started is None:
             self.start()
         assert self._started is not None
-        (forward, tokens), self._started = self._started, None
+        forward, self._started = self._started, None
+        tokens = len(self._batch)  # one per row, before finished rows leave the batch
         return self._decoder.finish(self._batch, forward, rows), tokens
 
     def note_sent(self, req: Req) -> None:

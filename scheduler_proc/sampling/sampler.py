@@ -270,7 +270,7 @@ def _draw_full(x: torch.Tensor, r: _Rows) -> np.ndarray:
     total_before_min_p = _running_sums(_block_sums(_rows_of(e, both)))[:, -1] if both.size else None
     if cut_min_p.any():
         _cut_min_p(e, np.flatnonzero(cut_min_p), r.min_p)
-    tokens, total = _inverse_cdf(e, _block_sums(e), r.uniforms(0))
+    tokens, total = _inverse_cdf(e, r.uniforms(0))
     if nucleus.size:
         if total_before_min_p is not None:
             total[both] = total_before_min_p
@@ -313,14 +313,12 @@ def _cut_min_p(e: np.ndarray, rows: np.ndarray, min_p: np.ndarray) -> None:
         e[rows] = cut
 
 
-def _inverse_cdf(
-    e: np.ndarray, block_sums: np.ndarray, u: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _inverse_cdf(e: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the token t at which the running sum of ``e`` first exceeds u * total, and
-    the totals (float64). Two levels: pick the block by its running sum (``block_sums``
-    are ``_block_sums(e)``), then the token within it. A token of weight 0 is never
-    returned, whatever the rounding."""
+    the totals (float64). Two levels: pick the block by its running sum, then the token
+    within it. A token of weight 0 is never returned, whatever the rounding."""
     m, width = e.shape
+    block_sums = _block_sums(e)
     cum = np.zeros((m, width // _BLOCK + 1), dtype=np.float64)
     cum[:, 1:] = _running_sums(block_sums)
     total = cum[:, -1]
@@ -387,7 +385,7 @@ def _reject_outside_nucleus(
         # The rejected token and every one as light are out.
         w = w[out] * heavier_than_drawn[out]
         u = r.uniforms(round_index, rows[pending])
-        tokens[pending], _ = _inverse_cdf(w, _block_sums(w), u)
+        tokens[pending], _ = _inverse_cdf(w, u)
     # Rare (a nucleus of many near-equal tokens): an exact sort of the rows left.
     tokens[pending] = _sorted_draw(w, mass[pending], r.uniforms(_MAX_ROUNDS + 1, rows[pending]))
     return tokens
