@@ -210,7 +210,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     port: Annotated[int, Flag("http", "HTTP port")] = 30000
     api_key: Annotated[
         str | None,
-        Flag("http", "every endpoint but /health and /metrics needs Authorization: Bearer KEY"),
+        Flag(
+            "http",
+            "every endpoint but /, /health and /metrics needs the key, as "
+            "Authorization: Bearer KEY or x-api-key: KEY",
+        ),
     ] = None
     graceful_timeout: Annotated[
         float, Flag("http", "on SIGTERM, seconds in-flight requests get to finish")

@@ -1,4 +1,4 @@
-"""The HTTP edge of tokenpipe's API server: the JSON error shape, Bearer API-key checking,
+"""The HTTP edge of tokenpipe's API server: the JSON error shape, API-key checking,
 noticing a client that went away, dropping a client too slow to send its request, and
 running on uvicorn with a graceful stop. It imports nothing of ``tokenizer_proc``:
 ``pipeline/`` is the ground floor."""
@@ -11,7 +11,7 @@ import hmac
 import logging
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import uvicorn
@@ -48,23 +48,27 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
-class BearerAuth:
+class ApiKeyAuth:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it buffers and breaks disconnect
-    detection). Every path but ``open_paths`` needs ``Authorization: Bearer KEY``."""
+    detection). Every path but ``open_paths`` needs the key, sent as OpenAI's clients send it
+    (``Authorization: Bearer KEY``) or as Anthropic's do (``x-api-key: KEY``); either will do.
+    A header that is absent never matches, whatever the key."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = {
+            b"authorization": f"Bearer {api_key}".encode(),
+            b"x-api-key": api_key.encode(),
+        }
         self._open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open_paths:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # Constant-time compare, so the key cannot be guessed byte by byte from timing.
-            if not hmac.compare_digest(given, self._expected):
+            if not self._carries_key(scope["headers"]):
                 response = error_response(
                     401,
-                    "missing or invalid API key (expected `Authorization: Bearer KEY`)",
+                    "missing or invalid API key (expected `Authorization: Bearer KEY` or "
+                    "`x-api-key: KEY`)",
                     err_type="authentication_error",
                 )
                 # Without it uvicorn would read (and discard) the rest of an unread body
@@ -74,6 +78,16 @@ class BearerAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _carries_key(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        matched = False
+        for name, given in headers:
+            expected = self._expected.get(name)
+            if expected is not None:
+                # Constant-time compare, so the key cannot be guessed byte by byte from
+                # timing; `|=`, not a return, so a match costs what a miss does.
+                matched |= hmac.compare_digest(given, expected)
+        return matched
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import importlib.metadata
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -147,13 +148,21 @@ def test_model_card_has_root_and_tokenize_has_token_strs(
     oai: openai.OpenAI, http: httpx.Client
 ) -> None:
     card = http.get(f"/v1/models/{MODEL}").json()
+    # Anthropic's ModelInfo keys beside OpenAI's (tests/e2e/test_anthropic_edge.py reads them).
+    anthropic_keys = {
+        "type": "model", "display_name": MODEL, "created_at": card["created_at"],
+        "max_input_tokens": card["max_model_len"], "lifecycle": "active",
+    }  # fmt: skip
     assert card == {
         "id": MODEL, "object": "model", "created": card["created"], "owned_by": "tokenpipe",
         "root": str(DEFAULT_TOKENIZER_DIR), "max_model_len": card["max_model_len"],
+        **anthropic_keys,
     }  # fmt: skip
+    assert datetime.fromisoformat(card["created_at"]).timestamp() == card["created"]
     assert oai.models.retrieve(MODEL).model_extra == {
         "root": str(DEFAULT_TOKENIZER_DIR),
         "max_model_len": card["max_model_len"],
+        **anthropic_keys,
     }
     assert http.get("/v1/models").json()["data"] == [card]
 

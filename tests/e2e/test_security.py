@@ -1,7 +1,7 @@
 """The security properties the "Security" section of docs/operations.md claims, checked for real:
 the ipc directory keeps other users out, no socket carries pickle (a pickle frame runs no code), a
 tcp endpoint listens only where it is configured, and the API key is compared in constant time,
-refuses every wrong key with an OpenAI-style 401 and is not needed on /health and /metrics."""
+refuses every wrong key with an OpenAI-style 401 and is not needed on /, /health and /metrics."""
 
 from __future__ import annotations
 
@@ -288,8 +288,8 @@ def test_serve_listens_on_loopback_http_only(server: ServerProcess) -> None:
 # --- the API key ------------------------------------------------------------------------------
 
 
-def test_bearer_auth_compares_with_hmac_compare_digest() -> None:
-    source = textwrap.dedent(inspect.getsource(http_edge.BearerAuth))
+def test_api_key_auth_compares_with_hmac_compare_digest() -> None:
+    source = textwrap.dedent(inspect.getsource(http_edge.ApiKeyAuth))
     tree = ast.parse(source)
     calls = [
         n
@@ -300,14 +300,19 @@ def test_bearer_auth_compares_with_hmac_compare_digest() -> None:
         and isinstance(n.func.value, ast.Name)
         and n.func.value.id == "hmac"
     ]
-    assert len(calls) == 1, "BearerAuth must compare the key with hmac.compare_digest"
-    assert any(isinstance(a, ast.Attribute) and a.attr == "_expected" for a in calls[0].args)
+    assert len(calls) == 1, "ApiKeyAuth must compare the key with hmac.compare_digest"
+    # The header's value against the expected one, taken from `self._expected`.
+    assert [ast.unparse(a) for a in calls[0].args] == ["given", "expected"]
+    assert "expected = self._expected.get(name)" in source
     assert http_edge.hmac.compare_digest is __import__("hmac").compare_digest
-    # No other comparison ever touches the key (== would leak its length of matching prefix).
+    # No other comparison ever touches the key (== would leak its length of matching prefix);
+    # `is None` tests only whether a header is the key's.
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
+        if isinstance(node, ast.Compare) and not all(
+            isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops
+        ):
             names = {getattr(n, "attr", None) or getattr(n, "id", None) for n in ast.walk(node)}
-            assert not names & {"_expected", "given", "api_key"}, ast.unparse(node)
+            assert not names & {"_expected", "expected", "given", "api_key"}, ast.unparse(node)
 
 
 def _wrong_authorizations() -> list[bytes]:
@@ -380,13 +385,15 @@ def test_every_wrong_key_gets_an_openai_style_401(tcp_service: RoleProcesses) ->
     assert info.status_code == 200 and "api_key" not in info.json() and API_KEY not in info.text
 
 
-def test_health_and_metrics_need_no_key(tcp_service: RoleProcesses) -> None:
+def test_root_health_and_metrics_need_no_key(tcp_service: RoleProcesses) -> None:
     with httpx.Client(base_url=tcp_service.url, timeout=30) as c:
+        assert c.get("/").status_code == 200 and c.head("/").status_code == 200
         assert c.get("/health").status_code == 200
         metrics = c.get("/metrics")
         assert metrics.status_code == 200 and "tokenpipe:" in metrics.text
         assert API_KEY not in metrics.text
-        # Only those exact paths are open.
-        for path in ("/health/", "/health_generate", "/metrics/x", "//health"):
-            assert c.get(path).status_code == 401, path
+    # Only those exact paths are open. (Raw requests: httpx would send "//health" as "/".)
+    for path in ("/health/", "/health_generate", "/metrics/x", "//health", "//", "/v1/"):
+        status, _ = _raw_request(tcp_service.port, "GET", path, None)
+        assert status == 401, path
     assert all(p.alive() for p in tcp_service.procs.values())

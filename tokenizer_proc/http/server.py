@@ -1,7 +1,7 @@
 """The API's ASGI app: each dialect's routers and the service's own endpoints, the error
-shape, and the edge middleware (key check, body limit, the generation routes served in front
-of FastAPI's stack). Request handling lives in the routers and ``TokenizerManager``; this
-module only wires them."""
+shape, and the edge middleware (Anthropic's error shape on /v1/messages, key check, body limit,
+the generation routes served in front of FastAPI's stack). Request handling lives in the
+routers and ``TokenizerManager``; this module only wires them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from pipeline.http.body_limit import BodyLimit
-from pipeline.http.edge import BearerAuth, install_error_handlers
+from pipeline.http.edge import ApiKeyAuth, install_error_handlers
+from tokenizer_proc.anthropic.errors import AnthropicErrors
 from tokenizer_proc.http.common import error_response
 from tokenizer_proc.http.hicache_api import build_hicache_router
 from tokenizer_proc.http.hot_routes import Endpoint, HotRoutes, post_endpoints
@@ -28,7 +29,7 @@ from tokenizer_proc.openai.tokenize.routes import build_tokenize_router
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_OPEN_PATHS = frozenset({"/", "/health", "/metrics"})
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -94,9 +95,10 @@ def _edge(tm: TokenizerManager, app: FastAPI, hot: dict[str, Endpoint]) -> ASGIA
     edge: ASGIApp = BodyLimit(
         HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large
     )
-    # Outermost: the key is checked first. Neither reads the body before its answer, but a
+    # Around it: the key is checked first. Neither reads the body before its answer, but a
     # client without the key gets its 401 and learns nothing of the limit.
     api_key = tm.config.api_key
     if api_key is not None:
-        edge = BearerAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
-    return edge
+        edge = ApiKeyAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
+    # Outermost, so the 401 and the 413 on /v1/messages leave in Anthropic's shape too.
+    return AnthropicErrors(edge)

@@ -1,6 +1,7 @@
-"""The service's own endpoints: ``GET /health`` (the process is up and its scheduler has
-reported), ``GET /health_generate`` (a 1-token request gets through the whole pipeline),
-``GET /metrics`` and ``POST /abort_request``."""
+"""The service's own endpoints: ``GET /`` and ``HEAD /`` (a server answers here: Claude Code
+checks with ``HEAD /`` before its first request), ``GET /health`` (the process is up and its
+scheduler has reported), ``GET /health_generate`` (a 1-token request gets through the whole
+pipeline), ``GET /metrics`` and ``POST /abort_request``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ class AbortRequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
 def build_service_router(tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
+
+    @router.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        # 200 even while starting: it says only that this is the server; /health says ready.
+        # (uvicorn sends no body for HEAD.)
+        return JSONResponse({"status": "ok"})
 
     @router.get("/health")
     async def health() -> Response:

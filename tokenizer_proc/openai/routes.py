@@ -1,5 +1,6 @@
 """The OpenAI-compatible text generation API: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{model}``.
+``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{model}`` (whose
+answers also carry Anthropic's keys, for its SDK's ``models.list`` and ``models.retrieve``).
 
 Each choice is its own pipeline request (``n`` choices of ``p`` prompts are ``n * p``
 requests, submitted together so they batch; ``_respond`` waits for them). What a response
@@ -68,7 +69,9 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     async def list_models() -> Response:
         if not tm.ready:
             return not_ready()
-        return JSONResponse({"object": "list", "data": [card]})
+        # Anthropic's page keys beside OpenAI's: one page, always the whole list.
+        page = {"has_more": False, "first_id": card["id"], "last_id": card["id"]}
+        return JSONResponse({"object": "list", "data": [card], **page})
 
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
@@ -88,15 +91,24 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
 
 
 def _model_card(tm: TokenizerManager) -> dict[str, Any]:
-    """The served model, as ``GET /v1/models`` lists it; ``created`` is the server's start."""
+    """The served model, as ``GET /v1/models`` lists it: OpenAI's model object and Anthropic's
+    ModelInfo in one (each dialect's clients ignore the other's keys). ``created`` is the
+    server's start."""
+    created = int(time.time())
     return {
         "id": tm.model_name,
         "object": "model",
-        "created": int(time.time()),
+        "created": created,
         "owned_by": "tokenpipe",
         # vLLM's and SGLang's: the served model's path (its directory here)
         "root": str(model_directory(tm.config.model_path)),
         "max_model_len": tm.context_length,  # vLLM's name
+        # Anthropic's
+        "type": "model",
+        "display_name": tm.model_name,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),  # RFC 3339
+        "max_input_tokens": tm.context_length,
+        "lifecycle": "active",
     }
 
 
