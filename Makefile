@@ -6,8 +6,13 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 PORT ?= 30000
+# Claude Code, the real client tests/e2e/test_anthropic_messages.py drives (npm, offline);
+# pinned, since the fields it sends change between releases.
+NODE_DIR := .node
+CLAUDE_CODE_VERSION := 2.1.197
+CLAUDE_CODE_STAMP := $(NODE_DIR)/.installed-$(CLAUDE_CODE_VERSION)
 
-.PHONY: serve check test bench setup system-deps clean
+.PHONY: serve check test bench setup system-deps node-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,17 +39,25 @@ system-deps:
 		else echo "note: prometheus/promtool missing and cannot apt-get install them; their tests will skip"; fi; \
 	fi
 
+# Without npm the Claude Code test skips on a laptop; in CI (CI=true) it fails instead.
+node-deps:
+	@if [ -f $(CLAUDE_CODE_STAMP) ]; then :; \
+	elif command -v npm >/dev/null; then \
+		npm install --prefix $(NODE_DIR) --no-fund --no-audit --loglevel=error \
+			@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) && touch $(CLAUDE_CODE_STAMP); \
+	else echo "note: npm missing; the Claude Code test will skip"; fi
+
 # The gate the tests stand behind: layout, lint, then types (all configured in pyproject.toml).
 check: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: check system-deps
+test: check system-deps node-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/output_path.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NODE_DIR) build *.egg-info

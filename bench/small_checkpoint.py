@@ -37,6 +37,7 @@ def write(
     seed: int,
     added_tokens: Sequence[str] = (),
     special_tokens: Sequence[str] = (),
+    max_position_embeddings: int = 2048,
 ) -> ModelConfig:
     """``added_tokens``: texts the tokenizer takes as single tokens after the shipped
     vocabulary (as Qwen3's ``<think>``: added, not special), then ``special_tokens`` (as
@@ -61,7 +62,7 @@ def write(
         num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 32),
         num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=2048,
+        max_position_embeddings=max_position_embeddings,
     )
     LlamaForCausalLM.random(shape, seed=seed, device="cpu").save_pretrained(directory)
     # The built-in model's EOS, so the checkpoint stops where it would.

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp
 from pipeline.http.body_limit import BodyLimit
 from pipeline.http.edge import ApiKeyAuth, install_error_handlers
 from tokenizer_proc.anthropic.errors import AnthropicErrors
+from tokenizer_proc.anthropic.routes import build_messages_router
 from tokenizer_proc.http.common import error_response
 from tokenizer_proc.http.hicache_api import build_hicache_router
 from tokenizer_proc.http.hot_routes import Endpoint, HotRoutes, post_endpoints
@@ -65,23 +66,26 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     app.include_router(build_tokenize_router(tm))
     app.include_router(build_worker_router(tm))
     app.include_router(responses_router)
+    messages_router = build_messages_router(tm)
+    app.include_router(messages_router)
     invocations = {
         **post_endpoints(openai_router, _GENERATION_PATHS),
         **post_endpoints(embeddings_router, ("/v1/embeddings",)),
     }
     app.include_router(build_peer_router(tm, invocations))
-    hot = _hot_endpoints(native_router, openai_router, responses_router)
+    hot = _hot_endpoints(native_router, openai_router, responses_router, messages_router)
     return _edge(tm, app, hot)
 
 
 def _hot_endpoints(
-    native: APIRouter, openai: APIRouter, responses: APIRouter
+    native: APIRouter, openai: APIRouter, responses: APIRouter, messages: APIRouter
 ) -> dict[str, Endpoint]:
     """The generation routes ``HotRoutes`` serves, by path."""
     return {
         **post_endpoints(native, ("/generate",)),
         **post_endpoints(openai, _GENERATION_PATHS),
         **post_endpoints(responses, ("/v1/responses",)),
+        **post_endpoints(messages, ("/v1/messages",)),
     }
 
 

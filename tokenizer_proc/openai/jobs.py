@@ -70,11 +70,16 @@ class ChatJobs:
 
 
 def prepare_chat(
-    tm: TokenizerManager, template: ChatTemplate, body: ChatCompletionRequest
+    tm: TokenizerManager,
+    template: ChatTemplate,
+    body: ChatCompletionRequest,
+    cap_max_tokens: bool = False,
 ) -> ChatJobs:
     """The tool plan, the constraint, the parsing, the rendered and tokenized prompt, and one
     job per choice. Raises RequestValidationError naming the field at fault, and
-    ChatTemplateUnavailable when the template cannot run at all."""
+    ChatTemplateUnavailable when the template cannot run at all. ``cap_max_tokens``: the
+    requested max tokens is a ceiling that the room after the prompt lowers (Anthropic's
+    ``max_tokens``), not a number that must fit."""
     plan = body.tool_plan()
     constraint = body.chat_constraint(plan)
     reasoning = tm.config.reasoning_parser
@@ -116,7 +121,8 @@ def prepare_chat(
             requested or 0,
             max_param,
         )
-        max_tokens = requested or room_left(tm, len(ids))
+        room = room_left(tm, len(ids))
+        max_tokens = min(requested, room) if requested and cap_max_tokens else requested or room
         jobs = choice_jobs(tm, body, ids, max_tokens, None)
     return ChatJobs(jobs, constraint, parsing, ("messages", max_param))
 
