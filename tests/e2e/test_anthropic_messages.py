@@ -17,6 +17,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.small_checkpoint import write
 from pipeline.tokenizer_loader import SHIPPED_VOCAB_SIZE
@@ -337,3 +338,28 @@ def test_errors_are_anthropic_errors(client: anthropic.Anthropic, server: Server
         assert answer.status_code == 400, answer.text
         error = answer.json()
         assert error["type"] == "error" and named in error["error"]["message"], error
+
+
+def _counted(server: ServerProcess, name: str) -> float:
+    """A counter's sum over its labels, from /metrics."""
+    metrics = httpx.get(f"{server.url}/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+def test_a_message_is_counted_as_any_request_is(
+    client: anthropic.Anthropic, server: ServerProcess
+) -> None:
+    names = ("tokenpipe:num_requests_total", "tokenpipe:generation_tokens_total")
+    names += ("tokenpipe:prompt_tokens_total",)
+    before = [_counted(server, name) for name in names]
+    message = client.messages.create(
+        model=MODEL, max_tokens=7, messages=[{"role": "user", "content": "Counted?"}]
+    )
+    after = [_counted(server, name) for name in names]
+    prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert [b - a for a, b in zip(before, after)] == [1, 7, prompt]

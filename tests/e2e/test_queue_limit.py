@@ -274,6 +274,12 @@ def test_every_route_answers_a_full_queue_with_503(tmp_path: Path) -> None:
             assert_queue_full(c.post("/v1/completions", json={**prompt, "prompt": "a"}))
             assert_queue_full(c.post("/v1/chat/completions", json={**chat, "stream": True}))
             assert_queue_full(c.post("/v1/chat/completions", json={**chat, "n": 3}))
+            # Anthropic's clients know a full server as 529 overloaded_error, and retry it.
+            for stream in (False, True):
+                overloaded = c.post("/v1/messages", json={**chat, "stream": stream})
+                assert overloaded.status_code == 529, overloaded.text
+                assert int(overloaded.headers["retry-after"]) >= 1
+                assert overloaded.json()["error"]["type"] == "overloaded_error"
             # The health check's own 1-token request is refused too: not healthy.
             health = c.get("/health_generate")
             assert health.status_code == 503, health.text

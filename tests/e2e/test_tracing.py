@@ -539,11 +539,23 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
                 headers={"traceparent": traceparent},
             )
             assert responded.status_code == 200, responded.text
+            # So does Anthropic's Messages API.
+            traceparent, messages_trace_id, _ = _traceparent()
+            messaged = client.post(
+                "/v1/messages",
+                json={
+                    "model": MODEL,
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "Hi"}],
+                },
+                headers={"traceparent": traceparent},
+            )
+            assert messaged.status_code == 200, messaged.text
         trace_ids = {t for _, _, t, _ in sent}
         spans = receiver.wait_for(
             lambda got: (
                 {s.trace_id for s in got if s.kind == "SERVER"}
-                >= trace_ids | {constrained_trace_id, responses_trace_id}
+                >= trace_ids | {constrained_trace_id, responses_trace_id, messages_trace_id}
                 and sum(s.trace_id in trace_ids for s in got) >= 15
             ),
             timeout=15,
@@ -567,6 +579,15 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
     usage = responded.json()["usage"]
     assert responses_root.attributes["gen_ai.usage.output_tokens"] == usage["output_tokens"] == 5
     assert responses_root.attributes["gen_ai.usage.input_tokens"] == usage["input_tokens"]
+    (messages_root,) = [s for s in spans if s.trace_id == messages_trace_id and s.kind == "SERVER"]
+    assert messages_root.name == f"chat {MODEL}"
+    assert messages_root.attributes["http.route"] == "/v1/messages"
+    usage = messaged.json()["usage"]
+    assert messages_root.attributes["gen_ai.usage.output_tokens"] == usage["output_tokens"] == 4
+    # Anthropic's input_tokens leave out the cached ones; the span counts the whole prompt.
+    assert messages_root.attributes["gen_ai.usage.input_tokens"] == (
+        usage["input_tokens"] + usage["cache_read_input_tokens"]
+    )
     assert (
         isinstance(constrained_root.attributes["tokenpipe.grammar_wait"], float)
         and constrained_root.attributes["tokenpipe.grammar_wait"] >= 0
