@@ -179,6 +179,13 @@ def test_an_abort_from_another_worker_reaches_the_scheduler(server: ServerProces
     assert meta["completion_tokens"] < 2000
 
 
+ANTHROPIC_MESSAGE = {
+    "model": "tokenpipe-tiny",
+    "max_tokens": 3,
+    "messages": [{"role": "user", "content": "hi"}],
+}
+
+
 async def control_calls(srv: ServerProcess) -> dict[int, dict[str, Any]]:
     answers: dict[int, dict[str, Any]] = {}
     for _ in range(60):
@@ -192,13 +199,14 @@ async def control_calls(srv: ServerProcess) -> dict[int, dict[str, Any]]:
                 "flush": (await client.post("/flush_cache")).status_code,
                 "load": (await client.get("/get_load")).json(),
                 "scheduler": (await client.get("/server_info")).json()["scheduler"],
+                "message": await client.post("/v1/messages", json=ANTHROPIC_MESSAGE),
             }
         if len(answers) == WORKERS:
             break
     return answers
 
 
-def test_every_worker_answers_health_and_control_calls(server: ServerProcess) -> None:
+def test_every_worker_answers_health_control_calls_and_messages(server: ServerProcess) -> None:
     answers = asyncio.run(control_calls(server))
     assert sorted(answers) == list(range(WORKERS)), (
         f"not every worker was reached: {sorted(answers)}"
@@ -210,6 +218,10 @@ def test_every_worker_answers_health_and_control_calls(server: ServerProcess) ->
             got,
         )
         assert got["scheduler"] is not None, f"worker {worker} has no scheduler report"
+        # Every worker serves the Messages API (its answer comes back to the worker that asked).
+        message = got["message"]
+        assert message.status_code == 200, (worker, message.text)
+        assert message.json()["usage"]["output_tokens"] == 3, (worker, message.text)
 
 
 async def same_rid_on_two_workers(
