@@ -28,19 +28,21 @@ class ReasoningGate:
     grammar: xgr.CompiledGrammar
     end: tuple[int, ...]
 
-    def ended_at(self, output_ids: Sequence[int]) -> bool:
-        """Whether ``output_ids`` (the output, or as many of its last tokens as ``end`` has)
-        ends with the reasoning's end (checked after each token)."""
-        n = len(self.end)
-        return len(output_ids) >= n and tuple(output_ids[-n:]) == self.end
 
-    def after_end(self, output_ids: Sequence[int]) -> int | None:
-        """Where the output after the first end starts, or None when it holds no end."""
-        n = len(self.end)
-        return next(
-            (i for i in range(n, len(output_ids) + 1) if tuple(output_ids[i - n : i]) == self.end),
-            None,
-        )
+def ends_with(output_ids: Sequence[int], end: tuple[int, ...]) -> bool:
+    """Whether ``output_ids`` (the output, or as many of its last tokens as ``end`` has)
+    ends with ``end``, the reasoning's end (checked after each token)."""
+    n = len(end)
+    return len(output_ids) >= n and tuple(output_ids[-n:]) == end
+
+
+def after_end(output_ids: Sequence[int], end: tuple[int, ...]) -> int | None:
+    """Where the output after the first ``end`` starts, or None when it holds no end."""
+    n = len(end)
+    return next(
+        (i for i in range(n, len(output_ids) + 1) if tuple(output_ids[i - n : i]) == end),
+        None,
+    )
 
 
 class Req(Protocol):
@@ -65,11 +67,10 @@ def start_grammar(req: Req, grammar: xgr.CompiledGrammar) -> FinishReason | None
     if not end:
         req.matcher = new_matcher(grammar)
         return None
-    gate = ReasoningGate(grammar, end)
-    after = gate.after_end(req.output_ids)
+    after = after_end(req.output_ids, end)
     if after is not None:
         return _open(req, grammar, req.output_ids[after:])
-    req.gate = gate
+    req.gate = ReasoningGate(grammar, end)
     return None
 
 
@@ -79,7 +80,8 @@ def open_if_ended(req: Req, output_ids: Sequence[int] | None = None) -> bool:
     when that token completed the end of its reasoning, so the grammar applies from the next
     token."""
     gate = req.gate
-    if gate is None or not gate.ended_at(req.output_ids if output_ids is None else output_ids):
+    tail = req.output_ids if output_ids is None else output_ids
+    if gate is None or not ends_with(tail, gate.end):
         return False
     req.gate = None
     req.matcher = new_matcher(gate.grammar)
