@@ -31,9 +31,8 @@ EMBEDDING_DTYPE = np.dtype("<f4")
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """A request's sampling parameters, whatever dialect asked. A new field goes last, with a
-    default that asks for nothing; the scheduler carries each field by the one declaration in
-    scheduler_proc/sampling/param_columns.py, and docs/design/adding-a-sampling-parameter.md
-    lists the rest (tests/unit/test_sampling_declaration.py holds every place to it)."""
+    default that asks for nothing; scheduler_proc/sampling/param_columns.py declares where the
+    scheduler carries it, docs/design/adding-a-sampling-parameter.md every other place."""
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -47,15 +46,17 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stream_interval: int | None = None  # None: the server's --stream-interval
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    # docs/design.md section 10: min_p keeps tokens with p >= min_p * p_max; the penalties have
-    # OpenAI's (frequency, presence: over generated tokens) and SGLang/vLLM's (repetition:
-    # over prompt and generated tokens) meanings; logit_bias is (token id, bias) pairs,
-    # sorted by id, added to the logits before everything else.
+    # docs/design.md section 10: min_p keeps p >= min_p * p_max; frequency and presence penalize
+    # generated tokens (OpenAI), repetition prompt and output tokens (SGLang/vLLM); logit_bias
+    # is (token id, bias) pairs, sorted by id, added to the logits before everything else.
     min_p: float = 0.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # A cap on reasoning, forcing thinking_end's ids: scheduler_proc/sampling/thinking_budget.py
+    thinking_budget: int | None = None  # output tokens before the end is forced; None: no cap
+    thinking_end: tuple[int, ...] = ()  # the ids that end the reasoning (``</think>``'s)
 
 
 MediaKind = Literal["image", "audio", "video"]
@@ -198,8 +199,7 @@ class FinishLength(msgspec.Struct, tag="length", array_like=True, gc=False, froz
 class FinishAbort(msgspec.Struct, tag="abort", array_like=True, gc=False, frozen=True):
     message: str
     status_code: int = 400
-    # Seconds after which a retry may succeed; set only on a refusal for a full waiting queue
-    # (503). Appended last with a default: a reader of the older 3-element form still decodes.
+    # Seconds after which a retry may succeed; only on a refusal for a full waiting queue (503).
     retry_after: float | None = None
 
 

@@ -105,7 +105,21 @@ class AdmissionCheck:
                 "stop strings need a tokenizer, and this server runs with "
                 "--skip-tokenizer-init: use stop_token_ids"
             )
-        return None
+        return self._thinking_problem(sampling)
+
+    def _thinking_problem(self, sampling: SamplingParams) -> str | None:
+        budget, end = sampling.thinking_budget, sampling.thinking_end
+        if budget is None:
+            return None
+        if budget < 0:
+            return f"thinking_budget is {budget}; it must be at least 0"
+        if not end:
+            return "thinking_budget needs thinking_end, the token ids that end the reasoning"
+        if min(end) < 0 or max(end) >= self.model_vocab_size:
+            return (
+                f"thinking_end holds a token id outside the vocabulary [0, {self.model_vocab_size})"
+            )
+        return self.mode.thinking_budget_refusal
 
     def _constraint_problem(self, c: Constraint | None) -> str | None:
         if c is None:

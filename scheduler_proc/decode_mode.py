@@ -24,6 +24,8 @@ class DecodeMode(Protocol):
     output_slots_note: str
     # Why a constrained request is refused in this mode (None: grammars may run here).
     constraint_refusal: str | None
+    # Why a request with a thinking budget is refused in this mode (None: it may run here).
+    thinking_budget_refusal: str | None
 
     @property
     def running(self) -> RunningBatch | list[Req]:
@@ -59,6 +61,7 @@ class TokenDecode:
     samples_first_token = True
     output_slots_note = ""
     constraint_refusal: str | None = None
+    thinking_budget_refusal: str | None = None
 
     def __init__(
         self,

@@ -69,6 +69,8 @@ class DllmDecoder:
     output_slots_note = " in whole blocks"
     # A pass commits positions of a block out of order; a grammar reads left to right.
     constraint_refusal: str | None = "structured outputs are not supported in --mode dllm"
+    # Forcing a reasoning's end reads the output left to right too.
+    thinking_budget_refusal: str | None = "thinking_budget is not supported in --mode dllm"
 
     def __init__(
         self,

@@ -187,7 +187,36 @@ class RequestChecks:
                 f"below the vocabulary size {self.vocab_size}",
                 "sampling_params.logit_bias",
             )
+        self.validate_thinking_budget(sampling)
         self.validate_lengths(prompt_len, sampling)
+
+    def validate_thinking_budget(self, sampling: SamplingParams) -> None:
+        """A budget (docs/design/sampling.md#thinking-budget) of at least 0 tokens, with the
+        ids that end the reasoning, each in the vocabulary; not in --mode dllm."""
+        budget, end = sampling.thinking_budget, sampling.thinking_end
+        if budget is None:
+            return
+        param = "sampling_params.thinking_budget"
+        if budget < 0:
+            raise RequestValidationError(f"{param} is {budget}; it must be at least 0", param)
+        if not end:
+            raise RequestValidationError(
+                f"{param} needs sampling_params.thinking_end, the token ids that end the reasoning",
+                "sampling_params.thinking_end",
+            )
+        if min(end) < 0 or max(end) >= self.vocab_size:
+            bad = next(t for t in end if not 0 <= t < self.vocab_size)
+            raise RequestValidationError(
+                f"sampling_params.thinking_end names token id {bad}, not in the vocabulary "
+                f"[0, {self.vocab_size})",
+                "sampling_params.thinking_end",
+            )
+        if self.config.mode == "dllm":
+            raise RequestValidationError(
+                f"{param} is not served in --mode dllm (a block commits its tokens out of "
+                "order); send it to a server in --mode generate",
+                param,
+            )
 
     def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
         limit = self.config.max_new_tokens_limit

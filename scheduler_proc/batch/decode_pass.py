@@ -6,11 +6,10 @@ goes the per-request way only on an event: a finish, a stop string to check, or 
 due (its request is in the scheduler's ``StatsPending`` set). The other due rows come
 back as ``SteadyRows`` columns, for ``build_token_output``.
 
-Constrained rows (a grammar: scheduler_proc/sampling/grammar.py) add three column
-operations, and only while one runs: their mask is filled before the draw, applied in it,
-and their drawn tokens are accepted after it; a row whose grammar ended finishes with
-``stop``.
-"""
+Constrained rows (a grammar: scheduler_proc/sampling/grammar.py) add three column operations,
+only while one runs: their mask is filled before the draw, applied in it, and their drawn
+tokens accepted after it (a row whose grammar ended finishes with ``stop``); an open thinking
+budget (thinking_budget.py) a compare before the draw and one after it."""
 
 from __future__ import annotations
 
@@ -78,7 +77,7 @@ class BatchDecoder:
         )
         grammar = batch.grammar_rows()
         mask = self.masks.fill(grammar, n) if grammar is not None else None
-        columns = batch.sampling_columns(bans, mask)
+        columns = batch.sampling_columns(bans, mask, batch.forced_tokens())
         logits = forward.result()
         new = self.runner.sample(logits, columns)
         batch.append_tokens(new)
@@ -96,6 +95,7 @@ class BatchDecoder:
             code[ended] = STOP_TOKEN  # the grammar ended (its stop token), whatever ignore_eos says
             code[refused] = OUTSIDE_GRAMMAR
         batch.open_gates(new)  # grammars waiting for the end of the reasoning
+        batch.close_budgets(new)  # thinking budgets whose end is now in the output
         due = batch.due(code != RUNNING)
         event = (code != RUNNING) | check_strings
         if (

@@ -21,6 +21,7 @@ from scheduler_proc.req import Req
 from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows, StepMasks
 from scheduler_proc.sampling.reasoning_gate import open_if_ended
 from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
+from scheduler_proc.sampling.thinking_budget import forced_first_tokens
 from scheduler_proc.stop_checker import StopChecker
 
 # A request, the tokens it computes in this pass, and the pool slots of their KV.
@@ -69,8 +70,9 @@ def sample_first_tokens(
 ) -> list[int]:
     """The next token of each of these requests (not in the running batch: a first token
     after a prefill), each drawn at its output index, never a stop token while the output
-    is short of min_new_tokens, and within its grammar when it has one (its matcher takes
-    the token when it is appended: ``Scheduler.append_tokens``); the logprobs of the
+    is short of min_new_tokens, within its grammar when it has one (its matcher takes
+    the token when it is appended: ``Scheduler.append_tokens``), and the next id of its
+    thinking end when its budget is spent (``thinking_budget.py``); the logprobs of the
     requests that asked are kept on them until their rows go out (one batched
     computation)."""
     params = [r.sampling for r in reqs]
@@ -85,6 +87,7 @@ def sample_first_tokens(
         logits.device,
         stop_checker.min_new_bans_of(params, out_lens),
         _grammar_mask(reqs, masks),
+        forced_first_tokens(reqs),
     )
     tokens = runner.sample(logits, columns)
     asking = [i for i, r in enumerate(reqs) if r.logprob is not None]

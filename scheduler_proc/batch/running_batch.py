@@ -4,8 +4,8 @@ join and leave (vLLM's InputBatch is the model), so a steady decode step is colu
 Row ``i`` in ``[0, len(self))`` holds one running request: its tokens (prompt then output),
 the pool slot of each token's KV (SGLang's req_to_token), the counts the stop checks and the
 stream interval read, its sampling parameters (``param_columns.PARAM_COLUMNS``), the penalty
-state the sampler reads, its logprobs (``PendingLogprobs``) and whether a grammar constrains
-it (its matcher stays on its request: ``Req.matcher``).
+state the sampler reads, its logprobs (``PendingLogprobs``), whether a grammar constrains
+it (its matcher stays on its request: ``Req.matcher``) and its open thinking budget.
 
 Rows are dense: a leaving request's row is filled by the last row (swap-remove), so the step
 reads ``[:n]`` slices, never a gather.
@@ -23,9 +23,15 @@ from scheduler_proc.batch.pending_logprobs import PendingLogprobs, grown
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows
-from scheduler_proc.sampling.reasoning_gate import open_if_ended
+from scheduler_proc.sampling.reasoning_gate import ends_with, open_if_ended
 from scheduler_proc.sampling.param_columns import PARAM_COLUMNS, SAMPLER_COLUMNS
-from scheduler_proc.sampling.sampler import BannedTokens, SamplingColumns, draw_counter
+from scheduler_proc.sampling.sampler import (
+    BannedTokens,
+    ForcedTokens,
+    SamplingColumns,
+    draw_counter,
+)
+from scheduler_proc.sampling.thinking_budget import NEVER, budget_open, forced_rows
 
 _FIRST_ROWS = 64  # rows allocated up front; the tables double when more requests run
 
@@ -35,7 +41,7 @@ _FIRST_ROWS = 64  # rows allocated up front; the tables double when more request
 _ROW_COLUMNS = (
     "req_id", "prompt_len", "seq_len", "sent", "joined", "stream", "interval",
     "has_stop_strings", "stop_ids", "stop_count", "seed", "has_bias", "constrained",
-    "gate_last",
+    "gate_last", "force_from", "think_last",
 )  # fmt: skip
 
 
@@ -90,10 +96,15 @@ class RunningBatch:
         self.constrained = np.zeros(cap, dtype=bool)  # the request has a grammar (Req.matcher)
         # The last token id of the reasoning end a gated grammar waits for (Req.gate), else -1.
         self.gate_last = np.full(cap, -1, dtype=np.int64)
+        # A row with an open thinking budget (thinking_budget.py): the output length from which
+        # its tokens are forced, and the last id of its end; else NEVER and -1.
+        self.force_from = np.full(cap, NEVER, dtype=np.int64)
+        self.think_last = np.full(cap, -1, dtype=np.int64)
 
     def _init_grammar_rows(self) -> None:
         self._num_constrained = 0
         self._num_gated = 0
+        self._num_budgeted = 0  # rows with an open thinking budget
         # The constrained rows and their matchers, kept between steps (a steady step builds
         # no list); None: to be gathered again (a constrained row joined, or rows moved).
         self._grammar_rows: GrammarRows | None = None
@@ -162,6 +173,7 @@ class RunningBatch:
             self._grammar_rows = None
         self.gate_last[row] = req.gate.end[-1] if req.gate is not None else -1
         self._num_gated += req.gate is not None
+        self._set_budget_row(row, req)
         self.logprobs.set_row(row, req)
         self._set_penalty_rows(row, req)
         req.kv_slots = None  # the row holds them now (see the class docstring)
@@ -181,6 +193,18 @@ class RunningBatch:
         self.stop_ids[row] = -1
         self.stop_ids[row, : len(s.stop_token_ids)] = s.stop_token_ids
         self.stop_count[row] = len(s.stop_token_ids)
+
+    def _set_budget_row(self, row: int, req: Req) -> None:
+        """A thinking budget stays open while the end is not in the output (found there
+        again after a retraction or a PD hand-over); a row its grammar constrains has none."""
+        s = req.sampling
+        if s.thinking_budget is not None and req.matcher is None and budget_open(s, req.output_ids):
+            self.force_from[row] = s.thinking_budget
+            self.think_last[row] = s.thinking_end[-1]
+            self._num_budgeted += 1
+        else:
+            self.force_from[row] = NEVER
+            self.think_last[row] = -1
 
     def _set_penalty_rows(self, row: int, req: Req) -> None:
         s = req.sampling
@@ -225,6 +249,7 @@ class RunningBatch:
             self._num_constrained -= int(self.constrained[row])
             self._grammar_rows = None
         self._num_gated -= int(self.gate_last[row] >= 0)
+        self._num_budgeted -= int(self.think_last[row] >= 0)
         width = self.stop_ids.shape[1]
         widest = width > 0 and int(self.stop_count[row]) == width  # the table may narrow
         last = self._n - 1
@@ -341,11 +366,41 @@ class RunningBatch:
                 self._num_constrained += 1
                 self._grammar_rows = None
 
+    def forced_tokens(self) -> ForcedTokens | None:
+        """Before a draw: the rows whose thinking budget is spent take the next id of their
+        end (none while constrained: their grammar decides). One comparison per step while a
+        row's budget is open; per-row work only on the rows forced."""
+        if not self._num_budgeted:
+            return None
+        rows = np.flatnonzero(self.output_len() >= self.force_from[: self._n])
+        rows = rows[~self.constrained[rows]].tolist()
+        out_lens = [int(self.seq_len[r] - self.prompt_len[r]) for r in rows]
+        return forced_rows([self.reqs[r].sampling for r in rows], rows, out_lens)
+
+    def close_budgets(self, new: np.ndarray) -> None:
+        """After a draw (``new``: each row's token, appended): a row whose output now ends
+        with its thinking end, forced or not, has its budget closed. Costs one comparison per
+        step while a row's budget is open, as ``open_gates``."""
+        if not self._num_budgeted:
+            return
+        for row in np.flatnonzero(new == self.think_last[: self._n]).tolist():
+            end = self.reqs[row].sampling.thinking_end
+            stop = int(self.seq_len[row])
+            start = max(int(self.prompt_len[row]), stop - len(end))
+            if ends_with(self.tokens[row, start:stop].tolist(), end):
+                self.force_from[row] = NEVER
+                self.think_last[row] = -1
+                self._num_budgeted -= 1
+
     def sampling_columns(
-        self, banned: BannedTokens | None = None, grammar: GrammarMask | None = None
+        self,
+        banned: BannedTokens | None = None,
+        grammar: GrammarMask | None = None,
+        forced: ForcedTokens | None = None,
     ) -> SamplingColumns:
         """The rows' sampling columns; ``banned``: the tokens rows may not draw this step
-        (``StopChecker.min_new_bans``); ``grammar``: the constrained rows' mask."""
+        (``StopChecker.min_new_bans``); ``grammar``: the constrained rows' mask; ``forced``:
+        the tokens rows must take (``forced_tokens``)."""
         n = self._n
         params = {c.field: self.params[c.field][:n] for c in SAMPLER_COLUMNS}
         return SamplingColumns(
@@ -357,6 +412,7 @@ class RunningBatch:
             logit_bias=self._penalty_rows(self.logit_bias, bool(self.has_bias[:n].any())),
             banned=banned,
             grammar=grammar,
+            forced=forced,
         )
 
     def _penalty_rows(self, table: torch.Tensor | None, used: bool) -> torch.Tensor | None:

@@ -60,6 +60,8 @@ CARRIED_OTHERWISE: dict[str, str] = {
     "logit_bias": "RunningBatch.has_bias and its dense [rows, vocab] logit_bias table",
     "skip_special_tokens": "not in the batch: the detokenizer's",
     "no_stop_trim": "not in the batch: the detokenizer's",
+    "thinking_budget": "RunningBatch.force_from while the end is not out (thinking_budget.py)",
+    "thinking_end": "RunningBatch.think_last; the ids, forced, read on the request's sampling",
 }
 
 

@@ -8,7 +8,8 @@ server draws token 1 with counter 1 whatever the prefill server did).
 
 Per row, in order (``sample``): the grammar mask of a constrained row, logit_bias,
 penalties, the ban of the tokens a row may not draw yet, temperature, top_k, top_p, min_p,
-the draw. A greedy row only takes an argmax; full-width work is paid by sampled rows.
+the draw; a row whose token is forced (``ForcedTokens``) takes it. A greedy row only takes
+an argmax; full-width work is paid by sampled rows.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from scheduler_proc.sampling.penalties import (
 __all__ = [
     "GREEDY_EPS",
     "BannedTokens",
+    "ForcedTokens",
     "SamplingColumns",
     "adjusted_logits",
     "draw_counter",
@@ -98,6 +100,16 @@ class BannedTokens:
 
 
 @dataclass(frozen=True, slots=True)
+class ForcedTokens:
+    """The token each of a few rows must take, whatever its logits (a thinking budget
+    spent: scheduler_proc/sampling/thinking_budget.py). As a mask allowing that token alone
+    would draw it, so the row's draw is replaced by it; no other row's draw changes."""
+
+    rows: np.ndarray  # int64 [m], each row once
+    ids: np.ndarray  # int64 [m]
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingColumns:
     """The sampling parameters of n rows as columns (row i samples logits row i). Its
     parameter columns are ``param_columns.SAMPLER_COLUMNS``, named as in ``SamplingParams``;
@@ -119,6 +131,7 @@ class SamplingColumns:
     logit_bias: torch.Tensor | None  # float32 [n, V], dense
     banned: BannedTokens | None = None  # None: no row bans a token
     grammar: GrammarMask | None = None  # None: no row is constrained
+    forced: ForcedTokens | None = None  # None: no row's token is forced
 
     @classmethod
     def from_requests(
@@ -132,6 +145,7 @@ class SamplingColumns:
         device: torch.device | str,
         banned: BannedTokens | None = None,
         grammar: GrammarMask | None = None,
+        forced: ForcedTokens | None = None,
     ) -> SamplingColumns:
         """Columns built from scratch: the event path (a request's first token, dLLM,
         tests). Per-row Python is fine here; a steady decode step should keep columns
@@ -156,6 +170,7 @@ class SamplingColumns:
             logit_bias=bias_tensor([p.logit_bias for p in params], vocab_size, device),
             banned=banned,
             grammar=grammar,
+            forced=forced,
         )
 
 
@@ -176,7 +191,16 @@ def sample(logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
       the block) so no full-width cumsum is needed; top_p rows are then checked by exact
       rejection (redraw among heavier tokens until the draw is in the nucleus), so nothing
       is sorted. The full-width passes are max, subtract, divide, exp and block sums, plus
-      one masked sum for the top_p rows (and for the few a rejection round sends back)."""
+      one masked sum for the top_p rows (and for the few a rejection round sends back).
+
+    Last, a forced row (``ForcedTokens``) takes its forced token instead of its draw."""
+    tokens = _draw(logits, cols)
+    if cols.forced is not None:
+        tokens[cols.forced.rows] = cols.forced.ids
+    return tokens
+
+
+def _draw(logits: torch.Tensor, cols: SamplingColumns) -> np.ndarray:
     n, vocab = logits.shape
     x = adjusted_logits(logits if cols.grammar is None else cols.grammar.apply(logits), cols)
     if cols.banned is not None:

@@ -53,6 +53,8 @@ EXAMPLES: dict[str, Any] = {
     "presence_penalty": 0.25,
     "repetition_penalty": 1.5,
     "logit_bias": {"5": 1.0},
+    "thinking_budget": 4,
+    "thinking_end": [7, 8],
 }
 
 
@@ -170,19 +172,24 @@ class Dialect:
 
 
 _NO_STREAM_INTERVAL = "OpenAI's and vLLM's schemas have none: the server's --stream-interval"
+# Set by the Anthropic route only (SGLang's max_thinking_tokens stays a refused field).
+_THINKING = {
+    "thinking_budget": "only the Anthropic route's thinking.budget_tokens sets it",
+    "thinking_end": "set with thinking_budget, from the tokenizer's </think>",
+}
 DIALECTS = (
-    Dialect("native sampling_params", GenerateSamplingParams),
+    Dialect("native sampling_params", GenerateSamplingParams, not_exposed=_THINKING),
     Dialect(
         "OpenAI completions",
         CompletionRequest,
         renamed={"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"},
-        not_exposed={"stream_interval": _NO_STREAM_INTERVAL},
+        not_exposed={"stream_interval": _NO_STREAM_INTERVAL, **_THINKING},
     ),
     Dialect(
         "OpenAI chat completions",
         ChatCompletionRequest,
         renamed={"max_new_tokens": "max_completion_tokens", "min_new_tokens": "min_tokens"},
-        not_exposed={"stream_interval": _NO_STREAM_INTERVAL},
+        not_exposed={"stream_interval": _NO_STREAM_INTERVAL, **_THINKING},
     ),
     # OpenAI's Responses fields, with vLLM's extras (seed, top_k, min_p, repetition_penalty,
     # logit_bias, skip_special_tokens): neither has the others.
@@ -199,6 +206,7 @@ DIALECTS = (
             "no_stop_trim": "not in OpenAI's Responses API nor vLLM's extras",
             "frequency_penalty": "not in OpenAI's Responses API nor vLLM's extras",
             "presence_penalty": "not in OpenAI's Responses API nor vLLM's extras",
+            **_THINKING,
         },
     ),
 )
