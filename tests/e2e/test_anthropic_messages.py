@@ -4,7 +4,7 @@ module (tests/e2e/test_claude_code.py).
 
 The checkpoint is the small random one with ``<think>`` and ``</think>`` as single added
 tokens, as Qwen3's tokenizer has them, served with ``--reasoning-parser qwen3``.
-``--max-new-tokens-limit`` is low, to show a larger ``max_tokens`` capped to it. The SDK has
+``--max-new-tokens-limit`` is set, to show a larger ``max_tokens`` capped to it. The SDK has
 no ``temperature``; greedy answers pass it in ``extra_body``.
 """
 
@@ -27,7 +27,7 @@ from tests.server_harness import ServerProcess
 MODEL = "claude-local"
 KEY = "sk-local-test"
 END_THINK = SHIPPED_VOCAB_SIZE + 1  # </think>, an added token
-OUTPUT_LIMIT = 48
+OUTPUT_LIMIT = 1100  # room for a thinking budget (1,024 at least) and its answer
 GREEDY = {"temperature": 0}
 WEATHER = {
     "name": "get_weather",
@@ -363,3 +363,48 @@ def test_a_message_is_counted_as_any_request_is(
     after = [_counted(server, name) for name in names]
     prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens
     assert [b - a for a, b in zip(before, after)] == [1, 7, prompt]
+
+
+def test_output_format_is_a_json_schema_constraint(client: anthropic.Anthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=OUTPUT_LIMIT,
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body={"logit_bias": STEADY},
+    )
+    [block] = message.content
+    assert block.type == "text" and json.loads(block.text)["answer"] in ("yes", "no"), block
+    assert message.stop_reason == "end_turn"
+
+
+def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(
+    client: anthropic.Anthropic,
+) -> None:
+    """A model that would think on (a bias keeps it from closing) is made to close its
+    thinking once ``budget_tokens`` are spent: the end is forced, then the text follows."""
+    budget, answer_tokens = 1024, 6
+    request: Any = {
+        "model": MODEL,
+        "max_tokens": budget + 1 + answer_tokens,
+        "messages": [{"role": "user", "content": "Think at length."}],
+        "thinking": {"type": "enabled", "budget_tokens": budget},
+        "extra_body": {"seed": 4, "logit_bias": {END_THINK: -100}},
+    }
+    whole = client.messages.create(**request)
+    assert [block.type for block in whole.content] == ["thinking", "text"], whole.content
+    assert whole.usage.output_tokens == budget + 1 + answer_tokens
+    assert whole.stop_reason == "max_tokens"
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert _blocks(final.content) == _blocks(whole.content)
+    # Without the budget it never closes, and qwen3's parser reads an unclosed answer that
+    # did not open with <think> as all text.
+    unbounded = client.messages.create(**{**request, "thinking": {"type": "adaptive"}})
+    assert [block.type for block in unbounded.content] == ["text"], unbounded.content

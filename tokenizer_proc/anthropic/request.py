@@ -19,6 +19,7 @@ from msgspec import Meta
 
 from tokenizer_proc.anthropic.conversation import ChatTurns, InputMessage, TextBlock
 from tokenizer_proc.openai.schema import ChatCompletionRequest
+from tokenizer_proc.request_edge.body import convert_body
 from tokenizer_proc.request_edge.errors import RequestValidationError
 
 __all__ = ["MessagesRequest", "TokenCountRequest", "anthropic_names"]
@@ -135,10 +136,9 @@ class _Prompt(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if output_format is not None:
             chat["response_format"] = _chat_response_format(output_format)
         try:
-            return msgspec.convert(chat, ChatCompletionRequest)
-        except msgspec.ValidationError as exc:
-            renamed = anthropic_names(RequestValidationError(str(exc)))
-            raise RequestValidationError(str(renamed), _param_in(str(renamed))) from exc
+            return convert_body(chat, ChatCompletionRequest)
+        except RequestValidationError as exc:
+            raise anthropic_names(exc) from exc
 
     def _template_kwargs(self) -> dict[str, Any]:
         """The template's switches: Qwen3's ``enable_thinking`` (a template without it
@@ -171,6 +171,12 @@ class MessagesRequest(_Prompt, forbid_unknown_fields=True, kw_only=True):
     @property
     def streaming(self) -> bool:
         return bool(self.stream)
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """``thinking.budget_tokens``; None unless thinking is enabled with one."""
+        thinking = self.thinking
+        return thinking.budget_tokens if isinstance(thinking, ThinkingEnabled) else None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -340,12 +346,11 @@ def _kept_thinking_turns(config: dict[str, Any] | None) -> int | None:
 
 _CHAT_NAMES = (
     ("max_completion_tokens", "max_tokens"),
+    ("sampling_params.thinking_budget", "thinking.budget_tokens"),
     ("response_format.json_schema.schema", "output_config.format.schema"),
     ("response_format", "output_config.format"),
     (".function.parameters", ".input_schema"),
     (".function.", "."),
-    ("`stop`", "`stop_sequences`"),
-    ("$.stop", "$.stop_sequences"),
 )
 
 
@@ -355,16 +360,8 @@ def anthropic_names(exc: RequestValidationError) -> RequestValidationError:
     text, param = str(exc), exc.param
     for chat_name, ours in _CHAT_NAMES:
         text = text.replace(chat_name, ours)
-        if param is not None:
-            param = param.replace(chat_name.strip("`$"), ours.strip("`$"))
-    if param == "stop":
-        param = "stop_sequences"
+        param = param.replace(chat_name, ours) if param is not None else None
+    text = text.replace("`stop`", "`stop_sequences`").replace("$.stop", "$.stop_sequences")
+    if param is not None and (param == "stop" or param.startswith("stop[")):
+        param = "stop_sequences" + param[len("stop") :]
     return RequestValidationError(text, param)
-
-
-def _param_in(message: str) -> str | None:
-    start = message.find("`$.")
-    if start < 0:
-        return None
-    end = message.find("`", start + 1)
-    return message[start + 3 : end] if end > 0 else None

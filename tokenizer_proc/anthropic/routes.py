@@ -44,6 +44,7 @@ from tokenizer_proc.openai.chat_parsing import ChatParsing, ChatSplitter
 from tokenizer_proc.openai.jobs import ChatJobs, prepare_chat, submit_jobs
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 from tokenizer_proc.openai.shapes import finish_reason_of
+from tokenizer_proc.parsers.reasoning import DEFAULT_THINK
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.request_edge.body import decode_body
@@ -120,8 +121,7 @@ async def answer_create(
     if isinstance(ready, Response):
         return ready
     chat, prepared = ready
-    if body.max_tokens == 0:
-        prepared = _prompt_only(prepared)
+    prepared = _as_asked(tm, body, prepared)
     message_id = f"msg_{secrets.token_hex(12)}"
     with _anthropic_names():
         [state] = submit_jobs(
@@ -157,11 +157,23 @@ async def answer_create(
     return JSONResponse(answer.finish()[1])
 
 
-def _prompt_only(prepared: ChatJobs) -> ChatJobs:
-    """A ``max_tokens`` of 0: the prompt is computed, and so cached, with nothing generated
-    (Anthropic's way to warm its prompt cache)."""
+def _as_asked(tm: TokenizerManager, body: MessagesRequest, prepared: ChatJobs) -> ChatJobs:
+    """What chat has no field for, on the jobs' sampling: a ``max_tokens`` of 0 computes the
+    prompt, and so caches it, with nothing generated (Anthropic's way to warm its cache); a
+    thinking budget forces the end of the reasoning once that many tokens are spent, when a
+    reasoning parser reads the answer's thinking (it knows the end: ``</think>``)."""
+    changes: dict[str, Any] = {}
+    if body.max_tokens == 0:
+        changes["max_new_tokens"] = 0
+    budget = body.thinking_budget
+    parsing = prepared.parsing
+    if budget is not None and parsing is not None and parsing.thinks and tm.tokenizer is not None:
+        changes["thinking_budget"] = budget
+        changes["thinking_end"] = tuple(tm.tokenizer.encode(DEFAULT_THINK.end))
+    if not changes:
+        return prepared
     jobs = [
-        replace(job, sampling=msgspec.structs.replace(job.sampling, max_new_tokens=0))
+        replace(job, sampling=msgspec.structs.replace(job.sampling, **changes))
         for job in prepared.jobs
     ]
     return replace(prepared, jobs=jobs)
