@@ -408,3 +408,18 @@ def test_a_thinking_budget_ends_the_thinking_and_the_answer_follows(
     # did not open with <think> as all text.
     unbounded = client.messages.create(**{**request, "thinking": {"type": "adaptive"}})
     assert [block.type for block in unbounded.content] == ["text"], unbounded.content
+
+
+def test_a_billing_header_that_changes_misses_no_cache(client: anthropic.Anthropic) -> None:
+    """Claude Code's first system block carries a hash that changes per request; the server
+    leaves it out, so the rest of the prompt is read from the prefix cache."""
+    rest: Any = {"type": "text", "text": "You are a careful assistant who answers briefly."}
+    messages: Any = [{"role": "user", "content": "A question that is asked twice."}]
+    usages = []
+    for nonce in ("1a2b3", "9f8e7"):
+        header = f"x-anthropic-billing-header: cc_version=2.1.197.abc; cch={nonce};"
+        system: Any = [{"type": "text", "text": header}, rest]
+        answer = client.messages.create(model=MODEL, max_tokens=1, system=system, messages=messages)
+        usages.append(answer.usage)
+    prompt = usages[0].input_tokens + usages[0].cache_read_input_tokens
+    assert usages[1].cache_read_input_tokens == prompt - 1

@@ -239,3 +239,18 @@ def test_an_unknown_block_type_is_refused_by_the_decoder() -> None:
     }
     with pytest.raises(RequestValidationError):
         decode_body(msgspec.json.encode(body), MessagesRequest)
+
+
+def test_claude_codes_billing_header_is_not_in_the_prompt() -> None:
+    """Its hash changes on every request: at the head of the prompt, no prefix would match."""
+    header = "x-anthropic-billing-header: cc_version=2.1.197.abc; cc_entrypoint=cli; cch=1f2e3;"
+    blocks = [{"type": "text", "text": header}, {"type": "text", "text": "You are terse."}]
+    messages = [{"role": "user", "content": "hi"}]
+    assert _messages(system=blocks, messages=messages)[0] == {
+        "role": "system",
+        "content": "You are terse.",
+    }
+    as_text = _messages(system=header + "\nYou are terse.", messages=messages)
+    assert as_text[0]["content"] == "You are terse."
+    only = _messages(system=[blocks[0]], messages=messages)
+    assert [m["role"] for m in only] == ["user"]

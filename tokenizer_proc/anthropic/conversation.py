@@ -21,7 +21,9 @@ import msgspec
 
 from tokenizer_proc.request_edge.errors import RequestValidationError
 
-__all__ = ["ChatTurns", "InputMessage", "TextBlock"]
+__all__ = ["ChatTurns", "InputMessage", "TextBlock", "without_billing_header"]
+
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 CacheControl = dict[str, Any] | None  # the prefix cache is automatic: accepted, ignored
 
@@ -104,7 +106,7 @@ class ChatTurns:
         self._kept_thinking = kept_thinking
         self._thinking_at: list[int] = []  # chat index of each assistant turn with thinking
 
-    def system(self, content: str | list[TextBlock], where: str) -> None:
+    def system(self, content: str | list[TextBlock]) -> None:
         text = content if isinstance(content, str) else _joined(content)
         self.messages.append({"role": "system", "content": text})
 
@@ -116,7 +118,7 @@ class ChatTurns:
         elif message.role == "user":
             self._user(message.content, where)
         else:
-            self.system(_only_text(message.content, f"{where}.content"), where)
+            self.system(_only_text(message.content, f"{where}.content"))
         self._clear_thinking()
 
     def _user(self, blocks: list[Block], where: str) -> None:
@@ -218,3 +220,13 @@ def _refuse(block: msgspec.Struct, where: str, role: str) -> NoReturn:
     else:
         message = f"{where}: {kind} blocks are not allowed in a {role} turn"
     raise RequestValidationError(message, f"{where}.type")
+
+
+def without_billing_header(system: str | list[TextBlock]) -> str | list[TextBlock]:
+    """``system`` without Claude Code's billing header: its first system block is metadata for
+    Anthropic's API, with a hash that changes on every request, and at the head of the prompt
+    it would make every request miss the prefix cache. It says nothing to the model."""
+    if isinstance(system, str):
+        head, _, rest = system.partition("\n")
+        return rest if head.startswith(BILLING_HEADER) else system
+    return [block for block in system if not block.text.startswith(BILLING_HEADER)]

@@ -17,7 +17,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from tokenizer_proc.anthropic.conversation import ChatTurns, InputMessage, TextBlock
+from tokenizer_proc.anthropic.conversation import (
+    ChatTurns,
+    InputMessage,
+    TextBlock,
+    without_billing_header,
+)
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 from tokenizer_proc.request_edge.body import convert_body
 from tokenizer_proc.request_edge.errors import RequestValidationError
@@ -117,8 +122,9 @@ class _Prompt(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """The chat request this runs as, with chat fields ``extra`` (sampling, stream).
         Raises RequestValidationError naming the Anthropic field."""
         turns = ChatTurns(_kept_thinking_turns(self.context_management))
-        if self.system is not None:
-            turns.system(self.system, "system")
+        system = without_billing_header(self.system) if self.system is not None else None
+        if system:
+            turns.system(system)
         for i, message in enumerate(self.messages):
             turns.add(message, f"messages[{i}]")
         chat: dict[str, Any] = {"messages": turns.messages, **extra}
