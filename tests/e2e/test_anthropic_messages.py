@@ -423,3 +423,34 @@ def test_a_billing_header_that_changes_misses_no_cache(client: anthropic.Anthrop
         usages.append(answer.usage)
     prompt = usages[0].input_tokens + usages[0].cache_read_input_tokens
     assert usages[1].cache_read_input_tokens == prompt - 1
+
+
+def test_an_abort_after_output_ends_the_stream_with_an_error_event(
+    server: ServerProcess,
+) -> None:
+    """A message has no stop reason for an operator's abort: the stream that was running ends
+    with Anthropic's ``error`` event, after the content it had sent."""
+    body = {
+        "model": MODEL,
+        "max_tokens": OUTPUT_LIMIT,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Go on and on."}],
+        "logit_bias": {"0": -100},  # (EOS: the answer runs until it is aborted)
+    }
+    headers = {"x-api-key": KEY}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        with http.stream("POST", "/v1/messages", json=body) as response:
+            assert response.status_code == 200
+            events = []
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(json.loads(line[6:]))
+                if events[-1]["type"] == "content_block_delta" and len(events) == 4:
+                    rid = events[0]["message"]["id"] + "-0"
+                    aborted = http.post("/abort_request", json={"rid": rid})
+                    assert aborted.status_code == 200, aborted.text
+    kinds = [event["type"] for event in events]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"], kinds
+    assert kinds[-1] == "error" and "message_stop" not in kinds, kinds
+    assert events[-1]["error"]["message"] == "aborted by /abort_request"
