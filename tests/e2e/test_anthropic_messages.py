@@ -29,6 +29,7 @@ KEY = "sk-local-test"
 END_THINK = SHIPPED_VOCAB_SIZE + 1  # </think>, an added token
 OUTPUT_LIMIT = 1100  # room for a thinking budget (1,024 at least) and its answer
 GREEDY = {"temperature": 0}
+NO_EOS = {"logit_bias": {"0": -100}}  # EOS (id 0) never drawn: a sampled answer runs its length
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
@@ -231,7 +232,9 @@ def test_max_tokens_is_a_ceiling_and_zero_only_warms_the_cache(
     assert warm.content == [] and warm.stop_reason == "max_tokens"
     assert warm.usage.output_tokens == 0
     # (The SDK streams a request that may run long: it refuses such a max_tokens unstreamed.)
-    with client.messages.stream(model=MODEL, max_tokens=32000, messages=messages) as stream:
+    with client.messages.stream(
+        model=MODEL, max_tokens=32000, messages=messages, extra_body=NO_EOS
+    ) as stream:
         big = stream.get_final_message()
     assert big.usage.output_tokens == OUTPUT_LIMIT and big.stop_reason == "max_tokens"
     prompt = warm.usage.input_tokens + warm.usage.cache_read_input_tokens
@@ -358,7 +361,10 @@ def test_a_message_is_counted_as_any_request_is(
     names += ("tokenpipe:prompt_tokens_total",)
     before = [_counted(server, name) for name in names]
     message = client.messages.create(
-        model=MODEL, max_tokens=7, messages=[{"role": "user", "content": "Counted?"}]
+        model=MODEL,
+        max_tokens=7,
+        messages=[{"role": "user", "content": "Counted?"}],
+        extra_body=NO_EOS,
     )
     after = [_counted(server, name) for name in names]
     prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens
@@ -435,7 +441,7 @@ def test_an_abort_after_output_ends_the_stream_with_an_error_event(
         "max_tokens": OUTPUT_LIMIT,
         "stream": True,
         "messages": [{"role": "user", "content": "Go on and on."}],
-        "logit_bias": {"0": -100},  # (EOS: the answer runs until it is aborted)
+        **NO_EOS,  # the answer runs until it is aborted
     }
     headers = {"x-api-key": KEY}
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:

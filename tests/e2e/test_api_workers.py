@@ -183,6 +183,7 @@ ANTHROPIC_MESSAGE = {
     "model": "tokenpipe-tiny",
     "max_tokens": 3,
     "messages": [{"role": "user", "content": "hi"}],
+    "logit_bias": {"0": -100},  # no EOS: the answer is its 3 tokens
 }
 
 

@@ -547,6 +547,7 @@ def test_end_to_end_spans_match_meta_info(tmp_path: Path, receiver: OtlpReceiver
                     "model": MODEL,
                     "max_tokens": 4,
                     "messages": [{"role": "user", "content": "Hi"}],
+                    "logit_bias": {"0": -100},  # no EOS: the answer is its 4 tokens
                 },
                 headers={"traceparent": traceparent},
             )
