@@ -275,6 +275,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "serve GET /tokenizer_info: the tokenizer's configuration (vLLM's flag; off: 404)",
         ),
     ] = False
+    reject_unknown_fields: Annotated[
+        bool, Flag("http", "refuse (400) request fields no schema knows, and custom chat roles")
+    ] = False
 
     # Chat: how an answer splits into content, tool calls and reasoning (vLLM's and SGLang's flags)
     tool_call_parser: Annotated[

@@ -21,7 +21,7 @@ from tokenizer_proc.request_edge.errors import RequestValidationError
 def _request(**fields: Any) -> MessagesRequest:
     body = {"model": "m", "max_tokens": 8, **fields}
     request = decode_body(json.dumps(body).encode(), MessagesRequest)
-    request.refuse_unsupported()
+    request.refuse_unsupported(None)  # strict: an unknown tool field is a 400
     return request
 
 

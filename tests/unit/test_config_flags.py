@@ -32,7 +32,7 @@ FLAGS = {
     "--tool-call-parser", "--reasoning-parser", "--responses-store-max-count",
     "--responses-store-bytes", "--metrics-compat", "--enable-tokenizer-info-endpoint",
     "--constrained-json-max-whitespace", "--constrained-json-disable-any-whitespace",
-    "--grammar-compile-timeout", "--enable-deterministic-inference",
+    "--grammar-compile-timeout", "--enable-deterministic-inference", "--reject-unknown-fields",
 }  # fmt: skip
 HIDDEN = {"--ready-endpoint", "--config-json"}
 

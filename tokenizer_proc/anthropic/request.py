@@ -24,7 +24,7 @@ from tokenizer_proc.anthropic.conversation import (
     without_billing_header,
 )
 from tokenizer_proc.openai.schema import ChatCompletionRequest
-from tokenizer_proc.request_edge.body import convert_body
+from tokenizer_proc.request_edge.body import convert_body, field_path
 from tokenizer_proc.request_edge.errors import RequestValidationError
 
 __all__ = ["MessagesRequest", "TokenCountRequest", "anthropic_names"]
@@ -103,7 +103,9 @@ class _Prompt(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def thinks(self) -> bool:
         return self.thinking is not None and not isinstance(self.thinking, ThinkingDisabled)
 
-    def refuse_unsupported(self) -> None:
+    def refuse_unsupported(self, ignored: list[str] | None) -> None:
+        """Raises for a field that asks what this server cannot do. A tool's unknown field
+        is noted in ``ignored`` (``decode_body``'s list), or refused when there is none."""
         if self.thinks and isinstance(self.tool_choice, (ChoiceAny, ChoiceTool)):
             # Anthropic's rule: a forced call cannot wait for the reasoning to end.
             raise RequestValidationError(
@@ -116,7 +118,7 @@ class _Prompt(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         _check_context_management(self.context_management)
         for i, tool in enumerate(self.tools or ()):
-            _check_tool(tool, f"tools[{i}]")
+            _check_tool(tool, f"tools[{i}]", ignored)
 
     def to_chat(self, extra: dict[str, Any]) -> ChatCompletionRequest:
         """The chat request this runs as, with chat fields ``extra`` (sampling, stream).
@@ -184,8 +186,8 @@ class MessagesRequest(_Prompt, forbid_unknown_fields=True, kw_only=True):
         thinking = self.thinking
         return thinking.budget_tokens if isinstance(thinking, ThinkingEnabled) else None
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
+    def refuse_unsupported(self, ignored: list[str] | None) -> None:
+        super().refuse_unsupported(ignored)
         if self.container is not None:
             raise RequestValidationError(
                 "container: code execution containers are not supported by this server",
@@ -223,7 +225,7 @@ class TokenCountRequest(_Prompt, forbid_unknown_fields=True, kw_only=True):
         return self.to_chat({})
 
 
-def _check_tool(tool: dict[str, Any], where: str) -> None:
+def _check_tool(tool: dict[str, Any], where: str, ignored: list[str] | None) -> None:
     """A client tool (``name``, ``input_schema``, ...); Anthropic's server tools (web search,
     code execution, the computer-use tools) are refused by their type."""
     kind = tool.get("type")
@@ -246,8 +248,11 @@ def _check_tool(tool: dict[str, Any], where: str) -> None:
             f"{where}.allowed_callers",
         )
     for key in tool:
-        if key not in _TOOL_FIELDS:
+        if key in _TOOL_FIELDS:
+            continue
+        if ignored is None:
             raise RequestValidationError(f"{where}.{key}: unknown field", f"{where}.{key}")
+        ignored.append(field_path(where, key))  # never read: _chat_tool takes known keys
     for key in ("name", "input_schema"):
         if key not in tool:
             raise RequestValidationError(f"{where}.{key} is required", f"{where}.{key}")

@@ -39,6 +39,7 @@ from tokenizer_proc.http.common import (
 )
 from tokenizer_proc.http.sse_events import json_bytes
 from tokenizer_proc.http.sse_stream import SseResponse
+from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.openai.chat_answers import finish_parsed
 from tokenizer_proc.openai.chat_parsing import ChatParsing, ChatSplitter
 from tokenizer_proc.openai.jobs import ChatJobs, prepare_chat, submit_jobs
@@ -80,10 +81,13 @@ def _anthropic_names() -> Iterator[None]:
 
 
 def _prepared(
-    tm: TokenizerManager, template: ChatTemplate | None, body: MessagesRequest | TokenCountRequest
+    tm: TokenizerManager,
+    template: ChatTemplate | None,
+    body: MessagesRequest | TokenCountRequest,
+    ignored: list[str] | None,
 ) -> tuple[ChatCompletionRequest, ChatJobs] | Response:
     """The request read as chat, and made ready to submit; or the error answer."""
-    body.refuse_unsupported()
+    body.refuse_unsupported(ignored)
     if body.model != tm.model_name:
         return model_not_found(body.model)
     if template is None:
@@ -104,8 +108,9 @@ async def answer_count(
     tm: TokenizerManager, template: ChatTemplate | None, request: Request
 ) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt a request with these fields would run."""
-    body: TokenCountRequest = decode_body(await request.body(), TokenCountRequest)
-    prepared = _prepared(tm, template, body)
+    ignored = ignored_fields(request)
+    body: TokenCountRequest = decode_body(await request.body(), TokenCountRequest, ignored)
+    prepared = _prepared(tm, template, body, ignored)
     if isinstance(prepared, Response):
         return prepared
     return JSONResponse({"input_tokens": len(prepared[1].jobs[0].ids)})
@@ -116,8 +121,9 @@ async def answer_create(
 ) -> Response:
     """``POST /v1/messages``: the request read as chat, run, and answered or streamed."""
     arrived = time.time()
-    body: MessagesRequest = decode_body(await request.body(), MessagesRequest)
-    ready = _prepared(tm, template, body)
+    ignored = ignored_fields(request)
+    body: MessagesRequest = decode_body(await request.body(), MessagesRequest, ignored)
+    ready = _prepared(tm, template, body, ignored)
     if isinstance(ready, Response):
         return ready
     chat, prepared = ready

@@ -1,4 +1,4 @@
-"""The generation routes, served without FastAPI's routing and middleware stack.
+"""The routes of the API's requests, served without FastAPI's routing and middleware stack.
 
 Nearly every request is a ``POST`` to /generate, /v1/completions or /v1/chat/completions.
 Through FastAPI each pays for the route search, its exception and exit-stack middlewares,
@@ -6,7 +6,9 @@ and for a stream a wrapper of every ``send`` in each of them. ``HotRoutes`` sits
 the app and calls those routes' endpoints itself, with a plain Starlette ``Request``; an
 exception becomes the answer the app's own exception handler gives it (the JSON error
 shape), so the routes answer exactly as through FastAPI. Everything else, and any other
-method or path (a trailing slash's redirect included), goes to the app unchanged.
+method or path (a trailing slash's redirect included), goes to the app unchanged. Every
+route whose body is one of the API's requests is served here, so that each answer passes
+one place, which names the fields its body's decode ignored (``ignored_fields``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from tokenizer_proc.http.ignored_fields import name_ignored_fields, open_ignored_fields
+
 logger = logging.getLogger("tokenpipe.http")
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -27,16 +31,23 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 class HotRoutes:
     """Pure ASGI: a ``POST`` to one of ``endpoints``' paths goes straight to its endpoint
-    (the same function the app routes it to); everything else goes to ``app``."""
+    (the same function the app routes it to); everything else goes to ``app``. With
+    ``ignore_unknown_fields`` (not under --reject-unknown-fields) each such request's unknown
+    fields are ignored and named on its answer."""
 
-    def __init__(self, app: FastAPI, endpoints: Mapping[str, Endpoint]) -> None:
+    def __init__(
+        self, app: FastAPI, endpoints: Mapping[str, Endpoint], *, ignore_unknown_fields: bool
+    ) -> None:
         self.app = app
         self._endpoints = dict(endpoints)
+        self._ignore_unknown_fields = ignore_unknown_fields
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self._endpoints.get(scope["path"])
             if endpoint is not None:
+                if self._ignore_unknown_fields:
+                    open_ignored_fields(scope)
                 request = Request(scope, receive)
                 try:
                     response = await endpoint(request)
@@ -51,6 +62,7 @@ class HotRoutes:
                     return
                 except Exception as exc:
                     response = await self._handled(request, exc)
+                name_ignored_fields(scope, response)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -63,7 +63,8 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     app.include_router(openai_router)
     app.include_router(embeddings_router)
     app.include_router(build_hicache_router(tm))
-    app.include_router(build_tokenize_router(tm))
+    tokenize_router = build_tokenize_router(tm)
+    app.include_router(tokenize_router)
     app.include_router(build_worker_router(tm))
     app.include_router(responses_router)
     messages_router = build_messages_router(tm)
@@ -72,21 +73,30 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
         **post_endpoints(openai_router, _GENERATION_PATHS),
         **post_endpoints(embeddings_router, ("/v1/embeddings",)),
     }
-    app.include_router(build_peer_router(tm, invocations))
-    hot = _hot_endpoints(native_router, openai_router, responses_router, messages_router)
+    peer_router = build_peer_router(tm, invocations)
+    app.include_router(peer_router)
+    # HotRoutes serves the generation routes, and every other route whose body is one of the
+    # API's requests, so that one place names the fields their bodies' decode ignored. The
+    # service's control routes (/abort_request, /flush_cache, /hicache/...) are not among
+    # them: there an unknown field stays a 400 (a misspelt "rid" ignored would abort all).
+    hot = _hot_endpoints(
+        (native_router, ("/generate",)),
+        (openai_router, _GENERATION_PATHS),
+        (responses_router, ("/v1/responses",)),
+        (messages_router, ("/v1/messages", "/v1/messages/count_tokens")),
+        (embeddings_router, ("/v1/embeddings", "/encode")),
+        (tokenize_router, ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize")),
+        (peer_router, ("/invocations",)),
+    )
     return _edge(tm, app, hot)
 
 
-def _hot_endpoints(
-    native: APIRouter, openai: APIRouter, responses: APIRouter, messages: APIRouter
-) -> dict[str, Endpoint]:
-    """The generation routes ``HotRoutes`` serves, by path."""
-    return {
-        **post_endpoints(native, ("/generate",)),
-        **post_endpoints(openai, _GENERATION_PATHS),
-        **post_endpoints(responses, ("/v1/responses",)),
-        **post_endpoints(messages, ("/v1/messages",)),
-    }
+def _hot_endpoints(*routes: tuple[APIRouter, tuple[str, ...]]) -> dict[str, Endpoint]:
+    """The endpoints ``HotRoutes`` serves, by path: each router's POST routes at its paths."""
+    endpoints: dict[str, Endpoint] = {}
+    for router, paths in routes:
+        endpoints.update(post_endpoints(router, paths))
+    return endpoints
 
 
 def _edge(tm: TokenizerManager, app: FastAPI, hot: dict[str, Endpoint]) -> ASGIApp:
@@ -97,7 +107,9 @@ def _edge(tm: TokenizerManager, app: FastAPI, hot: dict[str, Endpoint]) -> ASGIA
 
     # In front of FastAPI's own stack, so the generation routes (HotRoutes) are under them too.
     edge: ASGIApp = BodyLimit(
-        HotRoutes(app, hot), max_bytes=tm.config.max_request_bytes, on_reject=too_large
+        HotRoutes(app, hot, ignore_unknown_fields=not tm.config.reject_unknown_fields),
+        max_bytes=tm.config.max_request_bytes,
+        on_reject=too_large,
     )
     # Around it: the key is checked first. Neither reads the body before its answer, but a
     # client without the key gets its 401 and learns nothing of the limit.

@@ -72,8 +72,11 @@ class BatchItem:
     rid: str | None
 
 
-def batch_items(tm: TokenizerManager, body: dict[str, Any]) -> list[BatchItem]:
-    """Every item decoded and checked as its single request would be, in order. Raises
+def batch_items(
+    tm: TokenizerManager, body: dict[str, Any], ignored: list[str] | None
+) -> list[BatchItem]:
+    """Every item decoded and checked as its single request would be, in order (the unknown
+    fields each ignores noted in ``ignored``, named within the batch). Raises
     RequestValidationError naming the first bad item's field; nothing is submitted."""
     prompts_field = "text" if body.get("text") is not None else "input_ids"
     if body.get("text") is not None and body.get("input_ids") is not None:
@@ -111,7 +114,8 @@ def batch_items(tm: TokenizerManager, body: dict[str, Any]) -> list[BatchItem]:
         *(name for name in ("sampling_params", "rid") if isinstance(body.get(name), list)),
     }
     items = [
-        _item(tm, body, i, prompts_field, prompts[i], sampling, rids[i], listed) for i in range(n)
+        _item(tm, body, i, prompts_field, prompts[i], sampling, rids[i], listed, ignored)
+        for i in range(n)
     ]
     _check_rids(tm, items, "rid" in listed)
     return items
@@ -126,6 +130,7 @@ def _item(
     sampling: Any,
     rid: Any,
     listed: set[str],
+    ignored: list[str] | None,
 ) -> BatchItem:
     """Item ``i``: the batch's body with its own per-item fields, checked as a single request
     is by /generate and ``submit_generate`` (in that order), its errors naming the item."""
@@ -136,8 +141,11 @@ def _item(
     for name in _PER_ITEM:
         if single.get(name) is None:
             single.pop(name, None)  # absent, as in a single request: the field's default
+    own: list[str] | None = [] if ignored is not None else None
     try:
-        obj = convert_body(single, GenerateBody)
+        obj = convert_body(single, GenerateBody, own)
+        if ignored is not None and own:
+            ignored.extend(_within_batch(path, i, listed) for path in own)
         obj.refuse_unsupported()
         if obj.model is not None and obj.model != tm.model_name:
             raise RequestValidationError(
@@ -161,6 +169,13 @@ def _item(
     except RequestValidationError as exc:
         raise _naming_item(exc, i, listed) from exc
     return BatchItem(obj, input_ids, wire, constraint, obj.rid)
+
+
+def _within_batch(path: str, i: int, listed: set[str]) -> str:
+    """Item ``i``'s path within the batch: ``sampling_params[i].bar`` where the batch lists
+    the field (one per item); a field the items share keeps its own path."""
+    head = path.split(".", 1)[0].split("[", 1)[0]
+    return f"{head}[{i}]{path[len(head) :]}" if head in listed else path
 
 
 def _naming_item(exc: RequestValidationError, i: int, listed: set[str]) -> RequestValidationError:

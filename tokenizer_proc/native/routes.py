@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pipeline.token_texts import TokenText
+from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.http.common import (
     ClientGone,
     abort_unfinished,
@@ -52,13 +53,14 @@ async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnS
     """``POST /generate``: one request's answer or stream; a batch's when the body is one."""
     arrived = time.time()
     raw = await request.body()
+    ignored = ignored_fields(request)
     try:
-        obj: GenerateRequest = decode_body(raw, GenerateBody)
+        obj: GenerateRequest = decode_body(raw, GenerateBody, ignored)
     except RequestValidationError:
         batch = batch_body(raw)  # only when the body is no single request: none pays for it
         if batch is None:
             raise
-        return await _generate_batch(tm, request, batch, arrived, on_stream)
+        return await _generate_batch(tm, request, batch, arrived, on_stream, ignored)
     obj.refuse_unsupported()
     if obj.model is not None and obj.model != tm.model_name:
         return model_not_found(obj.model)
@@ -120,13 +122,14 @@ async def _generate_batch(
     body: dict[str, Any],
     arrived: float,
     on_stream: OnStream,
+    ignored: list[str] | None,
 ) -> Response:
     """A /generate batch (``tokenizer_proc.native.batch``): every item checked, then all
     submitted; answered with a JSON list in order, or streamed as SGLang streams a batch:
     each event one item's, carrying its ``index``, and one ``[DONE]`` at the end. An item
     refused when it runs (a full queue, the scheduler's check) refuses the batch with its
     status; the others are aborted."""
-    items = batch_items(tm, body)
+    items = batch_items(tm, body, ignored)
     stream = items[0].obj.stream
     states = submit_batch(tm, request, items, stream, arrived)
     text_of = tm.token_texts if items[0].obj.return_text_in_logprobs else None

@@ -1,9 +1,12 @@
 """The messages of a chat request (``/v1/chat/completions``, and the Responses API's input
-as chat): their typed parts, and how each is shown to the chat template."""
+as chat): their typed parts, and how each is shown to the chat template. A role may be any
+string, as in vLLM (a model's template may know more roles than OpenAI's); under
+--reject-unknown-fields only OpenAI's are taken (``refuse_custom_roles``)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -47,8 +50,11 @@ class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     function: FunctionCall
 
 
+OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: str  # one of OPENAI_ROLES, or a custom role the template is given as it is
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # A conversation's earlier tool use: rendered by the template (tokenizer_proc/openai/tools.py).
@@ -131,6 +137,18 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 )
             texts.append(part.text if isinstance(part, TextPart) else part.refusal)
         return "\n".join(texts)
+
+
+def refuse_custom_roles(messages: Sequence[Message]) -> None:
+    """Under --reject-unknown-fields, a role that is not OpenAI's is a 400 (in the words
+    msgspec's check of the enumeration used)."""
+    for i, message in enumerate(messages):
+        if message.role not in OPENAI_ROLES:
+            raise RequestValidationError(
+                f"Invalid enum value {message.role!r} - at `$.messages[{i}].role` (this server "
+                f"takes the roles {', '.join(OPENAI_ROLES)}: --reject-unknown-fields)",
+                f"messages[{i}].role",
+            )
 
 
 def _template_tool_call(call: ToolCall, where: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pipeline.io_struct import EMBEDDING_DTYPE, FinishAbort
 from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.http.common import (
     ClientGone,
     abort_response,
@@ -61,7 +62,9 @@ def build_embeddings_router(tm: TokenizerManager) -> APIRouter:
 async def answer_embeddings(tm: TokenizerManager, request: Request) -> Response:
     """``POST /v1/embeddings``: OpenAI's answer, one vector per input."""
     arrived = time.time()
-    obj: EmbeddingRequest = decode_body(await request.body(), EmbeddingRequest)
+    obj: EmbeddingRequest = decode_body(
+        await request.body(), EmbeddingRequest, ignored_fields(request)
+    )
     _require_embedding_mode(tm)
     if obj.dimensions is not None:
         raise RequestValidationError(
@@ -99,7 +102,7 @@ async def answer_embeddings(tm: TokenizerManager, request: Request) -> Response:
 async def answer_encode(tm: TokenizerManager, request: Request) -> Response:
     """``POST /encode``: SGLang's answer, a vector and ``meta_info`` per input."""
     arrived = time.time()
-    obj: EncodeRequest = decode_body(await request.body(), EncodeRequest)
+    obj: EncodeRequest = decode_body(await request.body(), EncodeRequest, ignored_fields(request))
     _require_embedding_mode(tm)
     if (obj.text is None) == (obj.input_ids is None):
         raise RequestValidationError("give exactly one of `text` and `input_ids`", "text")

@@ -32,6 +32,7 @@ from tokenizer_proc.http.common import (
 )
 from tokenizer_proc.http.sse_events import json_bytes
 from tokenizer_proc.http.sse_stream import SseResponse
+from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.openai.chat_answers import finish_parsed
@@ -102,7 +103,9 @@ async def answer_create(
 ) -> Response:
     """``POST /v1/responses``: the request read as chat, run, and answered or streamed."""
     arrived = time.time()
-    body: ResponsesRequest = decode_body(await request.body(), ResponsesBody)
+    body: ResponsesRequest = decode_body(
+        await request.body(), ResponsesBody, ignored_fields(request)
+    )
     body.refuse_unsupported()
     if body.model is not None and body.model != tm.model_name:
         return model_not_found(body.model)
