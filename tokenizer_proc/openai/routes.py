@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pipeline.io_struct import Constraint
 from pipeline.tokenizer_loader import model_directory
 from tokenizer_proc.request_edge.body import decode_body
+from tokenizer_proc.request_edge.chat_messages import refuse_custom_roles
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
 from tokenizer_proc.http.common import (
@@ -57,6 +58,7 @@ from tokenizer_proc.openai.shapes import CHAT, COMPLETION, Shape, request_usage,
 from tokenizer_proc.openai.stream import ChoiceEvents, StreamUsage
 from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.http.sse_stream import SseResponse
+from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 
@@ -121,7 +123,9 @@ async def answer_completions(tm: TokenizerManager, request: Request) -> Response
     stream delta) also carries its ``token_ids``, the field SGLang and vLLM answer
     ``return_token_ids`` with; its ``text`` is empty, as vLLM's is without a tokenizer."""
     arrived = time.time()
-    body: CompletionRequest = decode_body(await request.body(), CompletionBody)
+    body: CompletionRequest = decode_body(
+        await request.body(), CompletionBody, ignored_fields(request)
+    )
     body.refuse_unsupported()
     if body.model is not None and body.model != tm.model_name:
         return model_not_found(body.model)
@@ -173,7 +177,11 @@ async def answer_chat(
     """``POST /v1/chat/completions``: the messages rendered by ``template``, then choices.
     Chat needs a tokenizer and a chat template: without them it is refused with a 400."""
     arrived = time.time()
-    body: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionBody)
+    body: ChatCompletionRequest = decode_body(
+        await request.body(), ChatCompletionBody, ignored_fields(request)
+    )
+    if tm.config.reject_unknown_fields:
+        refuse_custom_roles(body.messages)
     body.refuse_unsupported()
     if body.model is not None and body.model != tm.model_name:
         return model_not_found(body.model)

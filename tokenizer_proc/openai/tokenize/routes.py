@@ -24,9 +24,10 @@ from tokenizer_proc.request_edge.fields import TokenId
 from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
 from tokenizer_proc.http.common import error_response, model_not_found
+from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.openai.chat_prompt import render_chat_prompt
 from tokenizer_proc.openai.tools import ChatTool, plan_tools
-from tokenizer_proc.request_edge.chat_messages import Message
+from tokenizer_proc.request_edge.chat_messages import Message, refuse_custom_roles
 from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -136,7 +137,9 @@ async def answer_tokenize(
     exactly the prompt the same chat request runs). It answers ``{"count", "max_model_len",
     "tokens", "token_strs"}``, ``token_strs`` null unless ``return_token_strs`` (vLLM's
     model, whose optional field is always in its answer)."""
-    body: TokenizeRequest = decode_body(await request.body(), TokenizeBody)
+    body: TokenizeRequest = decode_body(await request.body(), TokenizeBody, ignored_fields(request))
+    if tm.config.reject_unknown_fields and body.messages is not None:
+        refuse_custom_roles(body.messages)
     body.check_form()
     if body.model is not None and body.model != tm.model_name:
         return model_not_found(body.model)
@@ -179,7 +182,9 @@ async def answer_detokenize(
     and SGLang's ``skip_special_tokens``, and answers ``{"prompt", "text"}`` (vLLM's key and
     SGLang's, the same text). Its default differs by path as between the peers: vLLM's
     ``/detokenize`` keeps special tokens, SGLang's ``/v1/detokenize`` skips them."""
-    body: DetokenizeRequest = decode_body(await request.body(), DetokenizeRequest)
+    body: DetokenizeRequest = decode_body(
+        await request.body(), DetokenizeRequest, ignored_fields(request)
+    )
     if body.model is not None and body.model != tm.model_name:
         return model_not_found(body.model)
     tokenizer = tm.checks.require_tokenizer(
