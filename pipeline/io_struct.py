@@ -390,12 +390,11 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     hicache_host_used_tokens: int = 0
     hicache_host_capacity: int = 0
     hicache_storage_backend: str | None = None
-    # Tokens the forward steps computed since the scheduler started (prompt tokens not served
-    # by the prefix cache, plus generated ones): with forward_steps_total, the tokens per step
-    # (vLLM's iteration_tokens_total, tokenizer_proc/metrics_compat.py).
-    forward_tokens_total: int = 0
+    forward_tokens_total: int = 0  # prompt (cached too) + generated tokens since the start
     # The scheduler's torch intra-op threads now (scheduler_proc/model/thread_budget.py).
     torch_threads: int = 0
+    num_grammar_queue_reqs: int = 0  # of num_queue_reqs, those whose grammar still compiles
+    decode_sum_seq_lens: int = 0  # prompt + generated tokens of the running requests
 
 
 class HiCacheStorageState(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 from pipeline.io_struct import SchedulerStatsReport
+from scheduler_proc.batch.running_batch import RunningBatch
+from scheduler_proc.req import Req
 from scheduler_proc.scheduler import Scheduler
 
 REPORT_INTERVAL = 0.5
@@ -63,9 +65,12 @@ class SchedulerStatsReporter:
         cached = s.cached_tokens_total - self._last_cached
         if prompt > 0:
             self._cache_hit_rate = cached / prompt
-        # Prompt tokens count at their first admission, so a chunked prefill's tokens land in
-        # the report of the step that admitted it; retraction recomputes are not counted.
-        forward_tokens = s.prefill_tokens_total - s.cached_tokens_total + s.generated_tokens_total
+        # The tokens of vLLM's iteration_tokens_total: each prompt whole (its cached tokens
+        # too, as vLLM counts a prompt's tokens in the step its prefill ends), and every
+        # generated token. Prompt tokens count at their first admission, so a chunked
+        # prefill's tokens land in the report of the step that admitted it; retraction
+        # recomputes are not counted.
+        forward_tokens = s.prefill_tokens_total + s.generated_tokens_total
         report = SchedulerStatsReport(
             num_running_reqs=s.num_running,
             num_queue_reqs=s.num_waiting,
@@ -85,6 +90,8 @@ class SchedulerStatsReporter:
             hicache_storage_backend=s.prefix_kv.storage_backend,
             forward_tokens_total=forward_tokens,
             torch_threads=s.runner.threads.count,
+            num_grammar_queue_reqs=len(s.grammars),
+            decode_sum_seq_lens=_sum_seq_lens(s.running),
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total
@@ -93,3 +100,10 @@ class SchedulerStatsReporter:
         self._last_retracted = s.num_retracted_total
         self._last_steps = s.forward_steps
         return report
+
+
+def _sum_seq_lens(running: RunningBatch | list[Req]) -> int:
+    """Prompt plus generated tokens of the running requests: one column sum for a batch."""
+    if isinstance(running, RunningBatch):
+        return int(running.seq_len[: len(running)].sum())
+    return sum(req.seq_len for req in running)

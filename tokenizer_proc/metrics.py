@@ -40,11 +40,12 @@ class ServiceMetrics:
         compat: MetricsCompat = "tokenpipe",
         # vLLM's token-count buckets reach it: only --metrics-compat vllm needs it.
         context_length: int = 0,
+        kv_dtype: str = "auto",  # --dtype, which vLLM's cache config info names
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.multiprocess = multiprocess
         naming = Naming(compat, self.registry, model_name, engine_type, context_length)
-        self.scheduler = SchedulerGauges(naming)
+        self.scheduler = SchedulerGauges(naming, kv_dtype)
         self.requests = RequestMetrics(naming)
 
     def render(self) -> bytes:
@@ -119,4 +120,5 @@ def service_metrics(config: ServerConfig, model_name: str, context_length: int) 
         multiprocess=config.api_workers > 1,
         compat=config.metrics_compat,
         context_length=context_length,
+        kv_dtype=config.dtype,
     )

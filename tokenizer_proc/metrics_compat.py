@@ -7,7 +7,8 @@ read tokenpipe unchanged and the totals still equal the sums of meta_info.
 
 ``FAMILIES`` is the one table; ``Naming`` resolves it for one server. The names, label names
 and buckets are the peers' own (vLLM's v1 Prometheus logger, SGLang's metrics collector, and
-their Grafana dashboards; the buckets in ``tokenizer_proc/peer_buckets.py``).
+their Grafana dashboards; the buckets in ``tokenizer_proc/peer_buckets.py``); what each peer
+series means there and here: the table in docs/operations.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -41,6 +42,12 @@ OWN_PREFIX = "tokenpipe:"
 Buckets = tuple[float, ...] | Callable[[int], tuple[float, ...]]
 
 
+# Which of a family's label sets a series carries (``Family.label_sets``): a request's, the
+# scheduler's (SGLang labels its scheduler's series by parallel rank too), or a config info
+# gauge's (vLLM's carries its engine and no model name).
+LabelSet = Literal["request", "scheduler", "info"]
+
+
 @dataclass(frozen=True, slots=True)
 class Series:
     """One series as a family names it."""
@@ -50,6 +57,7 @@ class Series:
     # drops one, and the values that differed only in it add up. None: the code's names.
     labels: tuple[str, ...] | None = None
     buckets: Buckets | None = None  # None: the code's own
+    label_set: LabelSet = "request"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +68,23 @@ class Family:
     ``tokenpipe:`` name and labels: nothing is lost, and no name is made up in a peer's
     namespace. Counters are listed without ``_total``, which prometheus-client appends."""
 
-    # The labels every series of the family carries, from (model_name, engine_type).
-    base_labels: Callable[[str, str], dict[str, str]]
+    # The labels each kind of series of the family carries, from (model_name, engine_type).
+    label_sets: Mapping[LabelSet, Callable[[str, str], dict[str, str]]]
     series: Mapping[str, Series]
+
+    def base_labels(self, label_set: LabelSet, model_name: str, engine_type: str) -> dict[str, str]:
+        return self.label_sets[label_set](model_name, engine_type)
 
 
 def _labels_with_engine_type(model_name: str, engine_type: str) -> dict[str, str]:
     return {"model_name": model_name, "engine_type": engine_type}
+
+
+def _sglang_scheduler_labels(model_name: str, engine_type: str) -> dict[str, str]:
+    # SGLang's scheduler labels its series by its place in the parallel layout; tokenpipe runs
+    # the model whole, in one process: rank 0 of each.
+    ranks = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0"}
+    return {**_labels_with_engine_type(model_name, engine_type), **ranks}
 
 
 def _vllm_labels(model_name: str, engine_type: str) -> dict[str, str]:
@@ -75,45 +93,62 @@ def _vllm_labels(model_name: str, engine_type: str) -> dict[str, str]:
     return {"model_name": model_name, "engine": "0"}
 
 
-def _same_names(prefix: str, *keys: str) -> dict[str, Series]:
-    return {key: Series(prefix + key) for key in keys}
+def _vllm_info_labels(model_name: str, engine_type: str) -> dict[str, str]:
+    return {"engine": "0"}  # vLLM's cache_config_info: the engine and the config, no model
+
+
+def _same_names(prefix: str, *keys: str, label_set: LabelSet = "request") -> dict[str, Series]:
+    return {key: Series(prefix + key, label_set=label_set) for key in keys}
 
 
 SGLANG = Family(
-    _labels_with_engine_type,
     MappingProxyType(
         {
-            # tokenpipe took its names and labels from SGLang: the same names, SGLang's buckets.
+            "request": _labels_with_engine_type,
+            "scheduler": _sglang_scheduler_labels,
+            "info": _labels_with_engine_type,
+        }
+    ),
+    MappingProxyType(
+        {
+            # tokenpipe took its names from SGLang: the same names, SGLang's buckets. Those of
+            # its scheduler carry the scheduler's labels.
             **_same_names(
                 "sglang:",
                 "num_running_reqs",
-                "num_queue_reqs",
                 "token_usage",
                 "cache_hit_rate",
                 "gen_throughput",
                 "num_retracted_reqs",
                 "num_retracted_requests",
+                label_set="scheduler",
+            ),  # fmt: skip
+            **_same_names(
+                "sglang:",
                 "prompt_tokens",
                 "generation_tokens",
                 "cached_tokens",
-                "num_requests",
                 "num_aborted_requests",
                 "num_retractions",
             ),  # fmt: skip
+            # SGLang splits no request series by streaming.
+            "num_requests": Series("sglang:num_requests", labels=("",)),
             "time_to_first_token_seconds": Series(
-                "sglang:time_to_first_token_seconds", buckets=SGLANG_TTFT
+                "sglang:time_to_first_token_seconds", labels=("",), buckets=SGLANG_TTFT
             ),
             "inter_token_latency_seconds": Series(
                 "sglang:inter_token_latency_seconds", buckets=SGLANG_ITL
             ),
             "e2e_request_latency_seconds": Series(
-                "sglang:e2e_request_latency_seconds", buckets=SGLANG_E2E
+                "sglang:e2e_request_latency_seconds", labels=("",), buckets=SGLANG_E2E
             ),
             # SGLang's source gives no buckets of its own for this one: those of ITL, its unit.
             "request_time_per_output_token_seconds": Series(
                 "sglang:request_time_per_output_token_seconds", buckets=SGLANG_ITL
             ),
-            "queue_time_seconds": Series("sglang:queue_time_seconds", buckets=SGLANG_QUEUE),
+            "queue_time_seconds": Series(
+                "sglang:queue_time_seconds", buckets=SGLANG_QUEUE, label_set="scheduler"
+            ),
             "prompt_tokens_histogram": Series(
                 "sglang:prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS
             ),
@@ -122,9 +157,20 @@ SGLANG = Family(
             ),
             # Structured-output requests, whatever their kind.
             "constrained_requests": Series("sglang:num_so_requests", labels=("",)),
-            # SGLang's own.
-            "num_used_tokens": Series("sglang:num_used_tokens"),
-            "max_total_num_tokens": Series("sglang:max_total_num_tokens"),
+            # SGLang's own. Its waiting queue holds no request whose grammar still compiles
+            # (tokenpipe's num_queue_reqs does, and keeps its own name here).
+            **_same_names(
+                "sglang:",
+                "num_used_tokens",
+                "max_total_num_tokens",
+                "num_grammar_queue_reqs",
+                "decode_sum_seq_lens",
+                "realtime_tokens",
+                label_set="scheduler",
+            ),
+            "num_queue_reqs_without_grammar": Series(
+                "sglang:num_queue_reqs", label_set="scheduler"
+            ),
             "uncached_prompt_tokens_histogram": Series(
                 "sglang:uncached_prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS
             ),
@@ -133,7 +179,9 @@ SGLANG = Family(
 )
 
 VLLM = Family(
-    _vllm_labels,
+    MappingProxyType(
+        {"request": _vllm_labels, "scheduler": _vllm_labels, "info": _vllm_info_labels}
+    ),
     MappingProxyType(
         {
             "num_running_reqs": Series("vllm:num_requests_running"),
@@ -185,11 +233,22 @@ VLLM = Family(
             "request_inference_time_seconds": Series(
                 "vllm:request_inference_time_seconds", buckets=VLLM_REQUEST_LATENCY
             ),
+            "uncached_prompt_tokens_histogram": Series(
+                "vllm:request_prefill_kv_computed_tokens", buckets=one_two_five
+            ),
+            "prompt_tokens_by_source": Series("vllm:prompt_tokens_by_source"),
+            "prompt_tokens_cached": Series("vllm:prompt_tokens_cached"),
+            "prompt_tokens_recomputed": Series("vllm:prompt_tokens_recomputed"),
+            "num_requests_waiting_by_reason": Series("vllm:num_requests_waiting_by_reason"),
+            "cache_config_info": Series("vllm:cache_config_info", label_set="info"),
         }
     ),
 )
 
-TOKENPIPE = Family(_labels_with_engine_type, MappingProxyType({}))
+TOKENPIPE = Family(
+    MappingProxyType(dict.fromkeys(("request", "scheduler", "info"), _labels_with_engine_type)),
+    MappingProxyType({}),
+)
 
 FAMILIES: Mapping[MetricsCompat, Family] = MappingProxyType(
     {"tokenpipe": TOKENPIPE, "sglang": SGLANG, "vllm": VLLM}
@@ -210,8 +269,14 @@ class Bound(Generic[M]):
         self._names = names
 
     def __call__(self, *values: str) -> M:
-        extra = {name: value for name, value in zip(self._names, values, strict=True) if name}
-        return self._metric.labels(**self._base, **extra)
+        return self._metric.labels(**self._base, **self._extra(values))
+
+    def remove(self, *values: str) -> None:
+        """Drops the child of these values (in the order the labels were registered)."""
+        self._metric.remove(*self._base.values(), *self._extra(values).values())
+
+    def _extra(self, values: tuple[str, ...]) -> dict[str, str]:
+        return {name: value for name, value in zip(self._names, values, strict=True) if name}
 
 
 class Absent:
@@ -258,8 +323,8 @@ class Naming:
     ) -> None:
         self.registry = registry
         self._family = FAMILIES[compat]
-        self._own_labels = TOKENPIPE.base_labels(model_name, engine_type)
-        self._family_labels = self._family.base_labels(model_name, engine_type)
+        self._model_name = model_name
+        self._engine_type = engine_type
         self._context_length = context_length
 
     def counter(self, key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Counter]:
@@ -270,11 +335,17 @@ class Naming:
             names,
         )
 
-    def gauge(self, key: str, doc: str) -> Bound[Gauge]:
+    def gauge(self, key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Gauge]:
         # Set by one API worker only (docs/design.md section 7): its latest value is the one.
-        name, base, names, _ = self._resolve(key, (), None)
+        name, base, names, _ = self._resolve(key, extra, None)
         return Bound(
-            Gauge(name, doc, list(base), registry=self.registry, multiprocess_mode="mostrecent"),
+            Gauge(
+                name,
+                doc,
+                [*base, *(n for n in names if n)],
+                registry=self.registry,
+                multiprocess_mode="mostrecent",
+            ),
             base,
             names,
         )
@@ -302,8 +373,8 @@ class Naming:
     ) -> Bound[Counter] | None:
         return self.counter(key, doc, extra) if key in self._family.series else None
 
-    def peer_gauge(self, key: str, doc: str) -> Bound[Gauge] | None:
-        return self.gauge(key, doc) if key in self._family.series else None
+    def peer_gauge(self, key: str, doc: str, extra: tuple[str, ...] = ()) -> Bound[Gauge] | None:
+        return self.gauge(key, doc, extra) if key in self._family.series else None
 
     def peer_histogram(self, key: str, doc: str, cls: type[H]) -> Bound[H] | None:
         series = self._family.series.get(key)
@@ -318,7 +389,8 @@ class Naming:
         """(name, base labels, extra label names, buckets) of the series ``key``."""
         series = self._family.series.get(key)
         if series is None:
-            return OWN_PREFIX + key, self._own_labels, extra, buckets
+            own = TOKENPIPE.base_labels("request", self._model_name, self._engine_type)
+            return OWN_PREFIX + key, own, extra, buckets
         names = series.labels if series.labels is not None else extra
         assert len(names) == len(extra), (
             f"{series.name}: {len(extra)} extra labels, the table names {len(names)}"
@@ -329,4 +401,5 @@ class Naming:
                 f"{series.name}'s buckets reach the context length: give it"
             )
             chosen = chosen(self._context_length)
-        return series.name, self._family_labels, names, chosen
+        base = self._family.base_labels(series.label_set, self._model_name, self._engine_type)
+        return series.name, base, names, chosen

@@ -221,8 +221,9 @@ class RequestMetrics:
 class RequestPeerSeries:
     """A peer family's series that tokenpipe makes only for it, from each finished request's
     state as the rest: vLLM's requests by finish reason, prefix-cache queries and hits, request
-    parameters and phase times; SGLang's uncached prompt tokens. ``ABSENT`` stands in for the
-    ones the family lacks (all of them for tokenpipe's own names)."""
+    parameters and phase times; the uncached prompt tokens (both); the token sources
+    (``TokenSourceSeries``). ``ABSENT`` stands in for the ones the family lacks (all of them for
+    tokenpipe's own names)."""
 
     def __init__(self, naming: Naming) -> None:
         success = naming.peer_counter(
@@ -274,16 +275,19 @@ class RequestPeerSeries:
                 Histogram,
             )
         )
+        self.token_sources = TokenSourceSeries(naming)
 
     def on_lost(self, state: ReqState) -> None:
         """A request lost before the scheduler reported on it: an abort, and no tokens."""
         self.request_success["abort"].inc()
-        if state.choices is not None:  # its group still ends with it
-            self._end_choice(state, 0)
+        self._end_choice(state, 0)
 
     def _end_choice(self, state: ReqState, completion_tokens: int) -> None:
-        """vLLM's request parameters, once per request: a choice of n > 1 waits for the
-        rest of its group (the API runs each choice as a pipeline request of its own)."""
+        """vLLM's request parameters. ``max_tokens`` is observed per choice, as vLLM observes
+        it per child request (the API runs each choice as a pipeline request of its own, as
+        vLLM's engine runs each child); ``n`` and the longest choice's tokens once per
+        request, so a choice of n > 1 waits for the rest of its group."""
+        self.params_max_tokens.observe(state.sampling.max_new_tokens)
         group = state.choices
         if group is None:
             n, longest = 1, completion_tokens
@@ -292,7 +296,6 @@ class RequestPeerSeries:
         else:
             return
         self.params_n.observe(n)
-        self.params_max_tokens.observe(state.sampling.max_new_tokens)
         self.max_generation_tokens.observe(longest)
 
     def on_finish(self, state: ReqState) -> None:
@@ -303,6 +306,7 @@ class RequestPeerSeries:
         self.prefix_cache_hits.inc(stats.cached_tokens)
         self._end_choice(state, state.completion_tokens)
         self.uncached_prompt_tokens.observe(stats.prompt_tokens - stats.cached_tokens)
+        self.token_sources.on_finish(stats.prompt_tokens, stats.cached_tokens, state)
         ts = stats.time_stats
         if ts is None or ts.forward_entry_time is None or ts.completion_time is None:
             return  # metrics off, or it ended before it ran
@@ -310,3 +314,46 @@ class RequestPeerSeries:
         if ts.prefill_finished_time is not None:
             self.prefill_time.observe(ts.prefill_finished_time - ts.forward_entry_time)
             self.decode_time.observe(ts.completion_time - ts.prefill_finished_time)
+
+
+class TokenSourceSeries:
+    """Where each finished request's tokens came from, as the peers split them. vLLM: prompt
+    tokens by source (computed, or a local cache hit; tokenpipe has no KV connector, so none
+    come from an external transfer), the cached ones, and those ``recomputed``: vLLM counts
+    one when all but the last prompt token came from the cache, since a forward needs one
+    input (tokenpipe never matches a prompt's last token, for its logits: the same case).
+    SGLang: the tokens processed by mode (prefill computed, prefill from the cache, decoded),
+    counted when the request ends where SGLang counts each report interval."""
+
+    SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    MODES = ("prefill_compute", "prefill_cache", "decode")
+
+    def __init__(self, naming: Naming) -> None:
+        by_source = naming.peer_counter(
+            "prompt_tokens_by_source", "Prompt tokens by source.", ("source",)
+        )
+        self.by_source: dict[str, Counter | Absent] = {
+            s: by_source(s) if by_source is not None else ABSENT for s in self.SOURCES
+        }
+        self.cached = one_child(
+            naming.peer_counter("prompt_tokens_cached", "Prompt tokens served from the cache.")
+        )
+        self.recomputed = one_child(
+            naming.peer_counter(
+                "prompt_tokens_recomputed", "Cached prompt tokens computed again for a forward."
+            )
+        )
+        realtime = naming.peer_counter("realtime_tokens", "Tokens processed, by mode.", ("mode",))
+        self.realtime: dict[str, Counter | Absent] = {
+            m: realtime(m) if realtime is not None else ABSENT for m in self.MODES
+        }
+
+    def on_finish(self, prompt: int, cached: int, state: ReqState) -> None:
+        recomputed = 1 if cached + 1 == prompt else 0
+        self.by_source["local_compute"].inc(prompt - cached)
+        self.by_source["local_cache_hit"].inc(cached + recomputed)
+        self.cached.inc(cached)
+        self.recomputed.inc(recomputed)
+        self.realtime["prefill_compute"].inc(prompt - cached)
+        self.realtime["prefill_cache"].inc(cached)
+        self.realtime["decode"].inc(state.completion_tokens)

@@ -1,7 +1,8 @@
 """``--metrics-compat vllm`` and ``sglang`` as a real Prometheus sees them: after a short load,
-every metric the peers' published Grafana dashboards query exists with samples, and the
-request and token totals equal the sums of what the clients received. One Prometheus scrapes
-both servers; the default names are pinned by tests/e2e/test_metrics.py."""
+every metric the peers' published Grafana dashboards query exists with samples, the request
+and token totals equal the sums of what the clients received, and the series each peer exports
+carry its labels and its meaning of the number (docs/operations.md's table). One Prometheus
+scrapes both servers; the default names are pinned by tests/e2e/test_metrics.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from bench.launch import Launched, answers_200, stop_all, wait_ready
 from tests.prometheus_server import query, require_program, scalar
-from tests.server_harness import ServerProcess, free_port
+from tests.server_harness import SMALL_SERVER_ARGS, ServerProcess, free_port
 
 # vllm-project/vllm, examples/online_serving/prometheus_grafana/grafana.json, since moved to
 # examples/observability/prometheus_grafana/grafana.json: every metric its panels query, in its
@@ -157,8 +158,10 @@ def run_load(srv: ServerProcess) -> list[tuple[int, int]]:
                 usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
         return usage["prompt_tokens"], usage["completion_tokens"]
 
+    # One prompt twice, one after the other: the second is served from the prefix cache.
+    again = [generate(0), generate(0)]
     with ThreadPoolExecutor(3) as pool:
-        return list(pool.map(generate, range(4))) + list(pool.map(chat, range(2)))
+        return again + list(pool.map(generate, range(4))) + list(pool.map(chat, range(2)))
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +248,87 @@ def test_tokenpipe_names_remain_only_where_the_peer_has_none(
     assert query(prometheus, "tokenpipe:prompt_tokens_total") == {}
 
 
+def labels_of(prometheus: str, expr: str) -> list[dict[str, str]]:
+    """The label sets of ``expr``'s series, without Prometheus's own job and instance."""
+    return [
+        {k: v for k, v in json.loads(key).items() if k not in ("job", "instance")}
+        for key in query(prometheus, expr)
+    ]
+
+
+def test_vllm_iteration_tokens_count_each_steps_prompt_and_generated_tokens(
+    prometheus: str, loads: dict[str, list[tuple[int, int]]]
+) -> None:
+    """vLLM's per-step histogram counts the prompt tokens a step processes, those served from
+    the prefix cache too, and the generated ones: over the run its sum is the prompt plus
+    generated tokens the clients were told of."""
+    usage = loads["vllm"]
+    settle(prometheus, "sum(vllm:request_success_total)", len(usage))
+    hits = scalar(prometheus, "vllm:prefix_cache_hits_total")
+    assert hits is not None and hits > 0  # a prompt was served from the cache
+    expected = sum(p + c for p, c in usage)
+    settle(prometheus, "vllm:iteration_tokens_total_sum", expected)
+    # And the prompt tokens by source add up as vLLM's do.
+    source = "vllm:prompt_tokens_by_source_total"
+    by = {
+        json.loads(k)["source"]: v
+        for k, v in query(prometheus, f"sum by (source) ({source})").items()
+    }
+    recomputed = scalar(prometheus, "vllm:prompt_tokens_recomputed_total")
+    prompt = sum(p for p, _ in usage)
+    assert recomputed is not None
+    assert by["local_compute"] + by["local_cache_hit"] + by["external_kv_transfer"] == (
+        prompt + recomputed
+    )
+    cached = scalar(prometheus, "vllm:prompt_tokens_cached_total")
+    assert cached == hits
+    assert scalar(prometheus, "vllm:request_prefill_kv_computed_tokens_sum") == prompt - cached
+
+
+def test_vllm_series_carry_vllms_labels(
+    prometheus: str, loads: dict[str, list[tuple[int, int]]]
+) -> None:
+    settle(prometheus, "sum(vllm:request_success_total)", len(loads["vllm"]))
+    # The cache config info: engine and config labels (no model name), from the server's own.
+    pool = SMALL_SERVER_ARGS[SMALL_SERVER_ARGS.index("--max-total-tokens") + 1]
+    assert labels_of(prometheus, "vllm:cache_config_info") == [
+        {
+            "__name__": "vllm:cache_config_info",
+            "engine": "0",
+            "block_size": "1",
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": pool,
+        }
+    ]
+    assert scalar(prometheus, "vllm:cache_config_info") == 1
+    reasons = labels_of(prometheus, "vllm:num_requests_waiting_by_reason")
+    assert sorted(r["reason"] for r in reasons) == ["capacity", "deferred"]
+    assert all(r["engine"] == "0" and r["model_name"] == "tokenpipe-tiny" for r in reasons)
+
+
+def test_sglang_series_carry_sglangs_labels_and_meaning(
+    prometheus: str, loads: dict[str, list[tuple[int, int]]]
+) -> None:
+    usage = loads["sglang"]
+    settle(prometheus, "sum(sglang:num_requests_total)", len(usage))
+    # The scheduler's series carry its parallel ranks; the tokenizer's split no streaming.
+    scheduler = {"tp_rank": "0", "pp_rank": "0", "moe_ep_rank": "0", "engine_type": "unified"}
+    for name in ("sglang:num_queue_reqs", "sglang:num_grammar_queue_reqs",
+                 "sglang:decode_sum_seq_lens", "sglang:num_running_reqs"):  # fmt: skip
+        (labels,) = labels_of(prometheus, name)
+        assert scheduler.items() <= labels.items(), (name, labels)
+    for name in ("sglang:num_requests_total", "sglang:time_to_first_token_seconds_count"):
+        (labels,) = labels_of(prometheus, name)
+        assert "is_streaming" not in labels and "tp_rank" not in labels, (name, labels)
+    # Tokens by mode add up to what the clients were told of.
+    prompt = sum(p for p, _ in usage)
+    settle(prometheus, "sum(sglang:realtime_tokens_total)", prompt + sum(c for _, c in usage))
+    cache = scalar(prometheus, 'sglang:realtime_tokens_total{mode="prefill_cache"}')
+    compute = scalar(prometheus, 'sglang:realtime_tokens_total{mode="prefill_compute"}')
+    assert cache is not None and cache > 0 and compute == prompt - cache
+
+
 def _histogram(srv: ServerProcess, name: str) -> tuple[float, float]:
     """(count, sum) of a histogram on the server's /metrics, over its labels."""
     text = httpx.get(f"{srv.url}/metrics", timeout=30).text
@@ -259,9 +343,9 @@ def _histogram(srv: ServerProcess, name: str) -> tuple[float, float]:
 def test_vllm_counts_a_request_of_n_choices_once_with_its_n(
     stack: Stack, loads: dict[str, list[tuple[int, int]]]
 ) -> None:
-    """vLLM's request parameters are per request, not per choice: n=3 is one observation of
-    3, and the longest choice's tokens one observation too. (Last in the module: the totals
-    above count the load alone.)"""
+    """vLLM's n and longest choice are per request: n=3 is one observation of 3, and the
+    longest choice's tokens one observation too; max_tokens is per choice, as vLLM observes it
+    per child request. (Last in the module: the totals above count the load alone.)"""
     srv = stack.servers["vllm"]
     names = (
         "vllm:request_params_n",
@@ -285,4 +369,5 @@ def test_vllm_counts_a_request_of_n_choices_once_with_its_n(
     grew = {
         name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in names
     }
-    assert grew == {names[0]: (1, 3), names[1]: (1, 5), names[2]: (1, 5)}
+    # max_tokens is vLLM's per child request: once per choice.
+    assert grew == {names[0]: (1, 3), names[1]: (3, 15), names[2]: (1, 5)}
