@@ -3,7 +3,9 @@ its prompt tokenized and held to the vocabulary, its sampling held to the server
 (the context, ``--max-new-tokens-limit``, the KV pool), and what a PD half of it computes.
 
 Every refusal is a ``RequestValidationError`` naming the native API's field; the OpenAI
-routes rename the fields to their own (``tokenizer_proc.openai.jobs.openai_names``).
+routes rename the fields to their own (``tokenizer_proc.openai.jobs.openai_names``). Those the
+peers word differently (the context, the vocabulary, a max_new_tokens refused) are
+``PeerWordedError``s, in both peers' words (``request_edge.peer_wording``).
 
 Under ``--skip-tokenizer-init`` there is no tokenizer: whatever needs text (a text prompt,
 stop strings, media placeholders, chat templates, /tokenize, structured outputs) is refused
@@ -21,89 +23,61 @@ from pipeline.io_struct import Constraint, LogprobParams, MediaItem, SamplingPar
 from pipeline.tokenizer_loader import LoadedTokenizer
 from tokenizer_proc.request_edge.bootstrap import Bootstrap
 from tokenizer_proc.request_edge.errors import RequestValidationError
+from tokenizer_proc.request_edge.peer_wording import (
+    PeerWordedError,
+    context_overflow,
+    max_tokens_over_limit,
+    out_of_vocabulary,
+)
 
 
-class ContextLengthError(RequestValidationError):
-    """A prompt plus its max_new_tokens beyond the context. Its message is SGLang's (the
-    native API's); ``openai_message`` is vLLM's, for the OpenAI routes. Client libraries
-    recognise a context overflow by these phrases, so they are kept word for word, with
-    tokenpipe's own detail after them."""
+class ContextLengthError(PeerWordedError):
+    """A prompt plus its max_new_tokens beyond the context, in both peers' words
+    (``peer_wording.context_overflow``): SGLang's first, as the native API answers it;
+    ``for_route`` words it for the OpenAI routes, vLLM's first, with their field names."""
 
     def __init__(self, prompt_len: int, max_new_tokens: int, context_length: int) -> None:
         self.prompt_len = prompt_len
         self.max_new_tokens = max_new_tokens
-        self.context_length = context_length
         # The prompt leaves no room for any output.
         self.prompt_alone = prompt_len >= context_length
-        total = prompt_len + max_new_tokens
-        if self.prompt_alone:
-            message = (
-                f"The input ({prompt_len} tokens) is longer than the model's context length "
-                f"({context_length} tokens)."
-            )
-        else:
-            message = (
-                "Requested token count exceeds the model's maximum context length of "
-                f"{context_length} tokens. You requested a total of {total} tokens: {prompt_len} "
-                f"tokens from the input messages and {max_new_tokens} tokens for the completion. "
-                "Please reduce the number of tokens in the input messages or the completion to "
-                "fit within the limit."
-            )
-        detail = (
-            f" The prompt has {prompt_len} tokens and sampling_params.max_new_tokens is "
-            f"{max_new_tokens}."
-        )
         super().__init__(
-            message + detail, "text" if self.prompt_alone else "sampling_params.max_new_tokens"
+            context_overflow(prompt_len, max_new_tokens, context_length),
+            self._detail("prompt", "sampling_params.max_new_tokens"),
+            "text" if self.prompt_alone else "sampling_params.max_new_tokens",
         )
 
-    def openai_message(self, prompt_param: str, max_param: str) -> str:
-        """vLLM's wording, naming the OpenAI request's own fields in the detail."""
-        head = f"This model's maximum context length is {self.context_length} tokens. "
-        if self.prompt_alone:
-            body = (
-                f"However, your request has {self.prompt_len} input tokens. Please reduce the "
-                "length of the input messages."
-            )
-        else:
-            body = (
-                f"However, you requested {self.prompt_len + self.max_new_tokens} tokens "
-                f"({self.prompt_len} in the messages, {self.max_new_tokens} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
-        counts = f"{prompt_param}: {self.prompt_len} tokens; {max_param}: {self.max_new_tokens}"
-        return f"{head}{body} ({counts})"
+    def _detail(self, prompt_param: str, max_param: str) -> str:
+        return f"({prompt_param}: {self.prompt_len} tokens; {max_param}: {self.max_new_tokens})"
+
+    def for_route(self, prompt_param: str, max_param: str) -> PeerWordedError:
+        return PeerWordedError(
+            self.phrases,
+            self._detail(prompt_param, max_param),
+            prompt_param if self.prompt_alone else max_param,
+            lead="vllm",
+        )
 
 
-_LISTED_IDS = 8  # out-of-vocabulary ids a message lists: a long prompt may hold many
-
-
-class OutOfVocabularyError(RequestValidationError):
-    """Prompt token ids not below the vocabulary size. Its message is SGLang's (listing the
-    offending ids, not the whole prompt as SGLang does); ``openai_message`` is vLLM's."""
+class OutOfVocabularyError(PeerWordedError):
+    """Prompt token ids not below the vocabulary size, in both peers' words
+    (``peer_wording.out_of_vocabulary``); ``for_route`` as for ``ContextLengthError``."""
 
     def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
         bad = [(i, token) for i, token in enumerate(ids) if token >= vocab_size]
         self.first_position = bad[0][0]
-        self.largest = max(t for _, t in bad)
         self.vocab_size = vocab_size
-        listed = list(dict.fromkeys(t for _, t in bad))
-        shown = ", ".join(map(str, listed[:_LISTED_IDS])) + (
-            ", ..." if len(listed) > _LISTED_IDS else ""
-        )
-        super().__init__(
-            f"The input_ids [{shown}] contains values greater than the vocab size ({vocab_size}). "
-            f"The first is at position {self.first_position}; token ids must be below "
-            f"{vocab_size}.",
-            "input_ids",
+        phrases = out_of_vocabulary("input_ids", [token for _, token in bad], vocab_size)
+        super().__init__(phrases, self._detail("input_ids"), "input_ids")
+
+    def _detail(self, prompt_param: str) -> str:
+        return (
+            f"(the first at {prompt_param} position {self.first_position}; token ids must be "
+            f"below {self.vocab_size})"
         )
 
-    def openai_message(self, prompt_param: str) -> str:
-        return (
-            f"Token id {self.largest} is out of vocabulary. The first such id is at "
-            f"{prompt_param} position {self.first_position}; token ids must be below the "
-            f"vocabulary size {self.vocab_size}."
-        )
+    def for_route(self, prompt_param: str) -> PeerWordedError:
+        return PeerWordedError(self.phrases, self._detail(prompt_param), prompt_param, lead="vllm")
 
 
 def without_tokenizer(needs: str, param: str) -> RequestValidationError:
@@ -180,15 +154,26 @@ class RequestChecks:
                 "stop_token_ids",
                 "sampling_params.stop",
             )
-        # Sorted by id: the last is the largest.
-        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.vocab_size:
-            raise RequestValidationError(
-                f"sampling_params.logit_bias names token id {sampling.logit_bias[-1][0]}, not "
-                f"below the vocabulary size {self.vocab_size}",
-                "sampling_params.logit_bias",
-            )
+        self.require_vocabulary(
+            "stop_token_ids", sampling.stop_token_ids, "sampling_params.stop_token_ids"
+        )
+        self.require_vocabulary(
+            "logit_bias", [token for token, _ in sampling.logit_bias], "sampling_params.logit_bias"
+        )
         self.validate_thinking_budget(sampling)
         self.validate_lengths(prompt_len, sampling)
+
+    def require_vocabulary(self, field: str, ids: Sequence[int], param: str) -> None:
+        """Every id of ``field`` (its native name; ``param``, its path) below the vocabulary
+        size, else a 400 in both peers' words (vLLM refuses each such field; SGLang all but
+        ``stop_token_ids``)."""
+        bad = [token for token in ids if token >= self.vocab_size]
+        if bad:
+            raise PeerWordedError(
+                out_of_vocabulary(field, bad, self.vocab_size),
+                f"({param}: token ids must be below {self.vocab_size})",
+                param,
+            )
 
     def validate_thinking_budget(self, sampling: SamplingParams) -> None:
         """A budget (docs/design/sampling.md#thinking-budget) of at least 0 tokens, with the
@@ -219,15 +204,17 @@ class RequestChecks:
             )
 
     def validate_lengths(self, prompt_len: int, sampling: SamplingParams) -> None:
-        limit = self.config.max_new_tokens_limit
-        if sampling.max_new_tokens > limit:
-            raise RequestValidationError(
-                f"sampling_params.max_new_tokens is {sampling.max_new_tokens}; this server allows "
-                f"at most {limit}",
-                "sampling_params.max_new_tokens",
-            )
+        """The context first: a request beyond it gets the peers' words, whatever else."""
         if prompt_len + sampling.max_new_tokens > self.context_length:
             raise ContextLengthError(prompt_len, sampling.max_new_tokens, self.context_length)
+        limit = self.config.max_new_tokens_limit
+        if sampling.max_new_tokens > limit:
+            raise PeerWordedError(
+                max_tokens_over_limit(sampling.max_new_tokens),
+                f"(sampling_params.max_new_tokens is {sampling.max_new_tokens}; this server "
+                f"allows at most {limit})",
+                "sampling_params.max_new_tokens",
+            )
         if (
             self.config.kv_tokens_needed(prompt_len, sampling.max_new_tokens)
             > self.config.max_total_tokens
@@ -262,15 +249,9 @@ class RequestChecks:
             )
 
     def validate_logprobs(self, logprobs: LogprobParams | None) -> None:
-        if (
-            logprobs is not None
-            and logprobs.token_ids_logprob
-            and max(logprobs.token_ids_logprob) >= self.vocab_size
-        ):
-            raise RequestValidationError(
-                f"token_ids_logprob names token id {max(logprobs.token_ids_logprob)}, not below "
-                f"the vocabulary size {self.vocab_size}",
-                "token_ids_logprob",
+        if logprobs is not None and logprobs.token_ids_logprob:
+            self.require_vocabulary(
+                "token_ids_logprob", logprobs.token_ids_logprob, "token_ids_logprob"
             )
 
     def answered_logprobs(

@@ -4,7 +4,7 @@ field (``... - at `$.sampling_params.max_new_tokens```)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from msgspec import Meta
@@ -147,6 +147,9 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # SGLang's words lead in a refusal both peers word (request_edge.peer_wording).
+    PEER_WORDING: ClassVar[str] = "sglang"
+
     text: str | None = None
     input_ids: list[TokenId] | None = None
     sampling_params: GenerateSamplingParams = msgspec.field(default_factory=GenerateSamplingParams)

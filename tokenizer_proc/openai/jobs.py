@@ -24,6 +24,7 @@ from tokenizer_proc.openai.vllm_extras import truncate_prompt
 from tokenizer_proc.parsers.reasoning import DEFAULT_THINK
 from tokenizer_proc.req_state import ChoiceGroup, ReqState
 from tokenizer_proc.request_checks import ContextLengthError, OutOfVocabularyError
+from tokenizer_proc.request_edge.peer_wording import PeerWordedError
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 __all__ = [
@@ -210,18 +211,10 @@ def room_left(tm: TokenizerManager, prompt_len: int) -> int:
 def openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
     """``tm.checks.tokenize`` and ``tm.checks.validate_sampling`` speak the native API's field
     names; an OpenAI client should read its own (``prompt``/``messages``, ``max_tokens``,
-    ``stop``)."""
-    try:
-        yield
-    except ContextLengthError as exc:
-        # vLLM's wording, which OpenAI clients recognise (the native one is SGLang's).
-        raise RequestValidationError(
-            exc.openai_message(prompt_param, max_param), _openai_param(exc, prompt_param, max_param)
-        ) from exc
-    except OutOfVocabularyError as exc:
-        raise RequestValidationError(exc.openai_message(prompt_param), prompt_param) from exc
-    except RequestValidationError as exc:
-        message = str(exc)
+    ``stop``). A refusal in the peers' words gets vLLM's first, as vLLM's own routes answer;
+    only its detail is renamed, never a phrase a client matches."""
+
+    def rename(message: str) -> str:
         for native, ours in (
             ("sampling_params.max_new_tokens", max_param),
             ("max_new_tokens", max_param),
@@ -231,7 +224,20 @@ def openai_names(prompt_param: str, max_param: str) -> Iterator[None]:
             ("sampling_params.logit_bias", "logit_bias"),
         ):
             message = message.replace(native, ours)
-        raise RequestValidationError(message, _openai_param(exc, prompt_param, max_param)) from exc
+        return message
+
+    try:
+        yield
+    except ContextLengthError as exc:
+        raise exc.for_route(prompt_param, max_param) from exc
+    except OutOfVocabularyError as exc:
+        raise exc.for_route(prompt_param) from exc
+    except PeerWordedError as exc:
+        param = _openai_param(exc, prompt_param, max_param)
+        raise exc.reworded("vllm", rename, param) from exc
+    except RequestValidationError as exc:
+        param = _openai_param(exc, prompt_param, max_param)
+        raise RequestValidationError(rename(str(exc)), param) from exc
 
 
 def _openai_param(exc: RequestValidationError, prompt_param: str, max_param: str) -> str | None:
@@ -240,5 +246,6 @@ def _openai_param(exc: RequestValidationError, prompt_param: str, max_param: str
         "text": prompt_param,
         "input_ids": prompt_param,
         "sampling_params.stop": "stop",
+        "sampling_params.stop_token_ids": "stop_token_ids",
         "sampling_params.logit_bias": "logit_bias",
     }.get(exc.param or "", exc.param)

@@ -75,9 +75,15 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
         page = {"has_more": False, "first_id": card["id"], "last_id": card["id"]}
         return JSONResponse({"object": "list", "data": [card], **page})
 
+    # The names the served model answers to here: the served name, and the model's path as
+    # --model-path gave it and as its directory (`root`), which a vLLM or SGLang user names
+    # it by (their served name defaults to that path). Each answers the one card, whose id is
+    # the served name: the name requests must use.
+    known_as = {tm.model_name, card["root"], *filter(None, [tm.config.model_path])}
+
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
-        if model != tm.model_name:
+        if model not in known_as:
             return model_not_found(model)
         return JSONResponse(card)
 

@@ -24,6 +24,7 @@ from tokenizer_proc.openai.sampling_request import (
     SamplingRequest,
     neutrals,
 )
+from tokenizer_proc.openai.chat_prompt import generation_prompt
 from tokenizer_proc.openai.tools import ChatTool, ToolChoice, ToolPlan, plan_tools
 from tokenizer_proc.openai.vllm_extras import AnswerExtras
 from tokenizer_proc.request_edge.chat_messages import Message
@@ -154,7 +155,8 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
     # vLLM's: false by default, since the chat template writes the BOS itself (a second
     # one would be the tokenizer's post-processor's).
     add_special_tokens: bool | None = None
-    # vLLM's (tokenizer_proc.openai.vllm_extras); None: the default (false, true, false).
+    # vLLM's (tokenizer_proc.openai.vllm_extras); None: the default (false; true, or false with
+    # continue_final_message: chat_prompt.generation_prompt; false).
     echo: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
@@ -198,12 +200,12 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.continue_final_message and self.add_generation_prompt is not False:
-            # vLLM's words; add_generation_prompt is true unless sent false.
-            raise RequestValidationError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                "continue_final_message",
-            )
+        self.generation_prompt()  # both sent true is refused before anything else
+
+    def generation_prompt(self) -> bool:
+        """Whether the prompt ends with a generation prompt (``chat_prompt.generation_prompt``:
+        true by default, false by default with ``continue_final_message``)."""
+        return generation_prompt(self.add_generation_prompt, self.continue_final_message)
 
     def extras(self) -> AnswerExtras:
         """vLLM's: an echo lists the prompt's logprobs with ``top_logprobs``' count unless
@@ -218,7 +220,7 @@ class ChatCompletionRequest(SamplingRequest, forbid_unknown_fields=True, kw_only
             else ((self.top_logprobs or 0) if self.echo else None)
         )
         last = self.messages[-1]
-        role = "assistant" if self.add_generation_prompt is not False else last.role
+        role = "assistant" if self.generation_prompt() else last.role
         echo = (
             last.to_template(len(self.messages) - 1)["content"]
             if self.echo and last.role == role

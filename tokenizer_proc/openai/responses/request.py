@@ -19,6 +19,8 @@ from msgspec import Meta
 
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
+from tokenizer_proc.request_edge.peer_wording import PeerWordedError
+from tokenizer_proc.openai.sampling_request import Seed
 from tokenizer_proc.openai.schema import ChatCompletionRequest
 
 __all__ = ["ResponsesBody", "ResponsesRequest", "responses_names"]
@@ -67,7 +69,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     # vLLM's extra sampling fields
-    seed: int | None = None
+    seed: Seed | None = None  # int64, as chat's
     top_k: int | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
@@ -159,9 +161,9 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                 chat[name] = value
         if self.max_output_tokens is not None:
             chat["max_completion_tokens"] = self.max_output_tokens
-        if self.tools is not None:
+        if self.tools:  # [] is vLLM's default: no tools
             chat["tools"] = [_chat_tool(tool) for tool in self.tools]
-        if self.tool_choice is not None:
+        if self.tool_choice is not None and (self.tools or self.tool_choice not in _NO_TOOLS):
             chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
         text_format = self.text.format if self.text is not None else None
         if text_format is not None:
@@ -189,6 +191,10 @@ _PASSED_TO_CHAT: tuple[str, ...] = (
     "repetition_penalty",
 )
 _PASSED_TO_CHAT += ("logit_bias", "skip_special_tokens", "structured_outputs", "user")
+# The tool choices that ask nothing of a request without tools: "auto" is the Responses API's
+# default (OpenAI's and vLLM's; Codex sends it with no tools), "none" its opposite. Only chat
+# refuses a tool_choice without tools, as OpenAI's and vLLM's chat routes do.
+_NO_TOOLS = ("auto", "none")
 
 ResponsesBody = declare(ResponsesRequest, ResponsesRequest._REFUSED)
 
@@ -250,10 +256,12 @@ def _renamed(text: str) -> str:
 def responses_names(exc: RequestValidationError) -> RequestValidationError:
     """A chat-side refusal with the Responses field names (``input`` for ``messages``,
     ``tools[i].name`` for ``tools[i].function.name``, ``text.format`` for
-    ``response_format``, ...)."""
-    return RequestValidationError(
-        _renamed(str(exc)), _renamed(exc.param) if exc.param is not None else None
-    )
+    ``response_format``, ...), in its message's detail only where it is worded in the peers'
+    phrases (``peer_wording``)."""
+    param = _renamed(exc.param) if exc.param is not None else None
+    if isinstance(exc, PeerWordedError):  # the peers' phrases stay as the peers word them
+        return exc.reworded(exc.lead, _renamed, param)
+    return RequestValidationError(_renamed(str(exc)), param)
 
 
 def _param_in(message: str) -> str | None:

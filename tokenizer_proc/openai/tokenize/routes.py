@@ -25,7 +25,7 @@ from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, 
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
 from tokenizer_proc.http.common import error_response, model_not_found
 from tokenizer_proc.http.ignored_fields import ignored_fields
-from tokenizer_proc.openai.chat_prompt import render_chat_prompt
+from tokenizer_proc.openai.chat_prompt import generation_prompt, render_chat_prompt
 from tokenizer_proc.openai.tools import ChatTool, plan_tools
 from tokenizer_proc.request_edge.chat_messages import Message, refuse_custom_roles
 from tokenizer_proc.request_checks import without_tokenizer
@@ -68,12 +68,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in self._CHAT_ONLY if self.prompt is not None else ():
             if getattr(self, name) is not None:
                 raise RequestValidationError(f"{name} goes with `messages`, not `prompt`", name)
-        if self.continue_final_message and self.add_generation_prompt is not False:
-            # The chat route's check and words (vLLM's); add_generation_prompt defaults to true.
-            raise RequestValidationError(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                "continue_final_message",
-            )
+        generation_prompt(self.add_generation_prompt, self.continue_final_message)  # chat's rule
 
 
 TokenizeBody = declare(TokenizeRequest, TokenizeRequest._REFUSED)
