@@ -170,8 +170,8 @@ BAD_TOOL: Any = [{"type": "function", "function": {"name": "a b"}}]
 TOKENIZE_REFUSALS: dict[str, tuple[dict[str, Any], str]] = {
     "prompt-tools": ({"prompt": "hi", "tools": TOOLS}, "tools"),
     "prompt-kwargs": ({"prompt": "hi", "chat_template_kwargs": {}}, "chat_template_kwargs"),
-    "generation-prompt": (
-        {"messages": [USER], "continue_final_message": True},
+    "generation-prompt": (  # only both sent true: one alone is no generation prompt
+        {"messages": [USER], "continue_final_message": True, "add_generation_prompt": True},
         "continue_final_message",
     ),
     "tool-name": ({"messages": [USER], "tools": BAD_TOOL}, "tools[0].function.name"),

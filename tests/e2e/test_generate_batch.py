@@ -244,7 +244,9 @@ def test_a_live_rid_refuses_a_batch_naming_the_item(server: ServerProcess) -> No
     assert "Duplicate request ID detected: live-1" in error["message"], error
 
 
-# --- the peers' error wording (vLLM's on the OpenAI routes, SGLang's on /generate) ---------
+# --- the peers' error wording: both peers' phrases, the route's own first (SGLang's on
+# /generate, vLLM's on the OpenAI routes); the rule's own tests are in
+# test_peer_errors_and_defaults.py -------------------------------------------------------------
 
 
 def _error(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +254,10 @@ def _error(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
     assert resp.status_code == 400, resp.text
     error: dict[str, Any] = resp.json()["error"]
     return error
+
+
+def _in_order(message: str, first: str, second: str) -> None:
+    assert message.startswith(first) and second in message[len(first) :], message
 
 
 def test_a_prompt_longer_than_the_context_gets_the_peers_wording(server: ServerProcess) -> None:
@@ -266,19 +272,21 @@ def test_a_prompt_longer_than_the_context_gets_the_peers_wording(server: ServerP
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "word " * (ctx + 9)}]},
         )
-    assert native["message"].startswith(
+    sglang = (
         f"The input ({ctx + 9} tokens) is longer than the model's context length ({ctx} tokens)."
     )
-    assert native["param"] == "text"
-    assert completion["message"].startswith(
+    vllm = (
         f"This model's maximum context length is {ctx} tokens. However, your request has {ctx + 9} "
-        "input tokens. "
-        "Please reduce the length of the input messages."
-    ), completion
+        "input tokens. Please reduce the length of the input messages."
+    )
+    _in_order(native["message"], sglang, vllm)
+    assert native["param"] == "text"
+    _in_order(completion["message"], vllm, sglang)
     assert completion["param"] == "prompt"
     assert chat["message"].startswith(
         f"This model's maximum context length is {ctx} tokens. However, your request has "
     )
+    assert "is longer than the model's context length" in chat["message"]
     assert chat["param"] == "messages"
 
 
@@ -296,21 +304,22 @@ def test_a_prompt_plus_max_tokens_beyond_the_context_gets_the_peers_wording(
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": ctx},
         )
-    assert native["message"].startswith(
+    sglang = (
         f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
         "requested a total of "
         f"{ctx + 10} tokens: 10 tokens from the input messages and {ctx} tokens for the completion."
-    ), native
+    )
+    vllm = (
+        f"'max_tokens' or 'max_completion_tokens' is too large: {ctx}. This model's maximum "
+        f"context length is {ctx} tokens and your request has 10 input tokens ({ctx} > {ctx} - 10)."
+    )
+    _in_order(native["message"], sglang, vllm)
     assert native["param"] == "sampling_params.max_new_tokens"
-    assert completion["message"].startswith(
-        f"This model's maximum context length is {ctx} tokens. However, you requested {ctx + 10} "
-        "tokens (10 in the "
-        f"messages, {ctx} in the completion). Please reduce the length of the messages or "
-        "completion."
-    ), completion
+    _in_order(completion["message"], vllm, sglang)
     assert completion["param"] == "max_tokens"
     assert chat["message"].startswith(
-        f"This model's maximum context length is {ctx} tokens. However, you requested "
+        f"'max_tokens' or 'max_completion_tokens' is too large: {ctx}. This model's maximum "
+        f"context length is {ctx} tokens"
     )
     assert chat["param"] == "max_tokens"
 
@@ -321,13 +330,11 @@ def test_an_out_of_vocabulary_id_gets_the_peers_wording(server: ServerProcess) -
         vocab = c.get("/model_info").json()["vocab_size"]
         native = _error(c, "/generate", {"input_ids": [1, vocab + 3, 2]})
         completion = _error(c, "/v1/completions", {"prompt": [1, vocab + 3, 2], "max_tokens": 2})
-    assert native["message"].startswith(
-        f"The input_ids [{vocab + 3}] contains values greater than the vocab size ({vocab})."
-    )
+    sglang = f"The input_ids [{vocab + 3}] contains values greater than the vocab size ({vocab})."
+    vllm = f"Token id {vocab + 3} is out of vocabulary"
+    _in_order(native["message"], sglang, vllm)
     assert native["param"] == "input_ids"
-    assert completion["message"].startswith(f"Token id {vocab + 3} is out of vocabulary"), (
-        completion
-    )
+    _in_order(completion["message"], vllm, sglang)
     assert completion["param"] == "prompt"
 
 
