@@ -61,7 +61,10 @@ def test_prompt_logprobs_is_null_on_completion_choices_and_chat_responses(
         "finish_reason",
         "stop_reason",
         "matched_stop",
+        "token_ids",
         "prompt_logprobs",
+        "prompt_token_ids",
+        "routed_experts",
     ]
     raw_chat = http.post(
         "/v1/chat/completions",
@@ -75,6 +78,14 @@ def test_prompt_logprobs_is_null_on_completion_choices_and_chat_responses(
         "choices",
         "usage",
         "prompt_logprobs",
+        "prompt_token_ids",
+        "prompt_text",
+        "service_tier",
+        "system_fingerprint",
+        "kv_transfer_params",
+        "ec_transfer_params",
+        "metrics",
+        "metadata",
     ]
     assert raw_chat["prompt_logprobs"] is None and "prompt_logprobs" not in raw_chat["choices"][0]
 
@@ -121,8 +132,7 @@ def test_matched_stop_names_the_stop_string_token_or_eos_and_is_null_on_length(
     assert eos.finish_reason == "stop" and eos.model_extra is not None
     assert eos.model_extra["matched_stop"] == EOS and eos.model_extra["stop_reason"] is None
 
-    # Streamed: on the finishing chunk only (as SGLang's final chunk), the content chunks as they
-    # were.
+    # Streamed: on every chunk, as SGLang's, its value on the finishing chunk only.
     for stream in (
         oai.completions.create(
             model=MODEL,
@@ -138,7 +148,7 @@ def test_matched_stop_names_the_stop_string_token_or_eos_and_is_null_on_length(
         ),
     ):
         choices = [chunk.choices[0] for chunk in stream if chunk.choices]
-        assert all("matched_stop" not in (c.model_extra or {}) for c in choices[:-1])
+        assert all((c.model_extra or {})["matched_stop"] is None for c in choices[:-1])
         assert choices[-1].finish_reason == "stop" and (choices[-1].model_extra or {})[
             "matched_stop"
         ] in (word, EOS)

@@ -100,7 +100,9 @@ def _streamed(http: httpx.Client, body: dict[str, Any]) -> tuple[dict[str, str],
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
     joined = {
-        key: "".join(d.get(key, "") for d in deltas) for key in ("reasoning_content", "content")
+        # reasoning_content is on every delta, null where the chunk has none (SGLang's).
+        key: "".join(d.get(key) or "" for d in deltas)
+        for key in ("reasoning_content", "content")
     }
     return joined, chunks[-1]["usage"]
 

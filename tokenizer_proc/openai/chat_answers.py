@@ -55,8 +55,7 @@ def parse_choice(
     splitter = parsing.splitter()
     splitter.feed(state.text, state.output_ids)
     splitter.finish()
-    message = choice["message"] = message_fields(parsing, splitter)
-    message["role"] = role
+    message = choice["message"] = message_fields(splitter, role)
     if echo:
         message["content"] = echo + (message["content"] or "")
     choice["finish_reason"], reasoning_tokens = finish_parsed(

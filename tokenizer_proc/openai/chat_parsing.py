@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenizer_proc.openai.shapes import chat_message
 from tokenizer_proc.openai.tools import ToolPlan
 from tokenizer_proc.parsers.forced_calls import NamedCallParser, RequiredCallsParser
 from tokenizer_proc.parsers.reasoning import (
@@ -197,29 +198,29 @@ class ChatParsing:
         return count_reasoning_tokens([token_bytes(t) for t in splitter.ids], splitter.text, span)
 
 
-def message_fields(parsing: ChatParsing, splitter: ChatSplitter) -> dict[str, Any]:
-    """A whole choice's ``message``. ``content`` is null when the answer is only calls;
-    ``reasoning_content`` (and vLLM's newer ``reasoning``) are there with a reasoning parser."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": splitter.content or (None if splitter.calls else ""),
-    }
-    if parsing.reasoning is not None:
-        message["reasoning_content"] = message["reasoning"] = splitter.reasoning or None
-    if splitter.calls:
-        message["tool_calls"] = [
-            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            for call_id, name, arguments in splitter.calls
-        ]
-    return message
+def message_fields(splitter: ChatSplitter, role: str = "assistant") -> dict[str, Any]:
+    """A whole choice's ``message`` (``chat_message``'s keys): ``content`` is null when the
+    answer is only calls; ``reasoning_content`` and vLLM's newer ``reasoning``, null when
+    there is none."""
+    calls = [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for call_id, name, arguments in splitter.calls
+    ]
+    return chat_message(
+        role,
+        splitter.content or (None if calls else ""),
+        reasoning=splitter.reasoning or None,
+        tool_calls=calls or None,
+    )
 
 
 def delta_fields(delta: ChatDelta) -> dict[str, Any]:
-    """A stream chunk's ``delta``: each part that has something; a call's first delta with its
-    id, type and name, its later ones with argument text only (OpenAI's shape)."""
-    out: dict[str, Any] = {}
+    """A stream chunk's ``delta``: ``reasoning_content`` always (SGLang's, null when this chunk
+    has none), then each part that has something; a call's first delta with its id, type and
+    name, its later ones with argument text only (OpenAI's shape)."""
+    out: dict[str, Any] = {"reasoning_content": delta.reasoning or None}
     if delta.reasoning:
-        out["reasoning_content"] = out["reasoning"] = delta.reasoning
+        out["reasoning"] = delta.reasoning
     if delta.content:
         out["content"] = delta.content
     if delta.tool_calls:

@@ -2,8 +2,8 @@
 choice, of a stream's opening and delta chunks, and of ``usage`` (``CompletionShape`` and
 ``ChatShape``, with their one instances ``COMPLETION`` and ``CHAT``).
 
-Fields the peers always send: a completion choice's ``prompt_logprobs`` and a chat
-response's (``ChatShape.response_fields``), null unless the request asked for them. What
+Every key vLLM or SGLang always sends on an object is on that object here, null when it has
+no value (docs/api.md, "Keys that are always there"): clients read them as attributes. What
 vLLM's extra request fields add (``AnswerExtras``: prompt logprobs, token ids, token-id
 texts, a chat echo and role) is placed where vLLM places it
 (``tokenizer_proc.openai.vllm_extras``).
@@ -28,6 +28,23 @@ _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abo
 
 NO_EXTRAS = AnswerExtras()
 
+# SGLang's name for weights never updated in place (its responses' ``metadata``).
+WEIGHT_VERSION = "default"
+
+
+def response_keys() -> dict[str, Any]:
+    """The top-level keys every whole completions and chat response carries besides
+    OpenAI's: vLLM's (null: no service tier, fingerprint, KV or encoder-cache transfer, or
+    per-request metrics here) and SGLang's ``metadata``."""
+    return {
+        "service_tier": None,
+        "system_fingerprint": None,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+        "metadata": {"weight_version": WEIGHT_VERSION},
+    }
+
 
 class CompletionShape:
     id_prefix = "cmpl-"
@@ -35,6 +52,7 @@ class CompletionShape:
     route = "/v1/completions"
     operation = "text_completion"  # gen_ai.operation.name
     chunk_object = "text_completion"
+    usage_on_every_chunk = True  # SGLang's stream chunks: "usage": null until the last
 
     @staticmethod
     def choice(
@@ -58,30 +76,33 @@ class CompletionShape:
             )
         elif top is not None:
             logprobs = completion_logprobs(state.logprobs, state.output_ids, text_of, top_n=top)
-        out = {
+        asked = extras.token_ids  # vLLM's order: token_ids, prompt_logprobs, prompt_token_ids
+        return {
             "index": index,
             "text": CompletionShape.echoed_text(state, extras) + state.text,
             "logprobs": logprobs,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
             "matched_stop": matched_stop_of(state),
+            "token_ids": state.output_ids if asked else None,
+            "prompt_logprobs": prompt_logprobs_of(state, extras, texts),
+            "prompt_token_ids": state.prompt_ids if asked else None,
+            "routed_experts": None,  # vLLM's: no expert routing is returned
         }
-        if extras.token_ids:  # vLLM's order: token_ids, prompt_logprobs, prompt_token_ids
-            out["token_ids"] = state.output_ids
-        out["prompt_logprobs"] = prompt_logprobs_of(state, extras, texts)
-        if extras.token_ids:
-            out["prompt_token_ids"] = state.prompt_ids
-        return out
 
     @staticmethod
     def response_fields(
         states: list[ReqState], extras: AnswerExtras, texts: TokenText | None
     ) -> dict[str, Any]:
-        return {}  # its prompt_logprobs are on its choices
+        return response_keys()  # its prompt_logprobs are on its choices
 
     @staticmethod
     def opening(index: int, role: str = "assistant") -> dict[str, Any] | None:
         return None
+
+    @staticmethod
+    def opening_fields(state: ReqState, extras: AnswerExtras) -> dict[str, Any]:
+        return {}  # no opening chunk
 
     @staticmethod
     def delta(
@@ -92,15 +113,19 @@ class CompletionShape:
         logprobs: dict[str, Any] | None = None,
         matched_stop: int | str | None = None,
     ) -> dict[str, Any]:
-        """``matched_stop`` goes on the finishing chunk only (``finish_reason`` set)."""
-        out = {
+        """``matched_stop`` has its value on the finishing chunk only (``finish_reason`` set);
+        ``prompt_token_ids`` and ``token_ids`` are null unless ``return_token_ids`` fills
+        them in (``ChoiceEvents``)."""
+        return {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
+            "matched_stop": matched_stop if finish_reason is not None else None,
+            "prompt_token_ids": None,
+            "token_ids": None,
         }
-        return _with_matched_stop(out, finish_reason, matched_stop)
 
     @staticmethod
     def echoed_text(state: ReqState, extras: AnswerExtras = NO_EXTRAS) -> str:
@@ -132,6 +157,7 @@ class ChatShape:
     route = "/v1/chat/completions"
     operation = "chat"
     chunk_object = "chat.completion.chunk"
+    usage_on_every_chunk = False  # neither peer's chat chunks carry "usage": null unasked
 
     @staticmethod
     def choice(
@@ -142,40 +168,51 @@ class ChatShape:
         texts: TokenText | None = None,
     ) -> dict[str, Any]:
         top = extras.output_top
-        out = {
+        return {
             "index": index,
-            "message": {"role": extras.role, "content": extras.echo + state.text},
+            "message": chat_message(extras.role, extras.echo + state.text),
             "logprobs": chat_logprobs(state.logprobs, state.output_ids, text_of, top)
             if top is not None
             else None,
             "finish_reason": finish_reason_of(state),
             "stop_reason": stop_reason_of(state),
             "matched_stop": matched_stop_of(state),
+            "token_ids": state.output_ids if extras.token_ids else None,
+            "routed_experts": None,  # vLLM's: no expert routing is returned
         }
-        if extras.token_ids:
-            out["token_ids"] = state.output_ids
-        return out
 
     @staticmethod
     def response_fields(
         states: list[ReqState], extras: AnswerExtras, texts: TokenText | None
     ) -> dict[str, Any]:
-        """After ``usage``, as vLLM's: the prompt's logprobs (one prompt for every choice)
-        and, asked, its ids."""
-        out: dict[str, Any] = {"prompt_logprobs": prompt_logprobs_of(states[0], extras, texts)}
-        if extras.token_ids:
-            out["prompt_token_ids"] = states[0].prompt_ids
-        return out
+        """After ``usage``, as vLLM's: the prompt's logprobs (one prompt for every choice),
+        its ids (null unless asked) and its text (null: never returned)."""
+        return {
+            "prompt_logprobs": prompt_logprobs_of(states[0], extras, texts),
+            "prompt_token_ids": states[0].prompt_ids if extras.token_ids else None,
+            "prompt_text": None,
+            **response_keys(),
+        }
 
     @staticmethod
     def opening(index: int, role: str = "assistant") -> dict[str, Any] | None:
         """OpenAI's first chunk of each choice names the role."""
         return {
             "index": index,
-            "delta": {"role": role, "content": ""},
+            "delta": {"role": role, "content": "", "reasoning_content": None},
             "logprobs": None,
             "finish_reason": None,
             "stop_reason": None,
+            "matched_stop": None,
+        }
+
+    @staticmethod
+    def opening_fields(state: ReqState, extras: AnswerExtras) -> dict[str, Any]:
+        """vLLM's top-level keys on each choice's first chunk: the prompt's ids (null unless
+        ``return_token_ids``) and its text (null: never returned)."""
+        return {
+            "prompt_token_ids": state.prompt_ids if extras.token_ids else None,
+            "prompt_text": None,
         }
 
     @staticmethod
@@ -187,14 +224,10 @@ class ChatShape:
         logprobs: dict[str, Any] | None = None,
         matched_stop: int | str | None = None,
     ) -> dict[str, Any]:
-        out = {
-            "index": index,
-            "delta": {"content": text} if text else {},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
-        }
-        return _with_matched_stop(out, finish_reason, matched_stop)
+        delta = (
+            {"content": text, "reasoning_content": None} if text else {"reasoning_content": None}
+        )
+        return chat_stream_choice(index, delta, finish_reason, stop_reason, logprobs, matched_stop)
 
     @staticmethod
     def echoed_text(state: ReqState, extras: AnswerExtras = NO_EXTRAS) -> str:
@@ -244,14 +277,48 @@ def matched_stop_of(state: ReqState) -> int | str | None:
     return reason.matched if isinstance(reason, FinishStop) else None
 
 
-def _with_matched_stop(
-    chunk: dict[str, Any], finish_reason: str | None, matched_stop: int | str | None
+def chat_message(
+    role: str,
+    content: str | None,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A stream chunk, with ``matched_stop`` when it is the choice's finishing one (as
-    SGLang's final chunk carries it); the content chunks before it stay as they were."""
-    if finish_reason is not None:
-        chunk["matched_stop"] = matched_stop
-    return chunk
+    """A whole chat choice's ``message``: OpenAI's keys with vLLM's (``refusal`` to
+    ``function_call``, ``reasoning``) and SGLang's (``reasoning_content``, ``tool_calls``),
+    each null when it has no value."""
+    return {
+        "role": role,
+        "content": content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": tool_calls,
+        "reasoning_content": reasoning,
+        "reasoning": reasoning,
+    }
+
+
+def chat_stream_choice(
+    index: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    logprobs: dict[str, Any] | None = None,
+    matched_stop: int | str | None = None,
+) -> dict[str, Any]:
+    """A chat stream chunk's choice: ``matched_stop`` (SGLang's) has its value on the
+    finishing chunk only; ``token_ids`` (vLLM's) is null unless ``return_token_ids`` fills
+    it in. ``delta`` carries ``reasoning_content`` (SGLang's) on every chunk."""
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+        "matched_stop": matched_stop if finish_reason is not None else None,
+        "token_ids": None,
+    }
 
 
 def prompt_logprobs_of(

@@ -8,7 +8,7 @@ with the text, and only other chunks are built as dicts and encoded whole (the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline.io_struct import RequestOutputStats
@@ -20,6 +20,7 @@ from tokenizer_proc.openai.shapes import (
     NO_EXTRAS,
     CompletionShape,
     Shape,
+    chat_stream_choice,
     finish_reason_of,
     matched_stop_of,
     request_usage,
@@ -39,17 +40,20 @@ class StreamUsage:
     """What a stream says of usage. ``include_usage`` (OpenAI): every chunk carries
     ``"usage": null`` and a last chunk carries the whole request's usage. ``continuous``
     (vLLM's ``continuous_usage_stats``, which as in vLLM takes ``include_usage`` too): each
-    chunk carries its choice's usage so far instead of null."""
+    chunk carries its choice's usage so far instead of null. ``always_keyed``: every chunk
+    carries ``"usage": null`` even without ``include_usage`` (SGLang's completions chunks;
+    ``ChoiceEvents`` sets it from its shape)."""
 
     n: int  # choices per prompt
     include_usage: bool
     continuous: bool
+    always_keyed: bool = False
 
     def on_chunk(self, stats: RequestOutputStats | None, completion_tokens: int) -> dict[str, Any]:
         """``stats`` and ``completion_tokens``: the choice's as of this chunk."""
         if self.continuous:
             return {"usage": _choice_usage(stats, completion_tokens)}
-        return {"usage": None} if self.include_usage else {}
+        return {"usage": None} if self.include_usage or self.always_keyed else {}
 
 
 def _choice_usage(stats: RequestOutputStats | None, completion_tokens: int) -> dict[str, Any]:
@@ -89,7 +93,7 @@ class ChoiceEvents:
         self._tm = tm
         self._kind = kind
         self._head = head
-        self._usage = usage
+        self._usage = replace(usage, always_keyed=kind.usage_on_every_chunk)
         self._extras = extras
         self._ids_out = tm.tokenizer is None  # --skip-tokenizer-init: the ids are the output
         self._text_of = openai_token_text(tm.token_texts, extras.token_id_texts)
@@ -117,23 +121,29 @@ class ChoiceEvents:
         self._reasoning_tokens = [0] * len(states)
 
     def opening(self) -> bytes:
-        """Chat's role chunk of each choice (with ``return_token_ids`` the prompt's ids, as
-        vLLM's first chunks), then each choice's echo chunk (vLLM's chat echo)."""
-        head, usage, extras = self._head, self._usage, self._extras
+        """Chat's role chunk of each choice (with vLLM's first-chunk keys: the prompt's ids,
+        asked, and text), then each choice's echo chunk (vLLM's chat echo)."""
+        head, usage, extras, kind = self._head, self._usage, self._extras, self._kind
         out = b""
         for index, state in enumerate(self.states):
-            opening = self._kind.opening(index, extras.role)
+            opening = kind.opening(index, extras.role)
             if opening is not None:
-                ids = {"prompt_token_ids": state.prompt_ids} if extras.token_ids else {}
+                first = kind.opening_fields(state, extras)
                 out += sse(
-                    {**head, "choices": [opening], **usage.on_chunk(state.request_stats, 0), **ids}
+                    {
+                        **head,
+                        "choices": [opening],
+                        **usage.on_chunk(state.request_stats, 0),
+                        **first,
+                    }
                 )
         for index, state in enumerate(self.states if extras.echo else ()):
             echo = {
                 "index": index,
-                "delta": {"content": extras.echo},
+                "delta": {"content": extras.echo, "reasoning_content": None},
                 "logprobs": None,
                 "finish_reason": None,
+                "matched_stop": None,
             }
             out += sse({**head, "choices": [echo], **usage.on_chunk(state.request_stats, 0)})
         return out
@@ -233,15 +243,14 @@ class ChoiceEvents:
                 and not (self._extras.token_ids and chunk.ids)
             ):
                 continue
-            choice = {
-                "index": index,
-                "delta": delta_fields(delta),
-                "logprobs": logprobs,
-                "finish_reason": final,
-                "stop_reason": stop_reason if final is not None else None,
-            }
-            if final is not None:  # SGLang's, on the finishing chunk (shapes' module docstring)
-                choice["matched_stop"] = matched_stop_of(state)
+            choice = chat_stream_choice(
+                index,
+                delta_fields(delta),
+                final,
+                stop_reason if final is not None else None,
+                logprobs,
+                matched_stop_of(state),
+            )
             self._add_ids(choice, state, chunk, lead=False)
             out.append(
                 sse(
