@@ -290,9 +290,9 @@ class BatchTokenIDOutput(msgspec.Struct, tag="tok", array_like=True, gc=False):
 
 class OutputLogprobs(msgspec.Struct, array_like=True, gc=False):
     """The logprobs of a frame's rows that asked for them, as columns laid out row by row,
-    token by token (docs/wire.md, ``BatchTokenIDOutput``): ``rows`` (int32, ascending) index
-    the frame's rows; per token of a listed row i, ``token_logprobs`` (float32), ``top_k[i]``
-    pairs of ``top_ids`` and ``top_logprobs``, and ``ids_count[i]`` ``ids_logprobs``."""
+    token by token (docs/wire.md): ``rows`` (int32, ascending) index the frame's rows; per
+    token of a listed row i, ``token_logprobs`` (float32), ``top_k[i]`` pairs of ``top_ids``
+    and ``top_logprobs``, ``ids_count[i]`` ``ids_logprobs``, and a prompt block's ``ranks``."""
 
     rows: bytes
     token_logprobs: bytes
@@ -301,13 +301,13 @@ class OutputLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: bytes
     ids_count: bytes
     ids_logprobs: bytes
+    ranks: bytes = b""  # int32 per token: values at or above its own (vLLM's rank); b"": none
 
 
 class InputLogprobs(msgspec.Struct, array_like=True, gc=False):
-    """Prompt logprobs (``logprob_start_len`` s >= 0), on a request's first row: those of
-    prompt positions max(s, 1) to the end, each from the logits of the position before
-    (position 0 has none: the API shows it as null). ``counts`` (int32) gives the positions
-    of each row listed in ``logprobs.rows``; the columns are laid out as ``OutputLogprobs``."""
+    """Prompt logprobs (``logprob_start_len`` s >= 0) on a request's first row: of prompt
+    positions max(s, 1) on, each from the logits before it (position 0 has none), laid out as
+    ``OutputLogprobs``, ranks included; ``counts`` (int32): each listed row's positions."""
 
     counts: bytes
     logprobs: OutputLogprobs

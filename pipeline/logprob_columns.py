@@ -5,7 +5,7 @@ of a PD KV header, by a decode server's scheduler)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -13,16 +13,25 @@ from pipeline.io_struct import InputLogprobs, OutputLogprobs
 
 LOGPROB_DTYPE = np.dtype("<f4")
 LOGPROB_ID_DTYPE = np.dtype("<i4")
+RANK_DTYPE = np.dtype("<i4")
+
+
+def no_ranks() -> np.ndarray:
+    """The ranks of tokens that carry none (output tokens: no API shows their rank)."""
+    return np.zeros(0, dtype=RANK_DTYPE)
 
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """The logprobs of consecutive output tokens of one request, one entry per token."""
+    """The logprobs of consecutive tokens of one request, one entry per token. Prompt
+    positions carry their tokens' ranks (vLLM's ``prompt_logprobs`` show them); output
+    tokens none."""
 
     chosen: np.ndarray  # float32 [t]
     top_ids: np.ndarray  # int32 [t, k]
     top_values: np.ndarray  # float32 [t, k]
     ids_values: np.ndarray  # float32 [t, m]
+    ranks: np.ndarray = field(default_factory=no_ranks)  # int32 [t], or [0]: none
 
     @staticmethod
     def join(parts: Sequence[TokenLogprobs]) -> TokenLogprobs:
@@ -33,6 +42,7 @@ class TokenLogprobs:
             np.concatenate([p.top_ids for p in parts]),
             np.concatenate([p.top_values for p in parts]),
             np.concatenate([p.ids_values for p in parts]),
+            np.concatenate([p.ranks for p in parts]),
         )
 
 
@@ -40,8 +50,9 @@ class TokenLogprobs:
 class LogprobBlock:
     """The output logprobs of some of a frame's rows as arrays (``OutputLogprobs`` before it
     is bytes): ``rows`` index those rows (ascending), ``top_k`` and ``ids_count`` are per
-    row, ``chosen`` per token, and the flat ``top_ids`` / ``top_values`` / ``ids_values``
-    blocks are laid out row by row, token by token, as on the wire."""
+    row, ``chosen`` and ``ranks`` (a prompt block's; empty otherwise) per token, and the flat
+    ``top_ids`` / ``top_values`` / ``ids_values`` blocks are laid out row by row, token by
+    token, as on the wire."""
 
     rows: np.ndarray
     chosen: np.ndarray
@@ -50,6 +61,7 @@ class LogprobBlock:
     top_values: np.ndarray
     ids_count: np.ndarray
     ids_values: np.ndarray
+    ranks: np.ndarray = field(default_factory=no_ranks)
 
     @staticmethod
     def of_parts(rows: Sequence[int], parts: Sequence[TokenLogprobs]) -> LogprobBlock:
@@ -62,6 +74,7 @@ class LogprobBlock:
             top_values=np.concatenate([p.top_values.reshape(-1) for p in parts]),
             ids_count=np.array([p.ids_values.shape[1] for p in parts], dtype=np.int32),
             ids_values=np.concatenate([p.ids_values.reshape(-1) for p in parts]),
+            ranks=np.concatenate([p.ranks for p in parts]),
         )
 
     def then(self, later: LogprobBlock, offset: int) -> LogprobBlock:
@@ -87,6 +100,7 @@ class LogprobBlock:
             self.top_values,
             self.ids_count,
             self.ids_values,
+            self.ranks,
         )
 
     def columns(self) -> OutputLogprobs:
@@ -98,6 +112,7 @@ class LogprobBlock:
             top_logprobs=self.top_values.astype(LOGPROB_DTYPE, copy=False).tobytes(),
             ids_count=self.ids_count.astype(np.int32, copy=False).tobytes(),
             ids_logprobs=self.ids_values.astype(LOGPROB_DTYPE, copy=False).tobytes(),
+            ranks=self.ranks.astype(RANK_DTYPE, copy=False).tobytes(),
         )
 
 
@@ -116,6 +131,7 @@ class RowLogprobs:
     chosen: list[float]
     top: list[list[tuple[float, int]]]  # per token: (logprob, id), most likely first
     ids: list[list[float]]  # per token: one value per asked id
+    ranks: list[int]  # per token (prompt positions); empty when the block carries none
 
 
 def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, RowLogprobs]:
@@ -124,8 +140,9 @@ def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int,
     becomes a list once, and the rows are slices of those lists (the API process reads
     every frame: no per-row numpy calls)."""
     block = checked_logprobs(lp, counts)
-    chosen, top_ids, top_values, ids_values = (
-        a.tolist() for a in (block.chosen, block.top_ids, block.top_values, block.ids_values)
+    chosen, top_ids, top_values, ids_values, ranks = (
+        a.tolist()
+        for a in (block.chosen, block.top_ids, block.top_values, block.ids_values, block.ranks)
     )
     out: dict[int, RowLogprobs] = {}
     c = t = v = 0
@@ -135,6 +152,7 @@ def read_output_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int,
             chosen=chosen[c : c + n],
             top=[top] if n == 1 else [top[j * k : (j + 1) * k] for j in range(n)],
             ids=[ids_values[v + j * m : v + (j + 1) * m] for j in range(n)],
+            ranks=ranks[c : c + n],
         )
         c, t, v = c + n, t + n * k, v + n * m
     return out
@@ -154,6 +172,7 @@ def read_token_logprobs(lp: OutputLogprobs, counts: Sequence[int]) -> dict[int, 
             block.top_ids[top].reshape(n, k),
             block.top_values[top].reshape(n, k),
             block.ids_values[v : v + n * m].reshape(n, m),
+            block.ranks[c : c + n],
         )
         c, t, v = c + n, t + n * k, v + n * m
     return out
@@ -164,7 +183,8 @@ class LogprobArrays:
     """A logprob block's columns as arrays (views of the frame's bytes), checked against the
     frame's rows: ``rows`` are the listed frame rows, ``tokens`` / ``top_k`` / ``ids_count``
     are per listed row, and ``top_sizes`` / ``ids_sizes`` are the entries each listed row
-    holds in the flat ``top_ids`` and ``ids_values`` columns (``chosen`` holds ``tokens``)."""
+    holds in the flat ``top_ids`` and ``ids_values`` columns (``chosen`` holds ``tokens``, and
+    so does ``ranks`` unless it is empty)."""
 
     rows: np.ndarray  # int32
     tokens: np.ndarray  # int64
@@ -176,6 +196,7 @@ class LogprobArrays:
     ids_values: np.ndarray
     top_sizes: np.ndarray  # int64: tokens * top_k
     ids_sizes: np.ndarray  # int64: tokens * ids_count
+    ranks: np.ndarray  # int32: one per token, or none
 
     def per_row(self) -> Iterator[tuple[int, int, int, int]]:
         """(frame row, tokens, k, m) of each listed row, in order."""
@@ -198,6 +219,7 @@ class LogprobArrays:
             top_logprobs=self.top_values[top].tobytes(),
             ids_count=self.ids_count[keep].tobytes(),
             ids_logprobs=self.ids_values[ids].tobytes(),
+            ranks=self.ranks[chosen].tobytes() if len(self.ranks) else b"",
         )
 
 
@@ -244,6 +266,9 @@ def _checked(lp: OutputLogprobs, rows: np.ndarray, tokens: np.ndarray) -> Logpro
         raise ValueError("logprob columns do not match the frame's token counts")
     if len(ids_values) != ids_sizes.sum():
         raise ValueError("token_ids_logprob columns do not match the frame's token counts")
+    ranks = np.frombuffer(lp.ranks, dtype=RANK_DTYPE)
+    if len(ranks) and len(ranks) != len(chosen):  # empty: a block without ranks
+        raise ValueError("logprob rank column does not match the frame's token counts")
     return LogprobArrays(
         rows,
         tokens,
@@ -255,6 +280,7 @@ def _checked(lp: OutputLogprobs, rows: np.ndarray, tokens: np.ndarray) -> Logpro
         ids_values,
         top_sizes,
         ids_sizes,
+        ranks,
     )
 
 

@@ -47,17 +47,19 @@ class StreamChunk:
 
 @dataclass
 class LogprobEntries:
-    """Output-token logprobs, one entry per token: the chosen token's, the top ones
-    ((logprob, id), most likely first) and those of the asked ids, in their order."""
+    """Logprobs, one entry per token: the chosen token's, the top ones ((logprob, id), most
+    likely first) and those of the asked ids, in their order; prompt positions' ranks too."""
 
     chosen: list[float] = field(default_factory=list)
     top: list[list[tuple[float, int]]] = field(default_factory=list)
     ids: list[list[float]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # empty: none sent (output tokens)
 
     def extend(self, row: RowLogprobs | LogprobEntries) -> None:
         self.chosen.extend(row.chosen)
         self.top.extend(row.top)
         self.ids.extend(row.ids)
+        self.ranks.extend(row.ranks)
 
 
 @dataclass(slots=True)

@@ -37,23 +37,22 @@ def extra(obj: Any, key: str) -> Any:
 
 
 def assert_prompt_logprobs(entries: list[Any], prompt_ids: list[int], top: int) -> None:
-    """vLLM's shape: null first, then per position the prompt token's entry first (rank its
-    place among the top ones, null outside them) and the ``top`` most likely after it."""
+    """vLLM's shape: null first, then per position the prompt token's entry first and the
+    ``top`` most likely after it, ranked 1 to ``top``; the prompt token's rank is always a
+    number (its place among the top ones, or beyond them)."""
     assert len(entries) == len(prompt_ids) and entries[0] is None
     for token, entry in zip(prompt_ids[1:], entries[1:]):
         keys = list(entry)
         assert keys[0] == str(token) and all(
             set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values()
         )
-        ranked = sorted(
-            (v["rank"], k) for k, v in entry.items() if k != str(token) or v["rank"] is not None
-        )
+        mine = entry[str(token)]
+        assert isinstance(mine["rank"], int) and mine["rank"] >= 1, entry
+        ranked = sorted((v["rank"], k) for k, v in entry.items() if v["rank"] <= top)
         assert [r for r, _ in ranked] == list(range(1, top + 1)), entry
         values = [entry[k]["logprob"] for _, k in ranked]
         assert values == sorted(values, reverse=True)
-        mine = entry[str(token)]
-        assert len(entry) == top + (mine["rank"] is None)
-        assert mine["rank"] is None or mine["rank"] <= top
+        assert len(entry) == top + (mine["rank"] > top)
         assert all(isinstance(v["decoded_token"], str) for v in entry.values())
 
 
@@ -77,10 +76,8 @@ def test_prompt_logprobs_are_on_each_completion_choice(
         json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0},
     ).json()
     assert "prompt_logprobs" in raw["choices"][0] and "prompt_logprobs" not in raw
-    assert all(
-        len(e) == 1 and list(e) == [str(t)]
-        for e, t in zip(raw["choices"][0]["prompt_logprobs"][1:], prompt_ids[1:])
-    )
+    # The prompt token's entry alone, its rank still a number (the scheduler's rank column).
+    assert_prompt_logprobs(raw["choices"][0]["prompt_logprobs"], prompt_ids, 0)
 
 
 def test_prompt_logprobs_are_at_the_chat_responses_top_level(oai: openai.OpenAI) -> None:

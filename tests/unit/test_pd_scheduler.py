@@ -312,6 +312,8 @@ def joined_logprobs(rows: list[Row]) -> tuple[TokenLogprobs, TokenLogprobs]:
 
 def assert_same_logprobs(got: TokenLogprobs, want: TokenLogprobs) -> None:
     assert len(got.chosen) == len(want.chosen)
+    # Prompt positions' ranks travel with the KV (output tokens carry none on either side).
+    assert len(got.ranks) == len(want.ranks) and got.ranks.min(initial=1) >= 1
     assert got.top_ids.tolist() == want.top_ids.tolist()
     for column in ("chosen", "top_values", "ids_values"):
         assert getattr(got, column) == pytest.approx(getattr(want, column), abs=1e-4), column

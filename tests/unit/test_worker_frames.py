@@ -363,10 +363,14 @@ def test_each_worker_gets_its_rows_and_ends_where_the_whole_frame_leads(pool: in
         if s.finished_reason is not None and type(s.finished_reason).__name__ == "FinishAbort"
     ]
     assert aborted, "the scenario's abort never reached its worker"
-    # The states asked for what they got: output entries on every token of an asking request.
+    # The states asked for what they got: output entries on every token of an asking request,
+    # and a rank for every prompt position (the prompt block's rank column, split too).
     for state in run.split.values():
         if state.logprob is not None and not state.stream:
             assert len(state.logprobs.chosen) == len(state.output_ids) > 0
+        prompt = state.prompt_logprobs
+        assert len(prompt.ranks) == len(prompt.chosen) and min(prompt.ranks, default=1) >= 1
+    assert any(state.prompt_logprobs.ranks for state in run.split.values())
 
 
 def test_a_frame_of_one_worker_goes_on_whole() -> None:

@@ -52,18 +52,16 @@ class AnswerExtras:
 
     def logprob_params(self, echo_prompt: bool) -> LogprobParams | None:
         """What the scheduler computes for this answer: the output logprobs, and from
-        position 0 the prompt's when shown (or echoed, ``echo_prompt``), with the largest top
-        count any of them shows; at least 1 with prompt logprobs, for their ranks. Output
-        logprobs come with any ask (the wire has no prompt-only ask); the answer shows them
-        only when ``output_top`` is set."""
+        position 0 the prompt's (with their ranks) when shown (or echoed, ``echo_prompt``),
+        with the largest top count any of them shows. Output logprobs come with any ask (the
+        wire has no prompt-only ask); the answer shows them only when ``output_top`` is set."""
         prompt = echo_prompt or self.prompt_top is not None
         if self.output_top is None and not prompt:
             return None
-        top = max(
-            self.output_top or 0, self.prompt_top or 0, 1 if self.prompt_top is not None else 0
-        )
         return LogprobParams(
-            top_logprobs_num=top, logprob_start_len=0 if prompt else -1, return_text=True
+            top_logprobs_num=max(self.output_top or 0, self.prompt_top or 0),
+            logprob_start_len=0 if prompt else -1,
+            return_text=True,
         )
 
 
@@ -132,16 +130,15 @@ def prompt_logprobs_entries(
     prompt_ids: list[int], entries: LogprobEntries, top: int, text_of: TokenText | None
 ) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: null for position 0, then per position the prompt token's
-    entry first and the ``top`` most likely tokens' after it (a prompt token among them is
-    listed once, with its place in the top as its rank). ``text_of`` None: no tokenizer, the
-    decoded tokens are null. Each entry maps a token id (as a string) to ``{"logprob",
-    "rank", "decoded_token"}``.
+    entry first and the ``top`` most likely tokens' after it, ranked 1 to ``top``. ``text_of``
+    None: no tokenizer, the decoded tokens are null. Each entry maps a token id (as a string)
+    to ``{"logprob", "rank", "decoded_token"}``.
 
-    A prompt token's ``rank`` is exact when it is among the top entries the scheduler
-    returned (their position; the scheduler is always asked for at least the top 1, so the
-    most likely token is rank 1); otherwise it is null: the scheduler sends no rank of its
-    own, and counting the vocabulary above a token is a scheduler column (docs/design.md
-    section 11)."""
+    The prompt token's ``rank`` is the scheduler's rank column (docs/design/logprobs.md): how
+    many of the vocabulary's logprobs are at or above its own, as vLLM counts. A prompt token
+    among the ``top`` is listed once, with its place there, as in vLLM (whose top entries
+    overwrite its own); the two differ only between tied tokens. A block without ranks (from
+    a sender before the column) shows null outside the top."""
 
     def entry(logprob: float, rank: int | None, token: int) -> dict[str, Any]:
         return {
@@ -152,8 +149,8 @@ def prompt_logprobs_entries(
 
     out: list[dict[str, Any] | None] = [None] if prompt_ids else []
     tops = entries.top or [[] for _ in entries.chosen]
-    for token, chosen, position_top in zip(prompt_ids[1:], entries.chosen, tops):
-        rank = next((r for r, (_, t) in enumerate(position_top, 1) if t == token), None)
+    ranks: list[int | None] = list(entries.ranks) or [None] * len(entries.chosen)
+    for token, chosen, rank, position_top in zip(prompt_ids[1:], entries.chosen, ranks, tops):
         listed = {str(token): entry(chosen, rank, token)}
         for r, (logprob, t) in enumerate(position_top[:top], 1):
             listed[str(t)] = entry(logprob, r, t)
