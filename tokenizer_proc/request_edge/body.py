@@ -169,8 +169,8 @@ def field_path(path: str, key: str) -> str:
 # one beyond 64 bits (msgpack) and no field means anything there: refuse it as the client's
 # error here rather than fail with a 500 when the request is encoded for the scheduler. Only an
 # integer literal of 19 or more digits can be out of range, so other bodies skip the walk. The
-# body is searched for a run of 19 digits with every digit made a 0 (bytes.translate and a
-# substring search, both in C: a 2 KiB body in about 2 us, where a regex takes 25).
+# body is searched for a run of 19 digits with every digit made a 0: bytes.translate and a
+# substring search, an order of magnitude faster than a regex scan (on every body).
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_DIGIT_RUN = b"0" * 19
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

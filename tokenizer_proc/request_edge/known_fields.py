@@ -1,10 +1,10 @@
 """Request fields tokenpipe knows but does not implement (docs/design.md section 12).
 
 Clients and routers send the fields of their own schemas: SGLang's router re-serializes every
-body with its defaults (``"return_hidden_states": false``, ``"log_metrics": true``...), vLLM's
-clients send its extra sampling parameters. A field tokenpipe does not implement is accepted
-at a neutral value (null, or a value that asks for nothing) and refused with a 400 naming it
-otherwise; a field in none of the schemas stays an unknown field, so typos are still caught.
+body with its defaults (``"return_hidden_states": false``...), vLLM's clients send its extra
+sampling parameters. A field tokenpipe does not implement is accepted at a neutral value (null,
+or a value that asks for nothing) and refused with a 400 naming it otherwise (ignored, it would
+give wrong output); a field in none of the schemas is ``decode_body``'s to ignore and name.
 
 Each request type keeps its refusals in one table of ``Refusal`` entries. ``neutral`` makes
 the common entry (a field that is fine at these values and nothing else); ``declare`` adds the
