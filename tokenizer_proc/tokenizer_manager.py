@@ -61,6 +61,9 @@ from tokenizer_proc.tracers import request_tracer
 
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
 
+# SGLang's name for weights never updated in place (/model_info, responses' ``metadata``).
+WEIGHT_VERSION = "default"
+
 
 class TokenizerManager:
     def __init__(

@@ -22,14 +22,12 @@ from tokenizer_proc.openai.logprobs import (
 )
 from tokenizer_proc.openai.vllm_extras import AnswerExtras, prompt_logprobs_entries
 from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
+from tokenizer_proc.tokenizer_manager import WEIGHT_VERSION
 from tokenizer_proc.http.sse_events import Hole
 
 _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
 
 NO_EXTRAS = AnswerExtras()
-
-# SGLang's name for weights never updated in place (its responses' ``metadata``).
-WEIGHT_VERSION = "default"
 
 
 def response_keys() -> dict[str, Any]:
