@@ -10,6 +10,8 @@ control_id names, and the scheduler's stats reports go to all."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import logging
 
 import msgspec
@@ -18,17 +20,16 @@ import zmq
 from pipeline.config import ServerConfig
 from pipeline.dispatch import TypeDispatcher, route
 from pipeline.frame_checks import count_token_rows, read_token_rows
+from pipeline.control_frames import (
+    ControlAnswer,
+)
 from pipeline.io_struct import (
     COUNT_DTYPE,
     TOKEN_DTYPE,
-    AbortResult,
     BatchEmbeddingOutput,
     BatchStrOutput,
     BatchTokenIDOutput,
-    ControlAnswer,
     DetokenizerInput,
-    FlushCacheResult,
-    HiCacheStorageState,
     SchedulerStatsReport,
 )
 from pipeline.columns import from_column
@@ -97,9 +98,8 @@ class Detokenizer:
                 route(BatchTokenIDOutput, self.on_tokens),
                 route(BatchEmbeddingOutput, self.on_embeddings),
                 route(SchedulerStatsReport, self.on_stats_report),
-                route(HiCacheStorageState, self.on_control_answer),
-                route(FlushCacheResult, self.on_control_answer),
-                route(AbortResult, self.on_control_answer),
+                # Every control answer, whatever its type, to the worker that asked.
+                *(route(answer, self.on_control_answer) for answer in get_args(ControlAnswer)),
             ]
         )
 

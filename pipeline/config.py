@@ -51,6 +51,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Flag("model", "the model name the API reports (default: the model directory's name)"),
     ] = None
     model_seed: Annotated[int, Flag("model", "seed of the built-in model's weights")] = 0
+    weight_version: Annotated[str, Flag("model", "the served weights' version")] = "default"
     device: Annotated[
         str, Flag("model", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     ] = "auto"

@@ -18,6 +18,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 
+from pipeline.control_frames import ControlAnswer, ControlInput, PauseMode
+
 # --- columns ---------------------------------------------------------------------------
 
 REQ_ID_DTYPE = np.dtype("<i8")
@@ -154,35 +156,7 @@ class AbortReq(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True,
     control_id: int = 0
 
 
-class HiCacheStorageControl(
-    msgspec.Struct, tag="hicache_storage", array_like=True, omit_defaults=True, gc=False
-):
-    """API -> scheduler: attach (``backend`` at ``dir``) or detach the HiCache storage
-    tier at runtime. The scheduler answers with a ``HiCacheStorageState`` of the same
-    ``control_id``."""
-
-    control_id: int
-    attach: bool
-    backend: str = ""
-    dir: str = ""
-
-
-class FlushCacheControl(
-    msgspec.Struct, tag="flush_cache", array_like=True, omit_defaults=True, gc=False
-):
-    """API -> scheduler: drop the prefix cache, on every tier (``POST /flush_cache``). The
-    scheduler answers with a ``FlushCacheResult`` of the same ``control_id``."""
-
-    control_id: int
-
-
-SchedulerInput = (
-    TokenizedGenerateReqInput
-    | TokenizedEmbeddingReqInput
-    | AbortReq
-    | HiCacheStorageControl
-    | FlushCacheControl
-)
+SchedulerInput = TokenizedGenerateReqInput | TokenizedEmbeddingReqInput | AbortReq | ControlInput
 
 
 # --- finish reasons --------------------------------------------------------------------
@@ -249,6 +223,9 @@ class RequestOutputStats(
     audio_tokens: int = 0
     video_tokens: int = 0
     time_stats: SchedulerTimeStats | None = None
+    # The version of the weights that produced the request's latest tokens (None: not
+    # admitted yet); it changes when new weights are swapped in while the request lives.
+    weight_version: str | None = None
 
 
 # --- output side -----------------------------------------------------------------------
@@ -395,51 +372,16 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     torch_threads: int = 0
     num_grammar_queue_reqs: int = 0  # of num_queue_reqs, those whose grammar still compiles
     decode_sum_seq_lens: int = 0  # prompt + generated tokens of the running requests
+    # Rollout control (scheduler_proc/rollout.py): the pause mode (None: running), the
+    # weights' version, running totals, and the seconds of the updates since the last report.
+    paused: PauseMode | None = None
+    weight_version: str = "default"
+    paused_seconds_total: float = 0.0
+    weight_updates_ok: int = 0
+    weight_updates_failed: int = 0
+    weight_update_seconds: tuple[float, ...] = ()
 
 
-class HiCacheStorageState(
-    msgspec.Struct, tag="hicache_storage_state", array_like=True, omit_defaults=True, gc=False
-):
-    """Scheduler -> API (through the detokenizer, untouched): the answer to one
-    ``HiCacheStorageControl``. ``ok`` False carries the reason in ``error`` (and the request
-    field it is about in ``param``) and leaves the state as it was. ``backend`` and ``dir``
-    are the storage attached after the call, None when none is."""
-
-    control_id: int
-    ok: bool
-    error: str = ""
-    param: str | None = None
-    backend: str | None = None
-    dir: str | None = None
-
-
-class FlushCacheResult(
-    msgspec.Struct, tag="flush_cache_result", array_like=True, omit_defaults=True, gc=False
-):
-    """Scheduler -> API (through the detokenizer, untouched): the answer to one
-    ``FlushCacheControl``. ``ok`` False (requests were running or waiting: nothing was
-    dropped) carries the reason in ``error``. The token counts are what the flush dropped
-    from each tier of the prefix cache."""
-
-    control_id: int
-    ok: bool
-    error: str = ""
-    device_tokens: int = 0
-    host_tokens: int = 0
-    storage_tokens: int = 0
-
-
-class AbortResult(msgspec.Struct, tag="abort_result", array_like=True, gc=False):
-    """Scheduler -> API (through the detokenizer, untouched): the answer to an ``AbortReq``
-    with a ``control_id``: how many requests it stopped."""
-
-    control_id: int
-    aborted: int
-
-
-# The scheduler's answers to control messages: each goes back to the API worker whose
-# index its control_id carries.
-ControlAnswer = HiCacheStorageState | FlushCacheResult | AbortResult
 DetokenizerInput = BatchTokenIDOutput | BatchEmbeddingOutput | SchedulerStatsReport | ControlAnswer
 TokenizerManagerInput = BatchStrOutput | BatchEmbeddingOutput | SchedulerStatsReport | ControlAnswer
 

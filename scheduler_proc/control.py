@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from pipeline.io_struct import (
-    AbortReq,
+from pipeline.control_frames import (
     FlushCacheControl,
     FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
 )
+from pipeline.io_struct import AbortReq
 from pipeline.worker_ids import worker_of
 from scheduler_proc.cache.hicache import HiCache, NoHiCache, cached_details
 from scheduler_proc.cache.prefix_kv import PrefixKV

@@ -15,10 +15,15 @@ import zmq
 
 from pipeline.config import ServerConfig
 from pipeline.dispatch import TypeDispatcher, route
+from pipeline.control_frames import FlushCacheControl, HiCacheStorageControl
+from pipeline.control_frames import (
+    ContinueControl,
+    PauseControl,
+    RolloutState,
+    UpdateWeightsControl,
+)
 from pipeline.io_struct import (
     AbortReq,
-    FlushCacheControl,
-    HiCacheStorageControl,
     SchedulerInput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -45,6 +50,9 @@ logger = logging.getLogger("tokenpipe.scheduler")
 # How long an otherwise idle loop waits on its sockets while grammars compile: a finished
 # compile is taken at most this late, and the loop does not spin against the compiler.
 GRAMMAR_POLL_MS = 2
+# The same while new weights are read on their own thread: they are swapped in at most this
+# late after the read ends.
+ROLLOUT_POLL_MS = 5
 
 
 def build_scheduler(config: ServerConfig) -> Scheduler:
@@ -71,6 +79,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         hicache=build_hicache(config, runner),
         grammar=grammar_compiler(config, vocab, runner),
         overlap_schedule=not config.disable_overlap_schedule,
+        weight_version=config.weight_version,
     )
 
 
@@ -187,6 +196,9 @@ class SchedulerLoop:
                 route(AbortReq, self.on_abort),
                 route(HiCacheStorageControl, self.on_storage_control),
                 route(FlushCacheControl, self.on_flush_cache),
+                route(PauseControl, self.on_pause),
+                route(ContinueControl, self.on_continue),
+                route(UpdateWeightsControl, self.on_update_weights),
             ]
         )
 
@@ -219,6 +231,24 @@ class SchedulerLoop:
         # scheduler would send none until its next work.
         self.send(self.reporter.report(time.time()))
 
+    def on_pause(self, msg: PauseControl) -> None:
+        self.send_rollout(self.scheduler.rollout.pause(self.scheduler, msg, time.time()))
+
+    def on_continue(self, msg: ContinueControl) -> None:
+        self.send_rollout(self.scheduler.rollout.resume(self.scheduler, msg))
+
+    def on_update_weights(self, msg: UpdateWeightsControl) -> None:
+        answer = self.scheduler.rollout.update_weights(self.scheduler, msg, time.time())
+        self.send_rollout([answer] if answer is not None else [])
+
+    def send_rollout(self, answers: list[RolloutState]) -> None:
+        """A report first, so every API worker knows the new state by the time the asking
+        one answers its client; then the answers."""
+        if answers:
+            self.send(self.reporter.report(time.time()))
+        for answer in answers:
+            self.send(answer)
+
     def run(self, shutdown: ShutdownFlag) -> None:
         scheduler = self.scheduler
         while not shutdown.is_set():
@@ -229,12 +259,15 @@ class SchedulerLoop:
                 encoded = self.encoder.encode(out)
                 if not self.config.discard_output:
                     self.outbox.send(encoded, copy=False)
+            self.send_rollout(scheduler.rollout.advance(scheduler))
             self.maybe_report()
             scheduler.runner.threads.update(time.monotonic())
 
     def wait_for_input(self) -> None:
         """Blocks only when idle; with work in flight, the step takes what has arrived."""
-        if not self.scheduler.has_work():
+        if self.scheduler.rollout.busy and not self.scheduler.has_work():
+            self.poller.poll(ROLLOUT_POLL_MS)  # weights being read: swap them in soon after
+        elif not self.scheduler.has_work():
             self.poller.poll(200)
         elif self.scheduler.only_compiling():
             self.poller.poll(GRAMMAR_POLL_MS)

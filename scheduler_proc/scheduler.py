@@ -23,18 +23,20 @@ import numpy as np
 import torch
 
 from pipeline.peer_errors import duplicate_rid_message
+from pipeline.control_frames import (
+    AbortResult,
+    FlushCacheControl,
+    FlushCacheResult,
+    HiCacheStorageControl,
+    HiCacheStorageState,
+)
 from pipeline.io_struct import (
     AbortReq,
-    AbortResult,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     FinishAbort,
     FinishLength,
     FinishReason,
-    FlushCacheControl,
-    FlushCacheResult,
-    HiCacheStorageControl,
-    HiCacheStorageState,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -52,10 +54,12 @@ from scheduler_proc.embedding import pooled_embedding
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.model.forward_worker import ForwardRunner, ForwardThread, InlineForward
 from scheduler_proc.model.runner import ModelRunner
+from scheduler_proc.model.weight_update import WeightStager
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd.role import PdRole, Unified
 from scheduler_proc.req import Req, StatsPending
-from scheduler_proc.retraction import take_victim
+from scheduler_proc.retraction import retract_until_fits
+from scheduler_proc.rollout import Rollout
 from scheduler_proc.sampling.grammar import GrammarCompiler, NoGrammars, StepMasks, TokenMasks
 from scheduler_proc.stop_checker import StopChecker
 
@@ -82,6 +86,7 @@ class Scheduler:
         max_queued_requests: int | None = None,
         grammar: GrammarCompiler | None = None,
         overlap_schedule: bool = False,
+        weight_version: str = "default",
     ) -> None:
         self.runner = runner
         # Where decode forwards run: their own thread (the overlap schedule), or inline.
@@ -99,6 +104,8 @@ class Scheduler:
         self._init_cache(hicache)
         self._init_queues()
         self._init_features(dllm, grammar)
+        # Pause, continue and new weights (scheduler_proc/rollout.py).
+        self.rollout = Rollout(WeightStager(runner.model), weight_version)
         self._init_counters()
 
     def _init_cache(self, hicache: HiCache | None) -> None:
@@ -185,6 +192,7 @@ class Scheduler:
             stats_pending=self.stats_pending,
             collect_time_stats=self.collect_time_stats,
         )
+        req.update_stats(weight_version=self.rollout.weight_version)
         if isinstance(msg, TokenizedGenerateReqInput):  # an embedding has no part in PD
             # Before any check: a refused prefill half still answers its decode server.
             self.pd.bind(req, msg.bootstrap_room, msg.bootstrap_endpoint)
@@ -231,7 +239,9 @@ class Scheduler:
 
     def flush_cache(self, msg: FlushCacheControl) -> FlushCacheResult:
         """Drops the prefix cache between two steps, when no request is live."""
-        return flush_cache(self.prefix_kv, len(self.live), self.num_waiting, self.num_running, msg)
+        # Paused, the waiting requests hold no KV: the cache may go (SGLang's rule too).
+        held = self.num_running if self.rollout.paused else len(self.live)
+        return flush_cache(self.prefix_kv, held, self.num_waiting, self.num_running, msg)
 
     def abort(self, msg: AbortReq) -> AbortResult | None:
         """Stops the requests ``msg`` names; the ``AbortResult`` when it asked for one."""
@@ -255,6 +265,8 @@ class Scheduler:
 
     def _busy(self) -> bool:
         """Work a step does now, grammars still compiling aside."""
+        if not self.rollout.runs_steps:  # paused: only the answers to aborts go out
+            return bool(self._rows_due)
         return bool(
             self.waiting or self.prefilling or self.running or self._rows_due or self.pd.has_work
         )
@@ -268,10 +280,13 @@ class Scheduler:
         """Stops the grammar compiler's and the forward's threads (after their work)."""
         self.grammars.close()
         self.forward.close()
+        self.rollout.close()
 
     def step(self) -> list[Frame]:
         rows, self._rows_due = self._rows_due, []
         self._take_compiled(rows)
+        if not self.rollout.runs_steps:
+            return self._emit(rows, None)
         prebuilt = self.pd.take_inputs(self, rows, time.time())
         chunks = self._schedule_chunks()
         # The decode forward runs beside the prefill's when its slots are free already: taking
@@ -325,7 +340,8 @@ class Scheduler:
         of requests that may run at once."""
         candidates, self.prefilling = self.prefilling, []
         room = self.max_running_requests - len(self.running) - len(candidates)
-        candidates.extend(islice(self.waiting, max(room, 0)))
+        if self.rollout.admits:
+            candidates.extend(islice(self.waiting, max(room, 0)))
         return candidates
 
     def _schedule_chunks(self) -> list[Chunk]:
@@ -339,7 +355,8 @@ class Scheduler:
         chunks: list[Chunk] = []
         for req in self._prefill_candidates():
             from_waiting = bool(self.waiting) and self.waiting[0] is req
-            match = from_waiting and not req.is_embedding
+            # No request reads the cache while some still decode on the old weights' KV.
+            match = from_waiting and not req.is_embedding and not self.rollout.stale
             got = None
             if budget > 0:
                 got = self.prefix_kv.admit(req, match=match, budget=budget, reserve=reserve)
@@ -393,7 +410,7 @@ class Scheduler:
         if not self.running:
             return None
         if not started:
-            self._retract_until_fits()
+            retract_until_fits(self)
         steady, generated = self.mode.step(rows)
         self.forward_steps += 1
         self.generated_tokens_total += generated
@@ -424,32 +441,6 @@ class Scheduler:
         self.generated_tokens_total += len(tokens)
         return prefill_pass.append_first_tokens(reqs, tokens, self.stop_checker, rows)
 
-    # --- retraction ----------------------------------------------------------------------
-
-    def _retract_until_fits(self) -> None:
-        """Frees KV until every running request can take its next step (``take_victim``:
-        whose)."""
-        now = time.time()
-        while not self.prefix_kv.fits(self.mode.demand()):
-            self._retract(take_victim(self.prefilling, self.running), now)
-
-    def _retract(self, req: Req, now: float) -> None:
-        self._release_kv(req)  # what it computed stays in the cache while the pool allows
-        req.hidden_sum = None  # an embedding request pools again from its re-prefill
-        req.mark_retracted(now)
-        self.num_retracted_total += 1
-        if self.pd.on_retract(req, now):
-            return  # a decode server fetches its KV again (and logs it)
-        self.waiting.appendleft(req)
-        # A warning: retraction means the pool is too small for the load, and tests and
-        # operators count these lines.
-        logger.warning(
-            "retracted req_id=%d rid=%s retraction_count=%d",
-            req.req_id,
-            req.rid,
-            req.retraction_count,
-        )
-
     def slots_for_joining(self, num_tokens: int, joining: int) -> torch.Tensor | None:
         """Slots for the KV of a prebuilt request joining after ``joining`` others this step:
         None while the batch is full or the pool cannot also give each its next token."""
@@ -470,14 +461,16 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
 
-    def _release_kv(self, req: Req) -> None:
+    def release_kv(self, req: Req) -> None:
         self.mode.drop_block(req)  # a dLLM block in progress is never cached: it restarts
-        # Nothing here ever matches the prefix of KV a prefill server built.
-        self.prefix_kv.release(req, cache=not req.kv_prebuilt)
+        # Nothing here ever matches the prefix of KV a prefill server built, nor KV of
+        # weights swapped out.
+        self.prefix_kv.release(req, cache=not req.kv_prebuilt and self.rollout.may_cache(req))
+        self.rollout.on_release(req, self.prefix_kv)
 
     def _release(self, req: Req) -> None:
         self.pd.on_release(req, time.time())  # a prefill server sends (or keeps) the KV first
-        self._release_kv(req)
+        self.release_kv(req)
         self.live.pop(req.req_id, None)
         if self.live_rids.get(req.rid) is req:  # a refused duplicate leaves the live one's rid
             self.live_rids.pop(req.rid)

@@ -92,6 +92,12 @@ class SchedulerStatsReporter:
             torch_threads=s.runner.threads.count,
             num_grammar_queue_reqs=len(s.grammars),
             decode_sum_seq_lens=_sum_seq_lens(s.running),
+            paused=s.rollout.paused,
+            weight_version=s.rollout.weight_version,
+            paused_seconds_total=s.rollout.paused_seconds_total(),
+            weight_updates_ok=s.rollout.counters.updates_ok,
+            weight_updates_failed=s.rollout.counters.updates_failed,
+            weight_update_seconds=s.rollout.counters.take_update_seconds(),
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total

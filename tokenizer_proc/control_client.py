@@ -1,5 +1,6 @@
-"""Control round trips from an API worker to the scheduler: HiCache storage, /flush_cache
-and aborting another API worker's request by rid. Each sends one message with a
+"""Control round trips from an API worker to the scheduler: HiCache storage, /flush_cache,
+aborting another API worker's request by rid, and the rollout controls (pause, continue,
+new weights). Each sends one message with a
 ``control_id`` and waits for the scheduler's answer of the same id, which comes between two
 scheduler steps through the same socket as the output frames (``handle_output`` hands it to
 ``answer``)."""
@@ -11,20 +12,24 @@ import itertools
 from collections.abc import Callable
 from typing import TypeVar
 
-from pipeline.io_struct import (
-    AbortReq,
+from pipeline.control_frames import (
     AbortResult,
+    ContinueControl,
     ControlAnswer,
     FlushCacheControl,
     FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
-    SchedulerInput,
+    PauseControl,
+    PauseMode,
+    RolloutState,
+    UpdateWeightsControl,
 )
+from pipeline.io_struct import AbortReq, SchedulerInput
 from pipeline.worker_ids import WORKER_SHIFT
 
 # The scheduler's answers to control messages are matched to their call by ``control_id``.
-_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult)
+_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult, RolloutState)
 
 
 class ControlClient:
@@ -72,8 +77,41 @@ class ControlClient:
             control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout
         )
 
+    async def pause(self, mode: PauseMode, timeout: float | None) -> RolloutState | None:
+        """Pauses generation (``PauseControl``); None when no answer came in ``timeout``
+        (None: as long as it takes, for a wait that drains the running requests)."""
+        control_id = next(self._next_control_id)
+        msg = PauseControl(control_id=control_id, mode=mode)
+        return await self._round_trip(control_id, msg, RolloutState, timeout)
+
+    async def resume(self, timeout: float = 30.0) -> RolloutState | None:
+        """Continues generation after a pause (``ContinueControl``)."""
+        control_id = next(self._next_control_id)
+        msg = ContinueControl(control_id=control_id)
+        return await self._round_trip(control_id, msg, RolloutState, timeout)
+
+    async def update_weights(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None,
+        abort_all_requests: bool,
+        flush_cache: bool,
+    ) -> RolloutState | None:
+        """Swaps in the weights of ``model_path`` (``UpdateWeightsControl``), waiting as long
+        as the read and the safe point take."""
+        control_id = next(self._next_control_id)
+        msg = UpdateWeightsControl(
+            control_id=control_id,
+            model_path=model_path,
+            weight_version=weight_version,
+            abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache,
+        )
+        return await self._round_trip(control_id, msg, RolloutState, None)
+
     async def _round_trip(
-        self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float
+        self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float | None
     ) -> _Answer | None:
         """Sends one control message and waits for the scheduler's answer of the same id."""
         future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()

@@ -189,3 +189,9 @@ class ReqState:
         if not chunks and self.finished:
             chunks.append(StreamChunk("", [], self.completion_tokens, self.request_stats))
         return chunks
+
+
+def weight_version_of(state: ReqState) -> str | None:
+    """The version of the weights that made the request's latest tokens, from its stats."""
+    stats = state.request_stats
+    return stats.weight_version if stats is not None else None

@@ -7,6 +7,7 @@ from prometheus_client import Gauge
 
 from pipeline.io_struct import SchedulerStatsReport
 from tokenizer_proc.metrics_compat import ABSENT, Absent, Bound, Naming, one_child
+from tokenizer_proc.rollout_metrics import RolloutMetrics
 from tokenizer_proc.tally_histogram import TallyHistogram
 
 # Tokens a slot of tokenpipe's KV pool holds: the pool gives out one slot per token (its
@@ -47,6 +48,7 @@ class SchedulerGauges:
         self._retracted_seen = 0
         self._peers = SchedulerPeerSeries(naming)
         self._cache_config = CacheConfigInfo(naming, kv_dtype)
+        self._rollout = RolloutMetrics(naming)
         self.last_report: SchedulerStatsReport | None = None
 
     def update(self, report: SchedulerStatsReport) -> None:
@@ -66,6 +68,7 @@ class SchedulerGauges:
             self._retracted_seen = report.num_retracted_requests_total
         self._peers.update(report, self.last_report)
         self._cache_config.update(report)
+        self._rollout.update(report)
         self.last_report = report
 
 

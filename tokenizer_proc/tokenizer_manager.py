@@ -14,6 +14,8 @@ is ``RequestChecks``' (``checks``); the control round trips are ``ControlClient`
 
 from __future__ import annotations
 
+from typing import get_args
+
 import itertools
 import logging
 import time
@@ -24,17 +26,18 @@ from pipeline.config import ServerConfig
 from pipeline.dispatch import TypeDispatcher, route
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
 from pipeline.peer_errors import duplicate_rid_message
+from pipeline.control_frames import (
+    ControlAnswer,
+    PauseMode,
+)
 from pipeline.io_struct import (
     AbortReq,
-    AbortResult,
     BatchEmbeddingOutput,
     BatchStrOutput,
     Constraint,
     FinishAbort,
     FinishLength,
     FinishReason,
-    FlushCacheResult,
-    HiCacheStorageState,
     LogprobParams,
     MediaItem,
     SamplingParams,
@@ -60,9 +63,6 @@ from tokenizer_proc.request_checks import RequestChecks
 from tokenizer_proc.tracers import request_tracer
 
 logger = logging.getLogger("tokenpipe.tokenizer_manager")
-
-# SGLang's name for weights never updated in place (/model_info, responses' ``metadata``).
-WEIGHT_VERSION = "default"
 
 
 class TokenizerManager:
@@ -141,9 +141,7 @@ class TokenizerManager:
                 route(BatchStrOutput, self._handle_str_output),
                 route(BatchEmbeddingOutput, self._handle_embedding_output),
                 route(SchedulerStatsReport, self._on_scheduler_report),
-                route(HiCacheStorageState, self.controls.answer),
-                route(FlushCacheResult, self.controls.answer),
-                route(AbortResult, self.controls.answer),
+                *(route(answer, self.controls.answer) for answer in get_args(ControlAnswer)),
             ]
         )
 
@@ -153,6 +151,19 @@ class TokenizerManager:
         process of the pipeline has started (a fresh scheduler reports at once, an idle one
         every ``IDLE_REPORT_INTERVAL`` seconds)."""
         return self.last_scheduler_report is not None
+
+    @property
+    def weight_version(self) -> str:
+        """The served weights' version, as the scheduler last reported it (every API worker
+        gets the reports; the scheduler sends one before it answers an update)."""
+        report = self.last_scheduler_report
+        return report.weight_version if report is not None else self.config.weight_version
+
+    @property
+    def paused(self) -> PauseMode | None:
+        """How generation is paused (None: it runs), as the scheduler last reported it."""
+        report = self.last_scheduler_report
+        return report.paused if report is not None else None
 
     # --- start and stop ------------------------------------------------------------------
 

@@ -107,6 +107,8 @@ def _stats_attributes(state: ReqState, stats: RequestOutputStats) -> SpanAttribu
     attrs["gen_ai.usage.input_tokens"] = stats.prompt_tokens
     attrs["gen_ai.usage.cache_read.input_tokens"] = stats.cached_tokens
     attrs["tokenpipe.num_retractions"] = stats.num_retractions
+    if stats.weight_version is not None:  # the weights that made its last tokens
+        attrs["tokenpipe.weight_version"] = stats.weight_version
     if stats.time_stats is not None:
         attrs["tokenpipe.queue_time"] = stats.time_stats.queue_time
     if state.constraint_kind is not None:

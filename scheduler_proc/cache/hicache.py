@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl, HiCacheStorageState
+from pipeline.control_frames import HiCacheStorageControl, HiCacheStorageState
+from pipeline.io_struct import CachedTokensDetails
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.kv_storage import (
     STORAGE_BACKENDS,

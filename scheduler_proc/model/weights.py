@@ -5,6 +5,7 @@ names), exactly once, failing on anything missing, unknown or misshapen."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -69,36 +70,43 @@ def checkpoint_dtype(config: ModelConfig, files: list[Path]) -> torch.dtype:
 def load_weights(model: nn.Module, files: list[Path]) -> None:
     """Copy every expected tensor exactly once (converted to the model's dtype); fail on
     anything missing, unknown or misshapen."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in checked_tensors(model, files):
+            params[name].copy_(tensor)
+
+
+def checked_tensors(model: nn.Module, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter's tensor of the checkpoint ``files``, read one at a time, as stored;
+    raises ValueError naming the tensor that is unknown, repeated or misshapen, or those
+    missing once all are read."""
     config: ModelConfig = model.config  # type: ignore[assignment]
     tied = config.tie_word_embeddings
     expected = dict(model.named_parameters())  # a tied lm_head is not listed separately
     loaded: dict[str, Path] = {}
-    with torch.no_grad():
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    # Old HF exports persist the rotary table; tied checkpoints may still
-                    # carry a head copy.
-                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                        continue
-                    param = expected.get(name)
-                    if param is None:
-                        raise ValueError(
-                            f"unexpected tensor {name!r} in {path}:"
-                            f" not a parameter of {config.architecture}"
-                        )
-                    if name in loaded:
-                        raise ValueError(
-                            f"tensor {name!r} appears in both {loaded[name]} and {path}"
-                        )
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"tensor {name!r} in {path} has shape {tuple(tensor.shape)},"
-                            f" expected {tuple(param.shape)} from config.json"
-                        )
-                    param.copy_(tensor)
-                    loaded[name] = path
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                # Old HF exports persist the rotary table; tied checkpoints may still
+                # carry a head copy.
+                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                param = expected.get(name)
+                if param is None:
+                    raise ValueError(
+                        f"unexpected tensor {name!r} in {path}:"
+                        f" not a parameter of {config.architecture}"
+                    )
+                if name in loaded:
+                    raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {path}")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"tensor {name!r} in {path} has shape {tuple(tensor.shape)},"
+                        f" expected {tuple(param.shape)} from config.json"
+                    )
+                loaded[name] = path
+                yield name, tensor
     missing = [name for name in expected if name not in loaded]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from pipeline.config import ServerConfig
-from pipeline.io_struct import CachedTokensDetails, HiCacheStorageControl
+from pipeline.control_frames import HiCacheStorageControl
+from pipeline.io_struct import CachedTokensDetails
 from scheduler_proc.cache.hicache import HiCache
 from scheduler_proc.cache.kv_storage import FileStorage
 from scheduler_proc.cache.kv_pool import KVPool

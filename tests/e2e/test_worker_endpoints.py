@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from pipeline.io_struct import FlushCacheControl, FlushCacheResult
+from pipeline.control_frames import FlushCacheControl, FlushCacheResult
 from pipeline.tokenizer_loader import DEFAULT_MODEL_NAME, DEFAULT_TOKENIZER_DIR
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.radix_cache import Dropped, RadixCache

@@ -17,7 +17,8 @@ from tokenpipe.cli import main
 
 # Every flag tokenpipe has ever taken, as deploy/, README, docs/ and the tests spell them.
 FLAGS = {
-    "--model-path", "--served-model-name", "--model-seed", "--device", "--dtype", "--torch-threads",
+    "--model-path", "--served-model-name", "--model-seed", "--weight-version", "--device",
+    "--dtype", "--torch-threads",
     "--mode", "--context-length", "--skip-tokenizer-init", "--max-total-tokens",
     "--max-running-requests", "--disable-overlap-schedule", "--decode-kv-rows",
     "--chunked-prefill-size", "--stream-interval",

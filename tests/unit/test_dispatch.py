@@ -13,7 +13,8 @@ import zmq
 from detokenizer_proc.main import Detokenizer
 from pipeline.config import ServerConfig
 from pipeline.dispatch import TypeDispatcher, route
-from pipeline.io_struct import AbortResult, DetokenizerInput, FlushCacheResult
+from pipeline.control_frames import AbortResult, FlushCacheResult
+from pipeline.io_struct import DetokenizerInput
 
 
 def test_each_message_reaches_the_handler_of_its_type() -> None:

@@ -41,6 +41,7 @@ from pipeline.io_struct import (
 from pipeline.columns import from_column, split_token_rows
 from pipeline.logprob_columns import read_token_logprobs
 from pipeline.tokenizer_loader import load_tokenizer
+from scheduler_proc.retraction import retract
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.sampling.grammar import CompileOutcome, Key, TokenMasks, choice_grammar
@@ -434,7 +435,7 @@ def test_pd_the_prefill_server_draws_the_first_token_under_the_mask_and_the_deco
         victim = next((r for r in batch.reqs if r.req_id == 0), None)
         if not retracted and victim is not None and batch.output_len()[batch.row_of(victim)] >= 8:
             batch.remove(victim)
-            decode._retract(victim, time.time())
+            retract(decode, victim, time.time())
             retracted.append(victim.req_id)
 
     rows: dict[int, list[Row]] = {}

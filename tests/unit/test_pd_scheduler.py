@@ -37,6 +37,7 @@ from pipeline.logprob_columns import (
     read_input_token_logprobs,
     read_token_logprobs,
 )
+from scheduler_proc.retraction import retract
 from scheduler_proc.main import attach_pd, build_scheduler
 from scheduler_proc.pd.decode import DecodeBootstrapper
 from scheduler_proc.pd.prefill import PrefillKVSender
@@ -251,7 +252,7 @@ def retract_once(decode: Scheduler, forced: list[int]) -> None:
     if not forced and len(batch) == len(PROMPTS) and batch.output_len().min() >= 5:
         victim = batch.reqs[int(batch.output_len().argmax())]
         batch.remove(victim)
-        decode._retract(victim, time.time())
+        retract(decode, victim, time.time())
         forced.append(victim.req_id)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 from pipeline.io_struct import Constraint, FinishStop, SamplingParams
+from scheduler_proc.retraction import retract
 from scheduler_proc.batch.running_batch import RunningBatch
 from tests.unit.test_grammar import (
     EOS,
@@ -109,7 +110,7 @@ def test_a_retraction_and_a_pd_hand_over_keep_the_gate_where_it_was(tmp_path: Pa
         victim = next((r for r in batch.reqs if r.matcher is not None), None)
         if not retracted and victim is not None:
             batch.remove(victim)
-            decode._retract(victim, time.time())
+            retract(decode, victim, time.time())
             retracted.append(victim.req_id)
 
     rows: dict[int, list[Row]] = {}

@@ -8,11 +8,11 @@ import msgspec
 import numpy as np
 
 from pipeline.config import ServerConfig
+from pipeline.control_frames import AbortResult
 from pipeline.io_struct import (
     EMBEDDING_DTYPE,
     REQ_ID_DTYPE,
     AbortReq,
-    AbortResult,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     FinishAbort,

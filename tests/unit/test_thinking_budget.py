@@ -27,6 +27,7 @@ from pipeline.io_struct import (
     SamplingParams,
     TokenizedGenerateReqInput,
 )
+from scheduler_proc.retraction import retract
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.sampling.sampler import ForcedTokens, SamplingColumns, sample
@@ -193,7 +194,7 @@ def retract_mid_end(retracted: list[int]) -> Hook:
             out_len = int(batch.output_len()[batch.row_of(req)])
             if k is not None and req.req_id not in retracted and out_len == k + 1:
                 batch.remove(req)
-                s._retract(req, time.time())
+                retract(s, req, time.time())
                 retracted.append(req.req_id)
 
     return hook

@@ -16,7 +16,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pipeline.io_struct import HiCacheStorageState
+from pipeline.control_frames import HiCacheStorageState
 from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.http.common import error_response
 from tokenizer_proc.tokenizer_manager import TokenizerManager

@@ -22,6 +22,7 @@ from tokenizer_proc.http.hot_routes import Endpoint, HotRoutes, post_endpoints
 from tokenizer_proc.http.peer_api import build_peer_router
 from tokenizer_proc.http.service_api import build_service_router
 from tokenizer_proc.http.worker_api import build_worker_router
+from tokenizer_proc.http.rollout_api import build_rollout_router
 from tokenizer_proc.native.routes import build_native_router
 from tokenizer_proc.openai.embeddings.routes import build_embeddings_router
 from tokenizer_proc.openai.responses.routes import build_responses_router
@@ -66,6 +67,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     tokenize_router = build_tokenize_router(tm)
     app.include_router(tokenize_router)
     app.include_router(build_worker_router(tm))
+    app.include_router(build_rollout_router(tm))
     app.include_router(responses_router)
     messages_router = build_messages_router(tm)
     app.include_router(messages_router)

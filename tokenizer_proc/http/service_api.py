@@ -38,7 +38,10 @@ def build_service_router(tm: TokenizerManager) -> APIRouter:
     async def health() -> Response:
         # 503 while starting (as SGLang's /health during start-up): a router or load balancer
         # sends nothing to a server whose scheduler has not come up, or never will.
-        return Response(status_code=200) if tm.ready else not_ready()
+        if not tm.ready:
+            return not_ready()
+        # Paused (an RL loop's pause between rollouts) is healthy: 200, and says so.
+        return Response(status_code=200) if tm.paused is None else paused_answer(tm)
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -55,8 +58,15 @@ def build_service_router(tm: TokenizerManager) -> APIRouter:
     return router
 
 
+def paused_answer(tm: TokenizerManager) -> Response:
+    return JSONResponse({"status": "paused", "mode": tm.paused})
+
+
 async def check_generate(tm: TokenizerManager) -> Response:
-    """``GET /health_generate``: 200 once a 1-token request came through, 503 otherwise."""
+    """``GET /health_generate``: 200 once a 1-token request came through, 503 otherwise;
+    while generation is paused, 200 at once saying so (a request would wait the pause)."""
+    if tm.ready and tm.paused is not None:
+        return paused_answer(tm)
     sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     # Token id 0 without a tokenizer, as SGLang's health check always sends.
     ping = tm.tokenizer.encode("ping")[:1] if tm.tokenizer is not None else []

@@ -18,7 +18,7 @@ from pipeline.tokenizer_loader import model_directory
 from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.http.common import error_response
 from tokenizer_proc.http.peer_api import package_version
-from tokenizer_proc.tokenizer_manager import WEIGHT_VERSION, TokenizerManager
+from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 # What tokenpipe's scheduler runs, whatever the checkpoint (scheduler_proc/model/llama.py): the
 # answer for a model directory without a config.json, and for the built-in model.
@@ -145,7 +145,7 @@ def model_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]:
         "tokenizer_path": model.path,
         "is_generation": tm.config.mode != "embedding",
         "preferred_sampling_params": model.preferred_sampling_params,
-        "weight_version": WEIGHT_VERSION,
+        "weight_version": tm.weight_version,
         "has_image_understanding": "image" in media,
         "has_audio_understanding": "audio" in media,
         "model_type": model.model_type,

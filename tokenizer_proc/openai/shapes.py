@@ -21,8 +21,7 @@ from tokenizer_proc.openai.logprobs import (
     echoed_completion_logprobs,
 )
 from tokenizer_proc.openai.vllm_extras import AnswerExtras, prompt_logprobs_entries
-from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk
-from tokenizer_proc.tokenizer_manager import WEIGHT_VERSION
+from tokenizer_proc.req_state import LogprobEntries, ReqState, StreamChunk, weight_version_of
 from tokenizer_proc.http.sse_events import Hole
 
 _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abort"}
@@ -30,17 +29,18 @@ _FINISH_REASONS = {FinishStop: "stop", FinishLength: "length", FinishAbort: "abo
 NO_EXTRAS = AnswerExtras()
 
 
-def response_keys() -> dict[str, Any]:
+def response_keys(states: list[ReqState]) -> dict[str, Any]:
     """The top-level keys every whole completions and chat response carries besides
     OpenAI's: vLLM's (null: no service tier, fingerprint, KV or encoder-cache transfer, or
-    per-request metrics here) and SGLang's ``metadata``."""
+    per-request metrics here) and SGLang's ``metadata``, whose weight version is that of
+    the weights that made the last choice's last tokens."""
     return {
         "service_tier": None,
         "system_fingerprint": None,
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "metrics": None,
-        "metadata": {"weight_version": WEIGHT_VERSION},
+        "metadata": {"weight_version": weight_version_of(states[-1])},
     }
 
 
@@ -92,7 +92,7 @@ class CompletionShape:
     def response_fields(
         states: list[ReqState], extras: AnswerExtras, texts: TokenText | None
     ) -> dict[str, Any]:
-        return response_keys()  # its prompt_logprobs are on its choices
+        return response_keys(states)  # its prompt_logprobs are on its choices
 
     @staticmethod
     def opening(index: int, role: str = "assistant") -> dict[str, Any] | None:
@@ -189,7 +189,7 @@ class ChatShape:
             "prompt_logprobs": prompt_logprobs_of(states[0], extras, texts),
             "prompt_token_ids": states[0].prompt_ids if extras.token_ids else None,
             "prompt_text": None,
-            **response_keys(),
+            **response_keys(states),
         }
 
     @staticmethod

@@ -33,6 +33,9 @@ def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict
         "cached_tokens": stats.cached_tokens,
         "cached_tokens_details": msgspec.to_builtins(details) if details is not None else None,
         "num_retractions": stats.num_retractions,
+        # SGLang's key: here the version of the weights that made the tokens so far (the
+        # scheduler's, through the stats), not the server's at the time of the answer.
+        "weight_version": stats.weight_version,
     }
     for kind, count in (
         ("image_tokens", stats.image_tokens),
