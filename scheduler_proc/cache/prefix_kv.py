@@ -92,10 +92,13 @@ class PrefixKV:
         """Gives up a request's KV: its computed tokens go into the prefix cache, which takes
         the slots (freeing duplicates of what it already held), then the prefix lock drops.
         An embedding request's KV is only freed (it never reads the cache), and so is the
-        KV of a ``cache=False`` release (a PD decode request: it never prefills here)."""
+        KV of a ``cache=False`` release (a PD decode request: it never prefills here; a
+        request on KV of weights swapped out)."""
         slots = req.kv_slots
         if slots is not None and slots.numel() and (req.is_embedding or not cache):
-            self.kv.free(slots)
+            # Its own slots only: those of the prefix it locked are the cache's.
+            owned = 0 if req.prefix_node is None else prefix_length(locked_node(req))
+            self.kv.free(slots[owned:])
         elif slots is not None and slots.numel():
             tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]
             self.cache.insert(tokens, slots)
@@ -124,3 +127,13 @@ def locked_node(req: Req) -> RadixNode:
     node = req.prefix_node
     assert isinstance(node, RadixNode), f"{req!r} holds no prefix lock"
     return node
+
+
+def prefix_length(node: RadixNode) -> int:
+    """The tokens from the root to the end of ``node``."""
+    length = 0
+    at: RadixNode | None = node
+    while at is not None:
+        length += len(at)
+        at = at.parent
+    return length
