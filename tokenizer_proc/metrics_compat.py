@@ -166,6 +166,7 @@ SGLANG = Family(
                 "num_grammar_queue_reqs",
                 "decode_sum_seq_lens",
                 "realtime_tokens",
+                "num_paused_reqs",
                 label_set="scheduler",
             ),
             "num_queue_reqs_without_grammar": Series(

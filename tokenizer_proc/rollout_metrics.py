@@ -1,13 +1,14 @@
-"""The rollout series on ``/metrics`` (tokenpipe's own names: neither peer exports these),
-set from the scheduler's reports like its gauges: whether generation is paused, the seconds
-it has been, and the weight updates by result with their durations."""
+"""The rollout series on ``/metrics``, set from the scheduler's reports like its gauges:
+whether generation is paused, the seconds it has been, and the weight updates by result with
+their durations (tokenpipe's names: neither peer exports these); under ``--metrics-compat
+sglang`` also SGLang's ``num_paused_reqs``."""
 
 from __future__ import annotations
 
 from prometheus_client import Histogram
 
 from pipeline.io_struct import SchedulerStatsReport
-from tokenizer_proc.metrics_compat import Naming
+from tokenizer_proc.metrics_compat import Naming, one_child
 
 # Seconds from an update's control to its swap: a small checkpoint reads in well under a
 # second on a CPU; a large one, or one that waits for running requests, in minutes.
@@ -32,6 +33,10 @@ class RolloutMetrics:
             WEIGHT_UPDATE_BUCKETS,
             Histogram,
         )()
+        # SGLang's: the requests held by a pause (its weight sync), 0 while running.
+        self._paused_reqs = one_child(
+            naming.peer_gauge("num_paused_reqs", "Requests held while generation is paused.")
+        )
         self._seen: SchedulerStatsReport | None = None  # the previous report
 
     def update(self, report: SchedulerStatsReport) -> None:
@@ -41,6 +46,7 @@ class RolloutMetrics:
         if seen is not None and seen.instance != report.instance:
             seen = None
         self.paused.set(1 if report.paused is not None else 0)
+        self._paused_reqs.set(report.live_reqs if report.paused is not None else 0)
         self._paused_seconds.inc(
             max(0.0, report.paused_seconds_total - (seen.paused_seconds_total if seen else 0.0))
         )
