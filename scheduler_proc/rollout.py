@@ -14,6 +14,7 @@ they are gone (docs/design/rollout.md)."""
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -182,6 +183,8 @@ class Rollout:
 
     def _swap(self, s: RolloutHost, update: PendingUpdate, staged: StagedWeights) -> RolloutState:
         swap_in(s.runner.model, staged)
+        # Never the same tag twice, in this process or another writing the same directory.
+        s.prefix_kv.hicache.new_weights(secrets.token_hex(8))
         msg = update.control
         if msg.flush_cache:
             # In place, the running requests keep their KV: it is the old weights'.

@@ -290,6 +290,12 @@ class HiCache:
             h.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
         return h.hexdigest(), start
 
+    def new_weights(self, tag: str) -> None:
+        """New weights are served: keys from now on hash ``tag`` in, so a stored segment of
+        the old weights (a key names its content, and a write of a known key is skipped)
+        is never read back as the new weights' KV."""
+        self.namespace = f"{self.namespace.split('|weights=')[0]}|weights={tag}"
+
     # --- bringing a prefix back ------------------------------------------------------------
 
     def match_below(self, node: RadixNode, token_ids: list[int], pos: int) -> list[RadixNode]:
@@ -450,6 +456,9 @@ class NoHiCache(DeviceOnly):
         return storage_state(msg.control_id, NoStorage(), StorageError(HICACHE_OFF))
 
     def bind(self, cache: RadixCache) -> None:
+        pass
+
+    def new_weights(self, tag: str) -> None:
         pass
 
     def match_below(self, node: RadixNode, token_ids: list[int], pos: int) -> list[RadixNode]:

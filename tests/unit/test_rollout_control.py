@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from pipeline.config import ServerConfig
@@ -117,3 +118,31 @@ def test_config_differences_name_each_field(change: dict[str, object], named: st
     other = dataclasses.replace(served, **change)  # type: ignore[arg-type]
     assert any(named in d for d in config_differences(served, other))
     assert config_differences(served, dataclasses.replace(served, dtype="bfloat16")) == []
+
+
+def test_hicache_storage_never_serves_the_old_weights_kv(tmp_path: Path) -> None:
+    """A prompt stored under A, then computed under B and stored again, comes back from
+    storage as B's KV: stored keys of the new weights differ from the old ones' (a key
+    names its content, and a write of a known key is skipped)."""
+    from tests.e2e.test_hicache import PROMPTS as LONG, SUFFIX, hicache_scheduler, serve_one
+
+    b_dir = tmp_path / "B"
+    b_config = ServerConfig(max_total_tokens=4096, chunked_prefill_size=64, torch_threads=1)
+    b = build_scheduler(msgspec.structs.replace(b_config, model_seed=1))
+    b.runner.model.save_pretrained(b_dir)
+    want, _ = serve_one(b, 1, LONG[0] + SUFFIX)
+    (tmp_path / "store").mkdir()
+    s = hicache_scheduler(host=128, storage=tmp_path / "store")
+    # One token each: what is cached is the prompt alone, the same segments under A and B.
+    for j in range(4):  # the host tier holds one prefix: the first goes on to storage
+        serve_one(s, j + 1, LONG[j], max_new=1)
+    msg = UpdateWeightsControl(control_id=7, model_path=str(b_dir))
+    assert s.rollout.update_weights(s, msg, time.time()) is None
+    while not s.rollout.advance(s):
+        time.sleep(0.01)
+    for j in range(4):  # computed under B, and down to storage again
+        _, stats = serve_one(s, 20 + j, LONG[j], max_new=1)
+        assert stats.cached_tokens == 0  # type: ignore[attr-defined]
+    tokens, stats = serve_one(s, 30, LONG[0] + SUFFIX)
+    assert stats.cached_tokens_details.storage == 100  # type: ignore[attr-defined]
+    assert tokens == want
