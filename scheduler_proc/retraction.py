@@ -48,6 +48,7 @@ def retract_all(s: RetractHost, now: float) -> None:
     """Retracts every running and mid-prefill request; they wait in the order they had."""
     victims = [*s.prefilling, *s.running]
     s.prefilling = []
+    s.pd.refetch()
     for req in reversed(victims):
         if req in s.running:
             s.running.remove(req)

@@ -183,6 +183,7 @@ class Rollout:
 
     def _swap(self, s: RolloutHost, update: PendingUpdate, staged: StagedWeights) -> RolloutState:
         swap_in(s.runner.model, staged)
+        s.pd.refetch()  # KV a prefill server made before this swap is made again
         # Never the same tag twice, in this process or another writing the same directory.
         s.prefix_kv.hicache.new_weights(secrets.token_hex(8))
         msg = update.control
@@ -217,7 +218,9 @@ class Rollout:
         return self.state(s, update.control.control_id, False, message)
 
     def _holds_kv(self, s: RolloutHost) -> bool:
-        return bool(s.num_running or s.pd.has_work)
+        """Whether a request holds KV in the pool (KV fetched for a PD decode request but
+        not installed yet is fetched again after a swap: ``PdRole.refetch``)."""
+        return bool(s.num_running)
 
     def _answer_waiters(self, s: RolloutHost, ids: list[int], message: str) -> list[RolloutState]:
         """Paused: answers ``ids`` and every wait-mode pause still waiting."""

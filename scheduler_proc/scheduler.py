@@ -287,7 +287,8 @@ class Scheduler:
         self._take_compiled(rows)
         if not self.rollout.runs_steps:
             return self._emit(rows, None)
-        prebuilt = self.pd.take_inputs(self, rows, time.time())
+        # Nothing new starts while a pause drains or an update waits for its safe point.
+        prebuilt = self.pd.take_inputs(self, rows, time.time()) if self.rollout.admits else []
         chunks = self._schedule_chunks()
         # The decode forward runs beside the prefill's when its slots are free already: taking
         # them first then evicts nothing and retracts no one, as the sequential order would.

@@ -89,6 +89,9 @@ class DecodeBootstrapper:
         self.timeout = timeout
         # (endpoint, room) -> request waiting for its KV
         self._pending: dict[tuple[str, int], Req] = {}
+        # Requests whose fetch starts at the next step (steps run: not paused), so that a
+        # paused server asks for no KV that weights about to be swapped out would make.
+        self._to_fetch: deque[Req] = deque()
         self.ready: deque[Req] = deque()  # KV arrived, waiting for pool slots
         self._stray = RateLimitedWarning(logger)
         self._failed: list[Req] = []  # failed in start(), reported by the next poll()
@@ -102,13 +105,15 @@ class DecodeBootstrapper:
     def on_admit(self, req: Req, now: float) -> bool:
         if not req.kv_prebuilt:
             return False
-        self.start(req, now)
+        self._to_fetch.append(req)
         return True
 
     def take_inputs(self, host: PdHost, rows: list[Req], now: float) -> list[Req]:
         """Takes arrived KV and installs it while the pool allows (in arrival order);
         returns the requests that join the running batch after this step's decode.
         Failed bootstraps become rows."""
+        while self._to_fetch:
+            self.start(self._to_fetch.popleft(), now)
         rows.extend(self.poll(now))
         joined: list[Req] = []
         while self.ready:
@@ -137,7 +142,7 @@ class DecodeBootstrapper:
         prefix cache, and reports its new cached tokens."""
         if not req.kv_prebuilt:
             return False
-        self.start(req, now)
+        self._to_fetch.append(req)
         # A warning: retraction means the pool is too small for the load, and tests and
         # operators count these lines.
         logger.warning(
@@ -151,6 +156,16 @@ class DecodeBootstrapper:
 
     def on_release(self, req: Req, now: float) -> None:
         pass  # the KV came from the prefill server: nothing goes back
+
+    def refetch(self) -> None:
+        """Fetches again, once steps run, what is being fetched or arrived uninstalled (a
+        new attempt: a transfer of the old one arriving later is dropped)."""
+        waiting = [*self._pending.values(), *self.ready]
+        self._pending.clear()
+        self.ready.clear()
+        for req in waiting:
+            bootstrap_of(req).prebuilt = None
+        self._to_fetch.extend(waiting)
 
     # --- fetching KV ---------------------------------------------------------------------
 
@@ -364,12 +379,15 @@ class DecodeBootstrapper:
             pd.prebuilt = None
         if req in self.ready:
             self.ready.remove(req)
+        if req in self._to_fetch:
+            self._to_fetch.remove(req)
 
     @property
     def has_work(self) -> bool:
-        """Something the next step must handle: KV to install, or a failure to report."""
-        return bool(self.ready or self._failed)
+        """Something the next step must handle: a fetch to start, KV to install, or a
+        failure to report."""
+        return bool(self._to_fetch or self.ready or self._failed)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._pending) + len(self.ready)
+        return len(self._to_fetch) + len(self._pending) + len(self.ready)

@@ -164,6 +164,9 @@ class PrefillKVSender:
     def on_abort(self, req: Req) -> None:
         pass  # its release answers the decode server
 
+    def refetch(self) -> None:
+        pass  # its KV jobs were retracted like any request: recomputed after the continue
+
     @property
     def has_work(self) -> bool:
         return False  # fetches wake the scheduler's poller and are taken at each step

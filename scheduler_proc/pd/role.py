@@ -63,6 +63,11 @@ class PdRole(Protocol):
     def on_release(self, req: Req, now: float) -> None:
         """Called just before req's KV is released."""
 
+    def refetch(self) -> None:
+        """A pause retracted every request: KV fetched from elsewhere and not installed yet
+        (made by weights that may be swapped out before the continue) is fetched again once
+        steps run."""
+
     @property
     def has_work(self) -> bool:
         """Something the next step must handle even with no request queued or running."""
@@ -94,6 +99,9 @@ class Unified:
         pass
 
     def on_release(self, req: Req, now: float) -> None:
+        pass
+
+    def refetch(self) -> None:
         pass
 
     @property

@@ -5,7 +5,8 @@ several API workers"), on two tiny Llama checkpoints A and B written by transfor
   what every worker answers (/is_paused, /health, /get_weight_version, /model_info), and a
   greedy request through either worker then answers transformers' tokens of B, tagged with
   the new version;
-- PD through sglang-router: both servers paused (retract) with a long stream in flight,
+- PD through sglang-router: both servers paused (retract; the decode server first) with a
+  long stream in flight,
   updated to B and continued; the stream ends with A's greedy tokens up to the pause and B's
   after it, and a fresh request through the pair answers B's tokens, tagged "step-1".
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -302,12 +304,13 @@ def test_pd_pair_paused_updated_and_continued_mid_stream_serves_the_new_weights(
     stream.start()
     assert stream.started.wait(120) and stream.error is None, stream.error
 
-    # The prefill server first: the decode server's retraction fetches the request's KV
-    # again at once, and a paused prefill server computes it only once it continues, with
-    # the new weights.
-    control(prefill, "/pause_generation", {"mode": "retract"})
+    # The decode server first, while the prefill server still runs A: a paused decode server
+    # asks for the retracted request's KV only once it runs again, so the prefill server
+    # (given time to answer a fetch sent at once) computes it with B after all.
     held = control(decode, "/pause_generation", {"mode": "retract"})
     assert held["num_paused_requests"] == 1, "the stream ended before the pause"
+    time.sleep(0.5)
+    control(prefill, "/pause_generation", {"mode": "retract"})
     for srv in (prefill, decode):
         assert httpx.get(srv.url + "/is_paused").json() == {"is_paused": True}
         update = {"model_path": str(checkpoints.b), "weight_version": VERSION}
