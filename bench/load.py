@@ -32,6 +32,7 @@ import uvloop
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.json_output import emit_json
 from bench.launch import INCREMENTAL_STREAMS, LaunchedServer, raise_open_files_limit  # noqa: E402
 
 DEFAULT_CLIENTS = 1000
@@ -437,12 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         summary = uvloop.run(run_load(args.url, **kwargs))
     print(format_table(summary))
-    if args.json:
-        text = json.dumps(to_json(summary), indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    emit_json(args.json, to_json(summary))
     return 0 if summary["errors"] == 0 and summary["tokens_lost"] == 0 else 1
 
 

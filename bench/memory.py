@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import shutil
 import subprocess
@@ -32,6 +31,7 @@ import uvloop
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.json_output import emit_json
 from bench import load  # noqa: E402
 from bench.launch import INCREMENTAL_STREAMS, LaunchedServer, child_roles  # noqa: E402
 
@@ -397,12 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with LaunchedServer([INCREMENTAL_STREAMS, *shlex.split(args.server_args)]) as server:
             result = uvloop.run(measure(server.url, server.children(), **kwargs))
     print(format_table(result))
-    if args.json:
-        text = json.dumps(result, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    emit_json(args.json, result)
     return 0 if result["errors"] == 0 and result["no_state_left"] and result["growth_ok"] else 1
 
 

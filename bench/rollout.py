@@ -35,6 +35,7 @@ import uvloop
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.json_output import emit_json
 from bench import load  # noqa: E402
 from bench.family_checkpoints import Shape, write  # noqa: E402
 from bench.launch import INCREMENTAL_STREAMS, LaunchedServer  # noqa: E402
@@ -469,12 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, sizes, args = parse_args(argv)
     result = run(cfg, sizes, args.workdir)
     print(format_report(result))
-    if args.json:
-        text = json.dumps(result, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+    emit_json(args.json, result)
     return 0 if result["ok"] else 1
 
 
