@@ -227,3 +227,37 @@ def test_a_peer_family_works_in_multiprocess_mode(tmp_path: Path) -> None:
     assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 1.0' in out
     assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0' in out
     assert 'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 4.0' in out
+
+
+def test_the_rollout_series_follow_the_reports_and_sglang_counts_paused_requests() -> None:
+    """tokenpipe's rollout series under any family, and SGLang's num_paused_reqs: the live
+    requests while paused, 0 while running (tokenizer_proc/rollout_metrics.py)."""
+    import msgspec
+
+    metrics = ServiceMetrics("m", compat="sglang")
+    paused = msgspec.structs.replace(
+        report(instance=1, steps=4, tokens=40),
+        paused="retract",
+        paused_seconds_total=1.5,
+        weight_updates_ok=2,
+        weight_updates_failed=1,
+        weight_update_seconds=(0.2, 0.3, 0.05),
+    )
+    metrics.scheduler.update(paused)
+    assert value(metrics, "sglang:num_paused_reqs", SGLANG_SCHEDULER_LABELS) == 5
+    assert value(metrics, "tokenpipe:generation_paused", OWN_LABELS) == 1
+    assert value(metrics, "tokenpipe:paused_seconds_total", OWN_LABELS) == 1.5
+    assert value(metrics, "tokenpipe:weight_updates_total", OWN_LABELS, result="ok") == 2
+    assert value(metrics, "tokenpipe:weight_updates_total", OWN_LABELS, result="failed") == 1
+    histogram = "tokenpipe:weight_update_duration_seconds"
+    assert value(metrics, histogram + "_count", OWN_LABELS) == 3
+    assert value(metrics, histogram + "_bucket", OWN_LABELS, le="0.1") == 1
+    running = msgspec.structs.replace(
+        paused, paused=None, paused_seconds_total=2.0, weight_update_seconds=()
+    )
+    metrics.scheduler.update(running)
+    assert value(metrics, "sglang:num_paused_reqs", SGLANG_SCHEDULER_LABELS) == 0
+    assert value(metrics, "tokenpipe:generation_paused", OWN_LABELS) == 0
+    assert value(metrics, "tokenpipe:paused_seconds_total", OWN_LABELS) == 2.0
+    assert value(metrics, "tokenpipe:weight_updates_total", OWN_LABELS, result="ok") == 2
+    assert value(metrics, histogram + "_count", OWN_LABELS) == 3
