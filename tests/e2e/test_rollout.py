@@ -373,6 +373,21 @@ def test_vllm_spellings(servers: Servers) -> None:
     asyncio.run(run())
 
 
+def test_sglang_control_bodies_as_its_clients_send_them(servers: Servers) -> None:
+    """SGLang's control bodies: its BaseReq ``rid`` and continue's ``torch_empty_cache`` are
+    taken; an unknown mode or field is a 400 naming it, and changes nothing."""
+    main = servers.main
+    paused = control(main, "/pause_generation", {"mode": "in_place", "rid": "ctl-1"})
+    assert paused.status_code == 200 and paused.json()["status"] == "ok"
+    resumed = control(main, "/continue_generation", {"torch_empty_cache": False, "rid": ["c"]})
+    assert resumed.status_code == 200
+    for body, named in (({"mode": "sleep"}, "mode"), ({"mode": "abort", "bogus": 1}, "bogus")):
+        refused = control(main, "/pause_generation", body)
+        assert refused.status_code == 400 and named in refused.text, refused.text
+    with main.client() as client:
+        assert client.get("/is_paused").json() == {"is_paused": False}
+
+
 def test_update_while_running_waits_for_the_running_requests_or_aborts_them(
     servers: Servers,
 ) -> None:

@@ -31,12 +31,19 @@ CONTROL_TIMEOUT = 30.0
 _VLLM_MODES: dict[str, PauseMode] = {"abort": "abort", "wait": "wait", "keep": "in_place"}
 
 
+# SGLang's control bodies carry its ``BaseReq`` fields: ``rid`` names the control message
+# itself, not a request it acts on, so it is accepted and has no effect here.
+ControlRid = str | list[str] | None
+
+
 class PauseGenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+    rid: ControlRid = None
 
 
 class ContinueGenerationBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+    torch_empty_cache: bool = True  # frees CUDA's cached blocks in SGLang: nothing here
+    rid: ControlRid = None
 
 
 class UpdateWeightsFromDiskBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -55,6 +62,7 @@ class UpdateWeightsFromDiskBody(msgspec.Struct, forbid_unknown_fields=True, kw_o
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: int = 0
+    rid: ControlRid = None
 
 
 def build_rollout_router(tm: TokenizerManager) -> APIRouter:
