@@ -6,9 +6,10 @@ several API workers"), on two tiny Llama checkpoints A and B written by transfor
   greedy request through either worker then answers transformers' tokens of B, tagged with
   the new version;
 - PD through sglang-router: both servers paused (retract; the decode server first) with a
-  long stream in flight,
-  updated to B and continued; the stream ends with A's greedy tokens up to the pause and B's
-  after it, and a fresh request through the pair answers B's tokens, tagged "step-1".
+  long stream in flight, held longer than a KV fetch may take, updated to B and continued;
+  the stream ends with A's greedy tokens up to the pause and B's after it, and a fresh
+  request through the pair answers B's tokens, tagged "step-1"; and paused that long without
+  an update, the decode server continued first, a stream ends whole.
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ def test_pause_update_and_continue_through_one_worker_reach_every_worker(
 # --- PD: a prefill server and a decode server behind sglang-router ------------------------
 
 
+FETCH_TIMEOUT = 6  # seconds: --disaggregation-bootstrap-timeout of the decode server
+
+
 @dataclass(frozen=True)
 class PdPair:
     prefill: ServerProcess
@@ -244,7 +248,10 @@ def pd_pair(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) 
         [*model, "--disaggregation-mode", "prefill"]
         + ["--disaggregation-bootstrap-port", str(bootstrap_port)],
     )
-    decode = ServerProcess(base / "decode", [*model, "--disaggregation-mode", "decode"])
+    # A fetch's deadline shorter than the test's pause: a fetch that began at the retraction,
+    # not at the continue, would time out (504) while paused.
+    timeout = ["--disaggregation-bootstrap-timeout", str(FETCH_TIMEOUT)]
+    decode = ServerProcess(base / "decode", [*model, "--disaggregation-mode", "decode", *timeout])
     router: SglangRouter | None = None
     try:
         prefill.wait_ready()
@@ -316,6 +323,7 @@ def test_pd_pair_paused_updated_and_continued_mid_stream_serves_the_new_weights(
         update = {"model_path": str(checkpoints.b), "weight_version": VERSION}
         assert control(srv, "/update_weights_from_disk", update)["success"] is True
         assert httpx.get(srv.url + "/get_weight_version").json() == {"weight_version": VERSION}
+    time.sleep(FETCH_TIMEOUT + 1)  # paused longer than a KV fetch may take
     control(prefill, "/continue_generation", {})
     control(decode, "/continue_generation", {})
 
@@ -356,3 +364,26 @@ def assert_stream_switched_weights(events: list[dict[str, Any]], ckpt: Checkpoin
     ]
     assert fits, (lo, hi, a_misses[:5], b_misses[:5])
     print(f"\nPD stream: A's tokens up to {fits[0]}, then B's, of {LONG_TOKENS}")
+
+
+def test_pd_pair_paused_longer_than_a_kv_fetch_may_take_loses_nothing(pd_pair: PdPair) -> None:
+    """Both servers paused (retract) with a stream in flight, the prefill server first, for
+    longer than the decode server's fetch timeout, no update, and the decode server continued
+    first: it asks for the retracted request's KV only once it runs again (a fetch begun at
+    the retraction would have timed out with a 504 at its first step), the prefill server
+    answers once it continues, and the stream ends whole."""
+    prefill, decode, router = pd_pair.prefill, pd_pair.decode, pd_pair.router
+    stream = StreamReader(router.url, greedy_body(LONG_TOKENS, stream=True))
+    stream.start()
+    assert stream.started.wait(120) and stream.error is None, stream.error
+    control(prefill, "/pause_generation", {"mode": "retract"})
+    held = control(decode, "/pause_generation", {"mode": "retract"})
+    assert held["num_paused_requests"] == 1, "the stream ended before the pause"
+    time.sleep(FETCH_TIMEOUT + 1)
+    control(decode, "/continue_generation", {})
+    control(prefill, "/continue_generation", {})
+    stream.join(timeout=300)
+    assert not stream.is_alive() and stream.error is None, stream.error
+    last = stream.events[-1]["meta_info"]
+    assert last["finish_reason"]["type"] == "length", last["finish_reason"]
+    assert last["num_retractions"] == 1
