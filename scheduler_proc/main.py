@@ -15,9 +15,10 @@ import zmq
 
 from pipeline.config import ServerConfig
 from pipeline.dispatch import TypeDispatcher, route
-from pipeline.control_frames import FlushCacheControl, HiCacheStorageControl
 from pipeline.control_frames import (
     ContinueControl,
+    FlushCacheControl,
+    HiCacheStorageControl,
     PauseControl,
     RolloutState,
     UpdateWeightsControl,
@@ -238,7 +239,7 @@ class SchedulerLoop:
         self.send_rollout(self.scheduler.rollout.resume(self.scheduler, msg))
 
     def on_update_weights(self, msg: UpdateWeightsControl) -> None:
-        answer = self.scheduler.rollout.update_weights(self.scheduler, msg, time.time())
+        answer = self.scheduler.rollout.update_weights(self.scheduler, msg)
         self.send_rollout([answer] if answer is not None else [])
 
     def send_rollout(self, answers: list[RolloutState]) -> None:

@@ -146,9 +146,7 @@ class Rollout:
             self.paused = None
         return [*answers, self.state(s, msg.control_id, True, "Generation continued.")]
 
-    def update_weights(
-        self, s: RolloutHost, msg: UpdateWeightsControl, now: float
-    ) -> RolloutState | None:
+    def update_weights(self, s: RolloutHost, msg: UpdateWeightsControl) -> RolloutState | None:
         """Starts reading the checkpoint (answered at the swap), or refuses a second update
         while one is under way."""
         if self._update is not None:

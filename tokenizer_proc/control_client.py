@@ -51,10 +51,8 @@ class ControlClient:
     async def abort_elsewhere(self, rid: str, reason: str, timeout: float) -> bool:
         """Asks the scheduler to stop request ``rid`` of another API worker (--api-workers);
         whether it stopped one. Its finished row goes to its own worker."""
-        control_id = next(self._next_control_id)
         answer = await self._round_trip(
-            control_id,
-            AbortReq(rid=rid, reason=reason, control_id=control_id),
+            lambda control_id: AbortReq(rid=rid, reason=reason, control_id=control_id),
             AbortResult,
             timeout,
         )
@@ -65,30 +63,31 @@ class ControlClient:
     ) -> HiCacheStorageState | None:
         """Asks the scheduler to attach or detach HiCache storage and waits for its answer
         (it comes between two scheduler steps); None when none came within ``timeout``."""
-        control_id = next(self._next_control_id)
-        msg = HiCacheStorageControl(control_id=control_id, attach=attach, backend=backend, dir=dir)
-        return await self._round_trip(control_id, msg, HiCacheStorageState, timeout)
+        return await self._round_trip(
+            lambda control_id: HiCacheStorageControl(
+                control_id=control_id, attach=attach, backend=backend, dir=dir
+            ),
+            HiCacheStorageState,
+            timeout,
+        )
 
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheResult | None:
         """Asks the scheduler to drop its prefix cache and waits for its answer; None when
         none came within ``timeout``."""
-        control_id = next(self._next_control_id)
-        return await self._round_trip(
-            control_id, FlushCacheControl(control_id=control_id), FlushCacheResult, timeout
-        )
+        return await self._round_trip(FlushCacheControl, FlushCacheResult, timeout)
 
     async def pause(self, mode: PauseMode, timeout: float | None) -> RolloutState | None:
         """Pauses generation (``PauseControl``); None when no answer came in ``timeout``
         (None: as long as it takes, for a wait that drains the running requests)."""
-        control_id = next(self._next_control_id)
-        msg = PauseControl(control_id=control_id, mode=mode)
-        return await self._round_trip(control_id, msg, RolloutState, timeout)
+        return await self._round_trip(
+            lambda control_id: PauseControl(control_id=control_id, mode=mode),
+            RolloutState,
+            timeout,
+        )
 
     async def resume(self, timeout: float = 30.0) -> RolloutState | None:
         """Continues generation after a pause (``ContinueControl``)."""
-        control_id = next(self._next_control_id)
-        msg = ContinueControl(control_id=control_id)
-        return await self._round_trip(control_id, msg, RolloutState, timeout)
+        return await self._round_trip(ContinueControl, RolloutState, timeout)
 
     async def update_weights(
         self,
@@ -100,24 +99,31 @@ class ControlClient:
     ) -> RolloutState | None:
         """Swaps in the weights of ``model_path`` (``UpdateWeightsControl``), waiting as long
         as the read and the safe point take."""
-        control_id = next(self._next_control_id)
-        msg = UpdateWeightsControl(
-            control_id=control_id,
-            model_path=model_path,
-            weight_version=weight_version,
-            abort_all_requests=abort_all_requests,
-            flush_cache=flush_cache,
+        return await self._round_trip(
+            lambda control_id: UpdateWeightsControl(
+                control_id=control_id,
+                model_path=model_path,
+                weight_version=weight_version,
+                abort_all_requests=abort_all_requests,
+                flush_cache=flush_cache,
+            ),
+            RolloutState,
+            None,
         )
-        return await self._round_trip(control_id, msg, RolloutState, None)
 
     async def _round_trip(
-        self, control_id: int, msg: SchedulerInput, answer: type[_Answer], timeout: float | None
+        self,
+        message: Callable[[int], SchedulerInput],
+        answer: type[_Answer],
+        timeout: float | None,
     ) -> _Answer | None:
-        """Sends one control message and waits for the scheduler's answer of the same id."""
+        """Sends one control message, ``message`` of a new control_id, and waits for the
+        scheduler's answer of the same id (None: none within ``timeout``)."""
+        control_id = next(self._next_control_id)
         future: asyncio.Future[ControlAnswer] = asyncio.get_running_loop().create_future()
         self._controls[control_id] = future
         try:
-            self._send(msg)
+            self._send(message(control_id))
             got = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             return None

@@ -124,7 +124,8 @@ class HiCache:
         self.kv = kv
         self.host = KVPool(layers, host_tokens, heads, dim, kv.k.dtype, "cpu", pin_memory=pin)
         self.storage: FileStorage | NoStorage = NoStorage()
-        self.namespace = namespace
+        self.model_namespace = namespace  # the model's identity
+        self.namespace = namespace  # what keys hash: the model's identity, then its weights'
         self.cache: RadixCache | None = None
         self._host_nodes: set[RadixNode] = set()
         self._seq = itertools.count()
@@ -294,7 +295,7 @@ class HiCache:
         """New weights are served: keys from now on hash ``tag`` in, so a stored segment of
         the old weights (a key names its content, and a write of a known key is skipped)
         is never read back as the new weights' KV."""
-        self.namespace = f"{self.namespace.split('|weights=')[0]}|weights={tag}"
+        self.namespace = f"{self.model_namespace}|weights={tag}"
 
     # --- bringing a prefix back ------------------------------------------------------------
 

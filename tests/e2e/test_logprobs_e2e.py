@@ -443,6 +443,24 @@ def rank_band(row: torch.Tensor, token: int, tol: float = 1e-4) -> tuple[int, in
     return int((row > own + tol).sum()) + 1, int((row >= own - tol).sum())
 
 
+def completion_and_chat(
+    server: ServerProcess, text: str, asked: dict[str, Any]
+) -> list[tuple[dict[str, Any] | None, str]]:
+    """One token of ``text`` as a completion prompt and as a chat user message, with vLLM's
+    extra fields ``asked``: each answer's extra fields (choice for a completion, response
+    for chat) and which it is."""
+    with server.openai_client() as client:
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=text, max_tokens=1, extra_body=asked)
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=1,
+            extra_body=asked,
+        )  # type: ignore[list-item]
+    return [(out.choices[0].model_extra, "completion"), (chat.model_extra, "chat")]
+
+
 def test_openai_prompt_logprobs_equal_transformers(  # type: ignore[no-untyped-def]
     server: ServerProcess, hf_model
 ) -> None:
@@ -451,17 +469,7 @@ def test_openai_prompt_logprobs_equal_transformers(  # type: ignore[no-untyped-d
     log-softmax of the logits before it (within 1e-4), ranked 1..TOP; the prompt token's rank
     is its place among them, and outside them its rank in transformers' distribution."""
     asked = {"prompt_logprobs": TOP, "return_token_ids": True}
-    with server.openai_client() as client:
-        model = client.models.list().data[0].id
-        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body=asked)
-        chat = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": PROMPT}],
-            max_tokens=1,
-            extra_body=asked,
-        )  # type: ignore[list-item]
-    answers = [(out.choices[0].model_extra, "completion"), (chat.model_extra, "chat")]
-    for fields, where in answers:
+    for fields, where in completion_and_chat(server, PROMPT, asked):
         assert fields is not None
         entries, prompt_ids = fields["prompt_logprobs"], fields["prompt_token_ids"]
         ref = prompt_reference(hf_model, prompt_ids)
@@ -492,16 +500,7 @@ def test_prompt_logprob_ranks_equal_transformers(  # type: ignore[no-untyped-def
     the scheduler's rank column alone), through completions and chat."""
     asked = {"prompt_logprobs": 0, "return_token_ids": True}
     text = PROMPT + " the lazy dog. A stitch in time saves nine; all that glitters is not gold."
-    with server.openai_client() as client:
-        model = client.models.list().data[0].id
-        out = client.completions.create(model=model, prompt=text, max_tokens=1, extra_body=asked)
-        chat = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": text}],
-            max_tokens=1,
-            extra_body=asked,
-        )  # type: ignore[list-item]
-    for fields, where in ((out.choices[0].model_extra, "completion"), (chat.model_extra, "chat")):
+    for fields, where in completion_and_chat(server, text, asked):
         assert fields is not None
         entries, prompt_ids = fields["prompt_logprobs"], fields["prompt_token_ids"]
         ref = prompt_reference(hf_model, prompt_ids)

@@ -96,8 +96,8 @@ def test_an_update_waits_for_a_safe_point_and_a_second_is_refused(tmp_path: Path
     submit(s, 1, PROMPT[:20], max_new=20)
     s.step()
     msg = UpdateWeightsControl(control_id=5, model_path=str(tmp_path / "same"), weight_version="v2")
-    assert s.rollout.update_weights(s, msg, time.time()) is None
-    second = s.rollout.update_weights(s, msg, time.time())
+    assert s.rollout.update_weights(s, msg) is None
+    second = s.rollout.update_weights(s, msg)
     assert second is not None and not second.ok and "in progress" in second.message
     (answer,) = step_until_answered(s)
     assert answer.ok and answer.weight_version == "v2"
@@ -137,7 +137,7 @@ def test_hicache_storage_never_serves_the_old_weights_kv(tmp_path: Path) -> None
     for j in range(4):  # the host tier holds one prefix: the first goes on to storage
         serve_one(s, j + 1, LONG[j], max_new=1)
     msg = UpdateWeightsControl(control_id=7, model_path=str(b_dir))
-    assert s.rollout.update_weights(s, msg, time.time()) is None
+    assert s.rollout.update_weights(s, msg) is None
     while not s.rollout.advance(s):
         time.sleep(0.01)
     for j in range(4):  # computed under B, and down to storage again

@@ -75,7 +75,11 @@ def build_rollout_router(tm: TokenizerManager) -> APIRouter:
         if state is None or not state.ok:
             return _no_answer(state)
         return JSONResponse(
-            {"message": "Generation paused successfully.", "status": "ok", **_counts(state)}
+            {
+                "message": "Generation paused successfully.",
+                "status": "ok",
+                "num_paused_requests": state.num_paused_requests,
+            }
         )
 
     @router.post("/continue_generation")
@@ -130,7 +134,11 @@ def build_rollout_router(tm: TokenizerManager) -> APIRouter:
         )
         if state is None:
             return _no_answer(state)
-        content = {"success": state.ok, "message": state.message, **_counts(state)}
+        content = {
+            "success": state.ok,
+            "message": state.message,
+            "num_paused_requests": state.num_paused_requests,
+        }
         return JSONResponse(content, status_code=200 if state.ok else 400)
 
     return router
@@ -142,10 +150,6 @@ async def _body(request: Request, body_type: type[msgspec.Struct]) -> Any:
     if not raw.strip():
         raw = b"{}"
     return decode_body(raw, body_type)
-
-
-def _counts(state: RolloutState) -> dict[str, Any]:
-    return {"num_paused_requests": state.num_paused_requests}
 
 
 def _no_answer(state: RolloutState | None) -> Response:
