@@ -8,15 +8,12 @@ processes can never disagree about a setting.
 
 from __future__ import annotations
 
-import argparse
 import os
-from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
 
-from pipeline.flags import Flag, NoFlag, add_flags, from_args
-from pipeline.worker_ids import MAX_API_WORKERS
+from pipeline.flags import Flag, NoFlag
 
 Mode = Literal["generate", "embedding", "dllm"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
@@ -28,6 +25,7 @@ ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 MetricsCompat = Literal["tokenpipe", "sglang", "vllm"]
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Switch = Literal["auto", "on", "off"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 # The supervisor hands its children the whole config as JSON in this variable.
 CONFIG_ENV = "TOKENPIPE_CONFIG_JSON"
@@ -40,7 +38,8 @@ def _absolute_or_none(text: str) -> str | None:
 
 class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Each field is declared once, with its command-line flag beside it (``pipeline.flags``):
-    ``add_server_args`` and ``config_from_args`` are generated from these declarations."""
+    ``pipeline.server_args`` generates the flags from these declarations and checks the
+    values."""
 
     # Model
     model_path: Annotated[str | None, Flag("model", "local Hugging Face-style model directory")] = (
@@ -156,6 +155,39 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = False
 
+    # Tenancy and routing signals (docs/design/tenancy.md)
+    scheduling_policy: Annotated[
+        SchedulingPolicy,
+        Flag(
+            "scheduler",
+            "fcfs, or priority: waiting requests start by their priority (lower first, as "
+            "vLLM's), and one that cannot start preempts the lowest running request",
+        ),
+    ] = "fcfs"
+    enable_priority_scheduling: Annotated[
+        bool,
+        Flag("scheduler", "SGLang's spelling of priority scheduling (higher values first)"),
+    ] = False
+    schedule_low_priority_values_first: Annotated[
+        bool,
+        Flag("scheduler", "with --enable-priority-scheduling: lower values first (SGLang's flag)"),
+    ] = False
+    kv_events_config: Annotated[
+        str | None,
+        Flag(
+            "scheduler",
+            "publish KV cache events for KV-aware routers, vLLM's JSON: "
+            '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ..., '
+            '"replay_endpoint": ..., "topic": ..., "buffer_steps": ..., "hwm": ...}',
+        ),
+    ] = None
+    kv_events_block_size: Annotated[
+        int, Flag("scheduler", "tokens per block in KV cache events and their hashes")
+    ] = 16
+    enable_request_id_headers: Annotated[
+        bool,
+        Flag("http", "answer with X-Request-Id, the request's id (vLLM's flag)"),
+    ] = False
     # HiCache: a host tier under the device KV pool, and a storage tier under that
     hicache_host_tokens: Annotated[
         int,
@@ -388,6 +420,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return msgspec.json.decode(text, type=cls)
 
     @property
+    def priority_scheduling(self) -> bool:
+        """Whether requests are admitted by priority (either peer's flag)."""
+        return self.scheduling_policy == "priority" or self.enable_priority_scheduling
+
+    @property
     def engine_type(self) -> str:
         """The ``engine_type`` metrics label: unified, prefill or decode."""
         return "unified" if self.disaggregation_mode == "null" else self.disaggregation_mode
@@ -421,79 +458,3 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             block = self.dllm_block_size
             return prompt_len + -(-max_new_tokens // block) * block
         return prompt_len + max_new_tokens
-
-    def validate(self) -> None:
-        problems = []
-        if self.max_total_tokens < 16:
-            problems.append("--max-total-tokens must be at least 16")
-        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
-            problems.append("--chunked-prefill-size must be positive, or -1 to disable chunking")
-        if self.stream_interval < 1:
-            problems.append("--stream-interval must be at least 1")
-        if self.graceful_timeout < 0:
-            problems.append("--graceful-timeout must be 0 (no drain) or more seconds")
-        if self.max_request_bytes <= 0 or self.request_read_timeout <= 0:
-            problems.append("--max-request-bytes and --request-read-timeout must be positive")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            problems.append("--max-queued-requests must be 0 or more (leave it out for no bound)")
-        if not 1 <= self.api_workers < MAX_API_WORKERS:
-            problems.append(f"--api-workers must be between 1 and {MAX_API_WORKERS - 1}")
-        elif not 0 <= self.api_worker_index < self.api_workers:
-            problems.append("--api-worker-index must be below --api-workers")
-        if self.responses_store_max_count < 0 or self.responses_store_bytes < 0:
-            problems.append(
-                "--responses-store-max-count and --responses-store-bytes must be 0 (store "
-                "nothing) or more"
-            )
-        if self.max_running_requests < 1:
-            problems.append("--max-running-requests must be at least 1")
-        if self.constrained_json_max_whitespace < 0 or self.grammar_compile_timeout <= 0:
-            problems.append(
-                "--constrained-json-max-whitespace must be 0 or more, --grammar-compile-timeout "
-                "positive"
-            )
-        if self.dllm_block_size < 1:
-            problems.append("--dllm-block-size must be at least 1")
-        if not 1 <= self.dllm_steps <= self.dllm_block_size:
-            problems.append(
-                "--dllm-steps must be between 1 and --dllm-block-size (each pass unmasks at least "
-                "one position)"
-            )
-        if self.hicache_host_tokens < 0:
-            problems.append("--hicache-host-tokens must be 0 (off) or positive")
-        if self.hicache_storage_dir is not None and self.hicache_host_tokens == 0:
-            problems.append(
-                "--hicache-storage-dir needs the host tier: give --hicache-host-tokens N too"
-            )
-        if self.disaggregation_mode != "null" and self.mode != "generate":
-            problems.append("--disaggregation-mode needs --mode generate")
-        if not 0 < self.disaggregation_bootstrap_port < 65536:
-            problems.append("--disaggregation-bootstrap-port must be a TCP port (1-65535)")
-        endpoint = self.disaggregation_bootstrap_endpoint
-        if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
-            problems.append(
-                "--disaggregation-bootstrap-endpoint must be a tcp:// or ipc:// endpoint"
-            )
-        if self.disaggregation_bootstrap_timeout <= 0:
-            problems.append("--disaggregation-bootstrap-timeout must be positive")
-        if self.otlp_traces_protocol not in ("http/protobuf", "grpc"):
-            problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Every ``ServerConfig`` flag, and ``--config-json`` (hidden): a whole config at once."""
-    add_flags(parser, ServerConfig)
-    parser.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
-
-
-def config_from_args(
-    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
-) -> ServerConfig:
-    """The validated config: given whole (``--config-json``, or ``TOKENPIPE_CONFIG_JSON`` from
-    the supervisor), or built from the flags and the OpenTelemetry variables."""
-    given = args.config_json or environ.get(CONFIG_ENV)
-    config = ServerConfig.decode(given) if given else from_args(ServerConfig, args, environ)
-    config.validate()
-    return config

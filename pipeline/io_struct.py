@@ -130,6 +130,9 @@ class TokenizedGenerateReqInput(
     bootstrap_room: int | None = None
     logprobs: LogprobParams | None = None  # None: no logprobs asked
     constraint: Constraint | None = None  # structured output; None: unconstrained
+    # The tenant's prefix-cache salt: requests share cached KV only under the same salt.
+    cache_salt: str | None = None
+    priority: int = 0  # under priority scheduling; its order is the server's flag's
 
 
 class TokenizedEmbeddingReqInput(

@@ -40,11 +40,13 @@ def new_req(
     """The scheduler's request for a message from an API worker (not yet checked)."""
     logprob: LogprobParams | None = None
     constraint: Constraint | None = None
+    salt, priority = None, 0
     if isinstance(msg, TokenizedEmbeddingReqInput):
         sampling, stream = _EMBEDDING_SAMPLING, False
     else:
         sampling, stream = msg.sampling_params, msg.stream
         logprob, constraint = msg.logprobs, msg.constraint
+        salt, priority = msg.cache_salt, msg.priority
     return Req(
         rid=msg.rid,
         req_id=msg.req_id,
@@ -59,6 +61,8 @@ def new_req(
         is_embedding=isinstance(msg, TokenizedEmbeddingReqInput),
         logprob=logprob,
         constraint=constraint,
+        cache_salt=salt,
+        priority=priority,
     )
 
 

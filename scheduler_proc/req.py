@@ -92,6 +92,8 @@ class Req:
         "dllm_block",
         "pd",
         "constraint",
+        "cache_salt",
+        "priority",
         "matcher",
         "gate",
         "_stats_pending",
@@ -114,6 +116,8 @@ class Req:
         is_embedding: bool = False,
         logprob: LogprobParams | None = None,
         constraint: Constraint | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.req_id = req_id
@@ -123,6 +127,10 @@ class Req:
         self.stream_interval = sampling.stream_interval or stream_interval
         self.arrival_time = arrival_time
         self.is_embedding = is_embedding
+        # Its tenant's prefix-cache salt (it shares cached KV only with the same salt), and
+        # its priority under priority scheduling (docs/design/tenancy.md).
+        self.cache_salt = cache_salt
+        self.priority = priority
         self._init_progress()
         self._init_draws(logprob, constraint)
         self._init_features()

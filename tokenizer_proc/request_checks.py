@@ -227,6 +227,16 @@ class RequestChecks:
                 "sampling_params.max_new_tokens",
             )
 
+    def validate_priority(self, priority: int) -> None:
+        """A priority other than 0 asks for priority scheduling, which the server's flags
+        switch on (vLLM's check and wording)."""
+        if priority != 0 and not self.config.priority_scheduling:
+            raise RequestValidationError(
+                f"Got priority {priority} but Priority scheduling is not enabled: start the "
+                "server with --scheduling-policy priority (or --enable-priority-scheduling)",
+                "priority",
+            )
+
     def validate_constraint(self, constraint: Constraint | None) -> None:
         """What a structured output needs of the server, checked before anything is
         submitted; whether its spec compiles is the scheduler's answer."""

@@ -225,6 +225,8 @@ class TokenizerManager:
         bootstrap: Bootstrap | None = None,
         logprobs: LogprobParams | None = None,
         constraint: Constraint | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> ReqState:
         if self.config.mode == "embedding" and not internal:
             raise RequestValidationError(
@@ -236,6 +238,7 @@ class TokenizerManager:
         self.checks.validate_sampling(len(input_ids), sampling)
         self.checks.validate_logprobs(logprobs)
         self.checks.validate_constraint(constraint)
+        self.checks.validate_priority(priority)
         state = self.open_state(
             sampling=sampling, stream=stream, rid=rid, trace=trace, created_time=created_time
         )
@@ -264,6 +267,8 @@ class TokenizerManager:
                 bootstrap_room=bootstrap.room if bootstrap is not None else None,
                 logprobs=logprobs,
                 constraint=constraint,
+                cache_salt=cache_salt,
+                priority=priority,
             )
         )
         return state

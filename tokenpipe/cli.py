@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.config import ServerConfig, add_server_args, config_from_args
+from pipeline.config import ServerConfig
+from pipeline.server_args import add_server_args, config_from_args
 from pipeline.storage_dir import storage_dir_problem
 from pipeline.model_config import context_length_of
 from pipeline.process_util import setup_logging

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import zmq
 
-from pipeline.config import ServerConfig, add_server_args, config_from_args
+from pipeline.config import ServerConfig
+from pipeline.server_args import add_server_args, config_from_args
 from pipeline.io_struct import (
     BatchTokenIDOutput,
     CachedTokensDetails,

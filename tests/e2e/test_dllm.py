@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from pipeline.server_args import check_config
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     COUNT_DTYPE,
@@ -339,7 +340,7 @@ def test_admission_counts_the_whole_last_block() -> None:
     rows = run(s)[1]
     assert isinstance(rows[0].finish, FinishAbort) and rows[0].finish.status_code == 400
     with pytest.raises(ValueError, match="dllm-steps"):
-        ServerConfig(mode="dllm", dllm_block_size=2, dllm_steps=3).validate()
+        check_config(ServerConfig(mode="dllm", dllm_block_size=2, dllm_steps=3))
 
 
 # --- end to end ------------------------------------------------------------------------

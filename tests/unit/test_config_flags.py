@@ -11,13 +11,16 @@ from typing import Annotated
 import msgspec
 import pytest
 
-from pipeline.config import ServerConfig, add_server_args, config_from_args
+from pipeline.config import ServerConfig
+from pipeline.server_args import add_server_args, config_from_args
 from pipeline.flags import Flag, NoFlag, add_flags, field_flags
 from tokenpipe.cli import main
 
 # Every flag tokenpipe has ever taken, as deploy/, README, docs/ and the tests spell them.
 FLAGS = {
     "--model-path", "--served-model-name", "--model-seed", "--weight-version", "--device",
+    "--scheduling-policy", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
+    "--kv-events-config", "--kv-events-block-size", "--enable-request-id-headers",
     "--dtype", "--torch-threads",
     "--mode", "--context-length", "--skip-tokenizer-init", "--max-total-tokens",
     "--max-running-requests", "--disable-overlap-schedule", "--decode-kv-rows",

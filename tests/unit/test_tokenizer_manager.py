@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import zmq
 
+from pipeline.server_args import check_config
 from pipeline.config import ServerConfig
 from pipeline.io_struct import AbortReq, SamplingParams, SchedulerInput, TokenizerManagerInput
 from pipeline.sockets import FrameDecoder
@@ -89,7 +90,7 @@ def test_each_api_worker_has_its_own_endpoint_and_ids() -> None:
         api_workers=3,
         api_worker_index=2,
     )
-    config.validate()
+    check_config(config)
     assert [config.tokenizer_endpoint(i) for i in range(3)] == [
         "ipc:///d/tokenizer-0",
         "ipc:///d/tokenizer-1",
@@ -112,7 +113,7 @@ def test_each_api_worker_has_its_own_endpoint_and_ids() -> None:
         {"api_workers": 2, "api_worker_index": 2},
     ):
         with pytest.raises(ValueError, match="api-worker"):
-            msgspec.structs.replace(config, **bad).validate()
+            check_config(msgspec.structs.replace(config, **bad))
 
 
 def test_the_manager_has_a_row_for_every_message_of_its_socket(tmp_path: Path) -> None:

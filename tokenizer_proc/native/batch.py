@@ -238,6 +238,8 @@ def submit_batch(
                     route="/generate",
                     logprobs=item.obj.logprob_params(),
                     constraint=item.constraint,
+                    cache_salt=item.obj.cache_salt,
+                    priority=item.obj.priority or 0,
                 )
             )
     except BaseException:

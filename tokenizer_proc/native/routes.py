@@ -82,6 +82,8 @@ async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnS
         bootstrap=obj.bootstrap(),
         logprobs=obj.logprob_params(),
         constraint=constraint,
+        cache_salt=obj.cache_salt,
+        priority=obj.priority or 0,
     )
     # None without a tokenizer: null texts.
     text_of = tm.token_texts if obj.return_text_in_logprobs else None

@@ -27,11 +27,13 @@ from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.fields import (
     MAX_TOKEN_IDS_LOGPROB,
     MAX_TOP_LOGPROBS,
+    CacheSalt,
     LogitBias,
     MinP,
     NonNegInt,
     Penalty,
     PositiveInt,
+    Priority,
     RepetitionPenalty,
     StopTokenIds,
     TokenId,
@@ -172,6 +174,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         None
     )
     return_text_in_logprobs: bool = False
+    # Tenancy (docs/design/tenancy.md): vLLM's prefix-cache salt, and the scheduling priority
+    # (null: 0, as SGLang sends it).
+    cache_salt: CacheSalt | None = None
+    priority: Priority | None = None
 
     def logprob_params(self) -> LogprobParams | None:
         """What the scheduler computes; None when no logprobs are asked."""
@@ -230,7 +236,6 @@ GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
         ("background", (False,)),
         ("require_reasoning", (False,)),
         ("max_thinking_tokens", ()),
-        ("priority", (0,)),
         ("extra_key", ()),
         ("no_logs", (False,)),
         ("custom_labels", ()),
@@ -248,7 +253,6 @@ GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
         ("video_max_dynamic_patch", ()),
         ("images_config", ()),
         ("multi_item_delimiter_indices", ()),
-        ("cache_salt", ()),
     )
 )
 # What /generate decodes: GenerateRequest plus the known fields above.

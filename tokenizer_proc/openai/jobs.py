@@ -179,6 +179,8 @@ def submit_jobs(
                     bootstrap=bootstrap,
                     logprobs=logprobs,
                     constraint=constraint,
+                    cache_salt=body.cache_salt,
+                    priority=body.priority,
                 )
                 states.append(state)
                 # The prompt as sent: what echo, prompt logprobs and return_token_ids show.

@@ -42,8 +42,10 @@ from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.fields import (
     LogitBias,
     MinP,
+    CacheSalt,
     NonNegInt,
     Penalty,
+    Priority,
     RepetitionPenalty,
     StopTokenIds,
     logit_bias_pairs,
@@ -108,6 +110,9 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     json_schema: JsonSchema | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Tenancy (docs/design/tenancy.md): vLLM's prefix-cache salt and scheduling priority.
+    cache_salt: CacheSalt | None = None
+    priority: Priority = 0
     # PD disaggregation (set by sglang-router)
     bootstrap_room: RoomField | None = None
     bootstrap_endpoint: str | None = None
@@ -224,9 +229,7 @@ COMMON_REFUSED: tuple[Refusal, ...] = neutrals(
     ("data_parallel_rank", (0,)),
     ("rid", ()),
     ("extra_key", ()),
-    ("cache_salt", ()),
     ("ngram_corpus_id", ()),
-    ("priority", (0,)),
     ("custom_labels", ()),
     ("return_hidden_states", (False,)),
     ("return_routed_experts", (False,)),

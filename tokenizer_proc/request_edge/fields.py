@@ -16,6 +16,9 @@ from tokenizer_proc.request_edge.errors import RequestValidationError
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0)]
+# vLLM refuses an empty salt: it would look like a salt and share the unsalted cache.
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=4096)]
+Priority = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 # The sampling parameters of docs/design.md section 10 beyond temperature/top_p/top_k, with
 # the ranges all three APIs share.

@@ -68,6 +68,9 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    # vLLM's tenancy fields, passed to the chat request
+    cache_salt: str | None = None
+    priority: int | None = None
     # vLLM's extra sampling fields
     seed: Seed | None = None  # int64, as chat's
     top_k: int | None = None
@@ -191,6 +194,7 @@ _PASSED_TO_CHAT: tuple[str, ...] = (
     "repetition_penalty",
 )
 _PASSED_TO_CHAT += ("logit_bias", "skip_special_tokens", "structured_outputs", "user")
+_PASSED_TO_CHAT += ("cache_salt", "priority")
 # The tool choices that ask nothing of a request without tools: "auto" is the Responses API's
 # default (OpenAI's and vLLM's; Codex sends it with no tools), "none" its opposite. Only chat
 # refuses a tool_choice without tools, as OpenAI's and vLLM's chat routes do.
