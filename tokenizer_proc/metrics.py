@@ -6,18 +6,22 @@ observes nothing and ``/metrics`` serves an empty body. With several API workers
 (``--api-workers``) each keeps its values in prometheus-client's multiprocess directory
 (``PROMETHEUS_MULTIPROC_DIR``, which the supervisor sets) and any of them renders the sum of
 all: counters and histograms add up over the workers, and the scheduler's gauges are set by
-worker 0 alone ("mostrecent"). Names carry the ``tokenpipe:`` prefix and the ``model_name`` /
-``engine_type`` labels (docs/design.md section 7), or a peer family's names under
-``--metrics-compat`` (``tokenizer_proc/metrics_compat.py``).
+worker 0 alone ("mostrecent"). Names carry the ``tokenpipe:`` prefix and the ``model_name``
+/ ``engine_type`` labels (docs/design.md section 7), or a peer family's names under
+``--metrics-compat`` (``tokenizer_proc/metrics_compat.py``); the HTTP series are the
+ecosystem's own under every family (``tokenizer_proc/http_counters.py``).
 """
 
 from __future__ import annotations
 
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from starlette.types import ASGIApp
 
 from pipeline.config import MetricsCompat, ServerConfig
 from pipeline.io_struct import SchedulerStatsReport
+from tokenizer_proc.http_counters import HttpCounters, http_observer
 from tokenizer_proc.metrics_compat import Naming
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_metrics import RequestMetrics
@@ -47,6 +51,13 @@ class ServiceMetrics:
         naming = Naming(compat, self.registry, model_name, engine_type, context_length)
         self.scheduler = SchedulerGauges(naming, kv_dtype)
         self.requests = RequestMetrics(naming)
+        # The ecosystem's own names (vLLM's, from prometheus-fastapi-instrumentator) under
+        # every --metrics-compat family.
+        self._observe_http = http_observer(self.registry)
+
+    def count_http(self, edge: ASGIApp, routes: FastAPI) -> ASGIApp:
+        """``edge`` with every answer counted in the HTTP series (``HttpCounters``)."""
+        return HttpCounters(edge, routes, self._observe_http)
 
     def render(self) -> bytes:
         if self.multiprocess:
@@ -102,6 +113,9 @@ class NoMetrics:
     def __init__(self) -> None:
         self.scheduler = NoSchedulerGauges()
         self.requests = NoRequestMetrics()
+
+    def count_http(self, edge: ASGIApp, routes: FastAPI) -> ASGIApp:
+        return edge
 
     def render(self) -> bytes:
         return b""

@@ -144,7 +144,11 @@ def direct_writer(send: Send) -> DirectWriter | None:
     own, unwrapped one and the response is chunked; None otherwise (another server or
     protocol, a middleware's wrapper, a response with a content-length, or one not started),
     and every body part then goes through ``send`` (a stream that does so counts in
-    ``tokenpipe:sse_streams_total{write_path="asgi"}``)."""
+    ``tokenpipe:sse_streams_total{write_path="asgi"}``). A wrapper that names the ``send``
+    it wraps as ``__wrapped__`` (functools' convention) says that body parts written past it
+    lose nothing it needs (it reads only the response's start): it is looked through."""
+    while (inner := getattr(send, "__wrapped__", None)) is not None:
+        send = inner
     cycle = getattr(send, "__self__", None)
     if (
         type(cycle) is RequestResponseCycle

@@ -1,7 +1,7 @@
 """The API's ASGI app: each dialect's routers and the service's own endpoints, the error
-shape, and the edge middleware (Anthropic's error shape on /v1/messages, key check, body limit,
-the generation routes served in front of FastAPI's stack). Request handling lives in the
-routers and ``TokenizerManager``; this module only wires them."""
+shape, and the edge middleware (the HTTP counters, Anthropic's error shape on /v1/messages,
+key check, body limit, the generation routes served in front of FastAPI's stack). Request
+handling lives in the routers and ``TokenizerManager``; this module only wires them."""
 
 from __future__ import annotations
 
@@ -118,5 +118,7 @@ def _edge(tm: TokenizerManager, app: FastAPI, hot: dict[str, Endpoint]) -> ASGIA
     api_key = tm.config.api_key
     if api_key is not None:
         edge = ApiKeyAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
-    # Outermost, so the 401 and the 413 on /v1/messages leave in Anthropic's shape too.
-    return AnthropicErrors(edge)
+    # Around it, so the 401 and the 413 on /v1/messages leave in Anthropic's shape too.
+    edge = AnthropicErrors(edge)
+    # Outermost: every answer is counted with the status the client gets.
+    return tm.metrics.count_http(edge, app)
