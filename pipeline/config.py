@@ -184,6 +184,13 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_events_block_size: Annotated[
         int, Flag("scheduler", "tokens per block in KV cache events and their hashes")
     ] = 16
+    python_hash_seed: Annotated[
+        str | None,
+        NoFlag(
+            "seeds KV cache events' block hashes as vLLM's (default: vLLM's fixed seed)",
+            env="PYTHONHASHSEED",
+        ),
+    ] = None
     enable_request_id_headers: Annotated[
         bool,
         Flag("http", "answer with X-Request-Id, the request's id (vLLM's flag)"),

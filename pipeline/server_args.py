@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from pipeline.config import CONFIG_ENV, ServerConfig
 from pipeline.flags import add_flags, from_args
+from pipeline.kv_events import parse_kv_events_config
 from pipeline.worker_ids import MAX_API_WORKERS
 
 
@@ -69,8 +70,21 @@ def check_config(config: ServerConfig) -> None:
         problems.append("--disaggregation-bootstrap-timeout must be positive")
     if config.otlp_traces_protocol not in ("http/protobuf", "grpc"):
         problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
+    problems.extend(_kv_events_problems(config))
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _kv_events_problems(config: ServerConfig) -> list[str]:
+    problems = []
+    if config.kv_events_block_size < 1:
+        problems.append("--kv-events-block-size must be at least 1")
+    if config.kv_events_config is not None:
+        try:
+            parse_kv_events_config(config.kv_events_config)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -32,13 +32,8 @@ from scheduler_proc.cache.kv_storage import (
     NoStorage,
     StorageError,
 )
-from scheduler_proc.cache.radix_cache import (
-    DeviceOnly,
-    RadixCache,
-    RadixNode,
-    StorageRef,
-    common_prefix_len,
-)
+from scheduler_proc.cache.radix_cache import DeviceOnly, RadixCache
+from scheduler_proc.cache.radix_node import RadixNode, RadixRoot, StorageRef, common_prefix_len
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
@@ -175,7 +170,7 @@ class HiCache:
             return
         cache = self._cache()
         dropped = 0
-        stack = list(cache.root.children.values())
+        stack = [child for root in cache.roots() for child in root.children.values()]
         while stack:
             node = stack.pop()
             if node.value is None and node.host_value is None:
@@ -259,9 +254,12 @@ class HiCache:
         hv = node.host_value
         assert hv is not None
         if self._write_storage(node, self.host.k[:, hv], self.host.v[:, hv]):
+            events = self._cache().events
+            events.removed(node, "CPU")
             self.host.free(hv)
             node.host_value = None
             self._host_nodes.discard(node)
+            events.stored(node, "STORAGE")
         else:
             self._cache().remove_subtree(node)  # frees its host slots (and its subtree's)
 
@@ -276,16 +274,21 @@ class HiCache:
         return True
 
     def _key_of(self, node: RadixNode) -> tuple[str, int]:
-        """The storage key of node's segment: a hash of the namespace, the segment's start
-        and every token from the root through the segment's end."""
-        root = self._cache().root
+        """The storage key of node's segment: a hash of the namespace (the model's, and the
+        tree's: a salted prefix never names an unsalted file, nor another salt's), the
+        segment's start and every token from the root through the segment's end."""
         parts: list[np.ndarray] = []
         n: RadixNode | None = node
-        while n is not None and n is not root:
+        while not isinstance(n, RadixRoot):
+            assert n is not None, "a node in the tree has a root above it"
             parts.append(n.key)
             n = n.parent
         start = sum(len(p) for p in parts[1:])
         h = hashlib.sha256(self.namespace.encode())
+        if n.namespace.salt is not None:
+            # Length-prefixed, so no salt can pose as another's start.
+            salt = n.namespace.salt.encode()
+            h.update(b"salt" + len(salt).to_bytes(8, "little") + salt)
         h.update(start.to_bytes(8, "little"))
         for part in reversed(parts):
             h.update(np.ascontiguousarray(part, dtype="<i8").tobytes())
@@ -336,6 +339,7 @@ class HiCache:
             hv = node.host_value
             if hv is not None:
                 k, v = self.host.k[:, hv], self.host.v[:, hv]  # advanced indexing: copies
+                self._cache().events.removed(node, "CPU")
                 self.release(node)
                 out.host_tokens += n
             else:
@@ -353,6 +357,7 @@ class HiCache:
                 files[ref.key] = data
                 k = data[0][:, ref.offset : ref.offset + n]
                 v = data[1][:, ref.offset : ref.offset + n]
+                self._cache().events.removed(node, "STORAGE")
                 node.storage = None
                 out.storage_tokens += n
             out.nodes.append(node)
@@ -403,7 +408,7 @@ class HiCache:
     def tier_sizes(self) -> dict[str, int]:
         """Tokens the tree holds per tier, from a walk of the tree (tests, debugging)."""
         sizes = {"device": 0, "host": 0, "storage": 0}
-        stack = list(self._cache().root.children.values())
+        stack = [child for root in self._cache().roots() for child in root.children.values()]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -422,7 +427,7 @@ class HiCache:
         host pool's used slots are exactly the host nodes'."""
         rank = {"device": 0, "host": 1, "storage": 2}
         host_used = host_nodes = 0
-        stack = [(c, 0) for c in self._cache().root.children.values()]
+        stack = [(c, 0) for root in self._cache().roots() for c in root.children.values()]
         while stack:
             node, parent_rank = stack.pop()
             tiers = [node.value is not None, node.host_value is not None, node.storage is not None]

@@ -13,15 +13,19 @@ import torch
 
 from scheduler_proc.cache.hicache import Fetched, HiCache, NoHiCache
 from scheduler_proc.cache.kv_pool import KVPool
-from scheduler_proc.cache.radix_cache import Dropped, RadixCache, RadixNode
+from scheduler_proc.cache.cache_events import CacheEvents
+from scheduler_proc.cache.radix_cache import Dropped, RadixCache
+from scheduler_proc.cache.radix_node import CacheNamespace, RadixNode
 from scheduler_proc.req import Req
 
 
 class PrefixKV:
-    def __init__(self, kv: KVPool, hicache: HiCache | None = None) -> None:
+    def __init__(
+        self, kv: KVPool, hicache: HiCache | None = None, events: CacheEvents | None = None
+    ) -> None:
         self.kv = kv
         self.hicache: HiCache | NoHiCache = hicache or NoHiCache()  # the tiers below the device
-        self.cache = RadixCache(kv, lower=self.hicache)
+        self.cache = RadixCache(kv, lower=self.hicache, events=events)
         self.hicache.bind(self.cache)
 
     @property
@@ -44,7 +48,7 @@ class PrefixKV:
         hicache = self.hicache
         if match:
             key = fill[: min(len(fill) - 1, req.cache_match_limit)]
-            cached, node = self.cache.match_prefix(key)
+            cached, node = self.cache.match_prefix(key, namespace_of(req))
             self.cache.inc_lock(node)
             req.prefix_node = node
             req.kv_slots = cached
@@ -101,7 +105,7 @@ class PrefixKV:
             self.kv.free(slots[owned:])
         elif slots is not None and slots.numel():
             tokens = (req.origin_input_ids + req.output_ids)[: req.num_computed]
-            self.cache.insert(tokens, slots)
+            self.cache.insert(tokens, slots, namespace_of(req))
         self.unlock(req)
 
     def unlock(self, req: Req) -> None:
@@ -120,6 +124,11 @@ class PrefixKV:
     def held_by_requests(self) -> int:
         """Device slots that requests hold (not the evictable cache)."""
         return self.kv.num_used - self.cache.evictable_size
+
+
+def namespace_of(req: Req) -> CacheNamespace:
+    """The part of the prefix cache ``req`` reads and fills: its tenant's salt's."""
+    return CacheNamespace(req.cache_salt)
 
 
 def locked_node(req: Req) -> RadixNode:

@@ -8,6 +8,7 @@
 - Eviction pops a lazily invalidated heap: an entry is stale when its node was removed,
   gained children, got locked or was touched since the push. No scan per evicted node.
 - The device nodes form a subtree that hangs from the root (nodes below a tier: ``LowerTiers``).
+- One root per ``CacheNamespace``: prefixes of different namespaces never share a node.
 """
 
 from __future__ import annotations
@@ -20,71 +21,17 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
+from scheduler_proc.cache.cache_events import DEVICE, CacheEvents, NoCacheEvents
 from scheduler_proc.cache.kv_pool import KVPool
-
-_EMPTY_KEY = np.empty(0, dtype=np.int64)
-
-
-def _empty_slots() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.long)
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two token runs, in one vectorised compare."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
-class StorageRef(NamedTuple):
-    """Where a storage node's K/V is: tokens [offset, offset + length) of file ``key``
-    (a split node's halves share one file)."""
-
-    key: str
-    offset: int
-    length: int
-
-
-class RadixNode:
-    __slots__ = (
-        "children",
-        "key",
-        "value",
-        "lock_ref",
-        "last_access",
-        "parent",
-        "host_value",
-        "storage",
-    )
-
-    def __init__(
-        self,
-        key: np.ndarray,
-        value: torch.Tensor | None,
-        parent: RadixNode | None,
-        last_access: float = 0.0,
-    ) -> None:
-        self.children: dict[int, RadixNode] = {}
-        self.key = key  # int64 token ids, one per slot in value
-        self.value = value  # CPU int64 pool slots; None while the KV lives in a lower tier
-        # Owned by the lower tiers (HiCache) while value is None: host pool slots, or a
-        # reference into a storage file.
-        self.host_value: torch.Tensor | None = None
-        self.storage: StorageRef | None = None
-        self.lock_ref = 0
-        self.last_access = last_access
-        # None for the root and, once evicted, for a removed node: that is what marks
-        # its stale heap entries.
-        self.parent = parent
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-    def __repr__(self) -> str:
-        return (
-            f"RadixNode(len={len(self.key)}, lock_ref={self.lock_ref},"
-            f" children={len(self.children)})"
-        )
+from scheduler_proc.cache.radix_node import (
+    UNSALTED,
+    CacheNamespace,
+    RadixNode,
+    RadixRoot,
+    common_prefix_len,
+    empty_slots,
+    lower_medium,
+)
 
 
 class Dropped(NamedTuple):
@@ -132,17 +79,20 @@ class DeviceOnly:
 
 
 class RadixCache:
-    def __init__(self, kv: KVPool, lower: LowerTiers | None = None) -> None:
+    def __init__(
+        self, kv: KVPool, lower: LowerTiers | None = None, events: CacheEvents | None = None
+    ) -> None:
         self.kv = kv
         self.lower: LowerTiers = lower or DeviceOnly()
+        self.events: CacheEvents = events or NoCacheEvents()
         self._clock = itertools.count(1)  # LRU time: a counter is enough and never ties by accident
         self._seq = itertools.count()  # heap tie-break, so nodes are never compared
         self._heap: list[tuple[float, int, RadixNode]] = []
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
-        self.root = RadixNode(_EMPTY_KEY, _empty_slots(), None)
-        self.root.lock_ref = 1  # the root holds nothing and is never evictable
+        self.root = RadixRoot(UNSALTED)  # the unsalted namespace's
+        self._roots: dict[CacheNamespace, RadixRoot] = {UNSALTED: self.root}
 
     # --- sizes ---------------------------------------------------------------------------
 
@@ -158,16 +108,36 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable + self._protected
 
+    def roots(self) -> list[RadixRoot]:
+        """Every namespace's root (the unsalted one first)."""
+        return list(self._roots.values())
+
+    def _root(self, namespace: CacheNamespace) -> RadixRoot:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = RadixRoot(namespace)
+        return root
+
+    def _forget_if_empty(self, node: RadixNode) -> None:
+        """A salted namespace whose last node went leaves no root behind (salts are many)."""
+        if isinstance(node, RadixRoot) and not node.children and node is not self.root:
+            if self._roots.get(node.namespace) is node:
+                del self._roots[node.namespace]
+
     # --- lookup --------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, RadixNode]:
-        """Longest cached prefix of token_ids: (its slots as one LongTensor, the deepest node
-        of the match). Splits a node when the match ends inside it, so the returned node
-        covers exactly the match and can be locked. Touches LRU time along the path.
-        Empty match -> (empty LongTensor, root)."""
+    def match_prefix(
+        self, token_ids: Sequence[int], namespace: CacheNamespace = UNSALTED
+    ) -> tuple[torch.Tensor, RadixNode]:
+        """Longest cached prefix of token_ids in ``namespace``: (its slots as one LongTensor,
+        the deepest node of the match). Splits a node when the match ends inside it, so the
+        returned node covers exactly the match and can be locked. Touches LRU time along the
+        path. Empty match -> (empty LongTensor, the namespace's root)."""
         key = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         now = next(self._clock)
-        node = self.root
+        # A namespace with nothing cached gets a root only when something is inserted.
+        root = self._roots.get(namespace)  # not `or`: a node's truth is its length
+        node: RadixNode = RadixRoot(namespace) if root is None else root
         values: list[torch.Tensor] = []
         pos = 0
         while pos < len(key):
@@ -188,7 +158,7 @@ class RadixCache:
             pos += common
         self._push_if_evictable(node)
         if not values:
-            return _empty_slots(), self.root
+            return empty_slots(), node
         # clone the single-node case too: callers must never hold a view of a node's slots.
         return (values[0].clone() if len(values) == 1 else torch.cat(values)), node
 
@@ -197,7 +167,7 @@ class RadixCache:
     def inc_lock(self, node: RadixNode) -> None:
         """Protects node and all its ancestors from eviction (ref counted)."""
         self._check_live(node)
-        while node is not self.root:
+        while not isinstance(node, RadixRoot):
             if node.lock_ref == 0:
                 self._evictable -= len(node)
                 self._protected += len(node)
@@ -209,7 +179,7 @@ class RadixCache:
     def dec_lock(self, node: RadixNode) -> None:
         self._check_live(node)
         leaf = node
-        while node is not self.root:
+        while not isinstance(node, RadixRoot):
             if node.lock_ref <= 0:
                 raise RuntimeError("RadixCache.dec_lock without a matching inc_lock")
             node.lock_ref -= 1
@@ -224,18 +194,20 @@ class RadixCache:
 
     # --- insertion -----------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
-        """Caches token_ids -> slots (same length). The tree takes ownership of the slots of
-        the part it did not already hold. Returns the length of the prefix that was ALREADY
-        cached; the caller's slots for that prefix are duplicates and are freed here, except
-        those that are the tree's own slots (a request that matched its prefix from the
+    def insert(
+        self, token_ids: Sequence[int], slots: torch.Tensor, namespace: CacheNamespace = UNSALTED
+    ) -> int:
+        """Caches token_ids -> slots (same length) in ``namespace``. The tree takes ownership
+        of the slots of the part it did not already hold. Returns the length of the prefix
+        that was ALREADY cached; the caller's slots for that prefix are duplicates and are
+        freed here, except those that are the tree's own slots (a request that matched its prefix from the
         cache holds them)."""
         key = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         slots = slots.reshape(-1).to(device="cpu", dtype=torch.long)
         if len(key) != slots.numel():
             raise ValueError(f"insert: {len(key)} token ids but {slots.numel()} slots")
         now = next(self._clock)
-        node = self.root
+        node: RadixNode = self._root(namespace)
         duplicates: list[torch.Tensor] = []
         pos = 0
         while pos < len(key):
@@ -264,6 +236,7 @@ class RadixCache:
             # requests' own paths, not what other requests add below them.
             self._evictable += len(leaf)
             self._push_if_evictable(leaf)
+            self.events.stored(leaf, DEVICE)
         else:
             self._push_if_evictable(node)
         if duplicates:
@@ -276,12 +249,16 @@ class RadixCache:
         """Puts an off-device node back on the device at ``slots`` (the tree takes them).
         Its parent must be on the device already, which keeps the device subtree whole."""
         assert node.value is None and node.lock_ref == 0 and node.parent is not None
-        assert node.parent is self.root or node.parent.value is not None
+        assert node.parent.value is not None  # a root's value is its empty slots
         assert slots.numel() == len(node)
+        lower = lower_medium(node)
+        if lower is not None:
+            self.events.removed(node, lower)
         node.value = slots.clone()
         self.lower.release(node)
         self._evictable += len(node)
         self._push_if_evictable(node)
+        self.events.stored(node, DEVICE)
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Splits child's run at `at` (0 < at < len): a new node takes the head and becomes
@@ -302,6 +279,7 @@ class RadixCache:
         child.parent = head
         self._num_nodes += 1
         self.lower.on_split(head, child, at)
+        self.events.split(head, child, at)
         return head
 
     # --- eviction ------------------------------------------------------------------------
@@ -322,8 +300,12 @@ class RadixCache:
             self._evictable -= len(node)
             count += len(node)
             freed.append(node.value)
+            self.events.removed(node, DEVICE)
             if self.lower.demote(node):
                 node.value = None  # stays in the tree, its KV one tier down
+                medium = lower_medium(node)
+                assert medium is not None, "demote keeps a node in a lower tier"
+                self.events.stored(node, medium)
             else:
                 node.value = None
                 self.remove_subtree(node)
@@ -336,15 +318,20 @@ class RadixCache:
         """Takes an off-device node and everything below it out of the tree, releasing
         their lower-tier copies (device nodes are never below an off-device one)."""
         assert node.value is None and node.parent is not None
-        del node.parent.children[int(node.key[0])]
+        parent = node.parent
+        del parent.children[int(node.key[0])]
         stack = [node]
         while stack:
             n = stack.pop()
             assert n.value is None and n.lock_ref == 0
             stack.extend(n.children.values())
+            medium = lower_medium(n)
+            if medium is not None:
+                self.events.removed(n, medium)
             self.lower.release(n)
             n.parent = None
             self._num_nodes -= 1
+        self._forget_if_empty(parent)
 
     def drop_unlocked(self) -> Dropped:
         """Takes every unlocked node out of the tree, whatever its tier: device slots go back
@@ -353,7 +340,8 @@ class RadixCache:
         node has no locked node below it and its whole subtree can go)."""
         device = host = storage = 0
         freed: list[torch.Tensor] = []
-        stack = [self.root]
+        stack: list[RadixNode] = list(self.roots())
+        events, self.events = self.events, NoCacheEvents()  # one "cleared", not a removal each
         while stack:
             for child in list(stack.pop().children.values()):
                 if child.lock_ref > 0:
@@ -369,6 +357,8 @@ class RadixCache:
                     else:
                         storage += len(node)
                 self.remove_subtree(child)
+        self.events = events
+        events.cleared(self.roots())
         self._evictable -= device
         if freed:
             self.kv.free(torch.cat(freed))
@@ -384,7 +374,7 @@ class RadixCache:
         self._heap = []
 
     def _check_live(self, node: RadixNode) -> None:
-        if node is not self.root and node.parent is None:
+        if node.parent is None and not isinstance(node, RadixRoot):
             raise RuntimeError("RadixCache: lock change on a node that was evicted")
 
     def _is_evictable_leaf(self, node: RadixNode) -> bool:
@@ -404,7 +394,7 @@ class RadixCache:
         if len(self._heap) <= 2 * self._num_nodes + 64:
             return
         live: list[tuple[float, int, RadixNode]] = []
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots() for child in root.children.values()]
         while stack:
             node = stack.pop()
             if node.children:

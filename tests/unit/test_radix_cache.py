@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from scheduler_proc.cache.kv_pool import KVPool
-from scheduler_proc.cache.radix_cache import RadixCache, RadixNode
+from scheduler_proc.cache.radix_cache import RadixCache
+from scheduler_proc.cache.radix_node import RadixNode
 
 
 def new_pool(capacity: int = 64) -> KVPool:

@@ -1,0 +1,41 @@
+"""What watches the radix tree's contents: ``CacheEvents``, told of every change of what the
+tree caches where (KV cache events, ``scheduler_proc.kv_events``), or ``NoCacheEvents``."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from scheduler_proc.cache.radix_node import RadixNode, RadixRoot
+
+
+class CacheEvents(Protocol):
+    """What watches the tree's contents (``scheduler_proc.kv_events``): told when a node's
+    tokens are stored in or removed from a tier (``medium``: ``DEVICE``, or a lower tier's
+    name), when a node splits, and when the tree is flushed."""
+
+    def stored(self, node: RadixNode, medium: str) -> None: ...
+
+    def removed(self, node: RadixNode, medium: str) -> None: ...
+
+    def split(self, head: RadixNode, tail: RadixNode, at: int) -> None: ...
+
+    def cleared(self, roots: list[RadixRoot]) -> None: ...
+
+
+class NoCacheEvents:
+    """Nobody watches (KV cache events off)."""
+
+    def stored(self, node: RadixNode, medium: str) -> None:
+        pass
+
+    def removed(self, node: RadixNode, medium: str) -> None:
+        pass
+
+    def split(self, head: RadixNode, tail: RadixNode, at: int) -> None:
+        pass
+
+    def cleared(self, roots: list[RadixRoot]) -> None:
+        pass
+
+
+DEVICE = "GPU"  # the device tier's medium in KV cache events (vLLM's name, whatever the device)

@@ -1,0 +1,148 @@
+"""The radix tree's contents as vLLM's block events. The tree is token-granular; the events
+speak of full blocks of ``block_size`` tokens along each cached prefix. A block belongs to
+the node that holds its last token, so a node announces its blocks when its tokens enter a
+tier (``stored``) and withdraws them when they leave one (``removed``); a split shares them
+between the halves and announces nothing, since nothing cached changed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pipeline.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEventKind,
+    KVEventBatch,
+    MEDIUM_GPU,
+)
+from scheduler_proc.cache.radix_node import RadixNode, RadixRoot, lower_medium
+from scheduler_proc.kv_events.block_hashes import BlockHasher, external_hash
+
+
+class BlockEvents:
+    """A ``CacheEvents`` that turns the tree's changes into events, kept until ``take``."""
+
+    def __init__(self, hasher: BlockHasher) -> None:
+        self.hasher = hasher
+        self.block_size = hasher.block_size
+        self._pending: list[KVCacheEventKind] = []
+
+    def take(self) -> KVEventBatch | None:
+        """The events since the last call, as one batch (None: there were none)."""
+        if not self._pending:
+            return None
+        events, self._pending = self._pending, []
+        return KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=0)
+
+    # --- CacheEvents ---------------------------------------------------------------------
+
+    def stored(self, node: RadixNode, medium: str) -> None:
+        start, parent_hash, head, salt = self._above(node)
+        hashes = self._hashes(node, start, parent_hash, head, salt)
+        if not hashes:
+            return
+        size = self.block_size
+        first = start // size
+        tokens = (head + node.key.tolist())[: len(hashes) * size]
+        extra: list[tuple[Any, ...] | None] = [None] * len(hashes)
+        if first == 0 and salt is not None:
+            extra[0] = (salt,)
+        self._pending.append(
+            BlockStored(
+                block_hashes=[external_hash(h) for h in hashes],
+                parent_block_hash=None if parent_hash is None else external_hash(parent_hash),
+                token_ids=tokens,
+                block_size=size,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                extra_keys=extra,
+            )
+        )
+
+    def removed(self, node: RadixNode, medium: str) -> None:
+        if node.block_hashes:
+            hashes: list[bytes | int] = [external_hash(h) for h in node.block_hashes]
+            self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
+
+    def split(self, head: RadixNode, tail: RadixNode, at: int) -> None:
+        hashes = tail.block_hashes
+        if hashes is None:
+            return
+        start = _start_of(head)
+        size = self.block_size
+        in_head = (start + at) // size - start // size
+        head.block_hashes, tail.block_hashes = hashes[:in_head], hashes[in_head:]
+
+    def cleared(self, roots: list[RadixRoot]) -> None:
+        """The tree was flushed: what requests still hold (locked prefixes) stays, and is
+        announced again after the clear, so an index built from the events stays exact."""
+        self._pending.append(AllBlocksCleared())
+        stack: list[RadixNode] = [c for root in roots for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            medium = MEDIUM_GPU if node.value is not None else lower_medium(node)
+            if medium is not None:
+                self.stored(node, medium)
+            stack.extend(node.children.values())
+
+    # --- hashing -------------------------------------------------------------------------
+
+    def _above(self, node: RadixNode) -> tuple[int, bytes | None, list[int], str | None]:
+        """Where node starts in its prefix, the hash of the last full block before it (None
+        when there is none), the tokens of the partial block it continues, and its
+        namespace's salt: one walk up to the root."""
+        size = self.block_size
+        start = _start_of(node)
+        need = start % size  # the head of node's first block lies above it
+        head: list[int] = []
+        parent_hash: bytes | None = None
+        at = node.parent
+        while not isinstance(at, RadixRoot):
+            assert at is not None, "a node in the tree has a root above it"
+            if len(head) < need:
+                take = at.key[-(need - len(head)) :].tolist()
+                head = take + head
+            if parent_hash is None and start >= size:
+                hashes = self._hashes_of(at)
+                if hashes:
+                    parent_hash = hashes[-1]
+            at = at.parent
+        return start, parent_hash, head, at.namespace.salt
+
+    def _hashes(
+        self,
+        node: RadixNode,
+        start: int,
+        parent_hash: bytes | None,
+        head: list[int],
+        salt: str | None,
+    ) -> list[bytes]:
+        if node.block_hashes is None:
+            size = self.block_size
+            end = start + len(node)
+            count = end // size - start // size
+            tokens = (head + node.key.tolist())[: count * size]
+            node.block_hashes = self.hasher.chain(parent_hash, tokens, start // size, salt)
+        return node.block_hashes
+
+    def _hashes_of(self, node: RadixNode) -> list[bytes]:
+        """node's block hashes, computed now if no event has yet (they always have)."""
+        if node.block_hashes is None:
+            start, parent_hash, head, salt = self._above(node)
+            self._hashes(node, start, parent_hash, head, salt)
+        assert node.block_hashes is not None
+        return node.block_hashes
+
+
+def _start_of(node: RadixNode) -> int:
+    """The tokens above node in its prefix."""
+    start = 0
+    at = node.parent
+    while at is not None:
+        start += len(at)
+        at = at.parent
+    return start
