@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from typing import Protocol
 
 from scheduler_proc.batch.running_batch import RunningBatch
@@ -16,8 +15,15 @@ from scheduler_proc.cache.prefix_kv import PrefixKV
 from scheduler_proc.decode_mode import DecodeMode
 from scheduler_proc.pd.role import PdRole
 from scheduler_proc.req import Req
+from scheduler_proc.waiting_queue import WaitingQueue
 
 logger = logging.getLogger("tokenpipe.scheduler")
+
+
+class VictimChoice(Protocol):
+    def take_victim(self, prefilling: list[Req], running: RunningBatch | list[Req]) -> Req:
+        """Removes and returns the next request to retract when the pool runs short:
+        ``take_victim`` below, or the lowest priority first (scheduler_proc/priority.py)."""
 
 
 class RetractHost(Protocol):
@@ -27,8 +33,11 @@ class RetractHost(Protocol):
     mode: DecodeMode
     pd: PdRole
     prefilling: list[Req]
-    waiting: deque[Req]
+    waiting: WaitingQueue
     num_retracted_total: int
+
+    @property
+    def scheduling(self) -> VictimChoice: ...
 
     @property
     def running(self) -> RunningBatch | list[Req]: ...
@@ -41,7 +50,7 @@ def retract_until_fits(s: RetractHost) -> None:
     """Frees KV until every running request can take its next step."""
     now = time.time()
     while not s.prefix_kv.fits(s.mode.demand()):
-        retract(s, take_victim(s.prefilling, s.running), now)
+        retract(s, s.scheduling.take_victim(s.prefilling, s.running), now)
 
 
 def retract_all(s: RetractHost, now: float) -> None:

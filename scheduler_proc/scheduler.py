@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from itertools import islice
 
 import numpy as np
@@ -57,11 +56,13 @@ from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.model.weight_update import WeightStager
 from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
 from scheduler_proc.pd.role import PdRole, Unified
+from scheduler_proc.priority import SchedulingPolicy, scheduling_policy
 from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.retraction import retract_until_fits
 from scheduler_proc.rollout import Rollout
 from scheduler_proc.sampling.grammar import GrammarCompiler, NoGrammars, StepMasks, TokenMasks
 from scheduler_proc.stop_checker import StopChecker
+from scheduler_proc.waiting_queue import PriorityOrder, WaitingQueue
 
 logger = logging.getLogger("tokenpipe.scheduler")
 
@@ -87,6 +88,7 @@ class Scheduler:
         grammar: GrammarCompiler | None = None,
         overlap_schedule: bool = False,
         weight_version: str = "default",
+        priority: PriorityOrder | None = None,  # priority scheduling's order; None: FCFS
     ) -> None:
         self.runner = runner
         # Where decode forwards run: their own thread (the overlap schedule), or inline.
@@ -102,7 +104,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.queue_limit = QueueLimit.of(max_queued_requests)
         self._init_cache(hicache)
-        self._init_queues()
+        self._init_queues(scheduling_policy(priority))
         self._init_features(dllm, grammar)
         # Pause, continue and new weights (scheduler_proc/rollout.py).
         self.rollout = Rollout(WeightStager(runner.model), weight_version)
@@ -114,10 +116,11 @@ class Scheduler:
         # The host and storage tiers under the device pool (a NoHiCache when off).
         self.hicache = self.prefix_kv.hicache
 
-    def _init_queues(self) -> None:
+    def _init_queues(self, scheduling: SchedulingPolicy) -> None:
         # This scheduler's requests whose next row carries stats (never another scheduler's).
         self.stats_pending = StatsPending()
-        self.waiting: deque[Req] = deque()
+        self.scheduling = scheduling  # admission order, preemption (scheduler_proc/priority.py)
+        self.waiting: WaitingQueue = scheduling.waiting
         self.prefilling: list[Req] = []  # admitted, prefill not complete (mid-chunk)
         self.live: dict[int, Req] = {}
         # The clients' live requests by rid: several API workers each check only their own
@@ -218,7 +221,8 @@ class Scheduler:
             problem = self.admission.problem(req)
         if problem is not None:
             return FinishAbort(message=problem, status_code=400)
-        return self.queue_limit.refusal(self.num_waiting)
+        full = self.queue_limit.refusal(self.num_waiting)
+        return None if full is None or self.scheduling.displace(self, req) else full
 
     def enqueue(self, req: Req, now: float) -> None:
         """Queues an accepted request for admission in arrival order (or, when the PD side
@@ -249,11 +253,7 @@ class Scheduler:
         now = time.time()
         status_code = 503 if msg.abort_all else 499
         for req in targets:
-            self._remove(req)
-            req.finish(FinishAbort(message=msg.reason, status_code=status_code), now)
-            self._release(req)
-            if not req.kv_only:  # internal: no client waits for a row
-                self._rows_due.append(req)
+            self.drop(req, FinishAbort(message=msg.reason, status_code=status_code), now)
         if not msg.control_id:
             return None
         return AbortResult(control_id=msg.control_id, aborted=len(targets))
@@ -337,8 +337,10 @@ class Scheduler:
         return self.append_tokens(reqs, tokens, rows)
 
     def _prefill_candidates(self) -> list[Req]:
-        """The requests mid-chunk, then waiting ones in arrival order, up to the number
-        of requests that may run at once."""
+        """The requests mid-chunk, then waiting ones in admission order, up to the number
+        of requests that may run at once (under priority, preempting lower ones)."""
+        if self.waiting and self.rollout.admits:
+            self.scheduling.make_room(self)
         candidates, self.prefilling = self.prefilling, []
         room = self.max_running_requests - len(self.running) - len(candidates)
         if self.rollout.admits:
@@ -361,10 +363,14 @@ class Scheduler:
             got = None
             if budget > 0:
                 got = self.prefix_kv.admit(req, match=match, budget=budget, reserve=reserve)
+                if got is None and from_waiting:  # under priority, lower ones may give way
+                    got = self.scheduling.admit_by_preempting(self, req, match=match, budget=budget)
+                    budget = 0 if got is None else len(got[0])  # none joins behind its victims
                 if got is None:
                     budget = 0  # arrival order: nobody overtakes a request that does not fit
             if got is None:
-                self._requeue_unscheduled(req)
+                if req.num_computed > 0:  # mid-chunk: it stays in prefill (a waiting one waits)
+                    self.prefilling.append(req)
                 continue
             slots, fetched = got
             if from_waiting:
@@ -381,12 +387,6 @@ class Scheduler:
         if record_admission(req, fetched, self.prefix_kv.storage_backend):  # its first
             self.prefill_tokens_total += len(req.origin_input_ids)
             self.cached_tokens_total += req.num_computed
-
-    def _requeue_unscheduled(self, req: Req) -> None:
-        """A candidate that got no slots this step: a mid-chunk request stays in prefill,
-        a waiting one stays where it is."""
-        if req.num_computed > 0:
-            self.prefilling.append(req)
 
     def _prefill_done(self, done: list[Req], rows: list[Req]) -> None:
         """Requests whose prefill completed: a PD KV job is released (its KV goes to the
@@ -451,16 +451,18 @@ class Scheduler:
 
     # --- bookkeeping ---------------------------------------------------------------------
 
-    def _remove(self, req: Req) -> None:
+    def drop(self, req: Req, reason: FinishAbort, now: float) -> None:
+        """Finishes ``req`` wherever it is with ``reason``, and queues its row."""
         self.pd.on_abort(req)
-        if self.grammars.remove(req):
-            return
-        for queue in (self.running, self.prefilling):
-            if req in queue:
-                queue.remove(req)
-                return
-        if req in self.waiting:
-            self.waiting.remove(req)
+        if not self.grammars.remove(req):
+            for queue in (self.running, self.prefilling, self.waiting):
+                if req in queue:
+                    queue.remove(req)
+                    break
+        req.finish(reason, now)
+        self._release(req)
+        if not req.kv_only:  # internal: no client waits for a row
+            self._rows_due.append(req)
 
     def release_kv(self, req: Req) -> None:
         self.mode.drop_block(req)  # a dLLM block in progress is never cached: it restarts
