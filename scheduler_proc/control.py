@@ -13,6 +13,7 @@ from pipeline.control_frames import (
     HiCacheStorageState,
 )
 from pipeline.io_struct import AbortReq
+from pipeline.request_ids import names_choice
 from pipeline.worker_ids import worker_of
 from scheduler_proc.cache.hicache import HiCache, NoHiCache, cached_details
 from scheduler_proc.cache.prefix_kv import PrefixKV
@@ -23,12 +24,15 @@ logger = logging.getLogger("tokenpipe.scheduler")
 
 def abort_targets(msg: AbortReq, live: dict[int, Req]) -> list[Req]:
     """The live requests an abort names: all of them (of one API worker, when it names
-    one), those with its rid, or the one with its req_id."""
+    one), those with its rid (else every choice of the OpenAI request the rid names:
+    ``pipeline/request_ids.py``), or the one with its req_id."""
     if msg.abort_all:
         return [r for r in live.values() if msg.worker is None or worker_of(r.req_id) == msg.worker]
     if msg.rid is not None:  # from an API worker that does not hold the request
         # Never an internal request (a PD KV job: negative req_id).
-        return [r for r in live.values() if r.rid == msg.rid and r.req_id >= 0]
+        outside = [r for r in live.values() if r.req_id >= 0]
+        exact = [r for r in outside if r.rid == msg.rid]
+        return exact or [r for r in outside if names_choice(msg.rid, r.rid)]
     return [live[msg.req_id]] if msg.req_id in live else []
 
 

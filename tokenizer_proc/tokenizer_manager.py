@@ -26,6 +26,7 @@ from pipeline.config import ServerConfig
 from pipeline.dispatch import TypeDispatcher, route
 from pipeline.frame_checks import read_embedding_rows, read_token_rows
 from pipeline.peer_errors import duplicate_rid_message
+from pipeline.request_ids import names_choice
 from pipeline.control_frames import (
     ControlAnswer,
     PauseMode,
@@ -310,16 +311,23 @@ class TokenizerManager:
         self.sockets.send(AbortReq(abort_all=True, reason=reason))
 
     async def abort_rid(self, rid: str, reason: str, timeout: float = 10.0) -> bool:
-        """Stops the running request ``rid``; False when none is running. A request of
-        another API worker (--api-workers) is stopped by the scheduler, which finds it by
-        rid and answers how many it stopped; its finished row goes to its own worker."""
+        """Stops the running request ``rid``, or when none has that rid, every choice of the
+        OpenAI request it names (``pipeline/request_ids.py``); False when none is running. A
+        request of another API worker (--api-workers) is stopped by the scheduler, which
+        finds it by the same rule and answers how many it stopped; its finished row goes to
+        its own worker."""
         req_id = self.rid_to_req_id.get(rid)
-        if req_id is not None:
-            self.abort(req_id, reason)
+        named = [req_id] if req_id is not None else self._choices_named(rid)
+        for each in named:
+            self.abort(each, reason)
+        if named:
             return True
         if self.config.api_workers == 1:
             return False
         return await self.controls.abort_elsewhere(rid, reason, timeout)
+
+    def _choices_named(self, name: str) -> list[int]:
+        return [req_id for rid, req_id in self.rid_to_req_id.items() if names_choice(name, rid)]
 
     def forget(self, state: ReqState) -> None:
         self.states.pop(state.req_id, None)

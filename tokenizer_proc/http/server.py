@@ -20,6 +20,7 @@ from tokenizer_proc.http.common import error_response
 from tokenizer_proc.http.hicache_api import build_hicache_router
 from tokenizer_proc.http.hot_routes import Endpoint, HotRoutes, post_endpoints
 from tokenizer_proc.http.peer_api import build_peer_router
+from tokenizer_proc.http.request_id_header import RequestIdHeader
 from tokenizer_proc.http.service_api import build_service_router
 from tokenizer_proc.http.worker_api import build_worker_router
 from tokenizer_proc.http.rollout_api import build_rollout_router
@@ -120,5 +121,7 @@ def _edge(tm: TokenizerManager, app: FastAPI, hot: dict[str, Endpoint]) -> ASGIA
         edge = ApiKeyAuth(edge, api_key=api_key, open_paths=_OPEN_PATHS)
     # Around it, so the 401 and the 413 on /v1/messages leave in Anthropic's shape too.
     edge = AnthropicErrors(edge)
+    if tm.config.enable_request_id_headers:
+        edge = RequestIdHeader(edge)
     # Outermost: every answer is counted with the status the client gets.
     return tm.metrics.count_http(edge, app)

@@ -22,6 +22,7 @@ from tokenizer_proc.http.common import (
     wait_finished,
     wait_started,
 )
+from tokenizer_proc.http.request_id_header import answered_id, caller_request_id
 from tokenizer_proc.http.sse_stream import SseResponse
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.native.batch import batch_body, batch_items, submit_batch
@@ -70,11 +71,13 @@ async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnS
     # As SGLang encodes a text prompt: with the tokenizer's special tokens (a Llama BOS).
     prompt_ids = tm.checks.tokenize(obj.text, obj.input_ids, add_special_tokens=True)
     input_ids = expand_prompt(prompt_ids, media, tm.checks.media_token_ids(media))
+    # SGLang's rid names the request; the caller's X-Request-Id only when the body has none.
+    header_id = caller_request_id(request)
     state = tm.submit_generate(
         input_ids=input_ids,
         sampling=sampling,
         stream=obj.stream,
-        rid=obj.rid,
+        rid=obj.rid if obj.rid is not None else header_id,
         media=tuple(media),
         trace=trace_context(request),
         created_time=arrived,
@@ -85,6 +88,7 @@ async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnS
         cache_salt=obj.cache_salt,
         priority=obj.priority or 0,
     )
+    answered_id(request, state.rid)
     # None without a tokenizer: null texts.
     text_of = tm.token_texts if obj.return_text_in_logprobs else None
     try:

@@ -57,6 +57,7 @@ from tokenizer_proc.openai.schema import (
 from tokenizer_proc.openai.shapes import CHAT, COMPLETION, Shape, request_usage, with_ids
 from tokenizer_proc.openai.stream import ChoiceEvents, StreamUsage
 from tokenizer_proc.request_checks import without_tokenizer
+from tokenizer_proc.http.request_id_header import answered_id, caller_request_id
 from tokenizer_proc.http.sse_stream import SseResponse
 from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.tokenizer_manager import TokenizerManager
@@ -249,7 +250,10 @@ async def _respond(
     ``names``: the request's prompt and max-tokens fields, for refusals at submission.
     ``constraint``: the structured output every choice follows (None: none). ``parsing``: how
     a chat answer splits into reasoning, content and tool calls (None: all content)."""
-    response_id = f"{kind.id_prefix}{uuid.uuid4().hex}"
+    # vLLM's: the caller's X-Request-Id, else a new one, after the shape's prefix.
+    base_id = caller_request_id(request) or uuid.uuid4().hex
+    answered_id(request, base_id)
+    response_id = f"{kind.id_prefix}{base_id}"
     extras = body.extras()
     states = submit_jobs(
         tm, request, body, jobs, response_id, arrived, kind.operation, names, constraint, kind.route
