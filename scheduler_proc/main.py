@@ -36,6 +36,7 @@ from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab, load_vocab
 from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.cache.hicache import HiCache
 from scheduler_proc.cache.kv_storage import StorageError
+from scheduler_proc.kv_events.stream import attach_kv_events
 from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.pd.decode import DecodeBootstrapper
@@ -192,6 +193,7 @@ class SchedulerLoop:
         self._init_sockets(config, ctx)
         attach_pd(self.scheduler, config, ctx, self.poller)
         self.reporter = SchedulerStatsReporter(self.scheduler)
+        self.kv_events = attach_kv_events(config, scheduler.cache, ctx)
         self.dispatcher = TypeDispatcher(
             [
                 route(TokenizedGenerateReqInput, self.scheduler.add_request),
@@ -263,6 +265,7 @@ class SchedulerLoop:
                 if not self.config.discard_output:
                     self.outbox.send(encoded, copy=False)
             self.send_rollout(scheduler.rollout.advance(scheduler))
+            self.kv_events.after_step()  # what this iteration did to the cache, one batch
             self.maybe_report()
             scheduler.runner.threads.update(time.monotonic())
 
@@ -304,4 +307,5 @@ def run_scheduler(config: ServerConfig) -> None:
     loop.run(shutdown)
     logger.info("scheduler exiting (pid %d)", os.getpid())
     loop.scheduler.close()
+    loop.kv_events.close()
     ctx.destroy(linger=0)

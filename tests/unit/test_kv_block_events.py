@@ -10,9 +10,11 @@ import random
 from pathlib import Path
 
 import cbor2
+import pytest
 import torch
 
 from pipeline.config import ServerConfig
+from pipeline.server_args import check_config
 from pipeline.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.radix_cache import RadixCache
@@ -243,3 +245,12 @@ def test_hicache_tiers_announce_each_move_with_its_medium(tmp_path: Path) -> Non
                 index[event.medium].difference_update(event.block_hashes)
         assert index == tier_blocks(s.cache)
     assert index["STORAGE"] and index["CPU"]  # both lower tiers were used
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}', '{"buffer_steps": 0}', "{"],
+)
+def test_a_bad_kv_events_config_fails_the_start_naming_the_flag(text: str) -> None:
+    with pytest.raises(ValueError, match="--kv-events-config"):
+        check_config(ServerConfig(kv_events_config=text))
