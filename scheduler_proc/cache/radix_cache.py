@@ -200,8 +200,8 @@ class RadixCache:
         """Caches token_ids -> slots (same length) in ``namespace``. The tree takes ownership
         of the slots of the part it did not already hold. Returns the length of the prefix
         that was ALREADY cached; the caller's slots for that prefix are duplicates and are
-        freed here, except those that are the tree's own slots (a request that matched its prefix from the
-        cache holds them)."""
+        freed here, except those that are the tree's own slots (a request that matched its
+        prefix from the cache holds them)."""
         key = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         slots = slots.reshape(-1).to(device="cpu", dtype=torch.long)
         if len(key) != slots.numel():

@@ -29,13 +29,13 @@ TOPIC = "kv@test"
 # (vLLM 0.32.0): what a KV-aware router built on vLLM decodes the stream with.
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -111,7 +111,7 @@ class Subscriber:
         dealer.connect(self.replay_endpoint)
         try:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            out = []
+            out: list[tuple[int, bytes]] = []
             while True:
                 assert dealer.poll(10_000), "the replay socket did not answer"
                 _, seq, payload = dealer.recv_multipart()
@@ -121,7 +121,9 @@ class Subscriber:
         finally:
             dealer.close(linger=0)
 
-    def poll(self, timeout_ms: int = 100) -> None:
+    def poll(self, timeout_ms: int = 100) -> bool:
+        """Takes in what has arrived (waiting up to ``timeout_ms`` for the first); False, so
+        that ``wait_until(lambda: events.poll() or ...)`` reads the condition."""
         while self.sub.poll(timeout_ms):
             topic, seq_bytes, payload = self.sub.recv_multipart()
             assert topic == TOPIC.encode()
@@ -137,6 +139,7 @@ class Subscriber:
         while self.applied < len(self.payloads):
             self.apply(self.decoder.decode(self.payloads[self.applied]))
             self.applied += 1
+        return False
 
     def apply(self, batch: KVEventBatch) -> None:
         assert batch.data_parallel_rank == 0

@@ -144,7 +144,7 @@ def index_from(batches: list[KVEventBatch], index: set[int]) -> None:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 assert not index.intersection(event.block_hashes), "a block stored twice"
-                index.update(event.block_hashes)
+                index.update(int(h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 assert index.issuperset(event.block_hashes), "a block removed unannounced"
                 index.difference_update(event.block_hashes)
@@ -238,7 +238,7 @@ def test_hicache_tiers_announce_each_move_with_its_medium(tmp_path: Path) -> Non
         for event in [] if batch is None else batch.events:
             if isinstance(event, BlockStored):
                 assert event.medium is not None
-                index[event.medium].update(event.block_hashes)
+                index[event.medium].update(int(h) for h in event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 assert event.medium is not None
                 assert index[event.medium].issuperset(event.block_hashes)
