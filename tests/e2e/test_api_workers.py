@@ -125,6 +125,12 @@ def test_streams_spread_over_the_workers_and_one_metrics_counts_them_all(
         )
         # The scheduler's gauges are one series, not one per worker.
         assert scalar(prom, "count(tokenpipe:num_running_reqs)") == 1
+        # The HTTP series add up over the workers too: one series, every worker's answers.
+        answered = 'http_requests_total{handler="/generate",method="POST",status="2xx"}'
+        assert wait_until(lambda: scalar(prom, answered) == STREAMS, timeout=30, interval=0.5), (
+            scalar(prom, answered)
+        )
+        assert scalar(prom, f"count({answered})") == 1
 
     # Every worker exported the spans of the requests it served.
     spans = receiver.wait_for(
