@@ -158,7 +158,9 @@ class Subscriber:
 
     def wait_for(self, block_hash: int) -> None:
         """Until the stream has announced ``block_hash`` (and everything before it)."""
-        wait_until(lambda: self.poll() or block_hash in self.index, timeout=30)
+        assert wait_until(lambda: self.poll() or block_hash in self.index, timeout=30), (
+            f"block {block_hash} was never announced"
+        )
 
     def predict(self, tokens: list[int], salt: str | None = None) -> int:
         """Cached tokens, whole blocks, from the index alone: the prompt's leading blocks it
@@ -279,7 +281,7 @@ def test_flush_clears_and_the_stream_has_no_gap_the_replay_cannot_fill(served: S
     served.generate(ids)
     events.wait_for(vllm_hashes(ids)[-1])
     assert served.http.post("/flush_cache").status_code == 200
-    wait_until(lambda: events.poll() or not events.index, timeout=30)
+    assert wait_until(lambda: events.poll() or not events.index, timeout=30)
     assert events.cleared >= 1
     assert served.generate(ids)["cached_tokens"] == 0
     # Sequence numbers are gapless from 0 (poll asserts each), and the replay socket resends

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, free_port
+from tests.server_harness import ServerProcess, free_port, wait_until
+from tests.e2e.test_kv_events import TOPIC, Subscriber
 from tests.sglang_router import SglangRouter, router_binary
 
 MODEL = "tokenpipe-tiny"
@@ -198,7 +199,25 @@ def test_a_dp_aware_router_reaches_each_replicas_one_rank(
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
+def pd_events() -> dict[str, tuple[int, int]]:
+    """The KV event ports (publisher, replay) of the PD pair's prefill and decode servers."""
+    return {role: (free_port(), free_port()) for role in ("prefill", "decode")}
+
+
+def _events_args(ports: tuple[int, int]) -> list[str]:
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{ports[0]}",
+        "replay_endpoint": f"tcp://*:{ports[1]}",
+        "topic": TOPIC,
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
+@pytest.fixture(scope="module")
+def pd(
+    tmp_path_factory: pytest.TempPathFactory, pd_events: dict[str, tuple[int, int]]
+) -> Iterator[SglangRouter]:
     router_binary()
     base = tmp_path_factory.mktemp("pd")
     bootstrap_port = free_port()
@@ -209,9 +228,13 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRouter]:
             "prefill",
             "--disaggregation-bootstrap-port",
             str(bootstrap_port),
+            *_events_args(pd_events["prefill"]),
         ],
     )
-    decode = ServerProcess(base / "decode" / "tmp", ["--disaggregation-mode", "decode"])
+    decode = ServerProcess(
+        base / "decode" / "tmp",
+        ["--disaggregation-mode", "decode", *_events_args(pd_events["decode"])],
+    )
     router: SglangRouter | None = None
     try:
         prefill.wait_ready()
@@ -246,6 +269,41 @@ def test_pd_through_the_router_equals_a_unified_server(
                 assert got["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
             else:
                 assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == 8
+
+
+def test_pd_salts_key_the_prefill_cache_and_only_the_prefill_server_publishes_blocks(
+    pd: SglangRouter, pd_events: dict[str, tuple[int, int]]
+) -> None:
+    """Through the router, the prefill server's cache is salted as a unified server's is, and
+    its events announce the salted blocks; the decode server, whose KV arrives per request
+    and is never cached, announces none. (sglang-router 0.3.2 forwards ``cache_salt`` on
+    the OpenAI routes; its /generate drops the field: docs/operations.md.)"""
+    subs = {
+        role: Subscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+        for role, (pub, replay) in pd_events.items()
+    }
+    prefill = subs["prefill"]
+    text = " ".join(str((7 * i + 3) % 900 + 20) for i in range(40))
+    try:
+        with pd.client() as client:
+
+            def cached(salt: str) -> tuple[int, int]:
+                body = {"model": MODEL, "prompt": text, "max_tokens": 4, "cache_salt": salt}
+                usage = _post(client, "/v1/completions", body)["usage"]
+                return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+            before = len(prefill.stored)
+            assert cached("pd-a")[0] == 0
+            assert wait_until(lambda: prefill.poll() or len(prefill.stored) > before, 30)
+            assert prefill.stored[-1].extra_keys[0] == ("pd-a",)  # type: ignore[index]
+            assert cached("pd-b")[0] == 0
+            hit, prompt_tokens = cached("pd-a")
+            assert hit == prompt_tokens - 1
+        subs["decode"].poll(300)
+        assert subs["decode"].stored == []
+    finally:
+        for sub in subs.values():
+            sub.ctx.destroy(linger=0)
 
 
 def _logprob_entries(
