@@ -251,6 +251,26 @@ def test_salts_share_cached_kv_only_within_one_salt(served: Served) -> None:
         assert done.usage is not None and done.usage.prompt_tokens_details is not None
         cached = done.usage.prompt_tokens_details.cached_tokens or 0
         assert (cached > 0) == bool(expected)
+    # Chat and the Responses API take it too: their second request under a salt hits.
+    messages = [{"role": "user", "content": "salted " * 40}]
+    for expected in (0, 1):
+        chat = client.chat.completions.create(
+            model=model,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=1,
+            extra_body={"cache_salt": "tenant-d"},
+        )
+        assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+        assert bool(chat.usage.prompt_tokens_details.cached_tokens) == bool(expected)
+    for salt, hit in (("tenant-e", False), ("tenant-f", False), ("tenant-e", True)):
+        answer = client.responses.create(
+            model=model,
+            input="respond " * 40,
+            max_output_tokens=16,
+            extra_body={"cache_salt": salt},
+        )
+        assert answer.usage is not None
+        assert bool(answer.usage.input_tokens_details.cached_tokens) == hit
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.completions.create(
             model="m", prompt="x", max_tokens=1, extra_body={"cache_salt": ""}
