@@ -70,13 +70,23 @@ def check_config(config: ServerConfig) -> None:
         problems.append("--disaggregation-bootstrap-timeout must be positive")
     if config.otlp_traces_protocol not in ("http/protobuf", "grpc"):
         problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
-    problems.extend(_kv_events_problems(config))
+    problems.extend(_routing_problems(config))
     if problems:
         raise ValueError("; ".join(problems))
 
 
-def _kv_events_problems(config: ServerConfig) -> list[str]:
+def _routing_problems(config: ServerConfig) -> list[str]:
     problems = []
+    if (
+        config.scheduling_policy == "priority"
+        and config.enable_priority_scheduling
+        and not config.schedule_low_priority_values_first
+    ):
+        problems.append(
+            "--scheduling-policy priority runs lower priority values first and "
+            "--enable-priority-scheduling higher ones: give one (or add "
+            "--schedule-low-priority-values-first)"
+        )
     if config.kv_events_block_size < 1:
         problems.append("--kv-events-block-size must be at least 1")
     if config.kv_events_config is not None:

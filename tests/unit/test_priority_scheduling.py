@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.columns import from_column, split_token_rows
 from pipeline.config import SchedulingPolicy, ServerConfig
+from pipeline.server_args import check_config
 from pipeline.io_struct import (
     REQ_ID_DTYPE,
     BatchTokenIDOutput,
@@ -215,3 +216,12 @@ def test_a_retraction_for_the_pool_takes_the_lowest_priority(policy: SchedulingP
     victim = 1 if policy == "priority" else 2
     assert s.live[victim].retraction_count == 1 and s.live[3 - victim].retraction_count == 0
     assert sorted(outputs(s)[2]) == [1, 2]
+
+
+def test_the_two_peers_priority_orders_cannot_both_be_asked_for() -> None:
+    both = ServerConfig(scheduling_policy="priority", enable_priority_scheduling=True)
+    with pytest.raises(ValueError, match="give one"):
+        check_config(both)
+    check_config(
+        ServerConfig(**{**msgspec.structs.asdict(both), "schedule_low_priority_values_first": True})
+    )
