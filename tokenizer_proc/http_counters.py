@@ -15,13 +15,13 @@ the library's observations, per streamed event nothing (docs/design/metrics.md).
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from timeit import default_timer
+from typing import cast
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator import metrics, routing
-from starlette.datastructures import Headers
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,6 +61,20 @@ class _ResponseStart:
             self.status = message["status"]
             self.headers = message.get("headers", [])
         return self.__wrapped__(message)
+
+
+class _Lengths:
+    """What the library's observations read of a request or a response: ``headers`` with
+    the ``Content-Length`` (a streamed answer has none: 0)."""
+
+    __slots__ = ("headers",)
+
+    def __init__(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
+        self.headers: dict[str, str] = {}
+        for name, value in raw:
+            if name.lower() == b"content-length":
+                self.headers["Content-Length"] = value.decode("latin-1")
+                break
 
 
 class HttpCounters:
@@ -107,9 +121,10 @@ class HttpCounters:
     def _count(self, scope: Scope, handler: str, watched: _ResponseStart, took: float) -> None:
         status = watched.status
         info = metrics.Info(
-            request=Request(scope),
-            # Headers only: the library reads the answer's Content-Length (0 for a stream).
-            response=Response(headers=Headers(raw=watched.headers), status_code=status),
+            # Of a request and its answer the library reads only the Content-Length header:
+            # it gets that, without a Starlette Request and Response to build per request.
+            request=cast(Request, _Lengths(scope["headers"])),
+            response=cast(Response, _Lengths(watched.headers)),
             method=scope["method"],
             modified_handler=handler,
             modified_status=f"{str(status)[0]}xx",
