@@ -388,3 +388,20 @@ def test_the_router_log_names_no_refused_request(
     for log in (pd.log_path, replicas[0].log_path):
         text = Path(log).read_text()
         assert " 400 " not in text and "Bad Request" not in text, text[-2000:]
+
+
+def test_pd_priority_reaches_the_pair_through_the_router(pd: SglangRouter) -> None:
+    """sglang-router forwards ``priority`` on /generate and /v1/completions: the pair runs
+    without priority scheduling, so each half answers vLLM's 400 for a non-zero priority,
+    which only a forwarded field can cause (docs/operations.md: its chat route drops it).
+    Last in the module, after the check that the router's log names no refused request."""
+    bodies = {
+        "/generate": {"text": "hello there", "sampling_params": {"max_new_tokens": 2}},
+        "/v1/completions": {"model": MODEL, "prompt": "hello there", "max_tokens": 2},
+    }
+    with pd.client() as client:
+        for route, body in bodies.items():
+            assert client.post(route, json=body).status_code == 200
+            refused = client.post(route, json={**body, "priority": 3})
+            assert refused.status_code == 400, (route, refused.text)
+            assert "Priority scheduling is not enabled" in refused.text
