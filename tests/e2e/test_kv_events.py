@@ -284,8 +284,10 @@ def test_an_index_built_from_events_predicts_cached_tokens(served: Served) -> No
     bases = [prompt(rng, 96) for _ in range(6)]
     removed_before, hits = len(events.removed), 0
     for _ in range(200):
-        # A unique tail of 16 or more tokens: each request stores a block, our fence.
-        ids = rng.choice(bases)[: rng.randrange(0, 97)] + prompt(rng, rng.randrange(16, 40))
+        # A random tail of 18 or more tokens: even should its first token or two happen to
+        # continue a cached prefix, 16 new ones remain, so each request stores a block (its
+        # last full one), our fence.
+        ids = rng.choice(bases)[: rng.randrange(0, 97)] + prompt(rng, rng.randrange(18, 40))
         predicted = events.predict(ids)
         meta = served.generate(ids)
         assert meta["cached_tokens"] // BLOCK * BLOCK == predicted, (len(ids), meta)
