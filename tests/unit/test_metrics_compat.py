@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.io_struct import (
@@ -22,6 +23,7 @@ from pipeline.io_struct import (
     SchedulerStatsReport,
     SchedulerTimeStats,
 )
+from pipeline.config import MetricsCompat
 from tokenizer_proc.metrics import ServiceMetrics
 from tokenizer_proc.metrics_compat import FAMILIES
 from tokenizer_proc.peer_buckets import SGLANG_TTFT, VLLM_TTFT, one_two_five
@@ -82,9 +84,23 @@ def names(metrics: ServiceMetrics) -> set[str]:
     return {family.name for family in text_string_to_metric_families(metrics.render().decode())}
 
 
-def test_the_default_serves_tokenpipe_names_only() -> None:
-    metrics = ServiceMetrics("m")
-    assert all(name.startswith("tokenpipe:") for name in names(metrics))
+# The ecosystem's HTTP series (prometheus-fastapi-instrumentator's, as vLLM exports them), served
+# under every family (tokenizer_proc/http_counters.py); family names as the parser gives them.
+HTTP_SERIES = {
+    "http_requests",
+    "http_request_size_bytes",
+    "http_response_size_bytes",
+    "http_request_duration_highr_seconds",
+    "http_request_duration_seconds",
+}
+
+
+@pytest.mark.parametrize("compat", ["tokenpipe", "sglang", "vllm"])
+def test_each_family_serves_its_own_names_and_the_http_series(compat: MetricsCompat) -> None:
+    served = names(ServiceMetrics("m", compat=compat, context_length=1000))
+    assert HTTP_SERIES <= served
+    if compat == "tokenpipe":
+        assert all(name.startswith("tokenpipe:") for name in served - HTTP_SERIES)
 
 
 def test_vllm_counts_requests_by_finish_reason_and_tokens_as_the_meta_info_sums() -> None:
