@@ -55,6 +55,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: each stays bound while the next is picked."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+
+
 class Launched:
     """One child process, as a context manager. Its output (stdout and stderr together) is
     read by a thread into the last ``keep_lines`` lines (all with None), for the error
