@@ -14,7 +14,6 @@ Details: bench/README.md.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -53,10 +52,14 @@ def tools_variants(cfg: LoadConfig, tools: str) -> dict[str, LoadConfig]:
     }
 
 
-def api_us_per_token(run: dict[str, Any]) -> float | None:
-    """Microseconds of API CPU per output token received in a run's steady window."""
-    per_s = (run.get("cpu") or {}).get("tokens_per_api_cpu_s")
-    return 1e6 / per_s if per_s else None
+def api_us_per_token(runs: list[dict[str, Any]]) -> float | None:
+    """Microseconds of API CPU per output token received in the runs' steady windows, over all
+    of them together: the API's CPU is read in clock ticks (10 ms), which one short run's
+    window may not reach, while the runs together do. None: no API CPU was measured."""
+    cpu = [run.get("cpu") or {} for run in runs]
+    api_cpu = sum(c.get("api_cpu_s") or 0.0 for c in cpu)
+    tokens = sum(c.get("tokens_in_window") or 0 for c in cpu)
+    return 1e6 * api_cpu / tokens if api_cpu > 0 and tokens > 0 else None
 
 
 async def run_tools(
@@ -74,14 +77,10 @@ async def run_tools(
     )
     runs = {name: [row[name] for row in result["rounds"]] for name in ARMS}
     answers = {name: max(1, sum(run["completed"] for run in r)) for name, r in runs.items()}
-    us = {name: [api_us_per_token(run) for run in r] for name, r in runs.items()}
     return {
         "tools": len(json.loads(tools)),
         **result,
-        "api_us_per_token": {
-            name: statistics.median(v) if None not in v else None  # type: ignore[type-var]
-            for name, v in us.items()
-        },
+        "api_us_per_token": {name: api_us_per_token(r) for name, r in runs.items()},
         "tokens_per_answer": {
             name: sum(run["output_tokens"] for run in r) / answers[name] for name, r in runs.items()
         },
@@ -121,7 +120,7 @@ def fmt_tool_calling(s: dict[str, Any]) -> list[str]:
     )
     us = s["api_us_per_token"]
     lines.append(
-        "  API CPU us per streamed token, medians: "
+        "  API CPU us per streamed token, over the rounds together: "
         + ", ".join(
             f"{name} {us[name]:.1f}" if us[name] is not None else f"{name} n/a" for name in ARMS
         )
