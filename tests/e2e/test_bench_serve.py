@@ -513,7 +513,7 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
     """--api chat --tools: the chat workload without tools, with the shipped four tools and
     tool_choice none, and with required, in rotating rounds on one launched server. Every
     arm counts its tokens from the chunks' usage (nothing lost); the required arm's answers
-    are tool calls (a random model opens one in most of its 32 tokens: the grammar forces
+    are tool calls (a random model opens one in most of its 64 tokens: the grammar forces
     the call's name early) and no other arm has any; each arm has its API CPU per token."""
     out = tmp_path / "r.json"
     tools = Path(__file__).resolve().parents[2] / "bench" / "schemas" / "tools.json"
@@ -523,12 +523,13 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
         "chat",
         "--tools",
         str(tools),
+        # Enough tokens per arm that its API CPU over the rounds is many 10 ms clock ticks.
         "--concurrency",
-        "4",
+        "8",
         "--requests",
-        "4",
+        "8",
         "--max-new-tokens",
-        "32",
+        "64",
     ]
     assert bench.main([*argv, "--rounds", "3", "--no-progress", "--json", str(out)]) == 0
 
@@ -537,7 +538,7 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
         r["config"]["api"] == "chat"
         and r["errors"] == 0
         and r["tokens_lost"] == 0
-        and r["output_tokens"] == 4 * 32
+        and r["output_tokens"] == 8 * 64
     )
     tc = r["tool_calling"]
     assert tc["tools"] == 4
@@ -545,10 +546,10 @@ def test_tools_reports_three_arms_and_the_api_cpu_per_token(
     for row in tc["rounds"]:
         for name in ("no_tools", "tools_none", "tools"):
             assert (
-                row[name]["completed"] == 4 and row[name]["errors"] == row[name]["tokens_lost"] == 0
+                row[name]["completed"] == 8 and row[name]["errors"] == row[name]["tokens_lost"] == 0
             ), row[name]
-        assert row["no_tools"]["output_tokens"] == row["tools_none"]["output_tokens"] == 4 * 32
-        assert 0 < row["tools"]["output_tokens"] <= 4 * 32  # a call list may close before 32 tokens
+        assert row["no_tools"]["output_tokens"] == row["tools_none"]["output_tokens"] == 8 * 64
+        assert 0 < row["tools"]["output_tokens"] <= 8 * 64  # a call list may close before 64 tokens
         assert row["no_tools"]["tool_calls"] == row["tools_none"]["tool_calls"] == 0
     assert tc["tool_calls_per_answer"]["tools"] > 0
     for name in ("tools_none", "tools"):
