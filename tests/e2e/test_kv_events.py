@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,13 +74,14 @@ class KVEventBatch(EventBatch):
 
 
 def vllm_hashes(tokens: list[int], salt: str | None = None) -> list[int]:
-    """vLLM's block hashes (sha256_cbor, NONE_HASH from its default seed, the salt an extra
-    key of block 0), as its events carry them by default: the low 64 bits."""
+    """vLLM's block hashes (sha256_cbor, NONE_HASH from PYTHONHASHSEED or its default seed,
+    the salt an extra key of block 0), as its events carry them by default: the low 64 bits."""
 
     def sha(value: object) -> bytes:
         return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
 
-    parent, out = sha("vllm-none-hash"), []
+    # The server inherits this environment: NONE_HASH's seed is PYTHONHASHSEED when set.
+    parent, out = sha(os.environ.get("PYTHONHASHSEED", "vllm-none-hash")), []
     for b in range(len(tokens) // BLOCK):
         extra = (("cache_salt", salt),) if b == 0 and salt is not None else None
         parent = sha((parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK]), extra))
