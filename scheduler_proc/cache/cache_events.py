@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from scheduler_proc.cache.radix_node import RadixNode, RadixRoot
+from scheduler_proc.cache.radix_node import RadixNode
 
 
 class CacheEvents(Protocol):
     """What watches the tree's contents (``scheduler_proc.kv_events``): told when a node's
-    tokens are stored in or removed from a tier (``medium``: ``DEVICE``, or a lower tier's
-    name), when a node splits, and when the tree is flushed."""
+    tokens are stored in or removed from a tier (``medium``: the names of
+    ``pipeline/kv_events.py``), when a node splits, and when the tree is flushed."""
 
     def stored(self, node: RadixNode, medium: str) -> None: ...
 
@@ -19,7 +19,8 @@ class CacheEvents(Protocol):
 
     def split(self, head: RadixNode, tail: RadixNode, at: int) -> None: ...
 
-    def cleared(self, roots: list[RadixRoot]) -> None: ...
+    def cleared(self, top_nodes: list[RadixNode]) -> None:
+        """The tree was flushed; ``top_nodes`` (``RadixCache.top_nodes``) hold what stays."""
 
 
 class NoCacheEvents:
@@ -34,8 +35,5 @@ class NoCacheEvents:
     def split(self, head: RadixNode, tail: RadixNode, at: int) -> None:
         pass
 
-    def cleared(self, roots: list[RadixRoot]) -> None:
+    def cleared(self, top_nodes: list[RadixNode]) -> None:
         pass
-
-
-DEVICE = "GPU"  # the device tier's medium in KV cache events (vLLM's name, whatever the device)

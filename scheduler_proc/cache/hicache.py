@@ -25,6 +25,7 @@ import torch
 
 from pipeline.control_frames import HiCacheStorageControl, HiCacheStorageState
 from pipeline.io_struct import CachedTokensDetails
+from pipeline.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.kv_storage import (
     STORAGE_BACKENDS,
@@ -170,7 +171,7 @@ class HiCache:
             return
         cache = self._cache()
         dropped = 0
-        stack = [child for root in cache.roots() for child in root.children.values()]
+        stack = cache.top_nodes()
         while stack:
             node = stack.pop()
             if node.value is None and node.host_value is None:
@@ -255,11 +256,11 @@ class HiCache:
         assert hv is not None
         if self._write_storage(node, self.host.k[:, hv], self.host.v[:, hv]):
             events = self._cache().events
-            events.removed(node, "CPU")
+            events.removed(node, MEDIUM_CPU)
             self.host.free(hv)
             node.host_value = None
             self._host_nodes.discard(node)
-            events.stored(node, "STORAGE")
+            events.stored(node, MEDIUM_STORAGE)
         else:
             self._cache().remove_subtree(node)  # frees its host slots (and its subtree's)
 
@@ -339,7 +340,7 @@ class HiCache:
             hv = node.host_value
             if hv is not None:
                 k, v = self.host.k[:, hv], self.host.v[:, hv]  # advanced indexing: copies
-                self._cache().events.removed(node, "CPU")
+                self._cache().events.removed(node, MEDIUM_CPU)
                 self.release(node)
                 out.host_tokens += n
             else:
@@ -357,7 +358,7 @@ class HiCache:
                 files[ref.key] = data
                 k = data[0][:, ref.offset : ref.offset + n]
                 v = data[1][:, ref.offset : ref.offset + n]
-                self._cache().events.removed(node, "STORAGE")
+                self._cache().events.removed(node, MEDIUM_STORAGE)
                 node.storage = None
                 out.storage_tokens += n
             out.nodes.append(node)
@@ -408,7 +409,7 @@ class HiCache:
     def tier_sizes(self) -> dict[str, int]:
         """Tokens the tree holds per tier, from a walk of the tree (tests, debugging)."""
         sizes = {"device": 0, "host": 0, "storage": 0}
-        stack = [child for root in self._cache().roots() for child in root.children.values()]
+        stack = self._cache().top_nodes()
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -427,7 +428,7 @@ class HiCache:
         host pool's used slots are exactly the host nodes'."""
         rank = {"device": 0, "host": 1, "storage": 2}
         host_used = host_nodes = 0
-        stack = [(c, 0) for root in self._cache().roots() for c in root.children.values()]
+        stack = [(c, 0) for c in self._cache().top_nodes()]
         while stack:
             node, parent_rank = stack.pop()
             tiers = [node.value is not None, node.host_value is not None, node.storage is not None]

@@ -21,7 +21,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from scheduler_proc.cache.cache_events import DEVICE, CacheEvents, NoCacheEvents
+from pipeline.kv_events import MEDIUM_GPU
+from scheduler_proc.cache.cache_events import CacheEvents, NoCacheEvents
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.radix_node import (
     UNSALTED,
@@ -111,6 +112,10 @@ class RadixCache:
     def roots(self) -> list[RadixRoot]:
         """Every namespace's root (the unsalted one first)."""
         return list(self._roots.values())
+
+    def top_nodes(self) -> list[RadixNode]:
+        """The nodes right below every namespace's root: where a walk of the tree starts."""
+        return [child for root in self._roots.values() for child in root.children.values()]
 
     def _root(self, namespace: CacheNamespace) -> RadixRoot:
         root = self._roots.get(namespace)
@@ -236,7 +241,7 @@ class RadixCache:
             # requests' own paths, not what other requests add below them.
             self._evictable += len(leaf)
             self._push_if_evictable(leaf)
-            self.events.stored(leaf, DEVICE)
+            self.events.stored(leaf, MEDIUM_GPU)
         else:
             self._push_if_evictable(node)
         if duplicates:
@@ -258,7 +263,7 @@ class RadixCache:
         self.lower.release(node)
         self._evictable += len(node)
         self._push_if_evictable(node)
-        self.events.stored(node, DEVICE)
+        self.events.stored(node, MEDIUM_GPU)
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Splits child's run at `at` (0 < at < len): a new node takes the head and becomes
@@ -300,7 +305,7 @@ class RadixCache:
             self._evictable -= len(node)
             count += len(node)
             freed.append(node.value)
-            self.events.removed(node, DEVICE)
+            self.events.removed(node, MEDIUM_GPU)
             if self.lower.demote(node):
                 node.value = None  # stays in the tree, its KV one tier down
                 medium = lower_medium(node)
@@ -314,9 +319,10 @@ class RadixCache:
             self.kv.free(freed[0] if len(freed) == 1 else torch.cat(freed))
         return count
 
-    def remove_subtree(self, node: RadixNode) -> None:
+    def remove_subtree(self, node: RadixNode, *, announce: bool = True) -> None:
         """Takes an off-device node and everything below it out of the tree, releasing
-        their lower-tier copies (device nodes are never below an off-device one)."""
+        their lower-tier copies (device nodes are never below an off-device one), and with
+        ``announce`` tells the events of each copy that goes."""
         assert node.value is None and node.parent is not None
         parent = node.parent
         del parent.children[int(node.key[0])]
@@ -326,7 +332,7 @@ class RadixCache:
             assert n.value is None and n.lock_ref == 0
             stack.extend(n.children.values())
             medium = lower_medium(n)
-            if medium is not None:
+            if announce and medium is not None:
                 self.events.removed(n, medium)
             self.lower.release(n)
             n.parent = None
@@ -341,7 +347,6 @@ class RadixCache:
         device = host = storage = 0
         freed: list[torch.Tensor] = []
         stack: list[RadixNode] = list(self.roots())
-        events, self.events = self.events, NoCacheEvents()  # one "cleared", not a removal each
         while stack:
             for child in list(stack.pop().children.values()):
                 if child.lock_ref > 0:
@@ -356,9 +361,8 @@ class RadixCache:
                         host += len(node)
                     else:
                         storage += len(node)
-                self.remove_subtree(child)
-        self.events = events
-        events.cleared(self.roots())
+                self.remove_subtree(child, announce=False)  # one "cleared" says it all
+        self.events.cleared(self.top_nodes())
         self._evictable -= device
         if freed:
             self.kv.free(torch.cat(freed))
@@ -394,7 +398,7 @@ class RadixCache:
         if len(self._heap) <= 2 * self._num_nodes + 64:
             return
         live: list[tuple[float, int, RadixNode]] = []
-        stack = [child for root in self.roots() for child in root.children.values()]
+        stack = self.top_nodes()
         while stack:
             node = stack.pop()
             if node.children:

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pipeline.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
+
 _EMPTY_KEY = np.empty(0, dtype=np.int64)
 
 
@@ -104,7 +106,7 @@ def lower_medium(node: RadixNode) -> str | None:
     """The lower tier an off-device node's KV is in (KV cache events' medium names), or None
     for a device node and for one between HiCache's fetch and install (in no tier)."""
     if node.host_value is not None:
-        return "CPU"
+        return MEDIUM_CPU
     if node.storage is not None:
-        return "STORAGE"
+        return MEDIUM_STORAGE
     return None

@@ -77,11 +77,11 @@ class BlockEvents:
         in_head = (start + at) // size - start // size
         head.block_hashes, tail.block_hashes = hashes[:in_head], hashes[in_head:]
 
-    def cleared(self, roots: list[RadixRoot]) -> None:
+    def cleared(self, top_nodes: list[RadixNode]) -> None:
         """The tree was flushed: what requests still hold (locked prefixes) stays, and is
         announced again after the clear, so an index built from the events stays exact."""
         self._pending.append(AllBlocksCleared())
-        stack: list[RadixNode] = [c for root in roots for c in root.children.values()]
+        stack = list(top_nodes)
         while stack:
             node = stack.pop()
             medium = MEDIUM_GPU if node.value is not None else lower_medium(node)
@@ -94,23 +94,22 @@ class BlockEvents:
     def _above(self, node: RadixNode) -> tuple[int, bytes | None, list[int], str | None]:
         """Where node starts in its prefix, the hash of the last full block before it (None
         when there is none), the tokens of the partial block it continues, and its
-        namespace's salt: one walk up to the root."""
-        size = self.block_size
-        start = _start_of(node)
-        need = start % size  # the head of node's first block lies above it
-        head: list[int] = []
-        parent_hash: bytes | None = None
+        namespace's salt: from one walk up to the root."""
+        ancestors: list[RadixNode] = []  # the nearest first
         at = node.parent
         while not isinstance(at, RadixRoot):
             assert at is not None, "a node in the tree has a root above it"
-            if len(head) < need:
-                take = at.key[-(need - len(head)) :].tolist()
-                head = take + head
-            if parent_hash is None and start >= size:
-                hashes = self._hashes_of(at)
-                if hashes:
-                    parent_hash = hashes[-1]
+            ancestors.append(at)
             at = at.parent
+        start = sum(len(a) for a in ancestors)
+        need = start % self.block_size  # the head of node's first block lies above it
+        head: list[int] = []
+        for a in ancestors:
+            if len(head) >= need:
+                break
+            head = a.key[-(need - len(head)) :].tolist() + head
+        # The last full block before node belongs to the nearest ancestor that holds one.
+        parent_hash = next((h[-1] for a in ancestors if (h := self._hashes_of(a))), None)
         return start, parent_hash, head, at.namespace.salt
 
     def _hashes(
