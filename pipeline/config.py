@@ -155,6 +155,23 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = False
 
+    # LoRA adapters (docs/design/lora.md)
+    enable_lora: Annotated[
+        bool, Flag("lora", "serve LoRA adapters (PEFT's format) per request")
+    ] = False
+    lora_modules: Annotated[
+        tuple[str, ...],
+        Flag("lora", "adapters served from the start: name=path, or vLLM's JSON", nargs="+"),
+    ] = ()
+    lora_paths: Annotated[
+        tuple[str, ...], Flag("lora", "SGLang's spelling: name=path, path, or JSON", nargs="+")
+    ] = ()
+    max_loras: Annotated[int, Flag("lora", "adapters a batch may use at once (slots)")] = 1
+    max_lora_rank: Annotated[int, Flag("lora", "the largest adapter rank served")] = 16
+    max_cpu_loras: Annotated[
+        int | None, Flag("lora", "adapters kept read in memory (default: --max-loras)")
+    ] = None
+
     # Tenancy and routing signals (docs/design/tenancy.md)
     scheduling_policy: Annotated[
         SchedulingPolicy,
@@ -430,6 +447,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def priority_scheduling(self) -> bool:
         """Whether requests are admitted by priority (either peer's flag)."""
         return self.scheduling_policy == "priority" or self.enable_priority_scheduling
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether adapters are served (``--enable-lora``, or adapters named at start)."""
+        return self.enable_lora or bool(self.lora_modules or self.lora_paths)
 
     @property
     def engine_type(self) -> str:

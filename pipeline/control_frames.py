@@ -75,12 +75,42 @@ class UpdateWeightsControl(
     flush_cache: bool = True
 
 
+class LoraAdapter(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One adapter the scheduler serves: its name (the ``model`` a request names), the
+    directory it was read from, and its load id (vLLM's ``lora_int_id``, from 1): loading
+    under a name again gives a new id, so nothing cached for the old weights is reused."""
+
+    name: str
+    path: str
+    id: int
+
+
+class LoadLoraControl(msgspec.Struct, tag="load_lora", array_like=True, gc=False):
+    """API -> scheduler: read the PEFT adapter in ``path`` and serve it as ``name``
+    (``/v1/load_lora_adapter``, SGLang's ``/load_lora_adapter``). Answered with a
+    ``LoraControlResult``; an adapter that cannot be served changes nothing."""
+
+    control_id: int
+    name: str
+    path: str
+
+
+class UnloadLoraControl(msgspec.Struct, tag="unload_lora", array_like=True, gc=False):
+    """API -> scheduler: stop serving adapter ``name`` to new requests (those running on
+    it finish on it). Answered with a ``LoraControlResult``."""
+
+    control_id: int
+    name: str
+
+
 ControlInput = (
     HiCacheStorageControl
     | FlushCacheControl
     | PauseControl
     | ContinueControl
     | UpdateWeightsControl
+    | LoadLoraControl
+    | UnloadLoraControl
 )
 
 
@@ -142,6 +172,23 @@ class RolloutState(msgspec.Struct, tag="rollout_state", array_like=True, gc=Fals
     seconds: float = 0.0
 
 
+class LoraControlResult(
+    msgspec.Struct, tag="lora_result", array_like=True, omit_defaults=True, gc=False
+):
+    """Scheduler -> API: the answer to a ``LoadLoraControl`` or ``UnloadLoraControl``.
+    ``ok`` False carries the reason in ``error`` and the HTTP status it deserves
+    (``status_code``: 404 for an unknown name, 400 otherwise). ``adapters``: every adapter
+    served after the call."""
+
+    control_id: int
+    ok: bool
+    error: str = ""
+    status_code: int = 200
+    adapters: tuple[LoraAdapter, ...] = ()
+
+
 # The scheduler's answers to control messages: each goes back to the API worker whose
 # index its control_id carries.
-ControlAnswer = HiCacheStorageState | FlushCacheResult | AbortResult | RolloutState
+ControlAnswer = (
+    HiCacheStorageState | FlushCacheResult | AbortResult | RolloutState | LoraControlResult
+)

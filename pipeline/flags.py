@@ -36,6 +36,7 @@ class Flag:
     parse: Callable[[str], Any] | None = None  # instead of the type the field's annotation gives
     env: str | None = None  # read when the flag is absent or empty
     hidden: bool = False  # accepted, but not listed by --help
+    nargs: str | None = None  # "+": the flag takes one or more values (a tuple field)
 
     def option(self, field: str) -> str:
         return self.spelling or "--" + field.replace("_", "-")
@@ -124,6 +125,8 @@ def add_flags(parser: argparse.ArgumentParser, struct: type[msgspec.Struct]) -> 
             settings["type"] = flag.parse
         elif kind in (int, float):
             settings["type"] = kind
+        if flag.nargs is not None:
+            settings["nargs"] = flag.nargs
         group.add_argument(option, **settings)
 
 

@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from pipeline.control_frames import ControlAnswer, ControlInput, PauseMode
+from pipeline.control_frames import ControlAnswer, ControlInput, LoraAdapter, PauseMode
 
 # --- columns ---------------------------------------------------------------------------
 
@@ -113,6 +113,14 @@ class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     reasoning_end: tuple[int, ...] = ()
 
 
+class LoraRef(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """The adapter a request names, as the API worker resolved it from the scheduler's last
+    report: its name and load id (``LoraAdapter.id``)."""
+
+    name: str
+    id: int
+
+
 class TokenizedGenerateReqInput(
     msgspec.Struct, tag="gen", array_like=True, omit_defaults=True, gc=False
 ):
@@ -133,6 +141,7 @@ class TokenizedGenerateReqInput(
     # The tenant's prefix-cache salt: requests share cached KV only under the same salt.
     cache_salt: str | None = None
     priority: int = 0  # under priority scheduling; its order is the server's flag's
+    lora: LoraRef | None = None  # the adapter it runs with; None: the base model
 
 
 class TokenizedEmbeddingReqInput(
@@ -383,6 +392,12 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     weight_updates_ok: int = 0
     weight_updates_failed: int = 0
     weight_update_seconds: tuple[float, ...] = ()
+    # LoRA (zeros when off): every adapter served, the slots, and the adapters of the
+    # running and waiting requests (vLLM's lora_requests_info labels).
+    lora_adapters: tuple[LoraAdapter, ...] = ()
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 DetokenizerInput = BatchTokenIDOutput | BatchEmbeddingOutput | SchedulerStatsReport | ControlAnswer
@@ -411,6 +426,7 @@ class KVFetch(msgspec.Struct, tag="kv_fetch", array_like=True, gc=False):
     token_ids: list[int]
     prompt_tokens: int
     layout: KVLayout
+    lora: str | None = None  # the adapter the KV is computed with (its name); None: the base
 
 
 class KVTransferHeader(msgspec.Struct, tag="kv_header", array_like=True, gc=False):

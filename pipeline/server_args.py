@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pipeline.config import CONFIG_ENV, ServerConfig
 from pipeline.flags import add_flags, from_args
 from pipeline.kv_events import parse_kv_events_config
+from pipeline.lora_modules import parse_lora_modules
 from pipeline.worker_ids import MAX_API_WORKERS
 
 
@@ -71,6 +72,7 @@ def check_config(config: ServerConfig) -> None:
     if config.otlp_traces_protocol not in ("http/protobuf", "grpc"):
         problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
     problems.extend(_routing_problems(config))
+    problems.extend(_lora_problems(config))
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -94,6 +96,23 @@ def _routing_problems(config: ServerConfig) -> list[str]:
             parse_kv_events_config(config.kv_events_config)
         except ValueError as exc:
             problems.append(str(exc))
+    return problems
+
+
+def _lora_problems(config: ServerConfig) -> list[str]:
+    if not config.lora_enabled:
+        return []
+    problems = []
+    if config.max_loras < 1 or config.max_lora_rank < 1:
+        problems.append("--max-loras and --max-lora-rank must be at least 1")
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        problems.append("--max-cpu-loras must be at least --max-loras")
+    if config.mode != "generate":
+        problems.append("LoRA adapters (--enable-lora) need --mode generate")
+    try:
+        parse_lora_modules(config.lora_modules, config.lora_paths)
+    except ValueError as exc:
+        problems.append(str(exc))
     return problems
 
 

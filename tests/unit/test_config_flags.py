@@ -21,6 +21,8 @@ FLAGS = {
     "--model-path", "--served-model-name", "--model-seed", "--weight-version", "--device",
     "--scheduling-policy", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
     "--kv-events-config", "--kv-events-block-size", "--enable-request-id-headers",
+    "--enable-lora", "--lora-modules", "--lora-paths", "--max-loras", "--max-lora-rank",
+    "--max-cpu-loras",
     "--dtype", "--torch-threads",
     "--mode", "--context-length", "--skip-tokenizer-init", "--max-total-tokens",
     "--max-running-requests", "--disable-overlap-schedule", "--decode-kv-rows",
