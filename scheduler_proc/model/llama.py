@@ -26,6 +26,7 @@ from scheduler_proc.model.forward_batch import AttentionLayout, ForwardBatch
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.model import batch_invariant
 from scheduler_proc.model.attention import pool_attention
+from scheduler_proc.model.lora_delta import LoraPass, add_delta
 from scheduler_proc.model.rotary import rotary_tables
 from scheduler_proc.model.weights import (
     checkpoint_dtype,
@@ -43,6 +44,10 @@ def _param(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtyp
 
 class Linear(nn.Module):
     bias: torch.Tensor | None
+    # LoRA slots' stacked A [slots * rank, in] and B [out, slots * rank] (set by
+    # scheduler_proc.lora.slots); None: no adapter changes this projection.
+    lora_a: torch.Tensor | None
+    lora_b: torch.Tensor | None
 
     def __init__(
         self,
@@ -62,9 +67,15 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         # Each row the same bits at any row count (batch_invariant.linear), chosen once here.
         self._linear = batch_invariant.linear if deterministic else F.linear
+        # Non-persistent buffers: no checkpoint, weight load or weight update sees them.
+        self.register_buffer("lora_a", None, persistent=False)
+        self.register_buffer("lora_b", None, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoraPass | None = None) -> torch.Tensor:
+        y = self._linear(x, self.weight, self.bias)
+        if lora is None or self.lora_a is None or self.lora_b is None:
+            return y
+        return add_delta(y, x, self.lora_a, self.lora_b, lora, self._linear)
 
 
 class Embedding(nn.Module):
@@ -128,11 +139,13 @@ class LlamaAttention(nn.Module):
             RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
         )
 
-    def forward(self, x: torch.Tensor, layout: AttentionLayout, kv: KVPool) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, layout: AttentionLayout, kv: KVPool, lora: LoraPass | None
+    ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, lora).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, lora).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, layout.cos, layout.sin), apply_rotary(k, layout.cos, layout.sin)
@@ -146,7 +159,7 @@ class LlamaAttention(nn.Module):
             self.head_dim**-0.5,
             self.layer_idx,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -160,8 +173,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(i, h, device, dtype, bias=bias, deterministic=deterministic)
         self.silu = batch_invariant.silu if deterministic else F.silu
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LoraPass | None) -> torch.Tensor:
+        gated = self.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora)
+        return self.down_proj(gated, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -179,9 +193,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
-    def forward(self, h: torch.Tensor, layout: AttentionLayout, kv: KVPool) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), layout, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, layout: AttentionLayout, kv: KVPool, lora: LoraPass | None
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), layout, kv, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
 
 
 class LlamaModel(nn.Module):
@@ -239,24 +255,32 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv: KVPool, *, return_hidden: bool = False
+        self,
+        batch: ForwardBatch,
+        kv: KVPool,
+        *,
+        return_hidden: bool = False,
+        lora: LoraPass | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns float32 logits [B, vocab] at each sequence's last new token and, when
-        return_hidden, the final-normed hidden states [T, hidden] of all new tokens."""
-        h = self.hidden_states(batch, kv)
+        return_hidden, the final-normed hidden states [T, hidden] of all new tokens.
+        ``lora``: the adapters' delta of the pass's tokens (None: the base model alone)."""
+        h = self.hidden_states(batch, kv, lora)
         # lm_head only on the rows that are sampled from: the vocab matmul dominates at decode.
         last = torch.cumsum(batch.new_lens, 0) - 1
         return self.logits(h[last]), (h if return_hidden else None)
 
     @torch.inference_mode()
-    def hidden_states(self, batch: ForwardBatch, kv: KVPool) -> torch.Tensor:
+    def hidden_states(
+        self, batch: ForwardBatch, kv: KVPool, lora: LoraPass | None = None
+    ) -> torch.Tensor:
         """The final-normed hidden states [T, hidden] of all new tokens; writes their KV."""
         layout = AttentionLayout.from_batch(
             batch, self.rotary_cos, self.rotary_sin, self.dtype, deterministic=self.deterministic
         )
         h = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
-            h = layer(h, layout, kv)
+            h = layer(h, layout, kv, lora)
         return self.model.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from pipeline.model_config import load_model_config
 from scheduler_proc.model.forward_batch import ForwardBatch, decode_key_columns, key_align
 from scheduler_proc.cache.kv_pool import KVPool
 from scheduler_proc.cache.row_kv import NoRowKV, RowKV
+from scheduler_proc.lora.runtime import LoraRuntime
 from scheduler_proc.model.host_memory import keep_freed_host_memory
 from scheduler_proc.model.llama import LlamaForCausalLM
 from scheduler_proc.model.thread_budget import thread_budget
@@ -71,6 +72,13 @@ class ModelRunner:
         )
         budget = row_kv_budget(config, self.device)
         self.row_kv: RowKV | NoRowKV = RowKV(self.kv, budget) if budget else NoRowKV()
+        # Adapters (docs/design/lora.md): the registry and the model's slots; None unless
+        # the server serves adapters, and then a pass without adapter rows does no LoRA work.
+        self.lora = (
+            LoraRuntime.start(config, self.model_config, self.model)
+            if config.lora_enabled
+            else None
+        )
 
     def extend(
         self,
@@ -79,13 +87,19 @@ class ModelRunner:
         new_slots: list[torch.Tensor],
         *,
         return_hidden: bool = False,
+        lora_slots: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One batched pass: sequence b has ``prefix_slots[b]`` already in the pool and
-        appends ``new_token_ids[b]`` into ``new_slots[b]``. Returns last-token logits [B, V]
+        appends ``new_token_ids[b]`` into ``new_slots[b]``, with the adapter in LoRA slot
+        ``lora_slots[b]`` (-1 or None: the base model). Returns last-token logits [B, V]
         and, when asked, the final hidden states of all new tokens [T, H]."""
         batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device)
+        lora = None
+        if lora_slots is not None and self.lora is not None:
+            per_token = np.repeat(lora_slots, [len(ids) for ids in new_token_ids])
+            lora = self.lora.pass_for(per_token)
         with torch.inference_mode():
-            return self.model.forward(batch, self.kv, return_hidden=return_hidden)
+            return self.model.forward(batch, self.kv, return_hidden=return_hidden, lora=lora)
 
     def decode(
         self,
@@ -93,11 +107,13 @@ class ModelRunner:
         seq_lens: np.ndarray,
         kv_slot_table: torch.Tensor,
         joined: np.ndarray,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One decode pass over the running batch (``RunningBatch``'s columns): row b's last
         token, at position ``seq_lens[b] - 1``, whose KV slot is in ``kv_slot_table``; the
         request in row b joined the batch as ``joined[b]`` (which says whether the dense KV
-        copy's row b is still its). Returns last-token logits [B, V]."""
+        copy's row b is still its) and runs the adapter in LoRA slot ``lora_slots[b]`` (-1 or
+        None: the base model). Returns last-token logits [B, V]."""
         row_kv = self.row_kv.prepare(
             joined,
             seq_lens,
@@ -111,8 +127,11 @@ class ModelRunner:
             self.device,
             row_kv,
         )
+        lora = None
+        if lora_slots is not None and self.lora is not None:
+            lora = self.lora.pass_for(lora_slots)
         with torch.inference_mode():
-            logits, _ = self.model.forward(batch, self.kv)
+            logits, _ = self.model.forward(batch, self.kv, lora=lora)
             return logits
 
     def logits_at(
