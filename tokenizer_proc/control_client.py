@@ -1,6 +1,6 @@
 """Control round trips from an API worker to the scheduler: HiCache storage, /flush_cache,
-aborting another API worker's request by rid, and the rollout controls (pause, continue,
-new weights). Each sends one message with a
+aborting another API worker's request by rid, the rollout controls (pause, continue,
+new weights) and LoRA adapters (load, unload). Each sends one message with a
 ``control_id`` and waits for the scheduler's answer of the same id, which comes between two
 scheduler steps through the same socket as the output frames (``handle_output`` hands it to
 ``answer``)."""
@@ -20,16 +20,21 @@ from pipeline.control_frames import (
     FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
+    LoadLoraControl,
+    LoraControlResult,
     PauseControl,
     PauseMode,
     RolloutState,
+    UnloadLoraControl,
     UpdateWeightsControl,
 )
 from pipeline.io_struct import AbortReq, SchedulerInput
 from pipeline.worker_ids import WORKER_SHIFT
 
 # The scheduler's answers to control messages are matched to their call by ``control_id``.
-_Answer = TypeVar("_Answer", HiCacheStorageState, FlushCacheResult, AbortResult, RolloutState)
+_Answer = TypeVar(
+    "_Answer", HiCacheStorageState, FlushCacheResult, AbortResult, RolloutState, LoraControlResult
+)
 
 
 class ControlClient:
@@ -109,6 +114,24 @@ class ControlClient:
             ),
             RolloutState,
             None,
+        )
+
+    async def load_lora(self, name: str, path: str, timeout: float) -> LoraControlResult | None:
+        """Asks the scheduler to read the adapter in ``path`` and serve it as ``name``
+        (``LoadLoraControl``); None when no answer came within ``timeout``."""
+        return await self._round_trip(
+            lambda control_id: LoadLoraControl(control_id=control_id, name=name, path=path),
+            LoraControlResult,
+            timeout,
+        )
+
+    async def unload_lora(self, name: str, timeout: float) -> LoraControlResult | None:
+        """Asks the scheduler to stop serving adapter ``name`` to new requests
+        (``UnloadLoraControl``); None when no answer came within ``timeout``."""
+        return await self._round_trip(
+            lambda control_id: UnloadLoraControl(control_id=control_id, name=name),
+            LoraControlResult,
+            timeout,
         )
 
     async def _round_trip(

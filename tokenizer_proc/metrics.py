@@ -1,7 +1,7 @@
 """Prometheus metrics of the whole service, served by the API process on ``/metrics``.
 
-``ServiceMetrics`` holds the scheduler's gauges (``scheduler_gauges.py``) and the request
-metrics (``request_metrics.py``); under ``--disable-metrics`` ``NoMetrics`` stands in: it
+``ServiceMetrics`` holds the scheduler's gauges (``scheduler_gauges.py``), the request
+metrics (``request_metrics.py``) and the LoRA series (``lora_metrics.py``); under ``--disable-metrics`` ``NoMetrics`` stands in: it
 observes nothing and ``/metrics`` serves an empty body. With several API workers
 (``--api-workers``) each keeps its values in prometheus-client's multiprocess directory
 (``PROMETHEUS_MULTIPROC_DIR``, which the supervisor sets) and any of them renders the sum of
@@ -22,6 +22,7 @@ from starlette.types import ASGIApp
 from pipeline.config import MetricsCompat, ServerConfig
 from pipeline.io_struct import SchedulerStatsReport
 from tokenizer_proc.http_counters import HttpCounters, http_observer
+from tokenizer_proc.lora_metrics import LoraMetrics, NoLoraMetrics
 from tokenizer_proc.metrics_compat import Naming
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_metrics import RequestMetrics
@@ -45,12 +46,14 @@ class ServiceMetrics:
         # vLLM's token-count buckets reach it: only --metrics-compat vllm needs it.
         context_length: int = 0,
         kv_dtype: str = "auto",  # --dtype, which vLLM's cache config info names
+        lora: bool = False,  # adapters are served: the LoRA series are kept
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.multiprocess = multiprocess
         naming = Naming(compat, self.registry, model_name, engine_type, context_length)
         self.scheduler = SchedulerGauges(naming, kv_dtype)
         self.requests = RequestMetrics(naming)
+        self.lora: LoraMetrics | NoLoraMetrics = LoraMetrics(naming) if lora else NoLoraMetrics()
         # The ecosystem's own names (vLLM's, from prometheus-fastapi-instrumentator) under
         # every --metrics-compat family.
         self._observe_http = http_observer(self.registry)
@@ -113,6 +116,7 @@ class NoMetrics:
     def __init__(self) -> None:
         self.scheduler = NoSchedulerGauges()
         self.requests = NoRequestMetrics()
+        self.lora = NoLoraMetrics()
 
     def count_http(self, edge: ASGIApp, routes: FastAPI) -> ASGIApp:
         return edge
@@ -135,4 +139,5 @@ def service_metrics(config: ServerConfig, model_name: str, context_length: int) 
         compat=config.metrics_compat,
         context_length=context_length,
         kv_dtype=config.dtype,
+        lora=config.lora_enabled,
     )

@@ -43,9 +43,10 @@ Buckets = tuple[float, ...] | Callable[[int], tuple[float, ...]]
 
 
 # Which of a family's label sets a series carries (``Family.label_sets``): a request's, the
-# scheduler's (SGLang labels its scheduler's series by parallel rank too), or a config info
-# gauge's (vLLM's carries its engine and no model name).
-LabelSet = Literal["request", "scheduler", "info"]
+# scheduler's (SGLang labels its scheduler's series by parallel rank too), a config info
+# gauge's (vLLM's carries its engine and no model name), or none (vLLM's lora_requests_info
+# carries only its own labels).
+LabelSet = Literal["request", "scheduler", "info", "bare"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,10 @@ def _vllm_labels(model_name: str, engine_type: str) -> dict[str, str]:
 
 def _vllm_info_labels(model_name: str, engine_type: str) -> dict[str, str]:
     return {"engine": "0"}  # vLLM's cache_config_info: the engine and the config, no model
+
+
+def _no_labels(model_name: str, engine_type: str) -> dict[str, str]:
+    return {}
 
 
 def _same_names(prefix: str, *keys: str, label_set: LabelSet = "request") -> dict[str, Series]:
@@ -181,7 +186,12 @@ SGLANG = Family(
 
 VLLM = Family(
     MappingProxyType(
-        {"request": _vllm_labels, "scheduler": _vllm_labels, "info": _vllm_info_labels}
+        {
+            "request": _vllm_labels,
+            "scheduler": _vllm_labels,
+            "info": _vllm_info_labels,
+            "bare": _no_labels,
+        }
     ),
     MappingProxyType(
         {
@@ -242,6 +252,7 @@ VLLM = Family(
             "prompt_tokens_recomputed": Series("vllm:prompt_tokens_recomputed"),
             "num_requests_waiting_by_reason": Series("vllm:num_requests_waiting_by_reason"),
             "cache_config_info": Series("vllm:cache_config_info", label_set="info"),
+            "lora_requests_info": Series("vllm:lora_requests_info", label_set="bare"),
         }
     ),
 )

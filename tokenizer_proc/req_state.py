@@ -21,6 +21,7 @@ import numpy as np
 from pipeline.io_struct import (
     FinishReason,
     LogprobParams,
+    LoraRef,
     RequestOutputStats,
     SamplingParams,
     TraceContext,
@@ -95,6 +96,7 @@ class ReqState:
     # The structured output's kind (``Constraint.kind``), for the metrics and the span;
     # None: unconstrained.
     constraint_kind: str | None = None
+    lora: LoraRef | None = None  # the adapter it runs with; None: the base model
     # The n > 1 choices this one is of; None: a request of its own.
     choices: ChoiceGroup | None = None
     tokenized_time: float | None = None  # when the request left for the scheduler

@@ -9,18 +9,16 @@ prompts must be token ids, and whatever needs text (a text prompt, stop strings,
 placeholders, chat templates, /tokenize) is refused with a 400 from
 ``request_checks.without_tokenizer``. What a request is checked for before it is submitted
 is ``RequestChecks``' (``checks``); the control round trips are ``ControlClient``'s
-(``controls``).
+(``controls``); the adapters served are ``ServedAdapters``' (``loras``).
 """
 
 from __future__ import annotations
-
-from typing import get_args
 
 import itertools
 import logging
 import time
 from collections.abc import Callable
-
+from typing import get_args
 
 from pipeline.config import ServerConfig
 from pipeline.dispatch import TypeDispatcher, route
@@ -29,6 +27,7 @@ from pipeline.peer_errors import duplicate_rid_message
 from pipeline.request_ids import names_choice
 from pipeline.control_frames import (
     ControlAnswer,
+    LoraControlResult,
     PauseMode,
 )
 from pipeline.io_struct import (
@@ -40,6 +39,7 @@ from pipeline.io_struct import (
     FinishLength,
     FinishReason,
     LogprobParams,
+    LoraRef,
     MediaItem,
     SamplingParams,
     SchedulerStatsReport,
@@ -57,6 +57,7 @@ from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab
 from tokenizer_proc.request_edge.bootstrap import Bootstrap
 from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.control_client import ControlClient
+from tokenizer_proc.lora_names import ServedAdapters
 from tokenizer_proc.manager_sockets import ManagerSockets
 from tokenizer_proc.metrics import service_metrics
 from tokenizer_proc.req_state import ReqState
@@ -134,6 +135,7 @@ class TokenizerManager:
             context_length=self.context_length,
         )
         self.controls = ControlClient(self.sockets.send, self.worker_index)
+        self.loras = ServedAdapters(self.model_name, self.config.lora_enabled)
 
     def _output_handlers(self) -> TypeDispatcher[[], None]:
         """The handler of each frame type that reaches this process: a new message is a row."""
@@ -142,7 +144,12 @@ class TokenizerManager:
                 route(BatchStrOutput, self._handle_str_output),
                 route(BatchEmbeddingOutput, self._handle_embedding_output),
                 route(SchedulerStatsReport, self._on_scheduler_report),
-                *(route(answer, self.controls.answer) for answer in get_args(ControlAnswer)),
+                route(LoraControlResult, self._on_lora_result),
+                *(
+                    route(answer, self.controls.answer)
+                    for answer in get_args(ControlAnswer)
+                    if answer is not LoraControlResult
+                ),
             ]
         )
 
@@ -228,6 +235,7 @@ class TokenizerManager:
         constraint: Constraint | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora: LoraRef | None = None,
     ) -> ReqState:
         if self.config.mode == "embedding" and not internal:
             raise RequestValidationError(
@@ -253,6 +261,7 @@ class TokenizerManager:
         state.route = route
         state.internal = internal
         state.constraint_kind = constraint.kind if constraint is not None else None
+        state.lora = lora
         state.prompt_tokens = len(input_ids)
         self.sockets.send(
             TokenizedGenerateReqInput(
@@ -270,6 +279,7 @@ class TokenizerManager:
                 constraint=constraint,
                 cache_salt=cache_salt,
                 priority=priority,
+                lora=lora,
             )
         )
         return state
@@ -358,10 +368,17 @@ class TokenizerManager:
                 )
             )
         self.last_scheduler_report = frame
+        self.loras.learn(frame.lora_adapters)
         # Every worker gets the reports; one sets the gauges, or a multiprocess /metrics
         # would count the retraction total once per worker.
         if self.worker_index == 0:
             self.metrics.scheduler.update(frame)
+            self.metrics.lora.on_report(frame)
+
+    def _on_lora_result(self, frame: LoraControlResult) -> None:
+        # Learnt before the waiting call answers its client: its change is seen at once.
+        self.loras.learn(frame.adapters)
+        self.controls.answer(frame)
 
     def _handle_str_output(self, frame: BatchStrOutput) -> None:
         now = self._clock()
@@ -461,6 +478,7 @@ class TokenizerManager:
                 metrics.on_lost(state)
             return
         metrics.on_finish(state)
+        self.metrics.lora.on_finish(state)
         self.tracer.on_finish(state, operation=state.operation)
 
 

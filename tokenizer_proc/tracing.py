@@ -69,13 +69,21 @@ def span_attributes(
     return attrs
 
 
+def requested_model(state: ReqState, model_name: str) -> str:
+    """The model the request named: its adapter's name, or the served model's
+    (``model_name``), which a request that names none runs too."""
+    return state.lora.name if state.lora is not None else model_name
+
+
 def _request_attributes(state: ReqState, model_name: str, operation: str) -> SpanAttributes:
     """The attributes of the request itself: what it asked, and how it finished."""
     attrs: SpanAttributes = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": PROVIDER_NAME,
-        "gen_ai.request.model": model_name,
+        "gen_ai.request.model": requested_model(state, model_name),
     }
+    if state.lora is not None:
+        attrs["tokenpipe.lora_name"] = state.lora.name
     if state.route is not None:  # /v1/responses runs as chat: the route tells them apart
         attrs["http.route"] = state.route
     generates = operation != EMBEDDINGS
@@ -302,7 +310,7 @@ class RequestTracer:
     def _record(self, state: ReqState, operation: str) -> None:
         end = state.finished_time if state.finished_time is not None else time.time()
         server = self._tracer.start_span(
-            f"{operation} {self.model_name}",
+            f"{operation} {requested_model(state, self.model_name)}",
             context=_parent_context(state),
             kind=SpanKind.SERVER,
             attributes=span_attributes(state, self.model_name, operation),

@@ -21,7 +21,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pipeline.io_struct import FinishAbort
+from pipeline.io_struct import FinishAbort, LoraRef
 from tokenizer_proc.anthropic.content import ContentBlocks, message_usage, stop_reason_of
 from tokenizer_proc.anthropic.errors import anthropic_error_body
 from tokenizer_proc.anthropic.request import MessagesRequest, TokenCountRequest, anthropic_names
@@ -32,7 +32,6 @@ from tokenizer_proc.http.common import (
     abort_unfinished,
     constraint_refusal,
     error_response,
-    model_not_found,
     refusal,
     wait_finished,
     wait_started,
@@ -85,11 +84,11 @@ def _prepared(
     template: ChatTemplate | None,
     body: MessagesRequest | TokenCountRequest,
     ignored: list[str] | None,
-) -> tuple[ChatCompletionRequest, ChatJobs] | Response:
-    """The request read as chat, and made ready to submit; or the error answer."""
+) -> tuple[ChatCompletionRequest, ChatJobs, LoraRef | None] | Response:
+    """The request read as chat, made ready to submit, and the adapter its ``model`` names
+    (None: the base model); or the error answer."""
     body.refuse_unsupported(ignored)
-    if body.model != tm.model_name:
-        return model_not_found(body.model)
+    lora = tm.loras.resolve(body.model)  # an unknown model: the 404
     if template is None:
         raise without_tokenizer(
             "the Messages API needs a tokenizer and a chat template; send token ids to "
@@ -99,7 +98,7 @@ def _prepared(
     with _anthropic_names():
         chat = body.chat()
         try:
-            return chat, prepare_chat(tm, template, chat, cap_max_tokens=True)
+            return chat, prepare_chat(tm, template, chat, cap_max_tokens=True), lora
         except ChatTemplateUnavailable as exc:
             return error_response(500, str(exc), err_type="internal_error")
 
@@ -126,7 +125,7 @@ async def answer_create(
     ready = _prepared(tm, template, body, ignored)
     if isinstance(ready, Response):
         return ready
-    chat, prepared = ready
+    chat, prepared, lora = ready
     prepared = _as_asked(tm, body, prepared)
     message_id = f"msg_{secrets.token_hex(12)}"
     with _anthropic_names():
@@ -141,8 +140,9 @@ async def answer_create(
             prepared.names,
             prepared.constraint,
             ROUTE,
+            lora,
         )
-    answer = Answer(tm, state, prepared.parsing, _head(tm, message_id))
+    answer = Answer(tm, state, prepared.parsing, _head(tm.loras.served_name(lora), message_id))
     try:
         refused_state = await wait_started(tm, [state], request)
         if refused_state is None and body.streaming:
@@ -193,8 +193,8 @@ def _as_error(reason: FinishAbort) -> FinishAbort:
     return FinishAbort(reason.message, 500, reason.retry_after)
 
 
-def _head(tm: TokenizerManager, message_id: str) -> dict[str, Any]:
-    return {"id": message_id, "type": "message", "role": "assistant", "model": tm.model_name}
+def _head(model: str, message_id: str) -> dict[str, Any]:
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model}
 
 
 class Answer:

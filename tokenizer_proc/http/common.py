@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from pipeline.http.edge import error_response, until_disconnected
 from pipeline.io_struct import Constraint, FinishAbort, TraceContext
+from tokenizer_proc.lora_names import UnknownModel
 from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
@@ -39,13 +40,9 @@ def not_ready() -> JSONResponse:
 
 
 def model_not_found(model: str) -> JSONResponse:
-    """A request for a model this server does not serve (one model, ``GET /v1/models``)."""
-    return error_response(
-        404,
-        f"the model {model!r} does not exist; see GET /v1/models",
-        err_type="not_found_error",
-        param="model",
-    )
+    """A request for a model this server does not serve (the served model and its adapters:
+    ``GET /v1/models``)."""
+    return error_response(404, str(UnknownModel(model)), err_type="not_found_error", param="model")
 
 
 _ERROR_TYPES = {

@@ -16,7 +16,8 @@ from pipeline.http.body_limit import BodyLimit
 from pipeline.http.edge import ApiKeyAuth, install_error_handlers
 from tokenizer_proc.anthropic.errors import AnthropicErrors
 from tokenizer_proc.anthropic.routes import build_messages_router
-from tokenizer_proc.http.common import error_response
+from tokenizer_proc.http.common import error_response, model_not_found
+from tokenizer_proc.http.lora_api import build_lora_router
 from tokenizer_proc.http.hicache_api import build_hicache_router
 from tokenizer_proc.http.hot_routes import Endpoint, HotRoutes, post_endpoints
 from tokenizer_proc.http.peer_api import build_peer_router
@@ -24,6 +25,7 @@ from tokenizer_proc.http.request_id_header import RequestIdHeader
 from tokenizer_proc.http.service_api import build_service_router
 from tokenizer_proc.http.worker_api import build_worker_router
 from tokenizer_proc.http.rollout_api import build_rollout_router
+from tokenizer_proc.lora_names import UnknownModel
 from tokenizer_proc.native.routes import build_native_router
 from tokenizer_proc.openai.embeddings.routes import build_embeddings_router
 from tokenizer_proc.openai.responses.routes import build_responses_router
@@ -56,6 +58,10 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, str(exc), param=exc.param)
 
+    @app.exception_handler(UnknownModel)
+    async def _unknown_model(_: Request, exc: UnknownModel) -> JSONResponse:
+        return model_not_found(exc.model)
+
     install_error_handlers(app)
     native_router = build_native_router(tm)
     openai_router = build_openai_router(tm)
@@ -69,6 +75,7 @@ def build_app(tm: TokenizerManager) -> ASGIApp:
     app.include_router(tokenize_router)
     app.include_router(build_worker_router(tm))
     app.include_router(build_rollout_router(tm))
+    app.include_router(build_lora_router(tm))
     app.include_router(responses_router)
     messages_router = build_messages_router(tm)
     app.include_router(messages_router)

@@ -1,5 +1,5 @@
 """A /generate batch, as SGLang defines one: ``text`` as a list of prompts, or ``input_ids``
-as a list of id lists; ``sampling_params`` one object for every item or a list of one per
+as a list of id lists; ``sampling_params`` and ``lora_path`` one for all or a list of one per
 item; ``rid`` a list of one per item, or one string that item ``i`` gets as ``{rid}_{i}``.
 
 Each item is the single request it stands for: its body is the batch's with the item's
@@ -20,8 +20,9 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
-from pipeline.io_struct import Constraint, SamplingParams
+from pipeline.io_struct import Constraint, LoraRef, SamplingParams
 from tokenizer_proc.http.common import abort_unfinished, trace_context
+from tokenizer_proc.lora_names import UnknownModel
 from tokenizer_proc.media import expand_prompt, parse_media
 from tokenizer_proc.native.schema import GenerateBody, GenerateRequest
 from tokenizer_proc.request_edge.body import convert_body
@@ -32,7 +33,7 @@ from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 MAX_BATCH = 1024
 """Items of one batch: each is a live request, as many as a full queue's worth at most."""
-_PER_ITEM = ("text", "input_ids", "sampling_params", "rid")
+_PER_ITEM = ("text", "input_ids", "sampling_params", "rid", "lora_path")
 # Fields a batch item cannot carry one per item here: media (one list per prompt in SGLang)
 # and PD's bootstrap room (one per request). Sent as single requests they work.
 _SINGLE_ONLY = (
@@ -70,6 +71,7 @@ class BatchItem:
     sampling: SamplingParams
     constraint: Constraint | None
     rid: str | None
+    lora: LoraRef | None
 
 
 def batch_items(
@@ -95,7 +97,8 @@ def batch_items(
             )
     sampling = body.get("sampling_params")
     rid = body.get("rid")
-    for name, value in (("sampling_params", sampling), ("rid", rid)):
+    lora_path = body.get("lora_path")
+    for name, value in (("sampling_params", sampling), ("rid", rid), ("lora_path", lora_path)):
         if isinstance(value, list) and len(value) != n:
             raise RequestValidationError(
                 f"{name} has {len(value)} entries for {n} prompts: give one per prompt, or one "
@@ -111,7 +114,11 @@ def batch_items(
     )
     listed = {
         prompts_field,
-        *(name for name in ("sampling_params", "rid") if isinstance(body.get(name), list)),
+        *(
+            name
+            for name in ("sampling_params", "rid", "lora_path")
+            if isinstance(body.get(name), list)
+        ),
     }
     items = [
         _item(tm, body, i, prompts_field, prompts[i], sampling, rids[i], listed, ignored)
@@ -138,6 +145,8 @@ def _item(
     single[prompts_field] = prompt
     single["sampling_params"] = sampling[i] if isinstance(sampling, list) else sampling
     single["rid"] = rid
+    lora_path = body.get("lora_path")
+    single["lora_path"] = lora_path[i] if isinstance(lora_path, list) else lora_path
     for name in _PER_ITEM:
         if single.get(name) is None:
             single.pop(name, None)  # absent, as in a single request: the field's default
@@ -147,10 +156,7 @@ def _item(
         if ignored is not None and own:
             ignored.extend(_within_batch(path, i, listed) for path in own)
         obj.refuse_unsupported()
-        if obj.model is not None and obj.model != tm.model_name:
-            raise RequestValidationError(
-                f"the model {obj.model!r} does not exist; see GET /v1/models", "model"
-            )
+        lora = _item_lora(tm, obj)
         wire = obj.sampling_params.to_wire()
         constraint = obj.sampling_params.constraint()
         media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
@@ -168,7 +174,16 @@ def _item(
         tm.checks.validate_constraint(constraint)
     except RequestValidationError as exc:
         raise _naming_item(exc, i, listed) from exc
-    return BatchItem(obj, input_ids, wire, constraint, obj.rid)
+    return BatchItem(obj, input_ids, wire, constraint, obj.rid, lora)
+
+
+def _item_lora(tm: TokenizerManager, obj: GenerateRequest) -> LoraRef | None:
+    """The item's adapter; an unknown ``model`` is the item's 400 here (the batch's other
+    items are checked the same way, and one bad item refuses the batch)."""
+    try:
+        return tm.loras.resolve(obj.model, obj.lora_path)
+    except UnknownModel as exc:
+        raise RequestValidationError(str(exc), "model") from exc
 
 
 def _within_batch(path: str, i: int, listed: set[str]) -> str:
@@ -240,6 +255,7 @@ def submit_batch(
                     constraint=item.constraint,
                     cache_salt=item.obj.cache_salt,
                     priority=item.obj.priority or 0,
+                    lora=item.lora,
                 )
             )
     except BaseException:

@@ -17,7 +17,6 @@ from tokenizer_proc.http.common import (
     ClientGone,
     abort_unfinished,
     constraint_refusal,
-    model_not_found,
     trace_context,
     wait_finished,
     wait_started,
@@ -63,8 +62,7 @@ async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnS
             raise
         return await _generate_batch(tm, request, batch, arrived, on_stream, ignored)
     obj.refuse_unsupported()
-    if obj.model is not None and obj.model != tm.model_name:
-        return model_not_found(obj.model)
+    lora = tm.loras.resolve(obj.model, obj.lora_path)  # an unknown model: the 404
     sampling = obj.sampling_params.to_wire()
     constraint = obj.sampling_params.constraint()
     media = parse_media(obj.image_data, obj.audio_data, obj.video_data)
@@ -87,6 +85,7 @@ async def answer_generate(tm: TokenizerManager, request: Request, on_stream: OnS
         constraint=constraint,
         cache_salt=obj.cache_salt,
         priority=obj.priority or 0,
+        lora=lora,
     )
     answered_id(request, state.rid)
     # None without a tokenizer: null texts.

@@ -166,6 +166,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bootstrap_host: HostField | None = None
     bootstrap_port: PortField | None = None
     model: str | None = None  # sglang-router sends null; a name must be the served model's
+    # The adapter, by name (docs/design/lora.md); a batch's may list one per prompt.
+    lora_path: str | None = None
     # Logprobs (docs/design.md section 11), SGLang's names.
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
@@ -220,7 +222,6 @@ GENERATE_REFUSED: tuple[Refusal, ...] = tuple(
         ("return_indexer_topk", (False,)),
         ("modalities", ()),
         ("session_params", ()),
-        ("lora_path", ()),
         ("lora_id", ()),
         ("custom_logit_processor", ()),
         ("positional_embed_overrides", ()),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 from fastapi import Request
 
-from pipeline.io_struct import Constraint, SamplingParams
+from pipeline.io_struct import Constraint, LoraRef, SamplingParams
 from tokenizer_proc.chat_template import ChatTemplate
 from tokenizer_proc.http.common import abort_unfinished, trace_context
 from tokenizer_proc.request_edge.errors import RequestValidationError
@@ -151,9 +151,11 @@ def submit_jobs(
     names: tuple[str, str],
     constraint: Constraint | None,
     route: str,
+    lora: LoraRef | None = None,
 ) -> list[ReqState]:
-    """Submits every job (choice ``i``'s rid is ``{response_id}-{i}``) and returns their
-    states; on any refusal, the ones already submitted are aborted and it raises."""
+    """Submits every job (choice ``i``'s rid is ``{response_id}-{i}``), each with the adapter
+    ``lora`` (None: the base model), and returns their states; on any refusal, the ones
+    already submitted are aborted and it raises."""
     trace = trace_context(request)
     bootstrap = body.bootstrap()
     if bootstrap is not None and len(jobs) > 1:
@@ -181,6 +183,7 @@ def submit_jobs(
                     constraint=constraint,
                     cache_salt=body.cache_salt,
                     priority=body.priority,
+                    lora=lora,
                 )
                 states.append(state)
                 # The prompt as sent: what echo, prompt logprobs and return_token_ids show.

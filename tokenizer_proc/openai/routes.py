@@ -19,7 +19,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pipeline.io_struct import Constraint
+from pipeline.control_frames import LoraAdapter
+from pipeline.io_struct import Constraint, LoraRef
 from pipeline.tokenizer_loader import model_directory
 from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.request_edge.chat_messages import refuse_custom_roles
@@ -56,6 +57,7 @@ from tokenizer_proc.openai.schema import (
 )
 from tokenizer_proc.openai.shapes import CHAT, COMPLETION, Shape, request_usage, with_ids
 from tokenizer_proc.openai.stream import ChoiceEvents, StreamUsage
+from tokenizer_proc.req_state import ReqState
 from tokenizer_proc.request_checks import without_tokenizer
 from tokenizer_proc.http.request_id_header import answered_id, caller_request_id
 from tokenizer_proc.http.sse_stream import SseResponse
@@ -72,9 +74,11 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
     async def list_models() -> Response:
         if not tm.ready:
             return not_ready()
+        # The served model, then each adapter served on it, as vLLM lists them.
+        cards = [card, *(_adapter_card(card, adapter) for adapter in tm.loras.adapters)]
         # Anthropic's page keys beside OpenAI's: one page, always the whole list.
-        page = {"has_more": False, "first_id": card["id"], "last_id": card["id"]}
-        return JSONResponse({"object": "list", "data": [card], **page})
+        page = {"has_more": False, "first_id": card["id"], "last_id": cards[-1]["id"]}
+        return JSONResponse({"object": "list", "data": cards, **page})
 
     # The names the served model answers to here: the served name, and the model's path as
     # --model-path gave it and as its directory (`root`), which a vLLM or SGLang user names
@@ -84,9 +88,12 @@ def build_openai_router(tm: TokenizerManager) -> APIRouter:
 
     @router.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> Response:
-        if model not in known_as:
+        if model in known_as:
+            return JSONResponse(card)
+        adapter = tm.loras.get(model)
+        if adapter is None:
             return model_not_found(model)
-        return JSONResponse(card)
+        return JSONResponse(_adapter_card(card, adapter))
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -111,6 +118,7 @@ def _model_card(tm: TokenizerManager) -> dict[str, Any]:
         "owned_by": "tokenpipe",
         # vLLM's and SGLang's: the served model's path (its directory here)
         "root": str(model_directory(tm.config.model_path)),
+        "parent": None,  # vLLM's: the model an adapter's card is of
         "max_model_len": tm.context_length,  # vLLM's name
         # Anthropic's
         "type": "model",
@@ -118,6 +126,19 @@ def _model_card(tm: TokenizerManager) -> dict[str, Any]:
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),  # RFC 3339
         "max_input_tokens": tm.context_length,
         "lifecycle": "active",
+    }
+
+
+def _adapter_card(base: dict[str, Any], adapter: LoraAdapter) -> dict[str, Any]:
+    """An adapter's card, as vLLM lists one after the base: its name as ``id``, the directory
+    it was read from as ``root``, the served model as ``parent``, no ``max_model_len``."""
+    return {
+        **base,
+        "id": adapter.name,
+        "root": adapter.path,
+        "parent": base["id"],
+        "max_model_len": None,
+        "display_name": adapter.name,
     }
 
 
@@ -134,8 +155,7 @@ async def answer_completions(tm: TokenizerManager, request: Request) -> Response
         await request.body(), CompletionBody, ignored_fields(request)
     )
     body.refuse_unsupported()
-    if body.model is not None and body.model != tm.model_name:
-        return model_not_found(body.model)
+    lora = tm.loras.resolve(body.model, body.lora_path)  # an unknown model: the 404
     constraint = body.constraint()
     prompts = body.prompts()
     if len(prompts) * body.choices > MAX_CHOICES:
@@ -147,7 +167,7 @@ async def answer_completions(tm: TokenizerManager, request: Request) -> Response
         with openai_names("prompt", "max_tokens"):
             jobs.extend(_prompt_jobs(tm, body, prompt))
     return await _respond(
-        tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint
+        tm, request, COMPLETION, body, jobs, arrived, ("prompt", "max_tokens"), constraint, lora
     )
 
 
@@ -190,8 +210,7 @@ async def answer_chat(
     if tm.config.reject_unknown_fields:
         refuse_custom_roles(body.messages)
     body.refuse_unsupported()
-    if body.model is not None and body.model != tm.model_name:
-        return model_not_found(body.model)
+    lora = tm.loras.resolve(body.model, body.lora_path)  # an unknown model: the 404
     if template is None:
         raise without_tokenizer(
             "chat needs a tokenizer and a chat template; send token ids to /v1/completions or "
@@ -203,7 +222,7 @@ async def answer_chat(
     except ChatTemplateUnavailable as exc:
         return error_response(500, str(exc), err_type="internal_error")
     return await _respond(
-        tm, request, CHAT, body, chat.jobs, arrived, chat.names, chat.constraint, chat.parsing
+        tm, request, CHAT, body, chat.jobs, arrived, chat.names, chat.constraint, lora, chat.parsing
     )
 
 
@@ -236,6 +255,7 @@ async def _respond(
     arrived: float,
     names: tuple[str, str],
     constraint: Constraint | None,
+    lora: LoraRef | None,
     parsing: ChatParsing | None = None,
 ) -> Response:
     """Submits the jobs and answers them, whole or streamed.
@@ -248,21 +268,33 @@ async def _respond(
     started (a PD failure) is an SSE ``error`` event.
 
     ``names``: the request's prompt and max-tokens fields, for refusals at submission.
-    ``constraint``: the structured output every choice follows (None: none). ``parsing``: how
-    a chat answer splits into reasoning, content and tool calls (None: all content)."""
+    ``constraint``: the structured output every choice follows (None: none). ``lora``: the
+    adapter every choice runs with, whose name the answer's ``model`` shows (None: the base
+    model). ``parsing``: how a chat answer splits into reasoning, content and tool calls
+    (None: all content)."""
     # vLLM's: the caller's X-Request-Id, else a new one, after the shape's prefix.
     base_id = caller_request_id(request) or uuid.uuid4().hex
     answered_id(request, base_id)
     response_id = f"{kind.id_prefix}{base_id}"
     extras = body.extras()
     states = submit_jobs(
-        tm, request, body, jobs, response_id, arrived, kind.operation, names, constraint, kind.route
+        tm,
+        request,
+        body,
+        jobs,
+        response_id,
+        arrived,
+        kind.operation,
+        names,
+        constraint,
+        kind.route,
+        lora,
     )
     head = {
         "id": response_id,
         "object": kind.object,
         "created": int(arrived),
-        "model": tm.model_name,
+        "model": tm.loras.served_name(lora),
     }
     try:
         # Until every choice has started, so one refused choice answers for the request
@@ -287,6 +319,20 @@ async def _respond(
         refused = constraint_refusal(state, constraint)
         if refused is not None:
             return refused
+    return JSONResponse(_whole_answer(tm, kind, body, states, head, parsing))
+
+
+def _whole_answer(
+    tm: TokenizerManager,
+    kind: Shape,
+    body: SamplingRequest,
+    states: list[ReqState],
+    head: dict[str, Any],
+    parsing: ChatParsing | None,
+) -> dict[str, Any]:
+    """The answer of a request whose choices all finished, none refused: ``head``, the
+    choices, the usage and the shape's own fields."""
+    extras = body.extras()
     ids_out = tm.tokenizer is None
     text_of, texts = openai_token_text(tm.token_texts, extras.token_id_texts), tm.token_texts
     choices = [
@@ -301,6 +347,9 @@ async def _respond(
         )
         if parsing.reasoning is not None:
             totals["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return JSONResponse(
-        {**head, "choices": choices, "usage": totals, **kind.response_fields(states, extras, texts)}
-    )
+    return {
+        **head,
+        "choices": choices,
+        "usage": totals,
+        **kind.response_fields(states, extras, texts),
+    }

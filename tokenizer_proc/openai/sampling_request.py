@@ -110,6 +110,8 @@ class SamplingRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     json_schema: JsonSchema | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # SGLang's adapter by name (docs/design/lora.md); vLLM's is the adapter's name as `model`.
+    lora_path: str | None = None
     # Tenancy (docs/design/tenancy.md): vLLM's prefix-cache salt and scheduling priority.
     cache_salt: CacheSalt | None = None
     priority: Priority = 0
@@ -218,7 +220,6 @@ def neutrals(*entries: tuple[str, tuple[object, ...]]) -> tuple[Refusal, ...]:
 COMMON_REFUSED: tuple[Refusal, ...] = neutrals(
     # SGLang
     ("stop_regex", ([], "")),
-    ("lora_path", ()),
     ("session_id", ()),
     ("session_params", ()),
     ("custom_params", ()),

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from pipeline.io_struct import Constraint, FinishAbort
+from pipeline.io_struct import Constraint, FinishAbort, LoraRef
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
 from tokenizer_proc.http.common import (
     ClientGone,
@@ -25,7 +25,6 @@ from tokenizer_proc.http.common import (
     abort_unfinished,
     constraint_refusal,
     error_response,
-    model_not_found,
     refusal,
     wait_finished,
     wait_started,
@@ -107,8 +106,7 @@ async def answer_create(
         await request.body(), ResponsesBody, ignored_fields(request)
     )
     body.refuse_unsupported()
-    if body.model is not None and body.model != tm.model_name:
-        return model_not_found(body.model)
+    lora = tm.loras.resolve(body.model)  # an unknown model: the 404
     if template is None:
         raise without_tokenizer(
             "the Responses API needs a tokenizer and a chat template; send token ids to "
@@ -126,7 +124,7 @@ async def answer_create(
         raise responses_names(exc) from exc
     except ChatTemplateUnavailable as exc:
         return error_response(500, str(exc), err_type="internal_error")
-    return await _run(tm, request, body, chat, prepared, store, items, arrived)
+    return await _run(tm, request, body, chat, prepared, store, items, arrived, lora)
 
 
 def _earlier_items(store: ResponseStore, body: ResponsesRequest) -> list[dict[str, Any]] | Response:
@@ -155,8 +153,10 @@ async def _run(
     store: ResponseStore,
     items: list[dict[str, Any]],
     arrived: float,
+    lora: LoraRef | None,
 ) -> Response:
-    """Submits the prepared chat and answers it, whole or as the Responses stream."""
+    """Submits the prepared chat and answers it, whole or as the Responses stream, with the
+    adapter ``lora`` (None: the base model)."""
     response_id = new_item_id("resp")
     try:
         states = submit_jobs(
@@ -170,10 +170,11 @@ async def _run(
             prepared.names,
             prepared.constraint,
             ROUTE,
+            lora,
         )
     except RequestValidationError as exc:
         raise responses_names(exc) from exc
-    head = _head(tm, body, response_id, arrived)
+    head = _head(tm.loras.served_name(lora), body, response_id, arrived)
     answer = Answer(tm, body, states[0], prepared.parsing, head, store, items)
     try:
         refused_state = await wait_started(tm, states, request)
@@ -208,9 +209,7 @@ def _refused(state: ReqState, constraint: Constraint | None) -> Response | None:
     return abort_response(reason, message=str(renamed), param=renamed.param)
 
 
-def _head(
-    tm: TokenizerManager, body: ResponsesRequest, response_id: str, arrived: float
-) -> dict[str, Any]:
+def _head(model: str, body: ResponsesRequest, response_id: str, arrived: float) -> dict[str, Any]:
     """What every form of the response says of the request (OpenAI's echo of its fields)."""
     text_format = (
         body.text.format
@@ -221,7 +220,7 @@ def _head(
         "id": response_id,
         "object": "response",
         "created_at": int(arrived),
-        "model": tm.model_name,
+        "model": model,
         "error": None,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,

@@ -23,7 +23,7 @@ from tokenizer_proc.request_edge.errors import RequestValidationError
 from tokenizer_proc.request_edge.fields import TokenId
 from tokenizer_proc.request_edge.known_fields import Refusal, declare, neutral, refuse
 from tokenizer_proc.chat_template import ChatTemplate, ChatTemplateUnavailable
-from tokenizer_proc.http.common import error_response, model_not_found
+from tokenizer_proc.http.common import error_response
 from tokenizer_proc.http.ignored_fields import ignored_fields
 from tokenizer_proc.openai.chat_prompt import generation_prompt, render_chat_prompt
 from tokenizer_proc.openai.tools import ChatTool, plan_tools
@@ -136,8 +136,7 @@ async def answer_tokenize(
     if tm.config.reject_unknown_fields and body.messages is not None:
         refuse_custom_roles(body.messages)
     body.check_form()
-    if body.model is not None and body.model != tm.model_name:
-        return model_not_found(body.model)
+    tm.loras.resolve(body.model)  # an adapter tokenizes as its model; an unknown model: 404
     if tools is None:
         raise without_tokenizer(
             "/tokenize has nothing to encode text with",
@@ -180,8 +179,7 @@ async def answer_detokenize(
     body: DetokenizeRequest = decode_body(
         await request.body(), DetokenizeRequest, ignored_fields(request)
     )
-    if body.model is not None and body.model != tm.model_name:
-        return model_not_found(body.model)
+    tm.loras.resolve(body.model)  # an adapter decodes as its model; an unknown model: 404
     tokenizer = tm.checks.require_tokenizer(
         "/detokenize has nothing to decode token ids with", "tokens"
     )
