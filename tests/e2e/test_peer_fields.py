@@ -165,12 +165,13 @@ def test_model_card_has_root_and_tokenize_has_token_strs(
     }  # fmt: skip
     assert card == {
         "id": MODEL, "object": "model", "created": card["created"], "owned_by": "tokenpipe",
-        "root": str(DEFAULT_TOKENIZER_DIR), "max_model_len": card["max_model_len"],
+        "root": str(DEFAULT_TOKENIZER_DIR), "parent": None, "max_model_len": card["max_model_len"],
         **anthropic_keys,
     }  # fmt: skip
     assert datetime.fromisoformat(card["created_at"]).timestamp() == card["created"]
     assert oai.models.retrieve(MODEL).model_extra == {
         "root": str(DEFAULT_TOKENIZER_DIR),
+        "parent": None,  # vLLM's: an adapter's card names its base here
         "max_model_len": card["max_model_len"],
         **anthropic_keys,
     }

@@ -24,6 +24,12 @@ from tokenizer_proc.http.server import build_app
 from tokenizer_proc.tokenizer_manager import TokenizerManager
 
 BASE = "tiny"
+LORA_PATHS = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+)
 Scenario = Callable[[httpx.AsyncClient], Awaitable[None]]
 
 
@@ -64,12 +70,15 @@ class StandInScheduler:
         self.tm.handle_output(LoraControlResult(control_id, ok, error, status, served))
 
 
-def run(tmp_path: Path, scenario: Scenario, *, lora: bool = True) -> None:
+def run(
+    tmp_path: Path, scenario: Scenario, *, lora: bool = True, api_key: str | None = None
+) -> None:
     config = ServerConfig(
         scheduler_input=f"ipc://{tmp_path}/sched",
         tokenizer_input=f"ipc://{tmp_path}/tm",
         served_model_name=BASE,
         enable_lora=lora,
+        api_key=api_key,
     )
 
     async def main() -> None:
@@ -202,3 +211,16 @@ def test_with_lora_off_every_endpoint_names_the_flag(tmp_path: Path) -> None:
         assert named.status_code == 400 and named.json()["error"]["param"] == "lora_path"
 
     run(tmp_path, scenario, lora=False)
+
+
+def test_the_endpoints_need_the_api_key(tmp_path: Path) -> None:
+    async def scenario(client: httpx.AsyncClient) -> None:
+        body = {"lora_name": "sql", "lora_path": "/a/sql"}
+        for path in LORA_PATHS:
+            assert (await client.post(path, json=body)).status_code == 401
+        keyed = await client.post(
+            "/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer k"}
+        )
+        assert keyed.status_code == 200
+
+    run(tmp_path, scenario, api_key="k")
