@@ -1,5 +1,6 @@
 """The control messages the scheduler carries out between two steps: which requests an
-abort names, HiCache storage attach and detach, and flushing the prefix cache."""
+abort names, HiCache storage attach and detach, flushing the prefix cache, and loading and
+unloading LoRA adapters."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ from pipeline.control_frames import (
     FlushCacheResult,
     HiCacheStorageControl,
     HiCacheStorageState,
+    LoadLoraControl,
+    LoraControlResult,
+    UnloadLoraControl,
 )
 from pipeline.io_struct import AbortReq
 from pipeline.request_ids import names_choice
 from pipeline.worker_ids import worker_of
 from scheduler_proc.cache.hicache import HiCache, NoHiCache, cached_details
 from scheduler_proc.cache.prefix_kv import PrefixKV
+from scheduler_proc.lora.adapter_files import LoraError
+from scheduler_proc.lora.runtime import LoraRuntime
 from scheduler_proc.req import Req
 
 logger = logging.getLogger("tokenpipe.scheduler")
@@ -74,3 +80,33 @@ def flush_cache(
         host_tokens=dropped.host,
         storage_tokens=dropped.storage,
     )
+
+
+def lora_control(
+    lora: LoraRuntime | None, msg: LoadLoraControl | UnloadLoraControl
+) -> LoraControlResult:
+    """Loads (reads and checks the files now) or unloads an adapter. Requests running on an
+    unloaded adapter finish on it; a new request cannot name it."""
+    if lora is None:
+        return LoraControlResult(
+            control_id=msg.control_id,
+            ok=False,
+            error="LoRA adapters are not enabled on this server: start it with --enable-lora",
+            status_code=400,
+        )
+    try:
+        if isinstance(msg, LoadLoraControl):
+            adapter = lora.load(msg.name, msg.path)
+            logger.info("loaded LoRA adapter %r (id %d) from %s", msg.name, adapter.id, msg.path)
+        else:
+            lora.unload(msg.name)
+            logger.info("unloaded LoRA adapter %r", msg.name)
+    except LoraError as exc:
+        return LoraControlResult(
+            control_id=msg.control_id,
+            ok=False,
+            error=str(exc),
+            status_code=exc.status_code,
+            adapters=lora.adapters(),
+        )
+    return LoraControlResult(control_id=msg.control_id, ok=True, adapters=lora.adapters())

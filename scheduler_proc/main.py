@@ -19,8 +19,10 @@ from pipeline.control_frames import (
     ContinueControl,
     FlushCacheControl,
     HiCacheStorageControl,
+    LoadLoraControl,
     PauseControl,
     RolloutState,
+    UnloadLoraControl,
     UpdateWeightsControl,
 )
 from pipeline.io_struct import (
@@ -36,6 +38,7 @@ from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab, load_vocab
 from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.cache.hicache import HiCache
 from scheduler_proc.cache.kv_storage import StorageError
+from scheduler_proc.control import flush_cache, lora_control, storage_control
 from scheduler_proc.kv_events.stream import attach_kv_events
 from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model.runner import ModelRunner
@@ -204,6 +207,8 @@ class SchedulerLoop:
                 route(PauseControl, self.on_pause),
                 route(ContinueControl, self.on_continue),
                 route(UpdateWeightsControl, self.on_update_weights),
+                route(LoadLoraControl, self.on_lora_control),
+                route(UnloadLoraControl, self.on_lora_control),
             ]
         )
 
@@ -228,10 +233,15 @@ class SchedulerLoop:
     def on_storage_control(self, msg: HiCacheStorageControl) -> None:
         # Answered at once, before this step's frames: every row after the answer reflects
         # the new storage state.
-        self.send(self.scheduler.storage_control(msg))
+        s = self.scheduler
+        self.send(storage_control(s.hicache, s.live.values(), msg))
 
     def on_flush_cache(self, msg: FlushCacheControl) -> None:
-        self.send(self.scheduler.flush_cache(msg))
+        """Drops the prefix cache between two steps, when no request is live."""
+        s = self.scheduler
+        # Paused, the waiting requests hold no KV: the cache may go (SGLang's rule too).
+        held = s.num_running if s.rollout.paused else len(s.live)
+        self.send(flush_cache(s.prefix_kv, held, s.num_waiting, s.num_running, msg))
         # A report at once, so /server_info and /metrics show the emptied cache: an idle
         # scheduler would send none until its next work.
         self.send(self.reporter.report(time.time()))
@@ -245,6 +255,14 @@ class SchedulerLoop:
     def on_update_weights(self, msg: UpdateWeightsControl) -> None:
         answer = self.scheduler.rollout.update_weights(self.scheduler, msg)
         self.send_rollout([answer] if answer is not None else [])
+
+    def on_lora_control(self, msg: LoadLoraControl | UnloadLoraControl) -> None:
+        """A report first, so every API worker knows the adapters served by the time the
+        asking one answers its client; then the answer."""
+        answer = lora_control(self.scheduler.runner.lora, msg)
+        if answer.ok:
+            self.send(self.reporter.report(time.time()))
+        self.send(answer)
 
     def send_rollout(self, answers: list[RolloutState]) -> None:
         """A report first, so every API worker knows the new state by the time the asking

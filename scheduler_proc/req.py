@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 import torch
 
+from pipeline.control_frames import LoraAdapter
 from pipeline.io_struct import (
     Constraint,
     DecodeOptions,
@@ -94,6 +95,8 @@ class Req:
         "constraint",
         "cache_salt",
         "priority",
+        "lora",
+        "lora_slot",
         "matcher",
         "gate",
         "_stats_pending",
@@ -183,6 +186,10 @@ class Req:
         self.hidden_sum: torch.Tensor | None = None  # embedding requests: sum over prompt tokens
         self.dllm_block: Block | None = None  # --mode dllm: the block being refined
         self.pd: PdState = None  # its part in PD disaggregation (pd_state.py)
+        # The LoRA adapter it runs with (None: the base model), and the device slot that
+        # holds it while the request is live (-1: none yet; scheduler_proc/lora_queue.py).
+        self.lora: LoraAdapter | None = None
+        self.lora_slot = -1
 
     def _init_stats(
         self, media: tuple[MediaItem, ...], collect_time_stats: bool, stats_pending: StatsPending

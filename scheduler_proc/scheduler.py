@@ -22,13 +22,7 @@ import numpy as np
 import torch
 
 from pipeline.peer_errors import duplicate_rid_message
-from pipeline.control_frames import (
-    AbortResult,
-    FlushCacheControl,
-    FlushCacheResult,
-    HiCacheStorageControl,
-    HiCacheStorageState,
-)
+from pipeline.control_frames import AbortResult
 from pipeline.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
@@ -46,11 +40,12 @@ from scheduler_proc.batch.prefill_pass import Chunk
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.cache.hicache import Fetched, HiCache
 from scheduler_proc.cache.prefix_kv import PrefixKV
-from scheduler_proc.control import abort_targets, flush_cache, storage_control
+from scheduler_proc.control import abort_targets
 from scheduler_proc.decode_mode import DecodeMode, TokenDecode
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import pooled_embedding
 from scheduler_proc.grammar_queue import GrammarQueue
+from scheduler_proc.lora_queue import LoraQueue
 from scheduler_proc.model.forward_worker import ForwardRunner, ForwardThread, InlineForward
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.model.weight_update import WeightStager
@@ -141,6 +136,7 @@ class Scheduler:
             else NoGrammars()
         )
         self.mode = self._decode_mode(dllm)
+        self.loras = LoraQueue(self.runner.lora)  # requests whose adapter waits for a slot
         self.pd: PdRole = Unified()  # --disaggregation-mode: set by scheduler_proc.main
         self.admission = AdmissionCheck(
             self.vocab_size,
@@ -196,10 +192,12 @@ class Scheduler:
             collect_time_stats=self.collect_time_stats,
         )
         req.update_stats(weight_version=self.rollout.weight_version)
+        lora_problem = None
         if isinstance(msg, TokenizedGenerateReqInput):  # an embedding has no part in PD
             # Before any check: a refused prefill half still answers its decode server.
             self.pd.bind(req, msg.bootstrap_room, msg.bootstrap_endpoint)
-        refusal = self._refusal(req)
+            lora_problem = self.loras.bind(req, msg.lora)
+        refusal = self._refusal(req, lora_problem)
         if refusal is not None:
             req.finish(refusal, now)
             self._rows_due.append(req)
@@ -210,7 +208,7 @@ class Scheduler:
         else:
             self.enqueue(req, now)
 
-    def _refusal(self, req: Req) -> FinishReason | None:
+    def _refusal(self, req: Req, lora_problem: str | None) -> FinishReason | None:
         """Why a request is answered at once instead of queued: a duplicate rid (each API
         worker knows only its own live rids), a request this scheduler can never serve (the
         tokenizer manager validates first: this guards against a frame from elsewhere), or a
@@ -218,7 +216,7 @@ class Scheduler:
         if req.rid in self.live_rids:
             problem: str | None = duplicate_rid_message(req.rid)
         else:
-            problem = self.admission.problem(req)
+            problem = lora_problem or self.admission.problem(req)
         if problem is not None:
             return FinishAbort(message=problem, status_code=400)
         full = self.queue_limit.refusal(self.num_waiting)
@@ -229,6 +227,10 @@ class Scheduler:
         takes it, for its KV from a prefill server)."""
         req.enter_waiting_queue(now)
         self._make_live(req)
+        if self.loras.admit(req):  # else it waits for a slot for its adapter
+            self._queue(req, now)
+
+    def _queue(self, req: Req, now: float) -> None:
         if not self.pd.on_admit(req, now):
             self.waiting.append(req)
 
@@ -236,16 +238,6 @@ class Scheduler:
         self.live[req.req_id] = req
         if not req.kv_only:
             self.live_rids[req.rid] = req
-
-    def storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
-        """Attaches or detaches HiCache storage between two steps."""
-        return storage_control(self.hicache, self.live.values(), msg)
-
-    def flush_cache(self, msg: FlushCacheControl) -> FlushCacheResult:
-        """Drops the prefix cache between two steps, when no request is live."""
-        # Paused, the waiting requests hold no KV: the cache may go (SGLang's rule too).
-        held = self.num_running if self.rollout.paused else len(self.live)
-        return flush_cache(self.prefix_kv, held, self.num_waiting, self.num_running, msg)
 
     def abort(self, msg: AbortReq) -> AbortResult | None:
         """Stops the requests ``msg`` names; the ``AbortResult`` when it asked for one."""
@@ -261,7 +253,7 @@ class Scheduler:
     # --- the step ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._busy() or self.grammars)
+        return bool(self._busy() or self.grammars or self.loras)
 
     def _busy(self) -> bool:
         """Work a step does now, grammars still compiling aside."""
@@ -304,14 +296,20 @@ class Scheduler:
         return frames
 
     def _take_compiled(self, rows: list[Req]) -> None:
-        """Step 0: constrained requests whose grammar compiled join the waiting queue, and
-        one refused (an invalid spec) has its row go out. Never waits for a compile."""
+        """Step 0: constrained requests whose grammar compiled join the waiting queue (one
+        refused, an invalid spec, has its row go out), and so do requests whose adapter got
+        a slot. Never waits for a compile."""
         now = time.time()
         for req in self.grammars.take(now):
             if req.finished:
                 rows.append(req)
             else:
                 self.enqueue(req, now)
+        for req in self.loras.take():  # their adapter has a slot now (or cannot have one)
+            if req.finished:
+                rows.append(req)
+            else:
+                self._queue(req, now)
 
     def _prefill(self, chunks: list[Chunk], rows: list[Req]) -> list[Req]:
         """Step 1: one pass over this step's chunks (``_schedule_chunks``). Returns the
@@ -454,7 +452,7 @@ class Scheduler:
     def drop(self, req: Req, reason: FinishAbort, now: float) -> None:
         """Finishes ``req`` wherever it is with ``reason``, and queues its row."""
         self.pd.on_abort(req)
-        if not self.grammars.remove(req):
+        if not (self.grammars.remove(req) or self.loras.remove(req)):
             for queue in (self.running, self.prefilling, self.waiting):
                 if req in queue:
                     queue.remove(req)
@@ -474,6 +472,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         self.pd.on_release(req, time.time())  # a prefill server sends (or keeps) the KV first
         self.release_kv(req)
+        self.loras.release(req)
         self.live.pop(req.req_id, None)
         if self.live_rids.get(req.rid) is req:  # a refused duplicate leaves the live one's rid
             self.live_rids.pop(req.rid)
@@ -493,4 +492,4 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests not yet admitted: queued, waiting for PD KV or for their grammar."""
-        return len(self.waiting) + self.pd.num_waiting + len(self.grammars)
+        return len(self.waiting) + self.pd.num_waiting + len(self.grammars) + len(self.loras)

@@ -98,6 +98,7 @@ class SchedulerStatsReporter:
             weight_updates_ok=s.rollout.counters.updates_ok,
             weight_updates_failed=s.rollout.counters.updates_failed,
             weight_update_seconds=s.rollout.counters.take_update_seconds(),
+            **s.loras.report_fields(s.running, s.prefilling, s.waiting),
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total

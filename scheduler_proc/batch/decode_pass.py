@@ -60,6 +60,7 @@ class BatchDecoder:
             batch.seq_len[:n],
             batch.write_kv_slots(slots),
             batch.joined[:n],
+            batch.lora_slots(),
         )
 
     def finish(

@@ -43,6 +43,7 @@ def forward_chunks(
         [req.kv_slots if req.kv_slots is not None else _EMPTY_SLOTS for req, _, _ in batch],
         [slots for _, _, slots in batch],
         return_hidden=embeds or prompt_logprobs,
+        lora_slots=_lora_slots(batch),
     )
     if hidden is not None:  # asked for: embeds or prompt_logprobs
         if embeds:
@@ -59,6 +60,12 @@ def forward_chunks(
         else:
             mid_chunk.append(req)
     return logits, done_rows, mid_chunk
+
+
+def _lora_slots(batch: list[Chunk]) -> list[int] | None:
+    """Each chunk's adapter slot (-1: the base model); None when no chunk has an adapter."""
+    slots = [req.lora_slot for req, _, _ in batch]
+    return slots if max(slots) >= 0 else None
 
 
 def sample_first_tokens(

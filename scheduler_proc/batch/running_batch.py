@@ -41,7 +41,7 @@ _FIRST_ROWS = 64  # rows allocated up front; the tables double when more request
 _ROW_COLUMNS = (
     "req_id", "prompt_len", "seq_len", "sent", "joined", "stream", "interval",
     "has_stop_strings", "stop_ids", "stop_count", "seed", "has_bias", "constrained",
-    "gate_last", "force_from", "think_last",
+    "gate_last", "force_from", "think_last", "lora_slot",
 )  # fmt: skip
 
 
@@ -100,11 +100,13 @@ class RunningBatch:
         # its tokens are forced, and the last id of its end; else NEVER and -1.
         self.force_from = np.full(cap, NEVER, dtype=np.int64)
         self.think_last = np.full(cap, -1, dtype=np.int64)
+        self.lora_slot = np.full(cap, -1, dtype=np.int64)  # its adapter's slot (-1: the base)
 
     def _init_grammar_rows(self) -> None:
         self._num_constrained = 0
         self._num_gated = 0
         self._num_budgeted = 0  # rows with an open thinking budget
+        self._num_lora = 0  # rows that run with a LoRA adapter
         # The constrained rows and their matchers, kept between steps (a steady step builds
         # no list); None: to be gathered again (a constrained row joined, or rows moved).
         self._grammar_rows: GrammarRows | None = None
@@ -176,6 +178,8 @@ class RunningBatch:
         self._set_budget_row(row, req)
         self.logprobs.set_row(row, req)
         self._set_penalty_rows(row, req)
+        self.lora_slot[row] = req.lora_slot
+        self._num_lora += req.lora_slot >= 0
         req.kv_slots = None  # the row holds them now (see the class docstring)
 
     def _set_sampling_row(self, row: int, req: Req) -> None:
@@ -250,6 +254,7 @@ class RunningBatch:
             self._grammar_rows = None
         self._num_gated -= int(self.gate_last[row] >= 0)
         self._num_budgeted -= int(self.think_last[row] >= 0)
+        self._num_lora -= int(self.lora_slot[row] >= 0)
         width = self.stop_ids.shape[1]
         widest = width > 0 and int(self.stop_count[row]) == width  # the table may narrow
         last = self._n - 1
@@ -324,6 +329,11 @@ class RunningBatch:
         n = self._n
         out = self.seq_len[:n] - self.prompt_len[:n]
         return self.reqs[int(np.lexsort((self.joined[:n], -self.prompt_len[:n], out))[0])]
+
+    def lora_slots(self) -> np.ndarray | None:
+        """Each row's adapter slot (-1: the base model); None while no row has an adapter,
+        so a step without adapter rows does no LoRA work."""
+        return self.lora_slot[: self._n] if self._num_lora else None
 
     def last_tokens(self) -> np.ndarray:
         n = self._n

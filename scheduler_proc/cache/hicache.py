@@ -276,7 +276,7 @@ class HiCache:
 
     def _key_of(self, node: RadixNode) -> tuple[str, int]:
         """The storage key of node's segment: a hash of the namespace (the model's, and the
-        tree's: a salted prefix never names an unsalted file, nor another salt's), the
+        tree's: a salted or adapter prefix never names another namespace's file), the
         segment's start and every token from the root through the segment's end."""
         parts: list[np.ndarray] = []
         n: RadixNode | None = node
@@ -286,10 +286,16 @@ class HiCache:
             n = n.parent
         start = sum(len(p) for p in parts[1:])
         h = hashlib.sha256(self.namespace.encode())
-        if n.namespace.salt is not None:
-            # Length-prefixed, so no salt can pose as another's start.
-            salt = n.namespace.salt.encode()
-            h.update(b"salt" + len(salt).to_bytes(8, "little") + salt)
+        lora = n.namespace.lora
+        # Length-prefixed, so no salt or adapter can pose as another's start. An adapter by
+        # name and directory, as vLLM's block hashes: its load id is this process's alone.
+        for tag, value in (
+            (b"salt", n.namespace.salt),
+            (b"lora", None if lora is None else f"{len(lora.name)}:{lora.name}{lora.path}"),
+        ):
+            if value is not None:
+                data = value.encode()
+                h.update(tag + len(data).to_bytes(8, "little") + data)
         h.update(start.to_bytes(8, "little"))
         for part in reversed(parts):
             h.update(np.ascontiguousarray(part, dtype="<i8").tobytes())

@@ -127,8 +127,9 @@ class PrefixKV:
 
 
 def namespace_of(req: Req) -> CacheNamespace:
-    """The part of the prefix cache ``req`` reads and fills: its tenant's salt's."""
-    return CacheNamespace(req.cache_salt)
+    """The part of the prefix cache ``req`` reads and fills: its tenant's salt's, under
+    its adapter."""
+    return CacheNamespace(req.cache_salt, req.lora)
 
 
 def locked_node(req: Req) -> RadixNode:

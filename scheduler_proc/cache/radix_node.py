@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pipeline.control_frames import LoraAdapter
 from pipeline.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 
 _EMPTY_KEY = np.empty(0, dtype=np.int64)
@@ -83,9 +84,11 @@ class RadixNode:
 class CacheNamespace(NamedTuple):
     """What keys a prefix besides its tokens: requests share cached KV only within one
     namespace, whose tree hangs from its own root. ``salt``: the tenant's ``cache_salt``
-    (None: unsalted)."""
+    (None: unsalted); ``lora``: the adapter the KV was computed with (None: the base model),
+    load id included, so a reloaded adapter never reads its old weights' KV."""
 
     salt: str | None = None
+    lora: LoraAdapter | None = None
 
 
 UNSALTED = CacheNamespace()

@@ -8,7 +8,6 @@ between the halves and announces nothing, since nothing cached changed.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from pipeline.kv_events import (
     AllBlocksCleared,
@@ -18,8 +17,8 @@ from pipeline.kv_events import (
     KVEventBatch,
     MEDIUM_GPU,
 )
-from scheduler_proc.cache.radix_node import RadixNode, RadixRoot, lower_medium
-from scheduler_proc.kv_events.block_hashes import BlockHasher, external_hash
+from scheduler_proc.cache.radix_node import CacheNamespace, RadixNode, RadixRoot, lower_medium
+from scheduler_proc.kv_events.block_hashes import BlockHasher, event_extra_keys, external_hash
 
 
 class BlockEvents:
@@ -40,25 +39,24 @@ class BlockEvents:
     # --- CacheEvents ---------------------------------------------------------------------
 
     def stored(self, node: RadixNode, medium: str) -> None:
-        start, parent_hash, head, salt = self._above(node)
-        hashes = self._hashes(node, start, parent_hash, head, salt)
+        start, parent_hash, head, namespace = self._above(node)
+        hashes = self._hashes(node, start, parent_hash, head, namespace)
         if not hashes:
             return
         size = self.block_size
         first = start // size
         tokens = (head + node.key.tolist())[: len(hashes) * size]
-        extra: list[tuple[Any, ...] | None] = [None] * len(hashes)
-        if first == 0 and salt is not None:
-            extra[0] = (salt,)
+        extra = [event_extra_keys(namespace, first + i) for i in range(len(hashes))]
+        lora = namespace.lora
         self._pending.append(
             BlockStored(
                 block_hashes=[external_hash(h) for h in hashes],
                 parent_block_hash=None if parent_hash is None else external_hash(parent_hash),
                 token_ids=tokens,
                 block_size=size,
-                lora_id=None,
+                lora_id=None if lora is None else lora.id,
                 medium=medium,
-                lora_name=None,
+                lora_name=None if lora is None else lora.name,
                 extra_keys=extra,
             )
         )
@@ -91,10 +89,10 @@ class BlockEvents:
 
     # --- hashing -------------------------------------------------------------------------
 
-    def _above(self, node: RadixNode) -> tuple[int, bytes | None, list[int], str | None]:
+    def _above(self, node: RadixNode) -> tuple[int, bytes | None, list[int], CacheNamespace]:
         """Where node starts in its prefix, the hash of the last full block before it (None
         when there is none), the tokens of the partial block it continues, and its
-        namespace's salt: from one walk up to the root."""
+        namespace: from one walk up to the root."""
         ancestors: list[RadixNode] = []  # the nearest first
         at = node.parent
         while not isinstance(at, RadixRoot):
@@ -110,7 +108,7 @@ class BlockEvents:
             head = a.key[-(need - len(head)) :].tolist() + head
         # The last full block before node belongs to the nearest ancestor that holds one.
         parent_hash = next((h[-1] for a in ancestors if (h := self._hashes_of(a))), None)
-        return start, parent_hash, head, at.namespace.salt
+        return start, parent_hash, head, at.namespace
 
     def _hashes(
         self,
@@ -118,21 +116,20 @@ class BlockEvents:
         start: int,
         parent_hash: bytes | None,
         head: list[int],
-        salt: str | None,
+        namespace: CacheNamespace,
     ) -> list[bytes]:
         if node.block_hashes is None:
             size = self.block_size
             end = start + len(node)
             count = end // size - start // size
             tokens = (head + node.key.tolist())[: count * size]
-            node.block_hashes = self.hasher.chain(parent_hash, tokens, start // size, salt)
+            node.block_hashes = self.hasher.chain(parent_hash, tokens, start // size, namespace)
         return node.block_hashes
 
     def _hashes_of(self, node: RadixNode) -> list[bytes]:
         """node's block hashes, computed now if no event has yet (they always have)."""
         if node.block_hashes is None:
-            start, parent_hash, head, salt = self._above(node)
-            self._hashes(node, start, parent_hash, head, salt)
+            self._hashes(node, *self._above(node))
         assert node.block_hashes is not None
         return node.block_hashes
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pipeline.config import ServerConfig
+from pipeline.control_frames import LoraAdapter
 from pipeline.lora_modules import parse_lora_modules
 from pipeline.model_config import ModelConfig
 from scheduler_proc.lora.registry import LoraRegistry
@@ -34,6 +35,35 @@ class LoraRuntime:
         for module in parse_lora_modules(config.lora_modules, config.lora_paths):
             registry.load(module.name, module.path)
         return cls(registry, LoraSlots(model, config.max_loras, config.max_lora_rank))
+
+    # --- what the scheduler asks (scheduler_proc/lora_queue.py, scheduler_proc/control.py) ---
+
+    def load(self, name: str, path: str) -> LoraAdapter:
+        return self.registry.load(name, path)
+
+    def unload(self, name: str) -> LoraAdapter:
+        return self.registry.unload(name)
+
+    def adapters(self) -> tuple[LoraAdapter, ...]:
+        return self.registry.adapters()
+
+    def by_id(self, adapter_id: int) -> LoraAdapter | None:
+        return self.registry.by_id(adapter_id)
+
+    def by_name(self, name: str) -> LoraAdapter | None:
+        return self.registry.by_name(name)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.num_slots
+
+    def acquire(self, adapter: LoraAdapter) -> int | None:
+        """Pins a slot holding ``adapter`` (None: every slot is pinned by others); LoraError
+        when its weights must be read again and its directory no longer holds them."""
+        return self.slots.acquire(adapter, self.registry.weights)
+
+    def release(self, adapter: LoraAdapter) -> None:
+        self.slots.release(adapter.id)
 
     def pass_for(self, token_slots: np.ndarray) -> LoraPass | None:
         """The pass of tokens using ``token_slots`` (-1: base); None, and no work in the

@@ -198,6 +198,7 @@ class DecodeBootstrapper:
             token_ids=token_ids,
             prompt_tokens=len(req.origin_input_ids),
             layout=self.layout,
+            lora=None if req.lora is None else req.lora.name,
         )
         try:
             self.client.send(pd.endpoint, fetch)

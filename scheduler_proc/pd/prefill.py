@@ -145,7 +145,7 @@ class PrefillKVSender:
                 identity, fetch, self._next_job_id, now, host.collect_time_stats, host.stats_pending
             )
             self._next_job_id -= 1
-            problem = (
+            problem = host.loras.bind_named(req, fetch.lora) or (
                 host.admission.problem(req) if fetch.token_ids else "the fetch names no tokens"
             )
             if problem is not None:

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from scheduler_proc.admission import AdmissionCheck
+from scheduler_proc.lora_queue import LoraQueue
 from scheduler_proc.req import Req, StatsPending
 
 
@@ -28,6 +29,7 @@ class PdHost(Protocol):
     stats_pending: StatsPending
     collect_time_stats: bool
     admission: AdmissionCheck
+    loras: LoraQueue
 
     def enqueue(self, req: Req, now: float) -> None:
         """Queues an accepted request (``PdRole.on_admit`` first)."""
