@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.config import ServerConfig
+from pipeline.control_frames import LoraAdapter
 from pipeline.server_args import check_config
 from pipeline.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from scheduler_proc.cache.kv_pool import KVPool
@@ -28,10 +29,14 @@ BLOCK = 4
 
 
 def vllm_hashes(
-    tokens: list[int], salt: str | None = None, seed: str = "vllm-none-hash"
+    tokens: list[int],
+    salt: str | None = None,
+    seed: str = "vllm-none-hash",
+    lora: tuple[str, str] | None = None,
 ) -> list[int]:
     """vLLM's sha256_cbor block hashes of every full block of ``tokens``, as events carry
-    them (the low 64 bits), computed without the server's code."""
+    them (the low 64 bits), computed without the server's code. ``lora``: the adapter's
+    (name, path), an extra key of every block before the salt, as vLLM's."""
 
     def sha(value: object) -> bytes:
         return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
@@ -39,7 +44,9 @@ def vllm_hashes(
     parent = sha(seed)
     out = []
     for b in range(len(tokens) // BLOCK):
-        extra = (("cache_salt", salt),) if b == 0 and salt is not None else None
+        keys = [("lora", *lora)] if lora is not None else []
+        keys += [("cache_salt", salt)] if b == 0 and salt is not None else []
+        extra = tuple(keys) or None
         parent = sha((parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK]), extra))
         out.append(int.from_bytes(parent, "big") & (2**64 - 1))
     return out
@@ -122,6 +129,24 @@ def test_salted_prefixes_share_nothing_and_hash_the_salt_into_their_first_block(
     # A salt whose last prefix is evicted leaves no root behind; the unsalted root stays.
     cache.evict(len(tokens))
     assert [root.namespace for root in cache.roots()] == [CacheNamespace()]
+
+
+def test_adapter_prefixes_hash_the_adapter_into_every_block_and_name_it() -> None:
+    cache, events = new_cache()
+    tokens = list(range(40, 49))
+    sql = LoraAdapter(name="sql", path="/adapters/sql", id=3)
+    insert(cache, tokens, CacheNamespace("t", sql))
+    assert cache.match_prefix(tokens, CacheNamespace("t"))[0].numel() == 0  # the base model
+    reloaded = LoraAdapter(name="sql", path="/adapters/sql", id=4)
+    assert cache.match_prefix(tokens, CacheNamespace("t", reloaded))[0].numel() == 0
+    assert cache.match_prefix(tokens, CacheNamespace("t", sql))[0].numel() == len(tokens)
+    [stored] = take(events)
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == vllm_hashes(tokens, "t", lora=("sql", "/adapters/sql"))
+    assert stored.block_hashes != vllm_hashes(tokens, "t")
+    # Published untagged, as vLLM's events: the adapter's name on every block, then the salt.
+    assert stored.extra_keys == [("sql", "t"), ("sql",)]
+    assert (stored.lora_name, stored.lora_id) == ("sql", 3)
 
 
 def test_a_flush_clears_then_announces_what_requests_still_hold() -> None:
