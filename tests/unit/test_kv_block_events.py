@@ -44,7 +44,7 @@ def vllm_hashes(
     parent = sha(seed)
     out = []
     for b in range(len(tokens) // BLOCK):
-        keys = [("lora", *lora)] if lora is not None else []
+        keys: list[tuple[str, ...]] = [("lora", *lora)] if lora is not None else []
         keys += [("cache_salt", salt)] if b == 0 and salt is not None else []
         extra = tuple(keys) or None
         parent = sha((parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK]), extra))
