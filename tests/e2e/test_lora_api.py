@@ -58,6 +58,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     args = ["--model-path", str(checkpoint), "--served-model-name", BASE]
     args += ["--enable-lora", "--lora-modules", f"sql={sql}", "--max-loras", "2"]
     args += ["--max-lora-rank", "8", "--metrics-compat", "vllm"]
+    # A batch item's tokens are then the bits it gets alone (no near tie flips).
+    args += ["--enable-deterministic-inference"]
     started = time.time()
     server = ServerProcess(root / "server" / "tmp", args)
     with server.wait_ready():
@@ -86,8 +88,8 @@ def test_models_list_the_adapters_after_the_base(served: Served) -> None:
 def test_a_completion_runs_with_the_adapter_its_model_names(served: Served) -> None:
     base = token_logprobs(served, BASE)
     sql = token_logprobs(served, "sql")
-    assert token_logprobs(served, "sql") == sql  # greedy: the same answer again
-    assert sql != base  # the adapter's rows are not the base model's
+    # The adapter's rows are not the base model's: far beyond a cache hit's rounding.
+    assert max(abs(a - b) for a, b in zip(base, sql, strict=True)) > 1e-3
     chat = served.oai.chat.completions.create(
         model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **GREEDY
     )
