@@ -1,15 +1,15 @@
 """Prometheus metrics of the whole service, served by the API process on ``/metrics``.
 
 ``ServiceMetrics`` holds the scheduler's gauges (``scheduler_gauges.py``), the request
-metrics (``request_metrics.py``) and the LoRA series (``lora_metrics.py``); under ``--disable-metrics`` ``NoMetrics`` stands in: it
-observes nothing and ``/metrics`` serves an empty body. With several API workers
-(``--api-workers``) each keeps its values in prometheus-client's multiprocess directory
-(``PROMETHEUS_MULTIPROC_DIR``, which the supervisor sets) and any of them renders the sum of
-all: counters and histograms add up over the workers, and the scheduler's gauges are set by
-worker 0 alone ("mostrecent"). Names carry the ``tokenpipe:`` prefix and the ``model_name``
-/ ``engine_type`` labels (docs/design.md section 7), or a peer family's names under
-``--metrics-compat`` (``tokenizer_proc/metrics_compat.py``); the HTTP series are the
-ecosystem's own under every family (``tokenizer_proc/http_counters.py``).
+metrics (``request_metrics.py``) and the LoRA series (``lora_metrics.py``); under
+``--disable-metrics`` ``NoMetrics`` stands in: it observes nothing and ``/metrics`` is empty.
+With several API workers (``--api-workers``) each keeps its values in prometheus-client's
+multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, set by the supervisor) and any of them
+renders the sum of all; the scheduler's gauges are set by worker 0 alone ("mostrecent").
+Names carry the ``tokenpipe:`` prefix and the ``model_name`` / ``engine_type`` labels
+(docs/design.md section 7), or a peer family's names under ``--metrics-compat``
+(``tokenizer_proc/metrics_compat.py``); the HTTP series are the ecosystem's own under every
+family (``tokenizer_proc/http_counters.py``).
 """
 
 from __future__ import annotations
