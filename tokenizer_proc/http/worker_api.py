@@ -14,6 +14,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from pipeline.io_struct import SchedulerStatsReport
 from pipeline.tokenizer_loader import model_directory
 from tokenizer_proc.request_edge.body import decode_body
 from tokenizer_proc.http.common import error_response
@@ -120,9 +121,7 @@ def server_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]
         vocab_size=tm.vocab_size,
         live_requests=len(tm.states),
         aborted_requests=tm.num_aborted_requests,
-        scheduler=msgspec.structs.asdict(tm.last_scheduler_report)
-        if tm.last_scheduler_report
-        else None,
+        scheduler=report_fields(tm.last_scheduler_report) if tm.last_scheduler_report else None,
         engine_type=config.engine_type,
         # SGLang's names: the KV pool's size in tokens (the scheduler's own, once it has
         # reported) and the package's version.
@@ -135,6 +134,13 @@ def server_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]
         else None,
     )
     return info
+
+
+def report_fields(report: SchedulerStatsReport) -> dict[str, Any]:
+    """The scheduler's report as JSON takes it: its adapters (structs) as objects too."""
+    fields = msgspec.structs.asdict(report)
+    fields["lora_adapters"] = [msgspec.structs.asdict(a) for a in report.lora_adapters]
+    return fields
 
 
 def model_info_of(tm: TokenizerManager, model: ModelIdentity) -> dict[str, Any]:
