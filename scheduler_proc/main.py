@@ -38,7 +38,7 @@ from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab, load_vocab
 from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.cache.hicache import HiCache
 from scheduler_proc.cache.kv_storage import StorageError
-from scheduler_proc.control import flush_cache, lora_control, storage_control
+from scheduler_proc.control import lora_control
 from scheduler_proc.kv_events.stream import attach_kv_events
 from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model.runner import ModelRunner
@@ -233,15 +233,10 @@ class SchedulerLoop:
     def on_storage_control(self, msg: HiCacheStorageControl) -> None:
         # Answered at once, before this step's frames: every row after the answer reflects
         # the new storage state.
-        s = self.scheduler
-        self.send(storage_control(s.hicache, s.live.values(), msg))
+        self.send(self.scheduler.storage_control(msg))
 
     def on_flush_cache(self, msg: FlushCacheControl) -> None:
-        """Drops the prefix cache between two steps, when no request is live."""
-        s = self.scheduler
-        # Paused, the waiting requests hold no KV: the cache may go (SGLang's rule too).
-        held = s.num_running if s.rollout.paused else len(s.live)
-        self.send(flush_cache(s.prefix_kv, held, s.num_waiting, s.num_running, msg))
+        self.send(self.scheduler.flush_cache(msg))
         # A report at once, so /server_info and /metrics show the emptied cache: an idle
         # scheduler would send none until its next work.
         self.send(self.reporter.report(time.time()))

@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from pipeline.peer_errors import duplicate_rid_message
-from pipeline.control_frames import AbortResult
+from pipeline.control_frames import (
+    AbortResult,
+    FlushCacheControl,
+    FlushCacheResult,
+    HiCacheStorageControl,
+    HiCacheStorageState,
+)
 from pipeline.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
@@ -40,7 +46,7 @@ from scheduler_proc.batch.prefill_pass import Chunk
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.cache.hicache import Fetched, HiCache
 from scheduler_proc.cache.prefix_kv import PrefixKV
-from scheduler_proc.control import abort_targets
+from scheduler_proc.control import abort_targets, flush_cache, storage_control
 from scheduler_proc.decode_mode import DecodeMode, TokenDecode
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
 from scheduler_proc.embedding import pooled_embedding
@@ -153,14 +159,8 @@ class Scheduler:
         runner, alloc = self.runner, self.prefix_kv.alloc
         if dllm is not None:
             return DllmDecoder(dllm, runner, self.stop_checker, self.context_length, alloc)
-        decoder = BatchDecoder(
-            runner,
-            self.stop_checker,
-            self.stats_pending,
-            self.dense_usage_columns,
-            self.masks,
-            self.forward,
-        )
+        pending, dense = self.stats_pending, self.dense_usage_columns
+        decoder = BatchDecoder(runner, self.stop_checker, pending, dense, self.masks, self.forward)
         batch = RunningBatch(self.context_length, runner.model_config.vocab_size)
         return TokenDecode(decoder, batch, alloc)
 
@@ -238,6 +238,15 @@ class Scheduler:
         self.live[req.req_id] = req
         if not req.kv_only:
             self.live_rids[req.rid] = req
+
+    def storage_control(self, msg: HiCacheStorageControl) -> HiCacheStorageState:
+        return storage_control(self.hicache, self.live.values(), msg)
+
+    def flush_cache(self, msg: FlushCacheControl) -> FlushCacheResult:
+        # Only when no request is live. Paused, the waiting requests hold no KV: the cache may
+        # go then (SGLang's rule too).
+        held = self.num_running if self.rollout.paused else len(self.live)
+        return flush_cache(self.prefix_kv, held, self.num_waiting, self.num_running, msg)
 
     def abort(self, msg: AbortReq) -> AbortResult | None:
         """Stops the requests ``msg`` names; the ``AbortResult`` when it asked for one."""
@@ -480,10 +489,6 @@ class Scheduler:
     @property
     def kv_tokens_held_by_requests(self) -> int:
         return self.prefix_kv.held_by_requests
-
-    @property
-    def cache_size(self) -> int:
-        return self.cache.total_size
 
     @property
     def num_running(self) -> int:

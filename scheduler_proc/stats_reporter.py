@@ -81,7 +81,7 @@ class SchedulerStatsReporter:
             num_retracted_requests_total=s.num_retracted_total,
             kv_used_tokens=s.kv.num_used,
             kv_capacity=s.kv.capacity,
-            cached_tokens_in_tree=s.cache_size,
+            cached_tokens_in_tree=s.cache.total_size,
             forward_steps_total=s.forward_steps,
             live_reqs=len(s.live),
             instance=self._instance,
