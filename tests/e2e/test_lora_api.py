@@ -10,6 +10,7 @@ peft's is tests/e2e/test_lora_families.py's."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,6 +95,41 @@ def test_a_completion_runs_with_the_adapter_its_model_names(served: Served) -> N
         model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **GREEDY
     )
     assert chat.model == "sql" and chat.usage is not None and chat.usage.completion_tokens == 4
+
+
+def test_n_streaming_and_a_json_schema_run_with_the_adapter(served: Served) -> None:
+    """Per-request state an adapter rides with: n choices, a stream, a grammar."""
+    oai, messages = served.oai, [{"role": "user", "content": "Name a colour"}]
+    alone = oai.chat.completions.create(model="sql", messages=messages, max_tokens=8, **GREEDY)
+    base = oai.chat.completions.create(model=BASE, messages=messages, max_tokens=8, **GREEDY)
+    want = alone.choices[0].message.content
+    assert want != base.choices[0].message.content  # the adapter changes this answer
+    both = oai.chat.completions.create(model="sql", messages=messages, max_tokens=8, n=2, **GREEDY)
+    assert [c.message.content for c in both.choices] == [want, want]
+    stream = oai.chat.completions.create(
+        model="sql", messages=messages, max_tokens=8, stream=True, **GREEDY
+    )
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == want
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "maxLength": 12}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    shaped = oai.chat.completions.create(
+        model="sql",
+        messages=messages,
+        max_tokens=40,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "colour", "schema": schema, "strict": True},
+        },
+        temperature=0,
+    )
+    content = shaped.choices[0].message.content
+    assert shaped.model == "sql" and content is not None
+    assert set(json.loads(content)) == {"colour"}
 
 
 def test_vllm_load_while_a_request_streams_use_then_unload(served: Served) -> None:
