@@ -6,9 +6,10 @@ into the model forward, the batch build, the sampler and the host work left;
 ``--torch-threads 1,2`` runs each count in a child process, ``--op-groups`` splits the forward
 by op group. ``--constrained`` adds the grammar's cost per step, ``--profile`` a cProfile of the
 largest batch, ``--compare-forward`` the forward before and after the dense KV copy,
-``--compare-deterministic`` the step with deterministic inference off and on. The jobs live in
+``--compare-deterministic`` the step with deterministic inference off and on, ``--lora`` the
+step with requests bound to 0, 1 and 4 LoRA adapters. The jobs live in
 ``bench.scheduler_step_workload``, ``_timers``, ``_run``, ``_report``, ``_ops``, ``_threads``,
-``_forward`` and ``_deterministic``; this module reads the command line. Figures: bench/README.md.
+``_forward``, ``_deterministic`` and ``_lora``; this module reads the command line.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from bench.scheduler_step_report import (  # noqa: E402
     GRAMMAR_COLUMNS,
     format_report,
 )
+from bench.scheduler_step_lora import DEFAULT_COUNTS, OFF, compare_lora, format_lora  # noqa: E402
 from bench.scheduler_step_run import run  # noqa: E402
 from bench.scheduler_step_threads import sweep_args, sweep_threads  # noqa: E402
 from bench.scheduler_step_workload import (  # noqa: E402
@@ -79,6 +81,35 @@ def _samplings(text: str) -> list[str]:
             f"expected a comma-separated list of {', '.join(SAMPLING_MODES)}; got {text!r}"
         )
     return list(dict.fromkeys(modes))  # in the order given, each once
+
+
+def _lora_counts(text: str) -> list[str]:
+    """Adapter counts (and ``off``), in the order given, each once; 0 must be one of them."""
+    counts = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if any(c != OFF and not (c.isdigit() and int(c) >= 0) for c in counts) or "0" not in counts:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of adapter counts (and {OFF}) that includes 0; got {text!r}"
+        )
+    return [c if c == OFF else str(int(c)) for c in counts]
+
+
+def add_lora_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="time the step with its requests spread over LoRA adapters (--lora-counts), "
+        "schedulers in this process taking turns step by step; print each and its ratio to 0",
+    )
+    parser.add_argument(
+        "--lora-counts",
+        type=_lora_counts,
+        default=list(DEFAULT_COUNTS),
+        help=f"--lora: adapter counts to time, and {OFF} for a scheduler without "
+        "--enable-lora; must include 0 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=16, help="--lora: the adapters' rank (default 16)"
+    )
 
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_flags(parser)
     add_machine_flags(parser)
     add_forward_flags(parser)
+    add_lora_flags(parser)
     parser.add_argument(
         "--op-groups",
         action="store_true",
@@ -202,15 +234,34 @@ def write_json(path: Path | None, data: dict[str, Any]) -> None:
 def one_count(parser: argparse.ArgumentParser, counts: list[int] | None) -> int | None:
     """The single thread count of a run that takes one (None: the server's)."""
     if counts is not None and len(counts) > 1:
-        parser.error("--compare-forward and --compare-deterministic take one --torch-threads")
+        parser.error("--compare-forward, --compare-deterministic, --lora take one --torch-threads")
     return None if counts is None else counts[0]
+
+
+def compare_in_turns(args: argparse.Namespace) -> dict[str, Any]:
+    """``--compare-deterministic`` or ``--lora``: schedulers in this process taking turns."""
+    common: dict[str, Any] = {
+        "samplings": args.sampling,
+        "steps": args.steps,
+        "context": args.context,
+        "warmup": args.warmup,
+        "torch_threads": args.torch_threads,
+        "device": args.device,
+        "seed": args.seed,
+        "model_path": args.model_path,
+    }
+    if args.lora:
+        return compare_lora(
+            args.batch_sizes, counts=args.lora_counts, rank=args.lora_rank, **common
+        )
+    return compare_deterministic(args.batch_sizes, **common)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     counts: list[int] | None = args.torch_threads
-    comparing = args.compare_forward or args.compare_deterministic
+    comparing = args.compare_forward or args.compare_deterministic or args.lora
     if counts is not None and len(counts) > 1 and not comparing:
         report = sweep_threads(sweep_args(args), counts)
         print(format_report(report))
@@ -218,27 +269,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args.torch_threads = one_count(parser, counts)
     if args.compare_forward:
-        if args.profile or args.compare_deterministic:
-            parser.error("--compare-forward runs alone: no --profile or --compare-deterministic")
+        if args.profile or args.compare_deterministic or args.lora:
+            parser.error(
+                "--compare-forward runs alone: no --profile, --compare-deterministic, --lora"
+            )
         comparison = compare_forward(child_args(args), args.rounds)
         print(format_comparison(comparison))
         write_json(args.json, comparison)
         return 0
-    if args.compare_deterministic:
-        if args.profile or args.constrained or args.deterministic:
-            parser.error("--compare-deterministic runs both arms unconstrained, unprofiled")
-        report = compare_deterministic(
-            args.batch_sizes,
-            samplings=args.sampling,
-            steps=args.steps,
-            context=args.context,
-            warmup=args.warmup,
-            torch_threads=args.torch_threads,
-            device=args.device,
-            seed=args.seed,
-            model_path=args.model_path,
-        )
-        print(format_deterministic(report))
+    if args.compare_deterministic or args.lora:
+        if (
+            args.profile
+            or args.constrained
+            or args.deterministic
+            or args.compare_deterministic == args.lora
+        ):
+            parser.error("--compare-deterministic and --lora run alone, unconstrained, unprofiled")
+        report = compare_in_turns(args)
+        print(format_lora(report) if args.lora else format_deterministic(report))
         write_json(args.json, report)
         return 0
     if args.forward == "before":

@@ -1,16 +1,27 @@
 """The scheduler decode-step benchmark's workload: a scheduler sized so that nothing retracts,
 B requests with distinct first tokens (the prefix cache cannot share them), streamed with
 ``stream_interval`` 1 and long enough that none finishes during the run, and the checked
-decode step that the timed loop repeats."""
+decode step that the timed loop repeats. With ``LoraSetup`` the scheduler serves adapters
+(``--enable-lora``) and ``submit`` binds requests to them, as the API worker does."""
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from pipeline.config import ServerConfig
-from pipeline.io_struct import REQ_ID_DTYPE, Constraint, SamplingParams, TokenizedGenerateReqInput
+from pipeline.io_struct import (
+    REQ_ID_DTYPE,
+    Constraint,
+    LoraRef,
+    SamplingParams,
+    TokenizedGenerateReqInput,
+)
 from pipeline.columns import from_column
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler
@@ -32,6 +43,16 @@ def prompts(batch_size: int, context: int, vocab_size: int, seed: int) -> list[l
     ]
 
 
+@dataclass(frozen=True)
+class LoraSetup:
+    """The LoRA flags of a benchmark scheduler: ``--lora-modules`` (``name=path`` entries),
+    ``--max-loras`` and ``--max-lora-rank``."""
+
+    modules: tuple[str, ...]
+    max_loras: int
+    max_lora_rank: int
+
+
 def build(
     batch_size: int,
     tokens_per_req: int,
@@ -39,7 +60,9 @@ def build(
     device: str,
     model_path: str | None = None,
     deterministic: bool = False,
+    lora: LoraSetup | None = None,
 ) -> Scheduler:
+    """``lora`` None: a scheduler without ``--enable-lora``."""
     # Headroom beyond the requests' own KV: the pool also leaves slots for the next decode
     # step during admission, and nothing here may ever trigger a retraction.
     pool = batch_size * tokens_per_req + 2 * batch_size + 64
@@ -51,7 +74,21 @@ def build(
         model_path=model_path,
         enable_deterministic_inference=deterministic,
     )
+    if lora is not None:
+        config = msgspec.structs.replace(
+            config,
+            enable_lora=True,
+            lora_modules=lora.modules,
+            max_loras=lora.max_loras,
+            max_lora_rank=lora.max_lora_rank,
+        )
     return build_scheduler(config)
+
+
+def adapter_refs(scheduler: Scheduler) -> list[LoraRef]:
+    """Each adapter the scheduler serves as a request names it (name and load id)."""
+    lora = scheduler.runner.lora
+    return [LoraRef(a.name, a.id) for a in lora.adapters()] if lora is not None else []
 
 
 def sampling_params(sampling: str, max_new_tokens: int, seed: int) -> SamplingParams:
@@ -108,7 +145,9 @@ def submit(
     sampling: str,
     seed: int,
     constraint: Constraint | None = None,
+    loras: Sequence[LoraRef | None] = (),
 ) -> None:
+    """Request i runs with ``loras[i % len(loras)]`` (none given: every one on the base)."""
     now = time.time()
     for i, ids in enumerate(prompts):
         # a distinct seed per request
@@ -122,6 +161,7 @@ def submit(
                 stream=True,
                 arrival_time=now,
                 constraint=constraint,
+                lora=loras[i % len(loras)] if loras else None,
             )
         )
 

