@@ -110,6 +110,13 @@ def add_lora_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora-rank", type=int, default=16, help="--lora: the adapters' rank (default 16)"
     )
+    parser.add_argument(
+        "--lora-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--lora: every LoRA arm's --max-loras (default: its adapter count, at least 1)",
+    )
 
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:
@@ -252,7 +259,11 @@ def compare_in_turns(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.lora:
         return compare_lora(
-            args.batch_sizes, counts=args.lora_counts, rank=args.lora_rank, **common
+            args.batch_sizes,
+            counts=args.lora_counts,
+            rank=args.lora_rank,
+            slots=args.lora_slots,
+            **common,
         )
     return compare_deterministic(args.batch_sizes, **common)
 

@@ -1,12 +1,13 @@
 """``--lora``: the decode step with its requests bound to LoRA adapters, against the same step
 with none. For each batch size and sampling mode one scheduler per arm (``--lora-counts``,
-default 0,1,4: a scheduler with ``--enable-lora``, ``--max-loras`` max(k, 1) and k adapters of
-``--lora-rank`` written by ``bench.lora_adapters``, its requests spread round-robin over
-them, each named by a ``LoraRef`` as the API worker sends it; ``off``: no ``--enable-lora``)
-gets the same prompts; their prefill steps take turns until every request decodes, then
-the timed decode steps take turns, the order rotating every step, so the machine's drift
-falls on every arm alike. Per arm: the median step, forward and batch build (the LoRA mask
-is built there), tokens/s and the median over the steps of the tokens/s ratio to 0 adapters.
+default 0,1,4: ``--enable-lora``, k adapters of ``--lora-rank`` written by
+``bench.lora_adapters``, ``--max-loras`` max(k, 1) or ``--lora-slots``, the requests spread
+round-robin over the adapters, each named by a ``LoraRef`` as the API worker sends it;
+``off``: no ``--enable-lora``) gets the same prompts; their prefill steps take turns until
+every request decodes, then the timed decode steps take turns, the order rotating every step,
+so the machine's drift falls on every arm alike. Per arm: the median step, forward and batch
+build (the LoRA mask is built there), tokens/s and the median over the steps of the tokens/s
+ratio to 0 adapters.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class Arm:
     adapters: int
 
 
-def make_arms(counts: Sequence[str], adapters: dict[str, Path], rank: int) -> list[Arm]:
+def make_arms(
+    counts: Sequence[str], adapters: dict[str, Path], rank: int, slots: int | None = None
+) -> list[Arm]:
+    """An arm per count; ``slots``: every LoRA arm's ``--max-loras`` (None: max(k, 1))."""
     arms = []
     for label in counts:
         if label == OFF:
@@ -56,7 +60,7 @@ def make_arms(counts: Sequence[str], adapters: dict[str, Path], rank: int) -> li
             continue
         k = int(label)
         modules = tuple(f"{name}={path}" for name, path in list(adapters.items())[:k])
-        arms.append(Arm(label, LoraSetup(modules, max(1, k), rank), k))
+        arms.append(Arm(label, LoraSetup(modules, slots or max(1, k), rank), k))
     return arms
 
 
@@ -175,6 +179,7 @@ def compare_lora(
     *,
     counts: Sequence[str],
     rank: int,
+    slots: int | None = None,
     samplings: Sequence[str],
     steps: int,
     context: int,
@@ -197,7 +202,7 @@ def compare_lora(
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as root:
         adapters = write_adapters(Path(root), most, rank, model_path, seed)
-        arms = make_arms(counts, adapters, rank)
+        arms = make_arms(counts, adapters, rank, slots)
         for b in batch_sizes:
             for sampling in samplings:
                 decoding = reach_decoding(arms, b, sampling, opts)
@@ -206,6 +211,7 @@ def compare_lora(
     from scheduler_proc.model.runner import resolve_device
 
     config = {"batch_sizes": list(batch_sizes), "counts": list(counts), "rank": rank}
+    config["slots"] = slots
     return {
         "config": {**config, "samplings": list(samplings), **opts},
         "machine": machine_info(str(resolve_device(device))),
@@ -221,7 +227,8 @@ def format_lora(report: dict[str, Any]) -> str:
         f"torch_threads={m['torch_threads']}, torch {m['torch']}, device={m['device']}",
         f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, "
         f"heads {model['heads']}, vocab {model['vocab']}",
-        f"LoRA adapters of rank {cfg['rank']} on all seven projections: prompt "
+        f"LoRA adapters of rank {cfg['rank']} on all seven projections, --max-loras "
+        f"{cfg['slots'] or 'max(adapters, 1)'}: prompt "
         f"{cfg['context']} tokens, {cfg['steps']} decode steps per arm, the arms taking turns "
         "in one process",
         "",
@@ -234,8 +241,8 @@ def format_lora(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "adapters: the requests spread round-robin over that many adapters (--max-loras the "
-        "same, at least 1; 0: LoRA on, every request on the base model; off: no --enable-lora); "
+        "adapters: the requests spread round-robin over that many adapters (0: LoRA on, every "
+        "request on the base model; off: no --enable-lora); "
         "step_ms, fwd_ms, build_ms: medians of the decode step, the model forward and the batch "
         "build (ForwardBatch and LoRA mask); tok/s: batch over step_ms; x0: median over the "
         "steps of the tokens/s ratio to 0 adapters (below 1: the adapters cost that much)",

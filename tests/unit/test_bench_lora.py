@@ -76,6 +76,7 @@ def test_lora_prints_a_row_per_arm_and_batch(
 
     data = json.loads(out.read_text())
     assert data["config"]["counts"] == ["off", "0", "1", "2"] and data["config"]["rank"] == 4
+    assert data["config"]["slots"] is None  # each arm's --max-loras is its count
     results = data["results"]
     assert len(results) == 8
     for r in results:
