@@ -78,6 +78,11 @@ def token_logprobs(served: Served, model: str) -> list[float]:
 
 
 def test_models_list_the_adapters_after_the_base(served: Served) -> None:
+    info = httpx.get(served.server.url + "/server_info", timeout=30)
+    assert info.status_code == 200, info.text  # its report's adapters are JSON too
+    assert {"name": "sql", "path": str(served.sql), "id": 1} in info.json()["scheduler"][
+        "lora_adapters"
+    ]
     cards = served.oai.models.list().data
     assert [card.id for card in cards] == [BASE, "sql"]
     sql = cards[1].model_extra or {}
