@@ -35,7 +35,10 @@ from tests.hf_checkpoints import write_case
 from tests.lora_adapters import write_adapter
 
 PROMPT = [(37 * i + 11) % 900 + 40 for i in range(40)]
-ADAPTERS: dict[str, dict[str, Any]] = {"a": {"rank": 4, "alpha": 8, "seed": 1}, "b": {"rank": 8, "alpha": 8, "seed": 2}}
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "a": {"rank": 4, "alpha": 8, "seed": 1},
+    "b": {"rank": 8, "alpha": 8, "seed": 2},
+}
 
 
 @pytest.fixture(scope="module")
