@@ -21,6 +21,7 @@ from bench.scheduler_step_run import (
     model_info,
     reach_decoding,
 )
+from bench.scheduler_step_report import machine_and_model
 from bench.scheduler_step_workload import build, decode_step, prompts, submit
 from scheduler_proc.scheduler import Scheduler
 
@@ -148,12 +149,9 @@ def compare_deterministic(
 
 
 def format_deterministic(report: dict[str, Any]) -> str:
-    m, cfg, model = report["machine"], report["config"], report["model"]
+    cfg = report["config"]
     lines = [
-        f"machine: cpu_count={m['cpu_count']} (usable {m['cpus_usable']}), "
-        f"torch_threads={m['torch_threads']}, torch {m['torch']}, device={m['device']}",
-        f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, "
-        f"heads {model['heads']}, vocab {model['vocab']}",
+        *machine_and_model(report),
         f"--enable-deterministic-inference off/on: prompt {cfg['context']} tokens, "
         f"{cfg['steps']} decode steps per arm, the arms taking turns in one process",
         "",

@@ -24,6 +24,7 @@ from typing import Any
 from bench.lora_adapters import write_adapters
 from bench.scheduler_step_run import fit_context, lengths, machine_info, model_info
 from bench.scheduler_step_timers import Timer, instrument
+from bench.scheduler_step_report import machine_and_model
 from bench.scheduler_step_workload import (
     LoraSetup,
     adapter_refs,
@@ -221,12 +222,9 @@ def compare_lora(
 
 
 def format_lora(report: dict[str, Any]) -> str:
-    m, cfg, model = report["machine"], report["config"], report["model"]
+    cfg = report["config"]
     lines = [
-        f"machine: cpu_count={m['cpu_count']} (usable {m['cpus_usable']}), "
-        f"torch_threads={m['torch_threads']}, torch {m['torch']}, device={m['device']}",
-        f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, "
-        f"heads {model['heads']}, vocab {model['vocab']}",
+        *machine_and_model(report),
         f"LoRA adapters of rank {cfg['rank']} on all seven projections, --max-loras "
         f"{cfg['slots'] or 'max(adapters, 1)'}: prompt "
         f"{cfg['context']} tokens, {cfg['steps']} decode steps per arm, the arms taking turns "

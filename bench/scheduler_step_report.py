@@ -54,21 +54,29 @@ def cells(row: dict[str, Any], columns: tuple[str, ...]) -> str:
     return "".join(figures)
 
 
-def header(report: dict[str, Any]) -> list[str]:
-    """The machine, the model and the workload: three lines."""
-    m, cfg, model = report["machine"], report["config"], report["model"]
-    constrained = (
-        "; every row constrained by a nested JSON schema" if cfg.get("constrained") else ""
-    ) + ("; --enable-deterministic-inference" if cfg.get("deterministic") else "")
+def machine_and_model(report: dict[str, Any]) -> list[str]:
+    """The machine and the model a report ran on: two lines."""
+    m, model = report["machine"], report["model"]
     return [
         f"machine: cpu_count={m['cpu_count']} (usable {m['cpus_usable']}), "
         f"torch_threads={m['torch_threads']}"
         + (f" ({m['threads_note']})" if "threads_note" in m else "")
         + f", torch {m['torch']}, device={m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "")
-        + f", python {m['python']}",
+        + (f", python {m['python']}" if "python" in m else ""),
         f"model: {model['name']}, hidden {model['hidden']}, {model['layers']} layers, "
         f"heads {model['heads']}, vocab {model['vocab']}",
+    ]
+
+
+def header(report: dict[str, Any]) -> list[str]:
+    """The machine, the model and the workload: three lines."""
+    cfg = report["config"]
+    constrained = (
+        "; every row constrained by a nested JSON schema" if cfg.get("constrained") else ""
+    ) + ("; --enable-deterministic-inference" if cfg.get("deterministic") else "")
+    return [
+        *machine_and_model(report),
         f"scheduler decode step: prompt {cfg['context']} tokens, {cfg['warmup']} warm-up + up to "
         f"{cfg['steps']} timed steps per batch size and sampling (at most "
         f"{cfg['max_seconds']:g} s), stream_interval 1; sampled: temperature "
