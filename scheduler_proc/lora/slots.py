@@ -41,6 +41,10 @@ class LoraSlots:
         self._pins = [0] * num_slots
         self._last_use = [0] * num_slots
         self._clock = 0
+        # Deterministic inference reads every slot's columns in every pass, so a row's sums
+        # never change length with its batch; otherwise a pass reads only the columns up to
+        # its highest slot in use (one adapter in slot 0 costs one slot, not all of them).
+        self._full_width = model.deterministic
 
     def slot_of(self, adapter_id: int) -> int | None:
         """The slot that holds the adapter of this load id, if one does."""
@@ -77,8 +81,11 @@ class LoraSlots:
         return self._pins[slot]
 
     def pass_for(self, token_slots: torch.Tensor) -> LoraPass:
-        """The mask of a pass whose tokens use ``token_slots`` [T] int64 (-1: base)."""
-        return LoraPass.build(token_slots, self.column_slots, self.column_scaling)
+        """The mask of a pass whose tokens use ``token_slots`` [T] int64 (-1: base), over
+        the stacked columns it reads."""
+        used = self.num_slots if self._full_width else int(token_slots.max()) + 1
+        width = used * self.max_rank
+        return LoraPass.build(token_slots, self.column_slots[:width], self.column_scaling[:width])
 
     def _free_slot(self) -> int | None:
         unpinned = [s for s in range(self.num_slots) if self._pins[s] == 0]

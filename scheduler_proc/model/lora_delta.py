@@ -2,11 +2,13 @@
 
 Each targeted projection holds its device slots' ``A`` stacked as ``[slots * max_rank, in]``
 and ``B`` as ``[out, slots * max_rank]`` (``scheduler_proc.lora.slots``). A pass with adapter
-rows carries one mask ``[tokens, slots * max_rank]``: a token's row holds its adapter's
-scaling over its slot's columns and zeros elsewhere. The delta is then two matmuls,
-``((x @ A^T) * mask) @ B^T``, with no loop over rows or adapters; a base token's row of the
-mask is zeros, so its delta is zeros and its output the base model's, bit for bit. Both
-matmuls are the projection's own (batch-invariant under deterministic inference)."""
+rows carries one mask ``[tokens, width]`` over the first ``width`` stacked columns (every
+slot's under deterministic inference, else those up to the pass's highest slot in use): a
+token's row holds its adapter's scaling over its slot's columns and zeros elsewhere. The
+delta is then two matmuls, ``((x @ A^T) * mask) @ B^T``, with no loop over rows or
+adapters; a base token's row of the mask is zeros, so its delta is zeros and its output the
+base model's, bit for bit. Both matmuls are the projection's own (batch-invariant under
+deterministic inference)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 class LoraPass:
     """What every targeted projection of one pass reads: the scaled slot mask."""
 
-    mask: torch.Tensor  # [tokens, slots * max_rank], the model's dtype
+    mask: torch.Tensor  # [tokens, width], the model's dtype: the first width stacked columns
 
     @classmethod
     def build(
@@ -46,5 +48,8 @@ def add_delta(
     lora: LoraPass,
     linear: LinearFn,
 ) -> torch.Tensor:
-    """``y + ((x @ A^T) * mask) @ B^T``, both matmuls through ``linear``."""
-    return y + linear(linear(x, a_stacked, None) * lora.mask, b_stacked, None)
+    """``y + ((x @ A^T) * mask) @ B^T`` over the mask's columns, both matmuls through
+    ``linear``."""
+    width = lora.mask.shape[1]
+    a, b = a_stacked[:width], b_stacked[:, :width]
+    return y + linear(linear(x, a, None) * lora.mask, b, None)

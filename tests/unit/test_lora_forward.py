@@ -246,3 +246,17 @@ def test_a_runner_without_lora_has_no_slots(family: Family) -> None:
     layer = runner.model.model.layers[0]
     assert runner.lora is None
     assert isinstance(layer, LlamaDecoderLayer) and layer.mlp.down_proj.lora_a is None
+
+
+def test_a_pass_reads_the_slots_up_to_its_highest_in_use_unless_deterministic(
+    family: Family,
+) -> None:
+    for deterministic, rig in family.rigs.items():
+        lora = rig.runner.lora
+        assert lora is not None
+        slots = lora.slots
+        for used in range(slots.num_slots):
+            mask = slots.pass_for(torch.tensor([-1, used, 0])).mask
+            width = slots.num_slots if deterministic else used + 1
+            assert mask.shape == (3, width * slots.max_rank), (deterministic, used)
+            assert not bool(mask[0].any())  # the base row reads nothing
