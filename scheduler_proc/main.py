@@ -39,6 +39,7 @@ from scheduler_proc.dllm import DllmConfig
 from scheduler_proc.cache.hicache import HiCache
 from scheduler_proc.cache.kv_storage import StorageError
 from scheduler_proc.control import lora_control
+from scheduler_proc.lora.adapter_files import LoraError
 from scheduler_proc.kv_events.stream import attach_kv_events
 from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model.runner import ModelRunner
@@ -180,6 +181,8 @@ def build_or_exit(config: ServerConfig) -> Scheduler:
         scheduler = build_scheduler(config)
     except StorageError as exc:
         raise SystemExit(f"--hicache-storage-dir: {exc}") from None
+    except LoraError as exc:  # an adapter named at start that cannot be served
+        raise SystemExit(f"--lora-modules/--lora-paths: {exc}") from None
     logger.info("model on %s, KV pool of %d tokens", scheduler.runner.device, scheduler.kv.capacity)
     if scheduler.hicache.host_capacity:
         logger.info("HiCache host tier of %d tokens", scheduler.hicache.host_capacity)

@@ -28,7 +28,7 @@ from pipeline.io_struct import (
     TokenizedGenerateReqInput,
 )
 from scheduler_proc.control import lora_control
-from scheduler_proc.main import build_scheduler
+from scheduler_proc.main import build_or_exit, build_scheduler
 from scheduler_proc.scheduler import Scheduler
 from scheduler_proc.stats_reporter import SchedulerStatsReporter
 from tests.hf_checkpoints import write_case
@@ -233,3 +233,13 @@ def test_an_adapter_whose_files_went_away_fails_its_requests_not_the_scheduler(
     got = run(s)
     assert len(got.tokens[1]) == 8 and len(got.tokens[3]) == 8
     assert str(copy) in got.aborts[2].message, got.aborts[2]
+
+
+def test_an_adapter_named_at_start_that_cannot_be_served_fails_the_start_with_why(
+    tmp_path: Path,
+) -> None:
+    config = ServerConfig(
+        device="cpu", torch_threads=1, max_total_tokens=256, lora_modules=(f"x={tmp_path}",)
+    )
+    with pytest.raises(SystemExit, match=r"--lora-modules/--lora-paths: Loading lora x failed"):
+        build_or_exit(config)
