@@ -88,7 +88,7 @@ def build(
 def adapter_refs(scheduler: Scheduler) -> list[LoraRef]:
     """Each adapter the scheduler serves as a request names it (name and load id)."""
     lora = scheduler.runner.lora
-    return [LoraRef(a.name, a.id) for a in lora.adapters()] if lora is not None else []
+    return [LoraRef(a.name, a.id) for a in lora.registry.adapters()] if lora is not None else []
 
 
 def sampling_params(sampling: str, max_new_tokens: int, seed: int) -> SamplingParams:

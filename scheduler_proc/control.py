@@ -96,10 +96,10 @@ def lora_control(
         )
     try:
         if isinstance(msg, LoadLoraControl):
-            adapter = lora.load(msg.name, msg.path)
+            adapter = lora.registry.load(msg.name, msg.path)
             logger.info("loaded LoRA adapter %r (id %d) from %s", msg.name, adapter.id, msg.path)
         else:
-            lora.unload(msg.name)
+            lora.registry.unload(msg.name)
             logger.info("unloaded LoRA adapter %r", msg.name)
     except LoraError as exc:
         return LoraControlResult(
@@ -107,6 +107,6 @@ def lora_control(
             ok=False,
             error=str(exc),
             status_code=exc.status_code,
-            adapters=lora.adapters(),
+            adapters=lora.registry.adapters(),
         )
-    return LoraControlResult(control_id=msg.control_id, ok=True, adapters=lora.adapters())
+    return LoraControlResult(control_id=msg.control_id, ok=True, adapters=lora.registry.adapters())

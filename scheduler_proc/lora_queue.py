@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import chain
-from typing import Protocol, TypedDict
+from typing import TypedDict
 
 from pipeline.control_frames import LoraAdapter
 from pipeline.io_struct import FinishAbort, LoraRef
 from scheduler_proc.lora.adapter_files import LoraError
+from scheduler_proc.lora.runtime import LoraRuntime
 from scheduler_proc.req import Req
 
 
@@ -26,34 +27,9 @@ class LoraReportFields(TypedDict, total=False):
     waiting_lora_adapters: tuple[str, ...]
 
 
-class AdapterSlots(Protocol):
-    """What the model runner's LoRA runtime gives the scheduler."""
-
-    def by_id(self, adapter_id: int) -> LoraAdapter | None:
-        """The served adapter of this load id (None: unknown, or unloaded since)."""
-
-    def by_name(self, name: str) -> LoraAdapter | None:
-        """The served adapter of this name (None: none)."""
-
-    @property
-    def num_slots(self) -> int:
-        """``--max-loras``."""
-
-    def adapters(self) -> tuple[LoraAdapter, ...]:
-        """Every adapter served, in load order."""
-
-    def acquire(self, adapter: LoraAdapter) -> int | None:
-        """Pins ``adapter`` in a slot (loading it there when none holds it): the slot, or
-        None while every slot is pinned by other adapters. LoraError when its weights can no
-        longer be read."""
-
-    def release(self, adapter: LoraAdapter) -> None:
-        """Unpins one hold of ``adapter``'s slot."""
-
-
 class LoraQueue:
-    def __init__(self, slots: AdapterSlots | None) -> None:
-        self._slots = slots  # None: LoRA is off
+    def __init__(self, lora: LoraRuntime | None) -> None:
+        self._lora = lora  # None: LoRA is off
         self._waiting: list[Req] = []  # in arrival order
 
     def __len__(self) -> int:
@@ -64,9 +40,9 @@ class LoraQueue:
         worker resolved the name from the last report: an unload may have come between."""
         if ref is None:
             return None
-        if self._slots is None:
+        if self._lora is None:
             return f"LoRA adapter {ref.name!r} is named, and this server runs without --enable-lora"
-        adapter = self._slots.by_id(ref.id)
+        adapter = self._lora.registry.by_id(ref.id)
         if adapter is None or adapter.name != ref.name:
             return f"LoRA adapter {ref.name!r} is no longer loaded"
         req.lora = adapter
@@ -77,7 +53,7 @@ class LoraQueue:
         decode server's load ids are not this server's)."""
         if name is None:
             return None
-        adapter = None if self._slots is None else self._slots.by_name(name)
+        adapter = None if self._lora is None else self._lora.registry.by_name(name)
         if adapter is None:
             return f"LoRA adapter {name!r} is not loaded on this prefill server"
         return self.bind(req, LoraRef(name, adapter.id))
@@ -95,11 +71,11 @@ class LoraQueue:
     def take(self) -> list[Req]:
         """The waiting requests whose adapter got a slot, in arrival order, and those that
         cannot have it (finished, with the reason)."""
-        if not self._waiting:
-            return []
-        ready = [req for req in self._waiting if req.finished or self._pin(req)]
-        if ready:
-            self._waiting = [req for req in self._waiting if not (req.finished or req in ready)]
+        ready: list[Req] = []
+        still: list[Req] = []
+        for req in self._waiting:
+            (ready if req.finished or self._pin(req) else still).append(req)
+        self._waiting = still
         return ready
 
     def remove(self, req: Req) -> bool:
@@ -111,16 +87,16 @@ class LoraQueue:
 
     def release(self, req: Req) -> None:
         """The request is done with its adapter's slot (released: finished or aborted)."""
-        if req.lora is not None and req.lora_slot >= 0 and self._slots is not None:
-            self._slots.release(req.lora)
+        if req.lora is not None and req.lora_slot >= 0 and self._lora is not None:
+            self._lora.release(req.lora)
         req.lora_slot = -1
 
     def _pin(self, req: Req) -> bool:
         """Whether the request holds its slot now; a request whose adapter can no longer be
         read is finished (``take`` hands it on, to send its row)."""
-        assert self._slots is not None and req.lora is not None
+        assert self._lora is not None and req.lora is not None
         try:
-            slot = self._slots.acquire(req.lora)
+            slot = self._lora.acquire(req.lora)
         except LoraError as exc:
             req.finish(FinishAbort(message=str(exc), status_code=exc.status_code))
             return False
@@ -134,11 +110,11 @@ class LoraQueue:
     ) -> LoraReportFields:
         """The LoRA fields of a ``SchedulerStatsReport`` (none with LoRA off): the adapters
         served, the slots, and the adapters of the running and of the waiting requests."""
-        if self._slots is None:
+        if self._lora is None:
             return LoraReportFields()
         return {
-            "lora_adapters": self._slots.adapters(),
-            "max_loras": self._slots.num_slots,
+            "lora_adapters": self._lora.registry.adapters(),
+            "max_loras": self._lora.slots.num_slots,
             "running_lora_adapters": _names(chain(running, prefilling)),
             "waiting_lora_adapters": _names(chain(waiting, self._waiting)),
         }

@@ -22,8 +22,7 @@ class LoraRegistry:
         self.model_config = model_config
         self.max_rank = max_rank
         self.max_cpu_loras = max(1, max_cpu_loras)
-        self._served: dict[str, LoraAdapter] = {}
-        self._by_id: dict[int, LoraAdapter] = {}
+        self._served: dict[str, LoraAdapter] = {}  # by name, in load order
         self._host: OrderedDict[int, LoraWeights] = OrderedDict()
         self._last_id = 0
 
@@ -43,7 +42,6 @@ class LoraRegistry:
         self._last_id += 1
         adapter = LoraAdapter(name=name, path=path, id=self._last_id)
         self._served[name] = adapter
-        self._by_id[adapter.id] = adapter
         self._keep(adapter.id, weights)
         return adapter
 
@@ -52,7 +50,6 @@ class LoraRegistry:
         adapter = self._served.pop(name, None)
         if adapter is None:
             raise LoraError(f"The lora adapter '{name}' cannot be found.", 404)
-        del self._by_id[adapter.id]
         return adapter
 
     def adapters(self) -> tuple[LoraAdapter, ...]:
@@ -63,8 +60,9 @@ class LoraRegistry:
         return self._served.get(name)
 
     def by_id(self, adapter_id: int) -> LoraAdapter | None:
-        """The served adapter of this load id (None once unloaded)."""
-        return self._by_id.get(adapter_id)
+        """The served adapter of this load id (None once unloaded). A scan: adapters are
+        few, and it runs once per arriving request."""
+        return next((a for a in self._served.values() if a.id == adapter_id), None)
 
     def weights(self, adapter: LoraAdapter) -> LoraWeights:
         """The adapter's weights, from the host copies or read again from its directory

@@ -36,27 +36,6 @@ class LoraRuntime:
             registry.load(module.name, module.path)
         return cls(registry, LoraSlots(model, config.max_loras, config.max_lora_rank))
 
-    # --- what the scheduler asks (scheduler_proc/lora_queue.py, scheduler_proc/control.py) ---
-
-    def load(self, name: str, path: str) -> LoraAdapter:
-        return self.registry.load(name, path)
-
-    def unload(self, name: str) -> LoraAdapter:
-        return self.registry.unload(name)
-
-    def adapters(self) -> tuple[LoraAdapter, ...]:
-        return self.registry.adapters()
-
-    def by_id(self, adapter_id: int) -> LoraAdapter | None:
-        return self.registry.by_id(adapter_id)
-
-    def by_name(self, name: str) -> LoraAdapter | None:
-        return self.registry.by_name(name)
-
-    @property
-    def num_slots(self) -> int:
-        return self.slots.num_slots
-
     def acquire(self, adapter: LoraAdapter) -> int | None:
         """Pins a slot holding ``adapter`` (None: every slot is pinned by others); LoraError
         when its weights must be read again and its directory no longer holds them."""

@@ -72,7 +72,7 @@ def ref(s: Scheduler, name: str | None) -> LoraRef | None:
     if name is None:
         return None
     assert s.runner.lora is not None
-    adapter = s.runner.lora.by_name(name)
+    adapter = s.runner.lora.registry.by_name(name)
     assert adapter is not None
     return LoraRef(name, adapter.id)
 
