@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from pipeline.flags import Flag, NoFlag
+from pipeline.speculative_config import SpeculativeConfig, parse_speculative
 
 Mode = Literal["generate", "embedding", "dllm"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
@@ -170,6 +171,38 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_lora_rank: Annotated[int, Flag("lora", "the largest adapter rank served")] = 16
     max_cpu_loras: Annotated[
         int | None, Flag("lora", "adapters kept read in memory (default: --max-loras)")
+    ] = None
+
+    # Speculative decoding (docs/design/speculative.md): vLLM's JSON or SGLang's flags
+    speculative_config: Annotated[
+        str | None,
+        Flag(
+            "speculative",
+            'vLLM\'s JSON: {"method": "ngram"|"draft_model", "num_speculative_tokens": k, '
+            '"prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size"}',
+        ),
+    ] = None
+    speculative_algorithm: Annotated[
+        str | None, Flag("speculative", "SGLang's spelling: NGRAM or STANDALONE (a draft model)")
+    ] = None
+    speculative_num_draft_tokens: Annotated[
+        int | None, Flag("speculative", "drafts per request per step (default 4)")
+    ] = None
+    speculative_draft_model_path: Annotated[
+        str | None, Flag("speculative", "STANDALONE: the draft checkpoint (the same tokenizer)")
+    ] = None
+    speculative_ngram_min_match_window_size: Annotated[
+        int | None, Flag("speculative", "NGRAM: the shortest suffix matched (default 1)")
+    ] = None
+    speculative_ngram_max_match_window_size: Annotated[
+        int | None, Flag("speculative", "NGRAM: the longest suffix matched (default 3)")
+    ] = None
+    speculative_disable_by_batch_size: Annotated[
+        int | None,
+        Flag(
+            "speculative",
+            "a step with more running requests than this drafts nothing (default 32; 0: no limit)",
+        ),
     ] = None
 
     # Tenancy and routing signals (docs/design/tenancy.md)
@@ -452,6 +485,19 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def lora_enabled(self) -> bool:
         """Whether adapters are served (``--enable-lora``, or adapters named at start)."""
         return self.enable_lora or bool(self.lora_modules or self.lora_paths)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """Speculative decoding's settings from either peer's flags (None: off)."""
+        return parse_speculative(
+            self.speculative_config,
+            self.speculative_algorithm,
+            self.speculative_num_draft_tokens,
+            self.speculative_draft_model_path,
+            self.speculative_ngram_min_match_window_size,
+            self.speculative_ngram_max_match_window_size,
+            self.speculative_disable_by_batch_size,
+        )
 
     @property
     def engine_type(self) -> str:

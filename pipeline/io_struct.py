@@ -238,6 +238,11 @@ class RequestOutputStats(
     # The version of the weights that produced the request's latest tokens (None: not
     # admitted yet); it changes when new weights are swapped in while the request lives.
     weight_version: str | None = None
+    # Speculative decoding (zeros when off): verify passes in which the request had drafts,
+    # its draft tokens, and those accepted (docs/design/speculative.md).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 # --- output side -----------------------------------------------------------------------
@@ -398,6 +403,14 @@ class SchedulerStatsReport(msgspec.Struct, tag="sched_stats", array_like=True, g
     max_loras: int = 0
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
+    # Speculative decoding (zeros when off), running totals since the start: drafts (a
+    # request's drafts in one step), draft tokens, accepted tokens, and accepted tokens by
+    # draft position (index 0: the first draft), as vLLM's spec_decode counters.
+    spec_num_speculative_tokens: int = 0  # k; 0: speculation off
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 DetokenizerInput = BatchTokenIDOutput | BatchEmbeddingOutput | SchedulerStatsReport | ControlAnswer

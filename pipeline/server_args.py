@@ -73,6 +73,7 @@ def check_config(config: ServerConfig) -> None:
         problems.append("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be http/protobuf or grpc")
     problems.extend(_routing_problems(config))
     problems.extend(_lora_problems(config))
+    problems.extend(_speculative_problems(config))
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -114,6 +115,16 @@ def _lora_problems(config: ServerConfig) -> list[str]:
     except ValueError as exc:
         problems.append(str(exc))
     return problems
+
+
+def _speculative_problems(config: ServerConfig) -> list[str]:
+    try:
+        spec = config.speculative
+    except ValueError as exc:
+        return [str(exc)]
+    if spec is not None and config.mode != "generate":
+        return ["speculative decoding needs --mode generate"]
+    return []
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
