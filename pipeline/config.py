@@ -14,9 +14,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from pipeline.flags import Flag, NoFlag
+from pipeline.model_settings import ModelSettings
 from pipeline.speculative_config import SpeculativeConfig, parse_speculative
 
-Mode = Literal["generate", "embedding", "dllm"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
 # The names tokenizer_proc/parsers registers (tests/unit/test_chat_parsers_flags.py keeps them
 # equal).
@@ -24,7 +24,6 @@ ToolCallParserName = Literal["hermes", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 # The metric names /metrics serves: tokenpipe's own, or a peer's (tokenizer_proc/metrics_compat.py).
 MetricsCompat = Literal["tokenpipe", "sglang", "vllm"]
-ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 Switch = Literal["auto", "on", "off"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -37,66 +36,11 @@ def _absolute_or_none(text: str) -> str | None:
     return os.path.abspath(text) if text else None
 
 
-class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ServerConfig(ModelSettings, kw_only=True, forbid_unknown_fields=True):
     """Each field is declared once, with its command-line flag beside it (``pipeline.flags``):
     ``pipeline.server_args`` generates the flags from these declarations and checks the
-    values."""
-
-    # Model
-    model_path: Annotated[str | None, Flag("model", "local Hugging Face-style model directory")] = (
-        None
-    )
-    served_model_name: Annotated[
-        str | None,
-        Flag("model", "the model name the API reports (default: the model directory's name)"),
-    ] = None
-    model_seed: Annotated[int, Flag("model", "seed of the built-in model's weights")] = 0
-    weight_version: Annotated[str, Flag("model", "the served weights' version")] = "default"
-    device: Annotated[
-        str, Flag("model", "auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
-    ] = "auto"
-    dtype: Annotated[
-        ModelDtype,
-        Flag(
-            "model",
-            "weights and KV cache: auto (the checkpoint's torch_dtype; float32 for the built-in "
-            "model), float32, bfloat16, float16",
-        ),
-    ] = "auto"
-    # None: as many as the cores the other processes leave idle (thread_budget.py)
-    torch_threads: Annotated[
-        int | None,
-        Flag(
-            "model",
-            "CPU threads for the model, pinned (default: as many as the cores the other "
-            "processes leave idle, measured while serving; see docs/operations.md)",
-        ),
-    ] = None
-    mode: Annotated[
-        Mode,
-        Flag(
-            "model",
-            "generate: text generation; embedding: mean-pooled embeddings (/v1/embeddings, "
-            "/encode); dllm: block diffusion decoding",
-        ),
-    ] = "generate"
-    context_length: Annotated[
-        int | None,
-        Flag(
-            "model",
-            "longest prompt plus output of a request (default, and at most: the model's "
-            "max_position_embeddings)",
-        ),
-    ] = None
-    skip_tokenizer_init: Annotated[
-        bool,
-        Flag(
-            "model",
-            "token ids in, token ids out (SGLang's flag): no process loads a tokenizer; prompts "
-            "are token ids and answers carry output ids without text; text prompts, chat, stop "
-            "strings and media get 400",
-        ),
-    ] = False
+    values. The model's settings come first, from ``ModelSettings`` (pipeline/model_settings.py).
+    """
 
     # Scheduler
     max_total_tokens: Annotated[int, Flag("scheduler", "KV pool capacity in tokens")] = 32768
