@@ -117,20 +117,37 @@ class ServerConfig(ModelSettings, kw_only=True, forbid_unknown_fields=True):
         int | None, Flag("lora", "adapters kept read in memory (default: --max-loras)")
     ] = None
 
-    # Speculative decoding (docs/design/speculative.md): vLLM's JSON or SGLang's flags
+    # Speculative decoding (docs/operations.md): vLLM's JSON or SGLang's flags
     speculative_config: Annotated[
         str | None,
         Flag(
             "speculative",
             'vLLM\'s JSON: {"method": "ngram"|"draft_model", "num_speculative_tokens": k, '
-            '"prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size"}',
+            '"prompt_lookup_min", "prompt_lookup_max" (default 5 and 5), "model" (the draft '
+            'checkpoint), "disable_by_batch_size"}',
         ),
     ] = None
     speculative_algorithm: Annotated[
         str | None, Flag("speculative", "SGLang's spelling: NGRAM or STANDALONE (a draft model)")
     ] = None
     speculative_num_draft_tokens: Annotated[
-        int | None, Flag("speculative", "drafts per request per step (default 4)")
+        int | None,
+        Flag(
+            "speculative",
+            "drafts per request per step plus the verified token, as SGLang counts them "
+            "(default 5: 4 drafts)",
+        ),
+    ] = None
+    speculative_num_steps: Annotated[
+        int | None,
+        Flag(
+            "speculative",
+            "STANDALONE: draft model steps, one draft each (SGLang's; with it "
+            "--speculative-num-draft-tokens is this plus one; NGRAM ignores it, as SGLang's)",
+        ),
+    ] = None
+    speculative_eagle_topk: Annotated[
+        int | None, Flag("speculative", "SGLang's draft tree width: 1 only (one chain per request)")
     ] = None
     speculative_draft_model_path: Annotated[
         str | None, Flag("speculative", "STANDALONE: the draft checkpoint (the same tokenizer)")
@@ -139,13 +156,14 @@ class ServerConfig(ModelSettings, kw_only=True, forbid_unknown_fields=True):
         int | None, Flag("speculative", "NGRAM: the shortest suffix matched (default 1)")
     ] = None
     speculative_ngram_max_match_window_size: Annotated[
-        int | None, Flag("speculative", "NGRAM: the longest suffix matched (default 3)")
+        int | None, Flag("speculative", "NGRAM: the longest suffix matched (default 12)")
     ] = None
     speculative_disable_by_batch_size: Annotated[
         int | None,
         Flag(
             "speculative",
-            "a step with more running requests than this drafts nothing (default 32; 0: no limit)",
+            "a step with more running requests than this drafts nothing (default 32; 0: no "
+            "limit; vLLM V0's flag)",
         ),
     ] = None
 
@@ -433,15 +451,7 @@ class ServerConfig(ModelSettings, kw_only=True, forbid_unknown_fields=True):
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """Speculative decoding's settings from either peer's flags (None: off)."""
-        return parse_speculative(
-            self.speculative_config,
-            self.speculative_algorithm,
-            self.speculative_num_draft_tokens,
-            self.speculative_draft_model_path,
-            self.speculative_ngram_min_match_window_size,
-            self.speculative_ngram_max_match_window_size,
-            self.speculative_disable_by_batch_size,
-        )
+        return parse_speculative(self)
 
     @property
     def engine_type(self) -> str:

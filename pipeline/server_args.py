@@ -123,7 +123,10 @@ def _speculative_problems(config: ServerConfig) -> list[str]:
     except ValueError as exc:
         return [str(exc)]
     if spec is not None and config.mode != "generate":
-        return ["speculative decoding needs --mode generate"]
+        return [
+            "speculative decoding (--speculative-config, --speculative-algorithm) needs --mode "
+            "generate"
+        ]
     return []
 
 

@@ -24,6 +24,7 @@ FLAGS = {
     "--enable-lora", "--lora-modules", "--lora-paths", "--max-loras", "--max-lora-rank",
     "--max-cpu-loras",
     "--speculative-config", "--speculative-algorithm", "--speculative-num-draft-tokens",
+    "--speculative-num-steps", "--speculative-eagle-topk",
     "--speculative-draft-model-path", "--speculative-ngram-min-match-window-size",
     "--speculative-ngram-max-match-window-size", "--speculative-disable-by-batch-size",
     "--dtype", "--torch-threads",
