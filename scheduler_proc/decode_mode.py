@@ -15,6 +15,9 @@ from scheduler_proc.batch.decode_pass import BatchDecoder
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
+from scheduler_proc.speculative.counters import SpecCounters
+from scheduler_proc.speculative.proposer import Drafter
+from scheduler_proc.speculative.verify import NoSpeculation, Plan, Speculation
 
 
 class DecodeMode(Protocol):
@@ -30,6 +33,10 @@ class DecodeMode(Protocol):
     @property
     def running(self) -> RunningBatch | list[Req]:
         """The running requests, which the scheduler extends and removes from."""
+
+    @property
+    def spec_counters(self) -> SpecCounters:
+        """Speculative decoding's running totals (k 0 and zeros where it is off)."""
 
     def demand(self) -> int:
         """Pool slots the next step takes (the scheduler retracts until they fit)."""
@@ -56,7 +63,8 @@ class DecodeMode(Protocol):
 
 
 class TokenDecode:
-    """Generate and embedding modes: one token per running request per step."""
+    """Generate and embedding modes: one token per running request per step, or, with
+    speculation, a verify pass that may give a request several (speculative/verify.py)."""
 
     samples_first_token = True
     output_slots_note = ""
@@ -68,29 +76,65 @@ class TokenDecode:
         decoder: BatchDecoder,
         batch: RunningBatch,
         alloc: Callable[[int], torch.Tensor | None],
+        speculation: Speculation | NoSpeculation,
     ) -> None:
         self._decoder = decoder
         self._batch = batch
         self._alloc = alloc
-        self._started: Future[torch.Tensor] | None = None  # the forward ``start`` launched
+        self._speculation = speculation
+        # The forward ``start`` launched, and the drafts it verifies (None: a plain step).
+        self._started: tuple[Future[torch.Tensor], Plan | None] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        decoder: BatchDecoder,
+        context_length: int,
+        alloc: Callable[[int], torch.Tensor | None],
+        drafter: Drafter | None,
+    ) -> TokenDecode:
+        """The running batch and the speculation (``drafter``: its settings and proposer;
+        None: off) around ``decoder``."""
+        runner = decoder.runner
+        batch = RunningBatch(context_length, runner.model_config.vocab_size)
+        if drafter is None:
+            return cls(decoder, batch, alloc, NoSpeculation())
+        spec = Speculation(drafter, decoder, runner.kv, decoder.forward, context_length)
+        return cls(decoder, batch, alloc, spec)
 
     @property
     def running(self) -> RunningBatch:
         return self._batch
 
+    @property
+    def spec_counters(self) -> SpecCounters:
+        return self._speculation.counters
+
     def demand(self) -> int:
         return len(self._batch)
 
     def start(self) -> None:
-        slots = self._alloc(len(self._batch))
+        """Launches a verify pass when rows draft (their drafts take free slots, evicting
+        cached prefixes at most: never a retraction), else a plain decode pass."""
+        batch, spec = self._batch, self._speculation
+        plan = spec.plan(batch)
+        if plan is not None:
+            slots = self._alloc(len(batch) + plan.num_drafts)
+            if slots is not None:
+                self._started = (spec.launch(batch, plan, slots), plan)
+                return
+            spec.cancel(batch, plan)
+        slots = self._alloc(len(batch))
         assert slots is not None, "retraction left too few KV slots"
-        self._started = self._decoder.launch(self._batch, slots)
+        self._started = (self._decoder.launch(batch, slots), None)
 
     def step(self, rows: list[Req]) -> tuple[SteadyRows | None, int]:
         if self._started is None:
             self.start()
         assert self._started is not None
-        forward, self._started = self._started, None
+        (forward, plan), self._started = self._started, None
+        if plan is not None:
+            return self._speculation.finish(self._batch, plan, forward, rows)
         tokens = len(self._batch)  # one per row, before finished rows leave the batch
         return self._decoder.finish(self._batch, forward, rows), tokens
 

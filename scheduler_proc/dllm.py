@@ -27,6 +27,7 @@ from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.sampler import SamplingColumns, draw_counter
 from scheduler_proc.sampling.logprobs import span_logprobs
+from scheduler_proc.speculative.counters import SpecCounters
 from scheduler_proc.stop_checker import StopChecker
 
 
@@ -86,6 +87,7 @@ class DllmDecoder:
         self.context_length = context_length
         self._alloc = alloc
         self._running: list[Req] = []
+        self.spec_counters = SpecCounters(0)  # a dLLM server does not speculate
 
     @property
     def running(self) -> list[Req]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline.io_struct import BatchEmbeddingOutput
+from scheduler_proc.output_builder import build_embedding_output
 from scheduler_proc.req import Req
 
 
@@ -29,3 +31,9 @@ def pooled_embedding(req: Req, hidden_size: int) -> np.ndarray:
         return np.zeros(hidden_size, dtype=np.float32)
     mean = req.hidden_sum / len(req.origin_input_ids)
     return torch.nn.functional.normalize(mean, dim=0).cpu().numpy().astype(np.float32)
+
+
+def embedding_frame(embedded: list[Req], hidden_size: int) -> BatchEmbeddingOutput:
+    """The frame of these finished embedding requests: each one's pooled embedding."""
+    pooled = np.stack([pooled_embedding(r, hidden_size) for r in embedded])
+    return build_embedding_output(embedded, pooled)

@@ -18,7 +18,6 @@ import logging
 import time
 from itertools import islice
 
-import numpy as np
 import torch
 
 from pipeline.peer_errors import duplicate_rid_message
@@ -44,18 +43,19 @@ from scheduler_proc.batch.decode_pass import BatchDecoder
 from scheduler_proc.batch import prefill_pass
 from scheduler_proc.batch.prefill_pass import Chunk
 from scheduler_proc.batch.running_batch import RunningBatch
+from scheduler_proc.speculative.proposer import Drafter
 from scheduler_proc.cache.hicache import Fetched, HiCache
 from scheduler_proc.cache.prefix_kv import PrefixKV
 from scheduler_proc.control import abort_targets, flush_cache, storage_control
 from scheduler_proc.decode_mode import DecodeMode, TokenDecode
 from scheduler_proc.dllm import DllmConfig, DllmDecoder
-from scheduler_proc.embedding import pooled_embedding
+from scheduler_proc.embedding import embedding_frame
 from scheduler_proc.grammar_queue import GrammarQueue
 from scheduler_proc.lora_queue import LoraQueue
 from scheduler_proc.model.forward_worker import ForwardRunner, ForwardThread, InlineForward
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.model.weight_update import WeightStager
-from scheduler_proc.output_builder import SteadyRows, build_embedding_output, build_token_output
+from scheduler_proc.output_builder import SteadyRows, build_token_output
 from scheduler_proc.pd.role import PdRole, Unified
 from scheduler_proc.priority import SchedulingPolicy, scheduling_policy
 from scheduler_proc.req import Req, StatsPending
@@ -90,6 +90,7 @@ class Scheduler:
         overlap_schedule: bool = False,
         weight_version: str = "default",
         priority: PriorityOrder | None = None,  # priority scheduling's order; None: FCFS
+        drafter: Drafter | None = None,  # speculative decoding's proposer; None: off
     ) -> None:
         self.runner = runner
         # Where decode forwards run: their own thread (the overlap schedule), or inline.
@@ -106,7 +107,7 @@ class Scheduler:
         self.queue_limit = QueueLimit.of(max_queued_requests)
         self._init_cache(hicache)
         self._init_queues(scheduling_policy(priority))
-        self._init_features(dllm, grammar)
+        self._init_features(dllm, grammar, drafter)
         # Pause, continue and new weights (scheduler_proc/rollout.py).
         self.rollout = Rollout(WeightStager(runner.model), weight_version)
         self._init_counters()
@@ -130,7 +131,9 @@ class Scheduler:
         self.live_rids: dict[str, Req] = {}
         self._rows_due: list[Req] = []  # rows produced outside a step (aborts, refusals)
 
-    def _init_features(self, dllm: DllmConfig | None, grammar: GrammarCompiler | None) -> None:
+    def _init_features(
+        self, dllm: DllmConfig | None, grammar: GrammarCompiler | None, drafter: Drafter | None
+    ) -> None:
         """Each feature is an object whether it is on or off."""
         # Structured outputs: constrained requests wait for their grammar in ``grammars``
         # (empty, with no compiler, without a tokenizer), and each step's mask of the
@@ -141,7 +144,7 @@ class Scheduler:
             if grammar is not None
             else NoGrammars()
         )
-        self.mode = self._decode_mode(dllm)
+        self.mode = self._decode_mode(dllm, drafter)
         self.loras = LoraQueue(self.runner.lora)  # requests whose adapter waits for a slot
         self.pd: PdRole = Unified()  # --disaggregation-mode: set by scheduler_proc.main
         self.admission = AdmissionCheck(
@@ -154,15 +157,14 @@ class Scheduler:
             self.grammars.refusal,
         )
 
-    def _decode_mode(self, dllm: DllmConfig | None) -> DecodeMode:
-        """Block diffusion with ``dllm``, else one token per request per step."""
+    def _decode_mode(self, dllm: DllmConfig | None, drafter: Drafter | None) -> DecodeMode:
+        """Block diffusion with ``dllm``, else tokens by decode (or verify) passes."""
         runner, alloc = self.runner, self.prefix_kv.alloc
         if dllm is not None:
             return DllmDecoder(dllm, runner, self.stop_checker, self.context_length, alloc)
         pending, dense = self.stats_pending, self.dense_usage_columns
         decoder = BatchDecoder(runner, self.stop_checker, pending, dense, self.masks, self.forward)
-        batch = RunningBatch(self.context_length, runner.model_config.vocab_size)
-        return TokenDecode(decoder, batch, alloc)
+        return TokenDecode.build(decoder, self.context_length, alloc, drafter)
 
     def _init_counters(self) -> None:
         self.num_retracted_total = 0
@@ -430,9 +432,7 @@ class Scheduler:
         embedded = [r for r in rows if r.is_embedding]
         if embedded:
             rows = [r for r in rows if not r.is_embedding]
-            size = self.runner.model_config.hidden_size
-            pooled = np.stack([pooled_embedding(r, size) for r in embedded])
-            frames.append(build_embedding_output(embedded, pooled))
+            frames.append(embedding_frame(embedded, self.runner.model_config.hidden_size))
         if rows or steady is not None:
             dense, pending = self.dense_usage_columns, self.stats_pending
             frames.append(build_token_output(rows, pending, steady=steady, dense_usage=dense))

@@ -14,6 +14,7 @@ budget (thinking_budget.py) a compare before the draw and one after it."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,10 +27,31 @@ from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req, StatsPending
 from scheduler_proc.batch.running_batch import RunningBatch
+from scheduler_proc.sampling.grammar import GrammarRows
+from scheduler_proc.sampling.sampler import SamplingColumns
 from scheduler_proc.stop_checker import CONTEXT, LENGTH, RUNNING, STOP_TOKEN, StopChecker
 
 # A row's outcome beside the stop checker's: its matcher refused the drawn token.
 OUTSIDE_GRAMMAR = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A draw's inputs built before its logits (``BatchDecoder.prepare``)."""
+
+    at: np.ndarray | None  # the rows drawn (None: every row)
+    columns: SamplingColumns
+    grammar: GrammarRows | None
+
+
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """A draw's tokens and each row's outcome (the stop checker's codes, or
+    ``OUTSIDE_GRAMMAR``) and whether its stop strings must be checked by its text."""
+
+    new: np.ndarray
+    code: np.ndarray
+    check_strings: np.ndarray
 
 
 class BatchDecoder:
@@ -71,32 +93,62 @@ class BatchDecoder:
         the other due rows come back as columns. The sampler's inputs (bans, the grammar
         mask, the parameter columns) are built while the forward runs: the only wait is for
         its logits."""
-        n = len(batch)
-        params = batch.params
+        prepared = self.prepare(batch)
+        drawn = self.draw(batch, forward.result(), prepared)
+        return self.settle(batch, drawn.code, drawn.check_strings, rows)
+
+    def prepare(self, batch: RunningBatch, at: np.ndarray | None = None) -> Prepared:
+        """What a draw over the rows ``at`` (ascending; None: every row) needs before its
+        logits: the min_new_tokens bans, the constrained rows' mask, the forced tokens."""
+        sel = slice(0, len(batch)) if at is None else at
         bans = self.stop_checker.min_new_bans(
-            batch.output_len(), params["min_new_tokens"][:n], batch.stop_ids[:n]
+            batch.output_len(at), batch.params["min_new_tokens"][sel], batch.stop_ids[sel]
         )
-        grammar = batch.grammar_rows()
-        mask = self.masks.fill(grammar, n) if grammar is not None else None
-        columns = batch.sampling_columns(bans, mask, batch.forced_tokens())
-        logits = forward.result()
-        new = self.runner.sample(logits, columns)
-        batch.append_tokens(new)
-        asking = np.flatnonzero(batch.wants_logprobs[:n])
+        grammar = batch.grammar_rows(at)
+        size = len(batch) if at is None else len(at)
+        mask = self.masks.fill(grammar, size) if grammar is not None else None
+        columns = batch.sampling_columns(bans, mask, batch.forced_tokens(at), at)
+        return Prepared(at, columns, grammar)
+
+    def draw(self, batch: RunningBatch, logits: torch.Tensor, prepared: Prepared) -> Drawn:
+        """Draws one token for each row of ``prepared`` (``logits``: theirs, in order) and
+        appends it: its logprobs when asked, its grammar's accept, its gates and budgets,
+        and its stop check by columns (stop strings are left to the per-row check)."""
+        at = prepared.at
+        sel = slice(0, len(batch)) if at is None else at
+        new = self.runner.sample(logits, prepared.columns)
+        batch.append_tokens(new, at)
+        asking = np.flatnonzero(batch.wants_logprobs[sel])
         if asking.size:
-            keep_decode_logprobs(batch, logits, asking, new)
-        out_len = batch.output_len()
+            keep_decode_logprobs(batch, logits, asking, new, None if at is None else at[asking])
+        params = batch.params
         code, check_strings = self.stop_checker.check_columns(
-            new, out_len, batch.seq_len[:n], params["min_new_tokens"][:n],
-            params["max_new_tokens"][:n], params["ignore_eos"][:n], batch.stop_ids[:n],
-            batch.has_stop_strings[:n],
+            new, batch.output_len(at), batch.seq_len[sel], params["min_new_tokens"][sel],
+            params["max_new_tokens"][sel], params["ignore_eos"][sel], batch.stop_ids[sel],
+            batch.has_stop_strings[sel],
         )  # fmt: skip
+        grammar = prepared.grammar
         if grammar is not None:
             ended, refused = self.masks.accept(grammar, new)
             code[ended] = STOP_TOKEN  # the grammar ended (its stop token), whatever ignore_eos says
             code[refused] = OUTSIDE_GRAMMAR
-        batch.open_gates(new)  # grammars waiting for the end of the reasoning
-        batch.close_budgets(new)  # thinking budgets whose end is now in the output
+        batch.open_gates(new, at)  # grammars waiting for the end of the reasoning
+        batch.close_budgets(new, at)  # thinking budgets whose end is now in the output
+        return Drawn(new, code, check_strings)
+
+    def stops_on_text(self, batch: RunningBatch, row: int) -> bool:
+        """Whether row ``row``'s newest token completes one of its stop strings (a row that
+        ``draw`` says must be checked by its text)."""
+        req = batch.reqs[row]
+        batch.sync(req)
+        return self.stop_checker.check(req) is not None
+
+    def settle(
+        self, batch: RunningBatch, code: np.ndarray, check_strings: np.ndarray, rows: list[Req]
+    ) -> SteadyRows | None:
+        """After a step's draws (``code`` and ``check_strings``: every row's outcome of its
+        last draw): the due rows without an event come back as columns; those with one (a
+        finish, a stop string to check, stats due) are queued in ``rows``."""
         due = batch.due(code != RUNNING)
         event = (code != RUNNING) | check_strings
         if (
@@ -114,22 +166,20 @@ class BatchDecoder:
         )
         event_rows = np.flatnonzero(event)
         if event_rows.size:
-            self._events(batch, event_rows, code, new, out_len, rows)
+            self._events(batch, event_rows, code, rows)
         return steady
 
     def _events(
-        self,
-        batch: RunningBatch,
-        event_rows: np.ndarray,
-        code: np.ndarray,
-        new: np.ndarray,
-        out_len: np.ndarray,
-        rows: list[Req],
+        self, batch: RunningBatch, event_rows: np.ndarray, code: np.ndarray, rows: list[Req]
     ) -> None:
         """The rows of a decode step that need their request: a finish (the request leaves
         the batch), a stop string to check, stats due. Per-row work, for these rows only."""
+        ends = batch.seq_len[event_rows]
+        tokens = batch.tokens[event_rows, ends - 1].tolist()
+        lengths = (ends - batch.prompt_len[event_rows]).tolist()
         events = [
-            (batch.reqs[i], int(code[i]), int(new[i]), int(out_len[i])) for i in event_rows.tolist()
+            (batch.reqs[i], int(code[i]), token, length)
+            for i, token, length in zip(event_rows.tolist(), tokens, lengths)
         ]
         for req, outcome, token, length in events:
             batch.sync(req)

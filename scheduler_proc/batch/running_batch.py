@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from pipeline.io_struct import TOKEN_DTYPE
+from scheduler_proc.batch.penalty_tables import PenaltyTables
 from scheduler_proc.batch.pending_logprobs import PendingLogprobs, grown
+from scheduler_proc.batch.spec_rows import SpecRows
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
 from scheduler_proc.sampling.grammar import GrammarMask, GrammarRows
@@ -71,8 +73,11 @@ class RunningBatch:
             c.field: np.full(_FIRST_ROWS, c.fill, dtype=c.dtype) for c in PARAM_COLUMNS
         }
         self.logprobs = PendingLogprobs(_FIRST_ROWS)
+        self.spec = SpecRows(_FIRST_ROWS)  # speculative decoding's per-row counts
         self._init_grammar_rows()
-        self._init_penalty_tables()
+        # [cap, vocab] penalty state, made when the first request that needs it joins.
+        self.penalties = PenaltyTables(vocab_size)
+        self.changes = 0  # bumped by every join and leave: rows numbered before may have moved
 
     def _init_tables(self, cap: int, context_length: int) -> None:
         self.tokens = np.zeros((cap, context_length), dtype=TOKEN_DTYPE)
@@ -110,12 +115,6 @@ class RunningBatch:
         # The constrained rows and their matchers, kept between steps (a steady step builds
         # no list); None: to be gathered again (a constrained row joined, or rows moved).
         self._grammar_rows: GrammarRows | None = None
-
-    def _init_penalty_tables(self) -> None:
-        # [cap, vocab] penalty state, made when the first request that needs it joins.
-        self.output_counts: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
-        self.logit_bias: torch.Tensor | None = None
 
     @property
     def wants_logprobs(self) -> np.ndarray:
@@ -177,7 +176,9 @@ class RunningBatch:
         self._num_gated += req.gate is not None
         self._set_budget_row(row, req)
         self.logprobs.set_row(row, req)
-        self._set_penalty_rows(row, req)
+        self.spec.set_row(row, req)
+        self.penalties.set_row(row, len(self.req_id), req, self.tokens[row, :seq_len])
+        self.changes += 1
         self.lora_slot[row] = req.lora_slot
         self._num_lora += req.lora_slot >= 0
         req.kv_slots = None  # the row holds them now (see the class docstring)
@@ -210,43 +211,14 @@ class RunningBatch:
             self.force_from[row] = NEVER
             self.think_last[row] = -1
 
-    def _set_penalty_rows(self, row: int, req: Req) -> None:
-        s = req.sampling
-        if s.frequency_penalty or s.presence_penalty:
-            if self.output_counts is None:
-                self.output_counts = torch.zeros(
-                    (len(self.req_id), self._vocab_size), dtype=torch.float32
-                )
-            counts = np.bincount(req.output_ids, minlength=self._vocab_size)
-            self.output_counts[row] = torch.from_numpy(counts.astype(np.float32))
-        elif self.output_counts is not None:
-            self.output_counts[row] = 0
-        if s.repetition_penalty != 1.0:
-            if self.seen is None:
-                self.seen = torch.zeros((len(self.req_id), self._vocab_size), dtype=torch.bool)
-            self.seen[row] = False
-            self.seen[row, torch.from_numpy(self.tokens[row, : req.seq_len].astype(np.int64))] = (
-                True
-            )
-        elif self.seen is not None:
-            self.seen[row] = False
-        if s.logit_bias:
-            if self.logit_bias is None:
-                self.logit_bias = torch.zeros(
-                    (len(self.req_id), self._vocab_size), dtype=torch.float32
-                )
-            self.logit_bias[row] = 0
-            ids, values = zip(*s.logit_bias)
-            self.logit_bias[row, list(ids)] = torch.tensor(values, dtype=torch.float32)
-        elif self.logit_bias is not None:
-            self.logit_bias[row] = 0
-
     def remove(self, req: Req) -> None:
         """A request leaves (finished, retracted, aborted): ``sync`` first, so the Req holds
         all its tokens and its KV slots again, then the last row moves into its place."""
         row = self._row_of[req.req_id]
         self.sync(req)
         self.hand_over_logprobs(req)
+        self.spec.hand_over(row, req)
+        self.changes += 1
         req.kv_slots = self.req_to_token[row, : int(self.seq_len[row]) - 1].clone()
         del self._row_of[req.req_id]
         if self._num_constrained:  # the swap below may move a constrained row
@@ -267,9 +239,7 @@ class RunningBatch:
             self.req_to_token[row, :width] = self.req_to_token[last, :width]
             for column in self._row_columns():
                 column[row] = column[last]
-            for table in (self.output_counts, self.seen, self.logit_bias):
-                if table is not None:
-                    table[row] = table[last]
+            self.penalties.move_row(row, last)
         self.reqs.pop()
         self._n = last
         if widest:
@@ -306,7 +276,7 @@ class RunningBatch:
 
     def _row_columns(self) -> tuple[np.ndarray, ...]:
         own = tuple(getattr(self, name) for name in _ROW_COLUMNS)
-        return own + tuple(self.params.values()) + self.logprobs.columns()
+        return own + tuple(self.params.values()) + self.logprobs.columns() + self.spec.columns()
 
     def _grow(self) -> None:
         cap = 2 * len(self.req_id)
@@ -314,12 +284,11 @@ class RunningBatch:
             setattr(self, name, grown(getattr(self, name), cap))
         self.params = {field: grown(column, cap) for field, column in self.params.items()}
         self.logprobs.grow(cap)
-        for name in ("req_to_token", "output_counts", "seen", "logit_bias"):
-            old = getattr(self, name)
-            if old is not None:
-                new = old.new_zeros((cap, *old.shape[1:]))
-                new[: len(old)] = old
-                setattr(self, name, new)
+        self.spec.grow(cap)
+        self.penalties.grow(cap)
+        table = self.req_to_token.new_zeros((cap, self.req_to_token.shape[1]))
+        table[: len(self.req_to_token)] = self.req_to_token
+        self.req_to_token = table
 
     # --- the decode step -------------------------------------------------------------------
 
@@ -347,24 +316,40 @@ class RunningBatch:
         self.req_to_token[torch.arange(n), positions] = slots
         return self.req_to_token[:n, : int(self.seq_len[:n].max())]
 
-    def grammar_rows(self) -> GrammarRows | None:
-        """The constrained rows and their matchers; None at once when no row is constrained."""
+    def _sel(self, rows: np.ndarray | None) -> slice | np.ndarray:
+        """The rows a draw is over: all of them (a slice, no copy), or some (a speculative
+        step's verify positions: ``rows`` ascending)."""
+        return slice(0, self._n) if rows is None else rows
+
+    def grammar_rows(self, rows: np.ndarray | None = None) -> GrammarRows | None:
+        """The constrained rows of a draw over ``rows`` (None: all) and their matchers,
+        numbered within the draw; None at once when no row is constrained."""
         if not self._num_constrained:
             return None
+        if rows is not None:
+            local = np.flatnonzero(self.constrained[rows])
+            matchers = [self.reqs[i].matcher for i in rows[local].tolist()]
+            found = [m for m in matchers if m is not None]
+            return GrammarRows(local, local.tolist(), found) if local.size else None
         if self._grammar_rows is None:
-            rows = np.flatnonzero(self.constrained[: self._n])
-            matchers = [m for m in (self.reqs[i].matcher for i in rows.tolist()) if m is not None]
-            assert len(matchers) == len(rows), "a constrained row lost its matcher"
-            self._grammar_rows = GrammarRows(rows, rows.tolist(), matchers)
+            every = np.flatnonzero(self.constrained[: self._n])
+            found = [m for m in (self.reqs[i].matcher for i in every.tolist()) if m is not None]
+            assert len(found) == len(every), "a constrained row lost its matcher"
+            self._grammar_rows = GrammarRows(every, every.tolist(), found)
         return self._grammar_rows
 
-    def open_gates(self, new: np.ndarray) -> None:
-        """After a draw (``new``: each row's token, appended): the gated rows whose output now
-        ends with their reasoning's end get their matcher, and are constrained from the next
-        step on. Costs one comparison per step while a row is gated."""
+    def _hits(self, new: np.ndarray, last: np.ndarray, rows: np.ndarray | None) -> list[int]:
+        """The batch rows of a draw over ``rows`` whose drawn token (``new``) is ``last``'s."""
+        hits = np.flatnonzero(new == last[self._sel(rows)])
+        return (hits if rows is None else rows[hits]).tolist()
+
+    def open_gates(self, new: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """After a draw over ``rows`` (``new``: each row's token, appended): the gated rows
+        whose output now ends with their reasoning's end get their matcher, and are
+        constrained from the next draw on. One comparison per draw while a row is gated."""
         if not self._num_gated:
             return
-        for row in np.flatnonzero(new == self.gate_last[: self._n]).tolist():
+        for row in self._hits(new, self.gate_last, rows):
             req = self.reqs[row]
             assert req.gate is not None, "a gated row lost its gate"
             end = int(self.seq_len[row])
@@ -376,24 +361,26 @@ class RunningBatch:
                 self._num_constrained += 1
                 self._grammar_rows = None
 
-    def forced_tokens(self) -> ForcedTokens | None:
-        """Before a draw: the rows whose thinking budget is spent take the next id of their
-        end (none while constrained: their grammar decides). One comparison per step while a
-        row's budget is open; per-row work only on the rows forced."""
+    def forced_tokens(self, rows: np.ndarray | None = None) -> ForcedTokens | None:
+        """Before a draw over ``rows``: those whose thinking budget is spent take the next id
+        of their end (none while constrained: their grammar decides), numbered within the
+        draw. One comparison per draw while a budget is open; per-row work on forced rows."""
         if not self._num_budgeted:
             return None
-        rows = np.flatnonzero(self.output_len() >= self.force_from[: self._n])
-        rows = rows[~self.constrained[rows]].tolist()
-        out_lens = [int(self.seq_len[r] - self.prompt_len[r]) for r in rows]
-        return forced_rows([self.reqs[r].sampling for r in rows], rows, out_lens)
+        sel = self._sel(rows)
+        out = self.output_len(rows)
+        local = np.flatnonzero((out >= self.force_from[sel]) & ~self.constrained[sel])
+        at = (local if rows is None else rows[local]).tolist()
+        samplings = [self.reqs[r].sampling for r in at]
+        return forced_rows(samplings, local.tolist(), out[local].tolist())
 
-    def close_budgets(self, new: np.ndarray) -> None:
-        """After a draw (``new``: each row's token, appended): a row whose output now ends
-        with its thinking end, forced or not, has its budget closed. Costs one comparison per
-        step while a row's budget is open, as ``open_gates``."""
+    def close_budgets(self, new: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """After a draw over ``rows`` (``new``: each row's token, appended): a row whose
+        output now ends with its thinking end, forced or not, has its budget closed. One
+        comparison per draw while a row's budget is open, as ``open_gates``."""
         if not self._num_budgeted:
             return
-        for row in np.flatnonzero(new == self.think_last[: self._n]).tolist():
+        for row in self._hits(new, self.think_last, rows):
             end = self.reqs[row].sampling.thinking_end
             stop = int(self.seq_len[row])
             start = max(int(self.prompt_len[row]), stop - len(end))
@@ -407,45 +394,38 @@ class RunningBatch:
         banned: BannedTokens | None = None,
         grammar: GrammarMask | None = None,
         forced: ForcedTokens | None = None,
+        rows: np.ndarray | None = None,
     ) -> SamplingColumns:
-        """The rows' sampling columns; ``banned``: the tokens rows may not draw this step
-        (``StopChecker.min_new_bans``); ``grammar``: the constrained rows' mask; ``forced``:
-        the tokens rows must take (``forced_tokens``)."""
-        n = self._n
-        params = {c.field: self.params[c.field][:n] for c in SAMPLER_COLUMNS}
+        """The sampling columns of a draw over ``rows`` (None: all); ``banned``: the tokens
+        rows may not draw this step (``StopChecker.min_new_bans``); ``grammar``: the
+        constrained rows' mask; ``forced``: the tokens rows must take (``forced_tokens``)."""
+        sel = self._sel(rows)
+        params = {c.field: self.params[c.field][sel] for c in SAMPLER_COLUMNS}
+        tables = self.penalties
+        repeats = bool((params["repetition_penalty"] != 1.0).any())
         return SamplingColumns(
             **params,
-            seed=self.seed[:n],
-            counter=draw_counter(self.seq_len[:n] - self.prompt_len[:n]),
-            output_counts=self._penalty_rows(self.output_counts, _any_count_penalty(params)),
-            seen=self._penalty_rows(self.seen, bool((params["repetition_penalty"] != 1.0).any())),
-            logit_bias=self._penalty_rows(self.logit_bias, bool(self.has_bias[:n].any())),
+            seed=self.seed[sel],
+            counter=draw_counter(self.output_len(rows)),
+            output_counts=tables.rows_of(tables.output_counts, sel, _any_count_penalty(params)),
+            seen=tables.rows_of(tables.seen, sel, repeats),
+            logit_bias=tables.rows_of(tables.logit_bias, sel, bool(self.has_bias[sel].any())),
             banned=banned,
             grammar=grammar,
             forced=forced,
         )
 
-    def _penalty_rows(self, table: torch.Tensor | None, used: bool) -> torch.Tensor | None:
-        """The rows' slice of a penalty table; None when no row uses it."""
-        return table[: self._n] if table is not None and used else None
+    def append_tokens(self, new: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """One new token for each row of a draw over ``rows`` (None: all)."""
+        at = np.arange(self._n) if rows is None else rows
+        self.tokens[at, self.seq_len[at]] = new
+        self.seq_len[at] += 1
+        self.penalties.append(at, new)
 
-    def append_tokens(self, new: np.ndarray) -> None:
-        """One new token per row, sampled from this step's logits."""
-        n = self._n
-        rows = np.arange(n)
-        self.tokens[rows, self.seq_len[:n]] = new
-        self.seq_len[:n] += 1
-        if self.output_counts is not None or self.seen is not None:
-            index = (torch.from_numpy(rows), torch.from_numpy(new.astype(np.int64)))
-            if self.output_counts is not None:
-                self.output_counts.index_put_(index, torch.ones(n), accumulate=True)
-            if self.seen is not None:
-                self.seen[index] = True
-
-    def output_len(self) -> np.ndarray:
-        """Output tokens so far, per row."""
-        n = self._n
-        return self.seq_len[:n] - self.prompt_len[:n]
+    def output_len(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Output tokens so far, per row (of ``rows``; None: all)."""
+        sel = self._sel(rows)
+        return self.seq_len[sel] - self.prompt_len[sel]
 
     def due(self, finished: np.ndarray) -> np.ndarray:
         """Which rows go out this step (docs/design.md section 4): finished ones, and streaming ones

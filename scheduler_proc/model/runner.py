@@ -134,6 +134,23 @@ class ModelRunner:
             logits, _ = self.model.forward(batch, self.kv, lora=lora)
             return logits
 
+    def verify(
+        self,
+        new_token_ids: list[list[int]],
+        prefix_slots: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        lora_slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """A speculative verify pass: as ``extend``, and returns the float32 logits of every
+        new token [T, V], in order (a row's last token, then its drafts)."""
+        batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device)
+        lora = None
+        if lora_slots is not None and self.lora is not None:
+            per_token = np.repeat(lora_slots, [len(ids) for ids in new_token_ids])
+            lora = self.lora.pass_for(per_token)
+        with torch.inference_mode():
+            return self.model.logits(self.model.hidden_states(batch, self.kv, lora))
+
     def logits_at(
         self,
         new_token_ids: list[list[int]],

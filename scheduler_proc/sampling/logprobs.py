@@ -166,13 +166,20 @@ def span_logprobs(
 
 
 def keep_decode_logprobs(
-    batch: LogprobRows, logits: torch.Tensor, rows: np.ndarray, new: np.ndarray
+    batch: LogprobRows,
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    new: np.ndarray,
+    batch_rows: np.ndarray | None = None,
 ) -> None:
-    """The logprobs of a decode step's token for the running batch's ``rows`` that asked
-    (``new``: the step's token of every row), kept in the batch's columns until each row
-    goes out: what the rows ask is read from the batch's columns too, so no ``Req`` is read."""
-    k, ids = batch.logprob_asks(rows)
-    batch.keep_logprobs(rows, batched_logprobs(logits, rows, new[rows], k, ids))
+    """The logprobs of a decode step's token for the rows that asked (``rows``: indices into
+    ``logits`` and ``new``, the step's token of every row drawn), kept in the batch's columns
+    until each row goes out: what the rows ask is read from the batch's columns too, so no
+    ``Req`` is read. ``batch_rows``: the rows' places in the batch when the draw was over some
+    rows only (a speculative step's position); None: the same as ``rows``."""
+    at = rows if batch_rows is None else batch_rows
+    k, ids = batch.logprob_asks(at)
+    batch.keep_logprobs(at, batched_logprobs(logits, rows, new[rows], k, ids))
 
 
 def keep_prompt_logprobs(

@@ -1,0 +1,211 @@
+"""The speculative step (docs/design/speculative.md): a proposer drafts up to k tokens for
+some running rows, one verify pass of the target computes the logits of every row's last
+token and its drafts, and then each position is drawn as plain decoding would draw it:
+position j of every row still going is one draw (``BatchDecoder.draw``) with the state that
+row has after its tokens before j (bans, grammar, penalties, its counter), so the drawn
+token is the one decoding without drafts would give. A row goes on to position j + 1 while
+its draw equals its draft j and it has not stopped; its first differing draw is its last
+token this step. The KV of its rejected drafts goes back to the pool before the step ends."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scheduler_proc.batch.decode_pass import BatchDecoder
+from scheduler_proc.batch.running_batch import RunningBatch
+from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.model.forward_worker import ForwardRunner
+from scheduler_proc.output_builder import SteadyRows
+from scheduler_proc.req import Req
+from scheduler_proc.speculative.counters import SpecCounters
+from scheduler_proc.speculative.proposer import Drafter
+from scheduler_proc.stop_checker import RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One step's drafts, over the whole batch as it was when they were made."""
+
+    changes: int  # the batch's ``changes`` then: rows may not have moved since
+    proposed: np.ndarray  # the rows the proposer was asked about (ascending)
+    counts: np.ndarray  # int64 [n]: each row's drafts (0 for most rows of a cold batch)
+    drafts: np.ndarray  # int64 [n, k]: row r's drafts in its first counts[r] columns
+
+    @property
+    def num_drafts(self) -> int:
+        return int(self.counts.sum())
+
+
+class NoSpeculation:
+    """Speculation off: every step is a plain decode step."""
+
+    def __init__(self) -> None:
+        self.counters = SpecCounters(0)
+
+    def plan(self, batch: RunningBatch) -> Plan | None:
+        return None
+
+    # Never called: ``plan`` gives no drafts to launch, cancel or finish.
+    def launch(self, batch: RunningBatch, plan: Plan, slots: torch.Tensor) -> Future[torch.Tensor]:
+        raise AssertionError("drafts without speculation")
+
+    def cancel(self, batch: RunningBatch, plan: Plan) -> None:
+        raise AssertionError("drafts without speculation")
+
+    def finish(
+        self, batch: RunningBatch, plan: Plan, forward: Future[torch.Tensor], rows: list[Req]
+    ) -> tuple[SteadyRows | None, int]:
+        raise AssertionError("drafts without speculation")
+
+
+class Speculation:
+    def __init__(
+        self,
+        drafter: Drafter,
+        decoder: BatchDecoder,
+        kv: KVPool,
+        forward: ForwardRunner,
+        context_length: int,
+    ) -> None:
+        self._k = drafter.config.num_speculative_tokens
+        self._by_batch_size = drafter.config.disable_by_batch_size
+        self._proposer = drafter.proposer
+        self._decoder = decoder
+        self._kv = kv
+        self._forward = forward
+        self._context_length = context_length
+        self.counters = SpecCounters(self._k)
+
+    def plan(self, batch: RunningBatch) -> Plan | None:
+        """This step's drafts; None when no row drafts (speculation is off for a step of
+        more than ``disable_by_batch_size`` rows, and for rows in their acceptance backoff).
+        A row drafts no more tokens than its max_new_tokens and the context leave room for
+        after the one the target adds."""
+        n = len(batch)
+        if not n or (self._by_batch_size and n > self._by_batch_size):
+            return None
+        rows = batch.spec.drafting(n)
+        room = np.minimum(
+            batch.params["max_new_tokens"][rows] - batch.output_len(rows) - 1,
+            self._context_length - batch.seq_len[rows] - 1,
+        )
+        rows = rows[room > 0]
+        if not rows.size:
+            return None
+        drafts, counts = self._proposer.propose(batch, rows, self._k)
+        counts = np.minimum(counts, room[room > 0])
+        full_counts = np.zeros(n, dtype=np.int64)
+        full_counts[rows] = counts
+        full = np.zeros((n, self._k), dtype=np.int64)
+        full[rows] = drafts
+        plan = Plan(batch.changes, rows, full_counts, full)
+        if not plan.num_drafts:
+            self._forget(batch, plan)
+            return None
+        return plan
+
+    def _forget(self, batch: RunningBatch, plan: Plan) -> None:
+        """Drafts that are not verified: the proposer keeps none of them."""
+        drafted = plan.counts[plan.proposed]
+        self._proposer.after_verify(batch, plan.proposed, drafted, np.zeros_like(drafted))
+
+    def cancel(self, batch: RunningBatch, plan: Plan) -> None:
+        """The pool has no room for the drafts: this step decodes without them."""
+        self._forget(batch, plan)
+
+    def launch(self, batch: RunningBatch, plan: Plan, slots: torch.Tensor) -> Future[torch.Tensor]:
+        """Starts the verify pass: row r computes its last token and its drafts, whose KV
+        goes into ``slots`` (``len(batch) + plan.num_drafts`` of them, in row order)."""
+        assert plan.changes == batch.changes, "the batch changed under its drafts"
+        n = len(batch)
+        lens = plan.counts + 1
+        starts = batch.seq_len[:n] - 1
+        offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        positions = torch.from_numpy(np.repeat(starts, lens) + offsets)
+        batch.req_to_token[torch.from_numpy(np.repeat(np.arange(n), lens)), positions] = slots
+        last = batch.last_tokens().tolist()
+        new_ids = [[last[r], *plan.drafts[r, : plan.counts[r]].tolist()] for r in range(n)]
+        table = batch.req_to_token
+        ends = (starts + lens).tolist()
+        prefix = [table[r, : starts[r]] for r in range(n)]
+        new_slots = [table[r, starts[r] : ends[r]] for r in range(n)]
+        adapters = batch.lora_slots()
+        lora = adapters.tolist() if adapters is not None else None
+        return self._forward.submit(self._verify, new_ids, prefix, new_slots, lora)
+
+    def _verify(
+        self,
+        new_ids: list[list[int]],
+        prefix: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        lora: list[int] | None,
+    ) -> torch.Tensor:
+        return self._decoder.runner.verify(new_ids, prefix, new_slots, lora)
+
+    def finish(
+        self, batch: RunningBatch, plan: Plan, forward: Future[torch.Tensor], rows: list[Req]
+    ) -> tuple[SteadyRows | None, int]:
+        """Draws every row's tokens from the verify pass (see the module docstring), gives
+        back the KV of the rejected drafts, and settles the step as a decode step does.
+        Returns the steady rows and the number of tokens appended."""
+        n = len(batch)
+        lens = plan.counts + 1
+        first = np.cumsum(lens) - lens  # row r's logits start here
+        old_seq_len = batch.seq_len[:n].copy()
+        code = np.zeros(n, dtype=np.int64)
+        check = np.zeros(n, dtype=bool)
+        matched = np.zeros(n, dtype=np.int64)  # drafts equal to the token drawn in their place
+        at: np.ndarray = np.arange(n)
+        prepared = self._decoder.prepare(batch)  # position 0's, while the pass runs
+        logits = forward.result()
+        for j in range(int(lens.max())):
+            if j:
+                prepared = self._decoder.prepare(batch, at)
+            drawn = self._decoder.draw(batch, logits[torch.from_numpy(first[at] + j)], prepared)
+            code[at], check[at] = drawn.code, drawn.check_strings
+            going = drawn.code == RUNNING
+            for i in np.flatnonzero(drawn.check_strings & going).tolist():
+                going[i] = not self._decoder.stops_on_text(batch, int(at[i]))
+            column = min(j, plan.drafts.shape[1] - 1)  # past the last draft: no row has one
+            hit = (j < plan.counts[at]) & (drawn.new == plan.drafts[at, column])
+            matched[at[hit]] += 1
+            at = at[hit & going]
+            if not at.size:
+                break
+        appended = batch.seq_len[:n] - old_seq_len
+        self._give_back(batch, plan, old_seq_len, appended)
+        self._count(batch, plan, matched, old_seq_len)
+        return self._decoder.settle(batch, code, check, rows), int(appended.sum())
+
+    def _give_back(
+        self, batch: RunningBatch, plan: Plan, old_seq_len: np.ndarray, appended: np.ndarray
+    ) -> None:
+        """Frees the slots of every row's drafts past those it kept: a row that appended a
+        tokens keeps the KV of its old last token and a - 1 drafts (its new last token has
+        none yet, as in the running batch's invariant)."""
+        n = len(batch)
+        unused = plan.counts + 1 - appended
+        if not unused.any():
+            return
+        rows = np.repeat(np.arange(n), unused)
+        first = np.repeat(old_seq_len - 1 + appended, unused)
+        offsets = np.arange(int(unused.sum())) - np.repeat(np.cumsum(unused) - unused, unused)
+        self._kv.free(batch.req_to_token[torch.from_numpy(rows), torch.from_numpy(first + offsets)])
+
+    def _count(
+        self, batch: RunningBatch, plan: Plan, matched: np.ndarray, old_seq_len: np.ndarray
+    ) -> None:
+        """The proposer learns what was accepted; the per-row and the server's counts grow."""
+        proposed = plan.proposed
+        drafted, accepted = plan.counts[proposed], matched[proposed]
+        now = batch.seq_len[proposed].copy()
+        batch.seq_len[proposed] = old_seq_len[proposed]  # as it was when the drafts were made
+        self._proposer.after_verify(batch, proposed, drafted, accepted)
+        batch.seq_len[proposed] = now
+        drafting = proposed[drafted > 0]
+        batch.spec.add(drafting, plan.counts[drafting], matched[drafting])
+        self.counters.add(drafted, accepted)
