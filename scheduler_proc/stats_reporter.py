@@ -59,6 +59,7 @@ class SchedulerStatsReporter:
     def report(self, now: float) -> SchedulerStatsReport:
         s = self._s
         hicache = s.hicache
+        spec = s.mode.spec_counters
         elapsed = now - self._last_time if self._last_time else 0.0
         generated = s.generated_tokens_total - self._last_generated
         prompt = s.prefill_tokens_total - self._last_prompt
@@ -99,6 +100,12 @@ class SchedulerStatsReporter:
             weight_updates_failed=s.rollout.counters.updates_failed,
             weight_update_seconds=s.rollout.counters.take_update_seconds(),
             **s.loras.report_fields(s.running, s.prefilling, s.waiting),
+            # Speculative decoding's running totals (k 0 and zeros when off)
+            spec_num_speculative_tokens=spec.k,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(int(n) for n in spec.accepted_per_pos),
         )
         self._last_time = now
         self._last_generated = s.generated_tokens_total
