@@ -1,7 +1,7 @@
 """Prometheus metrics of the whole service, served by the API process on ``/metrics``.
 
-``ServiceMetrics`` holds the scheduler's gauges (``scheduler_gauges.py``), the request
-metrics (``request_metrics.py``) and the LoRA series (``lora_metrics.py``); under
+``ServiceMetrics`` holds the scheduler's series (``scheduler_gauges.py``), the request metrics
+(``request_metrics.py``) and the LoRA series (``lora_metrics.py``); under
 ``--disable-metrics`` ``NoMetrics`` stands in: it observes nothing and ``/metrics`` is empty.
 With several API workers (``--api-workers``) each keeps its values in prometheus-client's
 multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, set by the supervisor) and any of them
@@ -47,11 +47,12 @@ class ServiceMetrics:
         context_length: int = 0,
         kv_dtype: str = "auto",  # --dtype, which vLLM's cache config info names
         lora: bool = False,  # adapters are served: the LoRA series are kept
+        num_speculative_tokens: int = 0,  # drafts per request per step; 0: no speculation
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.multiprocess = multiprocess
         naming = Naming(compat, self.registry, model_name, engine_type, context_length)
-        self.scheduler = SchedulerGauges(naming, kv_dtype)
+        self.scheduler = SchedulerGauges(naming, kv_dtype, num_speculative_tokens)
         self.requests = RequestMetrics(naming)
         self.lora: LoraMetrics | NoLoraMetrics = LoraMetrics(naming) if lora else NoLoraMetrics()
         # The ecosystem's own names (vLLM's, from prometheus-fastapi-instrumentator) under
@@ -132,6 +133,7 @@ def service_metrics(config: ServerConfig, model_name: str, context_length: int) 
     """The metrics this server keeps: ``ServiceMetrics``, or ``NoMetrics`` when they are off."""
     if not config.enable_metrics:
         return NoMetrics()
+    spec = config.speculative
     return ServiceMetrics(
         model_name,
         config.engine_type,
@@ -140,4 +142,5 @@ def service_metrics(config: ServerConfig, model_name: str, context_length: int) 
         context_length=context_length,
         kv_dtype=config.dtype,
         lora=config.lora_enabled,
+        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
     )

@@ -180,6 +180,10 @@ SGLANG = Family(
             "uncached_prompt_tokens_histogram": Series(
                 "sglang:uncached_prompt_tokens_histogram", buckets=SGLANG_TOKEN_COUNTS
             ),
+            # Speculative decoding, over each report's interval (tokenizer_proc/spec_metrics.py).
+            **_same_names(
+                "sglang:", "spec_accept_length", "spec_accept_rate", label_set="scheduler"
+            ),
         }
     ),
 )
@@ -253,6 +257,14 @@ VLLM = Family(
             "num_requests_waiting_by_reason": Series("vllm:num_requests_waiting_by_reason"),
             "cache_config_info": Series("vllm:cache_config_info", label_set="info"),
             "lora_requests_info": Series("vllm:lora_requests_info", label_set="bare"),
+            # Speculative decoding's counters, vLLM's position label 0 for the first draft.
+            **_same_names(
+                "vllm:",
+                "spec_decode_num_drafts",
+                "spec_decode_num_draft_tokens",
+                "spec_decode_num_accepted_tokens",
+                "spec_decode_num_accepted_tokens_per_pos",
+            ),
         }
     ),
 )

@@ -8,6 +8,7 @@ from prometheus_client import Gauge
 from pipeline.io_struct import SchedulerStatsReport
 from tokenizer_proc.metrics_compat import ABSENT, Absent, Bound, Naming, one_child
 from tokenizer_proc.rollout_metrics import RolloutMetrics
+from tokenizer_proc.spec_metrics import NoSpecMetrics, SpecMetrics
 from tokenizer_proc.tally_histogram import TallyHistogram
 
 # Tokens a slot of tokenpipe's KV pool holds: the pool gives out one slot per token (its
@@ -17,9 +18,12 @@ KV_TOKENS_PER_SLOT = 1
 
 class SchedulerGauges:
     """The scheduler metrics of docs/design.md section 4. ``kv_dtype`` is the server's
-    --dtype, which vLLM's cache config info names."""
+    --dtype, which vLLM's cache config info names; ``num_speculative_tokens`` its drafts per
+    request per step (0: it does not speculate, and has no speculative series)."""
 
-    def __init__(self, naming: Naming, kv_dtype: str = "auto") -> None:
+    def __init__(
+        self, naming: Naming, kv_dtype: str = "auto", num_speculative_tokens: int = 0
+    ) -> None:
         def gauge(key: str, doc: str) -> Gauge:
             return naming.gauge(key, doc)()
 
@@ -49,6 +53,11 @@ class SchedulerGauges:
         self._peers = SchedulerPeerSeries(naming)
         self._cache_config = CacheConfigInfo(naming, kv_dtype)
         self._rollout = RolloutMetrics(naming)
+        self._spec: SpecMetrics | NoSpecMetrics = (
+            SpecMetrics(naming, num_speculative_tokens)
+            if num_speculative_tokens
+            else NoSpecMetrics()
+        )
         self.last_report: SchedulerStatsReport | None = None
 
     def update(self, report: SchedulerStatsReport) -> None:
@@ -69,6 +78,7 @@ class SchedulerGauges:
         self._peers.update(report, self.last_report)
         self._cache_config.update(report)
         self._rollout.update(report)
+        self._spec.on_report(report)
         self.last_report = report
 
 

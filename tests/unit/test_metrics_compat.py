@@ -212,7 +212,9 @@ def test_every_series_a_family_lists_is_served_by_it() -> None:
     # A table key that names no series of the code would be left unused, its peer name unserved.
     # (The registry lists a counter's family without _total, as the table does.)
     for compat in ("sglang", "vllm"):
-        metrics = ServiceMetrics("m", compat=compat, context_length=100, lora=True)
+        metrics = ServiceMetrics(
+            "m", compat=compat, context_length=100, lora=True, num_speculative_tokens=2
+        )
         served = {family.name for family in metrics.registry.collect()}
         listed = {series.name for series in FAMILIES[compat].series.values()}
         assert listed <= served, listed - served
