@@ -52,7 +52,7 @@ def _workload(seed: int, count: int) -> list[tuple[int, Message]]:
             top_p=0.9 if kind == 2 else 1.0,
             seed=i,
             ignore_eos=i % 5 != 0,
-            stop_token_ids=[rng.randrange(60, 3900) for _ in range(3)] if i % 7 == 0 else [],
+            stop_token_ids=tuple(rng.randrange(60, 3900) for _ in range(3)) if i % 7 == 0 else (),
             min_new_tokens=6 if i % 9 == 0 else 0,
         )
         msg = TokenizedGenerateReqInput(
@@ -85,8 +85,9 @@ class Outcome:
         for row, (req_id, count) in enumerate(zip(ids, counts)):
             self.tokens.setdefault(req_id, []).extend(toks[at : at + count])
             at += count
-            if frame.finished_reasons is not None and frame.finished_reasons[row] is not None:
-                self.finished[req_id] = frame.finished_reasons[row]
+            reason = frame.finished_reasons[row] if frame.finished_reasons is not None else None
+            if reason is not None:
+                self.finished[req_id] = reason
         if frame.logprobs is not None and frame.logprobs.output is not None:
             for row, lp in read_output_logprobs(frame.logprobs.output, counts).items():
                 kept = self.logprobs.setdefault(ids[row], [])
