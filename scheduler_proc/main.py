@@ -45,6 +45,7 @@ from scheduler_proc.pd.kv_transfer import KVFetchClient, KVFetchServer
 from scheduler_proc.model.runner import ModelRunner
 from scheduler_proc.pd.decode import DecodeBootstrapper
 from scheduler_proc.pd.prefill import PrefillKVSender
+from scheduler_proc.speculative.proposers import build_drafter
 from scheduler_proc.priority import priority_order
 from scheduler_proc.sampling.grammar import GrammarCompiler, tokenizer_info
 from scheduler_proc.sampling.json_grammar import JsonOptions
@@ -88,6 +89,7 @@ def build_scheduler(config: ServerConfig) -> Scheduler:
         overlap_schedule=not config.disable_overlap_schedule,
         weight_version=config.weight_version,
         priority=priority_order(config),
+        drafter=build_drafter(config, runner),
     )
 
 
