@@ -58,8 +58,9 @@ def span_attributes(
     none was given, ``top_k`` when it is disabled (-1), ``time_to_first_chunk`` when no
     token arrived, ``tokenpipe.queue_time`` with metrics off, the cached-token details when
     ``cached_tokens_details`` is None (and its storage keys while no storage is attached),
-    media token counts of zero, and the structured-output keys of an unconstrained request
-    (``tokenpipe.grammar_wait`` with metrics off too). For ``operation="embeddings"`` the
+    media token counts of zero, the structured-output keys of an unconstrained request
+    (``tokenpipe.grammar_wait`` with metrics off too), and the speculative counts of a request
+    that had no drafts verified. For ``operation="embeddings"`` the
     sampling keys, ``gen_ai.request.stream`` and ``gen_ai.usage.output_tokens`` are left out
     too.
     """
@@ -138,6 +139,10 @@ def _stats_attributes(state: ReqState, stats: RequestOutputStats) -> SpanAttribu
     ):
         if count:
             attrs[key] = count
+    if stats.spec_verify_ct > 0:  # verify passes with drafts, the drafts, those accepted
+        attrs["tokenpipe.spec_verify_ct"] = stats.spec_verify_ct
+        attrs["tokenpipe.spec_draft_tokens"] = stats.spec_draft_tokens
+        attrs["tokenpipe.spec_accepted_tokens"] = stats.spec_accepted_tokens
     return attrs
 
 

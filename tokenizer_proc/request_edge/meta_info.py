@@ -1,5 +1,6 @@
 """Builds a response's ``meta_info`` (SGLang-compatible names) from ``ReqState`` alone:
-per-request numbers from ``request_stats``, latencies from the state's own timing."""
+per-request numbers from ``request_stats``, latencies from the state's own timing, and
+speculative decoding's counts (SGLang's ``spec_*`` keys) once a request has verified drafts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.io_struct import SchedulerTimeStats
+from pipeline.io_struct import RequestOutputStats, SchedulerTimeStats
 from pipeline.finish_reasons import finish_reason_to_dict
 from tokenizer_proc.req_state import ReqState, StreamChunk
 
@@ -46,6 +47,7 @@ def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict
             meta[kind] = count
     if finished_time is not None:
         meta["e2e_latency"] = finished_time - state.created_time
+    meta.update(spec_meta_info(stats))
 
     ts = stats.time_stats
     if ts is None:  # metrics off: no timing keys
@@ -66,6 +68,26 @@ def build_meta_info(state: ReqState, interim: StreamChunk | None = None) -> dict
         meta["request_finished_ts"] = state.finished_time
         meta["decode_throughput"] = decode_throughput(state.completion_tokens, ts)
     return meta
+
+
+def spec_meta_info(stats: RequestOutputStats) -> dict[str, int | float]:
+    """SGLang's speculative keys, only for a request that had drafts verified (the scheduler
+    sets the counts when the request leaves the running batch: the last answer carries them).
+    ``spec_verify_ct``: verify passes with drafts; ``spec_accept_length``: tokens per such pass
+    (accepted drafts and the target's own token). SGLang divides completion_tokens by
+    spec_verify_ct, the same where every decode step verifies drafts; here a step may draft
+    nothing for a request (no n-gram match, a large batch), whose token that would count."""
+    verify_ct = stats.spec_verify_ct
+    if verify_ct <= 0:
+        return {}
+    accepted, drafted = stats.spec_accepted_tokens, stats.spec_draft_tokens
+    return {
+        "spec_verify_ct": verify_ct,
+        "spec_accept_length": (accepted + verify_ct) / verify_ct,
+        "spec_accept_rate": accepted / drafted if drafted else 0.0,
+        "spec_accept_token_num": accepted,
+        "spec_draft_token_num": drafted,
+    }
 
 
 def decode_throughput(completion_tokens: int, ts: SchedulerTimeStats) -> float:
