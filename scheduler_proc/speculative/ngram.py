@@ -1,16 +1,20 @@
-"""The n-gram (prompt lookup) proposer, as vLLM's ``ngram`` method and SGLang's ``NGRAM``:
-a row's drafts are the tokens that followed an earlier occurrence of its last n tokens, the
-longest n in ``[min_n, max_n]`` that occurs, looked up in its own prompt and output.
+"""The n-gram (prompt lookup) proposer, vLLM's ``ngram`` method (SGLang's ``NGRAM`` flag picks
+it too, though SGLang's own searches a trie of earlier requests' tokens): a row's drafts are
+the tokens that followed an earlier occurrence of its last n tokens, the longest n in
+``[min_n, max_n]`` that occurs, looked up in its own prompt and output.
 
 Cost: it runs every step for every drafting row, so the search is column work over the rows'
-``[rows, longest seq_len]`` token block, one compare, AND and first-place ``argmax`` per n up
-to ``max_n``; no Python per token. The proposer keeps no state between steps."""
+``[rows, longest seq_len]`` token block (a compare per n while many places match, then work
+on the matching places only); no Python per token. The proposer keeps no state between steps."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 import numpy as np
+
+
+_FEW_ALIVE = 1 / 16  # share of the block's places alive under which steps go place by place
 
 
 class TokenRows(Protocol):
@@ -75,24 +79,57 @@ def _longest_matches(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per row: the most of its last tokens (up to ``max_n``) that also occur ending before
     its last token, and the earliest place such an occurrence ends (0 and 0 when none).
-    Step j compares every place with the j-th token from the end; ``alive`` keeps the
-    places where all steps so far matched, so the deepest step with any alive place in a
-    row gives its length, and that step's first alive place its end."""
+    Step j compares the places still alive (all steps so far matched) with the j-th token
+    from the end, so the deepest step that leaves a row any place gives its length, and that
+    step's first place its end. Steps compare the whole block while many places live (the
+    first always does), then only the live places, so a long ``max_n`` costs little more."""
     n_rows, width = table.shape
-    ends = width - 1  # an occurrence ends before the row's last token
-    alive = np.arange(ends, dtype=np.int32) < (lens - 1).astype(np.int32)[:, None]
     length = np.zeros(n_rows, dtype=np.int64)
     end = np.zeros(n_rows, dtype=np.int64)
-    picks = np.arange(n_rows)
-    for j in range(min(max_n, ends)):
-        # A row of j tokens or fewer has no alive place at e >= j: any index will do.
-        tail = table[picks, np.maximum(lens - 1 - j, 0)]
+    alive = np.arange(width - 1, dtype=np.int32) < (lens - 1).astype(np.int32)[:, None]
+    steps = min(max_n, width - 1)
+    j = 0
+    while j < steps and np.count_nonzero(alive) > alive.size * _FEW_ALIVE:
         if j:
             alive[:, j - 1] = False  # an occurrence ending there would start before token 0
-        alive[:, j:] &= table[:, : ends - j] == tail[:, None]
+        # A row of j tokens or fewer has no place alive at e >= j: any index will do.
+        tail = table[np.arange(n_rows), np.maximum(lens - 1 - j, 0)]
+        alive[:, j:] &= table[:, : width - 1 - j] == tail[:, None]
         has = alive.any(axis=1)
-        if not has.any():
-            break
         length[has] = j + 1
         end[has] = alive.argmax(axis=1)[has]  # argmax takes the first: the earliest
+        j += 1
+    if j < steps:
+        _follow_live_places(table, lens, alive, range(j, steps), length, end)
     return length, end
+
+
+def _follow_live_places(
+    table: np.ndarray,
+    lens: np.ndarray,
+    alive: np.ndarray,
+    steps: range,
+    length: np.ndarray,
+    end: np.ndarray,
+) -> None:
+    """``_longest_matches``' remaining steps over the few live places, as flat indices into
+    the block (1-D gathers are the fast ones); ``row_at`` is each place's row's first index.
+    Writes each row's deeper matches into ``length`` and ``end``."""
+    width = table.shape[1]
+    flat = table.reshape(-1)
+    live = np.flatnonzero(alive)  # row by row, each row's places in order
+    row = live // (width - 1)
+    row_at = row * width
+    place = live - row * (width - 1) + row_at
+    last = lens[row] - 1 + row_at  # each place's row's last token
+    for j in steps:
+        if not len(place):
+            return
+        # A place under j would start before its row's first token.
+        keep = (place - j >= row_at) & (flat[place - j] == flat[last - j])
+        row_at, place, last = row_at[keep], place[keep], last[keep]
+        first = np.ones(len(place), dtype=bool)  # each row's first place: its earliest
+        first[1:] = row_at[1:] != row_at[:-1]
+        rows = row_at[first] // width
+        length[rows] = j + 1
+        end[rows] = place[first] - row_at[first]

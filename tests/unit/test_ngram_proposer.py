@@ -127,6 +127,17 @@ def test_tokens_past_a_row_are_not_read() -> None:
     assert drafted(NgramProposer(1, 3), batch, [0, 1], 2) == [[3, GARBAGE], [3, 3]]
 
 
+def test_long_rows_follow_the_earliest_longest_match_across_row_ends() -> None:
+    # Rows of a few hundred tokens, few of them alike: the deeper steps go place by place
+    # over a flat view of the block, where row 1's first tokens sit right after row 0's
+    # last, 6. Row 1's [5, 6] at its start must not grow into [6, 5, 6] across that edge.
+    row_0 = [*range(1000, 1300), 6]
+    row_1 = [5, 6, 11, 12, 6, 5, 6, 13, 14, *range(2000, 2100), 6, 5, 6, 15, 16]
+    row_1 += [*range(2100, 2200), 6, 5, 6]
+    batch = rows_of([row_0, row_1])  # the block is as wide as row 0, the longer
+    assert drafted(NgramProposer(1, 3), batch, [0, 1], 2) == [[], [13, 14]]
+
+
 def test_k_of_zero_drafts_nothing() -> None:
     drafts, counts = NgramProposer(1, 3).propose(rows_of([[1, 1, 1]]), np.array([0]), 0)
     assert drafts.shape == (1, 0) and counts.tolist() == [0]
