@@ -243,3 +243,27 @@ def test_an_adapter_named_at_start_that_cannot_be_served_fails_the_start_with_wh
     )
     with pytest.raises(SystemExit, match=r"--lora-modules/--lora-paths: Loading lora x failed"):
         build_or_exit(config)
+
+
+def test_speculation_with_adapters_changes_no_token(
+    checkpoint: tuple[Path, dict[str, Path]],
+) -> None:
+    """The verify pass carries each row's adapter: n-gram drafts over mixed adapters and the
+    base give the tokens plain decoding gives (prompts that repeat, so drafts are made)."""
+    spec = (
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 3, "disable_by_batch_size": 0}'
+    )
+    prompts = [[40 + (7 * i + j) % 5 for j in range(30)] for i in range(6)]
+    names = ["a", "b", None] * 2
+    runs = []
+    for flags in ({}, {"speculative_config": spec}):
+        s = scheduler(checkpoint, **flags)
+        for i, (name, prompt) in enumerate(zip(names, prompts)):
+            submit(s, i + 1, ref(s, name), prompt=prompt, max_new=24)
+        runs.append(run(s))
+        drafted = s.mode.spec_counters.num_draft_tokens
+    plain, speculating = runs
+    assert drafted > 0
+    assert speculating.tokens == plain.tokens
+    assert sum(stat.spec_accepted_tokens for stat in speculating.stats.values()) > 0
