@@ -59,6 +59,15 @@ from bench.serve_lora import (  # noqa: E402
 )
 from bench.serve_readings import given_processes, ratio, server_processes  # noqa: E402
 from bench.serve_report import format_report, write_plot  # noqa: E402
+from bench.serve_speculative import (  # noqa: E402
+    PLAIN,
+    SPEC,
+    add_speculative_flags,
+    check_speculative,
+    fmt_speculative,
+    run_speculative,
+    with_speculation,
+)
 from bench.serve_structured import read_schema, run_structured  # noqa: E402
 from bench.serve_tools import read_tools, run_tools  # noqa: E402
 from bench.serve_vllm import add_vllm_flags, check_vllm, compare_vllm, write_report  # noqa: E402
@@ -199,8 +208,8 @@ def add_comparison_flags(p: argparse.ArgumentParser) -> None:
         "--sampling-rounds",
         type=int,
         default=2,
-        help="rounds of --compare-sampling, --top-logprobs, --compare-api-workers and "
-        "--compare-lora (default 2, at least 2)",
+        help="rounds of --compare-sampling, --top-logprobs, --compare-api-workers, "
+        "--compare-lora and --compare-speculative (default 2, at least 2)",
     )
 
 
@@ -279,6 +288,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_comparison_flags(p)
     add_vllm_flags(p)
     add_lora_flags(p)
+    add_speculative_flags(p)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH.png")
     p.add_argument("--no-progress", action="store_true")
@@ -288,6 +298,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     check_workload(p, args)
     check_vllm(p, args)
     check_lora(p, args)
+    check_speculative(p, args)
     return args
 
 
@@ -375,6 +386,16 @@ def run_lora_beside(
         return run_async(run_lora(arms, args.rounds, next_set, args.lora_rank))
 
 
+def run_speculative_beside(
+    args: argparse.Namespace, spec_arm: Arm, plain_args: list[str], next_set: int
+) -> dict[str, Any]:
+    """``--compare-speculative``: the same server without speculation beside the main one."""
+    with LaunchedServer(["--log-level", "warning", *plain_args]) as plain:
+        arms = {PLAIN: replace(spec_arm, url=plain.url, procs=server_processes(plain.proc.pid))}
+        result = run_async(run_speculative({**arms, SPEC: spec_arm}, args.rounds, next_set))
+    return {"speculative_config": args.speculative, "workload": args.spec_workload, **result}
+
+
 def with_adapters(
     args: argparse.Namespace, cfg: LoadConfig, server_args: list[str], root: Path
 ) -> tuple[LoadConfig, list[str]]:
@@ -392,6 +413,8 @@ def write_outputs(args: argparse.Namespace, report: dict[str, Any]) -> None:
     print(format_report(report))
     if "lora" in report:
         print("\n".join(fmt_lora(report["lora"], report["config"])))
+    if "speculative" in report:
+        print("\n".join(fmt_speculative(report["speculative"], report["config"])))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -406,7 +429,8 @@ def all_clean(report: dict[str, Any]) -> bool:
         report,
         *(
             report[k]
-            for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers", "lora")
+            for k in ("sampling", "logprobs", "structured", "tool_calling", "api_workers")
+            + ("lora", "speculative")
             if k in report
         ),
     ]
@@ -426,6 +450,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.lora_adapters is not None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-lora-")))
             cfg, server_args = with_adapters(args, cfg, plain_args, root)
+        if args.speculative is not None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-spec-")))
+            cfg, plain_args, server_args = with_speculation(args, cfg, plain_args, root)
         report = run_servers(args, cfg, server_args, plain_args)
     write_outputs(args, report)
     return 0 if all_clean(report) else 1
@@ -435,7 +462,7 @@ def run_servers(
     args: argparse.Namespace, cfg: LoadConfig, server_args: list[str], plain_args: list[str]
 ) -> dict[str, Any]:
     """The main run and every comparison asked for; ``plain_args``: the server flags
-    without the LoRA ones (``--compare-lora``'s base server)."""
+    without the LoRA or speculative ones (the other server of those comparisons)."""
     launched = (
         LaunchedServer(["--log-level", "warning", *server_args])
         if args.launch
@@ -460,6 +487,8 @@ def run_servers(
             next_set += 2 * args.rounds
         if args.compare_lora:
             report["lora"] = run_lora_beside(args, cfg, main_arm, plain_args, next_set)
+        if args.compare_speculative:
+            report["speculative"] = run_speculative_beside(args, main_arm, plain_args, next_set)
     if args.compare_discard:
         run_discard_beside(cfg, server_args, report)
     return report

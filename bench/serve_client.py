@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,8 @@ ENDPOINTS = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
 }  # --api
+FIRST_ID = 16  # prompts draw ids from here up: the low ids hold the special tokens
+PROMPT_HEAD = 4  # a chain prompt's random ids before its chain
 USAGE_COUNTED = ("completions", "chat")  # the APIs whose chunks are counted by their usage
 # Usage so far on every chunk: a chunk's text holds one or more tokens (or none yet), and
 # the default server sends no token ids in completions chunks, so this is how to count them.
@@ -69,6 +71,9 @@ class LoadConfig:
     tool_choice: str = "required"  # with tools: "none", "auto" or "required"
     # LoRA: request i names lora_names[i % len] (None: the base model); empty: no adapter.
     lora_names: tuple[str | None, ...] = ()
+    # A permutation's successors (bench/copy_checkpoint.py's sigma): each prompt is then
+    # chain_prompt's, which the copy checkpoint's answer repeats; empty: random ids.
+    prompt_chain: tuple[int, ...] = ()
 
 
 @dataclass
@@ -103,9 +108,11 @@ def make_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, An
 
 def workload_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str, Any]:
     rng = random.Random(f"{cfg.seed}/{cfg.prompt_set}/{i}")
-    ids = [
-        rng.randrange(16, vocab) for _ in range(cfg.prompt_len)
-    ]  # low ids hold the special tokens
+    ids = (
+        chain_prompt(cfg.prompt_chain, rng, cfg.prompt_len)
+        if cfg.prompt_chain
+        else [rng.randrange(FIRST_ID, vocab) for _ in range(cfg.prompt_len)]
+    )
     if cfg.api == "completions":
         return completions_body(i, cfg, ids, stream)
     if cfg.api == "chat":
@@ -125,6 +132,16 @@ def workload_body(i: int, cfg: LoadConfig, vocab: int, stream: bool) -> dict[str
     if cfg.top_logprobs is not None:
         body.update(return_logprob=True, top_logprobs_num=cfg.top_logprobs)
     return body
+
+
+def chain_prompt(successors: Sequence[int], rng: random.Random, length: int) -> list[int]:
+    """``PROMPT_HEAD`` random ids (no two prompts share a prefix), then a chain from a random
+    id, each next id the successor of the one before, up to ``length`` ids."""
+    head = [rng.randrange(FIRST_ID, len(successors)) for _ in range(min(PROMPT_HEAD, length))]
+    chain = [rng.randrange(FIRST_ID, len(successors))]
+    while len(head) + len(chain) < length:
+        chain.append(successors[chain[-1]])
+    return (head + chain)[:length]
 
 
 def completions_body(i: int, cfg: LoadConfig, ids: list[int], stream: bool) -> dict[str, Any]:
