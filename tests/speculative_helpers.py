@@ -101,7 +101,7 @@ def generate(client: httpx.Client, body: dict[str, Any]) -> Any:
 def streamed_generate(client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     """A streamed /generate assembled: the last event's text and ids (SGLang's default
     stream carries the whole output so far), checked to extend every event before it."""
-    text, ids, meta = "", [], {}
+    text, ids, meta = "", list[int](), dict[str, Any]()
     with client.stream("POST", "/generate", json={**body, "stream": True}) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
