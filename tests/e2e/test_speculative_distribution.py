@@ -144,7 +144,9 @@ def goodness_of_fit(
     ``exact``, the cells expected fewer than 5 times pooled into one (itself joined to the
     smallest kept cell while it is expected fewer than 5 times)."""
     outside = {seq: n for seq, n in sampled.items() if seq not in exact}
-    assert not outside, f"drawn outside the top {TOP_K}: {outside}"
+    if outside:
+        most = sorted(outside.items(), key=lambda kv: -kv[1])[:8]
+        pytest.fail(f"{len(outside)} sequences drawn outside the top {TOP_K}, as {most}")
     total = sum(sampled.values())
     ranked = sorted(exact, key=exact.__getitem__, reverse=True)
     kept = [seq for seq in ranked if exact[seq] * total >= MIN_EXPECTED]

@@ -1,10 +1,11 @@
 """Speculative decoding changes nothing but the speed (issue 42's proof): 200 prompts, greedy,
 seeded (temperature 1.0, top_p 0.9) and seeded sharp (temperature 0.1, top_k 8, where
 sampled rows accept drafts too), answer token for token as a plain server does, sent one at a
-time, 16 at a time and in /generate batches of 128, with prompt lookup, a one-layer draft
-model and the target as its own draft; so do stop strings and ids inside drafts, lengths that
-end mid-draft, min_new_tokens, logprobs, n choices, streams, a JSON schema and a retraction.
-Each comparison first proves the drafts were verified and some accepted.
+time, 16 at a time and in /generate batches of 128, with prompt lookup and a one-layer draft
+model; so do stop strings and ids inside drafts, lengths that end mid-draft, min_new_tokens,
+logprobs, n choices, streams, a JSON schema and a retraction. Each comparison also proves
+drafts were verified and accepted. The target as its own draft accepts every draft, and
+vLLM's counters agree with each other and with meta_info.
 
 Every server serves one checkpoint (the built-in model's weights: its greedy text repeats,
 so prompt lookup finds drafts) with deterministic inference on one thread, which makes a
@@ -45,7 +46,6 @@ from tests.speculative_helpers import (
 TOKENIZER = load_tokenizer(None)
 PROPOSERS = ("ngram", "standalone")
 MODEL = "tiny"
-BATCH_LIMIT = 128
 COMMON = [
     *DETERMINISTIC,
     "--torch-threads",
@@ -123,10 +123,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         "plain": [],
         "ngram": [*ngram_args(), *ALWAYS],
         "standalone": [*standalone_args(root / "draft"), *ALWAYS],
-        # vLLM's default batch-size limit (32): a batch of 128 decodes without drafts until
-        # enough of its requests have finished.
+        # vLLM's spelling, and the default batch-size limit (32, above the 16 it runs).
         "self_draft": draft_model_args(root / "target"),
-        # 24 requests of up to 88 tokens in a pool of 640: the running batch retracts.
+        # 24 requests of up to 70 tokens in a pool of 640: the running batch retracts.
         "retract": [*ngram_args(), *ALWAYS, "--max-total-tokens", "640"],
     }
     started = {
@@ -296,7 +295,8 @@ def test_stops_lengths_and_min_new_tokens_end_where_plain_decoding_does(
 def test_logprobs_of_accepted_tokens_equal_plain_decodings(
     servers: Servers, reference: list[Any], proposer: str
 ) -> None:
-    """Each output token's logprob and its top 5 (ids exactly, values within 1e-6)."""
+    """Each output token's logprob and its top 5, the same bits (the verify pass's logits
+    are a decode step's)."""
     cases = CASES[::8] + CASES[3::16] + CASES[1::32]  # greedy, sharp, seeded
     extra = {"return_logprob": True, "top_logprobs_num": 5}
     want = answer_batch(servers.plain, cases, 128, **extra)
@@ -309,8 +309,8 @@ def test_logprobs_of_accepted_tokens_equal_plain_decodings(
             flat_g = [e for row in rows_g for e in (row if key.endswith("top_logprobs") else [row])]
             flat_w = [e for row in rows_w for e in (row if key.endswith("top_logprobs") else [row])]
             assert [e[1] for e in flat_g] == [e[1] for e in flat_w], (case, key)
-            worst = max(abs(a[0] - b[0]) for a, b in zip(flat_g, flat_w))
-            assert worst <= 1e-6, (case, key, worst)
+            differ = [(a[0], b[0]) for a, b in zip(flat_g, flat_w) if a[0] != b[0]]
+            assert not differ, (case, key, differ[:5])
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "standalone"])
