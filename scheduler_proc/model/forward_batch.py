@@ -102,6 +102,33 @@ class ForwardBatch:
         )
 
     @classmethod
+    def verify(
+        cls,
+        input_ids: torch.Tensor,
+        new_lens: torch.Tensor,
+        kv_slot_table: torch.Tensor,
+        kv_lens: torch.Tensor,
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """A speculative verify pass from the running batch's columns: sequence b's
+        ``new_lens[b]`` new tokens (its last, then its drafts) end its ``kv_lens[b]`` tokens,
+        whose slots (the drafts' too) are in ``kv_slot_table``, a slice of the
+        request-to-token table. Column work, as ``decode``."""
+        starts = torch.cumsum(new_lens, 0) - new_lens
+        offset = torch.repeat_interleave(kv_lens - new_lens - starts, new_lens)
+        positions = torch.arange(input_ids.numel(), dtype=torch.long) + offset
+        rows = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens)
+        out_slots = kv_slot_table[rows, positions]
+        return cls(
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            new_lens=new_lens.to(device),
+            out_slots=out_slots.to(device),
+            kv_slot_table=kv_slot_table.to(device),
+            kv_lens=kv_lens.to(device),
+        )
+
+    @classmethod
     def decode(
         cls,
         last_tokens: torch.Tensor,

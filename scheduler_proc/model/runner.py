@@ -136,18 +136,26 @@ class ModelRunner:
 
     def verify(
         self,
-        new_token_ids: list[list[int]],
-        prefix_slots: list[torch.Tensor],
-        new_slots: list[torch.Tensor],
-        lora_slots: list[int] | None = None,
+        input_ids: np.ndarray,
+        new_lens: np.ndarray,
+        kv_slot_table: torch.Tensor,
+        kv_lens: np.ndarray,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """A speculative verify pass: as ``extend``, and returns the float32 logits of every
-        new token [T, V], in order (a row's last token, then its drafts)."""
-        batch = ForwardBatch.build(new_token_ids, prefix_slots, new_slots, self.device)
+        """A speculative verify pass over the running batch (``ForwardBatch.verify``): row
+        b's ``new_lens[b]`` tokens of ``input_ids`` (its last, then its drafts) end its
+        ``kv_lens[b]`` tokens, with the adapter in LoRA slot ``lora_slots[b]`` (-1 or None:
+        the base model). Returns the float32 logits of every new token [T, V], in order."""
+        batch = ForwardBatch.verify(
+            torch.from_numpy(input_ids),
+            torch.from_numpy(new_lens),
+            kv_slot_table,
+            torch.from_numpy(kv_lens),
+            self.device,
+        )
         lora = None
         if lora_slots is not None and self.lora is not None:
-            per_token = np.repeat(lora_slots, [len(ids) for ids in new_token_ids])
-            lora = self.lora.pass_for(per_token)
+            lora = self.lora.pass_for(np.repeat(lora_slots, new_lens))
         with torch.inference_mode():
             return self.model.logits(self.model.hidden_states(batch, self.kv, lora))
 

@@ -119,7 +119,8 @@ class Speculation:
 
     def launch(self, batch: RunningBatch, plan: Plan, slots: torch.Tensor) -> Future[torch.Tensor]:
         """Starts the verify pass: row r computes its last token and its drafts, whose KV
-        goes into ``slots`` (``len(batch) + plan.num_drafts`` of them, in row order)."""
+        goes into ``slots`` (``len(batch) + plan.num_drafts`` of them, in row order). Column
+        work: the slots go into the request-to-token table, which the pass reads."""
         assert plan.changes == batch.changes, "the batch changed under its drafts"
         n = len(batch)
         lens = plan.counts + 1
@@ -127,24 +128,16 @@ class Speculation:
         offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         positions = torch.from_numpy(np.repeat(starts, lens) + offsets)
         batch.req_to_token[torch.from_numpy(np.repeat(np.arange(n), lens)), positions] = slots
-        last = batch.last_tokens().tolist()
-        new_ids = [[last[r], *plan.drafts[r, : plan.counts[r]].tolist()] for r in range(n)]
-        table = batch.req_to_token
-        ends = (starts + lens).tolist()
-        prefix = [table[r, : starts[r]] for r in range(n)]
-        new_slots = [table[r, starts[r] : ends[r]] for r in range(n)]
-        adapters = batch.lora_slots()
-        lora = adapters.tolist() if adapters is not None else None
-        return self._forward.submit(self._verify, new_ids, prefix, new_slots, lora)
-
-    def _verify(
-        self,
-        new_ids: list[list[int]],
-        prefix: list[torch.Tensor],
-        new_slots: list[torch.Tensor],
-        lora: list[int] | None,
-    ) -> torch.Tensor:
-        return self._decoder.runner.verify(new_ids, prefix, new_slots, lora)
+        width = plan.drafts.shape[1] + 1
+        block = np.empty((n, width), dtype=np.int64)
+        block[:, 0] = batch.last_tokens()
+        block[:, 1:] = plan.drafts
+        input_ids = block[np.arange(width) < lens[:, None]]
+        kv_lens = starts + lens
+        table = batch.req_to_token[:n, : int(kv_lens.max())]
+        runner = self._decoder.runner
+        args = (input_ids, lens, table, kv_lens, batch.lora_slots())
+        return self._forward.submit(runner.verify, *args)
 
     def finish(
         self, batch: RunningBatch, plan: Plan, forward: Future[torch.Tensor], rows: list[Req]
