@@ -40,6 +40,29 @@ class Plan:
         return int(self.counts.sum())
 
 
+# The step's cost model, in units of a decode step's fixed cost (measured with
+# bench/serve.py --compare-speculative's models on this CPU; docs/design/speculative.md,
+# "Adaptivity"): a decode step of n rows costs 1 + DECODE_ROW * n; a verify step costs
+# VERIFY_STEP + VERIFY_DRAFT * d more for d draft tokens (its host work: the draws position
+# by position, the proposals, the pass's launch).
+DECODE_ROW = 0.18
+VERIFY_STEP = 2.5
+VERIFY_DRAFT = 0.05
+
+
+def _pays(batch: RunningBatch, plan: Plan) -> bool:
+    """Whether the drafts should add more tokens than verifying them costs: n rows make
+    ``n / (1 + DECODE_ROW * n)`` tokens per unit without drafts, and with them the tokens
+    the drafts should add (each row's drafts times its acceptance so far, counted from two
+    accepted drafts, so a row with none yet tries) over the verify step's cost."""
+    n = len(batch)
+    rows = plan.proposed
+    accepted, drafted = batch.spec.accepted[rows], batch.spec.draft_tokens[rows]
+    expected = float((plan.counts[rows] * (accepted + 2) / (drafted + 2)).sum())
+    extra = VERIFY_STEP + VERIFY_DRAFT * plan.num_drafts
+    return expected * (1 + DECODE_ROW * n) > n * extra
+
+
 class NoSpeculation:
     """Speculation off: every step is a plain decode step."""
 
@@ -82,7 +105,8 @@ class Speculation:
 
     def plan(self, batch: RunningBatch) -> Plan | None:
         """This step's drafts; None when no row drafts (speculation is off for a step of
-        more than ``disable_by_batch_size`` rows, and for rows in their acceptance backoff).
+        more than ``disable_by_batch_size`` rows, for rows in their acceptance backoff, and
+        for a step whose drafts are not expected to pay for their verify pass: ``_pays``).
         A row drafts no more tokens than its max_new_tokens and the context leave room for
         after the one the target adds."""
         n = len(batch)
@@ -103,7 +127,8 @@ class Speculation:
         full = np.zeros((n, self._k), dtype=np.int64)
         full[rows] = drafts
         plan = Plan(batch.changes, rows, full_counts, full)
-        if not plan.num_drafts:
+        # The step's own cost check goes with the batch-size limit: 0 turns both off.
+        if not plan.num_drafts or (self._by_batch_size and not _pays(batch, plan)):
             self._forget(batch, plan)
             return None
         return plan

@@ -3,7 +3,8 @@ scheduler, driven step by step with --enable-deterministic-inference, gives ever
 same tokens, finish reasons and logprobs with n-gram drafts as without them, over a mixed run
 (greedy and seeded rows, top_p, stop ids, min_new_tokens, max_new_tokens that end mid-draft,
 logprobs, streaming, aborts, a pool small enough to retract, the overlap schedule on and off);
-the pool gets every slot back; adaptivity drafts nothing for a large batch."""
+the pool gets every slot back; a batch over the size limit drafts nothing, and a step whose
+drafts would not pay for their verify pass verifies none."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import pytest
 
+from bench.copy_checkpoint import read_successors
+from bench.copy_checkpoint import write as write_copy
+from bench.serve_client import chain_prompt
 from pipeline.config import ServerConfig
 from pipeline.io_struct import (
     COUNT_DTYPE,
@@ -27,8 +32,10 @@ from pipeline.io_struct import (
     TokenizedGenerateReqInput,
 )
 from pipeline.logprob_columns import read_output_logprobs
+from scheduler_proc.decode_mode import TokenDecode
 from scheduler_proc.main import build_scheduler
 from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.speculative.verify import Speculation
 
 NGRAM = (
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
@@ -147,20 +154,84 @@ def test_drafts_change_no_token_logprob_or_finish(overlap: bool) -> None:
     assert speculating.kv_tokens_held_by_requests == 0
 
 
-def test_a_batch_over_the_limit_decodes_without_drafts() -> None:
-    spec = NGRAM.replace('"disable_by_batch_size": 0', '"disable_by_batch_size": 4')
-    s = build_scheduler(_config(spec, overlap=False, pool=4000))
-    for _, msg in _workload(seed=3, count=6):
-        if isinstance(msg, TokenizedGenerateReqInput):
-            s.add_request(msg)
-    drafted_at: list[tuple[int, int]] = []  # (running rows, draft tokens so far)
-    while s.has_work():
-        rows = len(s.running)
-        s.step()
-        drafted_at.append((rows, s.mode.spec_counters.num_draft_tokens))
-    grew = [
-        rows for (rows, total), (_, before) in zip(drafted_at[1:], drafted_at) if total > before
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[int]]:
+    """bench/copy_checkpoint.py's checkpoint (greedy answers go round the cycles of sigma
+    their prompt holds: prompt lookup's drafts are accepted) and sigma."""
+    directory = tmp_path_factory.mktemp("copy")
+    write_copy(directory)
+    return str(directory), read_successors(directory)
+
+
+def _chains(successors: list[int], count: int, max_new: int) -> list[TokenizedGenerateReqInput]:
+    rng = random.Random(5)
+    return [
+        TokenizedGenerateReqInput(
+            rid=f"c{i}",
+            req_id=i,
+            input_ids=chain_prompt(successors, rng, 40),
+            sampling_params=SamplingParams(max_new_tokens=max_new, temperature=0.0),
+            stream=True,
+            arrival_time=time.time(),
+        )
+        for i in range(count)
     ]
-    assert grew, "no step drafted"
-    assert max(grew) <= 4
+
+
+def _drafting_batch_sizes(s: Scheduler, reqs: list[TokenizedGenerateReqInput]) -> list[int]:
+    """The running batch's size at each step that verified drafts."""
+    for req in reqs:
+        s.add_request(req)
+    sizes = []
+    while s.has_work():
+        rows, before = len(s.running), s.mode.spec_counters.num_draft_tokens
+        s.step()
+        if s.mode.spec_counters.num_draft_tokens > before:
+            sizes.append(rows)
+    s.close()
+    return sizes
+
+
+def test_a_batch_over_the_limit_decodes_without_drafts(copy_model: tuple[str, list[int]]) -> None:
+    path, successors = copy_model
+    spec = NGRAM.replace('"disable_by_batch_size": 0', '"disable_by_batch_size": 4')
+    config = msgspec.structs.replace(_config(spec, overlap=False, pool=4000), model_path=path)
+    # Requests of different lengths: the batch shrinks from 8 rows as they finish.
+    reqs = [
+        msgspec.structs.replace(
+            r, sampling_params=msgspec.structs.replace(r.sampling_params, max_new_tokens=8 * i)
+        )
+        for i, r in enumerate(_chains(successors, 8, 0), start=1)
+    ]
+    sizes = _drafting_batch_sizes(build_scheduler(config), reqs)
+    assert sizes, "no step drafted"
+    assert max(sizes) <= 4
+
+
+@pytest.mark.parametrize("limit", [0, 32])
+def test_drafts_that_do_not_pay_are_not_verified(
+    copy_model: tuple[str, list[int]], limit: int
+) -> None:
+    """16 rows whose answers repeat their prompts (prompt lookup drafts for each): drafts
+    are verified while the rows' acceptance is unknown or high, and not once it is low
+    enough that the verify step would cost more than the drafts add (``_pays``), unless the
+    batch-size limit is 0, which turns the step's cost check off too."""
+    path, successors = copy_model
+    spec = NGRAM.replace('"disable_by_batch_size": 0', f'"disable_by_batch_size": {limit}')
+    config = msgspec.structs.replace(_config(spec, overlap=False, pool=8000), model_path=path)
+    s = build_scheduler(config)
+    for req in _chains(successors, 16, 48):
+        s.add_request(req)
+    s.step()  # the prefill: every request joins the running batch
+    assert isinstance(s.mode, TokenDecode)
+    batch, speculation = s.mode.running, s.mode._speculation
+    assert isinstance(speculation, Speculation) and len(batch) == 16
+    fresh = speculation.plan(batch)
+    assert fresh is not None and fresh.num_drafts == 16 * 4
+    speculation.cancel(batch, fresh)
+    batch.spec.draft_tokens[:16], batch.spec.accepted[:16] = 100, 20  # a fifth accepted
+    low = speculation.plan(batch)
+    assert (low is None) == (limit != 0)
+    batch.spec.accepted[:16] = 90
+    assert speculation.plan(batch) is not None
     s.close()
