@@ -28,7 +28,8 @@ from scheduler_proc.model.llama import LlamaForCausalLM
 
 K = 4  # drafts per request per step on every speculative server here
 DETERMINISTIC = ["--enable-deterministic-inference"]
-# No step turns speculation off for its batch size, so batches of 128 verify drafts too.
+# No step turns speculation off, for its batch size (so batches of 128 verify drafts too) or
+# for its measured cost (which depends on the machine's speed: a test must not).
 ALWAYS = ["--speculative-disable-by-batch-size", "0"]
 
 

@@ -124,8 +124,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         "plain": [],
         "ngram": [*ngram_args(), *ALWAYS],
         "standalone": [*standalone_args(root / "draft"), *ALWAYS],
-        # vLLM's spelling, and the default batch-size limit (32, above the 16 it runs).
-        "self_draft": draft_model_args(root / "target"),
+        "self_draft": [*draft_model_args(root / "target"), *ALWAYS],
         # 24 requests of up to 70 tokens in a pool of 640: the running batch retracts.
         "retract": [*ngram_args(), *ALWAYS, "--max-total-tokens", "640"],
     }
