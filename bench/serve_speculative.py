@@ -17,6 +17,7 @@ import argparse
 import json
 import re
 import shlex
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from bench.copy_checkpoint import write as write_copy
 from bench.serve_client import LoadConfig
 from bench.serve_compare import Arm, run_rounds
 from bench.serve_load import run_load
+from bench.serve_readings import ratio
 from bench.serve_lora import fmt_ratio, model_path
 from bench.small_checkpoint import write as write_small
 
@@ -181,7 +183,38 @@ async def run_speculative(arms: dict[str, Arm], rounds: int, prompt_set: int) ->
     await run_load(plain.url, warm)
     before = await read_totals(arms[SPEC].url)
     result = await run_rounds(arms, rounds, prompt_set + 1)
-    return {**result, "metrics": spec_figures(before, await read_totals(arms[SPEC].url))}
+    return {
+        **result,
+        "steps_per_s": {name: median_steps(result["rounds"], name) for name in arms},
+        "scheduler_cpu_ratio": cpu_ratio(result["rounds"]),
+        "metrics": spec_figures(before, await read_totals(arms[SPEC].url)),
+    }
+
+
+def tokens_per_scheduler_cpu_s(run: dict[str, Any]) -> float | None:
+    """Output tokens over the scheduler's CPU-seconds, both in the run's steady window."""
+    cpu = run["cpu"]
+    seconds = (cpu or {}).get("processes", {}).get("scheduler", {}).get("cpu_s")
+    return cpu["tokens_in_window"] / seconds if seconds else None
+
+
+def cpu_ratio(rounds: list[dict[str, Any]]) -> float | None:
+    """The median over rounds of spec's output tokens per scheduler CPU-second over plain's:
+    what speculation saves the scheduler per token, steadier than the wall clock on a shared
+    machine (another process's load slows a run but hardly changes its CPU-seconds)."""
+    ratios = [
+        ratio(tokens_per_scheduler_cpu_s(row[SPEC]), tokens_per_scheduler_cpu_s(row[PLAIN]))
+        for row in rounds
+    ]
+    known = [r for r in ratios if r is not None]
+    return statistics.median(known) if known and len(known) == len(ratios) else None
+
+
+def median_steps(rounds: list[dict[str, Any]], name: str) -> float | None:
+    """The median over rounds of an arm's scheduler steps/s (each run's steady window)."""
+    rates = [(row[name]["scheduler_steps"] or {}).get("steps_per_s") for row in rounds]
+    known = [float(r) for r in rates if r is not None]
+    return statistics.median(known) if known and len(known) == len(rates) else None
 
 
 def fmt_target(value: float | None, concurrency: int) -> str:
@@ -236,4 +269,17 @@ def fmt_speculative(s: dict[str, Any], c: dict[str, Any]) -> list[str]:
         f"  errors {s['errors']}, tokens lost {s['tokens_lost']} over the comparison's runs"
     )
     lines.append(fmt_target(s["ratio"], c["concurrency"]))
+    steps = s["steps_per_s"]
+    lines.append(
+        "  scheduler steps/s, medians of each run's steady window: "
+        + ", ".join(f"{name} {fmt_steps(steps[name])}" for name in (PLAIN, SPEC))
+    )
+    lines.append(
+        "  output tokens per scheduler CPU-second, spec/plain (median over rounds): "
+        + fmt_ratio(s["scheduler_cpu_ratio"]).strip()
+    )
     return lines + fmt_metrics(s["metrics"])
+
+
+def fmt_steps(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "n/a"

@@ -82,6 +82,28 @@ def test_compare_speculative_reports_both_arms_and_the_acceptance(
     assert f"acceptance rate {m['acceptance_rate']:.3f}" in table
     assert f"mean acceptance length {m['mean_acceptance_length']:.3f}" in table
     assert f"1: {per_pos[0]} ({per_pos[0] / m['drafts']:.3f})" in table
+    for name in ("plain", "spec"):
+        rates = [row[name]["scheduler_steps"]["steps_per_s"] for row in s["rounds"]]
+        assert s["steps_per_s"][name] == pytest.approx(statistics.median(rates))
+        assert f"{name} {s['steps_per_s'][name]:.1f}" in table
+    per_cpu_s = [
+        {
+            name: row[name]["cpu"]["tokens_in_window"]
+            / row[name]["cpu"]["processes"]["scheduler"]["cpu_s"]
+            for name in ("plain", "spec")
+        }
+        for row in s["rounds"]
+        # A run shorter than the clock tick can read no scheduler CPU: then no ratio.
+        if all(
+            row[name]["cpu"]["processes"]["scheduler"]["cpu_s"] > 0 for name in ("plain", "spec")
+        )
+    ]
+    if len(per_cpu_s) == len(s["rounds"]):
+        cpu_ratio = statistics.median(x["spec"] / x["plain"] for x in per_cpu_s)
+        assert s["scheduler_cpu_ratio"] == pytest.approx(cpu_ratio)
+        assert f"(median over rounds): {s['scheduler_cpu_ratio']:.3f}x" in table
+    else:
+        assert s["scheduler_cpu_ratio"] is None
 
 
 def test_speculative_flags_are_checked(bench: ModuleType) -> None:
