@@ -75,10 +75,7 @@ class ForwardBatch:
 
         input_ids = torch.tensor([t for ids in new_token_ids for t in ids], dtype=torch.long)
         out_slots = _cat_cpu(new_slots)
-        # Position of new token i of sequence b is prefix_lens[b] + i, computed as a column op.
-        starts = torch.cumsum(new_lens, 0) - new_lens
-        offset = torch.repeat_interleave(prefix_lens - starts, new_lens)
-        positions = torch.arange(input_ids.numel(), dtype=torch.long) + offset
+        positions = _new_positions(prefix_lens, new_lens)
 
         # Each row is prefix slots then new slots, left-aligned: fill through a mask so
         # the whole table is one scatter.
@@ -114,9 +111,7 @@ class ForwardBatch:
         ``new_lens[b]`` new tokens (its last, then its drafts) end its ``kv_lens[b]`` tokens,
         whose slots (the drafts' too) are in ``kv_slot_table``, a slice of the
         request-to-token table. Column work, as ``decode``."""
-        starts = torch.cumsum(new_lens, 0) - new_lens
-        offset = torch.repeat_interleave(kv_lens - new_lens - starts, new_lens)
-        positions = torch.arange(input_ids.numel(), dtype=torch.long) + offset
+        positions = _new_positions(kv_lens - new_lens, new_lens)
         rows = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens)
         out_slots = kv_slot_table[rows, positions]
         return cls(
@@ -151,6 +146,14 @@ class ForwardBatch:
             kv_lens=seq_lens.to(device),
             row_kv=row_kv,
         )
+
+
+def _new_positions(prefix_lens: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
+    """The position of each new token: new token i of sequence b is at prefix_lens[b] + i,
+    as a column op."""
+    starts = torch.cumsum(new_lens, 0) - new_lens
+    offset = torch.repeat_interleave(prefix_lens - starts, new_lens)
+    return torch.arange(int(new_lens.sum()), dtype=torch.long) + offset
 
 
 def _cat_cpu(tensors: list[torch.Tensor]) -> torch.Tensor:
