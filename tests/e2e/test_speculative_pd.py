@@ -11,7 +11,7 @@ All four servers run deterministic inference on one thread (tests/speculative_he
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -115,25 +115,14 @@ def _generate_bodies() -> list[dict[str, Any]]:
     return bodies
 
 
-def _answer(client: httpx.Client, body: dict[str, Any], stream: bool) -> dict[str, Any]:
-    if stream:
-        return streamed_generate(client, body)
-    answer: dict[str, Any] = generate(client, body)
-    return answer
+@pytest.fixture(scope="module")
+def unified_answers(pd: Deployment) -> list[dict[str, Any]]:
+    with pd.unified.client() as client:
+        return [generate(client, body) for body in _generate_bodies()]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_generate_through_the_router_equals_a_unified_plain_server(
-    pd: Deployment, stream: bool
-) -> None:
-    """18 requests (6 prompts, greedy, seeded and sharp), 6 at a time through the router,
-    so each decode server runs batches (and the small one retracts)."""
-    bodies = _generate_bodies()
-    with pd.unified.client() as alone:
-        want = [generate(alone, body) for body in bodies]
-    with pd.router.client() as client, ThreadPoolExecutor(6) as pool:
-        got = list(pool.map(lambda body: _answer(client, body, stream), bodies))
-    for body, g, w in zip(bodies, got, want):
+def assert_same(bodies: list[Any], got: list[Any], want: list[Any]) -> None:
+    for body, g, w in zip(bodies, got, want, strict=True):
         first = next(
             (i for i, (a, b) in enumerate(zip(g["output_ids"], w["output_ids"])) if a != b),
             min(len(g["output_ids"]), len(w["output_ids"])),
@@ -143,23 +132,54 @@ def test_generate_through_the_router_equals_a_unified_plain_server(
             f"  first differing index {first}"
         )
         assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"], body
-    if not stream:  # a stream's last event carries the meta_info of its last tokens
-        counts = total_counts([g["meta_info"] for g in got])
-        assert counts.verify_ct > 0 and counts.accepted_tokens > 0, counts
-    assert_both_decoders_speculated(pd)
 
 
-def assert_both_decoders_speculated(pd: Deployment) -> None:
-    """Each decode server verified and accepted drafts (the router took turns), and the
-    small one retracted. /metrics has them after each scheduler's next stats report."""
-    for name, server in pd.decoders.items():
+def test_one_at_a_time_through_the_router_equals_a_unified_plain_server(
+    pd: Deployment, unified_answers: list[dict[str, Any]]
+) -> None:
+    """18 requests (6 prompts, greedy, seeded and sharp) one after another: the router
+    takes turns, so each decode server answers 9, alone in its batch with room for drafts,
+    and both verify and accept drafts."""
+    bodies = _generate_bodies()
+    accepted = {name: _watch(server, _accepted) for name, server in pd.decoders.items()}
+    with pd.router.client() as client:
+        got = [generate(client, body) for body in bodies]
+    assert_same(bodies, got, unified_answers)
+    counts = total_counts([g["meta_info"] for g in got])
+    assert counts.verify_ct > 0 and counts.accepted_tokens > 0, counts
+    for name, rose in accepted.items():
+        assert rose(), f"the {name} decode server accepted no draft"
+
+
+def test_all_at_once_streamed_through_the_router_equals_a_unified_plain_server(
+    pd: Deployment, unified_answers: list[dict[str, Any]]
+) -> None:
+    """The 18 requests streamed all at once: each decode server runs a batch of 9, and the
+    small one (96 slots for about 400 tokens) retracts some and fetches them again."""
+    bodies = _generate_bodies()
+    retracted = _watch(pd.decoders["ngram"], retractions)
+    with pd.router.client() as client, ThreadPoolExecutor(len(bodies)) as pool:
+        got = list(pool.map(lambda body: streamed_generate(client, body), bodies))
+    assert_same(bodies, got, unified_answers)
+    assert retracted(), "the small decode server retracted nothing"
+
+
+def _accepted(client: httpx.Client) -> float:
+    return spec_metrics(client).get("vllm:spec_decode_num_accepted_tokens", 0.0)
+
+
+def _watch(server: ServerProcess, read: Callable[[httpx.Client], float]) -> Callable[[], bool]:
+    """A check, for after the caller's traffic, that ``read`` of the server's /metrics rose
+    above its value now (within 30 s: /metrics has a scheduler's counts after its next stats
+    report)."""
+    with server.client() as client:
+        before = read(client)
+
+    def rose() -> bool:
         with server.client() as client:
-            assert wait_until(
-                lambda: spec_metrics(client).get("vllm:spec_decode_num_accepted_tokens", 0) > 0,
-                30,
-            ), (name, spec_metrics(client))
-            if name == "ngram":
-                assert wait_until(lambda: retractions(client) > 0, 30), name
+            return wait_until(lambda: read(client) > before, 30)
+
+    return rose
 
 
 def _openai_bodies() -> list[tuple[str, dict[str, Any]]]:
