@@ -40,13 +40,14 @@ class Plan:
         return int(self.counts.sum())
 
 
-# The step's cost model, in units of a decode step's fixed cost (measured with
-# bench/serve.py --compare-speculative's models on this CPU; docs/design/speculative.md,
-# "Adaptivity"): a decode step of n rows costs 1 + DECODE_ROW * n; a verify step costs
-# VERIFY_STEP + VERIFY_DRAFT * d more for d draft tokens (its host work: the draws position
-# by position, the proposals, the pass's launch).
+# The step's cost model, in units of a decode step's fixed cost (measured on this CPU with
+# bench/serve.py --compare-speculative's checkpoints at 1 and 16 rows; docs/design/
+# speculative.md, "Adaptivity"): a decode step of n rows costs 1 + DECODE_ROW * n; a verify
+# step costs VERIFY_STEP + VERIFY_ROW * n + VERIFY_DRAFT * d more for d draft tokens (its host
+# work, the draws position by position and the proposals, and its pass's extra tokens).
 DECODE_ROW = 0.18
-VERIFY_STEP = 2.5
+VERIFY_STEP = 0.5
+VERIFY_ROW = 0.25
 VERIFY_DRAFT = 0.05
 
 
@@ -59,7 +60,7 @@ def _pays(batch: RunningBatch, plan: Plan) -> bool:
     rows = plan.proposed
     accepted, drafted = batch.spec.accepted[rows], batch.spec.draft_tokens[rows]
     expected = float((plan.counts[rows] * (accepted + 2) / (drafted + 2)).sum())
-    extra = VERIFY_STEP + VERIFY_DRAFT * plan.num_drafts
+    extra = VERIFY_STEP + VERIFY_ROW * n + VERIFY_DRAFT * plan.num_drafts
     return expected * (1 + DECODE_ROW * n) > n * extra
 
 
