@@ -3,9 +3,11 @@ report to the supervisor, and stopping (and cleaning up) when the supervisor is 
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -29,6 +31,9 @@ _ORPHAN_GRACE = 3.0  # seconds an orphan's own shutdown may take before it exits
 
 
 def setup_logging(level: str, name: str) -> None:
+    """The log format, and a fatal signal (an abort in native code) shows every thread's
+    Python stack on stderr before the process dies, so its log says where it was."""
+    faulthandler.enable()
     logging.basicConfig(
         level=level.upper(),
         format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(name)s: %(message)s",
@@ -83,6 +88,16 @@ class ShutdownFlag:
 
     def is_set(self) -> bool:
         return self._set
+
+
+def exit_without_finalizing(code: int) -> None:
+    """Ends the process now, after flushing its logs and standard streams, without finalizing
+    the interpreter: for a process with a thread still inside native code that cannot be
+    stopped (finalizing would unwind that thread and abort the process)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def report_ready(ctx: zmq.Context[Any], config: ServerConfig, name: str) -> None:

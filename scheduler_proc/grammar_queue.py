@@ -99,10 +99,10 @@ class GrammarQueue:
             w.req.finish(FinishAbort(message=message, status_code=500), now)
         return [w.req for w in done]
 
-    def close(self) -> None:
-        """Stops the compiler's workers (a compile under way is left to finish)."""
-        if self.compiler is not None:
-            self.compiler.close()
+    def close(self, wait: float = 0.0) -> bool:
+        """Stops the compiler's workers, waiting up to ``wait`` seconds for a compile under
+        way; whether none still runs."""
+        return self.compiler is None or self.compiler.close(wait)
 
     def remove(self, req: Req) -> bool:
         """Forgets an aborted request. A compile that no other request waits for is

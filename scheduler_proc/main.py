@@ -32,7 +32,7 @@ from pipeline.io_struct import (
     TokenizedGenerateReqInput,
 )
 from pipeline.model_config import context_length_of
-from pipeline.process_util import ShutdownFlag, report_ready
+from pipeline.process_util import ShutdownFlag, exit_without_finalizing, report_ready
 from pipeline.sockets import FrameDecoder, bind_pull, connect_push, make_encoder
 from pipeline.tokenizer_loader import LoadedTokenizer, ModelVocab, load_vocab
 from scheduler_proc.dllm import DllmConfig
@@ -61,6 +61,9 @@ GRAMMAR_POLL_MS = 2
 # The same while new weights are read on their own thread: they are swapped in at most this
 # late after the read ends.
 ROLLOUT_POLL_MS = 5
+# How long a stopping scheduler waits for a grammar compile under way (they take milliseconds
+# as a rule). xgrammar cannot stop one, and the interpreter must not finalize around it.
+COMPILE_EXIT_WAIT = 1.0
 
 
 def build_scheduler(config: ServerConfig) -> Scheduler:
@@ -324,6 +327,9 @@ def run_scheduler(config: ServerConfig) -> None:
     report_ready(ctx, config, "scheduler")
     loop.run(shutdown)
     logger.info("scheduler exiting (pid %d)", os.getpid())
-    loop.scheduler.close()
+    compiles_done = loop.scheduler.close(COMPILE_EXIT_WAIT)
     loop.kv_events.close()
     ctx.destroy(linger=0)
+    if not compiles_done:
+        logger.warning("a grammar compile is still running; exiting without it")
+        exit_without_finalizing(0)

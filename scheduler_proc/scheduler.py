@@ -279,11 +279,11 @@ class Scheduler:
         would do nothing, so the loop may wait on its sockets instead of spinning."""
         return not self._busy() and bool(self.grammars) and not self.grammars.any_done()
 
-    def close(self) -> None:
-        """Stops the grammar compiler's and the forward's threads (after their work)."""
-        self.grammars.close()
+    def close(self, wait: float = 0.0) -> bool:
+        """Stops its threads; whether no grammar compile still runs after ``wait`` s."""
         self.forward.close()
         self.rollout.close()
+        return self.grammars.close(wait)
 
     def step(self) -> list[Frame]:
         rows, self._rows_due = self._rows_due, []

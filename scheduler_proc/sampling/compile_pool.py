@@ -5,6 +5,11 @@ one that runs past its limit, a fresh worker takes its place, and the stuck thre
 when its compile returns. At most ``threads`` written-off compiles get a replacement at a
 time; past that, a stuck compile narrows the pool until it returns. A job not yet started
 can be cancelled, and then never runs.
+
+The workers are daemon threads, so a compile that never returns cannot keep the process
+alive; but a process must not finalize its interpreter while one runs in xgrammar's C++
+(Python then ends the thread by unwinding it, and C++ answers with std::terminate: SIGABRT
+instead of a clean exit). ``close`` says whether every worker has left.
 """
 
 from __future__ import annotations
@@ -60,15 +65,19 @@ class CompilePool(Generic[K, R]):
         self._jobs: queue.SimpleQueue[CompileJob[K, R] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stuck = 0  # written-off compiles whose worker was replaced and still runs
+        self._workers: list[threading.Thread] = []  # under the lock
         weakref.finalize(self, self._jobs.put, None)
         for _ in range(threads):
             self._spawn()
 
     def _spawn(self) -> None:
+        """A new worker (under the lock, or while the pool is made)."""
         # Daemon: a compile that never returns must not keep the process from exiting.
-        threading.Thread(
+        worker = threading.Thread(
             target=_work, args=(weakref.ref(self), self._jobs), name="grammar-compile", daemon=True
-        ).start()
+        )
+        self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+        worker.start()
 
     def submit(self, key: K) -> CompileJob[K, R]:
         job: CompileJob[K, R] = CompileJob(key)
@@ -93,9 +102,16 @@ class CompilePool(Generic[K, R]):
                 self._spawn()
             return True
 
-    def close(self) -> None:
-        """Stops the workers once they are idle (a compile under way is left to finish)."""
+    def close(self, wait: float = 0.0) -> bool:
+        """Stops the workers once they are idle, waiting up to ``wait`` seconds for them (a
+        compile under way is left to finish); whether they have all left."""
         self._jobs.put(None)
+        deadline = time.monotonic() + wait  # a real wait, whatever clock stamps the jobs
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        return not any(worker.is_alive() for worker in workers)
 
     def run(self, job: CompileJob[K, R]) -> bool:
         """Runs one job on the calling worker; True when the worker must then leave (the job

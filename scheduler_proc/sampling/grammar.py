@@ -210,8 +210,11 @@ class GrammarCompiler:
         self.timeout = timeout
         self.stop_ids = frozenset(stop_ids)
         self._engine: Future[xgr.GrammarCompiler] = Future()
+        # Not a daemon: the build ends on its own (within seconds), and a process that exits
+        # meanwhile must wait for it. Finalizing the interpreter under a thread inside the
+        # tokenizer's Rust or xgrammar's C++ ends the process with std::terminate (SIGABRT).
         threading.Thread(
-            target=self._start, args=(info,), name="grammar-engine", daemon=True
+            target=self._start, args=(info,), name="grammar-engine", daemon=False
         ).start()
         # The compile step itself, and the clock its time limit reads; a test may replace
         # them (to make a compile slow, or the time pass).
@@ -306,8 +309,10 @@ class GrammarCompiler:
         """Compiles under way or waiting for a worker."""
         return len(self._inflight)
 
-    def close(self) -> None:
-        self._pool.close()
+    def close(self, wait: float = 0.0) -> bool:
+        """Stops the workers, waiting up to ``wait`` seconds; whether none still compiles
+        (``CompilePool.close``)."""
+        return self._pool.close(wait)
 
 
 def new_matcher(grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:

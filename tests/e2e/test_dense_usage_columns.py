@@ -251,7 +251,7 @@ def test_stateless_consumer_reads_dense_usage_on_every_row() -> None:
     finally:
         code = proc.stop(timeout=30)
         ctx.destroy(linger=0)
-    assert code in (0, -15), code
+    assert code in (0, -15), f"the scheduler exited with {code}:\n{proc.output()[-4000:]}"
 
     specs = {req_id: spec for phase in phases for req_id, spec in phase.items()}
     assert set(seen) == set(specs)
