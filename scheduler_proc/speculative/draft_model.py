@@ -126,12 +126,12 @@ class DraftModelProposer:
         return out
 
     def after_verify(
-        self, batch: RunningBatch, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray
+        self, req_ids: np.ndarray, drafted_at: np.ndarray, accepted: np.ndarray
     ) -> None:
-        """Row ``rows[i]`` keeps the draft KV of its tokens now known: through its last token
-        and its accepted drafts (those whose KV was computed: the last draft's never is). The
-        rest is freed at once."""
-        self.kv.keep_first(batch.req_id[rows], batch.seq_len[rows] + accepted)
+        """Request ``req_ids[i]`` keeps the draft KV of its tokens now known: through its last
+        token when it drafted and its accepted drafts (those whose KV was computed: the last
+        draft's never is). The rest is freed at once."""
+        self.kv.keep_first(req_ids, drafted_at + accepted)
 
 
 def draft_columns(

@@ -69,7 +69,7 @@ class NgramProposer:
         return drafts, counts
 
     def after_verify(
-        self, batch: TokenRows, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray
+        self, req_ids: np.ndarray, drafted_at: np.ndarray, accepted: np.ndarray
     ) -> None:
         """Nothing to learn: the next lookup reads the tokens the batch holds by then."""
 

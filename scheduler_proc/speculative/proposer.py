@@ -23,11 +23,12 @@ class Proposer(Protocol):
         ``batch.tokens[r, :batch.seq_len[r]]``; the batch is not changed."""
 
     def after_verify(
-        self, batch: RunningBatch, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray
+        self, req_ids: np.ndarray, drafted_at: np.ndarray, accepted: np.ndarray
     ) -> None:
-        """After the verify pass of ``rows`` (those ``propose`` was last given), before their
-        tokens are appended: row ``rows[i]`` had ``drafted[i]`` drafts, of which the first
-        ``accepted[i]`` were accepted (its target then adds one token of its own)."""
+        """After the verify pass of the rows ``propose`` was last given (or in its place, when
+        their drafts go unverified): request ``req_ids[i]`` held ``drafted_at[i]`` tokens when
+        its drafts were made, and its first ``accepted[i]`` drafts were accepted (its target
+        then added one token of its own)."""
 
 
 @dataclass(frozen=True, slots=True)

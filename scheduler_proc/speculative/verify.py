@@ -143,8 +143,8 @@ class Speculation:
 
     def _forget(self, batch: RunningBatch, plan: Plan) -> None:
         """Drafts that are not verified: the proposer keeps none of them."""
-        drafted = plan.counts[plan.proposed]
-        self._proposer.after_verify(batch, plan.proposed, drafted, np.zeros_like(drafted))
+        rows = plan.proposed
+        self._proposer.after_verify(batch.req_id[rows], batch.seq_len[rows], np.zeros_like(rows))
 
     def cancel(self, batch: RunningBatch, plan: Plan) -> None:
         """The pool has no room for the drafts: this step decodes without them."""
@@ -228,10 +228,7 @@ class Speculation:
         """The proposer learns what was accepted; the per-row and the server's counts grow."""
         proposed = plan.proposed
         drafted, accepted = plan.counts[proposed], matched[proposed]
-        now = batch.seq_len[proposed].copy()
-        batch.seq_len[proposed] = old_seq_len[proposed]  # as it was when the drafts were made
-        self._proposer.after_verify(batch, proposed, drafted, accepted)
-        batch.seq_len[proposed] = now
+        self._proposer.after_verify(batch.req_id[proposed], old_seq_len[proposed], accepted)
         drafting = proposed[drafted > 0]
         batch.spec.add(drafting, plan.counts[drafting], matched[drafting])
         self.counters.add(drafted, accepted)

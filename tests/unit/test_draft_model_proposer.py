@@ -127,7 +127,7 @@ def test_a_draft_equal_to_the_target_proposes_the_targets_tokens(
         rows = rows_of(batch, req_ids)
         drafts, counts = proposer.propose(batch, rows, K)
         assert counts.tolist() == [K] * 3
-        proposer.after_verify(batch, rows, counts, counts)
+        proposer.after_verify(batch.req_id[rows], batch.seq_len[rows], counts)
         target = served.decode(batch, req_ids, K + 1)
         assert drafts.tolist() == target[:, :K].tolist()
         seen.update(target.reshape(-1).tolist())
@@ -151,7 +151,7 @@ def test_after_verify_frees_the_rejected_drafts_and_the_next_proposal_catches_up
     assert counts.tolist() == [K] * 3
     assert pool.num_used == int((seq + K - 1).sum())
     accepted = np.array([0, 2, 4])
-    proposer.after_verify(batch, rows, counts, accepted)
+    proposer.after_verify(batch.req_id[rows], seq, accepted)
     kept = seq + np.minimum(accepted, K - 1)
     assert [proposer.kv.held(r) for r in req_ids] == kept.tolist()
     assert pool.num_free == pool.capacity - int(kept.sum())
@@ -223,7 +223,7 @@ def test_a_long_sequence_is_read_in_chunks_before_it_drafts(
         rows = rows_of(batch, [0, 1])
         drafts, counts = proposer.propose(batch, rows, K)
         held.append(proposer.kv.held(0))
-        proposer.after_verify(batch, rows, counts, np.zeros(2, dtype=np.int64))
+        proposer.after_verify(batch.req_id[rows], batch.seq_len[rows], np.zeros(2, dtype=np.int64))
         if counts[0]:
             break
         served.decode(batch, [0, 1], 1)

@@ -154,6 +154,6 @@ def test_after_verify_changes_nothing() -> None:
     conforms: Proposer = proposer  # mypy checks that it keeps the Protocol
     batch = rows_of([[1, 2, 1, 2]])
     first = drafted(proposer, batch, [0], 3)
-    proposer.after_verify(batch, np.array([0]), np.array([2]), np.array([0]))
+    proposer.after_verify(np.array([0]), np.array([4]), np.array([0]))
     assert drafted(proposer, batch, [0], 3) == first == [[1, 2]]
     assert conforms is proposer
