@@ -75,7 +75,7 @@ class ForwardBatch:
 
         input_ids = torch.tensor([t for ids in new_token_ids for t in ids], dtype=torch.long)
         out_slots = _cat_cpu(new_slots)
-        positions = _new_positions(prefix_lens, new_lens)
+        positions = new_positions(prefix_lens, new_lens)
 
         # Each row is prefix slots then new slots, left-aligned: fill through a mask so
         # the whole table is one scatter.
@@ -102,18 +102,18 @@ class ForwardBatch:
     def verify(
         cls,
         input_ids: torch.Tensor,
+        positions: torch.Tensor,
         new_lens: torch.Tensor,
+        out_slots: torch.Tensor,
         kv_slot_table: torch.Tensor,
         kv_lens: torch.Tensor,
         device: torch.device | str,
     ) -> ForwardBatch:
         """A speculative verify pass from the running batch's columns: sequence b's
-        ``new_lens[b]`` new tokens (its last, then its drafts) end its ``kv_lens[b]`` tokens,
-        whose slots (the drafts' too) are in ``kv_slot_table``, a slice of the
-        request-to-token table. Column work, as ``decode``."""
-        positions = _new_positions(kv_lens - new_lens, new_lens)
-        rows = torch.repeat_interleave(torch.arange(new_lens.numel()), new_lens)
-        out_slots = kv_slot_table[rows, positions]
+        ``new_lens[b]`` new tokens (its last, then its drafts), at ``positions`` and writing
+        their KV to ``out_slots`` (both laid out as ``new_positions``'), end its
+        ``kv_lens[b]`` tokens, whose slots (the drafts' too) are in ``kv_slot_table``, a slice
+        of the request-to-token table. Column work, as ``decode``."""
         return cls(
             input_ids=input_ids.to(device),
             positions=positions.to(device),
@@ -148,7 +148,7 @@ class ForwardBatch:
         )
 
 
-def _new_positions(prefix_lens: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
+def new_positions(prefix_lens: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
     """The position of each new token: new token i of sequence b is at prefix_lens[b] + i,
     as a column op."""
     starts = torch.cumsum(new_lens, 0) - new_lens

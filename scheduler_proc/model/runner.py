@@ -134,28 +134,13 @@ class ModelRunner:
             logits, _ = self.model.forward(batch, self.kv, lora=lora)
             return logits
 
-    def verify(
-        self,
-        input_ids: np.ndarray,
-        new_lens: np.ndarray,
-        kv_slot_table: torch.Tensor,
-        kv_lens: np.ndarray,
-        lora_slots: np.ndarray | None = None,
-    ) -> torch.Tensor:
-        """A speculative verify pass over the running batch (``ForwardBatch.verify``): row
-        b's ``new_lens[b]`` tokens of ``input_ids`` (its last, then its drafts) end its
-        ``kv_lens[b]`` tokens, with the adapter in LoRA slot ``lora_slots[b]`` (-1 or None:
-        the base model). Returns the float32 logits of every new token [T, V], in order."""
-        batch = ForwardBatch.verify(
-            torch.from_numpy(input_ids),
-            torch.from_numpy(new_lens),
-            kv_slot_table,
-            torch.from_numpy(kv_lens),
-            self.device,
-        )
+    def verify(self, batch: ForwardBatch, lora_tokens: np.ndarray | None = None) -> torch.Tensor:
+        """A speculative verify pass (``ForwardBatch.verify``), new token i with the adapter
+        in LoRA slot ``lora_tokens[i]`` (-1 or None: the base model). Returns the float32
+        logits of every new token [T, V], in order (a row's last token, then its drafts)."""
         lora = None
-        if lora_slots is not None and self.lora is not None:
-            lora = self.lora.pass_for(np.repeat(lora_slots, new_lens))
+        if lora_tokens is not None and self.lora is not None:
+            lora = self.lora.pass_for(lora_tokens)
         with torch.inference_mode():
             return self.model.logits(self.model.hidden_states(batch, self.kv, lora))
 

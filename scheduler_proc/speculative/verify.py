@@ -18,6 +18,7 @@ import torch
 from scheduler_proc.batch.decode_pass import BatchDecoder
 from scheduler_proc.batch.running_batch import RunningBatch
 from scheduler_proc.cache.kv_pool import KVPool
+from scheduler_proc.model.forward_batch import ForwardBatch, new_positions
 from scheduler_proc.model.forward_worker import ForwardRunner
 from scheduler_proc.output_builder import SteadyRows
 from scheduler_proc.req import Req
@@ -158,19 +159,23 @@ class Speculation:
         n = len(batch)
         lens = plan.counts + 1
         starts = batch.seq_len[:n] - 1
-        offsets = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        positions = torch.from_numpy(np.repeat(starts, lens) + offsets)
-        batch.req_to_token[torch.from_numpy(np.repeat(np.arange(n), lens)), positions] = slots
+        new_lens = torch.from_numpy(lens)
+        positions = new_positions(torch.from_numpy(starts), new_lens)
+        batch.req_to_token[torch.repeat_interleave(torch.arange(n), new_lens), positions] = slots
         width = plan.drafts.shape[1] + 1
         block = np.empty((n, width), dtype=np.int64)
         block[:, 0] = batch.last_tokens()
         block[:, 1:] = plan.drafts
-        input_ids = block[np.arange(width) < lens[:, None]]
+        input_ids = torch.from_numpy(block[np.arange(width) < lens[:, None]])
         kv_lens = starts + lens
         table = batch.req_to_token[:n, : int(kv_lens.max())]
         runner = self._decoder.runner
-        args = (input_ids, lens, table, kv_lens, batch.lora_slots())
-        return self._forward.submit(runner.verify, *args)
+        pass_ = ForwardBatch.verify(
+            input_ids, positions, new_lens, slots, table, torch.from_numpy(kv_lens), runner.device
+        )
+        adapters = batch.lora_slots()
+        lora_tokens = None if adapters is None else np.repeat(adapters, lens)
+        return self._forward.submit(runner.verify, pass_, lora_tokens)
 
     def finish(
         self, batch: RunningBatch, plan: Plan, forward: Future[torch.Tensor], rows: list[Req]
